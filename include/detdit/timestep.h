@@ -1,0 +1,60 @@
+// detdit/timestep.h: the timestep path, timestep_sinusoid and timestep_mlp.
+//
+// timestep_sinusoid: features[t] = [cos(t*freq[0..half)) | sin(t*freq[0..half))],
+//   freq[k] = exp(rn(rn(c*k) * rn(1/half))) with c = fp32(-ln(max_period)),
+//   half = C/2 (diffusers' Timesteps(C, flip_sin_to_cos=True, shift=0)).
+//   timesteps (T,) fp32, bf16 or fp16 (upcast exactly first), finite and in
+//   [0, 1] (t = 1 - sigma, unscaled: the t*1000 convention fails closed);
+//   features (T, C) fp32 contiguous; C even and positive; max_period >= 1.
+//   Row-local: features[t] depends on timesteps[t] alone.
+// timestep_mlp: temb = W2 silu(W1 f + b1) + b2, all FP32 (the H3 time
+//   embedder is an FP32 module; a bf16 operand is a TypeError).
+#pragma once
+
+#include "detdit/numerics.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+
+namespace detdit {
+
+struct TimestepSinusoidParams {
+  TensorView timesteps;   // (T,) fp32/bf16/fp16, contiguous
+  TensorView features;    // (T, C) fp32, contiguous
+  float max_period = 10000.0f;
+  Numerics numerics = Numerics::kPortable;
+};
+Status timestep_sinusoid_forward(const TimestepSinusoidParams& params, Stream stream = nullptr);
+
+struct TimestepSinusoidBackwardParams {
+  TensorView timesteps;      // (T,) fp32/bf16/fp16
+  TensorView grad_features;  // (T, C) fp32
+  TensorView d_timesteps;    // (T,) timesteps' dtype
+  float max_period = 10000.0f;
+  Numerics numerics = Numerics::kPortable;
+};
+Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& params, Stream stream = nullptr);
+
+struct TimestepMlpParams {
+  TensorView features;  // (T, K) fp32   (K = 256 in H3)
+  TensorView w1;        // (H, K) fp32   (H = 5376)
+  TensorView b1;        // (H,)   fp32
+  TensorView w2;        // (D, H) fp32   (D = 2688)
+  TensorView b2;        // (D,)   fp32
+  TensorView temb;      // (T, D) fp32 output
+  TensorView pre;       // (T, H) fp32 saved for backward (W1 f + b1), or absent
+  TensorView hidden;    // (T, H) fp32 saved for backward (silu(pre)), or absent
+  Numerics numerics = Numerics::kPortable;
+};
+Status timestep_mlp_forward(const TimestepMlpParams& params, Stream stream = nullptr);
+
+struct TimestepMlpBackwardParams {
+  TensorView features, w1, w2;  // as in the forward
+  TensorView pre, hidden;       // saved by the forward
+  TensorView grad_temb;         // (T, D) fp32
+  TensorView d_features;        // (T, K) fp32, or absent
+  TensorView d_w1, d_b1, d_w2, d_b2;  // fp32, each may be absent
+  Numerics numerics = Numerics::kPortable;
+};
+Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream stream = nullptr);
+
+}  // namespace detdit

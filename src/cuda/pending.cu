@@ -1,0 +1,34 @@
+// Temporary: CUDA entry points not yet implemented return a RuntimeError.
+// Each is removed from this file as its kernel lands in src/cuda/<op>.cu.
+#include "common/backends.h"
+
+namespace detdit {
+namespace cuda {
+namespace {
+Status pending(const char* op) {
+  return Status::runtime_error(std::string("the CUDA kernel of ") + op + " is not implemented yet");
+}
+}  // namespace
+
+Status timestep_sinusoid_forward(const TimestepSinusoidParams&, Stream) { return pending("timestep_sinusoid"); }
+Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams&, Stream) { return pending("timestep_sinusoid"); }
+Status linear_forward(const LinearParams&, Stream) { return pending("linear"); }
+Status linear_backward_input_partials(const LinearBackwardInputParams&, Stream) { return pending("linear"); }
+Status linear_fold_partials(const LinearBackwardInputParams&, Stream) { return pending("linear"); }
+Status linear_backward_weight(const LinearBackwardWeightParams&, Stream) { return pending("linear"); }
+Status silu_backward(const SiluBackwardParams&, Stream) { return pending("silu_backward"); }
+Status silu_cast(const TensorView&, const TensorView&, Numerics, Stream) { return pending("silu_cast"); }
+Status adaln_row_gather_forward(const AdalnRowGatherParams&, Stream) { return pending("adaln_row_gather"); }
+Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams&, Stream) { return pending("adaln_row_gather"); }
+Status rmsnorm_forward(const RmsnormParams&, Stream) { return pending("rmsnorm"); }
+Status rmsnorm_backward(const RmsnormBackwardParams&, Stream) { return pending("rmsnorm"); }
+Status gate_residual_forward(const GateResidualParams&, Stream) { return pending("gate_residual"); }
+Status gate_residual_backward(const GateResidualBackwardParams&, Stream) { return pending("gate_residual"); }
+Status copy_to_host(const void*, void*, std::size_t, const Device&, Stream) { return pending("copy_to_host"); }
+Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>*>&, std::vector<const int32_t*>*,
+                     std::shared_ptr<void>*, Stream) {
+  return pending("upload_tables");
+}
+
+}  // namespace cuda
+}  // namespace detdit

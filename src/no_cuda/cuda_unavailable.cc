@@ -1,0 +1,36 @@
+// The CUDA backend of a build without nvcc: every entry point says so.
+#include "common/backends.h"
+
+namespace detdit {
+namespace cuda {
+namespace {
+Status unavailable() {
+  return Status::runtime_error(
+      "this detdit was built without CUDA (nvcc was not found at configure time); rebuild on a machine "
+      "with the CUDA toolkit to use CUDA tensors");
+}
+}  // namespace
+
+Status timestep_sinusoid_forward(const TimestepSinusoidParams&, Stream) { return unavailable(); }
+Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams&, Stream) { return unavailable(); }
+Status linear_forward(const LinearParams&, Stream) { return unavailable(); }
+Status linear_backward_input_partials(const LinearBackwardInputParams&, Stream) { return unavailable(); }
+Status linear_fold_partials(const LinearBackwardInputParams&, Stream) { return unavailable(); }
+Status linear_backward_weight(const LinearBackwardWeightParams&, Stream) { return unavailable(); }
+Status silu_backward(const SiluBackwardParams&, Stream) { return unavailable(); }
+Status silu_cast(const TensorView&, const TensorView&, Numerics, Stream) { return unavailable(); }
+Status adaln_row_gather_forward(const AdalnRowGatherParams&, Stream) { return unavailable(); }
+Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams&, Stream) { return unavailable(); }
+Status rmsnorm_forward(const RmsnormParams&, Stream) { return unavailable(); }
+Status rmsnorm_backward(const RmsnormBackwardParams&, Stream) { return unavailable(); }
+Status gate_residual_forward(const GateResidualParams&, Stream) { return unavailable(); }
+Status gate_residual_backward(const GateResidualBackwardParams&, Stream) { return unavailable(); }
+
+Status copy_to_host(const void*, void*, std::size_t, const Device&, Stream) { return unavailable(); }
+Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>*>&, std::vector<const int32_t*>*,
+                     std::shared_ptr<void>*, Stream) {
+  return unavailable();
+}
+
+}  // namespace cuda
+}  // namespace detdit
