@@ -21,6 +21,31 @@
 
 namespace detdit {
 
+// The canonical reduction (docs/numerics.md 6.5) split into its two halves,
+// so the sequence-parallel region can compute the partials of the chunks a
+// rank owns, all-gather them, and fold exactly as one device does.
+//
+// A ChunkSelection names the chunks whose partials to compute and where each
+// global position's row lives. Partials are written in selection order: for
+// each selected chunk (ascending), its segments in plan order (segment
+// partials), or one partial per chunk (chunk partials, e.g. rmsnorm d_weight).
+// All pointers live where the backend computes (host for cpu::, device for
+// cuda::).
+struct ChunkSelection {
+  const int32_t* chunks = nullptr;  // (num_chunks,) ascending chunk ids; nullptr: every chunk of the plan
+  int64_t num_chunks = 0;
+  // (P,) for each global position p: r >= 0 is row r of the op's own row
+  // tensors; r < 0 is row (-1 - r) of the `extra` row tensors (rows received
+  // from other ranks). nullptr: position p is row p of the own tensors.
+  const int32_t* position_row = nullptr;
+};
+
+// Row tensors received from other ranks, (rows, H) each, same dtypes as the
+// op's own: rmsnorm uses x, grad, rstd; gate_residual uses grad, y.
+struct ExtraRows {
+  TensorView x, grad, y, rstd;
+};
+
 #define DETDIT_BACKEND_OPS(ns)                                                                   \
   namespace ns {                                                                                 \
   Status timestep_sinusoid_forward(const TimestepSinusoidParams& p, Stream stream);              \
@@ -38,6 +63,21 @@ namespace detdit {
   Status rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream);                        \
   Status gate_residual_forward(const GateResidualParams& p, Stream stream);                      \
   Status gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);             \
+  /* halves of the backwards above, for the SP region (ChunkSelection) */                       \
+  Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream); /* dx only */     \
+  /* weight_partials (chunks, H) fp32 or absent; table_partials (segments, 2H) fp32 [shift|scale] or absent */ \
+  Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel,    \
+                                   const ExtraRows& extra, const TensorView& weight_partials,    \
+                                   const TensorView& table_partials, Stream stream);             \
+  Status gate_residual_backward_rows(const GateResidualBackwardParams& p, Stream stream);       \
+  /* partials (segments, H) fp32 */                                                              \
+  Status gate_residual_backward_partials(const GateResidualBackwardParams& p, const ChunkSelection& sel, \
+                                         const ExtraRows& extra, const TensorView& partials, Stream stream); \
+  /* out[r, :] = rounded ascending fold of row r's segment partials (G, W) fp32; out (R, W), unit column stride */ \
+  Status fold_segment_partials(const IndexPlan& plan, const TensorView& partials, const TensorView& out, \
+                               Stream stream);                                                   \
+  /* out[:] = rounded ascending fold over chunks of partials (C, W) fp32; out (W,) */           \
+  Status fold_chunk_partials(const TensorView& partials, const TensorView& out, Stream stream);  \
   }
 
 DETDIT_BACKEND_OPS(cpu)

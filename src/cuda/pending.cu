@@ -24,6 +24,18 @@ Status rmsnorm_forward(const RmsnormParams&, Stream) { return pending("rmsnorm")
 Status rmsnorm_backward(const RmsnormBackwardParams&, Stream) { return pending("rmsnorm"); }
 Status gate_residual_forward(const GateResidualParams&, Stream) { return pending("gate_residual"); }
 Status gate_residual_backward(const GateResidualBackwardParams&, Stream) { return pending("gate_residual"); }
+Status rmsnorm_backward_rows(const RmsnormBackwardParams&, Stream) { return pending("rmsnorm"); }
+Status rmsnorm_backward_partials(const RmsnormBackwardParams&, const ChunkSelection&, const ExtraRows&,
+                                 const TensorView&, const TensorView&, Stream) {
+  return pending("rmsnorm");
+}
+Status gate_residual_backward_rows(const GateResidualBackwardParams&, Stream) { return pending("gate_residual"); }
+Status gate_residual_backward_partials(const GateResidualBackwardParams&, const ChunkSelection&, const ExtraRows&,
+                                       const TensorView&, Stream) {
+  return pending("gate_residual");
+}
+Status fold_segment_partials(const IndexPlan&, const TensorView&, const TensorView&, Stream) { return pending("fold"); }
+Status fold_chunk_partials(const TensorView&, const TensorView&, Stream) { return pending("fold"); }
 Status copy_to_host(const void*, void*, std::size_t, const Device&, Stream) { return pending("copy_to_host"); }
 Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>*>&, std::vector<const int32_t*>*,
                      std::shared_ptr<void>*, Stream) {

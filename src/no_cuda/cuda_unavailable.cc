@@ -26,6 +26,18 @@ Status rmsnorm_backward(const RmsnormBackwardParams&, Stream) { return unavailab
 Status gate_residual_forward(const GateResidualParams&, Stream) { return unavailable(); }
 Status gate_residual_backward(const GateResidualBackwardParams&, Stream) { return unavailable(); }
 
+Status rmsnorm_backward_rows(const RmsnormBackwardParams&, Stream) { return unavailable(); }
+Status rmsnorm_backward_partials(const RmsnormBackwardParams&, const ChunkSelection&, const ExtraRows&,
+                                 const TensorView&, const TensorView&, Stream) {
+  return unavailable();
+}
+Status gate_residual_backward_rows(const GateResidualBackwardParams&, Stream) { return unavailable(); }
+Status gate_residual_backward_partials(const GateResidualBackwardParams&, const ChunkSelection&, const ExtraRows&,
+                                       const TensorView&, Stream) {
+  return unavailable();
+}
+Status fold_segment_partials(const IndexPlan&, const TensorView&, const TensorView&, Stream) { return unavailable(); }
+Status fold_chunk_partials(const TensorView&, const TensorView&, Stream) { return unavailable(); }
 Status copy_to_host(const void*, void*, std::size_t, const Device&, Stream) { return unavailable(); }
 Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>*>&, std::vector<const int32_t*>*,
                      std::shared_ptr<void>*, Stream) {
