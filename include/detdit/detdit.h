@@ -1,0 +1,12 @@
+// detdit: umbrella header of the public C++ API.
+#pragma once
+
+#include "detdit/adaln.h"
+#include "detdit/gate_residual.h"
+#include "detdit/linear.h"
+#include "detdit/numerics.h"
+#include "detdit/plan.h"
+#include "detdit/rmsnorm.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+#include "detdit/timestep.h"
