@@ -1,0 +1,109 @@
+// Gated residual, CPU reference: docs/numerics.md 5.7 (forward) and 6.8
+// (backward). residual, y, out, grad, d_residual, d_y are contiguous (M, H)
+// rows, M = B*S; position p uses gate row plan.row_of_seq[p % S]. The backward
+// is rows (d_residual, d_y) + segment partials of d_gate + fold, the split the
+// sequence-parallel region runs on a chunk subset.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common/backends.h"
+#include "common/scalar_math.h"
+#include "common/storage.h"
+#include "cpu/parallel.h"
+#include "cpu/reduction.h"
+
+namespace detdit {
+namespace cpu {
+namespace {
+
+template <typename T>
+void forward(const GateResidualParams& p) {
+  const int64_t hidden = p.residual.shape[p.residual.rank - 1];
+  const int64_t rows = p.residual.numel() / hidden;
+  const int32_t* row_of_seq = p.plan.host_tables().row_of_seq;
+  const int64_t seq_len = p.plan.seq_len();
+  parallel_for(0, rows, [&](int64_t m) {
+    const T* res = static_cast<const T*>(p.residual.data) + m * hidden;  // (H,) row m
+    const T* y = static_cast<const T*>(p.y.data) + m * hidden;
+    const T* gate = row_ptr<T>(p.gate, row_of_seq[m % seq_len]);
+    T* out = static_cast<T*>(p.out.data) + m * hidden;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float gated = round_to<T>(num::mul32(to_float(gate[i]), to_float(y[i])));
+      out[i] = from_float<T>(num::add32(to_float(res[i]), gated));
+    }
+  });
+}
+
+template <typename T>
+void backward_rows(const GateResidualBackwardParams& p) {
+  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
+  const int64_t rows = p.grad.numel() / hidden;
+  if (p.d_residual.present()) std::memcpy(p.d_residual.data, p.grad.data, p.grad.nbytes());
+  if (!p.d_y.present()) return;
+  const int32_t* row_of_seq = p.plan.host_tables().row_of_seq;
+  const int64_t seq_len = p.plan.seq_len();
+  parallel_for(0, rows, [&](int64_t m) {
+    const T* grad = static_cast<const T*>(p.grad.data) + m * hidden;  // (H,) row m
+    const T* gate = row_ptr<T>(p.gate, row_of_seq[m % seq_len]);
+    T* d_y = static_cast<T*>(p.d_y.data) + m * hidden;
+    for (int64_t i = 0; i < hidden; ++i) d_y[i] = from_float<T>(num::mul32(to_float(grad[i]), to_float(gate[i])));
+  });
+}
+
+// d_gate segment partials: fma(grad_i, y_i, acc) over each segment's positions.
+template <typename T>
+void backward_partials(const GateResidualBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,
+                       const TensorView& partials) {
+  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
+  const PlanTables& tables = p.plan.host_tables();
+  const SelectedChunks selected = select_chunks(p.plan, p.plan.num_chunks(), sel);
+  parallel_for(0, static_cast<int64_t>(selected.chunk.size()), [&](int64_t k) {
+    const int64_t c = selected.chunk[k];
+    int64_t out_row = selected.segment_offset[k];
+    for (int32_t g = tables.chunk_segment_begin[c]; g < tables.chunk_segment_begin[c + 1]; ++g, ++out_row) {
+      float* acc = row_ptr<float>(partials, out_row);  // (H,)
+      for (int64_t i = 0; i < hidden; ++i) acc[i] = 0.0f;
+      for (int32_t q = tables.segment_pos_begin[g]; q < tables.segment_pos_begin[g + 1]; ++q) {
+        const DataRow d = data_row(sel, tables.segment_positions[q]);
+        const T* grad = static_cast<const T*>((d.extra ? extra.grad : p.grad).data) + d.row * hidden;
+        const T* y = static_cast<const T*>((d.extra ? extra.y : p.y).data) + d.row * hidden;
+        for (int64_t i = 0; i < hidden; ++i) acc[i] = num::fma32(to_float(grad[i]), to_float(y[i]), acc[i]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+Status gate_residual_forward(const GateResidualParams& p, Stream) {
+  dispatch_float_dtype(p.residual.dtype, [&](auto tag) { forward<decltype(tag)>(p); });
+  return Status();
+}
+
+Status gate_residual_backward_rows(const GateResidualBackwardParams& p, Stream) {
+  dispatch_float_dtype(p.grad.dtype, [&](auto tag) { backward_rows<decltype(tag)>(p); });
+  return Status();
+}
+
+Status gate_residual_backward_partials(const GateResidualBackwardParams& p, const ChunkSelection& sel,
+                                       const ExtraRows& extra, const TensorView& partials, Stream) {
+  dispatch_float_dtype(p.grad.dtype, [&](auto tag) { backward_partials<decltype(tag)>(p, sel, extra, partials); });
+  return Status();
+}
+
+// rows + partials of every chunk + fold: the one implementation of each order.
+Status gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(gate_residual_backward_rows(p, stream));
+  if (!p.d_gate.present()) return Status();
+  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
+  const int64_t segments = p.plan.num_segments();
+  std::vector<float> scratch(static_cast<std::size_t>(segments * hidden));
+  const TensorView partials = TensorView::contiguous(scratch.data(), DType::kF32, {segments, hidden});
+  DETDIT_RETURN_IF_ERROR(gate_residual_backward_partials(p, ChunkSelection{}, ExtraRows{}, partials, stream));
+  return fold_segment_partials(p.plan, partials, p.d_gate, stream);
+}
+
+}  // namespace cpu
+}  // namespace detdit

@@ -1,0 +1,47 @@
+// Validation shared by the row-wise ops (adaln_row_gather, rmsnorm,
+// gate_residual, final_adaln_out, adaln_modulation). Every function returns a
+// Status naming the argument, what was expected and what was got; the ops run
+// them all before writing anything.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
+
+#include "detdit/adaln.h"
+#include "detdit/plan.h"
+#include "detdit/rmsnorm.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+
+namespace detdit {
+namespace rowwise {
+
+// Activation rows: present, fp32/bf16/fp16, (M, H) or (B, S, H), contiguous,
+// non-empty; with a plan, M = plan.positions() (and B, S match for 3-D).
+// *hidden receives H.
+Status check_rows(const TensorView& t, const char* name, const IndexPlan* plan, int64_t* hidden);
+// `t` has `ref`'s dtype, shape and device and is contiguous.
+Status check_like(const TensorView& t, const char* name, const TensorView& ref, const char* ref_name);
+// A (rows, hidden) table view with unit column stride on `ref`'s device,
+// dtype in `allowed` (rows < 0: any row count).
+Status check_table(const TensorView& t, const char* name, int64_t rows, int64_t hidden, const TensorView& ref,
+                   const char* ref_name, std::initializer_list<DType> allowed);
+// A gradient output: (rows, hidden) fp32 or `dtype`, unit column stride, on `ref`'s device.
+Status check_table_grad(const TensorView& t, const char* name, int64_t rows, int64_t hidden, DType dtype,
+                        const TensorView& ref, const char* ref_name);
+// Each present output overlaps no input and no other output (absent views pass).
+using Named = std::pair<const TensorView*, const char*>;
+Status check_outputs_disjoint(std::initializer_list<Named> inputs, std::initializer_list<Named> outputs);
+// eps finite and > 0.
+Status check_eps(float eps);
+
+// The complete validation of the public rmsnorm entry points (also run by
+// final_adaln_out on its table's shift/scale views before it writes anything).
+Status validate_rmsnorm_forward(const RmsnormParams& p);
+Status validate_rmsnorm_backward(const RmsnormBackwardParams& p);
+// The gather backward's grad and d_rows (also run by adaln_modulation).
+Status validate_row_gather_backward(const AdalnRowGatherBackwardParams& p);
+
+}  // namespace rowwise
+}  // namespace detdit
