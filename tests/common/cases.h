@@ -1,0 +1,65 @@
+// Shared case generators and oracle helpers of the row-wise op tests.
+//
+// Packings of a (S,) sequence over T timesteps and 3 modalities (0 video,
+// 1 text, 2 audio), row = ti*3 + tag:
+//   block:       T contiguous runs (run t = [t*S/T, (t+1)*S/T)); in each run
+//                the first 5 % of positions are text, the last 15 % audio, the
+//                rest video;
+//   interleaved: position s has timestep s % T and the tag kInterleavedTags[s % 10].
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/test_util.h"
+#include "detdit/plan.h"
+
+namespace detdit {
+namespace testing {
+
+enum class Packing { kBlock, kInterleaved };
+
+struct IndexCase {
+  Packing packing = Packing::kBlock;
+  int64_t seq_len = 0, num_timesteps = 0, batch = 0;
+  std::vector<int64_t> timestep_indices, tags;  // (S,) each
+
+  int64_t num_rows() const { return 3 * num_timesteps; }
+  int64_t positions() const { return seq_len * batch; }
+  int64_t row(int64_t s) const { return timestep_indices[s] * 3 + tags[s]; }  // AdaLN row of position s
+  std::string name() const;  // "block_S257_T3_B2"
+};
+
+IndexCase make_index_case(Packing packing, int64_t seq_len, int64_t num_timesteps, int64_t batch);
+
+// The plan of the AdaLN rows (R = 3T), built through from_timesteps_and_tags
+// with int64 tensors; or of the timestep index alone (R = T, final_adaln_out).
+IndexPlan adaln_plan(const IndexCase& c);
+IndexPlan timestep_plan(const IndexCase& c);
+// A plan from an explicit (S,) row index.
+IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int64_t batch);
+
+// The matrix of the task: S in {1, 3, 257, 4097}, B in {1, 2, 3}, T in {1, 3, 4},
+// both packings; `max_positions` drops the larger combinations (keeps tests fast).
+std::vector<IndexCase> standard_cases(int64_t max_positions);
+
+// Oracle helpers. The correctly rounded value of an exact (FP64) result in
+// dtype (RNE, as bits) and its value.
+uint64_t correctly_rounded_bits(double exact, DType dtype);
+double correctly_rounded(double exact, DType dtype);
+// Fraction of elements of `got` equal to the correctly rounded `exact`.
+double fraction_correctly_rounded(const HostTensor& got, const std::vector<double>& exact);
+// |got - ref| <= atol + rtol*|ref| for every element (reports the worst one).
+::testing::AssertionResult within_tolerance(const HostTensor& got, const std::vector<double>& ref, double atol,
+                                            double rtol);
+// Every byte of t equals `value` (the canary of an output that must stay unwritten).
+bool all_bytes_are(const HostTensor& t, uint8_t value);
+
+// A copy of the tensor's bytes (for repeatability / invariance comparisons).
+HostTensor clone(const HostTensor& t);
+
+}  // namespace testing
+}  // namespace detdit
