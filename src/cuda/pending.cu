@@ -1,6 +1,7 @@
 // Temporary: CUDA entry points not yet implemented return a RuntimeError.
 // Each is removed from this file as its kernel lands in src/cuda/<op>.cu.
 #include "common/backends.h"
+#include "common/scratch.h"
 
 namespace detdit {
 namespace cuda {
@@ -42,5 +43,7 @@ Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>
   return pending("upload_tables");
 }
 
+Status allocate_scratch(const Device&, std::size_t, Stream, std::shared_ptr<void>*) { return pending("allocate_scratch"); }
+Status upcast_to_f32(const TensorView&, const TensorView&, Stream) { return pending("upcast_to_f32"); }
 }  // namespace cuda
 }  // namespace detdit

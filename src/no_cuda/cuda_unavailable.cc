@@ -1,5 +1,6 @@
 // The CUDA backend of a build without nvcc: every entry point says so.
 #include "common/backends.h"
+#include "common/scratch.h"
 
 namespace detdit {
 namespace cuda {
@@ -44,5 +45,7 @@ Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>
   return unavailable();
 }
 
+Status allocate_scratch(const Device&, std::size_t, Stream, std::shared_ptr<void>*) { return unavailable(); }
+Status upcast_to_f32(const TensorView&, const TensorView&, Stream) { return unavailable(); }
 }  // namespace cuda
 }  // namespace detdit

@@ -1,0 +1,171 @@
+// CPU reference of linear (docs/numerics.md 5.2 and 6.2), portable profile.
+//
+// Forward, per output (t, n): 32 lanes; lane l owns the 16-byte vectors
+// j = l, l+32, ... of the K axis (V elements each: 4 fp32 or 8 bf16) and runs
+// an ascending fma chain from +0.0 over them; the lanes are combined by the
+// XOR butterfly (offsets 16, 8, 4, 2, 1); then bias, the optional FP32
+// pre-activation save, the optional SiLU, one rounding to out's dtype.
+// Backward: d_x chunk partials (64 rows of N per chunk, ascending-n fma
+// chains), their ascending fold, d_W (ascending-t fma chain) and d_b
+// (ascending-t add chain), each rounded once.
+// Threads split outputs (columns n, chunks c, elements) and never an
+// accumulation, so the thread count never changes a bit.
+#include <algorithm>
+#include <vector>
+
+#include "common/backends.h"
+#include "common/pointwise_math.h"
+#include "common/storage.h"
+#include "cpu/parallel.h"
+
+namespace detdit {
+namespace cpu {
+namespace {
+
+constexpr int kLanes = 32;
+
+// The 32-lane dot product of numerics 5.2 over K = in_features elements of
+// two FP32 rows (operands already upcast exactly); `vector_width` is V.
+float lane_butterfly_dot(const float* x, const float* w, int64_t in_features, int64_t vector_width) {
+  const int64_t vectors = in_features / vector_width;
+  float lanes[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane) {
+    float acc = 0.0f;
+    for (int64_t j = lane; j < vectors; j += kLanes) {
+      const int64_t base = j * vector_width;
+      for (int64_t e = 0; e < vector_width; ++e) acc = num::fma32(x[base + e], w[base + e], acc);
+    }
+    lanes[lane] = acc;
+  }
+  // XOR butterfly: every lane adds its partner's value; lane 0's result is the
+  // value every lane ends with.
+  for (int offset = kLanes / 2; offset >= 1; offset /= 2) {
+    float next[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) next[lane] = num::add32(lanes[lane], lanes[lane ^ offset]);
+    for (int lane = 0; lane < kLanes; ++lane) lanes[lane] = next[lane];
+  }
+  return lanes[0];
+}
+
+template <typename T>
+std::vector<float> upcast_rows(const T* data, int64_t count) {
+  std::vector<float> out(static_cast<std::size_t>(count));
+  for (int64_t i = 0; i < count; ++i) out[i] = to_float(data[i]);
+  return out;
+}
+
+template <typename In, typename Out>
+void linear_forward_typed(const LinearParams& p) {
+  const int64_t rows = p.x.shape[0], in_features = p.x.shape[1], out_features = p.weight.shape[0];
+  const int64_t vector_width = 16 / static_cast<int64_t>(sizeof(In));
+  const std::vector<float> x = upcast_rows(p.x.ptr<In>(), rows * in_features);  // (T, K)
+  const In* weight = p.weight.ptr<In>();                                      // (N, K)
+  const In* bias = p.bias.present() ? p.bias.ptr<In>() : nullptr;             // (N,)
+  float* pre = p.pre_activation.present() ? p.pre_activation.ptr<float>() : nullptr;  // (T, N)
+  Out* out = p.out.ptr<Out>();                                                // (T, N)
+  parallel_for(0, out_features, [&](int64_t n) {
+    const std::vector<float> w = upcast_rows(weight + n * in_features, in_features);
+    for (int64_t t = 0; t < rows; ++t) {
+      float v = lane_butterfly_dot(x.data() + t * in_features, w.data(), in_features, vector_width);
+      if (bias != nullptr) v = num::add32(v, to_float(bias[n]));
+      if (pre != nullptr) pre[t * out_features + n] = v;
+      if (p.activation == Activation::kSilu) v = silu_value(v, PortableExp{});
+      out[t * out_features + n] = from_float<Out>(v);
+    }
+  });
+}
+
+template <typename W>
+void backward_input_partials_typed(const LinearBackwardInputParams& p) {
+  const int64_t rows = p.grad.shape[0], out_features = p.grad.shape[1], in_features = p.weight.shape[1];
+  const int64_t chunks = p.partials.shape[0];
+  const float* grad = p.grad.ptr<float>();  // (T, N)
+  const W* weight = p.weight.ptr<W>();      // (N, K)
+  float* partials = p.partials.ptr<float>();  // (C, T, K)
+  parallel_for(0, chunks, [&](int64_t c) {
+    const int64_t n_begin = c * kLinearChunkRows;
+    const int64_t n_end = std::min(n_begin + kLinearChunkRows, out_features);
+    for (int64_t t = 0; t < rows; ++t) {
+      float* acc = partials + (c * rows + t) * in_features;  // partial[c, t, :]
+      for (int64_t k = 0; k < in_features; ++k) acc[k] = 0.0f;
+      for (int64_t n = n_begin; n < n_end; ++n) {  // ascending n within the chunk
+        const float g = grad[t * out_features + n];
+        const W* w = weight + n * in_features;
+        for (int64_t k = 0; k < in_features; ++k) acc[k] = num::fma32(g, to_float(w[k]), acc[k]);
+      }
+    }
+  });
+}
+
+template <typename Out>
+void fold_partials_typed(const LinearBackwardInputParams& p) {
+  const int64_t chunks = p.partials.shape[0];
+  const int64_t elements = p.d_x.numel();  // T * K; partial[c] is a (T, K) block
+  const float* partials = p.partials.ptr<float>();
+  Out* d_x = p.d_x.ptr<Out>();
+  parallel_for(0, elements, [&](int64_t i) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) acc = num::add32(acc, partials[c * elements + i]);
+    d_x[i] = from_float<Out>(acc);
+  });
+}
+
+template <typename In>
+void backward_weight_typed(const LinearBackwardWeightParams& p) {
+  const int64_t rows = p.grad.shape[0], out_features = p.grad.shape[1], in_features = p.x.shape[1];
+  const float* grad = p.grad.ptr<float>();  // (T, N)
+  const std::vector<float> x = upcast_rows(p.x.ptr<In>(), rows * in_features);  // (T, K)
+  if (p.d_weight.present()) {
+    dispatch_float_dtype(p.d_weight.dtype, [&](auto tag) {
+      using Out = decltype(tag);
+      Out* d_weight = p.d_weight.ptr<Out>();  // (N, K)
+      parallel_for(0, out_features, [&](int64_t n) {
+        for (int64_t k = 0; k < in_features; ++k) {
+          float acc = 0.0f;
+          for (int64_t t = 0; t < rows; ++t)
+            acc = num::fma32(grad[t * out_features + n], x[t * in_features + k], acc);
+          d_weight[n * in_features + k] = from_float<Out>(acc);
+        }
+      });
+    });
+  }
+  if (p.d_bias.present()) {
+    dispatch_float_dtype(p.d_bias.dtype, [&](auto tag) {
+      using Out = decltype(tag);
+      Out* d_bias = p.d_bias.ptr<Out>();  // (N,)
+      for (int64_t n = 0; n < out_features; ++n) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < rows; ++t) acc = num::add32(acc, grad[t * out_features + n]);
+        d_bias[n] = from_float<Out>(acc);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+Status linear_forward(const LinearParams& p, Stream) {
+  dispatch_float_dtype(p.x.dtype, [&](auto in_tag) {
+    using In = decltype(in_tag);
+    dispatch_float_dtype(p.out.dtype, [&](auto out_tag) { linear_forward_typed<In, decltype(out_tag)>(p); });
+  });
+  return Status();
+}
+
+Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream) {
+  dispatch_float_dtype(p.weight.dtype, [&](auto tag) { backward_input_partials_typed<decltype(tag)>(p); });
+  return Status();
+}
+
+Status linear_fold_partials(const LinearBackwardInputParams& p, Stream) {
+  dispatch_float_dtype(p.d_x.dtype, [&](auto tag) { fold_partials_typed<decltype(tag)>(p); });
+  return Status();
+}
+
+Status linear_backward_weight(const LinearBackwardWeightParams& p, Stream) {
+  dispatch_float_dtype(p.x.dtype, [&](auto tag) { backward_weight_typed<decltype(tag)>(p); });
+  return Status();
+}
+
+}  // namespace cpu
+}  // namespace detdit

@@ -1,0 +1,48 @@
+// CPU scratch memory and the exact FP32 upcast (src/common/scratch.h), plus the
+// device dispatch of scratch_tensor.
+#include "common/scratch.h"
+
+#include <new>
+#include <string>
+
+#include "common/storage.h"
+#include "cpu/parallel.h"
+
+namespace detdit {
+
+namespace cpu {
+
+Status allocate_scratch(const Device&, std::size_t bytes, Stream, std::shared_ptr<void>* owner) {
+  // 64-byte alignment: every view into scratch meets linear's 16-byte rule.
+  constexpr std::align_val_t kAlignment{64};
+  void* memory = ::operator new(bytes > 0 ? bytes : 1, kAlignment, std::nothrow);
+  if (memory == nullptr)
+    return Status::runtime_error("could not allocate " + std::to_string(bytes) + " bytes of host scratch memory");
+  *owner = std::shared_ptr<void>(memory, [kAlignment](void* m) { ::operator delete(m, kAlignment); });
+  return Status();
+}
+
+Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream) {
+  float* out = dst.ptr<float>();
+  dispatch_float_dtype(src.dtype, [&](auto tag) {
+    using In = decltype(tag);
+    const In* in = src.ptr<In>();
+    parallel_for(0, src.numel(), [&](int64_t i) { out[i] = to_float(in[i]); });
+  });
+  return Status();
+}
+
+}  // namespace cpu
+
+Status scratch_tensor(const Device& device, DType dtype, std::initializer_list<int64_t> shape, Stream stream,
+                      std::shared_ptr<void>* owner, TensorView* view) {
+  TensorView shaped = TensorView::contiguous(nullptr, dtype, shape, device);
+  std::size_t bytes = shaped.nbytes();
+  DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::allocate_scratch(device, bytes, stream, owner)
+                                          : cpu::allocate_scratch(device, bytes, stream, owner));
+  shaped.data = owner->get();
+  *view = shaped;
+  return Status();
+}
+
+}  // namespace detdit

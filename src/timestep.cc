@@ -1,0 +1,303 @@
+// Public entry points of timestep_sinusoid and timestep_mlp
+// (include/detdit/timestep.h): validate every argument, then dispatch on the
+// tensors' device. timestep_mlp is composed from the public linear ops and
+// silu_backward, so its arithmetic is exactly linear's (numerics 5.3, 6.3).
+// Nothing is written on error: every check, including the timestep range
+// check and scratch allocation, runs before the first write.
+#include "detdit/timestep.h"
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/backends.h"
+#include "common/scratch.h"
+#include "common/storage.h"
+#include "common/validate.h"
+#include "detdit/linear.h"
+
+namespace detdit {
+namespace {
+
+using Named = std::pair<TensorView, const char*>;
+using NamedList = std::initializer_list<Named>;
+
+// timesteps (T,) fp32/bf16/fp16, contiguous, T >= 1.
+Status check_timestep_tensor(const TensorView& t) {
+  DETDIT_RETURN_IF_ERROR(check::present(t, "timesteps"));
+  if (t.rank != 1) return Status::value_error("timesteps must be 1-D (num_timesteps,), got " + t.describe());
+  if (t.shape[0] < 1) return Status::value_error("timesteps must hold at least one timestep, got " + t.describe());
+  DETDIT_RETURN_IF_ERROR(check::dtype(t, "timesteps", {DType::kF32, DType::kBF16, DType::kF16}));
+  return check::contiguous(t, "timesteps");
+}
+
+// Every value finite and in [0, 1]; a CUDA tensor is read on the host once.
+Status check_timestep_values(const TensorView& t, Stream stream) {
+  std::vector<char> raw(t.nbytes());
+  if (t.device.is_cuda()) {
+    DETDIT_RETURN_IF_ERROR(cuda::copy_to_host(t.data, raw.data(), raw.size(), t.device, stream));
+  } else {
+    std::copy_n(static_cast<const char*>(t.data), raw.size(), raw.data());
+  }
+  TensorView host = t;
+  host.data = raw.data();
+  return dispatch_float_dtype(t.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const T* values = host.ptr<T>();
+    for (int64_t i = 0; i < t.shape[0]; ++i) {
+      const float v = to_float(values[i]);
+      // NaN fails both comparisons; +-inf fails one.
+      if (v >= 0.0f && v <= 1.0f) continue;
+      std::ostringstream os;
+      os << "timestep must be finite and lie in [0, 1]: detdit consumes t = 1 - sigma unscaled (got timesteps["
+         << i << "] = " << v << ")";
+      return Status::value_error(os.str());
+    }
+    return Status();
+  });
+}
+
+Status check_max_period(float max_period) {
+  if (std::isfinite(max_period) && max_period >= 1.0f) return Status();
+  std::ostringstream os;
+  os << "max_period must be finite and >= 1, got " << max_period;
+  return Status::value_error(os.str());
+}
+
+// (T, C) fp32 contiguous with C positive and even.
+Status check_channels(const TensorView& t, const char* name, int64_t num_timesteps) {
+  DETDIT_RETURN_IF_ERROR(check::present(t, name));
+  DETDIT_RETURN_IF_ERROR(check::rank(t, name, 2, "(T, C)"));
+  DETDIT_RETURN_IF_ERROR(check::dtype(t, name, {DType::kF32}));
+  DETDIT_RETURN_IF_ERROR(check::shape(t, name, {num_timesteps, -1}, "(T, C)"));
+  DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
+  const int64_t channels = t.shape[1];
+  if (channels > 0 && channels % 2 == 0) return Status();
+  return Status::value_error(std::string(name) + ".shape[1] (num_channels) must be a positive even number, got " +
+                             std::to_string(channels));
+}
+
+Status validate_sinusoid(const TimestepSinusoidParams& p, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(check_timestep_tensor(p.timesteps));
+  DETDIT_RETURN_IF_ERROR(check::present(p.features, "features"));
+  DETDIT_RETURN_IF_ERROR(check::same_device(p.features, "features", p.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.timesteps.device));
+  DETDIT_RETURN_IF_ERROR(check_channels(p.features, "features", p.timesteps.shape[0]));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.features, "features", p.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check_max_period(p.max_period));
+  return check_timestep_values(p.timesteps, stream);
+}
+
+Status validate_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(check_timestep_tensor(p.timesteps));
+  for (auto [t, name] : NamedList{{p.grad_features, "grad_features"}, {p.d_timesteps, "d_timesteps"}}) {
+    DETDIT_RETURN_IF_ERROR(check::present(t, name));
+    DETDIT_RETURN_IF_ERROR(check::same_device(t, name, p.timesteps, "timesteps"));
+  }
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.timesteps.device));
+  DETDIT_RETURN_IF_ERROR(check_channels(p.grad_features, "grad_features", p.timesteps.shape[0]));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.d_timesteps, "d_timesteps", p.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::shape(p.d_timesteps, "d_timesteps", {p.timesteps.shape[0]}, "(T,)"));
+  DETDIT_RETURN_IF_ERROR(check::contiguous(p.d_timesteps, "d_timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.grad_features, "grad_features"));
+  DETDIT_RETURN_IF_ERROR(check_max_period(p.max_period));
+  return check_timestep_values(p.timesteps, stream);
+}
+
+// The H3 time embedder is an FP32 module: every operand fp32, contiguous,
+// 16-byte aligned (they feed linear), on features' device.
+Status check_mlp_operand(const TensorView& t, const char* name, const TensorView& features,
+                         std::initializer_list<int64_t> dims, const char* layout) {
+  DETDIT_RETURN_IF_ERROR(check::present(t, name));
+  if (t.dtype != DType::kF32)
+    return Status::type_error(std::string(name) + " must be float32: the H3 time_embedder is an FP32 module (got " +
+                              dtype_name(t.dtype) + ")");
+  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, features, "features"));
+  DETDIT_RETURN_IF_ERROR(check::shape(t, name, dims, layout));
+  DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
+  return check::aligned(t, name, 16, "linear reads its rows as 16-byte vectors");
+}
+
+Status check_optional_mlp_operand(const TensorView& t, const char* name, const TensorView& features,
+                                  std::initializer_list<int64_t> dims, const char* layout) {
+  return t.present() ? check_mlp_operand(t, name, features, dims, layout) : Status();
+}
+
+// features (T, K) with T >= 1 and K, H multiples of 4 (fp32 16-byte vectors).
+Status check_mlp_sizes(const TensorView& features, const TensorView& w1) {
+  if (features.rank != 2 || features.shape[0] < 1)
+    return Status::value_error("features must be a non-empty (T, K) matrix, got " + features.describe());
+  for (auto [size, name] : {std::pair<int64_t, const char*>{features.shape[1], "K = features.shape[1]"},
+                            {w1.shape[0], "H = w1.shape[0]"}})
+    if (size % 4 != 0)
+      return Status::value_error(std::string(name) + " = " + std::to_string(size) +
+                                 " must be a multiple of 4 (float32 elements per 16-byte vector load)");
+  return Status();
+}
+
+Status validate_mlp(const TimestepMlpParams& p) {
+  DETDIT_RETURN_IF_ERROR(check::present(p.features, "features"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.w1, "w1"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.w2, "w2"));
+  const int64_t rows = p.features.shape[0], in_features = p.features.shape[1];
+  const int64_t hidden = p.w1.shape[0], out_features = p.w2.shape[0];
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.features, "features", p.features, {-1, -1}, "(T, K)"));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.features.device));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w1, "w1", p.features, {-1, in_features}, "(H, K)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.b1, "b1", p.features, {hidden}, "(H,)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w2, "w2", p.features, {-1, hidden}, "(D, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.b2, "b2", p.features, {out_features}, "(D,)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.features, p.w1));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.temb, "temb", p.features, {rows, out_features}, "(T, D)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.pre, "pre", p.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.hidden, "hidden", p.features, {rows, hidden}, "(T, H)"));
+  for (auto [out, out_name] : NamedList{{p.temb, "temb"}, {p.pre, "pre"}, {p.hidden, "hidden"}})
+    for (auto [in, in_name] : NamedList{{p.features, "features"}, {p.w1, "w1"}, {p.b1, "b1"}, {p.w2, "w2"},
+                                        {p.b2, "b2"}})
+      DETDIT_RETURN_IF_ERROR(check::no_alias(out, out_name, in, in_name));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.pre, "pre", p.temb, "temb"));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.hidden, "hidden", p.temb, "temb"));
+  return check::no_alias(p.hidden, "hidden", p.pre, "pre");
+}
+
+Status validate_mlp_backward(const TimestepMlpBackwardParams& p) {
+  DETDIT_RETURN_IF_ERROR(check::present(p.features, "features"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.w1, "w1"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.w2, "w2"));
+  const int64_t rows = p.features.shape[0], in_features = p.features.shape[1];
+  const int64_t hidden = p.w1.shape[0], out_features = p.w2.shape[0];
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.features, "features", p.features, {-1, -1}, "(T, K)"));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.features.device));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w1, "w1", p.features, {-1, in_features}, "(H, K)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w2, "w2", p.features, {-1, hidden}, "(D, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.features, p.w1));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.pre, "pre", p.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.hidden, "hidden", p.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.grad_temb, "grad_temb", p.features, {rows, out_features}, "(T, D)"));
+  DETDIT_RETURN_IF_ERROR(
+      check_optional_mlp_operand(p.d_features, "d_features", p.features, {rows, in_features}, "(T, K)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_w1, "d_w1", p.features, {hidden, in_features}, "(H, K)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_b1, "d_b1", p.features, {hidden}, "(H,)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_w2, "d_w2", p.features, {out_features, hidden}, "(D, H)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_b2, "d_b2", p.features, {out_features}, "(D,)"));
+  const NamedList outputs{{p.d_features, "d_features"}, {p.d_w1, "d_w1"}, {p.d_b1, "d_b1"}, {p.d_w2, "d_w2"},
+                          {p.d_b2, "d_b2"}};
+  for (const Named* out = outputs.begin(); out != outputs.end(); ++out) {
+    for (auto [in, in_name] : NamedList{{p.features, "features"}, {p.w1, "w1"}, {p.w2, "w2"}, {p.pre, "pre"},
+                                        {p.hidden, "hidden"}, {p.grad_temb, "grad_temb"}})
+      DETDIT_RETURN_IF_ERROR(check::no_alias(out->first, out->second, in, in_name));
+    for (const Named* other = out + 1; other != outputs.end(); ++other)
+      DETDIT_RETURN_IF_ERROR(check::no_alias(out->first, out->second, other->first, other->second));
+  }
+  return Status();
+}
+
+}  // namespace
+
+Status timestep_sinusoid_forward(const TimestepSinusoidParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_sinusoid(params, stream));
+  return params.timesteps.device.is_cuda() ? cuda::timestep_sinusoid_forward(params, stream)
+                                           : cpu::timestep_sinusoid_forward(params, stream);
+}
+
+Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_sinusoid_backward(params, stream));
+  return params.timesteps.device.is_cuda() ? cuda::timestep_sinusoid_backward(params, stream)
+                                           : cpu::timestep_sinusoid_backward(params, stream);
+}
+
+Status timestep_mlp_forward(const TimestepMlpParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_mlp(params));
+  const Device device = params.features.device;
+  const int64_t rows = params.features.shape[0], hidden_size = params.w1.shape[0];
+  // hidden = silu(pre) feeds the second linear: scratch when the caller does not keep it.
+  TensorView hidden = params.hidden;
+  std::shared_ptr<void> scratch;
+  if (!hidden.present())
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {rows, hidden_size}, stream, &scratch, &hidden));
+  LinearParams first;
+  first.x = params.features;
+  first.weight = params.w1;
+  first.bias = params.b1;
+  first.out = hidden;
+  first.pre_activation = params.pre;
+  first.activation = Activation::kSilu;
+  first.numerics = params.numerics;
+  DETDIT_RETURN_IF_ERROR(linear_forward(first, stream));
+  LinearParams second;
+  second.x = hidden;
+  second.weight = params.w2;
+  second.bias = params.b2;
+  second.out = params.temb;
+  second.numerics = params.numerics;
+  return linear_forward(second, stream);
+}
+
+Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_mlp_backward(params));
+  const Device device = params.features.device;
+  const int64_t rows = params.features.shape[0], in_features = params.features.shape[1];
+  const int64_t hidden_size = params.w1.shape[0], out_features = params.w2.shape[0];
+  const bool need_d_pre = params.d_features.present() || params.d_w1.present() || params.d_b1.present();
+  // Scratch first, so an allocation failure writes nothing:
+  // d_hidden, d_pre (T, H) FP32; the d_x chunk partials of both linears.
+  TensorView d_hidden, d_pre, hidden_partials, feature_partials;
+  std::shared_ptr<void> owners[4];
+  if (need_d_pre) {
+    const int64_t hidden_chunks = (out_features + kLinearChunkRows - 1) / kLinearChunkRows;
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {rows, hidden_size}, stream, &owners[0], &d_hidden));
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {rows, hidden_size}, stream, &owners[1], &d_pre));
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {hidden_chunks, rows, hidden_size}, stream,
+                                          &owners[2], &hidden_partials));
+  }
+  if (params.d_features.present()) {
+    const int64_t feature_chunks = (hidden_size + kLinearChunkRows - 1) / kLinearChunkRows;
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {feature_chunks, rows, in_features}, stream,
+                                          &owners[3], &feature_partials));
+  }
+  // 1. dW2, db2 = linear d_W / d_b (g, hidden)
+  LinearBackwardWeightParams second_weight;
+  second_weight.grad = params.grad_temb;
+  second_weight.x = params.hidden;
+  second_weight.d_weight = params.d_w2;
+  second_weight.d_bias = params.d_b2;
+  DETDIT_RETURN_IF_ERROR(linear_backward_weight(second_weight, stream));
+  if (!need_d_pre) return Status();
+  // 2. d_hidden = linear d_x (g, W2), FP32
+  LinearBackwardInputParams second_input;
+  second_input.grad = params.grad_temb;
+  second_input.weight = params.w2;
+  second_input.partials = hidden_partials;
+  second_input.d_x = d_hidden;
+  DETDIT_RETURN_IF_ERROR(linear_backward_input(second_input, stream));
+  // 3. d_pre = silu_backward(d_hidden, pre)
+  SiluBackwardParams silu;
+  silu.grad = d_hidden;
+  silu.pre = params.pre;
+  silu.d_pre = d_pre;
+  silu.numerics = params.numerics;
+  DETDIT_RETURN_IF_ERROR(silu_backward(silu, stream));
+  // 4. dW1, db1 = linear d_W / d_b (d_pre, features)
+  LinearBackwardWeightParams first_weight;
+  first_weight.grad = d_pre;
+  first_weight.x = params.features;
+  first_weight.d_weight = params.d_w1;
+  first_weight.d_bias = params.d_b1;
+  DETDIT_RETURN_IF_ERROR(linear_backward_weight(first_weight, stream));
+  if (!params.d_features.present()) return Status();
+  // 5. d_features = linear d_x (d_pre, W1)
+  LinearBackwardInputParams first_input;
+  first_input.grad = d_pre;
+  first_input.weight = params.w1;
+  first_input.partials = feature_partials;
+  first_input.d_x = params.d_features;
+  return linear_backward_input(first_input, stream);
+}
+
+}  // namespace detdit
