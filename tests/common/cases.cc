@@ -151,6 +151,12 @@ bool all_bytes_are(const HostTensor& t, uint8_t value) {
   return true;
 }
 
+HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, double mean, double std) {
+  HostTensor t(dtype, std::move(shape));
+  fill_normal(&t, seed, mean, std);
+  return t;
+}
+
 HostTensor clone(const HostTensor& t) {
   HostTensor copy(t.dtype(), t.shape());
   std::memcpy(copy.data(), t.data(), t.nbytes());

@@ -58,6 +58,9 @@ double fraction_correctly_rounded(const HostTensor& got, const std::vector<doubl
 // Every byte of t equals `value` (the canary of an output that must stay unwritten).
 bool all_bytes_are(const HostTensor& t, uint8_t value);
 
+// A tensor of normal(mean, std) values rounded to dtype.
+HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, double mean = 0.0, double std = 1.0);
+
 // A copy of the tensor's bytes (for repeatability / invariance comparisons).
 HostTensor clone(const HostTensor& t);
 
