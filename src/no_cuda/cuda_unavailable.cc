@@ -1,6 +1,7 @@
 // The CUDA backend of a build without nvcc: every entry point says so.
 #include "common/backends.h"
 #include "common/scratch.h"
+#include "parallel/comm_copy.h"
 
 namespace detdit {
 namespace cuda {
@@ -44,6 +45,16 @@ Status upload_tables(const Device&, const std::vector<const std::vector<int32_t>
                      std::shared_ptr<void>*, Stream) {
   return unavailable();
 }
+
+Status comm_event_create(const Device&, void**) { return unavailable(); }
+void comm_event_destroy(void*) {}
+Status comm_event_record(void*, Stream) { return unavailable(); }
+Status comm_stream_wait(Stream, void*) { return unavailable(); }
+Status comm_copy_async(void*, const void*, std::size_t, Stream) { return unavailable(); }
+Status comm_copy_2d_async(void*, std::size_t, const void*, std::size_t, std::size_t, std::size_t, Stream) {
+  return unavailable();
+}
+Status comm_columns_to_f32(const void*, DType, int64_t, int64_t, int64_t, float*, Stream) { return unavailable(); }
 
 Status allocate_scratch(const Device&, std::size_t, Stream, std::shared_ptr<void>*) { return unavailable(); }
 Status upcast_to_f32(const TensorView&, const TensorView&, Stream) { return unavailable(); }

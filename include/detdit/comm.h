@@ -1,0 +1,121 @@
+// detdit/comm.h: the communicator of the parallel ops (tp_adaln_projection,
+// the sp_region).
+//
+// A Communicator connects `world_size()` ranks. Its only data collective is a
+// rank-ordered all-gather, a byte copy: after all_gather, on every rank,
+// recv[r*bytes, (r+1)*bytes) holds rank r's send[0, bytes). No collective ever
+// does arithmetic (no reductions anywhere), so the bits of every parallel
+// result are decided by detdit's kernels alone.
+//
+// Every call is checked across ranks: before the payload moves, the ranks
+// exchange a small fixed-size header {call sequence number, bytes, dtype}. If
+// any two ranks disagree (different sizes or dtypes, or one rank skipped a
+// call) every rank returns the same ValueError naming both calls; nothing is
+// copied, nothing hangs. agree(local) is the validation handshake of the ops:
+// every rank learns whether any rank's local validation failed (and that
+// rank's message), so an op fails on every rank before its first data
+// collective instead of leaving the others waiting.
+//
+// Implementations:
+//   in-process: N ranks as threads of one process (InProcessGroup below), on
+//     the CPU or sharing one CUDA device (each rank its own stream; copies are
+//     stream-ordered device-to-device copies, no host synchronisation);
+//   MPI: CPU ranks as processes (create_mpi_communicator), and the bootstrap of
+//     multi-process NCCL runs (create_nccl_communicator_mpi);
+//   NCCL: GPU ranks (ncclAllGather of bytes only), from a caller's ncclComm_t or
+//     from a unique id.
+// A build without MPI or NCCL returns a RuntimeError from their factories.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "detdit/numerics.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+
+namespace detdit {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // Where send and recv buffers live: cpu, or the CUDA device of this rank.
+  virtual Device device() const = 0;
+  // "in_process", "mpi" or "nccl".
+  virtual const char* backend_id() const = 0;
+
+  // Rank-ordered all-gather of `bytes` bytes per rank: recv (world_size() *
+  // bytes) gets rank r's send at offset r*bytes. `dtype` describes the
+  // elements (bytes must be a multiple of its size) and is checked across
+  // ranks. send and recv must not overlap. On a CUDA communicator the copy is
+  // ordered on `stream` (the host is not synchronised, except by the NCCL
+  // communicator's call check, see NcclOptions).
+  virtual Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) = 0;
+
+  // Collective validation handshake: returns `local` on a rank whose local
+  // validation failed, and on every other rank an error of the same kind that
+  // names the first failing rank and quotes its message. OK only if every rank
+  // passed `local` OK.
+  virtual Status agree(const Status& local) = 0;
+};
+
+// N ranks as threads of one process: a shared group with a barrier. Each rank
+// uses its own Communicator from one thread. If a rank leaves the group (its
+// communicator is destroyed, e.g. its thread returned early) while others wait
+// in a collective, they get a RuntimeError instead of hanging.
+class InProcessGroup {
+ public:
+  // world >= 1 ranks whose buffers live on `device` (cpu, or one CUDA device
+  // shared by all ranks).
+  static Status create(int world, Device device, std::shared_ptr<InProcessGroup>* group);
+  // The communicator of `rank`, at most one per rank.
+  Status communicator(int rank, std::unique_ptr<Communicator>* comm);
+  // Runs fn(comm) for every rank on its own thread and joins them all. Returns
+  // OK if every rank returned OK, else the lowest failing rank's kind with the
+  // messages of every failing rank ("rank 0: ...; rank 2: ..."). An exception
+  // escaping fn is a failure of that rank (RuntimeError quoting what()).
+  static Status run(int world, const std::function<Status(Communicator&)>& fn, Device device = Device::cpu());
+
+  struct State;
+  explicit InProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// MPI: this process is rank MPI_Comm_rank of `mpi_comm` (a pointer to an
+// MPI_Comm; nullptr = MPI_COMM_WORLD). CPU buffers only. MPI is initialised
+// here if the caller has not done so (and then finalised at exit).
+Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* mpi_comm = nullptr);
+// True when this process was started by mpirun/mpiexec with more than one
+// rank (from the launcher's environment; does not initialise MPI).
+bool launched_by_mpi();
+
+// NCCL (GPU). The call check (the header exchange that detects mismatched
+// calls) reads the exchanged headers on the host, which synchronises the
+// stream; check_calls = false skips it (no host synchronisation at all, and
+// mismatched calls are then the caller's responsibility, as with raw NCCL).
+struct NcclOptions {
+  bool check_calls = true;
+};
+constexpr std::size_t kNcclUniqueIdBytes = 128;
+struct NcclUniqueId {
+  char bytes[kNcclUniqueIdBytes];
+};
+// A fresh unique id (on one rank; distribute it to the others).
+Status nccl_unique_id(NcclUniqueId* id);
+// Wraps a caller's ncclComm_t (passed as void*; not destroyed by detdit).
+Status create_nccl_communicator(void* nccl_comm, Device device, std::unique_ptr<Communicator>* comm,
+                                NcclOptions options = {});
+// Creates (and owns) a NCCL communicator of `world` ranks from a unique id.
+Status create_nccl_communicator_from_id(const NcclUniqueId& id, int world, int rank, Device device,
+                                        std::unique_ptr<Communicator>* comm, NcclOptions options = {});
+// Multi-process bootstrap: rank 0 of MPI_COMM_WORLD creates the unique id and
+// broadcasts it over MPI; every process gets rank = its MPI rank.
+Status create_nccl_communicator_mpi(Device device, std::unique_ptr<Communicator>* comm, NcclOptions options = {});
+
+}  // namespace detdit

@@ -1,0 +1,85 @@
+#include "parallel/call_check.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace detdit {
+namespace comm_detail {
+namespace {
+
+std::string describe(const CallHeader& h, int rank) {
+  std::string op = h.op == static_cast<int32_t>(CallOp::kAgree) ? "agree" : "all_gather";
+  std::string what = "rank " + std::to_string(rank) + " called " + op + " #" + std::to_string(h.sequence);
+  if (h.op == static_cast<int32_t>(CallOp::kAllGather))
+    what += " with " + std::to_string(h.bytes) + " bytes of " + dtype_name(static_cast<DType>(h.dtype));
+  return what;
+}
+
+}  // namespace
+
+Status check_local_all_gather(const void* send, std::size_t bytes, const void* recv, DType dtype, int world) {
+  const std::size_t element = dtype_size(dtype);
+  if (element == 0 || bytes % element != 0)
+    return Status::value_error("all_gather bytes must be a multiple of the " + std::string(dtype_name(dtype)) +
+                               " element size " + std::to_string(element) + ", got " + std::to_string(bytes));
+  if (bytes == 0) return Status();
+  if (send == nullptr) return Status::value_error("all_gather send buffer is null for " + std::to_string(bytes) + " bytes");
+  if (recv == nullptr) return Status::value_error("all_gather recv buffer is null for " + std::to_string(bytes) + " bytes");
+  // send must not overlap recv (world * bytes): the copy would read what it wrote.
+  auto s = reinterpret_cast<std::uintptr_t>(send), r = reinterpret_cast<std::uintptr_t>(recv);
+  if (s < r + bytes * static_cast<std::size_t>(world) && r < s + bytes)
+    return Status::value_error("all_gather send buffer must not overlap the recv buffer (world * bytes = " +
+                               std::to_string(bytes * static_cast<std::size_t>(world)) + " bytes)");
+  return Status();
+}
+
+CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dtype, bool local_error) {
+  CallHeader h;
+  h.sequence = sequence;
+  h.bytes = bytes;
+  h.op = static_cast<int32_t>(op);
+  h.dtype = static_cast<int32_t>(dtype);
+  h.local_error = local_error ? 1 : 0;
+  return h;
+}
+
+Status check_call_headers(const CallHeader* headers, int world, const Status& local) {
+  for (int r = 1; r < world; ++r) {
+    const CallHeader& a = headers[0];
+    const CallHeader& b = headers[r];
+    if (a.sequence != b.sequence || a.op != b.op || a.bytes != b.bytes || a.dtype != b.dtype)
+      return Status::value_error("collective calls do not match across ranks: " + describe(a, 0) + ", " +
+                                 describe(b, r) + "; every rank must make the same calls with the same sizes");
+  }
+  if (!local.ok()) return local;
+  std::string bad;
+  for (int r = 0; r < world; ++r)
+    if (headers[r].local_error) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
+  if (!bad.empty())
+    return Status::value_error("all_gather #" + std::to_string(headers[0].sequence) +
+                               " was called with invalid arguments on rank(s) " + bad + "; nothing was copied");
+  return Status();
+}
+
+AgreeRecord make_record(const Status& local) {
+  AgreeRecord record;
+  record.kind = static_cast<int32_t>(local.kind());
+  const std::string& m = local.message();
+  std::memcpy(record.message, m.data(), std::min(m.size(), kAgreeMessageBytes - 1));
+  return record;
+}
+
+Status resolve_agreement(const AgreeRecord* records, int world, const Status& local) {
+  if (!local.ok()) return local;
+  for (int r = 0; r < world; ++r) {
+    if (records[r].kind == static_cast<int32_t>(ErrorKind::kOk)) continue;
+    std::string message(records[r].message, strnlen(records[r].message, kAgreeMessageBytes));
+    return Status(static_cast<ErrorKind>(records[r].kind),
+                  "rank " + std::to_string(r) + " rejected the call: " + message);
+  }
+  return Status();
+}
+
+}  // namespace comm_detail
+}  // namespace detdit

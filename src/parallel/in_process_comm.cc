@@ -1,0 +1,229 @@
+// The in-process communicator: N ranks as threads of one process.
+//
+// One all_gather is two barriers. Before the first, each rank publishes its
+// CallHeader, its send pointer and (CUDA) an event recorded on its stream after
+// the send data. Between them every rank checks the same headers, then pulls
+// every rank's send block into its own recv in rank order (memcpy on the CPU;
+// on CUDA its stream waits for the peer's event, then copies device to device
+// and records a done event). After the second barrier a CUDA rank's stream
+// waits for every peer's done event, so its send buffer is not overwritten
+// while a peer still reads it. The host never waits for the device.
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "detdit/comm.h"
+#include "parallel/call_check.h"
+#include "parallel/comm_copy.h"
+
+namespace detdit {
+
+using comm_detail::AgreeRecord;
+using comm_detail::CallHeader;
+using comm_detail::CallOp;
+
+struct InProcessGroup::State {
+  struct Slot {
+    CallHeader header;
+    const void* send = nullptr;
+    void* ready_event = nullptr;  // CUDA: send data is ready
+    void* done_event = nullptr;   // CUDA: this rank finished reading its peers
+    AgreeRecord record;
+  };
+
+  int world = 0;
+  Device device;
+  std::mutex mutex;
+  std::condition_variable wake;
+  uint64_t generation = 0;  // completed barriers
+  int arrived = 0;
+  int departed = -1;        // first rank that left the group, -1 while all are present
+  std::vector<bool> taken;
+  std::vector<Slot> slots;
+
+  // Every rank arrives or the call fails: a rank that left can never arrive.
+  Status barrier(int rank) {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (departed >= 0) return left_error(rank);
+    const uint64_t entered = generation;
+    if (++arrived == world) {
+      arrived = 0;
+      ++generation;
+      wake.notify_all();
+      return Status();
+    }
+    wake.wait(lock, [&] { return generation != entered || departed >= 0; });
+    if (generation != entered) return Status();
+    return left_error(rank);
+  }
+
+  Status left_error(int rank) const {
+    return Status::runtime_error("in-process group: rank " + std::to_string(departed) +
+                                 " left the group while rank " + std::to_string(rank) +
+                                 " waited in a collective (mismatched collective calls)");
+  }
+
+  void depart(int rank) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (departed < 0) departed = rank;
+    wake.notify_all();
+  }
+};
+
+namespace {
+
+class InProcessCommunicator final : public Communicator {
+ public:
+  InProcessCommunicator(std::shared_ptr<InProcessGroup::State> state, int rank)
+      : state_(std::move(state)), rank_(rank) {}
+  ~InProcessCommunicator() override {
+    state_->depart(rank_);
+    if (ready_event_) cuda::comm_event_destroy(ready_event_);
+    if (done_event_) cuda::comm_event_destroy(done_event_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return state_->world; }
+  Device device() const override { return state_->device; }
+  const char* backend_id() const override { return "in_process"; }
+
+  Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) override {
+    const int world = state_->world;
+    Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world);
+    const bool on_cuda = state_->device.is_cuda();
+    if (local.ok() && on_cuda) local = ensure_events();
+    if (local.ok() && on_cuda) local = cuda::comm_event_record(ready_event_, stream);
+    State::Slot& mine = state_->slots[rank_];
+    mine.header = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
+    mine.send = send;
+    mine.ready_event = ready_event_;
+    mine.done_event = done_event_;
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+
+    std::vector<CallHeader> headers(world);
+    for (int r = 0; r < world; ++r) headers[r] = state_->slots[r].header;
+    Status verdict = comm_detail::check_call_headers(headers.data(), world, local);
+    if (verdict.ok() && bytes > 0) verdict = pull(bytes, static_cast<char*>(recv), stream);
+    // Always the second barrier, also on error: a peer may still read the slots.
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+    DETDIT_RETURN_IF_ERROR(verdict);
+    if (on_cuda && bytes > 0) {
+      for (int r = 0; r < world; ++r)
+        if (r != rank_) DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, state_->slots[r].done_event));
+    }
+    return Status();
+  }
+
+  Status agree(const Status& local) override {
+    const int world = state_->world;
+    State::Slot& mine = state_->slots[rank_];
+    mine.header = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
+    mine.record = comm_detail::make_record(local);
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+    std::vector<CallHeader> headers(world);
+    std::vector<AgreeRecord> records(world);
+    for (int r = 0; r < world; ++r) {
+      headers[r] = state_->slots[r].header;
+      records[r] = state_->slots[r].record;
+    }
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world, Status()));
+    return comm_detail::resolve_agreement(records.data(), world, local);
+  }
+
+ private:
+  using State = InProcessGroup::State;
+
+  Status ensure_events() {
+    if (!ready_event_) DETDIT_RETURN_IF_ERROR(cuda::comm_event_create(state_->device, &ready_event_));
+    if (!done_event_) DETDIT_RETURN_IF_ERROR(cuda::comm_event_create(state_->device, &done_event_));
+    return Status();
+  }
+
+  // recv[r*bytes, (r+1)*bytes) = rank r's send, r ascending.
+  Status pull(std::size_t bytes, char* recv, Stream stream) {
+    for (int r = 0; r < state_->world; ++r) {
+      const State::Slot& peer = state_->slots[r];
+      if (!state_->device.is_cuda()) {
+        std::memcpy(recv + r * bytes, peer.send, bytes);
+        continue;
+      }
+      DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, peer.ready_event));
+      DETDIT_RETURN_IF_ERROR(cuda::comm_copy_async(recv + r * bytes, peer.send, bytes, stream));
+    }
+    if (state_->device.is_cuda()) DETDIT_RETURN_IF_ERROR(cuda::comm_event_record(done_event_, stream));
+    return Status();
+  }
+
+  std::shared_ptr<State> state_;
+  int rank_;
+  uint64_t sequence_ = 0;
+  void* ready_event_ = nullptr;
+  void* done_event_ = nullptr;
+};
+
+}  // namespace
+
+Status InProcessGroup::create(int world, Device device, std::shared_ptr<InProcessGroup>* group) {
+  if (world < 1) return Status::value_error("world must be >= 1, got " + std::to_string(world));
+  auto state = std::make_shared<State>();
+  state->world = world;
+  state->device = device;
+  state->taken.assign(static_cast<std::size_t>(world), false);
+  state->slots.resize(static_cast<std::size_t>(world));
+  *group = std::make_shared<InProcessGroup>(std::move(state));
+  return Status();
+}
+
+Status InProcessGroup::communicator(int rank, std::unique_ptr<Communicator>* comm) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (rank < 0 || rank >= state_->world)
+    return Status::value_error("need 0 <= rank < world, got rank=" + std::to_string(rank) +
+                               ", world=" + std::to_string(state_->world));
+  if (state_->taken[rank])
+    return Status::value_error("the communicator of rank " + std::to_string(rank) + " was already created");
+  state_->taken[rank] = true;
+  *comm = std::make_unique<InProcessCommunicator>(state_, rank);
+  return Status();
+}
+
+Status InProcessGroup::run(int world, const std::function<Status(Communicator&)>& fn, Device device) {
+  std::shared_ptr<InProcessGroup> group;
+  DETDIT_RETURN_IF_ERROR(create(world, device, &group));
+  std::vector<std::unique_ptr<Communicator>> comms(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) DETDIT_RETURN_IF_ERROR(group->communicator(r, &comms[r]));
+  std::vector<Status> results(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        results[r] = fn(*comms[r]);
+      } catch (const std::exception& e) {
+        results[r] = Status::runtime_error(std::string("exception: ") + e.what());
+      } catch (...) {
+        results[r] = Status::runtime_error("unknown exception");
+      }
+      // Leaving the group wakes any peer still waiting for this rank.
+      comms[r].reset();
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Every failing rank is reported: the first one's kind, all messages (a rank
+  // that waited for a failed peer reports that, the peer reports the cause).
+  Status first;
+  std::string messages;
+  for (int r = 0; r < world; ++r) {
+    if (results[r].ok()) continue;
+    if (first.ok()) first = results[r];
+    messages += (messages.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + results[r].message());
+  }
+  if (first.ok()) return first;
+  return Status(first.kind(), messages);
+}
+
+}  // namespace detdit

@@ -1,0 +1,128 @@
+// The MPI communicator: CPU ranks as processes. Payloads move with
+// MPI_Allgather of MPI_BYTE (a copy; MPI never reduces here). Every call first
+// all-gathers the 32-byte CallHeader and checks it on every rank.
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "detdit/comm.h"
+#include "parallel/call_check.h"
+
+#if defined(DETDIT_WITH_MPI)
+#include <mpi.h>
+#endif
+
+namespace detdit {
+
+bool launched_by_mpi() {
+  // Open MPI, MPICH/Hydra and Slurm's PMI set these in every launched process.
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::atoi(value) > 1) return true;
+  }
+  return false;
+}
+
+#if defined(DETDIT_WITH_MPI)
+
+using comm_detail::AgreeRecord;
+using comm_detail::CallHeader;
+using comm_detail::CallOp;
+
+namespace {
+
+Status mpi_error(const char* what, int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return Status::runtime_error(std::string(what) + " failed: " + std::string(text, static_cast<std::size_t>(length)));
+}
+
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, int rank, int world) : comm_(comm), rank_(rank), world_(world) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  Device device() const override { return Device::cpu(); }
+  const char* backend_id() const override { return "mpi"; }
+
+  Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream) override {
+    Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world_);
+    // MPI counts are int: larger payloads are a clear error on every rank (all
+    // ranks see the same bytes once the headers agree).
+    if (local.ok() && bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+      local = Status::value_error("the MPI all_gather moves at most 2^31 - 1 bytes per rank, got " +
+                                  std::to_string(bytes));
+    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
+    std::vector<CallHeader> headers(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers.data()));
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world_, local));
+    if (bytes == 0) return Status();
+    return gather_bytes(send, bytes, recv);
+  }
+
+  Status agree(const Status& local) override {
+    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
+    std::vector<CallHeader> headers(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers.data()));
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world_, Status()));
+    AgreeRecord record = comm_detail::make_record(local);
+    std::vector<AgreeRecord> records(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&record, sizeof(AgreeRecord), records.data()));
+    return comm_detail::resolve_agreement(records.data(), world_, local);
+  }
+
+ private:
+  Status gather_bytes(const void* send, std::size_t bytes, void* recv) {
+    const int count = static_cast<int>(bytes);
+    int code = MPI_Allgather(send, count, MPI_BYTE, recv, count, MPI_BYTE, comm_);
+    if (code != MPI_SUCCESS) return mpi_error("MPI_Allgather", code);
+    return Status();
+  }
+
+  MPI_Comm comm_;
+  int rank_, world_;
+  uint64_t sequence_ = 0;
+};
+
+}  // namespace
+
+Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* mpi_comm) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    if (code != MPI_SUCCESS) return mpi_error("MPI_Init_thread", code);
+    std::atexit(finalize_at_exit);
+  }
+  MPI_Comm handle = mpi_comm ? *static_cast<const MPI_Comm*>(mpi_comm) : MPI_COMM_WORLD;
+  // Errors come back as codes (turned into RuntimeErrors), never an abort.
+  MPI_Comm_set_errhandler(handle, MPI_ERRORS_RETURN);
+  int rank = 0, world = 0;
+  int code = MPI_Comm_rank(handle, &rank);
+  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_rank", code);
+  code = MPI_Comm_size(handle, &world);
+  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_size", code);
+  *comm = std::make_unique<MpiCommunicator>(handle, rank, world);
+  return Status();
+}
+
+#else
+
+Status create_mpi_communicator(std::unique_ptr<Communicator>*, const void*) {
+  return Status::runtime_error(
+      "this detdit was built without MPI (no MPI found at configure time); install libopenmpi-dev and rebuild");
+}
+
+#endif
+
+}  // namespace detdit

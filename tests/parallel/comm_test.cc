@@ -1,0 +1,247 @@
+// Communicators: the rank-ordered all-gather is an exact byte copy for every
+// world size, and mismatched or invalid calls fail on every rank (no hang, no
+// copy). In-process on the CPU and on one GPU; MPI across processes.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/test_util.h"
+#include "detdit/comm.h"
+#include "parallel/parallel_util.h"
+
+#if defined(DETDIT_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace detdit {
+namespace {
+
+using testing::run_under_mpi;
+
+// Rank r's payload byte i: distinct per rank and position.
+uint8_t payload_byte(int rank, std::size_t i) { return static_cast<uint8_t>(rank * 37 + i * 11 + 5); }
+
+std::vector<uint8_t> payload(int rank, std::size_t bytes) {
+  std::vector<uint8_t> v(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) v[i] = payload_byte(rank, i);
+  return v;
+}
+
+// What every rank must hold after the gather: rank blocks in rank order.
+std::vector<uint8_t> expected_gather(int world, std::size_t bytes) {
+  std::vector<uint8_t> v;
+  for (int r = 0; r < world; ++r) {
+    std::vector<uint8_t> p = payload(r, bytes);
+    v.insert(v.end(), p.begin(), p.end());
+  }
+  return v;
+}
+
+Status gather_and_check(Communicator& comm, std::size_t bytes) {
+  const int world = comm.world_size();
+  std::vector<uint8_t> send = payload(comm.rank(), bytes);
+  std::vector<uint8_t> recv(bytes * world, 0xA5);
+  DETDIT_RETURN_IF_ERROR(comm.all_gather(send.data(), bytes, recv.data(), DType::kF32, nullptr));
+  if (recv != expected_gather(world, bytes))
+    return Status::runtime_error("rank " + std::to_string(comm.rank()) + " gathered the wrong bytes");
+  return Status();
+}
+
+TEST(InProcessComm, AllGatherIsRankOrderedForEveryWorldSize) {
+  for (int world = 1; world <= 8; ++world) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+      if (comm.world_size() != world) return Status::runtime_error("wrong world size");
+      // Several calls in a row, of different sizes (including zero bytes).
+      for (std::size_t bytes : {std::size_t{4}, std::size_t{4096}, std::size_t{0}, std::size_t{12 * 1024 + 8}})
+        DETDIT_RETURN_IF_ERROR(gather_and_check(comm, bytes));
+      return Status();
+    }));
+  }
+}
+
+TEST(InProcessComm, MismatchedBytesFailOnEveryRankWithoutCopying) {
+  const int world = 4;
+  std::vector<Status> results(world);
+  std::vector<bool> untouched(world, false);
+  Status run = InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    const std::size_t bytes = comm.rank() == 2 ? 8 : 16;
+    std::vector<uint8_t> send = payload(comm.rank(), bytes);
+    std::vector<uint8_t> recv(16 * world, 0xA5);
+    results[comm.rank()] = comm.all_gather(send.data(), bytes, recv.data(), DType::kF32, nullptr);
+    untouched[comm.rank()] = recv == std::vector<uint8_t>(16 * world, 0xA5);
+    return results[comm.rank()];
+  });
+  EXPECT_EQ(run.kind(), ErrorKind::kValue) << run.to_string();
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << "rank " << r << ": " << results[r].to_string();
+    EXPECT_NE(results[r].message().find("rank 2 called all_gather #0 with 8 bytes"), std::string::npos)
+        << results[r].message();
+    EXPECT_TRUE(untouched[r]) << "rank " << r << " recv was written";
+  }
+}
+
+TEST(InProcessComm, MismatchedDtypeFailsOnEveryRank) {
+  const int world = 3;
+  std::vector<Status> results(world);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    std::vector<uint8_t> send(8), recv(8 * world);
+    const DType dtype = comm.rank() == 1 ? DType::kBF16 : DType::kF32;
+    results[comm.rank()] = comm.all_gather(send.data(), 8, recv.data(), dtype, nullptr);
+    return results[comm.rank()];
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
+    EXPECT_NE(results[r].message().find("bfloat16"), std::string::npos) << results[r].message();
+  }
+}
+
+TEST(InProcessComm, InvalidArgumentsOnOneRankFailEveryRank) {
+  const int world = 3;
+  std::vector<Status> results(world);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    std::vector<uint8_t> send(8), recv(8 * world, 0xA5);
+    // rank 0 passes a null send buffer: it still takes part, so nobody hangs.
+    const void* data = comm.rank() == 0 ? nullptr : send.data();
+    results[comm.rank()] = comm.all_gather(data, 8, recv.data(), DType::kF32, nullptr);
+    return results[comm.rank()];
+  });
+  EXPECT_NE(results[0].message().find("send buffer is null"), std::string::npos) << results[0].message();
+  for (int r = 1; r < world; ++r)
+    EXPECT_NE(results[r].message().find("invalid arguments on rank(s) 0"), std::string::npos) << results[r].message();
+}
+
+TEST(InProcessComm, ARankThatSkipsACallMakesTheOthersFailInsteadOfHanging) {
+  // rank 0 makes one more call than the others: it finds them gone.
+  Status run = InProcessGroup::run(3, [&](Communicator& comm) -> Status {
+    DETDIT_RETURN_IF_ERROR(gather_and_check(comm, 64));
+    if (comm.rank() == 0) return gather_and_check(comm, 64);
+    return Status();
+  });
+  EXPECT_EQ(run.kind(), ErrorKind::kRuntime) << run.to_string();
+  EXPECT_NE(run.message().find("left the group"), std::string::npos) << run.message();
+}
+
+TEST(InProcessComm, AgreeReportsTheFirstFailingRankOnEveryRank) {
+  const int world = 5;
+  std::vector<Status> results(world);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    DETDIT_RETURN_IF_ERROR(comm.agree(Status()));  // all OK agrees OK
+    Status local = comm.rank() == 3 ? Status::type_error("x must be bfloat16, got float16") : Status();
+    results[comm.rank()] = comm.agree(local);
+    return Status();
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(results[r].kind(), ErrorKind::kType) << "rank " << r;
+    EXPECT_NE(results[r].message().find("x must be bfloat16, got float16"), std::string::npos)
+        << results[r].message();
+  }
+  EXPECT_NE(results[0].message().find("rank 3"), std::string::npos) << results[0].message();
+}
+
+TEST(InProcessComm, RunReportsExceptionsAndRejectsBadWorlds) {
+  Status run = InProcessGroup::run(2, [&](Communicator& comm) -> Status {
+    if (comm.rank() == 1) throw std::runtime_error("boom");
+    return Status();
+  });
+  EXPECT_EQ(run.kind(), ErrorKind::kRuntime);
+  EXPECT_NE(run.message().find("rank 1: exception: boom"), std::string::npos) << run.message();
+  EXPECT_EQ(InProcessGroup::run(0, [](Communicator&) { return Status(); }).kind(), ErrorKind::kValue);
+  std::shared_ptr<InProcessGroup> group;
+  DETDIT_ASSERT_OK(InProcessGroup::create(2, Device::cpu(), &group));
+  std::unique_ptr<Communicator> comm;
+  EXPECT_EQ(group->communicator(2, &comm).kind(), ErrorKind::kValue);
+  DETDIT_EXPECT_OK(group->communicator(1, &comm));
+  EXPECT_EQ(group->communicator(1, &comm).kind(), ErrorKind::kValue);
+}
+
+TEST(InProcessCommCuda, AllGatherOnOneGpuIsRankOrdered) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_CUDA)
+  for (int world : {1, 2, 3, 5, 8}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+      const std::size_t bytes = 64 * 1024 + 12;
+      cudaSetDevice(0);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      void *send = nullptr, *recv = nullptr;
+      cudaMalloc(&send, bytes);
+      cudaMalloc(&recv, bytes * world);
+      std::vector<uint8_t> host = payload(comm.rank(), bytes);
+      cudaMemcpyAsync(send, host.data(), bytes, cudaMemcpyHostToDevice, stream);
+      Status s = Status();
+      for (int repeat = 0; repeat < 3 && s.ok(); ++repeat) s = comm.all_gather(send, bytes, recv, DType::kBF16, stream);
+      std::vector<uint8_t> got(bytes * world);
+      cudaMemcpyAsync(got.data(), recv, bytes * world, cudaMemcpyDeviceToHost, stream);
+      cudaStreamSynchronize(stream);
+      cudaFree(send);
+      cudaFree(recv);
+      cudaStreamDestroy(stream);
+      DETDIT_RETURN_IF_ERROR(s);
+      if (got != expected_gather(world, bytes)) return Status::runtime_error("wrong bytes on the GPU");
+      return Status();
+    }, Device::cuda(0)));
+  }
+#endif
+}
+
+TEST(NcclComm, WorldSizeOneAllGatherIsACopy) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_NCCL)
+  NcclUniqueId id;
+  DETDIT_ASSERT_OK(nccl_unique_id(&id));
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), &comm));
+  const std::size_t bytes = 4096;
+  void *send = nullptr, *recv = nullptr;
+  cudaMalloc(&send, bytes);
+  cudaMalloc(&recv, bytes);
+  std::vector<uint8_t> host = payload(0, bytes), got(bytes);
+  cudaMemcpy(send, host.data(), bytes, cudaMemcpyHostToDevice);
+  DETDIT_EXPECT_OK(comm->all_gather(send, bytes, recv, DType::kF32, nullptr));
+  cudaMemcpy(got.data(), recv, bytes, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(got, host);
+  EXPECT_EQ(comm->all_gather(send, 6, recv, DType::kF32, nullptr).kind(), ErrorKind::kValue);
+  cudaFree(send);
+  cudaFree(recv);
+#else
+  GTEST_SKIP() << "built without NCCL";
+#endif
+}
+
+// ---- MPI: the launcher runs the DISABLED_ worker below on N processes.
+
+TEST(DISABLED_MpiWorker, AllGather) {
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_mpi_communicator(&comm));
+  EXPECT_STREQ(comm->backend_id(), "mpi");
+  for (std::size_t bytes : {std::size_t{4}, std::size_t{100000}, std::size_t{0}}) DETDIT_EXPECT_OK(gather_and_check(*comm, bytes));
+  // A mismatched call fails on every rank (rank 1 sends fewer bytes).
+  const std::size_t bytes = comm->rank() == 1 ? 8 : 16;
+  std::vector<uint8_t> send(bytes), recv(16 * comm->world_size(), 0xA5);
+  Status s = comm->all_gather(send.data(), bytes, recv.data(), DType::kF32, nullptr);
+  EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
+  EXPECT_EQ(recv, std::vector<uint8_t>(16 * comm->world_size(), 0xA5));
+  // agree: rank 0 rejects, everyone hears it.
+  Status a = comm->agree(comm->rank() == 0 ? Status::value_error("bad shape on rank 0") : Status());
+  EXPECT_NE(a.message().find("bad shape on rank 0"), std::string::npos) << a.message();
+  // And the communicator still works afterwards.
+  DETDIT_EXPECT_OK(gather_and_check(*comm, 256));
+}
+
+TEST(MpiComm, AllGatherAcrossProcesses) {
+#if defined(DETDIT_WITH_MPI)
+  for (int ranks : {2, 3}) EXPECT_TRUE(run_under_mpi(ranks, "DISABLED_MpiWorker.AllGather"));
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
+}  // namespace
+}  // namespace detdit
