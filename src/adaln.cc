@@ -3,9 +3,12 @@
 // argument, then dispatch on the tensors' device. Nothing is written on error.
 #include "detdit/adaln.h"
 
+#include <memory>
 #include <string>
 
 #include "common/backends.h"
+#include "common/projection.h"
+#include "common/scratch.h"
 #include "common/validate.h"
 #include "rowwise_checks.h"
 
@@ -68,6 +71,44 @@ Status validate_row_gather_backward(const AdalnRowGatherBackwardParams& p) {
   return check_outputs_disjoint({{&p.grad, "grad"}}, {{&p.d_rows, "d_rows"}});
 }
 
+namespace {
+
+// The (3T, 6H) rows view of a contiguous (T, 18H) table (adaln.h).
+TensorView rows_view(const TensorView& table) {
+  return TensorView::contiguous(table.data, table.dtype, {3 * table.shape[0], table.shape[1] / 3}, table.device);
+}
+
+// The plan of the fused ops indexes the table: R must equal `rows`.
+Status check_plan_rows(const IndexPlan& plan, const TensorView& ref, const char* ref_name, int64_t rows,
+                       const char* what) {
+  DETDIT_RETURN_IF_ERROR(check::plan_on(plan, "plan", ref, ref_name));
+  if (plan.num_rows() != rows)
+    return Status::value_error("plan must have R = " + std::string(what) + " = " + std::to_string(rows) +
+                               " table rows, got R = " + std::to_string(plan.num_rows()));
+  return Status();
+}
+
+// Shift / scale of a final_adaln_out table (T, 2H): shift first.
+TensorView table_half(const TensorView& table, int64_t hidden, int half) {
+  return table.narrow(1, half * hidden, hidden);
+}
+
+// A (T, N) fp32 scratch gradient of the table, allocated after the arguments
+// that size it are known to be well formed (so allocation never follows a bad shape).
+Status table_grad_scratch(const TensorView& temb, const TensorView& weight, Stream stream,
+                          std::shared_ptr<void>* owner, TensorView* view) {
+  DETDIT_RETURN_IF_ERROR(check::present(temb, "temb"));
+  DETDIT_RETURN_IF_ERROR(check::rank(temb, "temb", 2, "(T, D)"));
+  DETDIT_RETURN_IF_ERROR(check::present(weight, "weight"));
+  DETDIT_RETURN_IF_ERROR(check::rank(weight, "weight", 2, "(N, D)"));
+  if (temb.shape[0] < 1 || weight.shape[0] < 1)
+    return Status::value_error("temb and weight must be non-empty, got temb " + temb.describe() + " and weight " +
+                               weight.describe());
+  return scratch_tensor(temb.device, DType::kF32, {temb.shape[0], weight.shape[0]}, stream, owner, view);
+}
+
+}  // namespace
+
 }  // namespace rowwise
 
 Status adaln_row_gather_forward(const AdalnRowGatherParams& params, Stream stream) {
@@ -80,6 +121,148 @@ Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& params, Str
   DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_backward(params));
   return params.grad.device.is_cuda() ? cuda::adaln_row_gather_backward(params, stream)
                                       : cpu::adaln_row_gather_backward(params, stream);
+}
+
+// ---- adaln_modulation: projection + gather (numerics 5.9, 6.9) ----------------
+
+namespace {
+
+Status validate_modulation_forward(const AdalnModulationParams& p) {
+  DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics));
+  if (p.weight.shape[0] % (3 * kAdalnChunks) != 0)
+    return Status::value_error("weight must be (6 * H * 3, D); got " + p.weight.shape_string() +
+                               ", whose first dim is not a multiple of 18");
+  DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.plan, p.temb, "temb", 3 * p.temb.shape[0], "3T"));
+  AdalnRowGatherParams gather{rowwise::rows_view(p.table), p.plan, p.out};
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_forward(gather));
+  return rowwise::check_outputs_disjoint(
+      {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.out, "out"}});
+}
+
+}  // namespace
+
+Status adaln_modulation_forward(const AdalnModulationParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_modulation_forward(params));
+  DETDIT_RETURN_IF_ERROR(projection_forward(params.temb, params.weight, params.bias, params.table, params.act,
+                                            params.numerics, stream));
+  AdalnRowGatherParams gather{rowwise::rows_view(params.table), params.plan, params.out};
+  return params.table.device.is_cuda() ? cuda::adaln_row_gather_forward(gather, stream)
+                                       : cpu::adaln_row_gather_forward(gather, stream);
+}
+
+Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, Stream stream) {
+  const AdalnModulationBackwardParams& p = params;
+  // d_table (T, 18H) FP32 = d_rows (3T, 6H): never rounded before the projection backward.
+  std::shared_ptr<void> owner;
+  TensorView d_table;
+  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.temb, p.weight, stream, &owner, &d_table));
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight,
+                                                      p.d_bias, p.numerics));
+  if (p.weight.shape[0] % (3 * kAdalnChunks) != 0)
+    return Status::value_error("weight must be (6 * H * 3, D); got " + p.weight.shape_string() +
+                               ", whose first dim is not a multiple of 18");
+  DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.plan, p.temb, "temb", 3 * p.temb.shape[0], "3T"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.grad, "grad"));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.grad, "grad", p.weight, "weight"));
+  const int64_t hidden = p.weight.shape[0] / (3 * kAdalnChunks);
+  if (p.grad.shape[p.grad.rank - 1] != hidden)
+    return Status::value_error("grad must be (6, B*S, H) with H = weight rows / 18 = " + std::to_string(hidden) +
+                               ", got " + p.grad.describe());
+  AdalnRowGatherBackwardParams gather{p.grad, p.plan, rowwise::rows_view(d_table)};
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_backward(gather));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint({{&p.grad, "grad"}},
+                                                         {{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"}, {&p.d_bias, "d_bias"}}));
+  DETDIT_RETURN_IF_ERROR(p.grad.device.is_cuda() ? cuda::adaln_row_gather_backward(gather, stream)
+                                                 : cpu::adaln_row_gather_backward(gather, stream));
+  return projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.numerics, stream);
+}
+
+// ---- final_adaln_out: projection (T, 2H) + modulated rmsnorm (numerics 5.8, 6.9) ----
+
+namespace {
+
+// The rmsnorm half of final_adaln_out, with shift/scale the halves of `table`.
+RmsnormParams norm_params(const FinalAdalnOutParams& p, int64_t hidden) {
+  RmsnormParams norm;
+  norm.x = p.x;
+  norm.weight = p.norm_weight;
+  norm.shift = rowwise::table_half(p.table, hidden, 0);
+  norm.scale = rowwise::table_half(p.table, hidden, 1);
+  norm.plan = p.plan;
+  norm.out = p.out;
+  norm.rstd = p.rstd;
+  norm.eps = p.eps;
+  norm.numerics = p.numerics;
+  return norm;
+}
+
+// H of x, and weight (2H, D) in x's dtype, before anything else uses them.
+Status check_final_shapes(const TensorView& x, const TensorView& weight, const TensorView& temb, const IndexPlan& plan,
+                          int64_t* hidden) {
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(x, "x", &plan, hidden));
+  DETDIT_RETURN_IF_ERROR(check::present(weight, "weight"));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(weight, "weight", x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::shape(weight, "weight", {2 * *hidden, -1}, "(2H, D)"));
+  DETDIT_RETURN_IF_ERROR(check::present(temb, "temb"));
+  return rowwise::check_plan_rows(plan, x, "x", temb.shape[0], "T (temb rows)");
+}
+
+}  // namespace
+
+Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream) {
+  const FinalAdalnOutParams& p = params;
+  int64_t hidden = 0;
+  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.x, p.weight, p.temb, p.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
+  DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics));
+  const RmsnormParams norm = norm_params(p, hidden);
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(norm));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
+      {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.out, "out"}, {&p.rstd, "rstd"}}));
+  DETDIT_RETURN_IF_ERROR(projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics, stream));
+  return p.x.device.is_cuda() ? cuda::rmsnorm_forward(norm, stream) : cpu::rmsnorm_forward(norm, stream);
+}
+
+Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Stream stream) {
+  const FinalAdalnOutBackwardParams& p = params;
+  int64_t hidden = 0;
+  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.x, p.weight, p.temb, p.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.table, "table", p.weight, "weight"));
+  DETDIT_RETURN_IF_ERROR(check::shape(p.table, "table", {p.temb.shape[0], 2 * hidden}, "(T, 2H)"));
+  DETDIT_RETURN_IF_ERROR(check::contiguous(p.table, "table"));
+  // d_table (T, 2H) FP32 = [d_shift | d_scale], never rounded before the projection backward.
+  std::shared_ptr<void> owner;
+  TensorView d_table;
+  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.temb, p.weight, stream, &owner, &d_table));
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight,
+                                                      p.d_bias, p.numerics));
+  RmsnormBackwardParams norm;
+  norm.x = p.x;
+  norm.weight = p.norm_weight;
+  norm.shift = rowwise::table_half(p.table, hidden, 0);
+  norm.scale = rowwise::table_half(p.table, hidden, 1);
+  norm.plan = p.plan;
+  norm.rstd = p.rstd;
+  norm.grad = p.grad;
+  norm.dx = p.dx;
+  norm.d_weight = p.d_norm_weight;
+  norm.d_shift = rowwise::table_half(d_table, hidden, 0);
+  norm.d_scale = rowwise::table_half(d_table, hidden, 1);
+  norm.eps = p.eps;
+  norm.numerics = p.numerics;
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
+      {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.dx, "dx"}, {&p.d_norm_weight, "d_norm_weight"}, {&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
+       {&p.d_bias, "d_bias"}}));
+  DETDIT_RETURN_IF_ERROR(p.x.device.is_cuda() ? cuda::rmsnorm_backward(norm, stream)
+                                              : cpu::rmsnorm_backward(norm, stream));
+  return projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.numerics, stream);
 }
 
 }  // namespace detdit
