@@ -5,13 +5,39 @@
 
 #include "cli.h"
 
+namespace detdit {
+namespace cli {
+
+const char* const kUsage =
+    "usage: detdit <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  verify    run the conditioning ops and check every bitwise claim and accuracy bar\n"
+    "  bench     time the ops: median time, GB/s, % of the copy bandwidth, #wrong\n"
+    "  report    draw the SVG figure of a verify report\n"
+    "  weights   synth | verify | inspect | manifest: the H3 conditioning weights\n"
+    "\n"
+    "detdit <command> --help describes each command's options.\n"
+    "Exit codes: 0 every check passes, 1 a check fails, 2 usage or input error.\n";
+
+}  // namespace cli
+}  // namespace detdit
+
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    std::puts(detdit::cli::kUsage);
-    return argc < 2 ? 2 : 0;
+  using namespace detdit::cli;
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
   }
-  std::string command = argv[1];
-  if (command == "verify") return detdit::cli::run_verify(argc - 1, argv + 1);
-  std::fprintf(stderr, "detdit: unknown command '%s'\n\n%s\n", command.c_str(), detdit::cli::kUsage);
+  const std::string command = argv[1];
+  if (command == "--help" || command == "-h" || command == "help") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (command == "verify") return run_verify(argc - 1, argv + 1);
+  if (command == "bench") return run_bench(argc - 1, argv + 1);
+  if (command == "report") return run_report(argc - 1, argv + 1);
+  if (command == "weights") return run_weights(argc - 1, argv + 1);
+  std::fprintf(stderr, "detdit: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return 2;
 }

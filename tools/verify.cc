@@ -1,21 +1,303 @@
-#include <cstdio>
+// detdit verify: runs every registered verify case for one device, prints a
+// table and a one-line verdict, and writes a JSON report (and an SVG figure).
+// Exit code 0 when every check passes, 1 when one fails, 2 on usage or input
+// errors (bad options, unreadable weights).
+#include "verify.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "args.h"
 #include "cli.h"
+#include "environment.h"
+#include "io/manifest.h"
 
 namespace detdit {
 namespace cli {
+namespace {
 
-const char* const kUsage =
-    "usage: detdit <command> [options]\n"
-    "\n"
-    "commands:\n"
-    "  verify    run the conditioning ops and check every bitwise claim and accuracy bar\n"
-    "\n"
-    "detdit <command> --help describes each command's options.";
+using Json = nlohmann::ordered_json;
 
-int run_verify(int, char**) {
-  std::puts("detdit verify: no checks registered yet");
-  return 1;
+// Report order: the conditioning path from the timestep to the output.
+const char* const kOpOrder[] = {"weights",         "timestep_sinusoid", "linear",          "timestep_mlp",
+                                "adaln_projection", "adaln_row_gather", "rmsnorm",         "gate_residual",
+                                "final_adaln_out",  "adaln_modulation", "chain",           "sp_region",
+                                "tp_adaln_projection"};
+
+int op_rank(const std::string& op) {
+  int i = 0;
+  for (const char* name : kOpOrder) {
+    if (op == name) return i;
+    ++i;
+  }
+  return i;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+Json number_or_null(double v) { return std::isnan(v) ? Json(nullptr) : Json(v); }
+
+std::string format_error(double v) {
+  if (std::isnan(v)) return "-";
+  char text[32];
+  std::snprintf(text, sizeof text, v == 0 ? "0" : "%.2e", v);
+  return text;
+}
+
+struct CaseResult {
+  const VerifyCase* c;
+  std::vector<CheckRow> rows;
+  double seconds = 0;
+};
+
+void print_table(const std::vector<CaseResult>& results) {
+  struct Line {
+    std::string op, name, check, bitwise, error, bound, seconds, result;
+  };
+  std::vector<Line> lines;
+  lines.push_back({"op", "case", "check", "bitwise", "max err", "bound", "s", "result"});
+  for (const CaseResult& r : results) {
+    for (const CheckRow& row : r.rows) {
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%.2f", row.seconds);
+      lines.push_back({r.c->op, r.c->name, row.check,
+                       row.bitwise_run ? std::to_string(row.bitwise_passed) + "/" + std::to_string(row.bitwise_run)
+                                       : "-",
+                       format_error(row.max_error) + (std::isnan(row.max_error) ? "" : " " + row.error_unit),
+                       format_error(row.bound), seconds, row.pass ? "ok" : "FAIL"});
+    }
+  }
+  size_t w[8] = {0};
+  for (const Line& l : lines) {
+    const std::string* f[8] = {&l.op, &l.name, &l.check, &l.bitwise, &l.error, &l.bound, &l.seconds, &l.result};
+    for (int i = 0; i < 8; ++i) w[i] = std::max(w[i], f[i]->size());
+  }
+  for (const Line& l : lines) {
+    std::printf("%-*s  %-*s  %-*s  %*s  %*s  %*s  %*s  %s\n", int(w[0]), l.op.c_str(), int(w[1]), l.name.c_str(),
+                int(w[2]), l.check.c_str(), int(w[3]), l.bitwise.c_str(), int(w[4]), l.error.c_str(), int(w[5]),
+                l.bound.c_str(), int(w[6]), l.seconds.c_str(), l.result.c_str());
+  }
+  for (const CaseResult& r : results) {
+    for (const CheckRow& row : r.rows) {
+      if (!row.pass && !row.detail.empty()) {
+        std::printf("FAIL %s / %s / %s: %s\n", r.c->op, r.c->name, row.check.c_str(), row.detail.c_str());
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int run_verify(int argc, char** argv) {
+  Args args("detdit verify [--quick] [--device cpu|cuda] [--weights DIR] [--out REPORT.json]",
+            "Runs the conditioning ops on the weights (default: the cached synthetic H3 weights, see\n"
+            "docs/weights.md) and checks every bitwise claim (repeatability, row invariance, CPU = CUDA)\n"
+            "and accuracy bar against an FP64 oracle. Prints a table and a verdict.\n"
+            "Exit 0: every check passes; 1: a check fails; 2: usage or input error.");
+  args.flag("--quick", "smaller sweeps (under a minute on 2 CPU cores)");
+  args.option("--device", "cpu|cuda", "where the ops run", "cuda when a GPU is present, else cpu");
+  args.option("--weights", "DIR", "weights directory or file", "synthetic, cached");
+  args.option("--blocks", "N", "blocks of the synthetic default", "1");
+  args.option("--seed", "N", "seed of the synthetic default and of the inputs", "0");
+  args.option("--ops", "LIST", "comma-separated ops to run (e.g. rmsnorm,gate_residual)", "all");
+  args.option("--out", "FILE", "write the JSON report here");
+  args.option("--figure", "FILE", "write the SVG figure here (as detdit report does)");
+  args.flag("--list", "list the registered cases and exit");
+  int code = parse_or_exit_code(&args, argc, argv, 1);
+  if (code >= 0) return code;
+  int64_t blocks = 1;
+  uint64_t seed = 0;
+  if (!args.get_int("--blocks", 1, 1, 1000, &blocks) || !args.get_uint64("--seed", 0, &seed)) {
+    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
+    return 2;
+  }
+
+  std::vector<VerifyCase> cases = verify_registry();
+  std::stable_sort(cases.begin(), cases.end(), [](const VerifyCase& a, const VerifyCase& b) {
+    if (op_rank(a.op) != op_rank(b.op)) return op_rank(a.op) < op_rank(b.op);
+    return std::string(a.op) != b.op ? std::string(a.op) < b.op : std::string(a.name) < b.name;
+  });
+  if (args.has("--list")) {
+    for (const VerifyCase& c : cases) {
+      std::printf("%-20s %-32s %s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda" : "");
+    }
+    return 0;
+  }
+
+  const int gpus = cuda_device_count();
+  std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
+  if (device_name != "cpu" && device_name != "cuda") {
+    std::fprintf(stderr, "detdit: --device must be cpu or cuda, got '%s'\n", device_name.c_str());
+    return 2;
+  }
+  if (device_name == "cuda" && gpus == 0) {
+#ifdef DETDIT_WITH_CUDA
+    std::fprintf(stderr, "detdit: --device cuda: no usable CUDA device on this machine\n");
+#else
+    std::fprintf(stderr, "detdit: --device cuda: this detdit was built without CUDA (no nvcc at configure time)\n");
+#endif
+    return 2;
+  }
+  const Device device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
+
+  std::set<std::string> wanted_ops;
+  for (const std::string& op : split_list(args.get("--ops"))) wanted_ops.insert(op);
+  for (const std::string& op : wanted_ops) {
+    bool known = false;
+    for (const VerifyCase& c : cases) known = known || op == c.op;
+    if (!known) {
+      std::fprintf(stderr, "detdit: --ops: no verify case for op '%s' (detdit verify --list shows them)\n",
+                   op.c_str());
+      return 2;
+    }
+  }
+  std::vector<const VerifyCase*> selected;
+  for (const VerifyCase& c : cases) {
+    const bool on_device = device.is_cuda() ? c.cuda : c.cpu;
+    if (on_device && (wanted_ops.empty() || wanted_ops.count(c.op))) selected.push_back(&c);
+  }
+
+  const bool terminal = ::isatty(STDERR_FILENO) != 0;
+  Weights weights;
+  Status status = resolve_weights(args.get("--weights"), blocks, seed, /*announce=*/true, &weights);
+  if (!status.ok()) {
+    std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
+    return 2;
+  }
+
+  VerifyContext context;
+  context.quick = args.has("--quick");
+  context.device = device;
+  context.weights = &weights;
+  context.seed = seed;
+  std::vector<CaseResult> results;
+  const double start = now_seconds();
+  for (std::size_t i = 0; i < selected.size(); ++i) {
+    const VerifyCase* c = selected[i];
+    if (terminal) {
+      std::fprintf(stderr, "\r\033[K[%zu/%zu] %s / %s ...", i + 1, selected.size(), c->op, c->name);
+      std::fflush(stderr);
+    }
+    CaseResult r;
+    r.c = c;
+    const double t0 = now_seconds();
+    Status s = c->run(context, &r.rows);
+    r.seconds = now_seconds() - t0;
+    if (!s.ok()) {
+      CheckRow row;
+      row.check = "case ran";
+      row.seconds = r.seconds;
+      row.detail = s.to_string();
+      row.pass = false;
+      r.rows.push_back(row);
+    }
+    if (r.rows.empty()) {
+      CheckRow row;
+      row.check = "case ran";
+      row.detail = "the case returned no checks";
+      r.rows.push_back(row);
+    }
+    results.push_back(std::move(r));
+  }
+  if (terminal) std::fprintf(stderr, "\r\033[K");
+  const double total_seconds = now_seconds() - start;
+
+  int64_t checks = 0, passed = 0;
+  for (const CaseResult& r : results) {
+    for (const CheckRow& row : r.rows) {
+      ++checks;
+      passed += row.pass ? 1 : 0;
+    }
+  }
+  const bool pass = checks > 0 && passed == checks;
+  print_table(results);
+
+  const Environment env = collect_environment(device);
+  Json report;
+  report["kind"] = "detdit_verify_report";
+  report["format_version"] = 1;
+  report["verdict"] = pass ? "PASS" : "FAIL";
+  report["checks_total"] = checks;
+  report["checks_passed"] = passed;
+  report["seconds"] = total_seconds;
+  report["git"] = {{"commit", env.commit}, {"dirty", env.dirty}, {"build_commit", env.build_commit}};
+  report["environment"] = {{"device", env.device_name},     {"compiler", env.compiler},
+                           {"cuda_runtime", env.cuda_runtime}, {"cuda_driver", env.cuda_driver},
+                           {"host", env.host}};
+  report["options"] = {{"quick", context.quick},
+                       {"device", device.to_string()},
+                       {"weights", args.get("--weights", "synthetic default")},
+                       {"blocks", blocks},
+                       {"seed", seed},
+                       {"ops", args.get("--ops", "all")}};
+  report["weights"] = {{"path", weights.path},
+                       {"synthetic", weights.synthetic},
+                       {"manifest", io::kManifestVersion},
+                       {"blocks", weights.config.blocks},
+                       {"hidden", weights.config.hidden},
+                       {"time_embed_hidden", weights.config.time_embed_hidden},
+                       {"time_embed_dim", weights.config.time_embed_dim},
+                       {"freq_dim", weights.config.freq_dim}};
+  Json json_cases = Json::array();
+  for (const CaseResult& r : results) {
+    Json rows = Json::array();
+    for (const CheckRow& row : r.rows) {
+      rows.push_back({{"check", row.check},
+                      {"bitwise_run", row.bitwise_run},
+                      {"bitwise_passed", row.bitwise_passed},
+                      {"max_error_vs_fp64", number_or_null(row.max_error)},
+                      {"bound", number_or_null(row.bound)},
+                      {"error_unit", row.error_unit},
+                      {"seconds", row.seconds},
+                      {"pass", row.pass},
+                      {"detail", row.detail}});
+    }
+    json_cases.push_back({{"op", r.c->op},
+                          {"case", r.c->name},
+                          {"device", device.to_string()},
+                          {"seconds", r.seconds},
+                          {"checks", rows}});
+  }
+  report["cases"] = json_cases;
+
+  if (args.has("--out")) {
+    std::ofstream out(args.get("--out"));
+    out << report.dump(2) << "\n";
+    if (!out) {
+      std::fprintf(stderr, "detdit: %s: cannot write the report\n", args.get("--out").c_str());
+      return 2;
+    }
+  }
+  if (args.has("--figure")) {
+    Status s = write_report_svg(nlohmann::json::parse(report.dump()), args.get("--figure"));
+    if (!s.ok()) {
+      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
+      return 2;
+    }
+  }
+  if (checks == 0) {
+    std::printf("detdit verify: FAIL, no checks ran (no case is registered for %s%s)\n", device.to_string().c_str(),
+                wanted_ops.empty() ? "" : " and --ops");
+    return 1;
+  }
+  std::printf("detdit verify: %s, %lld/%lld checks (%s, %.1f s)\n", pass ? "PASS" : "FAIL",
+              static_cast<long long>(passed), static_cast<long long>(checks), device.to_string().c_str(),
+              total_seconds);
+  return pass ? 0 : 1;
 }
 
 }  // namespace cli

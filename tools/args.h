@@ -1,0 +1,57 @@
+// A small command-line parser for the detdit CLI: long options with a value
+// ("--out DIR" or "--out=DIR"), flags ("--quick"), positionals, and a --help
+// text generated from the declarations. Parsing errors are usage errors
+// (exit code 2) with a message naming the option.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace detdit {
+namespace cli {
+
+class Args {
+ public:
+  // usage: "detdit weights synth --out DIR [options]"; summary: one paragraph.
+  Args(std::string usage, std::string summary);
+
+  // Declarations (before parse). `value_name` empty means a flag.
+  void option(const std::string& name, const std::string& value_name, const std::string& help,
+              const std::string& default_text = "");
+  void flag(const std::string& name, const std::string& help) { option(name, "", help); }
+  void positional(const std::string& name, const std::string& help, bool required = true);
+
+  // Parses argv[first..argc). Returns false on a usage error (message in
+  // error()) and when --help was given (help_requested()).
+  bool parse(int argc, char** argv, int first);
+  bool help_requested() const { return help_; }
+  const std::string& error() const { return error_; }
+  std::string help_text() const;
+
+  bool has(const std::string& name) const;  // option given, or positional present
+  std::string get(const std::string& name, const std::string& fallback = "") const;
+  // Integer values; false (with error()) when the text is not an integer in [lo, hi].
+  bool get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value);
+  bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);
+
+ private:
+  struct Spec {
+    std::string name, value_name, help, default_text;
+    bool positional = false, required = false;
+    bool given = false;
+    std::string value;
+  };
+  Spec* find(const std::string& name);
+  const Spec* find(const std::string& name) const;
+  std::string usage_, summary_, error_;
+  std::vector<Spec> specs_;
+  bool help_ = false;
+};
+
+// The standard handling around parse(): prints help to stdout (returns 0) or
+// the error and the usage line to stderr (returns 2); -1 means "go on".
+int parse_or_exit_code(Args* args, int argc, char** argv, int first);
+
+}  // namespace cli
+}  // namespace detdit

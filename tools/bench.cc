@@ -1,0 +1,209 @@
+// detdit bench: per op and case, the median time of repeated calls (wall
+// clock on the CPU, CUDA events on a GPU), the byte model, GB/s, the % of a
+// copy bandwidth measured in the same run, and #wrong: the timed outputs
+// compared bitwise with the CPU reference. Output as a table, CSV or JSON.
+// Exit 0 when no output is wrong, 1 when one is, 2 on usage or input errors.
+#include "bench.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "args.h"
+#include "cli.h"
+#include "environment.h"
+
+namespace detdit {
+namespace cli {
+namespace {
+
+struct BenchResult {
+  const BenchCase* c;
+  double median_seconds = 0, bytes = 0;
+  std::string byte_model;
+  int64_t wrong = 0, compared = 0;
+  std::string error;
+};
+
+std::set<std::string> split_set(const std::string& text) {
+  std::set<std::string> items;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) items.insert(item);
+  }
+  return items;
+}
+
+Status run_case(const BenchCase& c, const BenchContext& context, int warmup, int repeats, BenchResult* result) {
+  BenchInstance instance;
+  DETDIT_RETURN_IF_ERROR(c.setup(context, &instance));
+  std::unique_ptr<BenchTimer> timer;
+  DETDIT_RETURN_IF_ERROR(make_bench_timer(context, &timer));
+  std::vector<double> times;
+  for (int i = 0; i < warmup + repeats; ++i) {
+    double seconds = 0;
+    DETDIT_RETURN_IF_ERROR(timer->start());
+    DETDIT_RETURN_IF_ERROR(instance.run());
+    DETDIT_RETURN_IF_ERROR(timer->stop(&seconds));
+    if (i >= warmup) times.push_back(seconds);
+  }
+  std::sort(times.begin(), times.end());
+  result->median_seconds = times[times.size() / 2];
+  result->bytes = instance.bytes;
+  result->byte_model = instance.byte_model;
+  return instance.check(&result->wrong, &result->compared);
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  Args args("detdit bench [--ops LIST] [--cases LIST] [--device cpu|cuda] [--format table|csv|json]",
+            "Times each op case: median over repeated calls, bytes moved (byte model), GB/s, % of the copy\n"
+            "bandwidth measured in the same run, and #wrong (elements of the timed outputs that differ\n"
+            "bitwise from the CPU reference). Exit 0: no wrong element; 1: some; 2: usage/input error.");
+  args.option("--ops", "LIST", "comma-separated ops", "all");
+  args.option("--cases", "LIST", "comma-separated case names", "all");
+  args.option("--device", "cpu|cuda", "where the ops run", "cuda when a GPU is present, else cpu");
+  args.option("--format", "FMT", "table, csv or json", "table");
+  args.option("--repeats", "N", "timed calls per case", "20 (5 with --quick)");
+  args.option("--warmup", "N", "untimed calls first", "3 (1 with --quick)");
+  args.option("--weights", "DIR", "weights directory or file", "synthetic, cached");
+  args.option("--seed", "N", "seed of the inputs", "0");
+  args.flag("--quick", "fewer repeats, smaller copy baseline");
+  args.flag("--list", "list the registered cases and exit");
+  int code = parse_or_exit_code(&args, argc, argv, 1);
+  if (code >= 0) return code;
+  const bool quick = args.has("--quick");
+  int64_t repeats = 0, warmup = 0;
+  uint64_t seed = 0;
+  if (!args.get_int("--repeats", quick ? 5 : 20, 1, 100000, &repeats) ||
+      !args.get_int("--warmup", quick ? 1 : 3, 0, 100000, &warmup) || !args.get_uint64("--seed", 0, &seed)) {
+    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
+    return 2;
+  }
+  const std::string format = args.get("--format", "table");
+  if (format != "table" && format != "csv" && format != "json") {
+    std::fprintf(stderr, "detdit: --format must be table, csv or json, got '%s'\n", format.c_str());
+    return 2;
+  }
+  const std::vector<BenchCase>& registry = bench_registry();
+  if (args.has("--list")) {
+    for (const BenchCase& c : registry) std::printf("%-20s %-24s %s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda" : "");
+    return 0;
+  }
+  const int gpus = cuda_device_count();
+  const std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
+  if (device_name != "cpu" && device_name != "cuda") {
+    std::fprintf(stderr, "detdit: --device must be cpu or cuda, got '%s'\n", device_name.c_str());
+    return 2;
+  }
+  if (device_name == "cuda" && gpus == 0) {
+    std::fprintf(stderr, "detdit: --device cuda: no usable CUDA device (or a CPU-only build)\n");
+    return 2;
+  }
+  BenchContext context;
+  context.device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
+  context.quick = quick;
+  context.seed = seed;
+  const std::set<std::string> ops = split_set(args.get("--ops")), names = split_set(args.get("--cases"));
+  std::vector<const BenchCase*> selected;
+  for (const BenchCase& c : registry) {
+    if ((context.device.is_cuda() ? c.cuda : c.cpu) && (ops.empty() || ops.count(c.op)) &&
+        (names.empty() || names.count(c.name))) {
+      selected.push_back(&c);
+    }
+  }
+  if (selected.empty()) {
+    std::fprintf(stderr, "detdit: no bench case matches --device %s%s%s (detdit bench --list shows them)\n",
+                 device_name.c_str(), ops.empty() ? "" : " --ops", names.empty() ? "" : " --cases");
+    return 2;
+  }
+  Weights weights;
+  Status status = resolve_weights(args.get("--weights"), 1, 0, /*announce=*/true, &weights);
+  if (!status.ok()) {
+    std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
+    return 2;
+  }
+  context.weights = &weights;
+
+  double copy_bandwidth = 0;
+  status = measure_copy_bandwidth(context, std::size_t(quick ? 64 : 256) << 20, quick ? 3 : 7, &copy_bandwidth);
+  if (!status.ok()) {
+    std::fprintf(stderr, "detdit: copy baseline: %s\n", status.to_string().c_str());
+    return 2;
+  }
+  std::vector<BenchResult> results;
+  for (const BenchCase* c : selected) {
+    BenchResult r;
+    r.c = c;
+    Status s = run_case(*c, context, static_cast<int>(warmup), static_cast<int>(repeats), &r);
+    if (!s.ok()) r.error = s.to_string();
+    results.push_back(r);
+  }
+
+  bool all_right = true;
+  for (const BenchResult& r : results) all_right = all_right && r.error.empty() && r.wrong == 0 && r.compared > 0;
+  const Environment env = collect_environment(context.device);
+  auto gbps = [](const BenchResult& r) { return r.bytes / r.median_seconds / 1e9; };
+  if (format == "json") {
+    nlohmann::ordered_json out;
+    out["kind"] = "detdit_bench_report";
+    out["git"] = {{"commit", env.commit}, {"dirty", env.dirty}};
+    out["environment"] = {{"device", env.device_name}, {"compiler", env.compiler}, {"cuda_runtime", env.cuda_runtime}};
+    out["options"] = {{"repeats", repeats}, {"warmup", warmup}, {"quick", quick}, {"seed", seed}};
+    out["copy_gbps"] = copy_bandwidth / 1e9;
+    out["cases"] = nlohmann::ordered_json::array();
+    for (const BenchResult& r : results) {
+      nlohmann::ordered_json j = {{"op", r.c->op}, {"case", r.c->name}, {"device", context.device.to_string()}};
+      if (!r.error.empty()) {
+        j["error"] = r.error;
+      } else {
+        j["median_us"] = r.median_seconds * 1e6;
+        j["bytes"] = r.bytes;
+        j["byte_model"] = r.byte_model;
+        j["gbps"] = gbps(r);
+        j["percent_of_copy"] = 100.0 * r.bytes / r.median_seconds / copy_bandwidth;
+        j["wrong"] = r.wrong;
+        j["compared"] = r.compared;
+      }
+      out["cases"].push_back(j);
+    }
+    std::printf("%s\n", out.dump(2).c_str());
+  } else {
+    const bool csv = format == "csv";
+    if (csv) {
+      std::printf("op,case,device,median_us,bytes,gbps,percent_of_copy,wrong,compared,error\n");
+    } else {
+      std::printf("copy bandwidth %.1f GB/s (%s, measured now); commit %.12s%s\n", copy_bandwidth / 1e9,
+                  env.device_name.c_str(), env.commit.c_str(), env.dirty ? " (dirty)" : "");
+      std::printf("%-18s %-16s %12s %12s %9s %8s %10s\n", "op", "case", "median us", "bytes", "GB/s", "% copy",
+                  "#wrong");
+    }
+    for (const BenchResult& r : results) {
+      if (!r.error.empty()) {
+        if (csv) {
+          std::printf("%s,%s,%s,,,,,,,\"%s\"\n", r.c->op, r.c->name, context.device.to_string().c_str(), r.error.c_str());
+        } else {
+          std::printf("%-18s %-16s ERROR %s\n", r.c->op, r.c->name, r.error.c_str());
+        }
+        continue;
+      }
+      const double percent = 100.0 * r.bytes / r.median_seconds / copy_bandwidth;
+      if (csv) {
+        std::printf("%s,%s,%s,%.3f,%.0f,%.3f,%.2f,%lld,%lld,\n", r.c->op, r.c->name,
+                    context.device.to_string().c_str(), r.median_seconds * 1e6, r.bytes, gbps(r), percent,
+                    static_cast<long long>(r.wrong), static_cast<long long>(r.compared));
+      } else {
+        std::printf("%-18s %-16s %12.1f %12.0f %9.2f %7.1f%% %10lld\n", r.c->op, r.c->name, r.median_seconds * 1e6,
+                    r.bytes, gbps(r), percent, static_cast<long long>(r.wrong));
+      }
+    }
+  }
+  return all_right ? 0 : 1;
+}
+
+}  // namespace cli
+}  // namespace detdit

@@ -1,0 +1,78 @@
+// The `detdit bench` case registry. A bench case sets up one op at one size
+// and hands back a BenchInstance: the call to time, its byte model and a
+// bitwise check of the timed call's outputs against the CPU reference (always
+// run, reported as #wrong). Cases live in tools/bench_<area>.cc and register
+// with DETDIT_BENCH_CASE.
+//
+// Timing: BenchTimer measures one call. On the CPU it is the wall clock; on
+// CUDA it is a pair of CUDA events on the stream (bench_timer.cc), so a CUDA
+// case's `run` must only enqueue work on context.stream.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "detdit/numerics.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+#include "weights_source.h"
+
+namespace detdit {
+namespace cli {
+
+struct BenchContext {
+  Device device;
+  Stream stream = nullptr;
+  bool quick = false;
+  const Weights* weights = nullptr;
+  uint64_t seed = 0;
+};
+
+struct BenchInstance {
+  double bytes = 0;        // byte model: bytes one call must read and write at least
+  std::string byte_model;  // how `bytes` was counted, e.g. "W + x + out"
+  std::function<Status()> run;
+  // After the timed runs: compares the outputs of the last run bitwise with the
+  // CPU reference; *compared elements, *wrong of them differ.
+  std::function<Status(int64_t* wrong, int64_t* compared)> check;
+  std::shared_ptr<void> keep_alive;  // buffers the closures use
+};
+
+using BenchSetup = Status (*)(const BenchContext& context, BenchInstance* instance);
+
+struct BenchCase {
+  const char* op;
+  const char* name;
+  bool cpu, cuda;
+  BenchSetup setup;
+};
+
+std::vector<BenchCase>& bench_registry();
+
+struct BenchRegistrar {
+  explicit BenchRegistrar(const BenchCase& c) { bench_registry().push_back(c); }
+};
+
+#define DETDIT_BENCH_CONCAT_(a, b) a##b
+#define DETDIT_BENCH_CONCAT(a, b) DETDIT_BENCH_CONCAT_(a, b)
+#define DETDIT_BENCH_CASE(op, name, cpu, cuda, fn) \
+  static ::detdit::cli::BenchRegistrar DETDIT_BENCH_CONCAT(detdit_bench_case_, __LINE__)({op, name, cpu, cuda, fn})
+
+// Times one call on the context's device.
+class BenchTimer {
+ public:
+  virtual ~BenchTimer() = default;
+  virtual Status start() = 0;
+  virtual Status stop(double* seconds) = 0;  // waits for the work to finish
+};
+Status make_bench_timer(const BenchContext& context, std::unique_ptr<BenchTimer>* timer);
+
+// Copy bandwidth of the device in bytes/s (read + write counted), measured now:
+// memcpy on the CPU, a device-to-device copy on CUDA; median of `repeats`.
+Status measure_copy_bandwidth(const BenchContext& context, std::size_t bytes, int repeats, double* bytes_per_second);
+
+}  // namespace cli
+}  // namespace detdit

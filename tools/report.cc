@@ -1,0 +1,260 @@
+// detdit report: draws a verify report (JSON) as an SVG figure written by
+// detdit itself, three panels top to bottom:
+//   1. byte-equality matrix: one row per case, one cell per check, green when
+//      every bitwise comparison matched (label "b passed/run"), blue when the
+//      check is accuracy-only and passed, red when it failed;
+//   2. time per case (bars, seconds);
+//   3. error vs FP64 per check on a log axis (dot) with its bound (tick);
+//      exact zeros are drawn at 1e-9 and labelled "exact" (the reference's
+//      plotting convention).
+// A footer records the verdict, device, compiler, commit and dirty flag.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "args.h"
+#include "cli.h"
+
+namespace detdit {
+namespace cli {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr const char* kGreen = "#1baf7a";
+constexpr const char* kBlue = "#2a78d6";
+constexpr const char* kRed = "#d62728";
+constexpr const char* kOrange = "#eb6834";
+constexpr double kWidth = 1100;
+constexpr double kLabelWidth = 300;  // case labels left of every panel
+constexpr double kExactError = 1e-9; // where exact zeros are drawn
+constexpr int kLogMin = -10, kLogMax = 1;
+
+std::string escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string truncate(const std::string& text, std::size_t chars) {
+  return text.size() <= chars ? text : text.substr(0, chars - 1) + "~";
+}
+
+std::string fmt(const char* format, double v) {
+  char text[64];
+  std::snprintf(text, sizeof text, format, v);
+  return text;
+}
+
+class Svg {
+ public:
+  void text(double x, double y, const std::string& s, int size = 12, const char* anchor = "start",
+            const char* weight = "normal", const char* fill = "#222") {
+    out_ << "<text x=\"" << x << "\" y=\"" << y << "\" font-size=\"" << size << "\" text-anchor=\"" << anchor
+         << "\" font-weight=\"" << weight << "\" fill=\"" << fill << "\">" << escape(s) << "</text>\n";
+  }
+  void rect(double x, double y, double w, double h, const char* fill, const char* stroke = "none") {
+    out_ << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << h << "\" fill=\"" << fill
+         << "\" stroke=\"" << stroke << "\"/>\n";
+  }
+  void line(double x1, double y1, double x2, double y2, const char* stroke, double width = 1, bool dashed = false) {
+    out_ << "<line x1=\"" << x1 << "\" y1=\"" << y1 << "\" x2=\"" << x2 << "\" y2=\"" << y2 << "\" stroke=\""
+         << stroke << "\" stroke-width=\"" << width << "\"" << (dashed ? " stroke-dasharray=\"4,3\"" : "") << "/>\n";
+  }
+  void circle(double x, double y, double r, const char* fill) {
+    out_ << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"" << r << "\" fill=\"" << fill << "\"/>\n";
+  }
+  std::string body() const { return out_.str(); }
+
+ private:
+  std::ostringstream out_;
+};
+
+double number(const Json& v, double fallback = NAN) { return v.is_number() ? v.get<double>() : fallback; }
+
+}  // namespace
+
+Status write_report_svg(const Json& report, const std::string& path) {
+  if (!report.is_object() || !report.contains("cases") || !report["cases"].is_array()) {
+    return Status::value_error(path + ": the report has no \"cases\" list (is it a detdit verify report?)");
+  }
+  const Json& cases = report["cases"];
+  for (const Json& c : cases) {
+    if (!c.is_object() || !c.contains("checks") || !c["checks"].is_array() || !c.value("op", Json()).is_string() ||
+        !c.value("case", Json()).is_string()) {
+      return Status::value_error(path + ": a case lacks op, case or a checks list");
+    }
+  }
+  const double row_height = 24, top = 60;
+  Svg svg;
+  double y = top;
+
+  // Panel 1: byte-equality matrix.
+  std::size_t max_checks = 1;
+  for (const Json& c : cases) max_checks = std::max(max_checks, c["checks"].size());
+  const double cell_width = std::min(160.0, (kWidth - kLabelWidth - 20) / max_checks);
+  svg.text(20, y, "Checks: byte equality (b passed/run) and accuracy", 15, "start", "bold");
+  y += 12;
+  for (const Json& c : cases) {
+    svg.text(kLabelWidth - 8, y + 16, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), 44),
+             11, "end");
+    double x = kLabelWidth;
+    for (const Json& row : c["checks"]) {
+      const bool pass = row.value("pass", false);
+      const int64_t run = row.value("bitwise_run", int64_t(0)), ok = row.value("bitwise_passed", int64_t(0));
+      svg.rect(x + 1, y + 2, cell_width - 2, row_height - 4, !pass ? kRed : run > 0 ? kGreen : kBlue);
+      std::string label = row.value("check", std::string("?"));
+      if (run > 0) label += " b" + std::to_string(ok) + "/" + std::to_string(run);
+      svg.text(x + 4, y + 16, truncate(label, static_cast<std::size_t>(cell_width / 5.6)), 9, "start", "normal",
+               "#fff");
+      x += cell_width;
+    }
+    y += row_height;
+  }
+  y += 10;
+  svg.rect(kLabelWidth, y, 12, 12, kGreen);
+  svg.text(kLabelWidth + 16, y + 10, "bitwise equal", 11);
+  svg.rect(kLabelWidth + 120, y, 12, 12, kBlue);
+  svg.text(kLabelWidth + 136, y + 10, "accuracy within bound", 11);
+  svg.rect(kLabelWidth + 300, y, 12, 12, kRed);
+  svg.text(kLabelWidth + 316, y + 10, "failed", 11);
+  y += 40;
+
+  // Panel 2: time per case.
+  double max_seconds = 1e-3;
+  for (const Json& c : cases) max_seconds = std::max(max_seconds, number(c.value("seconds", Json()), 0));
+  const double bar_span = kWidth - kLabelWidth - 90;
+  svg.text(20, y, "Time per case (seconds, wall clock)", 15, "start", "bold");
+  y += 12;
+  for (const Json& c : cases) {
+    const double seconds = number(c.value("seconds", Json()), 0);
+    svg.text(kLabelWidth - 8, y + 15, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), 44),
+             11, "end");
+    svg.rect(kLabelWidth, y + 4, std::max(1.0, bar_span * seconds / max_seconds), row_height - 8, kBlue);
+    svg.text(kLabelWidth + bar_span * seconds / max_seconds + 6, y + 15, fmt("%.3g s", seconds), 10);
+    y += row_height;
+  }
+  y += 40;
+
+  // Panel 3: error vs FP64 on a log axis.
+  svg.text(20, y, "Max error vs FP64 (log axis; tick = the check's bound; exact = drawn at 1e-9)", 15, "start",
+           "bold");
+  y += 24;
+  const double axis_left = kLabelWidth, axis_right = kWidth - 40;
+  auto x_of = [&](double v) {
+    const double lg = std::log10(std::max(v, std::pow(10.0, kLogMin)));
+    const double t = (std::min(lg, double(kLogMax)) - kLogMin) / (kLogMax - kLogMin);
+    return axis_left + t * (axis_right - axis_left);
+  };
+  for (int e = kLogMin; e <= kLogMax; ++e) {
+    svg.text(x_of(std::pow(10.0, e)), y, "1e" + std::to_string(e), 10, "middle");
+  }
+  y += 6;
+  const double error_top = y;
+  int error_rows = 0;
+  for (const Json& c : cases) {
+    for (const Json& row : c["checks"]) {
+      const double err = number(row.value("max_error_vs_fp64", Json()));
+      if (std::isnan(err)) continue;
+      ++error_rows;
+      const double bound = number(row.value("bound", Json()));
+      const bool pass = row.value("pass", false);
+      svg.text(kLabelWidth - 8, y + 15,
+               truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>() + " / " +
+                            row.value("check", std::string("?")),
+                        48),
+               10, "end");
+      svg.line(axis_left, y + row_height / 2, axis_right, y + row_height / 2, "#eee");
+      if (!std::isnan(bound)) svg.line(x_of(bound), y + 3, x_of(bound), y + row_height - 3, kOrange, 2);
+      const double drawn = err == 0 ? kExactError : err;
+      svg.circle(x_of(drawn), y + row_height / 2, 5, pass ? kGreen : kRed);
+      svg.text(x_of(drawn) + 8, y + 15,
+               err == 0 ? "exact" : fmt("%.2e ", err) + row.value("error_unit", std::string("")), 10);
+      y += row_height;
+    }
+  }
+  if (error_rows == 0) {
+    svg.text(axis_left, y + 15, "(no check in this report measures an error against FP64)", 11);
+    y += row_height;
+  }
+  for (int e = kLogMin; e <= kLogMax; ++e) svg.line(x_of(std::pow(10.0, e)), error_top, x_of(std::pow(10.0, e)), y, "#ccc", 1, true);
+  y += 30;
+
+  // Footer.
+  const Json env = report.value("environment", Json::object());
+  const Json git = report.value("git", Json::object());
+  std::string footer = "detdit verify: " + report.value("verdict", std::string("?")) + ", " +
+                       std::to_string(report.value("checks_passed", 0)) + "/" +
+                       std::to_string(report.value("checks_total", 0)) + " checks | device " +
+                       env.value("device", std::string("?")) + " | " + env.value("compiler", std::string("?")) +
+                       " | CUDA " + env.value("cuda_runtime", std::string("?")) + " | commit " +
+                       git.value("commit", std::string("?")).substr(0, 12) +
+                       (git.value("dirty", false) ? " (dirty)" : "");
+  svg.text(20, y, footer, 11, "start", "normal", "#555");
+  y += 20;
+
+  std::ofstream out(path);
+  out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << y << "\" viewBox=\"0 0 "
+      << kWidth << " " << y << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
+      << "<text x=\"20\" y=\"30\" font-size=\"18\" font-weight=\"bold\">detdit verify report</text>\n"
+      << svg.body() << "</svg>\n";
+  out.close();
+  if (!out) return Status::runtime_error(path + ": cannot write the figure");
+  return Status::ok_status();
+}
+
+int run_report(int argc, char** argv) {
+  Args args("detdit report REPORT.json --out FIGURE.svg",
+            "Draws a detdit verify report as an SVG: the byte-equality matrix over the checks, the time\n"
+            "per case, and the error vs FP64 on a log axis. Exit 2 when the report cannot be read.");
+  args.positional("REPORT.json", "a report written by detdit verify --out");
+  args.option("--out", "FIGURE.svg", "where to write the figure", "REPORT.svg next to the report");
+  int code = parse_or_exit_code(&args, argc, argv, 1);
+  if (code >= 0) return code;
+  const std::string in_path = args.get("REPORT.json");
+  std::string out_path = args.get("--out");
+  if (out_path.empty()) {
+    const std::size_t dot = in_path.rfind('.');
+    out_path = (dot == std::string::npos ? in_path : in_path.substr(0, dot)) + ".svg";
+  }
+  std::ifstream in(in_path);
+  if (!in) {
+    std::fprintf(stderr, "detdit: %s: cannot open\n", in_path.c_str());
+    return 2;
+  }
+  Json report;
+  try {
+    report = Json::parse(in);
+  } catch (const Json::exception& e) {
+    std::fprintf(stderr, "detdit: %s: not valid JSON: %s\n", in_path.c_str(), e.what());
+    return 2;
+  }
+  Status status;
+  try {
+    status = write_report_svg(report, out_path);
+  } catch (const Json::exception& e) {
+    status = Status::value_error(in_path + ": unexpected report structure: " + e.what());
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
+    return 2;
+  }
+  std::printf("wrote %s\n", out_path.c_str());
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace detdit

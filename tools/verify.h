@@ -1,0 +1,104 @@
+// The `detdit verify` case registry. A case is one op in one situation (e.g.
+// adaln_projection at the H3 shape); it runs its checks and returns one
+// CheckRow per check. Each area registers its cases in its own file,
+// tools/verify_<area>.cc, with DETDIT_VERIFY_CASE, so adding cases never
+// touches this framework.
+//
+// A check passes when every bitwise comparison it ran matched and, where it
+// measured an error against an FP64 oracle, the error is within its bound.
+// A case that returns an error Status fails as one check carrying the message.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+#include "weights_source.h"
+
+namespace detdit {
+namespace cli {
+
+struct CheckRow {
+  std::string check;            // "repeatability", "row invariance T=1..4", "accuracy vs fp64"
+  int64_t bitwise_run = 0;      // bitwise comparisons made (whole tensors)
+  int64_t bitwise_passed = 0;   // of those, byte-equal
+  double max_error = std::numeric_limits<double>::quiet_NaN();  // vs the FP64 oracle; NaN: not measured
+  double bound = std::numeric_limits<double>::quiet_NaN();      // the bar max_error must meet
+  std::string error_unit;       // what max_error measures, e.g. "abs", "ulp(bf16)", "rel"
+  double seconds = 0;
+  bool pass = false;
+  std::string detail;           // first mismatch, or why it failed
+};
+
+struct VerifyContext {
+  bool quick = false;
+  Device device;
+  const Weights* weights = nullptr;
+  uint64_t seed = 0;
+};
+
+using VerifyFn = Status (*)(const VerifyContext& context, std::vector<CheckRow>* rows);
+
+struct VerifyCase {
+  const char* op;    // the op's snake_case name, or "weights" / "chain"
+  const char* name;  // the situation, e.g. "h3 T=4"
+  bool cpu;          // runs with --device cpu
+  bool cuda;         // runs with --device cuda
+  VerifyFn run;
+};
+
+std::vector<VerifyCase>& verify_registry();
+
+struct VerifyRegistrar {
+  explicit VerifyRegistrar(const VerifyCase& c) { verify_registry().push_back(c); }
+};
+
+#define DETDIT_VERIFY_CONCAT_(a, b) a##b
+#define DETDIT_VERIFY_CONCAT(a, b) DETDIT_VERIFY_CONCAT_(a, b)
+// DETDIT_VERIFY_CASE("rmsnorm", "modulated S=4097", /*cpu=*/true, /*cuda=*/true, run_fn);
+#define DETDIT_VERIFY_CASE(op, name, cpu, cuda, fn) \
+  static ::detdit::cli::VerifyRegistrar DETDIT_VERIFY_CONCAT(detdit_verify_case_, __LINE__)({op, name, cpu, cuda, fn})
+
+// Helpers for cases.
+
+// A row that compares two byte ranges; fills bitwise_run/passed and detail
+// (first differing element index and both values in hex).
+void compare_bytes(const void* expected, const void* actual, std::size_t bytes, DType dtype, const std::string& what,
+                   CheckRow* row);
+// pass = all bitwise comparisons matched and (max_error is NaN or <= bound).
+void finish_row(CheckRow* row);
+
+// Owned, 64-byte aligned host memory for case inputs and outputs.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(DType dtype, std::vector<int64_t> shape);
+  TensorView view() const;
+  void* data() const { return const_cast<unsigned char*>(bytes_.data()) + offset_; }
+  template <typename T>
+  T* ptr() const { return static_cast<T*>(data()); }
+  std::size_t nbytes() const { return nbytes_; }
+  int64_t numel() const;
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  // Deterministic N(mean, std) values rounded to the dtype (float dtypes).
+  void fill_normal(uint64_t seed, double mean = 0.0, double std = 1.0);
+  // Element i as double (float dtypes).
+  double get(int64_t i) const;
+
+ private:
+  DType dtype_ = DType::kF32;
+  std::vector<int64_t> shape_;
+  std::vector<unsigned char> bytes_;
+  std::size_t offset_ = 0, nbytes_ = 0;
+};
+
+// Seconds since an arbitrary origin (steady clock).
+double now_seconds();
+
+}  // namespace cli
+}  // namespace detdit

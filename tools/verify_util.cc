@@ -1,0 +1,105 @@
+// Helpers shared by the verify and bench cases (verify.h).
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "common/storage.h"
+#include "io/synth.h"
+#include "verify.h"
+
+namespace detdit {
+namespace cli {
+
+std::vector<VerifyCase>& verify_registry() {
+  static std::vector<VerifyCase> registry;
+  return registry;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void compare_bytes(const void* expected, const void* actual, std::size_t bytes, DType dtype, const std::string& what,
+                   CheckRow* row) {
+  ++row->bitwise_run;
+  if (std::memcmp(expected, actual, bytes) == 0) {
+    ++row->bitwise_passed;
+    return;
+  }
+  const std::size_t width = dtype_size(dtype);
+  const auto* e = static_cast<const unsigned char*>(expected);
+  const auto* a = static_cast<const unsigned char*>(actual);
+  std::size_t differing = 0, first = 0;
+  for (std::size_t i = 0; i < bytes / width; ++i) {
+    if (std::memcmp(e + i * width, a + i * width, width) != 0) {
+      if (differing++ == 0) first = i;
+    }
+  }
+  auto hex = [&](const unsigned char* p) {
+    uint64_t v = 0;
+    std::memcpy(&v, p + first * width, width);  // little-endian host
+    char text[32];
+    std::snprintf(text, sizeof text, "0x%0*llx", static_cast<int>(2 * width), static_cast<unsigned long long>(v));
+    return std::string(text);
+  };
+  if (row->detail.empty()) {
+    row->detail = what + ": " + std::to_string(differing) + " of " + std::to_string(bytes / width) +
+                  " elements differ, first at " + std::to_string(first) + " (" + hex(e) + " vs " + hex(a) + ")";
+  }
+}
+
+void finish_row(CheckRow* row) {
+  const bool bitwise_ok = row->bitwise_passed == row->bitwise_run;
+  const bool error_ok = std::isnan(row->max_error) || (!std::isnan(row->bound) && row->max_error <= row->bound);
+  row->pass = bitwise_ok && error_ok;
+  if (!error_ok && row->detail.empty()) {
+    char text[128];
+    std::snprintf(text, sizeof text, "max error %.3g %s exceeds the bound %.3g", row->max_error,
+                  row->error_unit.c_str(), row->bound);
+    row->detail = text;
+  }
+}
+
+HostBuffer::HostBuffer(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
+  nbytes_ = static_cast<std::size_t>(numel()) * dtype_size(dtype);
+  bytes_.assign(nbytes_ + 64, 0);
+  offset_ = (64 - reinterpret_cast<uintptr_t>(bytes_.data()) % 64) % 64;
+}
+
+int64_t HostBuffer::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape_) n *= d;
+  return n;
+}
+
+TensorView HostBuffer::view() const {
+  TensorView v;
+  v.data = data();
+  v.dtype = dtype_;
+  v.rank = static_cast<int>(shape_.size());
+  int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = shape_[d];
+    v.strides[d] = stride;
+    stride *= shape_[d];
+  }
+  return v;
+}
+
+void HostBuffer::fill_normal(uint64_t seed, double mean, double std) {
+  io::fill_normal(dtype_, numel(), seed, "verify", mean, std, static_cast<uint8_t*>(data()));
+}
+
+double HostBuffer::get(int64_t i) const {
+  switch (dtype_) {
+    case DType::kF32: return ptr<float>()[i];
+    case DType::kBF16: return to_float(ptr<Bf16>()[i]);
+    case DType::kF16: return to_float(ptr<F16>()[i]);
+    case DType::kI32: return ptr<int32_t>()[i];
+    case DType::kI64: return static_cast<double>(ptr<int64_t>()[i]);
+  }
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace detdit

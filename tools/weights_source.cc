@@ -1,0 +1,125 @@
+#include "weights_source.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "io/synth.h"
+
+namespace detdit {
+namespace cli {
+
+std::string weights_file_path(const std::string& dir_or_file) {
+  struct stat st;
+  if (::stat(dir_or_file.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    return dir_or_file + "/" + io::kWeightsFileName;
+  }
+  return dir_or_file;
+}
+
+Status load_weights(const std::string& dir_or_file, Weights* weights) {
+  Weights w;
+  w.path = weights_file_path(dir_or_file);
+  DETDIT_RETURN_IF_ERROR(io::SafetensorsFile::open(w.path, &w.file));
+  DETDIT_RETURN_IF_ERROR(io::infer_manifest_config(w.file, &w.config));
+  if (w.config.blocks == 0) {
+    return Status::value_error(w.path + ": has no transformer_blocks.0.adaln_proj.linear.weight");
+  }
+  std::vector<std::string> differences, extras;
+  io::compare_to_manifest(w.file, w.config, &differences, &extras);
+  if (!differences.empty()) {
+    std::string message = w.path + ": does not match manifest " + io::kManifestVersion + ":";
+    for (const std::string& d : differences) message += "\n  " + d;
+    return Status::value_error(message);
+  }
+  auto kind = w.file.metadata().find("detdit.kind");
+  w.synthetic = kind != w.file.metadata().end() && kind->second == "synthetic";
+  *weights = std::move(w);
+  return Status::ok_status();
+}
+
+Status synthetic_cache_dir(int64_t blocks, uint64_t seed, std::string* dir) {
+  std::string root;
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  if (xdg != nullptr && xdg[0] == '/') {
+    root = std::string(xdg) + "/detdit";
+  } else if (home != nullptr && home[0] != '\0') {
+    root = std::string(home) + "/.cache/detdit";
+  } else {
+    return Status::runtime_error(
+        "cannot place the synthetic weights cache: neither XDG_CACHE_HOME nor HOME is set (pass --weights DIR)");
+  }
+  *dir = root + "/synth-v" + std::to_string(io::kSynthVersion) + "-" + io::kManifestVersion + "-b" +
+         std::to_string(blocks) + "-s" + std::to_string(seed);
+  return Status::ok_status();
+}
+
+Status make_directories(const std::string& dir) {
+  for (std::size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string prefix = dir.substr(0, at);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return Status::runtime_error(prefix + ": cannot create directory: " + std::strerror(errno));
+    }
+  }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return Status::runtime_error(dir + ": not a directory");
+  }
+  return Status::ok_status();
+}
+
+namespace {
+
+// A cached file is used only when it is the synthetic weights of exactly
+// this (version, blocks, seed, H3 dimensions) and matches the manifest.
+bool cache_is_usable(const std::string& dir, int64_t blocks, uint64_t seed, Weights* weights) {
+  Weights w;
+  if (!load_weights(dir, &w).ok() || !w.synthetic) return false;
+  const auto& m = w.file.metadata();
+  auto is = [&](const char* key, const std::string& value) {
+    auto it = m.find(key);
+    return it != m.end() && it->second == value;
+  };
+  io::ManifestConfig h3;
+  h3.blocks = blocks;
+  if (!(w.config == h3) || !is("detdit.synth_version", std::to_string(io::kSynthVersion)) ||
+      !is("detdit.seed", std::to_string(seed)) || !is("detdit.only", "")) {
+    return false;
+  }
+  *weights = std::move(w);
+  return true;
+}
+
+}  // namespace
+
+Status resolve_weights(const std::string& weights_option, int64_t blocks, uint64_t seed, bool announce,
+                       Weights* weights) {
+  if (!weights_option.empty()) return load_weights(weights_option, weights);
+  std::string dir;
+  DETDIT_RETURN_IF_ERROR(synthetic_cache_dir(blocks, seed, &dir));
+  if (cache_is_usable(dir, blocks, seed, weights)) return Status::ok_status();
+  DETDIT_RETURN_IF_ERROR(make_directories(dir));
+  if (announce) {
+    std::fprintf(stderr, "detdit: generating the default synthetic weights (blocks=%lld, seed=%llu) into %s ...\n",
+                 static_cast<long long>(blocks), static_cast<unsigned long long>(seed), dir.c_str());
+  }
+  auto start = std::chrono::steady_clock::now();
+  io::SynthOptions options;
+  options.config.blocks = blocks;
+  options.seed = seed;
+  DETDIT_RETURN_IF_ERROR(io::write_synthetic_weights(dir, options));
+  if (announce) {
+    std::fprintf(stderr, "detdit: done in %.1f s (cached for later runs)\n",
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return load_weights(dir, weights);
+}
+
+}  // namespace cli
+}  // namespace detdit

@@ -1,0 +1,46 @@
+// Where a command's weights come from: --weights DIR (real or any prepared
+// weights), or else the embedded default: synthetic weights (src/io/synth.h)
+// generated on first use and cached under $XDG_CACHE_HOME/detdit (or
+// ~/.cache/detdit) in synth-v<version>-<manifest>-b<blocks>-s<seed>/. The
+// default is blocks = 1, seed = 0 (about 0.6 GB).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "detdit/status.h"
+#include "io/manifest.h"
+#include "io/safetensors.h"
+
+namespace detdit {
+namespace cli {
+
+struct Weights {
+  std::string path;       // the safetensors file
+  bool synthetic = false; // metadata says detdit.kind = synthetic
+  io::SafetensorsFile file;
+  io::ManifestConfig config;  // read from the file's shapes
+  // A CPU view of a manifest tensor (ValueError naming the file when absent).
+  Status view(const std::string& name, TensorView* view) const { return file.view(name, view); }
+};
+
+// DIR may be a directory holding h3_conditioning.safetensors or the file.
+std::string weights_file_path(const std::string& dir_or_file);
+
+// Opens the file, reads its dimensions and checks it against the manifest of
+// those dimensions (every difference listed in a ValueError naming the file).
+Status load_weights(const std::string& dir_or_file, Weights* weights);
+
+// The cache directory of the synthetic default (not created).
+Status synthetic_cache_dir(int64_t blocks, uint64_t seed, std::string* dir);
+
+// --weights DIR when given, else the cached synthetic default, generated now
+// if absent or unusable (`announce` is told when that happens: it takes a while).
+Status resolve_weights(const std::string& weights_option, int64_t blocks, uint64_t seed, bool announce,
+                       Weights* weights);
+
+// mkdir -p.
+Status make_directories(const std::string& dir);
+
+}  // namespace cli
+}  // namespace detdit
