@@ -1,0 +1,124 @@
+"""detdit: deterministic conditioning-path ops for diffusion transformers (MiniMax-H3).
+
+Every op is a torch operator (``torch.ops.detdit.*``, CPU and CUDA kernels, autograd
+in C++); these functions are thin wrappers that pick the primary output. Results are a
+pure function of the inputs: the same bits run to run, for any batch composition, and
+(``numerics="portable"``) on the CPU and every CUDA GPU. ``numerics="torch"`` replays
+PyTorch's CUDA math functions (CUDA tensors only). docs/numerics.md is the contract.
+
+Indexed ops take an :class:`IndexPlan` built once per step by :func:`plan` or
+:func:`plan_from_rows` and reused by every block. Errors raise TypeError (dtype),
+ValueError (shape, device, layout, range), IndexError (index entries) or RuntimeError
+(environment) with the library's message.
+"""
+import torch
+
+from . import _C  # noqa: F401  (loading it registers torch.ops.detdit and torch.classes.detdit)
+
+__all__ = [
+    "IndexPlan", "plan", "plan_from_rows", "timestep_sinusoid", "linear", "timestep_mlp",
+    "adaln_projection", "adaln_table_chunks", "adaln_row_gather", "rmsnorm", "gate_residual",
+    "final_adaln_out", "adaln_modulation",
+    "H3_HIDDEN_SIZE", "H3_FREQ_DIM", "H3_TIME_EMBED_HIDDEN_DIM", "H3_TIME_EMBED_DIM",
+    "H3_MAX_PERIOD", "H3_NORM_EPS", "ADALN_CHUNKS", "NUM_MODALITIES",
+]
+
+H3_HIDDEN_SIZE = 5376
+H3_FREQ_DIM = 256
+H3_TIME_EMBED_HIDDEN_DIM = 5376
+H3_TIME_EMBED_DIM = 2688
+H3_MAX_PERIOD = 10000
+H3_NORM_EPS = 1e-5
+ADALN_CHUNKS = 6  # shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+NUM_MODALITIES = 3  # 0 video, 1 text, 2 audio
+
+_ops = torch.ops.detdit
+
+#: The plan type, ``torch.classes.detdit.IndexPlan``. Methods: seq_len(), batch(),
+#: num_rows(), positions(), num_chunks(), num_segments(), device(), row_index().
+IndexPlan = torch.classes.detdit.IndexPlan
+
+
+def plan(timestep_indices, token_tags, num_timesteps, batch=1):
+    """The plan of a packed sequence: row ``ti*3 + tag`` of a ``(3T, 6H)`` table per position.
+
+    timestep_indices, token_tags: ``(S,)`` int32 or int64 (same dtype and device); the plan
+    lives on their device. ``batch`` items share the index.
+    """
+    return _ops.plan(timestep_indices, token_tags, num_timesteps, batch)
+
+
+def plan_from_rows(row_index, num_rows, batch=1):
+    """The plan of an ``(S,)`` row index into a table of ``num_rows`` rows (e.g. the timestep
+    index of final_adaln_out, ``num_rows = T``)."""
+    return _ops.plan_from_rows(row_index, num_rows, batch)
+
+
+def _require_plan(index_plan, op):
+    if index_plan is None:
+        raise ValueError(f"{op} needs an IndexPlan (detdit.plan(...)), got None")
+    if not isinstance(index_plan, torch.ScriptObject):
+        raise TypeError(f"{op}: plan must be a detdit IndexPlan (detdit.plan(...)), got {type(index_plan).__name__}")
+    return index_plan
+
+
+def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable"):
+    """``(T,)`` timesteps in [0, 1] (t = 1 - sigma, unscaled) -> ``(T, C)`` float32 ``[cos | sin]``
+    features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
+    return _ops.timestep_sinusoid(t, num_channels, float(max_period), numerics)
+
+
+def linear(x, weight, bias=None, activation="none", numerics="portable"):
+    """``x W^T + b`` (``activation="silu"``: then SiLU), row-wise deterministic; out in x's dtype."""
+    return _ops.linear(x, weight, bias, activation, numerics)[0]
+
+
+def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
+    """``W2 silu(W1 f + b1) + b2``, all float32 (diffusers' TimestepEmbedding)."""
+    return _ops.timestep_mlp(features, w1, b1, w2, b2, numerics)[0]
+
+
+def adaln_projection(temb, weight, bias, numerics="portable"):
+    """``table = linear(bf16(silu(temb)))``: ``(T, 18H)`` in the weight's dtype (temb float32)."""
+    return _ops.adaln_projection(temb, weight, bias, numerics)[0]
+
+
+def adaln_table_chunks(table, hidden):
+    """The six ``(3T, H)`` modulation views of a ``(T, 18H)`` table (row ``ti*3 + tag``),
+    diffusers' ``view(-1, 6H).chunk(6, -1)``: shift_msa, scale_msa, gate_msa, shift_mlp,
+    scale_mlp, gate_mlp."""
+    return table.view(-1, ADALN_CHUNKS * hidden).chunk(ADALN_CHUNKS, -1)
+
+
+def adaln_row_gather(rows, index_plan):
+    """``(R, 6H)`` rows -> ``(6, S, H)``: the six modulation vectors of every position's row
+    (a byte copy, equal to six index_selects). Its gradient arrives as ``(6, S, H)`` (summed
+    over the batch by whatever broadcast it) and is reduced with the plan's index, batch 1."""
+    return _ops.adaln_row_gather(rows, _require_plan(index_plan, "adaln_row_gather"))
+
+
+def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable"):
+    """RMSNorm of ``(M, H)`` / ``(B, S, H)`` rows times weight; with shift and scale ``(R, H)``
+    (and the plan of the positions), ``n * (1 + scale[i]) + shift[i]`` as diffusers rounds it."""
+    return _ops.rmsnorm(x, weight, shift, scale, plan, float(eps), numerics)[0]
+
+
+def gate_residual(residual, y, gate, plan):
+    """``residual + gate[i] * y`` with ``gate`` ``(R, H)`` indexed by the plan."""
+    return _ops.gate_residual(residual, y, gate, _require_plan(plan, "gate_residual"))
+
+
+def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, numerics="portable"):
+    """H3's norm_out: ``shift, scale = linear(bf16(silu(temb))).chunk(2)`` (shift first), then
+    the modulated RMSNorm of x indexed by the timestep index (a plan with ``num_rows = T``)."""
+    return _ops.final_adaln_out(x, norm_weight, temb, weight, bias, _require_plan(plan, "final_adaln_out"),
+                                float(eps), numerics)[0]
+
+
+def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
+    """Fused projection + gather: ``(6, S, H)``; the table gradient stays float32 from the
+    gather backward into the projection backward."""
+    return _ops.adaln_modulation(temb, weight, bias, _require_plan(plan, "adaln_modulation"), numerics)[0]
+
+
+from . import nn  # noqa: E402,F401  (after the ops it wraps)

@@ -1,0 +1,1053 @@
+// detdit's PyTorch binding: every detdit op as a torch operator.
+//
+// Contract:
+// - TORCH_LIBRARY(detdit) defines one schema per op forward (`detdit::<op>`,
+//   returning the output and the tensors its backward needs) and one per op
+//   backward (`detdit::<op>_backward`, with an output mask). Their CPU and CUDA
+//   kernels are the same functions: they wrap torch tensors as
+//   detdit::TensorView (pointer, dtype, shape, strides, device), allocate every
+//   output with at::empty, and call the public C++ API, which validates every
+//   argument and dispatches on the tensors' device. CUDA work runs on the
+//   current torch stream of the tensors' device.
+// - The Autograd kernel of each forward op is a torch::autograd::Function that
+//   saves what the backward needs and calls the backward kernel.
+// - A non-ok detdit::Status becomes the Python exception of its kind:
+//   kType -> TypeError, kValue -> ValueError, kIndex -> IndexError,
+//   kRuntime -> RuntimeError, carrying the C++ message unchanged.
+// - IndexPlan is the custom class `torch.classes.detdit.IndexPlan`, built once
+//   by `detdit::plan` / `detdit::plan_from_rows` and passed to every indexed op.
+// The binding does no arithmetic: every bit comes from the detdit library.
+// Backward grads are made contiguous (a byte copy) because autograd hands out
+// expanded or strided grads and detdit takes contiguous ones.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <array>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#ifdef DETDIT_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "detdit/detdit.h"
+
+namespace detdit_torch {
+
+using at::Tensor;
+using detdit::DType;
+using detdit::ErrorKind;
+using detdit::IndexPlan;
+using detdit::Numerics;
+using detdit::Status;
+using detdit::TensorView;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = c10::optional<Tensor>;
+using c10::IValue;
+
+// ---------------------------------------------------------------------------
+// Errors, views, devices
+
+// Raise the Python exception of the Status's kind, with its message.
+[[noreturn]] void raise(const Status& status) {
+  const std::string& message = status.message();
+  switch (status.kind()) {
+    case ErrorKind::kType:
+      C10_THROW_ERROR(TypeError, message);
+    case ErrorKind::kValue:
+      C10_THROW_ERROR(ValueError, message);
+    case ErrorKind::kIndex:
+      C10_THROW_ERROR(IndexError, message);
+    default:
+      C10_THROW_ERROR(Error, message);
+  }
+}
+
+void check_ok(const Status& status) {
+  if (!status.ok()) raise(status);
+}
+
+DType dtype_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    case at::kInt: return DType::kI32;
+    case at::kLong: return DType::kI64;
+    default:
+      C10_THROW_ERROR(TypeError, std::string(name) + " must be float32, bfloat16, float16, int32 or int64 "
+                                                     "(the dtypes detdit takes), got " +
+                                     std::string(t.dtype().name()));
+  }
+}
+
+detdit::Device device_of(const Tensor& t, const char* name) {
+  if (t.is_cpu()) return detdit::Device::cpu();
+  if (t.is_cuda()) return detdit::Device::cuda(t.get_device());
+  C10_THROW_ERROR(ValueError, std::string(name) + " must be a CPU or CUDA tensor, got one on " + t.device().str());
+}
+
+// A view of t; an undefined tensor is an absent view.
+TensorView view(const Tensor& t, const char* name) {
+  TensorView v;
+  if (!t.defined()) return v;
+  if (t.dim() < 1 || t.dim() > detdit::kMaxRank)
+    C10_THROW_ERROR(ValueError, std::string(name) + " must have 1 to " + std::to_string(detdit::kMaxRank) +
+                                    " dimensions, got a " + std::to_string(t.dim()) + "-D tensor");
+  v.dtype = dtype_of(t, name);
+  v.device = device_of(t, name);
+  v.data = t.data_ptr();
+  v.rank = static_cast<int>(t.dim());
+  for (int i = 0; i < v.rank; ++i) {
+    v.shape[i] = t.size(i);
+    v.strides[i] = t.stride(i);
+  }
+  return v;
+}
+
+TensorView view(const OptTensor& t, const char* name) { return t.has_value() ? view(*t, name) : TensorView(); }
+
+// Size of dim i of t, or 0 when t lacks that dim: outputs are allocated from
+// the inputs' shapes before detdit validates them, so a malformed input gives
+// an empty output and detdit's error about the input, never a torch error.
+int64_t dim_or_zero(const Tensor& t, int64_t i) {
+  if (!t.defined()) return 0;
+  if (i < 0) i += t.dim();
+  return (i >= 0 && i < t.dim()) ? t.size(i) : 0;
+}
+
+// Rows of a (..., H) tensor: the product of every dim but the last.
+int64_t leading_rows(const Tensor& t) {
+  if (!t.defined() || t.dim() < 2) return 0;
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) rows *= t.size(i);
+  return rows;
+}
+
+Numerics parse_numerics(const std::string& numerics) {
+  if (numerics == "portable") return Numerics::kPortable;
+  if (numerics == "torch") return Numerics::kTorch;
+  C10_THROW_ERROR(ValueError, "numerics must be 'portable' or 'torch', got '" + numerics + "'");
+}
+
+detdit::Activation parse_activation(const std::string& activation) {
+  if (activation == "none") return detdit::Activation::kNone;
+  if (activation == "silu") return detdit::Activation::kSilu;
+  C10_THROW_ERROR(ValueError, "activation must be 'none' or 'silu', got '" + activation + "'");
+}
+
+// The device context of a call: on CUDA, the tensor's device is made current
+// and the call runs on torch's current stream of that device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const Tensor& t) {
+#ifdef DETDIT_TORCH_CUDA
+    if (t.defined() && t.is_cuda()) {
+      guard_.emplace(t.device());
+      stream_ = c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+    }
+#else
+    (void)t;
+#endif
+  }
+  detdit::Stream stream() const { return stream_; }
+
+ private:
+#ifdef DETDIT_TORCH_CUDA
+  c10::optional<c10::cuda::CUDAGuard> guard_;
+#endif
+  detdit::Stream stream_ = nullptr;
+};
+
+Tensor empty_like_shape(const Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
+  return at::empty(shape, at::TensorOptions().dtype(dtype).device(like.defined() ? like.device() : at::Device(at::kCPU)));
+}
+
+// An output only when `wanted`, else undefined (absent view).
+Tensor maybe_empty(bool wanted, const Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
+  return wanted ? empty_like_shape(like, shape, dtype) : Tensor();
+}
+
+// ---------------------------------------------------------------------------
+// IndexPlan custom class
+
+struct PlanHolder : torch::CustomClassHolder {
+  IndexPlan plan;
+
+  explicit PlanHolder(IndexPlan p) : plan(std::move(p)) {}
+
+  int64_t seq_len() const { return plan.seq_len(); }
+  int64_t batch() const { return plan.batch(); }
+  int64_t num_rows() const { return plan.num_rows(); }
+  int64_t positions() const { return plan.positions(); }
+  int64_t num_chunks() const { return plan.num_chunks(); }
+  int64_t num_segments() const { return plan.num_segments(); }
+  std::string device() const { return plan.device().to_string(); }
+  // The validated (S,) table row of every sequence position, int32 on the CPU.
+  Tensor row_index() const {
+    Tensor rows = at::empty({plan.seq_len()}, at::TensorOptions().dtype(at::kInt));
+    std::copy_n(plan.host_tables().row_of_seq, plan.seq_len(), rows.data_ptr<int32_t>());
+    return rows;
+  }
+
+  // The same index with batch 1, for the backward of ops whose output has no
+  // batch dim (adaln_row_gather, adaln_modulation: (6, S, H)): autograd hands
+  // them a (6, S, H) grad, already summed over the batch by whatever broadcast
+  // the output. Built on first use from the plan's validated row index (on
+  // CUDA this one build copies the index to the host once).
+  const IndexPlan& single_batch(detdit::Stream stream) {
+    if (plan.batch() == 1) return plan;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!single_batch_.valid()) {
+      TensorView rows = TensorView::contiguous(const_cast<int32_t*>(plan.device_tables().row_of_seq), DType::kI32,
+                                               {plan.seq_len()}, plan.device());
+      check_ok(IndexPlan::from_row_index(rows, plan.num_rows(), 1, &single_batch_, stream));
+    }
+    return single_batch_;
+  }
+
+ private:
+  std::mutex mutex_;
+  IndexPlan single_batch_;
+};
+
+using PlanPtr = c10::intrusive_ptr<PlanHolder>;
+using OptPlan = c10::optional<PlanPtr>;
+
+const IndexPlan& plan_of(const OptPlan& plan) {
+  static const IndexPlan kAbsent;
+  return plan.has_value() && *plan ? (*plan)->plan : kAbsent;
+}
+
+// A plan argument that the op requires: None is a ValueError naming it.
+PlanPtr required_plan(const PlanPtr& plan, const char* op) {
+  if (!plan) C10_THROW_ERROR(ValueError, std::string(op) + " needs an IndexPlan (detdit.plan(...)), got None");
+  return plan;
+}
+
+PlanPtr make_plan(const Tensor& timestep_indices, const Tensor& token_tags, int64_t num_timesteps, int64_t batch) {
+  DeviceScope scope(timestep_indices);
+  IndexPlan plan;
+  check_ok(IndexPlan::from_timesteps_and_tags(view(timestep_indices, "timestep_indices"),
+                                              view(token_tags, "token_tags"), num_timesteps, batch, &plan,
+                                              scope.stream()));
+  return c10::make_intrusive<PlanHolder>(std::move(plan));
+}
+
+PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t batch) {
+  DeviceScope scope(row_index);
+  IndexPlan plan;
+  check_ok(IndexPlan::from_row_index(view(row_index, "row_index"), num_rows, batch, &plan, scope.stream()));
+  return c10::make_intrusive<PlanHolder>(std::move(plan));
+}
+
+// ---------------------------------------------------------------------------
+// Kernels (CPU and CUDA alike: detdit dispatches on the tensors' device)
+
+// timestep_sinusoid: (T,) -> (T, C) fp32.
+Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
+                         const std::string& numerics) {
+  if (num_channels < 1)
+    C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
+  DeviceScope scope(timesteps);
+  Tensor features = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0), num_channels}, at::kFloat);
+  detdit::TimestepSinusoidParams p;
+  p.timesteps = view(timesteps, "timesteps");
+  p.features = view(features, "features");
+  p.max_period = static_cast<float>(max_period);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::timestep_sinusoid_forward(p, scope.stream()));
+  return features;
+}
+
+// d_timesteps (T,) in the timesteps' dtype.
+Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
+                                  const std::string& numerics) {
+  DeviceScope scope(timesteps);
+  Tensor d_timesteps = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0)}, timesteps.scalar_type());
+  detdit::TimestepSinusoidBackwardParams p;
+  p.timesteps = view(timesteps, "timesteps");
+  p.grad_features = view(grad_features, "grad_features");
+  p.d_timesteps = view(d_timesteps, "d_timesteps");
+  p.max_period = static_cast<float>(max_period);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::timestep_sinusoid_backward(p, scope.stream()));
+  return d_timesteps;
+}
+
+// linear: out (T, N) in x's dtype; pre (T, N) fp32 (x W^T + b before the
+// activation) when the activation is silu, else an empty tensor.
+std::tuple<Tensor, Tensor> linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                  const std::string& activation, const std::string& numerics) {
+  DeviceScope scope(x);
+  const detdit::Activation act = parse_activation(activation);
+  const int64_t rows = dim_or_zero(x, 0), outputs = dim_or_zero(weight, 0);
+  Tensor out = empty_like_shape(x, {rows, outputs}, x.scalar_type());
+  Tensor pre = act == detdit::Activation::kSilu ? empty_like_shape(x, {rows, outputs}, at::kFloat)
+                                                : empty_like_shape(x, {0}, at::kFloat);
+  detdit::LinearParams p;
+  p.x = view(x, "x");
+  p.weight = view(weight, "weight");
+  p.bias = view(bias, "bias");
+  p.out = view(out, "out");
+  if (act == detdit::Activation::kSilu) p.pre_activation = view(pre, "pre_activation");
+  p.activation = act;
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::linear_forward(p, scope.stream()));
+  return {out, pre};
+}
+
+// (d_x, d_weight, d_bias); grad is upcast to fp32 (exact), through the SiLU
+// VJP first when the activation is silu.
+std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
+                                                   const Tensor& pre, const std::string& activation,
+                                                   const std::string& numerics, std::array<bool, 3> output_mask) {
+  DeviceScope scope(x);
+  const detdit::Activation act = parse_activation(activation);
+  const Numerics profile = parse_numerics(numerics);
+  Tensor g = grad.defined() ? grad.to(at::kFloat).contiguous() : grad;
+  if (act == detdit::Activation::kSilu) {
+    Tensor d_pre = empty_like_shape(x, {dim_or_zero(g, 0), dim_or_zero(g, 1)}, at::kFloat);
+    detdit::SiluBackwardParams s;
+    s.grad = view(g, "grad");
+    s.pre = view(pre, "pre");
+    s.d_pre = view(d_pre, "d_pre");
+    s.numerics = profile;
+    check_ok(detdit::silu_backward(s, scope.stream()));
+    g = d_pre;
+  }
+  Tensor d_x = maybe_empty(output_mask[0], x, {dim_or_zero(x, 0), dim_or_zero(x, 1)}, x.scalar_type());
+  Tensor d_weight =
+      maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  if (output_mask[0]) {
+    detdit::LinearBackwardInputParams p;
+    p.grad = view(g, "grad");
+    p.weight = view(weight, "weight");
+    p.d_x = view(d_x, "d_x");
+    check_ok(detdit::linear_backward_input(p, scope.stream()));
+  }
+  if (output_mask[1] || output_mask[2]) {
+    detdit::LinearBackwardWeightParams p;
+    p.grad = view(g, "grad");
+    p.x = view(x, "x");
+    p.d_weight = view(d_weight, "d_weight");
+    p.d_bias = view(d_bias, "d_bias");
+    check_ok(detdit::linear_backward_weight(p, scope.stream()));
+  }
+  return {d_x, d_weight, d_bias};
+}
+
+// timestep_mlp: (temb (T, D), pre (T, Hm), hidden (T, Hm)), all fp32.
+std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
+                                                const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  DeviceScope scope(features);
+  const int64_t rows = dim_or_zero(features, 0), hidden_dim = dim_or_zero(w1, 0);
+  Tensor temb = empty_like_shape(features, {rows, dim_or_zero(w2, 0)}, at::kFloat);
+  Tensor pre = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
+  Tensor hidden = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
+  detdit::TimestepMlpParams p;
+  p.features = view(features, "features");
+  p.w1 = view(w1, "w1");
+  p.b1 = view(b1, "b1");
+  p.w2 = view(w2, "w2");
+  p.b2 = view(b2, "b2");
+  p.temb = view(temb, "temb");
+  p.pre = view(pre, "pre");
+  p.hidden = view(hidden, "hidden");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::timestep_mlp_forward(p, scope.stream()));
+  return {temb, pre, hidden};
+}
+
+// (d_features, d_w1, d_b1, d_w2, d_b2), fp32.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
+    const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
+    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
+  DeviceScope scope(features);
+  Tensor d_features =
+      maybe_empty(output_mask[0], features, {dim_or_zero(features, 0), dim_or_zero(features, 1)}, at::kFloat);
+  Tensor d_w1 = maybe_empty(output_mask[1], features, {dim_or_zero(w1, 0), dim_or_zero(w1, 1)}, at::kFloat);
+  Tensor d_b1 = maybe_empty(output_mask[2], features, {dim_or_zero(w1, 0)}, at::kFloat);
+  Tensor d_w2 = maybe_empty(output_mask[3], features, {dim_or_zero(w2, 0), dim_or_zero(w2, 1)}, at::kFloat);
+  Tensor d_b2 = maybe_empty(output_mask[4], features, {dim_or_zero(w2, 0)}, at::kFloat);
+  detdit::TimestepMlpBackwardParams p;
+  p.features = view(features, "features");
+  p.w1 = view(w1, "w1");
+  p.w2 = view(w2, "w2");
+  p.pre = view(pre, "pre");
+  p.hidden = view(hidden, "hidden");
+  p.grad_temb = view(grad_temb, "grad_temb");
+  p.d_features = view(d_features, "d_features");
+  p.d_w1 = view(d_w1, "d_w1");
+  p.d_b1 = view(d_b1, "d_b1");
+  p.d_w2 = view(d_w2, "d_w2");
+  p.d_b2 = view(d_b2, "d_b2");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::timestep_mlp_backward(p, scope.stream()));
+  return {d_features, d_w1, d_b1, d_w2, d_b2};
+}
+
+// adaln_projection: (table (T, N) in weight's dtype, act (T, D) in weight's dtype).
+std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                            const std::string& numerics) {
+  DeviceScope scope(temb);
+  const int64_t rows = dim_or_zero(temb, 0);
+  Tensor table = empty_like_shape(temb, {rows, dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, {rows, dim_or_zero(temb, 1)}, weight.scalar_type());
+  detdit::AdalnProjectionParams p;
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.bias = view(bias, "bias");
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::adaln_projection_forward(p, scope.stream()));
+  return {table, act};
+}
+
+// (d_temb fp32, d_weight, d_bias in weight's dtype).
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const std::string& numerics,
+                                                             std::array<bool, 3> output_mask) {
+  DeviceScope scope(temb);
+  Tensor d_temb = maybe_empty(output_mask[0], temb, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
+  Tensor d_weight =
+      maybe_empty(output_mask[1], temb, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::AdalnProjectionBackwardParams p;
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.act = view(act, "act");
+  p.grad_table = view(grad_table, "grad_table");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::adaln_projection_backward(p, scope.stream()));
+  return {d_temb, d_weight, d_bias};
+}
+
+// The hidden size H of a (R, 6H) rows view or an 18H-column projection: a
+// width that does not split evenly is reported here, because the output shape
+// is derived from it.
+int64_t hidden_of(int64_t width, int64_t parts, const char* name, const char* layout) {
+  if (width % parts != 0)
+    C10_THROW_ERROR(ValueError, std::string(name) + " must be " + layout + ": its width " + std::to_string(width) +
+                                    " is not a multiple of " + std::to_string(parts));
+  return width / parts;
+}
+
+// adaln_row_gather: out (6, S, H) in rows' dtype.
+Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan) {
+  DeviceScope scope(rows);
+  const IndexPlan& index = required_plan(plan, "adaln_row_gather")->plan;
+  const int64_t hidden = hidden_of(dim_or_zero(rows, 1), detdit::kAdalnChunks, "rows", "(R, 6H)");
+  Tensor out = empty_like_shape(rows, {detdit::kAdalnChunks, index.seq_len(), hidden}, rows.scalar_type());
+  detdit::AdalnRowGatherParams p;
+  p.rows = view(rows, "rows");
+  p.plan = index;
+  p.out = view(out, "out");
+  check_ok(detdit::adaln_row_gather_forward(p, scope.stream()));
+  return out;
+}
+
+// d_rows (R, 6H) in grad's dtype. grad (6, S, H) (batch summed) or
+// (6, B*S, H) / (6, B, S, H) with B = plan.batch().
+Tensor adaln_row_gather_backward(const Tensor& grad, const PlanPtr& plan) {
+  DeviceScope scope(grad);
+  PlanPtr holder = required_plan(plan, "adaln_row_gather_backward");
+  const bool batch_summed = grad.defined() && grad.dim() == 3 && grad.size(1) == holder->plan.seq_len();
+  Tensor d_rows = empty_like_shape(
+      grad, {holder->plan.num_rows(), detdit::kAdalnChunks * dim_or_zero(grad, -1)}, grad.scalar_type());
+  detdit::AdalnRowGatherBackwardParams p;
+  p.grad = view(grad, "grad");
+  p.plan = batch_summed ? holder->single_batch(scope.stream()) : holder->plan;
+  p.d_rows = view(d_rows, "d_rows");
+  check_ok(detdit::adaln_row_gather_backward(p, scope.stream()));
+  return d_rows;
+}
+
+// rmsnorm: (out like x, rstd (M,) fp32).
+std::tuple<Tensor, Tensor> rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                   const OptTensor& scale, const OptPlan& plan, double eps,
+                                   const std::string& numerics) {
+  DeviceScope scope(x);
+  Tensor out = x.defined() ? at::empty(x.sizes(), x.options()) : x;
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::RmsnormParams p;
+  p.x = view(x, "x");
+  p.weight = view(weight, "weight");
+  p.shift = view(shift, "shift");
+  p.scale = view(scale, "scale");
+  p.plan = plan_of(plan);
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  p.eps = static_cast<float>(eps);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::rmsnorm_forward(p, scope.stream()));
+  return {out, rstd};
+}
+
+// (dx like x, d_weight in weight's dtype, d_shift / d_scale in the table's dtype).
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                            const Tensor& weight, const OptTensor& shift,
+                                                            const OptTensor& scale, const OptPlan& plan,
+                                                            const Tensor& rstd, double eps,
+                                                            const std::string& numerics,
+                                                            std::array<bool, 4> output_mask) {
+  DeviceScope scope(x);
+  Tensor dx = output_mask[0] && x.defined() ? at::empty(x.sizes(), x.options()) : Tensor();
+  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  auto table_grad = [&](bool wanted, const OptTensor& table) {
+    if (!wanted || !table.has_value()) return Tensor();
+    return maybe_empty(true, x, {dim_or_zero(*table, 0), dim_or_zero(*table, 1)}, table->scalar_type());
+  };
+  Tensor d_shift = table_grad(output_mask[2], shift);
+  Tensor d_scale = table_grad(output_mask[3], scale);
+  detdit::RmsnormBackwardParams p;
+  p.x = view(x, "x");
+  p.weight = view(weight, "weight");
+  p.shift = view(shift, "shift");
+  p.scale = view(scale, "scale");
+  p.plan = plan_of(plan);
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  p.eps = static_cast<float>(eps);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::rmsnorm_backward(p, scope.stream()));
+  return {dx, d_weight, d_shift, d_scale};
+}
+
+// gate_residual: out like residual.
+Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const PlanPtr& plan) {
+  DeviceScope scope(residual);
+  const IndexPlan& index = required_plan(plan, "gate_residual")->plan;
+  Tensor out = residual.defined() ? at::empty(residual.sizes(), residual.options()) : residual;
+  detdit::GateResidualParams p;
+  p.residual = view(residual, "residual");
+  p.y = view(y, "y");
+  p.gate = view(gate, "gate");
+  p.plan = index;
+  p.out = view(out, "out");
+  check_ok(detdit::gate_residual_forward(p, scope.stream()));
+  return out;
+}
+
+// (d_residual, d_y like y, d_gate in gate's dtype).
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                          const PlanPtr& plan, std::array<bool, 3> output_mask) {
+  DeviceScope scope(y);
+  const IndexPlan& index = required_plan(plan, "gate_residual_backward")->plan;
+  Tensor d_residual = output_mask[0] && y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
+  Tensor d_y = output_mask[1] && y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
+  Tensor d_gate = maybe_empty(output_mask[2], y, {dim_or_zero(gate, 0), dim_or_zero(gate, 1)}, gate.scalar_type());
+  detdit::GateResidualBackwardParams p;
+  p.grad = view(grad, "grad");
+  p.y = view(y, "y");
+  p.gate = view(gate, "gate");
+  p.plan = index;
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  check_ok(detdit::gate_residual_backward(p, scope.stream()));
+  return {d_residual, d_y, d_gate};
+}
+
+// final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype, rstd (M,) fp32).
+std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out(const Tensor& x, const Tensor& norm_weight,
+                                                           const Tensor& temb, const Tensor& weight,
+                                                           const Tensor& bias, const PlanPtr& plan, double eps,
+                                                           const std::string& numerics) {
+  DeviceScope scope(x);
+  const IndexPlan& index = required_plan(plan, "final_adaln_out")->plan;
+  const int64_t timesteps = dim_or_zero(temb, 0);
+  Tensor out = x.defined() ? at::empty(x.sizes(), x.options()) : x;
+  Tensor table = empty_like_shape(x, {timesteps, dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor act = empty_like_shape(x, {timesteps, dim_or_zero(temb, 1)}, weight.scalar_type());
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::FinalAdalnOutParams p;
+  p.x = view(x, "x");
+  p.norm_weight = view(norm_weight, "norm_weight");
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.bias = view(bias, "bias");
+  p.plan = index;
+  p.out = view(out, "out");
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.rstd = view(rstd, "rstd");
+  p.eps = static_cast<float>(eps);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::final_adaln_out_forward(p, scope.stream()));
+  return {out, table, act, rstd};
+}
+
+// (dx like x, d_norm_weight, d_temb fp32, d_weight, d_bias in weight's dtype).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward(
+    const Tensor& grad, const Tensor& x, const Tensor& norm_weight, const Tensor& temb, const Tensor& weight,
+    const Tensor& table, const Tensor& act, const Tensor& rstd, const PlanPtr& plan, double eps,
+    const std::string& numerics, std::array<bool, 5> output_mask) {
+  DeviceScope scope(x);
+  const IndexPlan& index = required_plan(plan, "final_adaln_out_backward")->plan;
+  Tensor dx = output_mask[0] && x.defined() ? at::empty(x.sizes(), x.options()) : Tensor();
+  Tensor d_norm_weight = maybe_empty(output_mask[1], x, {dim_or_zero(norm_weight, 0)}, norm_weight.scalar_type());
+  Tensor d_temb = maybe_empty(output_mask[2], x, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
+  Tensor d_weight =
+      maybe_empty(output_mask[3], x, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[4], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::FinalAdalnOutBackwardParams p;
+  p.x = view(x, "x");
+  p.norm_weight = view(norm_weight, "norm_weight");
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.rstd = view(rstd, "rstd");
+  p.plan = index;
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_norm_weight = view(d_norm_weight, "d_norm_weight");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  p.eps = static_cast<float>(eps);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::final_adaln_out_backward(p, scope.stream()));
+  return {dx, d_norm_weight, d_temb, d_weight, d_bias};
+}
+
+// adaln_modulation: (out (6, S, H), table (T, 18H), act (T, D)), weight's dtype.
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                    const PlanPtr& plan, const std::string& numerics) {
+  DeviceScope scope(temb);
+  const IndexPlan& index = required_plan(plan, "adaln_modulation")->plan;
+  const int64_t outputs = dim_or_zero(weight, 0), timesteps = dim_or_zero(temb, 0);
+  const int64_t hidden = hidden_of(outputs, detdit::kNumModalities * detdit::kAdalnChunks, "weight", "(18H, D)");
+  Tensor out = empty_like_shape(temb, {detdit::kAdalnChunks, index.seq_len(), hidden}, weight.scalar_type());
+  Tensor table = empty_like_shape(temb, {timesteps, outputs}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, {timesteps, dim_or_zero(temb, 1)}, weight.scalar_type());
+  detdit::AdalnModulationParams p;
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.bias = view(bias, "bias");
+  p.plan = index;
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.out = view(out, "out");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::adaln_modulation_forward(p, scope.stream()));
+  return {out, table, act};
+}
+
+// (d_temb fp32, d_weight, d_bias in weight's dtype); grad as in
+// adaln_row_gather_backward.
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const PlanPtr& plan, const std::string& numerics,
+                                                             std::array<bool, 3> output_mask) {
+  DeviceScope scope(temb);
+  PlanPtr holder = required_plan(plan, "adaln_modulation_backward");
+  const bool batch_summed = grad.defined() && grad.dim() == 3 && grad.size(1) == holder->plan.seq_len();
+  Tensor d_temb = maybe_empty(output_mask[0], temb, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
+  Tensor d_weight =
+      maybe_empty(output_mask[1], temb, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::AdalnModulationBackwardParams p;
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.act = view(act, "act");
+  p.plan = batch_summed ? holder->single_batch(scope.stream()) : holder->plan;
+  p.grad = view(grad, "grad");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::adaln_modulation_backward(p, scope.stream()));
+  return {d_temb, d_weight, d_bias};
+}
+
+// ---------------------------------------------------------------------------
+// Autograd: one Function per op. Each saves what its backward kernel reads
+// and returns one grad per forward argument (undefined for non-tensors and
+// for inputs that do not require grad).
+
+// Backward grads arrive expanded or strided; detdit takes contiguous ones.
+Tensor contiguous_grad(const Tensor& grad) { return grad.defined() ? grad.contiguous() : grad; }
+
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
+
+// detdit's backward kernels are not differentiable: a double backward
+// (create_graph=True) fails instead of treating first-order grads as constants.
+void check_first_order() {
+  if (at::GradMode::is_enabled())
+    C10_THROW_ERROR(Error, "detdit ops support first-order gradients only: backward with create_graph=True "
+                           "(double backward) is not implemented");
+}
+
+IValue plan_ivalue(const OptPlan& plan) { return plan.has_value() ? IValue(*plan) : IValue(); }
+OptPlan plan_from_ivalue(const IValue& value) {
+  if (value.isNone()) return c10::nullopt;
+  return value.toCustomClass<PlanHolder>();
+}
+
+struct TimestepSinusoidFunction : torch::autograd::Function<TimestepSinusoidFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& timesteps, int64_t num_channels, double max_period,
+                        const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({timesteps});
+    ctx->saved_data["max_period"] = max_period;
+    ctx->saved_data["numerics"] = numerics;
+    return timestep_sinusoid(timesteps, num_channels, max_period, numerics);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    const Tensor timesteps = ctx->get_saved_variables()[0];
+    Tensor d_t = timestep_sinusoid_backward(contiguous_grad(grads[0]), timesteps,
+                                            ctx->saved_data["max_period"].toDouble(),
+                                            ctx->saved_data["numerics"].toStringRef());
+    return {d_t, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                               const std::string& activation, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, pre] = linear(x, weight, bias, activation, numerics);
+    ctx->save_for_backward({x, weight, pre});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(x), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({pre});
+    return {out, pre};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto saved = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [d_x, d_weight, d_bias] =
+        linear_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["activation"].toStringRef(),
+                        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2)});
+    return {d_x, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& features, const Tensor& w1, const Tensor& b1,
+                               const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [temb, pre, hidden] = timestep_mlp(features, w1, b1, w2, b2, numerics);
+    ctx->save_for_backward({features, w1, w2, pre, hidden});
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] = c10::List<bool>(
+        {requires_grad(features), requires_grad(w1), requires_grad(b1), requires_grad(w2), requires_grad(b2)});
+    ctx->mark_non_differentiable({pre, hidden});
+    return {temb, pre, hidden};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [d_f, d_w1, d_b1, d_w2, d_b2] =
+        timestep_mlp_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
+                              ctx->saved_data["numerics"].toStringRef(),
+                              {needs.get(0), needs.get(1), needs.get(2), needs.get(3), needs.get(4)});
+    return {d_f, d_w1, d_b1, d_w2, d_b2, Tensor()};
+  }
+};
+
+struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [table, act] = adaln_projection(temb, weight, bias, numerics);
+    ctx->save_for_backward({temb, weight, act});
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({act});
+    return {table, act};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [d_temb, d_weight, d_bias] = adaln_projection_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(),
+        {needs.get(0), needs.get(1), needs.get(2)});
+    return {d_temb, d_weight, d_bias, Tensor()};
+  }
+};
+
+struct AdalnRowGatherFunction : torch::autograd::Function<AdalnRowGatherFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& rows, const PlanPtr& plan) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->saved_data["plan"] = plan;
+    return adaln_row_gather(rows, plan);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    return {adaln_row_gather_backward(contiguous_grad(grads[0]), ctx->saved_data["plan"].toCustomClass<PlanHolder>()),
+            Tensor()};
+  }
+};
+
+struct RmsnormFunction : torch::autograd::Function<RmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                               const OptTensor& scale, const OptPlan& plan, double eps,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, rstd] = rmsnorm(x, weight, shift, scale, plan, eps, numerics);
+    ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] =
+        c10::List<bool>({requires_grad(x), requires_grad(weight), requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    const OptTensor shift = s[2].defined() ? OptTensor(s[2]) : c10::nullopt;
+    const OptTensor scale = s[3].defined() ? OptTensor(s[3]) : c10::nullopt;
+    auto [dx, d_weight, d_shift, d_scale] = rmsnorm_backward(
+        contiguous_grad(grads[0]), s[0], s[1], shift, scale, plan_from_ivalue(ctx->saved_data["plan"]), s[4],
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        {needs.get(0), needs.get(1), needs.get(2), needs.get(3)});
+    return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                        const PlanPtr& plan) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = gate_residual(residual, y, gate, plan);
+    ctx->save_for_backward({y, gate});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(residual), requires_grad(y), requires_grad(gate)});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [d_residual, d_y, d_gate] =
+        gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], ctx->saved_data["plan"].toCustomClass<PlanHolder>(),
+                               {needs.get(0), needs.get(1), needs.get(2)});
+    return {d_residual, d_y, d_gate, Tensor()};
+  }
+};
+
+struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight, const Tensor& temb,
+                               const Tensor& weight, const Tensor& bias, const PlanPtr& plan, double eps,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, table, act, rstd] = final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps, numerics);
+    ctx->save_for_backward({x, norm_weight, temb, weight, table, act, rstd});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(x), requires_grad(norm_weight), requires_grad(temb),
+                                                requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({table, act, rstd});
+    return {out, table, act, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [dx, d_norm_weight, d_temb, d_weight, d_bias] = final_adaln_out_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6],
+        ctx->saved_data["plan"].toCustomClass<PlanHolder>(), ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2), needs.get(3), needs.get(4)});
+    return {dx, d_norm_weight, d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                               const PlanPtr& plan, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, table, act] = adaln_modulation(temb, weight, bias, plan, numerics);
+    ctx->save_for_backward({temb, weight, act});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({table, act});
+    return {out, table, act};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [d_temb, d_weight, d_bias] = adaln_modulation_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["plan"].toCustomClass<PlanHolder>(),
+        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2)});
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+// Autograd kernels: same signatures as the forward kernels.
+Tensor timestep_sinusoid_autograd(const Tensor& timesteps, int64_t num_channels, double max_period,
+                                  const std::string& numerics) {
+  return TimestepSinusoidFunction::apply(timesteps, num_channels, max_period, numerics);
+}
+std::tuple<Tensor, Tensor> linear_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                           const std::string& activation, const std::string& numerics) {
+  auto out = LinearFunction::apply(x, weight, bias, activation, numerics);
+  return {out[0], out[1]};
+}
+std::tuple<Tensor, Tensor, Tensor> timestep_mlp_autograd(const Tensor& features, const Tensor& w1, const Tensor& b1,
+                                                         const Tensor& w2, const Tensor& b2,
+                                                         const std::string& numerics) {
+  auto out = TimestepMlpFunction::apply(features, w1, b1, w2, b2, numerics);
+  return {out[0], out[1], out[2]};
+}
+std::tuple<Tensor, Tensor> adaln_projection_autograd(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                     const std::string& numerics) {
+  auto out = AdalnProjectionFunction::apply(temb, weight, bias, numerics);
+  return {out[0], out[1]};
+}
+Tensor adaln_row_gather_autograd(const Tensor& rows, const PlanPtr& plan) {
+  return AdalnRowGatherFunction::apply(rows, plan);
+}
+std::tuple<Tensor, Tensor> rmsnorm_autograd(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                            const OptTensor& scale, const OptPlan& plan, double eps,
+                                            const std::string& numerics) {
+  auto out = RmsnormFunction::apply(x, weight, shift, scale, plan, eps, numerics);
+  return {out[0], out[1]};
+}
+Tensor gate_residual_autograd(const Tensor& residual, const Tensor& y, const Tensor& gate, const PlanPtr& plan) {
+  return GateResidualFunction::apply(residual, y, gate, plan);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out_autograd(const Tensor& x, const Tensor& norm_weight,
+                                                                    const Tensor& temb, const Tensor& weight,
+                                                                    const Tensor& bias, const PlanPtr& plan,
+                                                                    double eps, const std::string& numerics) {
+  auto out = FinalAdalnOutFunction::apply(x, norm_weight, temb, weight, bias, plan, eps, numerics);
+  return {out[0], out[1], out[2], out[3]};
+}
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_autograd(const Tensor& temb, const Tensor& weight,
+                                                             const Tensor& bias, const PlanPtr& plan,
+                                                             const std::string& numerics) {
+  auto out = AdalnModulationFunction::apply(temb, weight, bias, plan, numerics);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace detdit_torch
+
+// ---------------------------------------------------------------------------
+// Registration
+
+#define DETDIT_PLAN "__torch__.torch.classes.detdit.IndexPlan"
+
+TORCH_LIBRARY(detdit, m) {
+  using detdit_torch::PlanHolder;
+  m.class_<PlanHolder>("IndexPlan")
+      .def("seq_len", &PlanHolder::seq_len)
+      .def("batch", &PlanHolder::batch)
+      .def("num_rows", &PlanHolder::num_rows)
+      .def("positions", &PlanHolder::positions)
+      .def("num_chunks", &PlanHolder::num_chunks)
+      .def("num_segments", &PlanHolder::num_segments)
+      .def("device", &PlanHolder::device)
+      .def("row_index", &PlanHolder::row_index);
+  m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
+        &detdit_torch::make_plan);
+  m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN,
+        &detdit_torch::make_plan_from_rows);
+
+  m.def("timestep_sinusoid(Tensor timesteps, int num_channels, float max_period, str numerics) -> Tensor");
+  m.def("timestep_sinusoid_backward(Tensor grad_features, Tensor timesteps, float max_period, str numerics) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, str activation, str numerics) -> (Tensor, Tensor)");
+  m.def("linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor pre, str activation, str numerics, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("timestep_mlp(Tensor features, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str numerics) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("timestep_mlp_backward(Tensor grad_temb, Tensor features, Tensor w1, Tensor w2, Tensor pre, "
+        "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics) -> (Tensor, Tensor)");
+  m.def("adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, str numerics, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("adaln_row_gather(Tensor rows, " DETDIT_PLAN " plan) -> Tensor");
+  m.def("adaln_row_gather_backward(Tensor grad, " DETDIT_PLAN " plan) -> Tensor");
+  m.def("rmsnorm(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+        "? plan, float eps, str numerics) -> (Tensor, Tensor)");
+  m.def("rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+        "? plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_PLAN " plan) -> Tensor");
+  m.def("gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_PLAN
+        " plan, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
+        " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, "
+        "Tensor table, Tensor act, Tensor rstd, " DETDIT_PLAN
+        " plan, float eps, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("adaln_modulation(Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
+        " plan, str numerics) -> (Tensor, Tensor, Tensor)");
+  m.def("adaln_modulation_backward(Tensor grad, Tensor temb, Tensor weight, Tensor act, " DETDIT_PLAN
+        " plan, str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+}
+
+// The device kernels: the same functions for CPU and CUDA tensors.
+#define DETDIT_DEVICE_KERNELS(m)                                                   \
+  m.impl("timestep_sinusoid", &detdit_torch::timestep_sinusoid);                 \
+  m.impl("timestep_sinusoid_backward", &detdit_torch::timestep_sinusoid_backward); \
+  m.impl("linear", &detdit_torch::linear);                                       \
+  m.impl("linear_backward", &detdit_torch::linear_backward);                     \
+  m.impl("timestep_mlp", &detdit_torch::timestep_mlp);                           \
+  m.impl("timestep_mlp_backward", &detdit_torch::timestep_mlp_backward);         \
+  m.impl("adaln_projection", &detdit_torch::adaln_projection);                   \
+  m.impl("adaln_projection_backward", &detdit_torch::adaln_projection_backward); \
+  m.impl("adaln_row_gather", &detdit_torch::adaln_row_gather);                   \
+  m.impl("adaln_row_gather_backward", &detdit_torch::adaln_row_gather_backward); \
+  m.impl("rmsnorm", &detdit_torch::rmsnorm);                                     \
+  m.impl("rmsnorm_backward", &detdit_torch::rmsnorm_backward);                   \
+  m.impl("gate_residual", &detdit_torch::gate_residual);                         \
+  m.impl("gate_residual_backward", &detdit_torch::gate_residual_backward);       \
+  m.impl("final_adaln_out", &detdit_torch::final_adaln_out);                     \
+  m.impl("final_adaln_out_backward", &detdit_torch::final_adaln_out_backward);   \
+  m.impl("adaln_modulation", &detdit_torch::adaln_modulation);                   \
+  m.impl("adaln_modulation_backward", &detdit_torch::adaln_modulation_backward)
+
+TORCH_LIBRARY_IMPL(detdit, CPU, m) { DETDIT_DEVICE_KERNELS(m); }
+TORCH_LIBRARY_IMPL(detdit, CUDA, m) { DETDIT_DEVICE_KERNELS(m); }
+
+TORCH_LIBRARY_IMPL(detdit, Autograd, m) {
+  m.impl("timestep_sinusoid", &detdit_torch::timestep_sinusoid_autograd);
+  m.impl("linear", &detdit_torch::linear_autograd);
+  m.impl("timestep_mlp", &detdit_torch::timestep_mlp_autograd);
+  m.impl("adaln_projection", &detdit_torch::adaln_projection_autograd);
+  m.impl("adaln_row_gather", &detdit_torch::adaln_row_gather_autograd);
+  m.impl("rmsnorm", &detdit_torch::rmsnorm_autograd);
+  m.impl("gate_residual", &detdit_torch::gate_residual_autograd);
+  m.impl("final_adaln_out", &detdit_torch::final_adaln_out_autograd);
+  m.impl("adaln_modulation", &detdit_torch::adaln_modulation_autograd);
+}
+
+// `import detdit._C` loads this library, which registers the operators above
+// (torch.ops.detdit.*); the module itself has no attributes.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "detdit._C", nullptr, -1, nullptr,
+                               nullptr,               nullptr,     nullptr, nullptr};
+  return PyModule_Create(&module);
+}
