@@ -1,0 +1,240 @@
+// gate_residual on CUDA (numerics 5.7, 6.8), bitwise equal to src/cpu/gate_residual.cc:
+//   forward:  out = R_T(rn(res + R_T(rn(gate[r] * y)))), r = row_of_seq[m % S];
+//             elementwise in the widest vector (16, 8, 4 or 2 bytes) that H,
+//             gate's row stride and every pointer allow;
+//   backward: d_residual = grad (a copy); d_y = R_T(rn(grad * gate[r]));
+//             d_gate = canonical reduction of fma(grad, y, acc): segment
+//             partials (grid (selected chunk, column block), each segment's
+//             positions ascending) then fold_segment_partials.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "common/backends.h"
+#include "common/scalar_math.h"
+#include "common/storage.h"
+#include "cuda/cuda_util.cuh"
+#include "cuda/reduction.cuh"
+#include "cuda/tuning.h"
+
+namespace detdit {
+namespace cuda {
+namespace {
+
+struct GateRowArgs {
+  const void* a;         // forward: residual; backward: grad   (M, H)
+  const void* b;         // forward: y                          (M, H)
+  const void* gate;      // (R, H), row stride gate_stride
+  int64_t gate_stride;
+  const int32_t* row_of_seq;  // (S,)
+  int64_t seq_len, hidden, elements;
+  void* out;             // forward: out; backward: d_y          (M, H)
+  void* copy;            // backward: d_residual or nullptr      (M, H)
+};
+
+template <typename T, int kElems>
+__global__ void gate_residual_forward_kernel(GateRowArgs a) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kElems;  // flat (m, h)
+  if (i >= a.elements) return;
+  const int64_t m = i / a.hidden, h = i % a.hidden;
+  const T* gate = static_cast<const T*>(a.gate) + a.row_of_seq[m % a.seq_len] * a.gate_stride + h;
+  float res[kElems], y[kElems], g[kElems], o[kElems];
+  load_vec<T, kElems>(static_cast<const T*>(a.a) + i, res);
+  load_vec<T, kElems>(static_cast<const T*>(a.b) + i, y);
+  load_vec<T, kElems>(gate, g);
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) o[e] = num::add32(res[e], round_to<T>(num::mul32(g[e], y[e])));
+  store_vec<T, kElems>(static_cast<T*>(a.out) + i, o);
+}
+
+template <typename T, int kElems>
+__global__ void gate_residual_backward_rows_kernel(GateRowArgs a) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kElems;  // flat (m, h)
+  if (i >= a.elements) return;
+  const int64_t m = i / a.hidden, h = i % a.hidden;
+  float grad[kElems];
+  load_vec<T, kElems>(static_cast<const T*>(a.a) + i, grad);
+  if (a.copy) store_vec<T, kElems>(static_cast<T*>(a.copy) + i, grad);  // exact: grad is already T
+  if (a.out) {
+    const T* gate = static_cast<const T*>(a.gate) + a.row_of_seq[m % a.seq_len] * a.gate_stride + h;
+    float g[kElems], d_y[kElems];
+    load_vec<T, kElems>(gate, g);
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) d_y[e] = num::mul32(grad[e], g[e]);
+    store_vec<T, kElems>(static_cast<T*>(a.out) + i, d_y);
+  }
+}
+
+// Elements per access: the widest (<= the tunable) that divides H and gate's
+// row stride and to which every pointer is aligned.
+template <typename T>
+int elements_per_access(const GateRowArgs& a) {
+  for (int bytes = launch_tuning().vector_bytes; bytes > static_cast<int>(sizeof(T)); bytes /= 2) {
+    const int elems = bytes / static_cast<int>(sizeof(T));
+    bool ok = a.hidden % elems == 0 && a.gate_stride % elems == 0;
+    for (const void* q : std::initializer_list<const void*>{a.a, a.b, a.gate, a.out, a.copy})
+      if (q && !address_aligned(q, bytes)) ok = false;
+    if (ok) return elems;
+  }
+  return 1;
+}
+
+template <typename T, bool kForward>
+Status launch_gate_rows(const GateRowArgs& a, cudaStream_t stream) {
+  if (a.elements == 0) return Status();
+  const int threads = launch_tuning().elementwise_threads;
+  const int elems = elements_per_access<T>(a);
+  const unsigned blocks = blocks_for(a.elements / elems, threads);
+  auto launch = [&](auto width) {
+    constexpr int kElems = decltype(width)::value;
+    if constexpr (kElems * sizeof(T) <= 16) {  // wider is never chosen
+      if (kForward)
+        gate_residual_forward_kernel<T, kElems><<<blocks, threads, 0, stream>>>(a);
+      else
+        gate_residual_backward_rows_kernel<T, kElems><<<blocks, threads, 0, stream>>>(a);
+    }
+  };
+  switch (elems) {
+    case 8: launch(std::integral_constant<int, 8>{}); break;
+    case 4: launch(std::integral_constant<int, 4>{}); break;
+    case 2: launch(std::integral_constant<int, 2>{}); break;
+    default: launch(std::integral_constant<int, 1>{}); break;
+  }
+  return launch_status(kForward ? "gate_residual_forward_kernel" : "gate_residual_backward_rows_kernel");
+}
+
+struct GatePartialArgs {
+  const void* grad;        // own rows (rows, H), row stride grad_stride
+  const void* y;           // own rows, row stride y_stride
+  const void* extra_grad;  // received rows (ExtraRows), or nullptr
+  const void* extra_y;
+  int64_t grad_stride, y_stride, extra_grad_stride, extra_y_stride, hidden;
+  PlanTables tables;
+  const int32_t* chunks;        // (selected,) or nullptr: every chunk
+  const int32_t* position_row;  // (P,) or nullptr
+  float* partials;              // (segments of the selection, H), row stride partial_stride
+  int64_t partial_stride;
+};
+
+// grid (selected chunk k, column block); thread owns columns [i0, i0 + kCols).
+template <typename T, int kCols>
+__global__ void gate_residual_backward_partials_kernel(GatePartialArgs a) {
+  __shared__ int warp_counts[32];
+  const int64_t k = blockIdx.x;
+  const int64_t chunk = a.chunks ? a.chunks[k] : k;
+  const int64_t segment_out = selected_segment_offset(a.tables, a.chunks, k, chunk, warp_counts);
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kCols;
+  if (i0 >= a.hidden) return;
+  const int32_t first = a.tables.chunk_segment_begin[chunk], last = a.tables.chunk_segment_begin[chunk + 1];
+  for (int32_t g = first; g < last; ++g) {
+    float acc[kCols];
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) acc[e] = 0.0f;
+    for (int32_t q = a.tables.segment_pos_begin[g]; q < a.tables.segment_pos_begin[g + 1]; ++q) {
+      const int64_t r = data_row(a.position_row, a.tables.segment_positions[q]);
+      const T* grad = r >= 0 ? static_cast<const T*>(a.grad) + r * a.grad_stride
+                             : static_cast<const T*>(a.extra_grad) + (-1 - r) * a.extra_grad_stride;
+      const T* y = r >= 0 ? static_cast<const T*>(a.y) + r * a.y_stride
+                          : static_cast<const T*>(a.extra_y) + (-1 - r) * a.extra_y_stride;
+      float gv[kCols], yv[kCols];
+      load_elems<T, kCols, false>(grad + i0, gv);
+      load_elems<T, kCols, false>(y + i0, yv);
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) acc[e] = num::fma32(gv[e], yv[e], acc[e]);
+    }
+    float* dst = a.partials + (segment_out + (g - first)) * a.partial_stride + i0;  // (H,)
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) dst[e] = acc[e];
+  }
+}
+
+template <typename T>
+Status launch_gate_partials(const GatePartialArgs& a, int64_t selected, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  if (selected == 0 || a.hidden == 0) return Status();
+  // kCols must divide H (rows are not padded): fall back to fewer columns.
+  int cols = launch_tuning().partial_columns_per_thread;
+  while (cols > 1 && a.hidden % cols != 0) cols /= 2;
+  const dim3 grid(static_cast<unsigned>(selected), blocks_for(a.hidden, kThreads * cols));
+  switch (cols) {
+    case 4: gate_residual_backward_partials_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    case 2: gate_residual_backward_partials_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a); break;
+    default: gate_residual_backward_partials_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a); break;
+  }
+  return launch_status("gate_residual_backward_partials_kernel");
+}
+
+int64_t hidden_of(const TensorView& t) { return t.shape[t.rank - 1]; }
+
+}  // namespace
+
+Status gate_residual_forward(const GateResidualParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.residual.device));
+  GateRowArgs a{p.residual.data, p.y.data, p.gate.data, p.gate.strides[0], p.plan.device_tables().row_of_seq,
+                p.plan.seq_len(), hidden_of(p.residual), p.residual.numel(), p.out.data, nullptr};
+  return dispatch_float_dtype(p.residual.dtype, [&](auto tag) {
+    return launch_gate_rows<decltype(tag), true>(a, as_cuda_stream(stream));
+  });
+}
+
+Status gate_residual_backward_rows(const GateResidualBackwardParams& p, Stream stream) {
+  if (!p.d_residual.present() && !p.d_y.present()) return Status();
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
+  GateRowArgs a{p.grad.data, nullptr, p.gate.data, p.gate.strides[0], p.plan.device_tables().row_of_seq,
+                p.plan.seq_len(), hidden_of(p.grad), p.grad.numel(),
+                p.d_y.present() ? p.d_y.data : nullptr, p.d_residual.present() ? p.d_residual.data : nullptr};
+  return dispatch_float_dtype(p.grad.dtype, [&](auto tag) {
+    return launch_gate_rows<decltype(tag), false>(a, as_cuda_stream(stream));
+  });
+}
+
+Status gate_residual_backward_partials(const GateResidualBackwardParams& p, const ChunkSelection& sel,
+                                       const ExtraRows& extra, const TensorView& partials, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
+  GatePartialArgs a{};
+  a.grad = p.grad.data;
+  a.y = p.y.data;
+  a.hidden = hidden_of(p.grad);
+  a.grad_stride = a.y_stride = a.hidden;
+  if (extra.grad.present()) {
+    a.extra_grad = extra.grad.data;
+    a.extra_grad_stride = extra.grad.strides[0];
+  }
+  if (extra.y.present()) {
+    a.extra_y = extra.y.data;
+    a.extra_y_stride = extra.y.strides[0];
+  }
+  a.tables = p.plan.device_tables();
+  a.chunks = sel.chunks;
+  a.position_row = sel.position_row;
+  a.partials = partials.ptr<float>();
+  a.partial_stride = partials.strides[0];
+  const int64_t selected = sel.chunks ? sel.num_chunks : p.plan.num_chunks();
+  return dispatch_float_dtype(p.grad.dtype, [&](auto tag) {
+    return launch_gate_partials<decltype(tag)>(a, selected, as_cuda_stream(stream));
+  });
+}
+
+// rows + partials of every chunk + fold: the same composition as the CPU.
+Status gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(gate_residual_backward_rows(p, stream));
+  if (!p.d_gate.present()) return Status();
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
+  const int64_t hidden = hidden_of(p.grad);
+  const int64_t segments = p.plan.num_segments();
+  StreamScratch scratch(as_cuda_stream(stream));
+  DETDIT_RETURN_IF_ERROR(scratch.allocate(static_cast<std::size_t>(segments * hidden) * sizeof(float)));
+  const TensorView partials =
+      TensorView::contiguous(scratch.as<float>(), DType::kF32, {segments, hidden}, p.grad.device);
+  DETDIT_RETURN_IF_ERROR(gate_residual_backward_partials(p, ChunkSelection{}, ExtraRows{}, partials, stream));
+  return fold_segment_partials(p.plan, partials, p.d_gate, stream);
+}
+
+}  // namespace cuda
+}  // namespace detdit

@@ -1,0 +1,295 @@
+// linear on CUDA: y = x W^T + b with an optional SiLU epilogue (numerics 5.2)
+// and its backward (6.2): d_x chunk partials + fold, d_W, d_b.
+//
+// Forward: each warp owns `columns` output columns and keeps one accumulator
+// per (column, row) for up to kForwardRows rows of x, so a weight row streams
+// once per pass. Lane l walks the 16-byte vectors l, l+32, ... of the row
+// (fma in element order), then an XOR butterfly 16..1 sums the lanes: exactly
+// the order of numerics 5.2 for any columns-per-warp and block size.
+// Backward: d_x partials[c, t, k] = ascending-n fma chain over the 64 rows of
+// chunk c (one thread per 16-byte column vector, grid (chunks, K blocks));
+// the fold is an ascending chain over c; d_W and d_b are ascending-t chains.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/backends.h"
+#include "common/scalar_math.h"
+#include "common/storage.h"
+#include "cuda/cuda_util.cuh"
+#include "cuda/profile_math.cuh"
+#include "cuda/tuning.h"
+
+namespace detdit {
+namespace cuda {
+namespace {
+
+constexpr int kForwardWarps = 8;  // warps per block of the forward
+constexpr int kForwardRows = 8;   // rows of x per pass: one accumulator each
+
+struct LinearForwardArgs {
+  const void* x;       // (rows, k) T
+  const void* weight;  // (n, k) T
+  const void* bias;    // (n,) T or nullptr
+  void* out;           // (rows, n) Out
+  float* pre;          // (rows, n) fp32 or nullptr
+  int64_t rows, k, n;
+  bool silu, torch;
+};
+
+template <typename T, typename Out, int kColumns>
+__global__ void __launch_bounds__(kForwardWarps* kWarpSize)
+    linear_forward_warp_per_columns_kernel(LinearForwardArgs a) {
+  constexpr int kVec = Vec16<T>::kElems;
+  static_assert(kColumns * kForwardRows <= kWarpSize, "one lane writes each (column, row) result");
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first_column = (static_cast<int64_t>(blockIdx.x) * kForwardWarps + threadIdx.x / kWarpSize) * kColumns;
+  if (first_column >= a.n) return;  // the whole warp leaves together
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.weight);
+  const int64_t vectors = a.k / kVec;  // 16-byte vectors per row
+  for (int64_t t0 = 0; t0 < a.rows; t0 += kForwardRows) {
+    float acc[kColumns][kForwardRows];
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c)
+#pragma unroll
+      for (int r = 0; r < kForwardRows; ++r) acc[c][r] = 0.0f;
+    for (int64_t j = lane; j < vectors; j += kWarpSize) {
+      float wv[kColumns][kVec];  // W[first_column + c, j*kVec + e]
+#pragma unroll
+      for (int c = 0; c < kColumns; ++c) {
+        if (first_column + c < a.n) {
+          unpack16(load16(w + (first_column + c) * a.k + j * kVec), wv[c]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) wv[c][e] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kForwardRows; ++r) {
+        if (t0 + r >= a.rows) break;
+        float xv[kVec];  // x[t0 + r, j*kVec + e]
+        unpack16(load16(x + (t0 + r) * a.k + j * kVec), xv);
+#pragma unroll
+        for (int c = 0; c < kColumns; ++c)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[c][r] = num::fma32(xv[e], wv[c][e], acc[c][r]);
+      }
+    }
+    // XOR butterfly: every lane ends with the same sum.
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c)
+#pragma unroll
+      for (int r = 0; r < kForwardRows; ++r)
+#pragma unroll
+        for (int offset = 16; offset >= 1; offset /= 2)
+          acc[c][r] = num::add32(acc[c][r], __shfl_xor_sync(kFullMask, acc[c][r], offset));
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+#pragma unroll
+      for (int r = 0; r < kForwardRows; ++r) {
+        const int64_t n = first_column + c, t = t0 + r;
+        if (lane != c * kForwardRows + r || n >= a.n || t >= a.rows) continue;
+        float v = acc[c][r];
+        if (a.bias) v = num::add32(v, to_float(static_cast<const T*>(a.bias)[n]));
+        if (a.pre) a.pre[t * a.n + n] = v;
+        if (a.silu) v = silu_p(v, a.torch);
+        static_cast<Out*>(a.out)[t * a.n + n] = from_float<Out>(v);
+      }
+    }
+  }
+}
+
+template <typename T, typename Out>
+Status launch_linear_forward(const LinearForwardArgs& a, int columns, cudaStream_t stream) {
+  const int64_t warps = (a.n + columns - 1) / columns;
+  const unsigned blocks = blocks_for(warps, kForwardWarps);
+  const int threads = kForwardWarps * kWarpSize;
+  switch (columns) {
+    case 1: linear_forward_warp_per_columns_kernel<T, Out, 1><<<blocks, threads, 0, stream>>>(a); break;
+    case 2: linear_forward_warp_per_columns_kernel<T, Out, 2><<<blocks, threads, 0, stream>>>(a); break;
+    default: linear_forward_warp_per_columns_kernel<T, Out, 4><<<blocks, threads, 0, stream>>>(a); break;
+  }
+  return launch_status("linear_forward_warp_per_columns_kernel");
+}
+
+struct LinearPartialsArgs {
+  const float* grad;  // (rows, n) fp32
+  const void* weight; // (n, k) T
+  float* partials;    // (chunks, rows, k) fp32
+  int64_t rows, k, n;
+};
+
+// grid (chunks, K-vector blocks); one thread per 16-byte vector of columns.
+template <typename T, int kRows>
+__global__ void linear_backward_input_partials_kernel(LinearPartialsArgs a) {
+  constexpr int kVec = Vec16<T>::kElems;
+  const int64_t chunk = blockIdx.x;
+  const int64_t vec = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;  // columns [vec*kVec, +kVec)
+  if (vec * kVec >= a.k) return;
+  const T* w = static_cast<const T*>(a.weight);
+  const int64_t n_begin = chunk * kLinearChunkRows;
+  const int64_t n_end = n_begin + kLinearChunkRows < a.n ? n_begin + kLinearChunkRows : a.n;
+  for (int64_t t0 = 0; t0 < a.rows; t0 += kRows) {
+    float acc[kRows][kVec];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+    for (int64_t n = n_begin; n < n_end; ++n) {  // ascending n
+      float wv[kVec];
+      unpack16(load16(w + n * a.k + vec * kVec), wv);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (t0 + r >= a.rows) break;
+        const float g = a.grad[(t0 + r) * a.n + n];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[r][e] = num::fma32(g, wv[e], acc[r][e]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (t0 + r >= a.rows) break;
+      float4* dst = reinterpret_cast<float4*>(a.partials + (chunk * a.rows + t0 + r) * a.k + vec * kVec);
+#pragma unroll
+      for (int q = 0; q < kVec / 4; ++q)
+        dst[q] = make_float4(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
+    }
+  }
+}
+
+template <typename T>
+Status launch_linear_backward_input_partials(const LinearPartialsArgs& a, int rows_per_pass, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  const int64_t chunks = (a.n + kLinearChunkRows - 1) / kLinearChunkRows;
+  if (chunks == 0 || a.k == 0) return Status();
+  const dim3 grid(static_cast<unsigned>(chunks), blocks_for(a.k / Vec16<T>::kElems, kThreads));
+  switch (rows_per_pass) {
+    case 1: linear_backward_input_partials_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a); break;
+    case 2: linear_backward_input_partials_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a); break;
+    default: linear_backward_input_partials_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a); break;
+  }
+  return launch_status("linear_backward_input_partials_kernel");
+}
+
+// d_x[i] = R(ascending fold over chunks of partials[c, i]), i over (rows, k).
+template <typename Out>
+__global__ void linear_fold_partials_kernel(const float* partials, Out* d_x, int64_t chunks, int64_t elements) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= elements) return;
+  float acc = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) acc = num::add32(acc, partials[c * elements + i]);
+  d_x[i] = from_float<Out>(acc);
+}
+
+// d_W[n, k..k+3] = R(ascending-t fma chain of grad[t, n] * x[t, k]).
+template <typename X, typename Out>
+__global__ void linear_backward_weight_kernel(const float* grad, const X* x, Out* d_weight, int64_t rows, int64_t k,
+                                              int64_t n) {
+  const int64_t quad = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // 4 columns of one row
+  const int64_t quads_per_row = k / 4;
+  if (quad >= n * quads_per_row) return;
+  const int64_t row = quad / quads_per_row;
+  const int64_t col = (quad % quads_per_row) * 4;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t t = 0; t < rows; ++t) {
+    const float g = grad[t * n + row];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = num::fma32(g, to_float(x[t * k + col + e]), acc[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) d_weight[row * k + col + e] = from_float<Out>(acc[e]);
+}
+
+// d_b[n] = R(ascending-t chain of grad[t, n]).
+template <typename Out>
+__global__ void linear_backward_bias_kernel(const float* grad, Out* d_bias, int64_t rows, int64_t n) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= n) return;
+  float acc = 0.0f;
+  for (int64_t t = 0; t < rows; ++t) acc = num::add32(acc, grad[t * n + col]);
+  d_bias[col] = from_float<Out>(acc);
+}
+
+// T in {fp32, bf16}: the linear operand dtypes (validated by src/linear.cc).
+template <typename Fn>
+Status dispatch_operand(DType dtype, Fn&& fn) {
+  if (dtype == DType::kBF16) return fn(Bf16{});
+  return fn(float{});
+}
+
+}  // namespace
+
+Status linear_forward(const LinearParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
+  LinearForwardArgs a{p.x.data, p.weight.data, p.bias.present() ? p.bias.data : nullptr, p.out.data,
+                      p.pre_activation.present() ? p.pre_activation.ptr<float>() : nullptr,
+                      p.x.shape[0], p.x.shape[1], p.weight.shape[0],
+                      p.activation == Activation::kSilu, p.numerics == Numerics::kTorch};
+  if (a.rows == 0 || a.n == 0) return Status();
+  const int columns = launch_tuning().linear_columns_per_warp;
+  return dispatch_operand(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.out.dtype == DType::kF32) return launch_linear_forward<T, float>(a, columns, as_cuda_stream(stream));
+    return launch_linear_forward<T, T>(a, columns, as_cuda_stream(stream));
+  });
+}
+
+Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.weight.device));
+  LinearPartialsArgs a{p.grad.ptr<const float>(), p.weight.data, p.partials.ptr<float>(), p.grad.shape[0],
+                       p.weight.shape[1], p.weight.shape[0]};
+  if (a.rows == 0) return Status();
+  return dispatch_operand(p.weight.dtype, [&](auto tag) {
+    return launch_linear_backward_input_partials<decltype(tag)>(a, launch_tuning().linear_partial_rows,
+                                                                as_cuda_stream(stream));
+  });
+}
+
+Status linear_fold_partials(const LinearBackwardInputParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.d_x.device));
+  const int64_t chunks = p.partials.shape[0];
+  const int64_t elements = p.d_x.numel();
+  if (elements == 0) return Status();
+  const int threads = launch_tuning().elementwise_threads;
+  return dispatch_float_dtype(p.d_x.dtype, [&](auto tag) {
+    using Out = decltype(tag);
+    linear_fold_partials_kernel<Out><<<blocks_for(elements, threads), threads, 0, as_cuda_stream(stream)>>>(
+        p.partials.ptr<const float>(), p.d_x.ptr<Out>(), chunks, elements);
+    return launch_status("linear_fold_partials_kernel");
+  });
+}
+
+Status linear_backward_weight(const LinearBackwardWeightParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
+  const int64_t rows = p.grad.shape[0], n = p.grad.shape[1], k = p.x.shape[1];
+  const int threads = launch_tuning().elementwise_threads;
+  cudaStream_t s = as_cuda_stream(stream);
+  if (p.d_weight.present() && n * k > 0) {
+    DETDIT_RETURN_IF_ERROR(dispatch_operand(p.x.dtype, [&](auto xtag) {
+      using X = decltype(xtag);
+      return dispatch_operand(p.d_weight.dtype, [&](auto otag) {
+        using Out = decltype(otag);
+        linear_backward_weight_kernel<X, Out><<<blocks_for(n * (k / 4), threads), threads, 0, s>>>(
+            p.grad.ptr<const float>(), p.x.ptr<const X>(), p.d_weight.ptr<Out>(), rows, k, n);
+        return launch_status("linear_backward_weight_kernel");
+      });
+    }));
+  }
+  if (p.d_bias.present() && n > 0) {
+    DETDIT_RETURN_IF_ERROR(dispatch_operand(p.d_bias.dtype, [&](auto otag) {
+      using Out = decltype(otag);
+      linear_backward_bias_kernel<Out><<<blocks_for(n, threads), threads, 0, s>>>(p.grad.ptr<const float>(),
+                                                                                   p.d_bias.ptr<Out>(), rows, n);
+      return launch_status("linear_backward_bias_kernel");
+    }));
+  }
+  return Status();
+}
+
+}  // namespace cuda
+}  // namespace detdit

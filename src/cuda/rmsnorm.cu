@@ -1,0 +1,431 @@
+// RMSNorm on CUDA, plain and AdaLN-modulated (numerics 5.6 forward, 6.7
+// backward, 7 the row tree), bitwise equal to src/cpu/rmsnorm.cc.
+//
+// Forward and dx: one 128-thread block per row. Thread t owns the 4-element
+// vectors t, t+128, ... (fma from +0.0 in element order), then the shuffle
+// tree of row_tree.cuh: PyTorch's vectorized RMSNorm tree, so the torch
+// profile (hardware rsqrtf) equals F.rms_norm. Position m uses table row
+// row_of_seq[m % S].
+// Cross-row gradients (canonical reduction 6.5): a partials kernel, grid
+// (selected chunk, column block), each thread owns `cols` adjacent columns and
+// walks the chunk's positions ascending (d_weight chunk partial) and each
+// segment's positions ascending ([d_shift | d_scale] segment partials); then
+// the folds of fold.cu. rmsnorm_backward = rows + partials(all) + folds.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/backends.h"
+#include "common/row_tree.h"
+#include "common/scalar_math.h"
+#include "common/storage.h"
+#include "cuda/cuda_util.cuh"
+#include "cuda/profile_math.cuh"
+#include "cuda/reduction.cuh"
+#include "cuda/row_tree.cuh"
+#include "cuda/tuning.h"
+
+namespace detdit {
+namespace cuda {
+namespace {
+
+constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
+
+struct RmsnormRowArgs {
+  const void* x;       // (M, H)
+  const void* weight;  // (H,)
+  const void* shift;   // (R, H) row stride shift_stride, or nullptr (plain)
+  const void* scale;   // (R, H) row stride scale_stride
+  int64_t shift_stride, scale_stride;
+  const int32_t* row_of_seq;  // (S,) or nullptr (plain)
+  int64_t seq_len, hidden;
+  float eps;
+  bool torch;
+  void* out;          // forward (M, H)
+  float* rstd;        // (M,) forward output or backward input
+  const void* grad;   // backward (M, H)
+  void* dx;           // backward (M, H)
+};
+
+// t1_i = R_T(rn(1 + scale_i)), the rounded modulation factor.
+template <typename T>
+__device__ __forceinline__ float one_plus(float scale) {
+  return round_to<T>(num::add32(1.0f, scale));
+}
+
+// n_i = R_T(rn(w_i * rn(rstd * x_i))).
+template <typename T>
+__device__ __forceinline__ float normalised(float w, float rstd, float x) {
+  return round_to<T>(num::mul32(w, num::mul32(rstd, x)));
+}
+
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row_kernel(RmsnormRowArgs a) {
+  __shared__ float warp_sums[kRowTreeWarps];
+  const int64_t m = blockIdx.x;
+  const int64_t vectors = a.hidden / kVec;
+  const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
+    float v[kVec];
+    load_elems<T, kVec, kVector>(x + j * kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
+  }
+  const float total = row_tree_block_sum(s, warp_sums);
+  const float rstd = rsqrt_p(num::add32(num::div32(total, static_cast<float>(a.hidden)), a.eps), a.torch);
+  if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
+  const T* w = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.out) + m * a.hidden;
+  const T* shift = nullptr;
+  const T* scale = nullptr;
+  if (a.row_of_seq) {
+    const int64_t r = a.row_of_seq[m % a.seq_len];
+    shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
+    scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
+  }
+  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec], wv[kVec], o[kVec];
+    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+    load_elems<T, kVec, kVector>(w + j * kVec, wv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = normalised<T>(wv[e], rstd, xv[e]);
+    if (shift) {
+      float sh[kVec], sc[kVec];
+      load_elems<T, kVec, false>(shift + j * kVec, sh);
+      load_elems<T, kVec, false>(scale + j * kVec, sc);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float v = round_to<T>(num::mul32(o[e], one_plus<T>(sc[e])));
+        o[e] = num::add32(v, sh[e]);
+      }
+    }
+    store_elems<T, kVec, kVector>(out + j * kVec, o);
+  }
+}
+
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_per_row_kernel(RmsnormRowArgs a) {
+  __shared__ float warp_sums[kRowTreeWarps];
+  const int64_t m = blockIdx.x;
+  const int64_t vectors = a.hidden / kVec;
+  const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
+  const T* g = static_cast<const T*>(a.grad) + m * a.hidden;
+  const T* w = static_cast<const T*>(a.weight);
+  const T* scale = a.row_of_seq ? static_cast<const T*>(a.scale) + a.row_of_seq[m % a.seq_len] * a.scale_stride
+                                : nullptr;
+  const float rstd = a.rstd[m];
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec], wv[kVec], d_n[kVec];
+    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+    load_elems<T, kVec, kVector>(w + j * kVec, wv);
+    load_elems<T, kVec, kVector>(g + j * kVec, d_n);
+    if (scale) {
+      float sc[kVec];
+      load_elems<T, kVec, false>(scale + j * kVec, sc);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s = num::fma32(num::mul32(wv[e], d_n[e]), xv[e], s);
+  }
+  const float dot = row_tree_block_sum(s, warp_sums);
+  const float rstd3 = num::mul32(num::mul32(rstd, rstd), rstd);
+  const float coef = num::div32(num::mul32(rstd3, dot), static_cast<float>(a.hidden));
+  T* dx = static_cast<T*>(a.dx) + m * a.hidden;
+  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec], wv[kVec], d_n[kVec], o[kVec];
+    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+    load_elems<T, kVec, kVector>(w + j * kVec, wv);
+    load_elems<T, kVec, kVector>(g + j * kVec, d_n);
+    if (scale) {
+      float sc[kVec];
+      load_elems<T, kVec, false>(scale + j * kVec, sc);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      o[e] = num::sub32(num::mul32(num::mul32(rstd, wv[e]), d_n[e]), num::mul32(xv[e], coef));
+    store_elems<T, kVec, kVector>(dx + j * kVec, o);
+  }
+}
+
+struct RmsnormPartialArgs {
+  const void* x;            // own rows (rows, H), row stride x_stride
+  const void* grad;         // own rows, row stride grad_stride
+  const float* rstd;        // own rows (rows,)
+  const void* extra_x;      // received rows (ExtraRows), or nullptr
+  const void* extra_grad;
+  const float* extra_rstd;
+  int64_t x_stride, grad_stride, extra_x_stride, extra_grad_stride;
+  const void* weight;       // (H,)
+  const void* scale;        // (R, H) or nullptr (plain)
+  int64_t scale_stride;
+  PlanTables tables;        // device tables (row_of_seq nullptr without a plan)
+  int64_t seq_len, positions, hidden;
+  const int32_t* chunks;    // (selected,) ascending, or nullptr: every chunk
+  const int32_t* position_row;  // (P,) or nullptr
+  float* weight_partials;   // (selected, H), row stride, or nullptr
+  int64_t weight_partial_stride;
+  float* table_partials;    // (segments of the selection, 2H), row stride, or nullptr
+  int64_t table_partial_stride;
+};
+
+// The x / grad rows and rstd of global position p (own or received).
+template <typename T>
+struct PositionRows {
+  const T* x;
+  const T* grad;
+  float rstd;
+};
+template <typename T>
+__device__ __forceinline__ PositionRows<T> position_rows(const RmsnormPartialArgs& a, int64_t p) {
+  const int64_t r = data_row(a.position_row, p);
+  if (r >= 0)
+    return {static_cast<const T*>(a.x) + r * a.x_stride, static_cast<const T*>(a.grad) + r * a.grad_stride,
+            a.rstd[r]};
+  const int64_t e = -1 - r;
+  return {static_cast<const T*>(a.extra_x) + e * a.extra_x_stride,
+          static_cast<const T*>(a.extra_grad) + e * a.extra_grad_stride, a.extra_rstd[e]};
+}
+
+// grid (selected chunk k, column block); thread owns columns [i0, i0 + kCols).
+template <typename T, int kCols>
+__global__ void rmsnorm_backward_partials_kernel(RmsnormPartialArgs a) {
+  __shared__ int warp_counts[32];
+  const int64_t k = blockIdx.x;
+  const int64_t chunk = a.chunks ? a.chunks[k] : k;
+  const int64_t segment_out = a.table_partials ? selected_segment_offset(a.tables, a.chunks, k, chunk, warp_counts) : 0;
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kCols;
+  if (i0 >= a.hidden) return;
+  const T* w = static_cast<const T*>(a.weight);
+  float wv[kCols];
+  load_elems<T, kCols, false>(w + i0, wv);
+  if (a.weight_partials) {
+    float acc[kCols];
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) acc[e] = 0.0f;
+    const int64_t begin = chunk * kReductionChunk;
+    const int64_t end = begin + kReductionChunk < a.positions ? begin + kReductionChunk : a.positions;
+    for (int64_t p = begin; p < end; ++p) {  // ascending positions of the chunk
+      const PositionRows<T> in = position_rows<T>(a, p);
+      float xv[kCols], d_n[kCols];
+      load_elems<T, kCols, false>(in.x + i0, xv);
+      load_elems<T, kCols, false>(in.grad + i0, d_n);
+      if (a.scale) {
+        const T* scale = static_cast<const T*>(a.scale) + a.tables.row_of_seq[p % a.seq_len] * a.scale_stride;
+        float sc[kCols];
+        load_elems<T, kCols, false>(scale + i0, sc);
+#pragma unroll
+        for (int e = 0; e < kCols; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
+      }
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) acc[e] = num::fma32(d_n[e], num::mul32(xv[e], in.rstd), acc[e]);
+    }
+    float* dst = a.weight_partials + k * a.weight_partial_stride + i0;
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) dst[e] = acc[e];
+  }
+  if (a.table_partials) {
+    const int32_t first = a.tables.chunk_segment_begin[chunk], last = a.tables.chunk_segment_begin[chunk + 1];
+    for (int32_t g = first; g < last; ++g) {  // the chunk's segments in plan order
+      float d_shift[kCols], d_scale[kCols];
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) d_shift[e] = d_scale[e] = 0.0f;
+      for (int32_t q = a.tables.segment_pos_begin[g]; q < a.tables.segment_pos_begin[g + 1]; ++q) {
+        const PositionRows<T> in = position_rows<T>(a, a.tables.segment_positions[q]);
+        float xv[kCols], gv[kCols];
+        load_elems<T, kCols, false>(in.x + i0, xv);
+        load_elems<T, kCols, false>(in.grad + i0, gv);
+#pragma unroll
+        for (int e = 0; e < kCols; ++e) {
+          d_shift[e] = num::add32(d_shift[e], gv[e]);
+          d_scale[e] = num::fma32(gv[e], normalised<T>(wv[e], in.rstd, xv[e]), d_scale[e]);
+        }
+      }
+      float* dst = a.table_partials + (segment_out + (g - first)) * a.table_partial_stride;  // (2H,) [shift|scale]
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) {
+        dst[i0 + e] = d_shift[e];
+        dst[a.hidden + i0 + e] = d_scale[e];
+      }
+    }
+  }
+}
+
+template <typename T>
+Status launch_rmsnorm_backward_partials(const RmsnormPartialArgs& a, int64_t selected, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  if (selected == 0 || a.hidden == 0) return Status();
+  const int cols = launch_tuning().partial_columns_per_thread;
+  const dim3 grid(static_cast<unsigned>(selected), blocks_for(a.hidden, kThreads * cols));
+  switch (cols) {
+    case 1: rmsnorm_backward_partials_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a); break;
+    case 2: rmsnorm_backward_partials_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a); break;
+    default: rmsnorm_backward_partials_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a); break;
+  }
+  return launch_status("rmsnorm_backward_partials_kernel");
+}
+
+bool is_modulated(const TensorView& shift) { return shift.present(); }
+int64_t hidden_of(const TensorView& x) { return x.shape[x.rank - 1]; }
+
+// The positions a backward reduces: the plan's B*S, or x's rows for a plain
+// norm without a plan (as the CPU reference).
+int64_t reduced_positions(const RmsnormBackwardParams& p) {
+  return p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden_of(p.x);
+}
+
+// Vector accesses when every row pointer the row kernels touch is aligned to
+// one 4-element vector (always true for validated x, weight, out; grad and dx
+// are checked here, so an unaligned view still computes the same bits).
+template <typename T>
+bool rows_vectorizable(std::initializer_list<const void*> pointers) {
+  for (const void* q : pointers)
+    if (q && !address_aligned(q, kVec * sizeof(T))) return false;
+  return true;
+}
+
+RmsnormRowArgs row_args(const TensorView& x, const TensorView& weight, const TensorView& shift,
+                        const TensorView& scale, const IndexPlan& plan, float eps, Numerics numerics) {
+  RmsnormRowArgs a{};
+  a.x = x.data;
+  a.weight = weight.data;
+  a.hidden = hidden_of(x);
+  a.eps = eps;
+  a.torch = numerics == Numerics::kTorch;
+  if (is_modulated(shift)) {
+    a.shift = shift.data;
+    a.scale = scale.data;
+    a.shift_stride = shift.strides[0];
+    a.scale_stride = scale.strides[0];
+    a.row_of_seq = plan.device_tables().row_of_seq;
+    a.seq_len = plan.seq_len();
+  }
+  return a;
+}
+
+}  // namespace
+
+Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
+  RmsnormRowArgs a = row_args(p.x, p.weight, p.shift, p.scale, p.plan, p.eps, p.numerics);
+  a.out = p.out.data;
+  a.rstd = p.rstd.present() ? p.rstd.ptr<float>() : nullptr;
+  const int64_t rows = p.x.numel() / a.hidden;
+  if (rows == 0) return Status();
+  cudaStream_t s = as_cuda_stream(stream);
+  return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (rows_vectorizable<T>({a.x, a.weight, a.out}))
+      rmsnorm_forward_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
+    else
+      rmsnorm_forward_block_per_row_kernel<T, false><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
+    return launch_status("rmsnorm_forward_block_per_row_kernel");
+  });
+}
+
+Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream) {
+  if (!p.dx.present()) return Status();
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
+  RmsnormRowArgs a = row_args(p.x, p.weight, p.shift, p.scale, p.plan, p.eps, p.numerics);
+  a.rstd = const_cast<float*>(p.rstd.ptr<const float>());
+  a.grad = p.grad.data;
+  a.dx = p.dx.data;
+  const int64_t rows = p.x.numel() / a.hidden;
+  if (rows == 0) return Status();
+  cudaStream_t s = as_cuda_stream(stream);
+  return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (rows_vectorizable<T>({a.x, a.weight, a.grad, a.dx}))
+      rmsnorm_backward_rows_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
+    else
+      rmsnorm_backward_rows_block_per_row_kernel<T, false><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
+    return launch_status("rmsnorm_backward_rows_block_per_row_kernel");
+  });
+}
+
+Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,
+                                 const TensorView& weight_partials, const TensorView& table_partials,
+                                 Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
+  const bool tables = is_modulated(p.shift) && table_partials.present();
+  if (!weight_partials.present() && !tables) return Status();
+  RmsnormPartialArgs a{};
+  a.x = p.x.data;
+  a.grad = p.grad.data;
+  a.rstd = p.rstd.ptr<const float>();
+  a.hidden = hidden_of(p.x);
+  a.x_stride = a.grad_stride = a.hidden;
+  if (extra.x.present()) {
+    a.extra_x = extra.x.data;
+    a.extra_x_stride = extra.x.strides[0];
+  }
+  if (extra.grad.present()) {
+    a.extra_grad = extra.grad.data;
+    a.extra_grad_stride = extra.grad.strides[0];
+  }
+  if (extra.rstd.present()) a.extra_rstd = extra.rstd.ptr<const float>();
+  a.weight = p.weight.data;
+  if (is_modulated(p.shift)) {
+    a.scale = p.scale.data;
+    a.scale_stride = p.scale.strides[0];
+  }
+  if (p.plan.valid()) {
+    a.tables = p.plan.device_tables();
+    a.seq_len = p.plan.seq_len();
+  }
+  a.positions = reduced_positions(p);
+  a.chunks = sel.chunks;
+  a.position_row = sel.position_row;
+  if (weight_partials.present()) {
+    a.weight_partials = weight_partials.ptr<float>();
+    a.weight_partial_stride = weight_partials.strides[0];
+  }
+  if (tables) {
+    a.table_partials = table_partials.ptr<float>();
+    a.table_partial_stride = table_partials.strides[0];
+  }
+  const int64_t selected = sel.chunks ? sel.num_chunks : (a.positions + kReductionChunk - 1) / kReductionChunk;
+  return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
+    return launch_rmsnorm_backward_partials<decltype(tag)>(a, selected, as_cuda_stream(stream));
+  });
+}
+
+// rows + partials of every chunk + folds: the same composition as the CPU.
+Status rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(rmsnorm_backward_rows(p, stream));
+  const bool tables = is_modulated(p.shift) && (p.d_shift.present() || p.d_scale.present());
+  if (!p.d_weight.present() && !tables) return Status();
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
+  const int64_t hidden = hidden_of(p.x);
+  const int64_t chunks = (reduced_positions(p) + kReductionChunk - 1) / kReductionChunk;
+  const int64_t segments = tables ? p.plan.num_segments() : 0;
+  const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
+  StreamScratch scratch(as_cuda_stream(stream));
+  DETDIT_RETURN_IF_ERROR(scratch.allocate(static_cast<std::size_t>(weight_floats + segments * 2 * hidden) * 4));
+  TensorView weight_partials, table_partials;
+  if (p.d_weight.present())
+    weight_partials = TensorView::contiguous(scratch.as<float>(), DType::kF32, {chunks, hidden}, p.x.device);
+  if (tables)
+    table_partials = TensorView::contiguous(scratch.as<float>() + weight_floats, DType::kF32,
+                                            {segments, 2 * hidden}, p.x.device);
+  DETDIT_RETURN_IF_ERROR(
+      rmsnorm_backward_partials(p, ChunkSelection{}, ExtraRows{}, weight_partials, table_partials, stream));
+  if (p.d_weight.present()) DETDIT_RETURN_IF_ERROR(fold_chunk_partials(weight_partials, p.d_weight, stream));
+  if (tables && p.d_shift.present())
+    DETDIT_RETURN_IF_ERROR(fold_segment_partials(p.plan, table_partials.narrow(1, 0, hidden), p.d_shift, stream));
+  if (tables && p.d_scale.present())
+    DETDIT_RETURN_IF_ERROR(
+        fold_segment_partials(p.plan, table_partials.narrow(1, hidden, hidden), p.d_scale, stream));
+  return Status();
+}
+
+}  // namespace cuda
+}  // namespace detdit

@@ -1,0 +1,23 @@
+// Launch tunables of the CUDA backend. Numerics fixes every order of
+// operations; these only change which thread or block computes what, so every
+// legal value gives the same bytes (tests/cuda sweep them to prove it).
+// Process-wide and not synchronised: set them only from tests or benchmarks,
+// between ops.
+#pragma once
+
+namespace detdit {
+namespace cuda {
+
+struct LaunchTuning {
+  int linear_columns_per_warp = 4;   // linear forward: output columns per warp, 1, 2 or 4
+  int linear_partial_rows = 4;       // linear d_x partials: rows of grad per pass, 1, 2 or 4
+  int elementwise_threads = 256;     // threads per block of elementwise and fold kernels: 64..1024
+  int vector_bytes = 16;             // widest access of gather / gate_residual forward: 16, 8, 4 or 2
+  int partial_columns_per_thread = 4;  // rmsnorm / gate / gather partials: columns per thread, 1, 2 or 4
+};
+
+// The tunables every launcher reads (defaults above).
+LaunchTuning& launch_tuning();
+
+}  // namespace cuda
+}  // namespace detdit
