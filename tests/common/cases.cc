@@ -151,6 +151,57 @@ bool all_bytes_are(const HostTensor& t, uint8_t value) {
   return true;
 }
 
+RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight, const HostTensor* shift,
+                                   const HostTensor* scale, const std::vector<int64_t>& row_of, int64_t num_rows,
+                                   const HostTensor& grad, double eps, DType dtype) {
+  const int64_t hidden = weight.numel(), positions = x.numel() / hidden;
+  auto stored = [&](double v) { return correctly_rounded(v, dtype); };  // the model stores this value
+  RmsnormReference ref;
+  ref.out.resize(x.numel());
+  ref.dx.resize(x.numel());
+  ref.d_weight.assign(hidden, 0.0);
+  ref.d_shift.assign(num_rows * hidden, 0.0);
+  ref.d_scale.assign(num_rows * hidden, 0.0);
+  std::vector<double> d_n(hidden);
+  for (int64_t p = 0; p < positions; ++p) {
+    const int64_t base = p * hidden, table = row_of.empty() ? 0 : row_of[p] * hidden;
+    double ss = 0;
+    for (int64_t i = 0; i < hidden; ++i) ss += x.get(base + i) * x.get(base + i);
+    const double rstd = 1.0 / std::sqrt(ss / hidden + eps);
+    double dot = 0;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const double xi = x.get(base + i), wi = weight.get(i), g = grad.get(base + i);
+      const double n = stored(wi * xi * rstd);
+      const double t1 = shift ? stored(1.0 + scale->get(table + i)) : 1.0;
+      ref.out[base + i] = shift ? stored(stored(n * t1) + shift->get(table + i)) : n;
+      d_n[i] = g * t1;
+      dot += wi * d_n[i] * xi;
+      ref.d_weight[i] += d_n[i] * xi * rstd;
+      if (shift) {
+        ref.d_shift[table + i] += g;
+        ref.d_scale[table + i] += g * n;
+      }
+    }
+    for (int64_t i = 0; i < hidden; ++i) {
+      const double xi = x.get(base + i);
+      ref.dx[base + i] = rstd * weight.get(i) * d_n[i] - xi * rstd * rstd * rstd * dot / hidden;
+    }
+  }
+  return ref;
+}
+
+std::vector<int64_t> adaln_rows_of_positions(const IndexCase& c) {
+  std::vector<int64_t> rows(c.positions());
+  for (int64_t p = 0; p < c.positions(); ++p) rows[p] = c.row(p % c.seq_len);
+  return rows;
+}
+
+std::vector<int64_t> timestep_rows_of_positions(const IndexCase& c) {
+  std::vector<int64_t> rows(c.positions());
+  for (int64_t p = 0; p < c.positions(); ++p) rows[p] = c.timestep_indices[p % c.seq_len];
+  return rows;
+}
+
 HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, double mean, double std) {
   HostTensor t(dtype, std::move(shape));
   fill_normal(&t, seed, mean, std);

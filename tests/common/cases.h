@@ -58,6 +58,21 @@ double fraction_correctly_rounded(const HostTensor& got, const std::vector<doubl
 // Every byte of t equals `value` (the canary of an output that must stay unwritten).
 bool all_bytes_are(const HostTensor& t, uint8_t value);
 
+// FP64 reference of the (modulated) RMSNorm forward and backward, rounding
+// to `dtype` exactly where the model stores values (n = norm(x), 1 + scale,
+// the product, the sum) and straight-through for the gradient. Inputs are
+// read as exact values; shift/scale null for the plain norm; row_of[p] is the
+// table row of flattened position p.
+struct RmsnormReference {
+  std::vector<double> out, dx, d_weight, d_shift, d_scale;
+};
+RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight, const HostTensor* shift,
+                                   const HostTensor* scale, const std::vector<int64_t>& row_of, int64_t num_rows,
+                                   const HostTensor& grad, double eps, DType dtype);
+// row_of[p] = c.row(p % S) (AdaLN rows) or c.timestep_indices[p % S].
+std::vector<int64_t> adaln_rows_of_positions(const IndexCase& c);
+std::vector<int64_t> timestep_rows_of_positions(const IndexCase& c);
+
 // A tensor of normal(mean, std) values rounded to dtype.
 HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, double mean = 0.0, double std = 1.0);
 

@@ -1,0 +1,387 @@
+// rmsnorm (plain and modulated), CPU reference through the public API:
+// accuracy against the FP64 reference of tests/common/cases (straight-through
+// rounding where the model stores values), bitwise row invariance (a row
+// alone, inside a batch, with permuted neighbours), repeatability, exact zeros
+// for unreferenced table rows, and fail-closed validation (clear errors,
+// canary-filled outputs untouched).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <vector>
+
+#include "common/cases.h"
+#include "common/row_tree.h"
+#include "common/scalar_math.h"
+#include "common/storage.h"
+#include "common/test_util.h"
+#include "detdit/rmsnorm.h"
+
+namespace detdit {
+namespace {
+
+using testing::HostTensor;
+using testing::IndexCase;
+using testing::Packing;
+using testing::random_tensor;
+
+constexpr uint8_t kCanary = 0xA5;
+
+struct Norm {
+  IndexCase c;
+  IndexPlan plan;
+  DType dtype, grad_dtype;
+  int64_t hidden;
+  bool modulated;
+  HostTensor x, weight, shift, scale, grad;
+  HostTensor out, rstd, dx, d_weight, d_shift, d_scale;
+
+  Norm(const IndexCase& index, int64_t h, DType d, DType table_grad_dtype, bool mod = true, uint64_t seed = 1)
+      : c(index), plan(testing::adaln_plan(index)), dtype(d), grad_dtype(table_grad_dtype), hidden(h), modulated(mod),
+        x(random_tensor(d, {index.positions(), h}, seed, 0.0, 3.0)),
+        weight(random_tensor(d, {h}, seed + 1, 1.0, 0.2)),
+        shift(random_tensor(d, {index.num_rows(), h}, seed + 2)),
+        scale(random_tensor(d, {index.num_rows(), h}, seed + 3, 0.0, 0.5)),
+        grad(random_tensor(d, {index.positions(), h}, seed + 4)),
+        out(d, {index.positions(), h}), rstd(DType::kF32, {index.positions()}), dx(d, {index.positions(), h}),
+        d_weight(table_grad_dtype, {h}), d_shift(table_grad_dtype, {index.num_rows(), h}),
+        d_scale(table_grad_dtype, {index.num_rows(), h}) {
+    for (HostTensor* t : {&out, &rstd, &dx, &d_weight, &d_shift, &d_scale}) t->fill_bytes(kCanary);
+  }
+  RmsnormParams forward_params() const {
+    RmsnormParams p;
+    p.x = x.view();
+    p.weight = weight.view();
+    if (modulated) {
+      p.shift = shift.view();
+      p.scale = scale.view();
+      p.plan = plan;
+    }
+    p.out = out.view();
+    p.rstd = rstd.view();
+    return p;
+  }
+  RmsnormBackwardParams backward_params() const {
+    RmsnormBackwardParams p;
+    p.x = x.view();
+    p.weight = weight.view();
+    if (modulated) {
+      p.shift = shift.view();
+      p.scale = scale.view();
+      p.plan = plan;
+      p.d_shift = d_shift.view();
+      p.d_scale = d_scale.view();
+    }
+    p.rstd = rstd.view();
+    p.grad = grad.view();
+    p.dx = dx.view();
+    p.d_weight = d_weight.view();
+    return p;
+  }
+  Status run() {
+    DETDIT_RETURN_IF_ERROR(rmsnorm_forward(forward_params()));
+    return rmsnorm_backward(backward_params());
+  }
+};
+
+struct Tolerance {
+  double atol, rtol;
+};
+// spec 2.3 reduction class: forward fp32 1e-4/1e-4, bf16 5e-2/2e-2; grads fp32 1e-4/1e-4, bf16 1e-1/2e-2.
+Tolerance forward_tolerance(DType d) { return d == DType::kF32 ? Tolerance{1e-4, 1e-4} : Tolerance{5e-2, 2e-2}; }
+Tolerance grad_tolerance(DType d) { return d == DType::kF32 ? Tolerance{1e-4, 1e-4} : Tolerance{1e-1, 2e-2}; }
+
+TEST(Rmsnorm, MatchesTheFp64ReferenceWithinTheReductionContract) {
+  const std::vector<IndexCase> cases = {testing::make_index_case(Packing::kBlock, 257, 3, 2),
+                                        testing::make_index_case(Packing::kInterleaved, 257, 3, 2),
+                                        testing::make_index_case(Packing::kBlock, 4097, 1, 1)};
+  for (const IndexCase& c : cases)
+    for (DType dtype : {DType::kBF16, DType::kF32})
+      for (bool modulated : {true, false}) {
+        SCOPED_TRACE(c.name() + " " + dtype_name(dtype) + (modulated ? " modulated" : " plain"));
+        const int64_t h = c.seq_len > 1000 ? 64 : 256;
+        Norm k(c, h, dtype, DType::kF32, modulated);
+        DETDIT_ASSERT_OK(k.run());
+        const testing::RmsnormReference ref = testing::rmsnorm_reference(
+            k.x, k.weight, modulated ? &k.shift : nullptr, modulated ? &k.scale : nullptr,
+            testing::adaln_rows_of_positions(c), c.num_rows(), k.grad, 1e-5, dtype);
+        // The table gradients sum bf16-stored values (n, 1 + scale): their contract is the activation
+        // dtype's, even when they are returned in FP32.
+        const Tolerance f = forward_tolerance(dtype), g = grad_tolerance(dtype), t = g;
+        EXPECT_TRUE(testing::within_tolerance(k.out, ref.out, f.atol, f.rtol));
+        EXPECT_TRUE(testing::within_tolerance(k.dx, ref.dx, g.atol, g.rtol));
+        EXPECT_TRUE(testing::within_tolerance(k.d_weight, ref.d_weight, t.atol, t.rtol));
+        if (modulated) {
+          EXPECT_TRUE(testing::within_tolerance(k.d_shift, ref.d_shift, t.atol, t.rtol));
+          EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, t.atol, t.rtol));
+        }
+      }
+}
+
+TEST(Rmsnorm, Bf16TableGradientsMeetTheBf16Contract) {
+  IndexCase c = testing::make_index_case(Packing::kInterleaved, 4097, 3, 1);
+  Norm k(c, 64, DType::kBF16, DType::kBF16);
+  DETDIT_ASSERT_OK(k.run());
+  const testing::RmsnormReference ref = testing::rmsnorm_reference(
+      k.x, k.weight, &k.shift, &k.scale, testing::adaln_rows_of_positions(c), c.num_rows(), k.grad, 1e-5, DType::kBF16);
+  const Tolerance g = grad_tolerance(DType::kBF16);
+  EXPECT_TRUE(testing::within_tolerance(k.d_weight, ref.d_weight, g.atol, g.rtol));
+  EXPECT_TRUE(testing::within_tolerance(k.d_shift, ref.d_shift, g.atol, g.rtol));
+  EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, g.atol, g.rtol));
+  EXPECT_TRUE(testing::within_tolerance(k.dx, ref.dx, g.atol, g.rtol));
+}
+
+TEST(Rmsnorm, H3WidthMatchesTheReference) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 257, 3, 1);
+  Norm k(c, 5376, DType::kBF16, DType::kF32);
+  DETDIT_ASSERT_OK(k.run());
+  const testing::RmsnormReference ref = testing::rmsnorm_reference(
+      k.x, k.weight, &k.shift, &k.scale, testing::adaln_rows_of_positions(c), c.num_rows(), k.grad, 1e-5, DType::kBF16);
+  EXPECT_TRUE(testing::within_tolerance(k.out, ref.out, 5e-2, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.dx, ref.dx, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, 1e-1, 2e-2));
+}
+
+// Row p of the batch computed alone (a one-position plan with the same table)
+// gives the same bytes for out, rstd and dx.
+TEST(Rmsnorm, RowLocalOutputsAreInvariantToBatchAndNeighbours) {
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    IndexCase c = testing::make_index_case(Packing::kInterleaved, 257, 3, 3);
+    Norm batch(c, 20, dtype, DType::kF32);
+    DETDIT_ASSERT_OK(batch.run());
+    const int64_t h = 20;
+    for (int64_t p : {int64_t{0}, int64_t{255}, int64_t{256}, int64_t{400}, c.positions() - 1}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " position " + std::to_string(p));
+      IndexCase alone = c;
+      alone.seq_len = 1;
+      alone.batch = 1;
+      alone.timestep_indices = {c.timestep_indices[p % c.seq_len]};
+      alone.tags = {c.tags[p % c.seq_len]};
+      Norm one(alone, h, dtype, DType::kF32);
+      const std::size_t row_bytes = h * dtype_size(dtype);
+      std::memcpy(one.x.data(), static_cast<char*>(batch.x.data()) + p * row_bytes, row_bytes);
+      std::memcpy(one.grad.data(), static_cast<char*>(batch.grad.data()) + p * row_bytes, row_bytes);
+      std::memcpy(one.weight.data(), batch.weight.data(), batch.weight.nbytes());
+      std::memcpy(one.shift.data(), batch.shift.data(), batch.shift.nbytes());
+      std::memcpy(one.scale.data(), batch.scale.data(), batch.scale.nbytes());
+      DETDIT_ASSERT_OK(one.run());
+      EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.out.data()) + p * row_bytes, one.out.data(), h, dtype));
+      EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.dx.data()) + p * row_bytes, one.dx.data(), h, dtype));
+      EXPECT_TRUE(testing::bitwise_equal_bytes(batch.rstd.ptr<float>() + p, one.rstd.data(), 1, DType::kF32));
+    }
+  }
+}
+
+// Reversing the sequence (index and rows together) permutes out and dx the same way.
+TEST(Rmsnorm, PermutingNeighboursPermutesRowLocalOutputs) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 300, 4, 1);
+  Norm a(c, 12, DType::kBF16, DType::kF32);
+  DETDIT_ASSERT_OK(a.run());
+  IndexCase reversed = c;
+  std::reverse(reversed.timestep_indices.begin(), reversed.timestep_indices.end());
+  std::reverse(reversed.tags.begin(), reversed.tags.end());
+  Norm b(reversed, 12, DType::kBF16, DType::kF32);
+  const std::size_t row_bytes = 12 * 2;
+  for (int64_t s = 0; s < 300; ++s) {
+    std::memcpy(static_cast<char*>(b.x.data()) + (299 - s) * row_bytes, static_cast<char*>(a.x.data()) + s * row_bytes, row_bytes);
+    std::memcpy(static_cast<char*>(b.grad.data()) + (299 - s) * row_bytes, static_cast<char*>(a.grad.data()) + s * row_bytes, row_bytes);
+  }
+  std::memcpy(b.weight.data(), a.weight.data(), a.weight.nbytes());
+  std::memcpy(b.shift.data(), a.shift.data(), a.shift.nbytes());
+  std::memcpy(b.scale.data(), a.scale.data(), a.scale.nbytes());
+  DETDIT_ASSERT_OK(b.run());
+  for (int64_t s = 0; s < 300; ++s) {
+    ASSERT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(a.out.data()) + s * row_bytes,
+                                             static_cast<char*>(b.out.data()) + (299 - s) * row_bytes, 12, DType::kBF16)) << s;
+    ASSERT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(a.dx.data()) + s * row_bytes,
+                                             static_cast<char*>(b.dx.data()) + (299 - s) * row_bytes, 12, DType::kBF16)) << s;
+  }
+}
+
+TEST(Rmsnorm, EveryOutputIsRepeatableAndUnreferencedRowsAreExactZeros) {
+  // S = 3 with T = 4: at most 3 of the 12 table rows are referenced.
+  IndexCase c = testing::make_index_case(Packing::kInterleaved, 3, 4, 2);
+  for (DType grad_dtype : {DType::kF32, DType::kBF16}) {
+    Norm a(c, 12, DType::kBF16, grad_dtype), b(c, 12, DType::kBF16, grad_dtype);
+    DETDIT_ASSERT_OK(a.run());
+    DETDIT_ASSERT_OK(b.run());
+    EXPECT_BITWISE_EQ(a.out, b.out);
+    EXPECT_BITWISE_EQ(a.rstd, b.rstd);
+    EXPECT_BITWISE_EQ(a.dx, b.dx);
+    EXPECT_BITWISE_EQ(a.d_weight, b.d_weight);
+    EXPECT_BITWISE_EQ(a.d_shift, b.d_shift);
+    EXPECT_BITWISE_EQ(a.d_scale, b.d_scale);
+    std::vector<bool> used(c.num_rows(), false);
+    for (int64_t s = 0; s < c.seq_len; ++s) used[c.row(s)] = true;
+    const std::size_t row_bytes = 12 * dtype_size(grad_dtype);
+    int unused = 0;
+    for (int64_t r = 0; r < c.num_rows(); ++r) {
+      if (used[r]) continue;
+      ++unused;
+      for (const HostTensor* t : {&a.d_shift, &a.d_scale}) {
+        const auto* bytes = static_cast<const uint8_t*>(t->data()) + r * row_bytes;
+        EXPECT_TRUE(std::all_of(bytes, bytes + row_bytes, [](uint8_t v) { return v == 0; })) << "row " << r;
+      }
+    }
+    EXPECT_GE(unused, 9);
+  }
+}
+
+TEST(Rmsnorm, LargeRowSegmentsStayAccurate) {
+  // T = 1, block packing: row 0 (video) holds ~80 % of 2 x 4097 positions (> 256 per row).
+  IndexCase c = testing::make_index_case(Packing::kBlock, 4097, 1, 2);
+  Norm k(c, 12, DType::kBF16, DType::kBF16);
+  DETDIT_ASSERT_OK(k.run());
+  const testing::RmsnormReference ref = testing::rmsnorm_reference(
+      k.x, k.weight, &k.shift, &k.scale, testing::adaln_rows_of_positions(c), c.num_rows(), k.grad, 1e-5, DType::kBF16);
+  EXPECT_TRUE(testing::within_tolerance(k.d_shift, ref.d_shift, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_weight, ref.d_weight, 1e-1, 2e-2));
+}
+
+// out, rstd and dx written out from docs/numerics.md 5.6 / 6.7 (row tree of
+// section 7), compared bitwise: the row-local half of the contract.
+TEST(Rmsnorm, RowLocalResultsFollowTheContractBitwise) {
+  IndexCase c = testing::make_index_case(Packing::kInterleaved, 40, 3, 2);
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const int64_t h = 1028;  // more than 128 vectors: lanes take several
+    Norm k(c, h, dtype, DType::kF32);
+    DETDIT_ASSERT_OK(k.run());
+    auto R = [&](float v) { return dispatch_float_dtype(dtype, [&](auto tag) { return round_to<decltype(tag)>(v); }); };
+    HostTensor out(dtype, {c.positions(), h}), dx(dtype, {c.positions(), h}), rstd(DType::kF32, {c.positions()});
+    for (int64_t p = 0; p < c.positions(); ++p) {
+      auto x = [&](int64_t i) { return static_cast<float>(k.x.get(p * h + i)); };
+      auto w = [&](int64_t i) { return static_cast<float>(k.weight.get(i)); };
+      const int64_t r = c.row(p % c.seq_len);
+      auto t1 = [&](int64_t i) { return R(num::add32(1.0f, static_cast<float>(k.scale.get(r * h + i)))); };
+      const float ss = row_tree_sum(h, [&](int64_t i, float* a, float* b) { *a = *b = x(i); });
+      const float rs = num::portable_rsqrt(num::add32(num::div32(ss, static_cast<float>(h)), 1e-5f));
+      rstd.ptr<float>()[p] = rs;
+      for (int64_t i = 0; i < h; ++i) {
+        const float n = R(num::mul32(w(i), num::mul32(rs, x(i))));
+        out.set(p * h + i, num::add32(R(num::mul32(n, t1(i))), static_cast<float>(k.shift.get(r * h + i))));
+      }
+      auto d_n = [&](int64_t i) { return num::mul32(static_cast<float>(k.grad.get(p * h + i)), t1(i)); };
+      const float dot = row_tree_sum(h, [&](int64_t i, float* a, float* b) {
+        *a = num::mul32(w(i), d_n(i));
+        *b = x(i);
+      });
+      const float coef = num::div32(num::mul32(num::mul32(num::mul32(rs, rs), rs), dot), static_cast<float>(h));
+      for (int64_t i = 0; i < h; ++i)
+        dx.set(p * h + i, num::sub32(num::mul32(num::mul32(rs, w(i)), d_n(i)), num::mul32(x(i), coef)));
+    }
+    EXPECT_BITWISE_EQ(rstd, k.rstd);
+    EXPECT_BITWISE_EQ(out, k.out);
+    EXPECT_BITWISE_EQ(dx, k.dx);
+  }
+}
+
+// ---- fail closed ------------------------------------------------------------
+
+struct BadCase {
+  const char* what;
+  ErrorKind kind;
+  const char* message;
+  std::function<void(RmsnormParams*, RmsnormBackwardParams*, std::vector<HostTensor>*)> mutate;
+};
+
+TEST(Rmsnorm, BadInputsGetClearErrorsAndWriteNothing) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  IndexCase shorter = testing::make_index_case(Packing::kBlock, 8, 2, 2);  // a "sharded" index
+  IndexPlan sharded = testing::adaln_plan(shorter);
+  const std::vector<BadCase> cases = {
+      {"x dtype int", ErrorKind::kType, "x must be float32, bfloat16 or float16, got int32",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->x.dtype = b->x.dtype = DType::kI32; }},
+      {"weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float32",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->weight.dtype = b->weight.dtype = DType::kF32; }},
+      {"shift dtype", ErrorKind::kType, "shift must be bfloat16, got float16",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->shift.dtype = b->shift.dtype = DType::kF16; }},
+      {"H % 4", ErrorKind::kValue, "H=14 must be a multiple of 4 (PyTorch's vectorized RMSNorm path)",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) {
+         // a plain norm (no plan), so the row count is free
+         f->x = f->x.reshaped({16 * 2 * 16 / 14, 14});
+         b->x = f->x;
+         f->shift = f->scale = b->shift = b->scale = b->d_shift = b->d_scale = TensorView();
+         f->plan = b->plan = IndexPlan();
+       }},
+      {"misaligned x", ErrorKind::kValue, "x must be 8-byte aligned",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) {
+         f->x.data = static_cast<char*>(f->x.data) + 2;
+         b->x = f->x;
+       }},
+      {"sharded index", ErrorKind::kValue, "x must be (B*S, H) rows with S = plan.seq_len() = 8, B = plan.batch() = 2, got (32, 16)",
+       [&](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->plan = b->plan = sharded; }},
+      {"3-D x with wrong S", ErrorKind::kValue, "x must be (B*S, H) rows with S = plan.seq_len() = 16",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->x = b->x = f->x.reshaped({4, 8, 16}); }},
+      {"shift rows", ErrorKind::kValue, "shift must be (R, H) = (6, 16)",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->shift.shape[0] = b->shift.shape[0] = 5; }},
+      {"shift column stride", ErrorKind::kValue, "scale must have unit column stride",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->scale.strides[1] = b->scale.strides[1] = 2; }},
+      {"shift without scale", ErrorKind::kValue, "modulation needs both shift and scale",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->scale = b->scale = TensorView(); }},
+      {"no plan", ErrorKind::kValue, "plan is required",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->plan = b->plan = IndexPlan(); }},
+      {"eps", ErrorKind::kValue, "eps must be finite and > 0",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->eps = b->eps = 0.0f; }},
+      {"empty x", ErrorKind::kValue, "x must be non-empty",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->x.shape[0] = b->x.shape[0] = 0; }},
+      {"weight on cuda", ErrorKind::kValue, "weight is on cuda:0, x is on cpu",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->weight.device = b->weight.device = Device::cuda(0); }},
+      {"torch profile on cpu", ErrorKind::kValue, "numerics=torch exists on CUDA only",
+       [](RmsnormParams* f, RmsnormBackwardParams* b, std::vector<HostTensor>*) { f->numerics = b->numerics = Numerics::kTorch; }},
+  };
+  for (const BadCase& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    Norm k(c, 16, DType::kBF16, DType::kF32);
+    RmsnormParams f = k.forward_params();
+    RmsnormBackwardParams b = k.backward_params();
+    std::vector<HostTensor> keep;
+    bad.mutate(&f, &b, &keep);
+    for (Status s : {rmsnorm_forward(f), rmsnorm_backward(b)}) {
+      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
+      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
+    }
+    for (const HostTensor* t : {&k.out, &k.rstd, &k.dx, &k.d_weight, &k.d_shift, &k.d_scale})
+      EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+  }
+}
+
+TEST(Rmsnorm, BackwardOnlyErrorsWriteNothing) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  Norm k(c, 16, DType::kBF16, DType::kF32);
+  DETDIT_ASSERT_OK(rmsnorm_forward(k.forward_params()));
+  struct Case {
+    ErrorKind kind;
+    const char* message;
+    std::function<void(RmsnormBackwardParams*)> mutate;
+  };
+  const Case cases[] = {
+      {ErrorKind::kValue, "rstd is required", [](RmsnormBackwardParams* b) { b->rstd = TensorView(); }},
+      {ErrorKind::kValue, "grad must have x's shape", [](RmsnormBackwardParams* b) { b->grad.shape[1] = 8; }},
+      {ErrorKind::kType, "d_shift must be float32 or bfloat16, got float16", [](RmsnormBackwardParams* b) { b->d_shift.dtype = DType::kF16; }},
+      {ErrorKind::kValue, "d_weight must be (H,) = (16,)", [](RmsnormBackwardParams* b) { b->d_weight.shape[0] = 15; }},
+      {ErrorKind::kValue, "dx must not overlap grad", [](RmsnormBackwardParams* b) { b->dx.data = b->grad.data; }},
+      {ErrorKind::kValue, "d_shift/d_scale need a modulated norm", [](RmsnormBackwardParams* b) {
+         b->shift = b->scale = TensorView();
+       }},
+  };
+  for (const Case& bad : cases) {
+    SCOPED_TRACE(bad.message);
+    for (HostTensor* t : {&k.dx, &k.d_weight, &k.d_shift, &k.d_scale}) t->fill_bytes(kCanary);
+    HostTensor grad_before = testing::clone(k.grad);
+    RmsnormBackwardParams b = k.backward_params();
+    bad.mutate(&b);
+    Status s = rmsnorm_backward(b);
+    EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
+    EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
+    for (const HostTensor* t : {&k.dx, &k.d_weight, &k.d_shift, &k.d_scale}) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+    EXPECT_BITWISE_EQ(grad_before, k.grad);
+  }
+}
+
+}  // namespace
+}  // namespace detdit
