@@ -1,0 +1,130 @@
+// detdit/parallel.h: tensor parallelism (tp_adaln_projection) and sequence
+// parallelism (the sp_region: rmsnorm, modulation, gate_residual), byte-equal
+// to one device (WS1) for every world size. The only collective is the
+// Communicator's rank-ordered all-gather (detdit/comm.h); no reduction ever
+// happens inside a collective. docs/parallel.md explains the plan with a
+// worked example and the rows and bytes each rank moves.
+//
+// Errors are collective: each op validates its arguments, then every rank
+// learns (Communicator::agree) whether any rank failed, before the first data
+// collective. A failing call fails on every rank and writes no output.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "detdit/adaln.h"
+#include "detdit/comm.h"
+#include "detdit/gate_residual.h"
+#include "detdit/plan.h"
+#include "detdit/rmsnorm.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+
+namespace detdit {
+
+// ---------------------------------------------------------------------------
+// tp_adaln_projection: rank r of tp owns the contiguous output columns
+// [r*N/tp, (r+1)*N/tp) of the (T, N) table, i.e. those rows of the projection
+// weight and bias. N/tp must be a multiple of kLinearChunkRows (64), so a
+// shard owns whole d_x chunks.
+//
+// Forward:  act = R_W(silu(temb)) (replicated), local = linear(act, W_shard,
+//   b_shard) (exactly the WS1 columns), all-gather, reorder into the (T, N)
+//   WS1 table on every rank.
+// Backward: g = fp32(grad_table[:, shard]); dW, db of the shard locally (the
+//   WS1 rows); d_x chunk partials of the shard (exactly WS1 chunks
+//   [begin/64, end/64)), all-gathered in chunk order and folded the WS1 way on
+//   every rank; d_temb = SiLU VJP. grad_table must be the same on every rank.
+//
+// The Params are the WS1 ones (adaln.h) with weight, bias, d_weight and d_bias
+// being this rank's (N/tp, D) / (N/tp,) shard and table / grad_table the full
+// (T, N). N = table.shape[1] (grad_table.shape[1]) is a multiple of 18.
+
+// [*begin, *end): the columns of `rank` in a `world`-way split of `columns`.
+// ValueError "tp=5 does not split N=96768 into 64-column chunks; valid tp: 1,
+// 2, 3, 4, 6, 7, 8, ..." when N/tp is not a whole number of 64-column chunks.
+Status tp_column_shard(int64_t columns, int world, int rank, int64_t* begin, int64_t* end);
+
+Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionParams& params,
+                                   Stream stream = nullptr);
+Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBackwardParams& params,
+                                    Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------
+// sp_region: rank r holds positions [r*S/sp, (r+1)*S/sp) (floor division) of
+// every batch item: its activations are the local rows (B, S_local, H) (or
+// (B*S_local, H)), local row b*S_local + (s - lo). The (S,) row index (its
+// IndexPlan), the tables (shift, scale, gate) and the norm weight are
+// replicated.
+//
+// An SpPlan is derived on every rank from replicated metadata (the IndexPlan,
+// world, rank), once per index, and reused by every op and block. With
+// positions p = b*S + s and the canonical 256-position chunks (plan.h):
+//   - the owner of a chunk is the owner of its first position;
+//   - rows that move: positions of a chunk owned by another rank; rank q sends
+//     its such rows in ascending p (slot = ordinal), in a send block of
+//     max_send rows (max over ranks, known to all from the replicated plan);
+//   - position_row: own rows -> local row (>= 0), received rows ->
+//     -1 - (owner*max_send + slot) (backends.h ChunkSelection).
+//
+// Forward: the WS1 op on the local rows with the local index index[lo:hi)
+// (no communication). Backward: row-local gradients (dx, d_y, d_residual)
+// locally; ONE all-gather of the straddling rows (skipped when no rank sends
+// any); each chunk's partials computed by its owner; ONE all-gather of the
+// partials (padded to the most any rank owns), put in global chunk/segment
+// order; every rank folds. Every output and gradient is byte-equal to WS1,
+// and the replicated gradients (d_weight, d_shift, d_scale, d_gate) are
+// identical on every rank. On CUDA the plan's tables live on the device and
+// no op synchronises the host.
+class SpPlan {
+ public:
+  SpPlan() = default;
+
+  // plan: the replicated (S,) index plan (batch B). Errors: ValueError "need
+  // 0 <= rank < world, got rank=..., world=..." and "every rank needs a row:
+  // seq_len=..., world=..., batch=...".
+  static Status create(const IndexPlan& plan, int world, int rank, SpPlan* sp, Stream stream = nullptr);
+
+  bool valid() const { return impl_ != nullptr; }
+  int world() const;
+  int rank() const;
+  int64_t seq_len() const;        // S
+  int64_t batch() const;          // B
+  int64_t local_begin() const;    // lo = rank*S/world
+  int64_t local_end() const;      // hi = (rank+1)*S/world
+  int64_t local_seq_len() const;  // hi - lo
+  const IndexPlan& global_plan() const;  // the (S,) plan it was built from
+  const IndexPlan& local_plan() const;   // index[lo:hi), batch B
+
+  // What the plan moves (every rank knows every rank's numbers).
+  struct RankTraffic {
+    int64_t send_rows = 0;      // own rows another rank's chunks need
+    int64_t receive_rows = 0;   // other ranks' rows this rank's chunks need
+    int64_t chunks = 0;         // chunks this rank owns
+    int64_t segments = 0;       // segments of those chunks
+  };
+  const std::vector<RankTraffic>& traffic() const;  // (world,)
+  int64_t max_send() const;      // rows per send block (max send_rows)
+  int64_t max_chunks() const;    // max chunks per rank
+  int64_t max_segments() const;  // max segments per rank
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+};
+
+// The Params are the WS1 ones with the local rows; params.plan is the SpPlan's
+// global plan (required when modulated, may be absent for a plain norm; a plan
+// of the local slice is rejected: the full (S,) index is required).
+Status sp_rmsnorm_forward(const SpPlan& sp, const RmsnormParams& params, Stream stream = nullptr);
+Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params,
+                           Stream stream = nullptr);
+Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& params, Stream stream = nullptr);
+Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
+                                 Stream stream = nullptr);
+
+}  // namespace detdit

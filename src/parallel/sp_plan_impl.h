@@ -1,0 +1,43 @@
+// The tables of an SpPlan (include/detdit/parallel.h), shared by the plan
+// builder (sp_plan.cc) and the sp_region ops (sp_region.cc). Internal.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "detdit/parallel.h"
+
+namespace detdit {
+
+// A run of `count` consecutive rows (or chunk / segment partials) copied from
+// row `src` to row `dst`; `rank` names the source rank's block where needed.
+struct SpRun {
+  int32_t rank = 0;
+  int64_t src = 0, dst = 0, count = 0;
+};
+
+struct SpPlan::Impl {
+  int world = 0, rank = 0;
+  int64_t seq_len = 0, batch = 0, lo = 0, hi = 0;
+  IndexPlan global, local;
+  std::vector<RankTraffic> traffic;  // (world,)
+  int64_t max_send = 0, max_chunks = 0, max_segments = 0;
+
+  // This rank's own rows into its send block: src = local row, dst = slot.
+  std::vector<SpRun> send_runs;
+  // Partials of every rank into global order: src = row in rank's block,
+  // dst = global chunk (chunk_runs) or global segment (segment_runs).
+  std::vector<SpRun> chunk_runs, segment_runs;
+
+  // Host tables, and their copies where the backend computes (device for a
+  // CUDA plan, the same pointers for a CPU plan).
+  std::vector<int32_t> owned_chunks;  // (chunks of this rank,) ascending
+  std::vector<int32_t> chunk_list;    // owned_chunks, or {0} when empty (never null)
+  std::vector<int32_t> position_row;  // (B*S,) backends.h ChunkSelection
+  const int32_t* owned_chunks_on_device = nullptr;
+  const int32_t* position_row_on_device = nullptr;
+  std::shared_ptr<void> device_memory;
+};
+
+}  // namespace detdit
