@@ -15,10 +15,10 @@ Status check_rows(const TensorView& t, const char* name, const IndexPlan* plan, 
   if (t.rank != 2 && t.rank != 3)
     return Status::value_error(std::string(name) + " must be a 2-D (M, H) or 3-D (B, S, H) tensor, got " +
                                t.describe());
-  DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
   if (t.numel() == 0)
     return Status::value_error(std::string(name) + " must be non-empty (at least one row and one column), got " +
                                t.describe());
+  DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
   *hidden = t.shape[t.rank - 1];
   if (plan && plan->valid()) {
     const int64_t rows = t.numel() / *hidden;

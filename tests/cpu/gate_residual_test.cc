@@ -1,0 +1,215 @@
+// gate_residual through the public API: the forward and the row-local
+// gradients follow the contract bitwise (numerics 5.7 / 6.8 written out here),
+// d_gate meets the BF16 reduction contract against FP64, rows are invariant to
+// batch and neighbours, everything repeats bitwise, unreferenced gate rows get
+// exact zeros, and bad inputs fail closed (canary outputs untouched).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "common/cases.h"
+#include "common/scalar_math.h"
+#include "common/storage.h"
+#include "common/test_util.h"
+#include "detdit/gate_residual.h"
+
+namespace detdit {
+namespace {
+
+using testing::HostTensor;
+using testing::IndexCase;
+using testing::Packing;
+using testing::random_tensor;
+
+constexpr uint8_t kCanary = 0xA5;
+
+struct Gate {
+  IndexCase c;
+  IndexPlan plan;
+  DType dtype;
+  int64_t hidden;
+  HostTensor residual, y, gate, grad, out, d_residual, d_y, d_gate;
+  Gate(const IndexCase& index, int64_t h, DType d, DType gate_grad_dtype, uint64_t seed = 7)
+      : c(index), plan(testing::adaln_plan(index)), dtype(d), hidden(h),
+        residual(random_tensor(d, {index.positions(), h}, seed, 0, 4)),
+        y(random_tensor(d, {index.positions(), h}, seed + 1, 0, 3)),
+        gate(random_tensor(d, {index.num_rows(), h}, seed + 2, 0, 0.5)),
+        grad(random_tensor(d, {index.positions(), h}, seed + 3)), out(d, {index.positions(), h}),
+        d_residual(d, {index.positions(), h}), d_y(d, {index.positions(), h}),
+        d_gate(gate_grad_dtype, {index.num_rows(), h}) {
+    for (HostTensor* t : {&out, &d_residual, &d_y, &d_gate}) t->fill_bytes(kCanary);
+  }
+  GateResidualParams forward_params() const {
+    GateResidualParams p;
+    p.residual = residual.view();
+    p.y = y.view();
+    p.gate = gate.view();
+    p.plan = plan;
+    p.out = out.view();
+    return p;
+  }
+  GateResidualBackwardParams backward_params() const {
+    GateResidualBackwardParams p;
+    p.grad = grad.view();
+    p.y = y.view();
+    p.gate = gate.view();
+    p.plan = plan;
+    p.d_residual = d_residual.view();
+    p.d_y = d_y.view();
+    p.d_gate = d_gate.view();
+    return p;
+  }
+  Status run() {
+    DETDIT_RETURN_IF_ERROR(gate_residual_forward(forward_params()));
+    return gate_residual_backward(backward_params());
+  }
+};
+
+TEST(GateResidual, RowLocalResultsFollowTheContractBitwise) {
+  IndexCase c = testing::make_index_case(Packing::kInterleaved, 257, 4, 2);
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    Gate k(c, 20, dtype, DType::kF32);
+    DETDIT_ASSERT_OK(k.run());
+    auto R = [&](float v) { return dispatch_float_dtype(dtype, [&](auto tag) { return round_to<decltype(tag)>(v); }); };
+    HostTensor out(dtype, {c.positions(), 20}), d_y(dtype, {c.positions(), 20});
+    for (int64_t p = 0; p < c.positions(); ++p)
+      for (int64_t i = 0; i < 20; ++i) {
+        const float gate = static_cast<float>(k.gate.get(c.row(p % c.seq_len) * 20 + i));
+        const int64_t e = p * 20 + i;
+        out.set(e, num::add32(static_cast<float>(k.residual.get(e)), R(num::mul32(gate, static_cast<float>(k.y.get(e))))));
+        d_y.set(e, num::mul32(static_cast<float>(k.grad.get(e)), gate));
+      }
+    EXPECT_BITWISE_EQ(out, k.out);
+    EXPECT_BITWISE_EQ(d_y, k.d_y);
+    EXPECT_BITWISE_EQ(k.grad, k.d_residual);
+  }
+}
+
+TEST(GateResidual, GateGradientMeetsTheReductionContract) {
+  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 4097, 3, 2),
+                             testing::make_index_case(Packing::kInterleaved, 4097, 4, 1),
+                             testing::make_index_case(Packing::kBlock, 4097, 1, 1)})
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      SCOPED_TRACE(c.name() + " " + dtype_name(dtype));
+      Gate k(c, 64, dtype, dtype);
+      DETDIT_ASSERT_OK(k.run());
+      std::vector<double> ref(c.num_rows() * 64, 0.0);
+      for (int64_t p = 0; p < c.positions(); ++p)
+        for (int64_t i = 0; i < 64; ++i) ref[c.row(p % c.seq_len) * 64 + i] += k.grad.get(p * 64 + i) * k.y.get(p * 64 + i);
+      if (dtype == DType::kF32)
+        EXPECT_TRUE(testing::within_tolerance(k.d_gate, ref, 1e-4, 1e-4));
+      else
+        EXPECT_TRUE(testing::within_tolerance(k.d_gate, ref, 1e-1, 2e-2));
+    }
+}
+
+TEST(GateResidual, RowLocalOutputsAreInvariantToBatchAndNeighbours) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 300, 3, 3);
+  Gate batch(c, 12, DType::kBF16, DType::kF32);
+  DETDIT_ASSERT_OK(batch.run());
+  const std::size_t row_bytes = 12 * 2;
+  for (int64_t p : {int64_t{0}, int64_t{299}, int64_t{300}, int64_t{555}, c.positions() - 1}) {
+    SCOPED_TRACE(p);
+    IndexCase alone = c;
+    alone.seq_len = alone.batch = 1;
+    alone.timestep_indices = {c.timestep_indices[p % c.seq_len]};
+    alone.tags = {c.tags[p % c.seq_len]};
+    Gate one(alone, 12, DType::kBF16, DType::kF32);
+    for (auto [dst, src] : {std::make_pair(&one.residual, &batch.residual), std::make_pair(&one.y, &batch.y),
+                            std::make_pair(&one.grad, &batch.grad)})
+      std::memcpy(dst->data(), static_cast<char*>(src->data()) + p * row_bytes, row_bytes);
+    std::memcpy(one.gate.data(), batch.gate.data(), batch.gate.nbytes());
+    DETDIT_ASSERT_OK(one.run());
+    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.out.data()) + p * row_bytes, one.out.data(), 12, DType::kBF16));
+    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.d_y.data()) + p * row_bytes, one.d_y.data(), 12, DType::kBF16));
+    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.d_residual.data()) + p * row_bytes, one.d_residual.data(), 12,
+                                             DType::kBF16));
+  }
+}
+
+TEST(GateResidual, RepeatableWithExactZerosForUnreferencedRows) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 3, 4, 3);
+  Gate a(c, 12, DType::kBF16, DType::kBF16), b(c, 12, DType::kBF16, DType::kBF16);
+  DETDIT_ASSERT_OK(a.run());
+  DETDIT_ASSERT_OK(b.run());
+  EXPECT_BITWISE_EQ(a.out, b.out);
+  EXPECT_BITWISE_EQ(a.d_y, b.d_y);
+  EXPECT_BITWISE_EQ(a.d_gate, b.d_gate);
+  std::vector<bool> used(c.num_rows(), false);
+  for (int64_t s = 0; s < c.seq_len; ++s) used[c.row(s)] = true;
+  int unused = 0;
+  for (int64_t r = 0; r < c.num_rows(); ++r)
+    if (!used[r]) {
+      ++unused;
+      for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(a.d_gate.ptr<uint16_t>()[r * 12 + i], 0u) << r;
+    }
+  EXPECT_GE(unused, 9);
+}
+
+TEST(GateResidual, BadInputsGetClearErrorsAndWriteNothing) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  IndexPlan sharded = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 8, 2, 2));
+  IndexPlan other_rows = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 16, 3, 2));
+  struct Case {
+    const char* what;
+    ErrorKind kind;
+    const char* message;
+    std::function<void(GateResidualParams*, GateResidualBackwardParams*)> mutate;
+  };
+  const Case cases[] = {
+      {"residual dtype", ErrorKind::kType, "must be float32, bfloat16 or float16, got int64",
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->residual.dtype = b->grad.dtype = DType::kI64; }},
+      {"y dtype", ErrorKind::kType, "y must have", [](GateResidualParams* f, GateResidualBackwardParams* b) {
+         f->y.dtype = b->y.dtype = DType::kF16;
+       }},
+      {"gate dtype", ErrorKind::kType, "gate must be bfloat16, got float32",
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->gate.dtype = b->gate.dtype = DType::kF32; }},
+      {"y shape", ErrorKind::kValue, "y must have", [](GateResidualParams* f, GateResidualBackwardParams* b) {
+         f->y.shape[1] = b->y.shape[1] = 8;
+       }},
+      {"gate rows vs plan", ErrorKind::kValue, "gate must be (R, H) = (9, 16)",
+       [&](GateResidualParams* f, GateResidualBackwardParams* b) { f->plan = b->plan = other_rows; }},
+      {"gate column stride", ErrorKind::kValue, "gate must have unit column stride",
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->gate.strides[1] = b->gate.strides[1] = 3; }},
+      {"sharded index", ErrorKind::kValue, "rows with S = plan.seq_len() = 8, B = plan.batch() = 2, got (32, 16)",
+       [&](GateResidualParams* f, GateResidualBackwardParams* b) { f->plan = b->plan = sharded; }},
+      {"no plan", ErrorKind::kValue, "plan is required",
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->plan = b->plan = IndexPlan(); }},
+      {"empty", ErrorKind::kValue, "must be non-empty",
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->residual.shape[1] = b->grad.shape[1] = 0; }},
+      {"device", ErrorKind::kValue, "is on cuda:0", [](GateResidualParams* f, GateResidualBackwardParams* b) {
+         f->y.device = b->y.device = Device::cuda(0);
+       }},
+      {"absent", ErrorKind::kValue, "y is required", [](GateResidualParams* f, GateResidualBackwardParams* b) {
+         f->y = b->y = TensorView();
+       }},
+  };
+  for (const Case& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    Gate k(c, 16, DType::kBF16, DType::kF32);
+    GateResidualParams f = k.forward_params();
+    GateResidualBackwardParams b = k.backward_params();
+    bad.mutate(&f, &b);
+    for (Status s : {gate_residual_forward(f), gate_residual_backward(b)}) {
+      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
+      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
+    }
+    for (const HostTensor* t : {&k.out, &k.d_residual, &k.d_y, &k.d_gate}) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+  }
+  // An output overlapping an input is refused too (the backward reads y while writing d_y).
+  Gate k(c, 16, DType::kBF16, DType::kF32);
+  GateResidualBackwardParams b = k.backward_params();
+  b.d_y = k.y.view();
+  Status s = gate_residual_backward(b);
+  EXPECT_EQ(s.kind(), ErrorKind::kValue);
+  EXPECT_NE(s.message().find("d_y must not overlap y"), std::string::npos) << s.to_string();
+  EXPECT_TRUE(testing::all_bytes_are(k.d_gate, kCanary));
+}
+
+}  // namespace
+}  // namespace detdit
