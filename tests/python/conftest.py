@@ -1,0 +1,56 @@
+"""Shared helpers of the detdit binding tests (pytest). Run from the repo root:
+PYTHONPATH=python /usr/bin/python3 -m pytest tests/python -q (after building the extension,
+see docs/python.md)."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU and a CUDA build of torch (torch.cuda.is_available() is False)")
+
+
+def _int_view(t):
+    return t.contiguous().view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def assert_bitwise_equal(actual, expected, what):
+    """Byte equality, with a report: count, first index, both values in hex, ulp distance."""
+    assert actual is not None and expected is not None, f"{what}: missing tensor"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = _int_view(actual.detach().cpu()), _int_view(expected.detach().cpu())
+    differ = a != e
+    if bool(differ.any()):
+        count = int(differ.sum())
+        first = int(differ.flatten().nonzero()[0])
+        got, want = int(a.flatten()[first]), int(e.flatten()[first])
+        bits = actual.element_size() * 8
+        mask = (1 << bits) - 1
+        raise AssertionError(
+            f"{what}: {count} of {a.numel()} elements differ; first at flat index {first}: "
+            f"got {float(actual.detach().cpu().flatten()[first])!r} (0x{got & mask:0{bits // 4}x}), "
+            f"expected {float(expected.detach().cpu().flatten()[first])!r} (0x{want & mask:0{bits // 4}x}), "
+            f"{abs(got - want)} ulp apart")
+
+
+def assert_close_to(actual, reference, bound, what):
+    """max |actual - reference| <= bound (reference float64)."""
+    err = (actual.detach().double().cpu() - reference.detach().double().cpu()).abs().max().item()
+    assert err <= bound, f"{what}: max abs error {err:.3e} exceeds the bound {bound:.3e}"
+    return err
+
+
+def normal(shape, seed, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def packing(seq_len, num_timesteps, seed):
+    """A packed sequence: (timestep_indices, token_tags), int64, mixed order."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, num_timesteps, (seq_len,), generator=g),
+            torch.randint(0, 3, (seq_len,), generator=g))
