@@ -41,7 +41,10 @@ Status validate_row_gather_forward(const AdalnRowGatherParams& p) {
   DETDIT_RETURN_IF_ERROR(check::present(p.out, "out"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(p.out, "out", p.rows, "rows"));
   DETDIT_RETURN_IF_ERROR(check::same_device(p.out, "out", p.rows, "rows"));
-  DETDIT_RETURN_IF_ERROR(check::shape(p.out, "out", {kAdalnChunks, p.plan.seq_len(), hidden}, "(6, S, H)"));
+  if (p.out.rank != 3 || p.out.shape[0] != kAdalnChunks || p.out.shape[1] != p.plan.seq_len() ||
+      p.out.shape[2] != hidden)
+    return Status::value_error("out must be (6, S, H) with S = plan.seq_len() = " + std::to_string(p.plan.seq_len()) +
+                               ", H = rows width / 6 = " + std::to_string(hidden) + ", got " + p.out.describe());
   DETDIT_RETURN_IF_ERROR(check::contiguous(p.out, "out"));
   return check_outputs_disjoint({{&p.rows, "rows"}}, {{&p.out, "out"}});
 }
