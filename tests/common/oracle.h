@@ -32,13 +32,15 @@ inline double silu_derivative64(double z) {
   return s * (1.0 + z * (1.0 - s));
 }
 
-// y[t, n] = sum_k x[t, k] w[n, k] (+ b[n]); x (T, K), w (N, K), b (N,) or empty.
-inline std::vector<double> linear64(const std::vector<double>& x, const std::vector<double>& w,
-                                    const std::vector<double>& b, int64_t rows, int64_t in_features,
-                                    int64_t out_features) {
+// y[t, n] = sum_k x[t, k] w[n, k] (+ b[n]); x (T, K), w (N, K), b (N,) or
+// empty. `weight_row(n, row)` writes row n of w as doubles into row.
+template <typename WeightRow>
+std::vector<double> linear64_rows(const std::vector<double>& x, WeightRow weight_row, const std::vector<double>& b,
+                                  int64_t rows, int64_t in_features, int64_t out_features) {
   std::vector<double> y(static_cast<std::size_t>(rows * out_features));
   cpu::parallel_for(0, out_features, [&](int64_t n) {
-    const double* wn = w.data() + n * in_features;
+    std::vector<double> wn(static_cast<std::size_t>(in_features));
+    weight_row(n, wn.data());
     for (int64_t t = 0; t < rows; ++t) {
       const double* xt = x.data() + t * in_features;
       double acc = b.empty() ? 0.0 : b[n];
@@ -47,6 +49,27 @@ inline std::vector<double> linear64(const std::vector<double>& x, const std::vec
     }
   });
   return y;
+}
+inline std::vector<double> linear64(const std::vector<double>& x, const std::vector<double>& w,
+                                    const std::vector<double>& b, int64_t rows, int64_t in_features,
+                                    int64_t out_features) {
+  return linear64_rows(
+      x, [&](int64_t n, double* row) { std::copy_n(w.data() + n * in_features, in_features, row); }, b, rows,
+      in_features, out_features);
+}
+// The same with w read straight from an fp32 or bf16 tensor (no FP64 copy of
+// an H3-sized weight).
+inline std::vector<double> linear64(const std::vector<double>& x, const HostTensor& w, const std::vector<double>& b,
+                                    int64_t rows, int64_t in_features, int64_t out_features) {
+  const bool bf16 = w.dtype() == DType::kBF16;
+  return linear64_rows(
+      x,
+      [&](int64_t n, double* row) {
+        for (int64_t k = 0; k < in_features; ++k)
+          row[k] = bf16 ? num::bf16_to_float(w.ptr<uint16_t>()[n * in_features + k])
+                        : w.ptr<float>()[n * in_features + k];
+      },
+      b, rows, in_features, out_features);
 }
 
 // d_x[t, k] = sum_n g[t, n] w[n, k]
