@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,40 @@ class HostBuffer {
 
 // Seconds since an arbitrary origin (steady clock).
 double now_seconds();
+
+// Runs fn(&row) and times it; an error Status fails the row with its message.
+template <typename Fn>
+CheckRow timed_check(const std::string& name, Fn&& fn) {
+  CheckRow row;
+  row.check = name;
+  const double start = now_seconds();
+  Status status = fn(&row);
+  row.seconds = now_seconds() - start;
+  if (!status.ok()) {
+    row.detail = status.to_string();
+    row.pass = false;
+    return row;
+  }
+  finish_row(&row);
+  return row;
+}
+
+// A case's tensor on the case's device: a CPU tensor owns host memory, a CUDA
+// tensor device memory (cudaMalloc; CUDA builds only). Made from a host
+// buffer (copied) or empty (filled with 0xA5 bytes so unwritten outputs show).
+class DeviceTensor {
+ public:
+  static Status from_host(const HostBuffer& host, const Device& device, DeviceTensor* tensor);
+  static Status empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor);
+  const TensorView& view() const { return view_; }
+  // A host copy (synchronises the device).
+  Status to_host(HostBuffer* host) const;
+
+ private:
+  std::shared_ptr<void> memory_;
+  TensorView view_;
+  std::vector<int64_t> shape_;
+};
 
 }  // namespace cli
 }  // namespace detdit

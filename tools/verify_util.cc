@@ -1,11 +1,17 @@
 // Helpers shared by the verify and bench cases (verify.h).
 #include <chrono>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "common/storage.h"
 #include "io/synth.h"
 #include "verify.h"
+
+#ifdef DETDIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace detdit {
 namespace cli {
@@ -99,6 +105,61 @@ double HostBuffer::get(int64_t i) const {
     case DType::kI64: return static_cast<double>(ptr<int64_t>()[i]);
   }
   return 0;
+}
+
+Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor) {
+  HostBuffer host(dtype, shape);
+  std::memset(host.data(), 0xA5, host.nbytes());
+  return from_host(host, device, tensor);
+}
+
+Status DeviceTensor::from_host(const HostBuffer& host, const Device& device, DeviceTensor* tensor) {
+  DeviceTensor t;
+  t.shape_ = host.shape();
+  t.view_ = host.view();
+  t.view_.device = device;
+  if (!device.is_cuda()) {
+    auto copy = std::make_shared<HostBuffer>(host.dtype(), host.shape());
+    std::memcpy(copy->data(), host.data(), host.nbytes());
+    t.view_.data = copy->data();
+    t.memory_ = copy;
+    *tensor = std::move(t);
+    return Status::ok_status();
+  }
+#ifdef DETDIT_WITH_CUDA
+  void* memory = nullptr;
+  if (cudaSetDevice(device.index) != cudaSuccess || cudaMalloc(&memory, std::max<std::size_t>(host.nbytes(), 1)) != cudaSuccess) {
+    return Status::runtime_error("cudaMalloc of " + std::to_string(host.nbytes()) + " bytes failed: " +
+                                 cudaGetErrorString(cudaGetLastError()));
+  }
+  t.memory_ = std::shared_ptr<void>(memory, [](void* p) { cudaFree(p); });
+  if (cudaMemcpy(memory, host.data(), host.nbytes(), cudaMemcpyHostToDevice) != cudaSuccess) {
+    return Status::runtime_error(std::string("cudaMemcpy to the device failed: ") +
+                                 cudaGetErrorString(cudaGetLastError()));
+  }
+  t.view_.data = memory;
+  *tensor = std::move(t);
+  return Status::ok_status();
+#else
+  return Status::runtime_error("a CUDA tensor needs a CUDA build of detdit");
+#endif
+}
+
+Status DeviceTensor::to_host(HostBuffer* host) const {
+  *host = HostBuffer(view_.dtype, shape_);
+  if (!view_.device.is_cuda()) {
+    std::memcpy(host->data(), view_.data, host->nbytes());
+    return Status::ok_status();
+  }
+#ifdef DETDIT_WITH_CUDA
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpy(host->data(), view_.data, host->nbytes(), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    return Status::runtime_error(std::string("copy to the host failed: ") + cudaGetErrorString(cudaGetLastError()));
+  }
+  return Status::ok_status();
+#else
+  return Status::runtime_error("a CUDA tensor needs a CUDA build of detdit");
+#endif
 }
 
 }  // namespace cli
