@@ -202,6 +202,42 @@ std::vector<int64_t> timestep_rows_of_positions(const IndexCase& c) {
   return rows;
 }
 
+ProjectionReference projection_reference(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias,
+                                         const std::vector<double>* d_table, DType dtype) {
+  const int64_t rows = temb.shape()[0], in = temb.shape()[1], out = weight.shape()[0];
+  ProjectionReference ref;
+  ref.act.resize(rows * in);
+  ref.table.resize(rows * out);
+  for (int64_t i = 0; i < rows * in; ++i) {
+    const double z = temb.get(i);
+    ref.act[i] = correctly_rounded(z / (1.0 + std::exp(-z)), dtype);
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t n = 0; n < out; ++n) {
+      double acc = bias.get(n);
+      for (int64_t k = 0; k < in; ++k) acc += ref.act[t * in + k] * weight.get(n * in + k);
+      ref.table[t * out + n] = correctly_rounded(acc, dtype);
+    }
+  if (!d_table) return ref;
+  ref.d_weight.assign(out * in, 0.0);
+  ref.d_bias.assign(out, 0.0);
+  ref.d_temb.assign(rows * in, 0.0);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t n = 0; n < out; ++n) {
+      const double g = (*d_table)[t * out + n];
+      ref.d_bias[n] += g;
+      for (int64_t k = 0; k < in; ++k) {
+        ref.d_weight[n * in + k] += g * ref.act[t * in + k];
+        ref.d_temb[t * in + k] += g * weight.get(n * in + k);
+      }
+    }
+  for (int64_t i = 0; i < rows * in; ++i) {
+    const double z = temb.get(i), sig = 1.0 / (1.0 + std::exp(-z));
+    ref.d_temb[i] *= sig * (1.0 + z * (1.0 - sig));
+  }
+  return ref;
+}
+
 HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, double mean, double std) {
   HostTensor t(dtype, std::move(shape));
   fill_normal(&t, seed, mean, std);

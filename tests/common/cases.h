@@ -73,6 +73,16 @@ RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight
 std::vector<int64_t> adaln_rows_of_positions(const IndexCase& c);
 std::vector<int64_t> timestep_rows_of_positions(const IndexCase& c);
 
+// FP64 reference of the projection (numerics 5.4 / 6.4), straight-through:
+// act = R_W(silu(temb)), table = R_W(act W^T + b) (W = `dtype`); backward from
+// an exact table gradient d_table (T, N): dW = d_table^T act, db = sum_t
+// d_table, d_temb = silu'(temb) * (d_table W).
+struct ProjectionReference {
+  std::vector<double> act, table, d_weight, d_bias, d_temb;
+};
+ProjectionReference projection_reference(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias,
+                                         const std::vector<double>* d_table, DType dtype);
+
 // A tensor of normal(mean, std) values rounded to dtype.
 HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed, double mean = 0.0, double std = 1.0);
 

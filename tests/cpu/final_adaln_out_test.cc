@@ -1,0 +1,238 @@
+// final_adaln_out (H3 norm_out) through the public API: bitwise equal to the
+// composition adaln_projection -> modulated rmsnorm (forward) and rmsnorm
+// backward with FP32 table gradients -> adaln_projection backward (backward);
+// accuracy against the FP64 straight-through reference; repeatability; and
+// fail-closed validation (canary outputs untouched).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "common/cases.h"
+#include "common/test_util.h"
+#include "detdit/adaln.h"
+#include "detdit/rmsnorm.h"
+
+namespace detdit {
+namespace {
+
+using testing::HostTensor;
+using testing::IndexCase;
+using testing::Packing;
+using testing::random_tensor;
+
+constexpr uint8_t kCanary = 0xA5;
+// H = 36 makes N = 2H = 72 a multiple of 18, so adaln_projection can run the
+// same table for the composition check.
+constexpr int64_t kHidden = 36, kEmbed = 64;
+
+struct Final {
+  IndexCase c;
+  IndexPlan plan;
+  HostTensor x, norm_weight, temb, weight, bias, grad;
+  HostTensor out, table, act, rstd, dx, d_norm_weight, d_temb, d_weight, d_bias;
+  explicit Final(const IndexCase& index, uint64_t seed = 3)
+      : c(index), plan(testing::timestep_plan(index)),
+        x(random_tensor(DType::kBF16, {index.batch, index.seq_len, kHidden}, seed, 0, 2)),
+        norm_weight(random_tensor(DType::kBF16, {kHidden}, seed + 1, 1, 0.1)),
+        temb(random_tensor(DType::kF32, {index.num_timesteps, kEmbed}, seed + 2)),
+        weight(random_tensor(DType::kBF16, {2 * kHidden, kEmbed}, seed + 3, 0, 0.1)),
+        bias(random_tensor(DType::kBF16, {2 * kHidden}, seed + 4, 0, 0.1)),
+        grad(random_tensor(DType::kBF16, {index.batch, index.seq_len, kHidden}, seed + 5)),
+        out(DType::kBF16, {index.batch, index.seq_len, kHidden}), table(DType::kBF16, {index.num_timesteps, 2 * kHidden}),
+        act(DType::kBF16, {index.num_timesteps, kEmbed}), rstd(DType::kF32, {index.positions()}),
+        dx(DType::kBF16, {index.batch, index.seq_len, kHidden}), d_norm_weight(DType::kF32, {kHidden}),
+        d_temb(DType::kF32, {index.num_timesteps, kEmbed}), d_weight(DType::kBF16, {2 * kHidden, kEmbed}),
+        d_bias(DType::kBF16, {2 * kHidden}) {
+    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
+  }
+  std::vector<HostTensor*> outputs() {
+    return {&out, &table, &act, &rstd, &dx, &d_norm_weight, &d_temb, &d_weight, &d_bias};
+  }
+  FinalAdalnOutParams forward_params() const {
+    FinalAdalnOutParams p;
+    p.x = x.view();
+    p.norm_weight = norm_weight.view();
+    p.temb = temb.view();
+    p.weight = weight.view();
+    p.bias = bias.view();
+    p.plan = plan;
+    p.out = out.view();
+    p.table = table.view();
+    p.act = act.view();
+    p.rstd = rstd.view();
+    return p;
+  }
+  FinalAdalnOutBackwardParams backward_params() const {
+    FinalAdalnOutBackwardParams p;
+    p.x = x.view();
+    p.norm_weight = norm_weight.view();
+    p.temb = temb.view();
+    p.weight = weight.view();
+    p.table = table.view();
+    p.act = act.view();
+    p.rstd = rstd.view();
+    p.plan = plan;
+    p.grad = grad.view();
+    p.dx = dx.view();
+    p.d_norm_weight = d_norm_weight.view();
+    p.d_temb = d_temb.view();
+    p.d_weight = d_weight.view();
+    p.d_bias = d_bias.view();
+    return p;
+  }
+  Status run() {
+    DETDIT_RETURN_IF_ERROR(final_adaln_out_forward(forward_params()));
+    return final_adaln_out_backward(backward_params());
+  }
+};
+
+TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
+  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 2),
+                             testing::make_index_case(Packing::kInterleaved, 300, 4, 1)}) {
+    SCOPED_TRACE(c.name());
+    Final k(c);
+    DETDIT_ASSERT_OK(k.run());
+    // the same sequence through the separate public ops
+    HostTensor table(DType::kBF16, {c.num_timesteps, 2 * kHidden}), act(DType::kBF16, {c.num_timesteps, kEmbed});
+    AdalnProjectionParams proj;
+    proj.temb = k.temb.view();
+    proj.weight = k.weight.view();
+    proj.bias = k.bias.view();
+    proj.table = table.view();
+    proj.act = act.view();
+    DETDIT_ASSERT_OK(adaln_projection_forward(proj));
+    const TensorView shift = table.view().narrow(1, 0, kHidden), scale = table.view().narrow(1, kHidden, kHidden);
+    HostTensor out(DType::kBF16, {c.batch, c.seq_len, kHidden}), rstd(DType::kF32, {c.positions()});
+    RmsnormParams norm;
+    norm.x = k.x.view();
+    norm.weight = k.norm_weight.view();
+    norm.shift = shift;
+    norm.scale = scale;
+    norm.plan = k.plan;
+    norm.out = out.view();
+    norm.rstd = rstd.view();
+    DETDIT_ASSERT_OK(rmsnorm_forward(norm));
+    EXPECT_BITWISE_EQ(table, k.table);
+    EXPECT_BITWISE_EQ(act, k.act);
+    EXPECT_BITWISE_EQ(out, k.out);
+    EXPECT_BITWISE_EQ(rstd, k.rstd);
+
+    HostTensor d_table(DType::kF32, {c.num_timesteps, 2 * kHidden}), dx(DType::kBF16, {c.batch, c.seq_len, kHidden});
+    HostTensor d_norm_weight(DType::kF32, {kHidden});
+    RmsnormBackwardParams nb;
+    nb.x = k.x.view();
+    nb.weight = k.norm_weight.view();
+    nb.shift = shift;
+    nb.scale = scale;
+    nb.plan = k.plan;
+    nb.rstd = rstd.view();
+    nb.grad = k.grad.view();
+    nb.dx = dx.view();
+    nb.d_weight = d_norm_weight.view();
+    nb.d_shift = d_table.view().narrow(1, 0, kHidden);
+    nb.d_scale = d_table.view().narrow(1, kHidden, kHidden);
+    DETDIT_ASSERT_OK(rmsnorm_backward(nb));
+    HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {2 * kHidden, kEmbed});
+    HostTensor d_bias(DType::kBF16, {2 * kHidden});
+    AdalnProjectionBackwardParams pb;
+    pb.temb = k.temb.view();
+    pb.weight = k.weight.view();
+    pb.act = act.view();
+    pb.grad_table = d_table.view();  // FP32: never rounded to bf16 in between
+    pb.d_temb = d_temb.view();
+    pb.d_weight = d_weight.view();
+    pb.d_bias = d_bias.view();
+    DETDIT_ASSERT_OK(adaln_projection_backward(pb));
+    EXPECT_BITWISE_EQ(dx, k.dx);
+    EXPECT_BITWISE_EQ(d_norm_weight, k.d_norm_weight);
+    EXPECT_BITWISE_EQ(d_temb, k.d_temb);
+    EXPECT_BITWISE_EQ(d_weight, k.d_weight);
+    EXPECT_BITWISE_EQ(d_bias, k.d_bias);
+  }
+}
+
+TEST(FinalAdalnOut, MatchesTheFp64ReferenceAndRepeats) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 4097, 3, 1);
+  Final k(c), again(c);
+  DETDIT_ASSERT_OK(k.run());
+  DETDIT_ASSERT_OK(again.run());
+  for (std::size_t i = 0; i < k.outputs().size(); ++i) EXPECT_BITWISE_EQ(*k.outputs()[i], *again.outputs()[i]);
+
+  testing::ProjectionReference proj = testing::projection_reference(k.temb, k.weight, k.bias, nullptr, DType::kBF16);
+  HostTensor shift(DType::kBF16, {c.num_timesteps, kHidden}), scale(DType::kBF16, {c.num_timesteps, kHidden});
+  for (int64_t t = 0; t < c.num_timesteps; ++t)
+    for (int64_t i = 0; i < kHidden; ++i) {
+      shift.set(t * kHidden + i, proj.table[t * 2 * kHidden + i]);
+      scale.set(t * kHidden + i, proj.table[t * 2 * kHidden + kHidden + i]);
+    }
+  HostTensor x2 = testing::clone(k.x), g2 = testing::clone(k.grad);
+  const testing::RmsnormReference norm = testing::rmsnorm_reference(
+      x2, k.norm_weight, &shift, &scale, testing::timestep_rows_of_positions(c), c.num_timesteps, g2, 1e-5, DType::kBF16);
+  std::vector<double> d_table(c.num_timesteps * 2 * kHidden);
+  for (int64_t t = 0; t < c.num_timesteps; ++t)
+    for (int64_t i = 0; i < kHidden; ++i) {
+      d_table[t * 2 * kHidden + i] = norm.d_shift[t * kHidden + i];
+      d_table[t * 2 * kHidden + kHidden + i] = norm.d_scale[t * kHidden + i];
+    }
+  proj = testing::projection_reference(k.temb, k.weight, k.bias, &d_table, DType::kBF16);
+  EXPECT_GE(testing::fraction_correctly_rounded(k.table, proj.table), 0.999);
+  EXPECT_TRUE(testing::within_tolerance(k.out, norm.out, 5e-2, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.dx, norm.dx, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_norm_weight, norm.d_weight, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_weight, proj.d_weight, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_bias, proj.d_bias, 1e-1, 2e-2));
+  EXPECT_TRUE(testing::within_tolerance(k.d_temb, proj.d_temb, 1e-1, 2e-2));
+  const double dw_rate = testing::fraction_correctly_rounded(k.d_weight, proj.d_weight);
+  const double db_rate = testing::fraction_correctly_rounded(k.d_bias, proj.d_bias);
+  EXPECT_GE(dw_rate, 0.995);
+  EXPECT_GE(db_rate, 0.995);
+  std::printf("final_adaln_out S=4097 T=3: dW %.3f %%, db %.3f %% correctly rounded\n", 100 * dw_rate, 100 * db_rate);
+}
+
+TEST(FinalAdalnOut, BadInputsGetClearErrorsAndWriteNothing) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  IndexPlan adaln_rows = testing::adaln_plan(c);  // R = 3T: the wrong index for norm_out
+  HostTensor temb_bf16 = random_tensor(DType::kBF16, {2, kEmbed}, 9);
+  struct Case {
+    const char* what;
+    ErrorKind kind;
+    const char* message;
+    std::function<void(FinalAdalnOutParams*, FinalAdalnOutBackwardParams*)> mutate;
+  };
+  const Case cases[] = {
+      {"adaln plan", ErrorKind::kValue, "plan must have R = T (temb rows) = 2 table rows, got R = 6",
+       [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->plan = b->plan = adaln_rows; }},
+      {"temb bf16", ErrorKind::kType, "temb must be float32 (the SiLU runs before the cast), got bfloat16",
+       [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->temb = b->temb = temb_bf16.view(); }},
+      {"weight rows", ErrorKind::kValue, "weight must be (2H, D) = (72, *)",
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->weight.shape[0] = b->weight.shape[0] = 70; }},
+      {"weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float32",
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->weight.dtype = b->weight.dtype = DType::kF32; }},
+      {"x rows", ErrorKind::kValue, "x must be (B*S, H) rows with S = plan.seq_len() = 16, B = plan.batch() = 2",
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->x = b->x = f->x.reshaped({4, 8, kHidden}); }},
+      {"table shape", ErrorKind::kValue, "table must be (T, ",
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->table.shape[1] = b->table.shape[1] = 70; }},
+      {"eps", ErrorKind::kValue, "eps must be finite and > 0",
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->eps = b->eps = -1.0f; }},
+      {"norm_weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float16",
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->norm_weight.dtype = b->norm_weight.dtype = DType::kF16; }},
+  };
+  for (const Case& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    Final k(c);
+    FinalAdalnOutParams f = k.forward_params();
+    FinalAdalnOutBackwardParams b = k.backward_params();
+    bad.mutate(&f, &b);
+    for (Status s : {final_adaln_out_forward(f), final_adaln_out_backward(b)}) {
+      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
+      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
+    }
+    for (HostTensor* t : k.outputs()) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+  }
+}
+
+}  // namespace
+}  // namespace detdit
