@@ -71,6 +71,7 @@ setup(
             define_macros=macros,
             extra_compile_args={"cxx": compile_args} if torch_has_cuda else compile_args,
             extra_objects=[library],
+            depends=[library],  # relink when libdetdit.a changes
             libraries=["pthread"],
         )
     ],
