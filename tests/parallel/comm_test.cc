@@ -27,8 +27,9 @@ using testing::run_under_mpi;
 uint8_t payload_byte(int rank, std::size_t i) { return static_cast<uint8_t>(rank * 37 + i * 11 + 5); }
 
 std::vector<uint8_t> payload(int rank, std::size_t bytes) {
-  std::vector<uint8_t> v(bytes);
-  for (std::size_t i = 0; i < bytes; ++i) v[i] = payload_byte(rank, i);
+  std::vector<uint8_t> v;
+  v.reserve(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) v.push_back(payload_byte(rank, i));
   return v;
 }
 

@@ -4,7 +4,12 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
+
+#if defined(DETDIT_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 namespace detdit {
 namespace testing {
@@ -24,6 +29,85 @@ int count_of(const std::string& text, const std::string& needle) {
 }
 }  // namespace
 #endif
+
+DeviceArena::~DeviceArena() {
+#if defined(DETDIT_WITH_CUDA)
+  for (void* memory : device_memory_) cudaFree(memory);
+#endif
+}
+
+TensorView DeviceArena::allocate(DType dtype, const std::vector<int64_t>& shape) {
+  host_.emplace_back(dtype, shape);
+  TensorView view = host_.back().view();
+  if (!device_.is_cuda()) return view;
+#if defined(DETDIT_WITH_CUDA)
+  void* memory = nullptr;
+  cudaMalloc(&memory, view.nbytes() > 0 ? view.nbytes() : 1);
+  device_memory_.push_back(memory);
+  view.data = memory;
+  view.device = device_;
+#endif
+  return view;
+}
+
+TensorView DeviceArena::upload(const HostTensor& t) {
+  TensorView view = allocate(t.dtype(), t.shape());
+#if defined(DETDIT_WITH_CUDA)
+  if (device_.is_cuda()) {
+    cudaMemcpyAsync(view.data, t.data(), t.nbytes(), cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_));
+    return view;
+  }
+#endif
+  std::memcpy(view.data, t.data(), t.nbytes());
+  return view;
+}
+
+TensorView DeviceArena::empty(DType dtype, std::vector<int64_t> shape, uint8_t fill) {
+  TensorView view = allocate(dtype, shape);
+#if defined(DETDIT_WITH_CUDA)
+  if (device_.is_cuda()) {
+    cudaMemsetAsync(view.data, fill, view.nbytes(), static_cast<cudaStream_t>(stream_));
+    return view;
+  }
+#endif
+  std::memset(view.data, fill, view.nbytes());
+  return view;
+}
+
+TensorView DeviceArena::empty_like(const HostTensor& t, uint8_t fill) { return empty(t.dtype(), t.shape(), fill); }
+
+HostTensor DeviceArena::download(const TensorView& v) {
+  std::vector<int64_t> shape(v.shape, v.shape + v.rank);
+  HostTensor out(v.dtype, shape);
+#if defined(DETDIT_WITH_CUDA)
+  if (v.device.is_cuda()) {
+    cudaMemcpyAsync(out.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream_));
+    cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+    return out;
+  }
+#endif
+  std::memcpy(out.data(), v.data, v.nbytes());
+  return out;
+}
+
+RankStream::RankStream(Device device) {
+#if defined(DETDIT_WITH_CUDA)
+  if (device.is_cuda()) {
+    cudaSetDevice(device.index);
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    stream_ = stream;
+  }
+#else
+  (void)device;
+#endif
+}
+
+RankStream::~RankStream() {
+#if defined(DETDIT_WITH_CUDA)
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+#endif
+}
 
 ::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test) {
 #if defined(DETDIT_MPIEXEC)

@@ -6,9 +6,48 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
+
+#include "common/test_util.h"
+#include "detdit/numerics.h"
+#include "detdit/tensor.h"
 
 namespace detdit {
 namespace testing {
+
+// Tensors of one rank on `device` (the CPU or a CUDA device), so a rank's code
+// is the same for both: upload copies a host tensor there, empty_like makes
+// an output filled with a canary byte, download copies back (synchronising
+// `stream`). Memory is freed with the arena.
+class DeviceArena {
+ public:
+  DeviceArena(Device device, Stream stream) : device_(device), stream_(stream) {}
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  TensorView upload(const HostTensor& t);
+  TensorView empty_like(const HostTensor& t, uint8_t fill);
+  TensorView empty(DType dtype, std::vector<int64_t> shape, uint8_t fill);
+  HostTensor download(const TensorView& v);
+
+ private:
+  TensorView allocate(DType dtype, const std::vector<int64_t>& shape);
+  Device device_;
+  Stream stream_;
+  std::vector<HostTensor> host_;
+  std::vector<void*> device_memory_;
+};
+
+// A CUDA stream of its own for a rank (nullptr on the CPU); destroyed with the object.
+class RankStream {
+ public:
+  explicit RankStream(Device device);
+  ~RankStream();
+  Stream get() const { return stream_; }
+
+ private:
+  Stream stream_ = nullptr;
+};
 
 // Runs `worker_test` (e.g. "DISABLED_MpiWorker.AllGather") of this binary on
 // `ranks` MPI processes and succeeds only if mpirun exits 0 and every rank

@@ -42,22 +42,35 @@ struct SpCase {
   }
 };
 
-// Replicated inputs (every rank builds the same from the seeds) and the WS1 results.
+// Replicated inputs (every rank builds the same from the seeds) and the WS1
+// results, computed on `device` (the device the ranks run on).
 struct Problem {
   SpCase c;
+  Device device;
   IndexCase index;
-  IndexPlan plan;
-  HostTensor x, weight, shift, scale, grad;   // rmsnorm
+  IndexPlan plan;                            // on `device`
+  HostTensor x, weight, shift, scale, grad;  // rmsnorm
   HostTensor residual, y, gate, gate_grad;   // gate_residual
   // WS1 results
   HostTensor out, rstd, dx, d_weight, d_shift, d_scale;
   HostTensor gate_out, d_residual, d_y, d_gate;
 };
 
-void build_problem(const SpCase& c, Problem* pr) {
+// The plan of the case's AdaLN rows on `device` (a CUDA index for a CUDA plan).
+IndexPlan plan_on(const IndexCase& index, testing::DeviceArena* arena) {
+  HostTensor rows(DType::kI64, {index.seq_len});
+  for (int64_t s = 0; s < index.seq_len; ++s) rows.ptr<int64_t>()[s] = index.row(s);
+  IndexPlan plan;
+  EXPECT_TRUE(IndexPlan::from_row_index(arena->upload(rows), index.num_rows(), index.batch, &plan).ok());
+  return plan;
+}
+
+void build_problem(const SpCase& c, Problem* pr, Device device = Device::cpu()) {
   pr->c = c;
+  pr->device = device;
   pr->index = testing::make_index_case(c.packing, c.seq_len, c.num_timesteps, c.batch);
-  pr->plan = testing::adaln_plan(pr->index);
+  testing::DeviceArena arena(device, nullptr);
+  pr->plan = plan_on(pr->index, &arena);
   const int64_t rows = pr->index.num_rows(), b = c.batch, s = c.seq_len, h = c.hidden;
   pr->x = random_tensor(c.dtype, {b, s, h}, 11);
   pr->weight = random_tensor(c.dtype, {h}, 12, 1.0, 0.2);
@@ -69,44 +82,46 @@ void build_problem(const SpCase& c, Problem* pr) {
   pr->gate = random_tensor(c.dtype, {rows, h}, 18, 0.0, 0.5);
   pr->gate_grad = random_tensor(c.dtype, {b, s, h}, 19);
 
-  pr->out = HostTensor(c.dtype, {b, s, h});
-  pr->rstd = HostTensor(DType::kF32, {b * s});
-  pr->dx = HostTensor(c.dtype, {b, s, h});
-  pr->d_weight = HostTensor(c.dtype, {h});
-  pr->d_shift = HostTensor(c.table_grad_dtype, {rows, h});
-  pr->d_scale = HostTensor(c.table_grad_dtype, {rows, h});
   RmsnormParams f;
-  f.x = pr->x.view();
-  f.weight = pr->weight.view();
-  f.shift = pr->shift.view();
-  f.scale = pr->scale.view();
+  f.x = arena.upload(pr->x);
+  f.weight = arena.upload(pr->weight);
+  f.shift = arena.upload(pr->shift);
+  f.scale = arena.upload(pr->scale);
   f.plan = pr->plan;
-  f.out = pr->out.view();
-  f.rstd = pr->rstd.view();
+  f.out = arena.empty(c.dtype, {b, s, h}, kCanary);
+  f.rstd = arena.empty(DType::kF32, {b * s}, kCanary);
   DETDIT_EXPECT_OK(rmsnorm_forward(f));
   RmsnormBackwardParams bw;
-  bw.x = pr->x.view();
-  bw.weight = pr->weight.view();
-  bw.shift = pr->shift.view();
-  bw.scale = pr->scale.view();
+  bw.x = f.x;
+  bw.weight = f.weight;
+  bw.shift = f.shift;
+  bw.scale = f.scale;
   bw.plan = pr->plan;
-  bw.rstd = pr->rstd.view();
-  bw.grad = pr->grad.view();
-  bw.dx = pr->dx.view();
-  bw.d_weight = pr->d_weight.view();
-  bw.d_shift = pr->d_shift.view();
-  bw.d_scale = pr->d_scale.view();
+  bw.rstd = f.rstd;
+  bw.grad = arena.upload(pr->grad);
+  bw.dx = arena.empty(c.dtype, {b, s, h}, kCanary);
+  bw.d_weight = arena.empty(c.dtype, {h}, kCanary);
+  bw.d_shift = arena.empty(c.table_grad_dtype, {rows, h}, kCanary);
+  bw.d_scale = arena.empty(c.table_grad_dtype, {rows, h}, kCanary);
   DETDIT_EXPECT_OK(rmsnorm_backward(bw));
+  pr->out = arena.download(f.out);
+  pr->rstd = arena.download(f.rstd);
+  pr->dx = arena.download(bw.dx);
+  pr->d_weight = arena.download(bw.d_weight);
+  pr->d_shift = arena.download(bw.d_shift);
+  pr->d_scale = arena.download(bw.d_scale);
 
-  pr->gate_out = HostTensor(c.dtype, {b, s, h});
-  pr->d_residual = HostTensor(c.dtype, {b, s, h});
-  pr->d_y = HostTensor(c.dtype, {b, s, h});
-  pr->d_gate = HostTensor(c.table_grad_dtype, {rows, h});
-  GateResidualParams gf{pr->residual.view(), pr->y.view(), pr->gate.view(), pr->plan, pr->gate_out.view()};
+  const TensorView y = arena.upload(pr->y), gate = arena.upload(pr->gate);
+  GateResidualParams gf{arena.upload(pr->residual), y, gate, pr->plan, arena.empty(c.dtype, {b, s, h}, kCanary)};
   DETDIT_EXPECT_OK(gate_residual_forward(gf));
-  GateResidualBackwardParams gb{pr->gate_grad.view(), pr->y.view(),      pr->gate.view(), pr->plan,
-                                pr->d_residual.view(), pr->d_y.view(), pr->d_gate.view()};
+  GateResidualBackwardParams gb{arena.upload(pr->gate_grad), y, gate, pr->plan,
+                                arena.empty(c.dtype, {b, s, h}, kCanary), arena.empty(c.dtype, {b, s, h}, kCanary),
+                                arena.empty(c.table_grad_dtype, {rows, h}, kCanary)};
   DETDIT_EXPECT_OK(gate_residual_backward(gb));
+  pr->gate_out = arena.download(gf.out);
+  pr->d_residual = arena.download(gb.d_residual);
+  pr->d_y = arena.download(gb.d_y);
+  pr->d_gate = arena.download(gb.d_gate);
 }
 
 // Rows [lo, hi) of every batch item of a (B, S, H) tensor (or (B*S,) rstd).
@@ -130,58 +145,60 @@ struct RankResult {
   int64_t lo = 0, hi = 0, max_send = -1;
 };
 
-// The SP forward and backward of rmsnorm and gate_residual on this rank.
+// The SP forward and backward of rmsnorm and gate_residual on this rank, on
+// the problem's device with the rank's own stream.
 Status run_rank(Communicator& comm, const Problem& pr, RankResult* r) {
   const SpCase& c = pr.c;
+  testing::RankStream stream(pr.device);
+  testing::DeviceArena arena(pr.device, stream.get());
   SpPlan sp;
-  DETDIT_RETURN_IF_ERROR(SpPlan::create(pr.plan, comm.world_size(), comm.rank(), &sp));
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(pr.plan, comm.world_size(), comm.rank(), &sp, stream.get()));
   r->lo = sp.local_begin();
   r->hi = sp.local_end();
   r->max_send = sp.max_send();
   const int64_t b = c.batch, s = c.seq_len, h = c.hidden, sl = r->hi - r->lo, rows = pr.index.num_rows();
-  HostTensor x = local_rows(pr.x, b, s, r->lo, r->hi), grad = local_rows(pr.grad, b, s, r->lo, r->hi);
-  r->out = HostTensor(c.dtype, {b, sl, h});
-  r->rstd = HostTensor(DType::kF32, {b * sl});
-  r->dx = HostTensor(c.dtype, {b, sl, h});
-  r->d_weight = HostTensor(c.dtype, {h});
-  r->d_shift = HostTensor(c.table_grad_dtype, {rows, h});
-  r->d_scale = HostTensor(c.table_grad_dtype, {rows, h});
-  for (HostTensor* t : {&r->out, &r->rstd, &r->dx, &r->d_weight, &r->d_shift, &r->d_scale}) t->fill_bytes(kCanary);
   RmsnormParams f;
-  f.x = x.view();
-  f.weight = pr.weight.view();
-  f.shift = pr.shift.view();
-  f.scale = pr.scale.view();
+  f.x = arena.upload(local_rows(pr.x, b, s, r->lo, r->hi));
+  f.weight = arena.upload(pr.weight);
+  f.shift = arena.upload(pr.shift);
+  f.scale = arena.upload(pr.scale);
   f.plan = pr.plan;
-  f.out = r->out.view();
-  f.rstd = r->rstd.view();
-  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f));
+  f.out = arena.empty(c.dtype, {b, sl, h}, kCanary);
+  f.rstd = arena.empty(DType::kF32, {b * sl}, kCanary);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f, stream.get()));
   RmsnormBackwardParams bw;
-  bw.x = x.view();
-  bw.weight = pr.weight.view();
-  bw.shift = pr.shift.view();
-  bw.scale = pr.scale.view();
+  bw.x = f.x;
+  bw.weight = f.weight;
+  bw.shift = f.shift;
+  bw.scale = f.scale;
   bw.plan = pr.plan;
-  bw.rstd = r->rstd.view();
-  bw.grad = grad.view();
-  bw.dx = r->dx.view();
-  bw.d_weight = r->d_weight.view();
-  bw.d_shift = r->d_shift.view();
-  bw.d_scale = r->d_scale.view();
-  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, bw));
+  bw.rstd = f.rstd;
+  bw.grad = arena.upload(local_rows(pr.grad, b, s, r->lo, r->hi));
+  bw.dx = arena.empty(c.dtype, {b, sl, h}, kCanary);
+  bw.d_weight = arena.empty(c.dtype, {h}, kCanary);
+  bw.d_shift = arena.empty(c.table_grad_dtype, {rows, h}, kCanary);
+  bw.d_scale = arena.empty(c.table_grad_dtype, {rows, h}, kCanary);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, bw, stream.get()));
 
-  HostTensor residual = local_rows(pr.residual, b, s, r->lo, r->hi), y = local_rows(pr.y, b, s, r->lo, r->hi),
-             gate_grad = local_rows(pr.gate_grad, b, s, r->lo, r->hi);
-  r->gate_out = HostTensor(c.dtype, {b, sl, h});
-  r->d_residual = HostTensor(c.dtype, {b, sl, h});
-  r->d_y = HostTensor(c.dtype, {b, sl, h});
-  r->d_gate = HostTensor(c.table_grad_dtype, {rows, h});
-  for (HostTensor* t : {&r->gate_out, &r->d_residual, &r->d_y, &r->d_gate}) t->fill_bytes(kCanary);
-  GateResidualParams gf{residual.view(), y.view(), pr.gate.view(), pr.plan, r->gate_out.view()};
-  DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, gf));
-  GateResidualBackwardParams gb{gate_grad.view(), y.view(), pr.gate.view(), pr.plan,
-                                r->d_residual.view(), r->d_y.view(), r->d_gate.view()};
-  return sp_gate_residual_backward(comm, sp, gb);
+  const TensorView y = arena.upload(local_rows(pr.y, b, s, r->lo, r->hi)), gate = arena.upload(pr.gate);
+  GateResidualParams gf{arena.upload(local_rows(pr.residual, b, s, r->lo, r->hi)), y, gate, pr.plan,
+                        arena.empty(c.dtype, {b, sl, h}, kCanary)};
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, gf, stream.get()));
+  GateResidualBackwardParams gb{arena.upload(local_rows(pr.gate_grad, b, s, r->lo, r->hi)), y, gate, pr.plan,
+                                arena.empty(c.dtype, {b, sl, h}, kCanary), arena.empty(c.dtype, {b, sl, h}, kCanary),
+                                arena.empty(c.table_grad_dtype, {rows, h}, kCanary)};
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_backward(comm, sp, gb, stream.get()));
+  r->out = arena.download(f.out);
+  r->rstd = arena.download(f.rstd);
+  r->dx = arena.download(bw.dx);
+  r->d_weight = arena.download(bw.d_weight);
+  r->d_shift = arena.download(bw.d_shift);
+  r->d_scale = arena.download(bw.d_scale);
+  r->gate_out = arena.download(gf.out);
+  r->d_residual = arena.download(gb.d_residual);
+  r->d_y = arena.download(gb.d_y);
+  r->d_gate = arena.download(gb.d_gate);
+  return Status();
 }
 
 // Every output of the rank equals WS1's bytes (its rows / the replicated grads).
@@ -202,7 +219,8 @@ void expect_equal_to_ws1(const Problem& pr, const RankResult& r, int rank) {
 
 void run_in_process(const Problem& pr, int world) {
   std::vector<RankResult> results(static_cast<std::size_t>(world));
-  DETDIT_ASSERT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return run_rank(comm, pr, &results[comm.rank()]); }));
+  DETDIT_ASSERT_OK(InProcessGroup::run(
+      world, [&](Communicator& comm) { return run_rank(comm, pr, &results[comm.rank()]); }, pr.device));
   for (int r = 0; r < world; ++r) expect_equal_to_ws1(pr, results[r], r);
 }
 
@@ -213,6 +231,18 @@ TEST(SpRegion, OddSequenceEveryWorldSizeBothPackingsBf16AndFp32) {
       // fp32 table grads for bf16 activations (the fused path), the activation dtype otherwise.
       build_problem(SpCase{packing, 4097, 3, 2, 64, dtype, dtype == DType::kBF16 ? DType::kF32 : dtype}, &pr);
       for (int world = 1; world <= 8; ++world) run_in_process(pr, world);
+    }
+  }
+}
+
+TEST(SpRegionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+    for (const SpCase& c : {SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32},
+                            SpCase{packing, 40, 2, 2, 64, DType::kF32, DType::kF32}}) {
+      Problem pr;
+      build_problem(c, &pr, Device::cuda(0));
+      for (int world : {1, 2, 3, 5, 8}) run_in_process(pr, world);
     }
   }
 }

@@ -74,47 +74,70 @@ TensorView shard(const HostTensor& t, int64_t begin, int64_t end) {
   return v.narrow(0, begin, end - begin);
 }
 
-// What one rank holds: the full table and d_temb; its dW/db rows are written
-// into shared (N, D) / (N,) buffers at its own rows (ranks write disjoint rows).
+// What one rank holds: the full table, act and d_temb, and its dW/db rows.
 struct TpRankResult {
-  HostTensor table, act, d_temb;
+  HostTensor table, act, d_temb, d_weight, d_bias;
+  int64_t begin = 0, end = 0;
 };
 
-Status run_tp_rank(Communicator& comm, const TpProblem& pr, TpRankResult* r, HostTensor* d_weight, HostTensor* d_bias) {
-  int64_t begin = 0, end = 0;
-  DETDIT_RETURN_IF_ERROR(tp_column_shard(pr.out_features, comm.world_size(), comm.rank(), &begin, &end));
-  r->table = HostTensor(pr.dtype, {pr.rows, pr.out_features});
-  r->act = HostTensor(pr.dtype, {pr.rows, pr.in_features});
-  r->d_temb = HostTensor(DType::kF32, {pr.rows, pr.in_features});
-  for (HostTensor* t : {&r->table, &r->act, &r->d_temb}) t->fill_bytes(kCanary);
-  DETDIT_RETURN_IF_ERROR(tp_adaln_projection_forward(
-      comm, AdalnProjectionParams{pr.temb.view(), shard(pr.weight, begin, end), shard(pr.bias, begin, end),
-                                  r->table.view(), r->act.view()}));
-  return tp_adaln_projection_backward(
-      comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, end), r->act.view(),
-                                          pr.grad_table.view(), r->d_temb.view(), shard(*d_weight, begin, end),
-                                          shard(*d_bias, begin, end)});
+// The forward and backward of this rank on `device` with its own stream.
+Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device, TpRankResult* r) {
+  testing::RankStream stream(device);
+  testing::DeviceArena arena(device, stream.get());
+  DETDIT_RETURN_IF_ERROR(tp_column_shard(pr.out_features, comm.world_size(), comm.rank(), &r->begin, &r->end));
+  const int64_t columns = r->end - r->begin;
+  // This rank's weight rows only, as a real shard would be held.
+  HostTensor weight_rows(pr.dtype, {columns, pr.in_features}), bias_rows(pr.dtype, {columns});
+  const std::size_t element = dtype_size(pr.dtype);
+  std::memcpy(weight_rows.data(), static_cast<const char*>(pr.weight.data()) + r->begin * pr.in_features * element,
+              weight_rows.nbytes());
+  std::memcpy(bias_rows.data(), static_cast<const char*>(pr.bias.data()) + r->begin * element, bias_rows.nbytes());
+  const TensorView temb = arena.upload(pr.temb), weight = arena.upload(weight_rows);
+  AdalnProjectionParams f{temb, weight, arena.upload(bias_rows), arena.empty(pr.dtype, {pr.rows, pr.out_features}, kCanary),
+                          arena.empty(pr.dtype, {pr.rows, pr.in_features}, kCanary)};
+  DETDIT_RETURN_IF_ERROR(tp_adaln_projection_forward(comm, f, stream.get()));
+  AdalnProjectionBackwardParams b{temb, weight, f.act, arena.upload(pr.grad_table),
+                                  arena.empty(DType::kF32, {pr.rows, pr.in_features}, kCanary),
+                                  arena.empty(pr.dtype, {columns, pr.in_features}, kCanary),
+                                  arena.empty(pr.dtype, {columns}, kCanary)};
+  DETDIT_RETURN_IF_ERROR(tp_adaln_projection_backward(comm, b, stream.get()));
+  r->table = arena.download(f.table);
+  r->act = arena.download(f.act);
+  r->d_temb = arena.download(b.d_temb);
+  r->d_weight = arena.download(b.d_weight);
+  r->d_bias = arena.download(b.d_bias);
+  return Status();
 }
 
-void expect_tp_equal_to_ws1(const TpProblem& pr, int world) {
+// The rank's dW/db rows equal WS1's rows [begin, end).
+void expect_shard_equal(const TpProblem& pr, const TpRankResult& r) {
+  const std::size_t element = dtype_size(pr.dtype);
+  EXPECT_TRUE(testing::bitwise_equal_bytes(
+      static_cast<const char*>(pr.d_weight.data()) + r.begin * pr.in_features * element, r.d_weight.data(),
+      static_cast<std::size_t>(r.d_weight.numel()), pr.dtype));
+  EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<const char*>(pr.d_bias.data()) + r.begin * element,
+                                           r.d_bias.data(), static_cast<std::size_t>(r.d_bias.numel()), pr.dtype));
+}
+
+// WS1 on `device` is pr's reference (build() computed it on the CPU; the
+// CUDA test recomputes it on the GPU first).
+void expect_tp_equal_to_ws1(const TpProblem& pr, int world, Device device = Device::cpu()) {
   SCOPED_TRACE("T=" + std::to_string(pr.rows) + " N=" + std::to_string(pr.out_features) + " " +
                dtype_name(pr.dtype) + " tp=" + std::to_string(world));
   std::vector<TpRankResult> results(static_cast<std::size_t>(world));
-  HostTensor d_weight(pr.dtype, {pr.out_features, pr.in_features}), d_bias(pr.dtype, {pr.out_features});
-  d_weight.fill_bytes(kCanary);
-  d_bias.fill_bytes(kCanary);
-  DETDIT_ASSERT_OK(InProcessGroup::run(world, [&](Communicator& comm) {
-    return run_tp_rank(comm, pr, &results[comm.rank()], &d_weight, &d_bias);
-  }));
+  DETDIT_ASSERT_OK(InProcessGroup::run(
+      world, [&](Communicator& comm) { return run_tp_rank(comm, pr, device, &results[comm.rank()]); }, device));
+  int64_t covered = 0;
   for (int r = 0; r < world; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_BITWISE_EQ(pr.table, results[r].table);
     EXPECT_BITWISE_EQ(pr.act, results[r].act);
     EXPECT_BITWISE_EQ(pr.d_temb, results[r].d_temb);
+    expect_shard_equal(pr, results[r]);
+    EXPECT_EQ(results[r].begin, covered);
+    covered = results[r].end;
   }
-  // Every rank's shard rows, assembled: the WS1 dW and db (every byte written).
-  EXPECT_BITWISE_EQ(pr.d_weight, d_weight);
-  EXPECT_BITWISE_EQ(pr.d_bias, d_bias);
+  EXPECT_EQ(covered, pr.out_features);  // the shards tile N
 }
 
 TEST(TpAdalnProjection, SmallNEveryValidTpBf16AndFp32) {
@@ -133,6 +156,31 @@ TEST(TpAdalnProjection, H3ShapeTp7) {
   TpProblem pr;
   build(&pr, 1, 18 * 5376, 2688, DType::kBF16);
   expect_tp_equal_to_ws1(pr, 7);
+}
+
+TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (int64_t rows : {1, 4}) {
+      TpProblem pr;
+      build(&pr, rows, 18 * 256, 136, dtype);
+      // WS1 on the GPU replaces the CPU reference.
+      testing::DeviceArena arena(Device::cuda(0), nullptr);
+      const TensorView temb = arena.upload(pr.temb), weight = arena.upload(pr.weight);
+      AdalnProjectionParams f{temb, weight, arena.upload(pr.bias), arena.empty_like(pr.table, kCanary),
+                              arena.empty_like(pr.act, kCanary)};
+      DETDIT_ASSERT_OK(adaln_projection_forward(f));
+      AdalnProjectionBackwardParams b{temb, weight, f.act, arena.upload(pr.grad_table), arena.empty_like(pr.d_temb, kCanary),
+                                      arena.empty_like(pr.d_weight, kCanary), arena.empty_like(pr.d_bias, kCanary)};
+      DETDIT_ASSERT_OK(adaln_projection_backward(b));
+      pr.table = arena.download(f.table);
+      pr.act = arena.download(f.act);
+      pr.d_temb = arena.download(b.d_temb);
+      pr.d_weight = arena.download(b.d_weight);
+      pr.d_bias = arena.download(b.d_bias);
+      for (int world : {1, 2, 3, 8}) expect_tp_equal_to_ws1(pr, world, Device::cuda(0));
+    }
+  }
 }
 
 TEST(TpAdalnProjection, ShardsMustBe64Aligned) {
@@ -200,19 +248,10 @@ TEST(DISABLED_MpiTpWorker, SmallN) {
     TpProblem pr;
     build(&pr, rows, 18 * 256, 136, DType::kBF16);
     TpRankResult result;
-    HostTensor d_weight(pr.dtype, {pr.out_features, pr.in_features}), d_bias(pr.dtype, {pr.out_features});
-    DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, &result, &d_weight, &d_bias));
+    DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cpu(), &result));
     EXPECT_BITWISE_EQ(pr.table, result.table);
     EXPECT_BITWISE_EQ(pr.d_temb, result.d_temb);
-    int64_t begin = 0, end = 0;
-    DETDIT_ASSERT_OK(tp_column_shard(pr.out_features, comm->world_size(), comm->rank(), &begin, &end));
-    const std::size_t row_bytes = static_cast<std::size_t>(pr.in_features) * dtype_size(pr.dtype);
-    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<const char*>(pr.d_weight.data()) + begin * row_bytes,
-                                             static_cast<const char*>(d_weight.data()) + begin * row_bytes,
-                                             static_cast<std::size_t>((end - begin) * pr.in_features), pr.dtype));
-    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<const char*>(pr.d_bias.data()) + begin * 2,
-                                             static_cast<const char*>(d_bias.data()) + begin * 2,
-                                             static_cast<std::size_t>(end - begin), pr.dtype));
+    expect_shard_equal(pr, result);
   }
 }
 
