@@ -82,8 +82,8 @@ TEST(FailureCuda, LinearValidationMatchesTheCpu) {
   const std::pair<const Pair*, const char*> weights[] = {{&w32, "dtype"}, {&w_k, "K"}};
   for (const auto& bad : weights) {
     SCOPED_TRACE(bad.second);
-    const Status sc = linear_forward(LinearParams{x.h(), bad.first->h(), TensorView{}, out.h()});
-    const Status sg = linear_forward(LinearParams{x.d(), bad.first->d(), TensorView{}, out.d()});
+    const Status sc = linear_forward(LinearParams{x.h(), bad.first->h(), TensorView{}, out.h(), TensorView{}});
+    const Status sg = linear_forward(LinearParams{x.d(), bad.first->d(), TensorView{}, out.d(), TensorView{}});
     ASSERT_FALSE(sc.ok());
     ASSERT_FALSE(sg.ok());
     EXPECT_EQ(sc.kind(), sg.kind());
