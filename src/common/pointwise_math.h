@@ -37,12 +37,10 @@ struct SinusoidConstants {
   float log_scale;
   float inv_half;
 };
-#if !defined(__CUDA_ARCH__)
-inline SinusoidConstants sinusoid_constants(int64_t half, float max_period) {
+inline SinusoidConstants sinusoid_constants(int64_t half, float max_period) {  // host only
   return SinusoidConstants{static_cast<float>(-std::log(static_cast<double>(max_period))),
                            static_cast<float>(1.0 / static_cast<double>(half))};
 }
-#endif
 
 // freq[k] = exp_P( rn( rn(log_scale * fp32(k)) * inv_half ) ); k < 2^24, so fp32(k) is exact.
 template <typename ExpFn>
