@@ -158,13 +158,15 @@ def test_autograd_through_the_chain_repeatable_and_batch_invariant():
         model.zero_grad()
         out = chain(model, t, xs.clone().requires_grad_(True), ti, tags, sublayer, batch)
         out.float().pow(2).sum().backward()
-        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+        return out, {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
     out_a, grads_a = run(x, 2)
     out_b, grads_b = run(x, 2)
     assert_bitwise_equal(out_b, out_a, "chain output, second run")
-    assert set(grads_a) == {n for n, _ in model.named_parameters()}
     for name in grads_a:
+        if name.startswith("token_refiner"):  # not part of this chain
+            assert grads_a[name] is None
+            continue
         assert grads_a[name] is not None and torch.isfinite(grads_a[name].float()).all(), name
         assert grads_a[name].abs().sum() > 0, f"{name}: zero gradient"
         assert_bitwise_equal(grads_b[name], grads_a[name], f"{name}, second run")
