@@ -25,9 +25,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <array>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -50,7 +52,16 @@ using detdit::Status;
 using detdit::TensorView;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = c10::optional<Tensor>;
+// c10::optional is its own type in torch 1.x and a deprecated alias of
+// std::optional since torch 2.2: name the one this torch's kernels take.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+template <typename T>
+using Optional = std::optional<T>;
+#else
+template <typename T>
+using Optional = c10::optional<T>;
+#endif
+using OptTensor = Optional<Tensor>;
 using c10::IValue;
 
 // ---------------------------------------------------------------------------
@@ -162,7 +173,7 @@ class DeviceScope {
 
  private:
 #ifdef DETDIT_TORCH_CUDA
-  c10::optional<c10::cuda::CUDAGuard> guard_;
+  Optional<c10::cuda::CUDAGuard> guard_;
 #endif
   detdit::Stream stream_ = nullptr;
 };
@@ -220,7 +231,7 @@ struct PlanHolder : torch::CustomClassHolder {
 };
 
 using PlanPtr = c10::intrusive_ptr<PlanHolder>;
-using OptPlan = c10::optional<PlanPtr>;
+using OptPlan = Optional<PlanPtr>;
 
 const IndexPlan& plan_of(const OptPlan& plan) {
   static const IndexPlan kAbsent;
@@ -701,7 +712,7 @@ void check_first_order() {
 
 IValue plan_ivalue(const OptPlan& plan) { return plan.has_value() ? IValue(*plan) : IValue(); }
 OptPlan plan_from_ivalue(const IValue& value) {
-  if (value.isNone()) return c10::nullopt;
+  if (value.isNone()) return OptPlan();
   return value.toCustomClass<PlanHolder>();
 }
 
@@ -825,8 +836,8 @@ struct RmsnormFunction : torch::autograd::Function<RmsnormFunction> {
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto needs = ctx->saved_data["needs"].toBoolList();
-    const OptTensor shift = s[2].defined() ? OptTensor(s[2]) : c10::nullopt;
-    const OptTensor scale = s[3].defined() ? OptTensor(s[3]) : c10::nullopt;
+    const OptTensor shift = s[2].defined() ? OptTensor(s[2]) : OptTensor();
+    const OptTensor scale = s[3].defined() ? OptTensor(s[3]) : OptTensor();
     auto [dx, d_weight, d_shift, d_scale] = rmsnorm_backward(
         contiguous_grad(grads[0]), s[0], s[1], shift, scale, plan_from_ivalue(ctx->saved_data["plan"]), s[4],
         ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
