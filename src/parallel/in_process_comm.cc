@@ -104,8 +104,14 @@ class InProcessCommunicator final : public Communicator {
     mine.done_event = done_event_;
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
 
+    // Slots are read only between the two barriers (a peer rewrites its slot
+    // once it has passed the second one).
     std::vector<CallHeader> headers(world);
-    for (int r = 0; r < world; ++r) headers[r] = state_->slots[r].header;
+    std::vector<void*> done_events(world);
+    for (int r = 0; r < world; ++r) {
+      headers[r] = state_->slots[r].header;
+      done_events[r] = state_->slots[r].done_event;
+    }
     Status verdict = comm_detail::check_call_headers(headers.data(), world, local);
     if (verdict.ok() && bytes > 0) verdict = pull(bytes, static_cast<char*>(recv), stream);
     // Always the second barrier, also on error: a peer may still read the slots.
@@ -113,7 +119,7 @@ class InProcessCommunicator final : public Communicator {
     DETDIT_RETURN_IF_ERROR(verdict);
     if (on_cuda && bytes > 0) {
       for (int r = 0; r < world; ++r)
-        if (r != rank_) DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, state_->slots[r].done_event));
+        if (r != rank_) DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, done_events[r]));
     }
     return Status();
   }

@@ -438,6 +438,42 @@ TEST(SpRegion, InvalidArgumentsOnOneRankFailEveryRankBeforeAnyCollective) {
   expect_collective_failure(pr, 4, 0, "wrong dtype", ErrorKind::kType, "d_weight must be");
 }
 
+TEST(SpRegion, ForwardRejectsFullSequenceAndShardedIndex) {
+  Problem pr;
+  build_problem(SpCase{Packing::kBlock, 300, 2, 2, 16, DType::kF32, DType::kF32}, &pr);
+  SpPlan sp;
+  DETDIT_ASSERT_OK(SpPlan::create(pr.plan, 3, 1, &sp));
+  HostTensor out(DType::kF32, {2, 300, 16});
+  out.fill_bytes(kCanary);
+  // gate_residual with the full sequence instead of the rank's 100 rows.
+  GateResidualParams gf{pr.residual.view(), pr.y.view(), pr.gate.view(), pr.plan, out.view()};
+  Status s = sp_gate_residual_forward(sp, gf);
+  EXPECT_EQ(s.kind(), ErrorKind::kValue);
+  EXPECT_NE(s.message().find("residual must be this rank's (B, S_local, H) = (2, 100, H) rows (positions [100, 200)"),
+            std::string::npos)
+      << s.message();
+  // rmsnorm with a plan of the local slice instead of the full index.
+  HostTensor x = local_rows(pr.x, 2, 300, 100, 200), local_out(DType::kF32, {2, 100, 16});
+  local_out.fill_bytes(kCanary);
+  RmsnormParams f;
+  f.x = x.view();
+  f.weight = pr.weight.view();
+  f.shift = pr.shift.view();
+  f.scale = pr.scale.view();
+  f.plan = sp.local_plan();
+  f.out = local_out.view();
+  s = sp_rmsnorm_forward(sp, f);
+  EXPECT_EQ(s.kind(), ErrorKind::kValue);
+  EXPECT_NE(s.message().find("index must be the full (S,) row index with S = 300, got a plan of seq_len 100"),
+            std::string::npos)
+      << s.message();
+  // modulated without a plan.
+  f.plan = IndexPlan();
+  EXPECT_EQ(sp_rmsnorm_forward(sp, f).kind(), ErrorKind::kValue);
+  EXPECT_TRUE(testing::all_bytes_are(out, kCanary));
+  EXPECT_TRUE(testing::all_bytes_are(local_out, kCanary));
+}
+
 TEST(SpRegion, CommunicatorMustMatchThePlan) {
   Problem pr;
   build_problem(SpCase{Packing::kBlock, 64, 1, 1, 8, DType::kF32, DType::kF32}, &pr);

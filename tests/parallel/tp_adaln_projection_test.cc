@@ -239,6 +239,32 @@ TEST(TpAdalnProjection, InvalidArgumentsFailEveryRankAndWriteNothing) {
   }
 }
 
+TEST(TpAdalnProjection, BackwardRejectsFullWeightGradients) {
+  TpProblem pr;
+  build(&pr, 2, 18 * 256, 136, DType::kBF16);
+  std::vector<Status> results(2);
+  std::vector<bool> untouched(2, false);
+  (void)InProcessGroup::run(2, [&](Communicator& comm) -> Status {
+    const int64_t begin = comm.rank() * 2304;
+    HostTensor d_temb(DType::kF32, {pr.rows, pr.in_features}), d_weight(pr.dtype, {pr.out_features, pr.in_features});
+    d_temb.fill_bytes(kCanary);
+    d_weight.fill_bytes(kCanary);
+    // rank 0 passes the full (N, D) d_weight instead of its (N/2, D) shard.
+    const TensorView dw = comm.rank() == 0 ? d_weight.view() : shard(d_weight, begin, begin + 2304);
+    results[comm.rank()] = tp_adaln_projection_backward(
+        comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, begin + 2304), pr.act.view(),
+                                            pr.grad_table.view(), d_temb.view(), dw, TensorView()});
+    untouched[comm.rank()] = testing::all_bytes_are(d_temb, kCanary) && testing::all_bytes_are(d_weight, kCanary);
+    return Status();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
+    EXPECT_NE(results[r].message().find("rank 0 of tp=2 owns W rows [0, 2304)"), std::string::npos)
+        << results[r].message();
+    EXPECT_TRUE(untouched[r]) << "rank " << r;
+  }
+}
+
 // ---- MPI
 
 TEST(DISABLED_MpiTpWorker, SmallN) {
