@@ -7,8 +7,10 @@ directory is $DETDIT_BUILD_DIR (default: <repo>/build); build it first:
     /usr/bin/python3 python/setup.py build_ext --inplace      # or
     pip install --no-build-isolation ./python
 
-A CUDA build of libdetdit.a needs a CUDA build of torch (the extension links
-torch's cudart); a CPU build works with either torch.
+Any build of libdetdit.a works with any torch: with a CUDA build of torch the
+CUDA ops run on torch's current stream; a CUDA build of the library under a
+CPU-only torch links the toolkit's static cudart ($CUDA_HOME) and serves CPU
+tensors.
 """
 import os
 import subprocess
@@ -43,9 +45,19 @@ if not torch._C._GLIBCXX_USE_CXX11_ABI:
 members = subprocess.run(["ar", "t", library], check=True, capture_output=True, text=True).stdout.split()
 library_has_cuda = not any(m.startswith("cuda_unavailable") for m in members)
 torch_has_cuda = torch.version.cuda is not None
+# A CUDA build of the library needs the CUDA runtime: a CUDA torch brings its
+# (shared) cudart; with a CPU-only torch the static cudart of the toolkit that
+# built the library is linked, and only CPU tensors can reach detdit anyway.
+libraries, library_dirs = ["pthread"], []
 if library_has_cuda and not torch_has_cuda:
-    fail(f"{library} is a CUDA build but this torch ({torch.__version__}) has no CUDA: "
-         "use a CUDA torch, or build detdit with -DDETDIT_ENABLE_CUDA=OFF")
+    cuda_home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
+    cudart = [d for d in (os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "targets", "x86_64-linux", "lib"))
+              if os.path.isfile(os.path.join(d, "libcudart_static.a"))]
+    if not cudart:
+        fail(f"{library} is a CUDA build and this torch ({torch.__version__}) has no CUDA, so the extension links "
+             f"the toolkit's libcudart_static.a, which is not under {cuda_home} (set CUDA_HOME), or build detdit "
+             "with -DDETDIT_ENABLE_CUDA=OFF")
+    libraries, library_dirs = ["cudart_static", "dl", "rt", "pthread"], cudart[:1]
 
 torch_version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 compile_args = ["-O2", "-g0", "-ffp-contract=off", "-fno-fast-math"]
@@ -72,7 +84,8 @@ setup(
             extra_compile_args={"cxx": compile_args} if torch_has_cuda else compile_args,
             extra_objects=[library],
             depends=[library],  # relink when libdetdit.a changes
-            libraries=["pthread"],
+            libraries=libraries,
+            library_dirs=library_dirs,
         )
     ],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
