@@ -1,0 +1,183 @@
+// adaln_modulation (projection + gather, fused) through the public API:
+// forward bitwise equal to adaln_projection then adaln_row_gather; backward
+// bitwise equal to the gather backward with an FP32 d_rows fed straight into
+// adaln_projection_backward (the table gradient is never rounded to bf16);
+// dW / db correctly rounded against FP64; repeatable; fail-closed.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "common/cases.h"
+#include "common/test_util.h"
+#include "detdit/adaln.h"
+
+namespace detdit {
+namespace {
+
+using testing::HostTensor;
+using testing::IndexCase;
+using testing::Packing;
+using testing::random_tensor;
+
+constexpr uint8_t kCanary = 0xA5;
+constexpr int64_t kHidden = 12, kEmbed = 64, kWidth = 18 * kHidden;
+
+struct Modulation {
+  IndexCase c;
+  IndexPlan plan;
+  HostTensor temb, weight, bias, grad, table, act, out, d_temb, d_weight, d_bias;
+  explicit Modulation(const IndexCase& index, uint64_t seed = 5)
+      : c(index), plan(testing::adaln_plan(index)), temb(random_tensor(DType::kF32, {index.num_timesteps, kEmbed}, seed)),
+        weight(random_tensor(DType::kBF16, {kWidth, kEmbed}, seed + 1, 0, 0.1)),
+        bias(random_tensor(DType::kBF16, {kWidth}, seed + 2, 0, 0.1)),
+        grad(random_tensor(DType::kBF16, {6, index.positions(), kHidden}, seed + 3)),
+        table(DType::kBF16, {index.num_timesteps, kWidth}), act(DType::kBF16, {index.num_timesteps, kEmbed}),
+        out(DType::kBF16, {6, index.seq_len, kHidden}), d_temb(DType::kF32, {index.num_timesteps, kEmbed}),
+        d_weight(DType::kBF16, {kWidth, kEmbed}), d_bias(DType::kBF16, {kWidth}) {
+    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
+  }
+  std::vector<HostTensor*> outputs() { return {&table, &act, &out, &d_temb, &d_weight, &d_bias}; }
+  AdalnModulationParams forward_params() const {
+    AdalnModulationParams p;
+    p.temb = temb.view();
+    p.weight = weight.view();
+    p.bias = bias.view();
+    p.plan = plan;
+    p.table = table.view();
+    p.act = act.view();
+    p.out = out.view();
+    return p;
+  }
+  AdalnModulationBackwardParams backward_params() const {
+    AdalnModulationBackwardParams p;
+    p.temb = temb.view();
+    p.weight = weight.view();
+    p.act = act.view();
+    p.plan = plan;
+    p.grad = grad.view();
+    p.d_temb = d_temb.view();
+    p.d_weight = d_weight.view();
+    p.d_bias = d_bias.view();
+    return p;
+  }
+  Status run() {
+    DETDIT_RETURN_IF_ERROR(adaln_modulation_forward(forward_params()));
+    return adaln_modulation_backward(backward_params());
+  }
+};
+
+TEST(AdalnModulation, EqualsProjectionThenGatherWithFp32TableGradients) {
+  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 2),
+                             testing::make_index_case(Packing::kInterleaved, 513, 4, 1)}) {
+    SCOPED_TRACE(c.name());
+    Modulation k(c);
+    DETDIT_ASSERT_OK(k.run());
+    HostTensor table(DType::kBF16, {c.num_timesteps, kWidth}), act(DType::kBF16, {c.num_timesteps, kEmbed});
+    HostTensor out(DType::kBF16, {6, c.seq_len, kHidden});
+    AdalnProjectionParams proj;
+    proj.temb = k.temb.view();
+    proj.weight = k.weight.view();
+    proj.bias = k.bias.view();
+    proj.table = table.view();
+    proj.act = act.view();
+    DETDIT_ASSERT_OK(adaln_projection_forward(proj));
+    DETDIT_ASSERT_OK(adaln_row_gather_forward({table.view_as({3 * c.num_timesteps, 6 * kHidden}), k.plan, out.view()}));
+    EXPECT_BITWISE_EQ(table, k.table);
+    EXPECT_BITWISE_EQ(act, k.act);
+    EXPECT_BITWISE_EQ(out, k.out);
+
+    HostTensor d_table(DType::kF32, {c.num_timesteps, kWidth});
+    DETDIT_ASSERT_OK(adaln_row_gather_backward({k.grad.view(), k.plan, d_table.view_as({3 * c.num_timesteps, 6 * kHidden})}));
+    HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {kWidth, kEmbed});
+    HostTensor d_bias(DType::kBF16, {kWidth});
+    AdalnProjectionBackwardParams pb;
+    pb.temb = k.temb.view();
+    pb.weight = k.weight.view();
+    pb.act = act.view();
+    pb.grad_table = d_table.view();
+    pb.d_temb = d_temb.view();
+    pb.d_weight = d_weight.view();
+    pb.d_bias = d_bias.view();
+    DETDIT_ASSERT_OK(adaln_projection_backward(pb));
+    EXPECT_BITWISE_EQ(d_temb, k.d_temb);
+    EXPECT_BITWISE_EQ(d_weight, k.d_weight);
+    EXPECT_BITWISE_EQ(d_bias, k.d_bias);
+  }
+}
+
+TEST(AdalnModulation, WeightGradientsAreCorrectlyRoundedAndRepeat) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 4097, 3, 2);
+  Modulation k(c), again(c);
+  DETDIT_ASSERT_OK(k.run());
+  DETDIT_ASSERT_OK(again.run());
+  for (std::size_t i = 0; i < k.outputs().size(); ++i) EXPECT_BITWISE_EQ(*k.outputs()[i], *again.outputs()[i]);
+  // exact d_table (T, 18H): row ti*3 + m, column c*H + h  <->  channel m*6H + c*H + h of timestep ti
+  std::vector<double> d_table(c.num_timesteps * kWidth, 0.0);
+  for (int chunk = 0; chunk < 6; ++chunk)
+    for (int64_t p = 0; p < c.positions(); ++p)
+      for (int64_t h = 0; h < kHidden; ++h)
+        d_table[c.row(p % c.seq_len) * 6 * kHidden + chunk * kHidden + h] += k.grad.get((chunk * c.positions() + p) * kHidden + h);
+  const testing::ProjectionReference ref = testing::projection_reference(k.temb, k.weight, k.bias, &d_table, DType::kBF16);
+  const double dw = testing::fraction_correctly_rounded(k.d_weight, ref.d_weight);
+  const double db = testing::fraction_correctly_rounded(k.d_bias, ref.d_bias);
+  std::printf("adaln_modulation S=4097 B=2 T=3: dW %.3f %%, db %.3f %% correctly rounded\n", 100 * dw, 100 * db);
+  EXPECT_GE(dw, 0.995);
+  EXPECT_GE(db, 0.995);
+  EXPECT_TRUE(testing::within_tolerance(k.d_temb, ref.d_temb, 1e-4, 1e-4));
+}
+
+TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  IndexPlan timestep_only = testing::timestep_plan(c);  // R = T, not 3T
+  HostTensor wide_grad = random_tensor(DType::kBF16, {6, 32, 2 * kHidden}, 3);
+  struct Case {
+    const char* what;
+    ErrorKind kind;
+    const char* message;
+    std::function<void(AdalnModulationParams*, AdalnModulationBackwardParams*)> mutate;
+  };
+  const Case cases[] = {
+      {"plan rows", ErrorKind::kValue, "plan must have R = 3T = 6 table rows, got R = 2",
+       [&](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->plan = b->plan = timestep_only; }},
+      {"no plan", ErrorKind::kValue, "plan is required",
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->plan = b->plan = IndexPlan(); }},
+      {"weight rows not 18H", ErrorKind::kValue, "200",
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->weight.shape[0] = b->weight.shape[0] = 200; }},
+      {"temb bf16", ErrorKind::kType, "temb must be float32",
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->temb.dtype = b->temb.dtype = DType::kBF16; }},
+      {"torch on cpu", ErrorKind::kValue, "numerics=torch exists on CUDA only",
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->numerics = b->numerics = Numerics::kTorch; }},
+  };
+  for (const Case& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    Modulation k(c);
+    AdalnModulationParams f = k.forward_params();
+    AdalnModulationBackwardParams b = k.backward_params();
+    bad.mutate(&f, &b);
+    for (Status s : {adaln_modulation_forward(f), adaln_modulation_backward(b)}) {
+      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
+      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
+    }
+    for (HostTensor* t : k.outputs()) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+  }
+  // backward-only: grad of the wrong width / length / dtype
+  Modulation k(c);
+  const std::pair<const char*, std::function<void(AdalnModulationBackwardParams*)>> backward_cases[] = {
+      {"grad must be (6, B*S, H) with H = weight rows / 18 = 12", [&](AdalnModulationBackwardParams* b) { b->grad = wide_grad.view(); }},
+      {"S = plan.seq_len() = 16", [](AdalnModulationBackwardParams* b) { b->grad = b->grad.reshaped({6, 16, 12}); }},
+      {"grad must have weight's dtype bfloat16, got float16", [](AdalnModulationBackwardParams* b) { b->grad.dtype = DType::kF16; }},
+  };
+  for (const auto& [message, mutate] : backward_cases) {
+    AdalnModulationBackwardParams b = k.backward_params();
+    mutate(&b);
+    Status s = adaln_modulation_backward(b);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(message), std::string::npos) << s.to_string();
+    for (HostTensor* t : k.outputs()) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+  }
+}
+
+}  // namespace
+}  // namespace detdit
