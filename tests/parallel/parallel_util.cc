@@ -112,8 +112,12 @@ RankStream::~RankStream() {
 ::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test) {
 #if defined(DETDIT_MPIEXEC)
   // --oversubscribe: more ranks than the 2 cores of CI; --allow-run-as-root: CI
-  // runs as root. The shared-memory transport is enough on one host.
-  const std::string command = std::string(DETDIT_MPIEXEC) + " --oversubscribe --allow-run-as-root --mca btl self,vader" +
+  // runs as root. The shared-memory transport is enough on one host, without
+  // its cross-memory-attach copies (ptrace-restricted in containers). A hung
+  // rank fails the test after 300 s instead of stalling the suite.
+  const std::string command = std::string("timeout 300 ") + DETDIT_MPIEXEC +
+                              " --oversubscribe --allow-run-as-root --mca btl self,vader" +
+                              " --mca btl_vader_single_copy_mechanism none" +
                               " -np " + std::to_string(ranks) + " " + self_path() +
                               " --gtest_color=no --gtest_also_run_disabled_tests --gtest_filter=" + worker_test + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
