@@ -247,6 +247,25 @@ TEST(SpRegionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
   }
 }
 
+TEST(SpRegionNccl, WorldSizeOneMatchesWs1) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_NCCL)
+  NcclUniqueId id;
+  DETDIT_ASSERT_OK(nccl_unique_id(&id));
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), &comm));
+  for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+    Problem pr;
+    build_problem(SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32}, &pr, Device::cuda(0));
+    RankResult result;
+    DETDIT_ASSERT_OK(run_rank(*comm, pr, &result));
+    expect_equal_to_ws1(pr, result, 0);
+  }
+#else
+  GTEST_SKIP() << "built without NCCL";
+#endif
+}
+
 TEST(SpRegion, ShardsSmallerThanAChunk) {
   // S = 40 at world 8: 5 positions per rank, B*S = 80 < 256: one chunk spans
   // every rank; rank 0 owns it and every other rank sends all its rows.

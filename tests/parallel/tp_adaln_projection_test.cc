@@ -158,29 +158,55 @@ TEST(TpAdalnProjection, H3ShapeTp7) {
   expect_tp_equal_to_ws1(pr, 7);
 }
 
+// Replaces pr's CPU WS1 results with WS1 computed on the GPU (the reference
+// of the GPU variants: the same device).
+void ws1_on_gpu(TpProblem* pr) {
+  testing::DeviceArena arena(Device::cuda(0), nullptr);
+  const TensorView temb = arena.upload(pr->temb), weight = arena.upload(pr->weight);
+  AdalnProjectionParams f{temb, weight, arena.upload(pr->bias), arena.empty_like(pr->table, kCanary),
+                          arena.empty_like(pr->act, kCanary)};
+  DETDIT_EXPECT_OK(adaln_projection_forward(f));
+  AdalnProjectionBackwardParams b{temb, weight, f.act, arena.upload(pr->grad_table),
+                                  arena.empty_like(pr->d_temb, kCanary), arena.empty_like(pr->d_weight, kCanary),
+                                  arena.empty_like(pr->d_bias, kCanary)};
+  DETDIT_EXPECT_OK(adaln_projection_backward(b));
+  pr->table = arena.download(f.table);
+  pr->act = arena.download(f.act);
+  pr->d_temb = arena.download(b.d_temb);
+  pr->d_weight = arena.download(b.d_weight);
+  pr->d_bias = arena.download(b.d_bias);
+}
+
 TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
   DETDIT_SKIP_WITHOUT_CUDA();
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (int64_t rows : {1, 4}) {
       TpProblem pr;
       build(&pr, rows, 18 * 256, 136, dtype);
-      // WS1 on the GPU replaces the CPU reference.
-      testing::DeviceArena arena(Device::cuda(0), nullptr);
-      const TensorView temb = arena.upload(pr.temb), weight = arena.upload(pr.weight);
-      AdalnProjectionParams f{temb, weight, arena.upload(pr.bias), arena.empty_like(pr.table, kCanary),
-                              arena.empty_like(pr.act, kCanary)};
-      DETDIT_ASSERT_OK(adaln_projection_forward(f));
-      AdalnProjectionBackwardParams b{temb, weight, f.act, arena.upload(pr.grad_table), arena.empty_like(pr.d_temb, kCanary),
-                                      arena.empty_like(pr.d_weight, kCanary), arena.empty_like(pr.d_bias, kCanary)};
-      DETDIT_ASSERT_OK(adaln_projection_backward(b));
-      pr.table = arena.download(f.table);
-      pr.act = arena.download(f.act);
-      pr.d_temb = arena.download(b.d_temb);
-      pr.d_weight = arena.download(b.d_weight);
-      pr.d_bias = arena.download(b.d_bias);
+      ws1_on_gpu(&pr);
       for (int world : {1, 2, 3, 8}) expect_tp_equal_to_ws1(pr, world, Device::cuda(0));
     }
   }
+}
+
+TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_NCCL)
+  NcclUniqueId id;
+  DETDIT_ASSERT_OK(nccl_unique_id(&id));
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), &comm));
+  TpProblem pr;
+  build(&pr, 3, 18 * 256, 136, DType::kBF16);
+  ws1_on_gpu(&pr);
+  TpRankResult gpu_result;
+  DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cuda(0), &gpu_result));
+  EXPECT_BITWISE_EQ(pr.table, gpu_result.table);
+  EXPECT_BITWISE_EQ(pr.d_temb, gpu_result.d_temb);
+  expect_shard_equal(pr, gpu_result);
+#else
+  GTEST_SKIP() << "built without NCCL";
+#endif
 }
 
 TEST(TpAdalnProjection, ShardsMustBe64Aligned) {
