@@ -147,8 +147,9 @@ Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& d
   return Status();
 }
 
-// One family of partials: per rank `rows` rows of `width` fp32 (padded to
-// max_rows), in global order `total` rows after the exchange.
+// One family of partials: each rank's rows of `width` fp32 (its chunks or
+// segments, padded to max_rows), `total` rows in global order after the
+// exchange.
 struct PartialFamily {
   int64_t max_rows, total, width;
   const std::vector<SpRun>* runs;

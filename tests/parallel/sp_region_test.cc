@@ -457,6 +457,34 @@ TEST(SpRegion, InvalidArgumentsOnOneRankFailEveryRankBeforeAnyCollective) {
   expect_collective_failure(pr, 4, 0, "wrong dtype", ErrorKind::kType, "d_weight must be");
 }
 
+TEST(SpRegion, FlatLocalRowsWork) {
+  // (B*S_local, H) views instead of (B, S_local, H): the same bytes.
+  Problem pr;
+  build_problem(SpCase{Packing::kInterleaved, 301, 2, 2, 8, DType::kBF16, DType::kBF16}, &pr);
+  std::vector<HostTensor> d_gate(3), d_y(3);
+  std::vector<int64_t> lo(3), hi(3);
+  DETDIT_ASSERT_OK(InProcessGroup::run(3, [&](Communicator& comm) -> Status {
+    SpPlan sp;
+    DETDIT_RETURN_IF_ERROR(SpPlan::create(pr.plan, 3, comm.rank(), &sp));
+    const int r = comm.rank();
+    lo[r] = sp.local_begin();
+    hi[r] = sp.local_end();
+    const int64_t rows = 2 * sp.local_seq_len();
+    HostTensor grad = local_rows(pr.gate_grad, 2, 301, lo[r], hi[r]), y = local_rows(pr.y, 2, 301, lo[r], hi[r]);
+    d_y[r] = HostTensor(DType::kBF16, {rows, 8});
+    d_gate[r] = HostTensor(DType::kBF16, {pr.index.num_rows(), 8});
+    GateResidualBackwardParams gb{grad.view_as({rows, 8}), y.view_as({rows, 8}), pr.gate.view(), pr.plan,
+                                  TensorView(), d_y[r].view(), d_gate[r].view()};
+    return sp_gate_residual_backward(comm, sp, gb);
+  }));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_BITWISE_EQ(pr.d_gate, d_gate[r]);
+    const HostTensor expected = local_rows(pr.d_y, 2, 301, lo[r], hi[r]);
+    EXPECT_TRUE(testing::bitwise_equal_bytes(expected.data(), d_y[r].data(), static_cast<std::size_t>(expected.numel()),
+                                             DType::kBF16));
+  }
+}
+
 TEST(SpRegion, ForwardRejectsFullSequenceAndShardedIndex) {
   Problem pr;
   build_problem(SpCase{Packing::kBlock, 300, 2, 2, 16, DType::kF32, DType::kF32}, &pr);
