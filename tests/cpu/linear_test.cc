@@ -340,6 +340,23 @@ TEST(LinearOrder, InputGradientFoldsChunksOf64Rows) {
   for (int64_t k = 0; k < 4; ++k) EXPECT_EQ(d_x.ptr<float>()[k], 33554496.0f) << k;
 }
 
+TEST(LinearOrder, WeightAndBiasGradientsChainAscendingT) {
+  // T = 5, N = 1, K = 4, x = 1: g[0] = 2^25, g[1..4] = 1.
+  //   Ascending t: rn(2^25 + 1) = 2^25 four times -> 2^25 (ulp(2^25) = 4).
+  //   Descending t would give 1 + 1 + 1 + 1 = 4, then 2^25 + 4.
+  HostTensor grad(DType::kF32, {5, 1}), x(DType::kF32, {5, 4}), d_weight(DType::kF32, {1, 4}), d_bias(DType::kF32, {1});
+  for (int64_t t = 0; t < 5; ++t) grad.ptr<float>()[t] = t == 0 ? 33554432.0f : 1.0f;
+  for (int64_t i = 0; i < x.numel(); ++i) x.ptr<float>()[i] = 1.0f;
+  LinearBackwardWeightParams p;
+  p.grad = grad.view();
+  p.x = x.view();
+  p.d_weight = d_weight.view();
+  p.d_bias = d_bias.view();
+  DETDIT_ASSERT_OK(linear_backward_weight(p));
+  for (int64_t k = 0; k < 4; ++k) EXPECT_EQ(d_weight.ptr<float>()[k], 33554432.0f) << k;
+  EXPECT_EQ(d_bias.ptr<float>()[0], 33554432.0f);
+}
+
 // ---- validation ------------------------------------------------------------
 
 struct BadCase {

@@ -237,6 +237,14 @@ TEST(TimestepMlpValidation, ForwardRejectsBadArgumentsAndWritesNothing) {
          p->features = odd_features.view();
          p->w1 = odd_w1.view();
        }},
+      // H % 4 != 0 fails only in the second linear: checked before the first writes.
+      {"H not a multiple of 4", ErrorKind::kValue, "H = w1.shape[0] = 62", [&](auto* p) {
+         p->w1 = m.w1.view_as({62, 32});
+         p->b1 = m.b1.view_as({62});
+         p->w2 = m.w2.view_as({48, 62});
+         p->pre = m.pre.view_as({3, 62});
+         p->hidden = m.hidden.view_as({3, 62});
+       }},
       {"misaligned w2", ErrorKind::kValue, "16-byte aligned", [&](auto* p) {
          p->w2 = TensorView::contiguous(wide.ptr<float>() + 1, DType::kF32, {48, 64});
        }},
