@@ -27,8 +27,8 @@ struct CheckRow {
   std::string check;            // "repeatability", "row invariance T=1..4", "accuracy vs fp64"
   int64_t bitwise_run = 0;      // bitwise comparisons made (whole tensors)
   int64_t bitwise_passed = 0;   // of those, byte-equal
-  double max_error = std::numeric_limits<double>::quiet_NaN();  // vs the FP64 oracle; NaN: not measured
-  double bound = std::numeric_limits<double>::quiet_NaN();      // the bar max_error must meet
+  double max_error = std::numeric_limits<double>::quiet_NaN();  // vs the FP64 oracle
+  double bound = std::numeric_limits<double>::quiet_NaN();      // the bar max_error must meet; NaN: no error measured
   std::string error_unit;       // what max_error measures, e.g. "abs", "ulp(bf16)", "rel"
   double seconds = 0;
   bool pass = false;
@@ -70,7 +70,8 @@ struct VerifyRegistrar {
 // (first differing element index and both values in hex).
 void compare_bytes(const void* expected, const void* actual, std::size_t bytes, DType dtype, const std::string& what,
                    CheckRow* row);
-// pass = all bitwise comparisons matched and (max_error is NaN or <= bound).
+// pass = all bitwise comparisons matched and (no bound, or max_error <= bound;
+// a NaN max_error fails).
 void finish_row(CheckRow* row);
 
 // Owned, 64-byte aligned host memory for case inputs and outputs.

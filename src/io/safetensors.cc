@@ -250,6 +250,13 @@ Status SafetensorsFile::parse(const uint8_t* bytes, uint64_t size, const std::st
   if (header_bytes > kMaxHeaderBytes) {
     return malformed(name, "header length " + std::to_string(header_bytes) + " exceeds the 100 MiB limit");
   }
+  // nlohmann stops at a NUL byte as if the input ended there, so "{}\0junk"
+  // would parse; JSON never holds a raw NUL, so any NUL is refused here.
+  const void* nul = std::memchr(bytes + 8, 0, header_bytes);
+  if (nul != nullptr) {
+    return malformed(name, "header is not valid JSON: it holds a NUL byte at header offset " +
+                               std::to_string(static_cast<const uint8_t*>(nul) - (bytes + 8)));
+  }
   Json header;
   const char* text = reinterpret_cast<const char*>(bytes + 8);
   DETDIT_RETURN_IF_ERROR(parse_header_json(text, text + header_bytes, name, &header));

@@ -1,0 +1,246 @@
+// The detdit binary end to end: --help of every command, exit codes 0/1/2,
+// weights synth/verify/inspect on a small configuration, a verify --quick run
+// whose JSON report is parsed and checked, and report drawing its SVG.
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "common/test_util.h"
+#include "io/manifest.h"
+#include "io/safetensors.h"
+
+namespace detdit {
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+std::string temp_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/detdit_cli_" + std::to_string(::getpid()) + "_" + name;
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Runs `detdit <arguments>` with the cache pointed at a private directory.
+Result detdit(const std::string& arguments) {
+  static const std::string cache = temp_dir("cache");
+  const std::string out = temp_dir("out") + "/output.txt";
+  const std::string command =
+      "XDG_CACHE_HOME='" + cache + "' '" + DETDIT_CLI_PATH + "' " + arguments + " > '" + out + "' 2>&1";
+  const int status = std::system(command.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.output = read_file(out);
+  return r;
+}
+
+// Small dimensions so the whole file is ~0.2 MB.
+const char* const kSmallDims = " --hidden 64 --time-embed-hidden 64 --time-dim 32 --freq-dim 16";
+
+std::string small_weights() {
+  static std::string dir;
+  if (dir.empty()) {
+    dir = temp_dir("weights");
+    Result r = detdit("weights synth --out '" + dir + "'" + kSmallDims);
+    EXPECT_EQ(r.code, 0) << r.output;
+  }
+  return dir;
+}
+
+TEST(Cli, HelpForEveryCommand) {
+  for (const char* command : {"--help", "verify --help", "bench --help", "report --help", "weights --help",
+                              "weights synth --help", "weights verify --help", "weights inspect --help",
+                              "weights manifest --help"}) {
+    Result r = detdit(command);
+    EXPECT_EQ(r.code, 0) << command << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage: detdit"), std::string::npos) << command << "\n" << r.output;
+  }
+}
+
+TEST(Cli, UsageErrorsExit2) {
+  for (const char* command :
+       {"", "frobnicate", "verify --bogus", "verify --device tpu", "verify --ops no_such_op", "verify --seed -3",
+        "weights", "weights frob", "weights synth", "weights synth --out /tmp/x --blocks -1", "weights inspect",
+        "weights verify", "report", "bench --format xml", "verify --quick --quick"}) {
+    Result r = detdit(command);
+    EXPECT_EQ(r.code, 2) << "'" << command << "'\n" << r.output;
+    EXPECT_NE(r.output.find("detdit"), std::string::npos) << command;
+  }
+}
+
+TEST(Cli, VerifyOnCudaWithoutAGpuIsAnInputError) {
+  std::string why;
+  if (testing::cuda_available(&why)) GTEST_SKIP() << "a GPU is present; this checks the no-GPU path";
+  Result r = detdit("verify --quick --device cuda --weights '" + small_weights() + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;
+}
+
+TEST(Cli, WeightsSynthVerifyInspect) {
+  const std::string dir = small_weights();
+  Result r = detdit("weights verify '" + dir + "'" + kSmallDims);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("weights verify: OK"), std::string::npos) << r.output;
+  r = detdit("weights verify '" + dir + "'" + kSmallDims + " --sha256 '" + dir + "/SHA256SUMS'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("12 checksums checked"), std::string::npos) << r.output;
+
+  // Against the H3 shapes every tensor differs: exit 1 with a readable list.
+  r = detdit("weights verify '" + dir + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("DIFFERS shape: norm_out.norm.weight is [64], expected [5376]"), std::string::npos)
+      << r.output;
+
+  // A wrong checksum (a whole-file digest line) is a difference.
+  const std::string sums = temp_dir("sums") + "/SUMS";
+  std::ofstream(sums) << "0123456789abcdef  h3_conditioning.safetensors\n";
+  r = detdit("weights verify '" + dir + "'" + kSmallDims + " --sha256 '" + sums + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("sha256: h3_conditioning.safetensors is "), std::string::npos) << r.output;
+  std::ofstream(sums) << "not a checksum line\n";
+  r = detdit("weights verify '" + dir + "'" + kSmallDims + " --sha256 '" + sums + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(sums + ":1:"), std::string::npos) << r.output;
+
+  // A partial file (--only) misses tensors: exit 1 naming them.
+  const std::string partial = temp_dir("partial");
+  r = detdit("weights synth --out '" + partial + "' --only norm_out" + kSmallDims);
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = detdit("weights verify '" + partial + "'" + kSmallDims);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("missing: time_embedder.linear_1.weight (float32 [64, 16])"), std::string::npos)
+      << r.output;
+
+  r = detdit("weights inspect '" + dir + "/h3_conditioning.safetensors'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  for (const io::ManifestEntry& e : io::manifest_entries(io::ManifestConfig{})) {
+    EXPECT_NE(r.output.find(e.name), std::string::npos) << e.name;
+  }
+  EXPECT_NE(r.output.find("metadata detdit.kind = synthetic"), std::string::npos) << r.output;
+
+  // A malformed file: exit 2, the message names the file and the problem.
+  const std::string bad = temp_dir("bad") + "/bad.safetensors";
+  std::ofstream(bad) << "\x05\0\0\0\0\0\0\0{\"a\":";
+  for (const char* command : {"weights inspect", "weights verify"}) {
+    r = detdit(std::string(command) + " '" + bad + "'");
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(bad + ": "), std::string::npos) << r.output;
+  }
+  r = detdit("weights manifest");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.output.find("transformer_blocks.{i}.adaln_proj.linear.weight"), std::string::npos) << r.output;
+}
+
+TEST(Cli, VerifyQuickReportAndFigure) {
+  const std::string out = temp_dir("verify");
+  Result r = detdit("verify --quick --device cpu --weights '" + small_weights() + "' --out '" + out +
+                    "/report.json'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  nlohmann::json report = nlohmann::json::parse(read_file(out + "/report.json"));
+  EXPECT_EQ(report["kind"], "detdit_verify_report");
+  EXPECT_EQ(report["verdict"], "PASS");
+  EXPECT_EQ(report["options"]["quick"], true);
+  EXPECT_EQ(report["options"]["device"], "cpu");
+  EXPECT_EQ(report["weights"]["hidden"], 64);
+  const std::string commit = report["git"]["commit"];
+  EXPECT_TRUE(commit == "unknown" || commit.size() == 40) << commit;
+  EXPECT_TRUE(report["git"]["dirty"].is_boolean());
+  EXPECT_FALSE(report["environment"]["compiler"].get<std::string>().empty());
+  int64_t checks = 0, passed = 0;
+  std::set<std::string> ops;
+  for (const auto& c : report["cases"]) {
+    ops.insert(c["op"].get<std::string>());
+    for (const auto& row : c["checks"]) {
+      ++checks;
+      passed += row["pass"].get<bool>() ? 1 : 0;
+      EXPECT_LE(row["bitwise_passed"].get<int64_t>(), row["bitwise_run"].get<int64_t>());
+      if (!row["bound"].is_null()) {
+        EXPECT_LE(row["max_error_vs_fp64"].get<double>(), row["bound"].get<double>());
+      }
+    }
+  }
+  EXPECT_EQ(report["checks_total"], checks);
+  EXPECT_EQ(report["checks_passed"], passed);
+  EXPECT_GE(checks, 10);
+  for (const char* op : {"timestep_sinusoid", "timestep_mlp", "adaln_projection", "rmsnorm"}) {
+    EXPECT_TRUE(ops.count(op)) << op;
+  }
+  const std::string verdict = "detdit verify: PASS, " + std::to_string(passed) + "/" + std::to_string(checks) + " checks";
+  EXPECT_NE(r.output.find(verdict), std::string::npos) << r.output;
+
+  r = detdit("report '" + out + "/report.json' --out '" + out + "/figure.svg'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  const std::string svg = read_file(out + "/figure.svg");
+  EXPECT_EQ(svg.rfind("<?xml", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  for (const std::string& op : ops) EXPECT_NE(svg.find(op), std::string::npos) << op;
+
+  // report refuses what is not a verify report.
+  std::ofstream(out + "/other.json") << "{\"kind\": 1}";
+  r = detdit("report '" + out + "/other.json' --out '" + out + "/x.svg'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  std::ofstream(out + "/broken.json") << "{";
+  r = detdit("report '" + out + "/broken.json'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("broken.json: not valid JSON"), std::string::npos) << r.output;
+}
+
+// A failing check exits 1: weights whose time-embedder bias is NaN make the
+// timestep_mlp accuracy check measure a NaN error.
+TEST(Cli, VerifyFailingCheckExits1) {
+  const std::string src = small_weights() + "/" + io::kWeightsFileName;
+  io::SafetensorsFile file;
+  DETDIT_ASSERT_OK(io::SafetensorsFile::open(src, &file));
+  const io::TensorEntry* bias = file.find("time_embedder.linear_2.bias");
+  ASSERT_NE(bias, nullptr);
+  std::string bytes = read_file(src);
+  const float nan = std::nanf("");
+  for (uint64_t at = file.data_start() + bias->begin; at < file.data_start() + bias->end; at += 4) {
+    std::memcpy(&bytes[at], &nan, 4);
+  }
+  const std::string dir = temp_dir("nan");
+  std::ofstream(dir + "/" + io::kWeightsFileName, std::ios::binary) << bytes;
+  Result r = detdit("verify --quick --device cpu --ops timestep_mlp --weights '" + dir + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("detdit verify: FAIL"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BenchQuickJson) {
+  Result r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --warmup 0 --format json --weights '" +
+                    small_weights() + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  nlohmann::json out = nlohmann::json::parse(r.output);
+  EXPECT_EQ(out["kind"], "detdit_bench_report");
+  EXPECT_GT(out["copy_gbps"].get<double>(), 0);
+  ASSERT_EQ(out["cases"].size(), 2u);
+  for (const auto& c : out["cases"]) {
+    EXPECT_EQ(c["wrong"], 0) << c.dump();
+    EXPECT_EQ(c["compared"], c["case"] == "T=1" ? 32 : 128) << c.dump();
+    EXPECT_GT(c["median_us"].get<double>(), 0);
+  }
+  r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --format csv --weights '" + small_weights() + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("op,case,device,median_us", 0), 0u) << r.output;
+}
+
+}  // namespace
+}  // namespace detdit
