@@ -3,6 +3,7 @@
 // ops, row invariance, repeatability, optional outputs, validation.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
@@ -79,6 +80,7 @@ TEST(TimestepMlpAccuracy, H3ShapeMatchesFp64) {
     silu_grad[i] = silu_derivative64(pre[i]);
   }
   const std::vector<double> temb = linear64(hidden, w2, to_doubles(m.b2), m.rows, m.hidden_size, m.out_features);
+  std::printf("[ measured ] temb max|err|/max|ref| vs FP64: %.3g\n", relative_max_error(m.temb, temb));
   EXPECT_LE(relative_max_error(m.temb, temb), 1e-4);
   EXPECT_LE(relative_max_error(m.pre, pre), 1e-4);
   EXPECT_LE(relative_max_error(m.hidden, hidden), 1e-4);
