@@ -15,10 +15,10 @@
 namespace detdit {
 namespace {
 
-// 16-byte vectors: 4 fp32 or 8 bf16 elements (numerics 5.2).
 using Named = std::pair<TensorView, const char*>;
 using NamedList = std::initializer_list<Named>;
 
+// 16-byte vectors: 4 fp32 or 8 bf16 elements (numerics 5.2).
 int64_t vector_width(DType dtype) { return 16 / static_cast<int64_t>(dtype_size(dtype)); }
 
 Status check_matrix(const TensorView& t, const char* name, const char* layout, std::initializer_list<DType> dtypes) {
@@ -28,7 +28,7 @@ Status check_matrix(const TensorView& t, const char* name, const char* layout, s
   return check::contiguous(t, name);
 }
 
-// x (T, K) and weight (N, K): the operands of the forward.
+// x (T, K) and weight (N, K) are read as 16-byte vectors (on CUDA).
 Status check_vector_loads(const TensorView& t, const char* name) {
   return check::aligned(t, name, 16, "its rows are read as 16-byte vectors");
 }
