@@ -15,4 +15,4 @@ ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" --timeout 1200
 build_abs="$(cd "$build_dir" && pwd)"
 echo "detdit: building the PyTorch extension against $build_abs/libdetdit.a"
 DETDIT_BUILD_DIR="$build_abs" /usr/bin/python3 python/setup.py -q build_ext --inplace
-DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python -q -rs
+DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python -q -rxs

@@ -16,6 +16,10 @@
 //   kRuntime -> RuntimeError, carrying the C++ message unchanged.
 // - IndexPlan is the custom class `torch.classes.detdit.IndexPlan`, built once
 //   by `detdit::plan` / `detdit::plan_from_rows` and passed to every indexed op.
+// - detdit.distributed: a detdit::Communicator whose only transport is a
+//   Python callable doing a torch.distributed all-gather of bytes (registered
+//   from Python, referred to by an integer handle), the SpPlan custom class,
+//   and the tp_adaln_projection / sp_rmsnorm / sp_gate_residual ops.
 // The binding does no arithmetic: every bit comes from the detdit library.
 // Backward grads are made contiguous (a byte copy) because autograd hands out
 // expanded or strided grads and detdit takes contiguous ones.
@@ -23,11 +27,15 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
 #include <array>
+#include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -39,7 +47,9 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "detdit/comm.h"
 #include "detdit/detdit.h"
+#include "detdit/parallel.h"
 
 namespace detdit_torch {
 
@@ -964,12 +974,438 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation_autograd(const Tensor& temb,
   return {out[0], out[1], out[2]};
 }
 
+
+// ---------------------------------------------------------------------------
+// detdit.distributed: a Communicator over torch.distributed
+
+// Ranks over a torch.distributed group. The transport is a Python callable
+// gather(send, recv) that all-gathers the uint8 tensor `send` into `recv`
+// (world * send.numel() bytes, rank-ordered); it is the only thing that moves
+// bytes, and it never reduces. On top of it, as comm.h requires, every
+// all_gather first exchanges a fixed-size header {call number, bytes, dtype}
+// so that mismatched calls fail with the same ValueError on every rank, and
+// agree() exchanges each rank's validation Status.
+class TorchDistCommunicator : public detdit::Communicator {
+ public:
+  TorchDistCommunicator(PyObject* gather, int rank, int world, detdit::Device device)
+      : gather_(gather), rank_(rank), world_(world), device_(device) {
+    Py_INCREF(gather_);
+  }
+  ~TorchDistCommunicator() override {
+    // A communicator still registered at exit dies after the interpreter:
+    // its callable is gone with it and must not be touched.
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(gather_);
+    PyGILState_Release(gil);
+  }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  detdit::Device device() const override { return device_; }
+  const char* backend_id() const override { return "torch.distributed"; }
+
+  Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, detdit::Stream) override {
+    const Header mine{call_++, static_cast<int64_t>(bytes), static_cast<int64_t>(dtype)};
+    std::vector<Header> all(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Header), all.data(), /*host=*/true));
+    for (int r = 0; r < world_; ++r) {
+      const Header& h = all[static_cast<std::size_t>(r)];
+      if (h.call != all[0].call || h.bytes != all[0].bytes || h.dtype != all[0].dtype)
+        return Status::value_error("mismatched all_gather calls across ranks: rank 0 sent call " +
+                                   std::to_string(all[0].call) + " with " + std::to_string(all[0].bytes) + " bytes of " +
+                                   detdit::dtype_name(static_cast<DType>(all[0].dtype)) + ", rank " + std::to_string(r) +
+                                   " call " + std::to_string(h.call) + " with " + std::to_string(h.bytes) + " bytes of " +
+                                   detdit::dtype_name(static_cast<DType>(h.dtype)));
+    }
+    if (bytes % detdit::dtype_size(dtype) != 0)
+      return Status::value_error("all_gather of " + std::to_string(bytes) + " bytes is not a whole number of " +
+                                 detdit::dtype_name(dtype) + " elements");
+    return transport(send, bytes, recv, device_.kind == detdit::DeviceKind::kCpu);
+  }
+
+  Status agree(const Status& local) override {
+    Verdict mine{};
+    mine.kind = static_cast<int32_t>(local.kind());
+    std::strncpy(mine.message, local.message().c_str(), sizeof(mine.message) - 1);
+    std::vector<Verdict> all(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Verdict), all.data(), /*host=*/true));
+    if (!local.ok()) return local;
+    for (int r = 0; r < world_; ++r) {
+      const Verdict& v = all[static_cast<std::size_t>(r)];
+      if (v.kind != 0)
+        return Status(static_cast<ErrorKind>(v.kind), "rank " + std::to_string(r) + " failed: " + v.message);
+    }
+    return Status();
+  }
+
+ private:
+  struct Header {
+    int64_t call, bytes, dtype;
+  };
+  struct Verdict {
+    int32_t kind;
+    char message[1020];
+  };
+
+  // Calls gather(send, recv) under the GIL; a Python exception becomes a RuntimeError.
+  Status transport(const void* send, std::size_t bytes, void* recv, bool host) {
+    if (bytes == 0) return Status();
+    const at::Device where = host ? at::Device(at::kCPU) : at::Device(at::kCUDA, device_.index);
+    const auto options = at::TensorOptions().dtype(at::kByte).device(where);
+    Tensor send_t = at::from_blob(const_cast<void*>(send), {static_cast<int64_t>(bytes)}, options);
+    Tensor recv_t = at::from_blob(recv, {static_cast<int64_t>(bytes) * world_}, options);
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* py_send = THPVariable_Wrap(send_t);
+    PyObject* py_recv = THPVariable_Wrap(recv_t);
+    PyObject* result = PyObject_CallFunctionObjArgs(gather_, py_send, py_recv, nullptr);
+    Py_XDECREF(py_send);
+    Py_XDECREF(py_recv);
+    Status status;
+    if (result == nullptr) {
+      std::string message = "the torch.distributed all-gather failed";
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);
+      if (value != nullptr) {
+        PyObject* text = PyObject_Str(value);
+        if (text != nullptr && PyUnicode_Check(text)) message += std::string(": ") + PyUnicode_AsUTF8(text);
+        Py_XDECREF(text);
+      }
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(traceback);
+      status = Status::runtime_error(message);
+    }
+    Py_XDECREF(result);
+    PyGILState_Release(gil);
+    return status;
+  }
+
+  PyObject* gather_;
+  int rank_, world_;
+  detdit::Device device_;
+  int64_t call_ = 0;
+};
+
+// Communicators by handle: Python registers one per group and passes the
+// handle to the ops (a schema cannot carry a Python callable).
+std::mutex communicators_mutex;
+std::map<int64_t, std::shared_ptr<detdit::Communicator>> communicators;
+int64_t next_communicator = 1;
+
+std::shared_ptr<detdit::Communicator> communicator(int64_t handle) {
+  std::lock_guard<std::mutex> lock(communicators_mutex);
+  auto found = communicators.find(handle);
+  if (found == communicators.end())
+    C10_THROW_ERROR(ValueError, "communicator handle " + std::to_string(handle) +
+                                    " is not registered (use detdit.distributed.Communicator(group))");
+  return found->second;
+}
+
+struct SpPlanHolder : torch::CustomClassHolder {
+  detdit::SpPlan sp;
+  explicit SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)) {}
+  int64_t world() const { return sp.world(); }
+  int64_t rank() const { return sp.rank(); }
+  int64_t local_begin() const { return sp.local_begin(); }
+  int64_t local_end() const { return sp.local_end(); }
+  int64_t local_seq_len() const { return sp.local_seq_len(); }
+  int64_t max_send() const { return sp.max_send(); }
+};
+using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;
+
+SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
+  const IndexPlan& index = required_plan(plan, "sp_plan")->plan;
+  detdit::Stream stream = nullptr;
+#ifdef DETDIT_TORCH_CUDA
+  if (index.device().is_cuda()) stream = c10::cuda::getCurrentCUDAStream(index.device().index).stream();
+#endif
+  detdit::SpPlan sp;
+  check_ok(detdit::SpPlan::create(index, static_cast<int>(world), static_cast<int>(rank), &sp, stream));
+  return c10::make_intrusive<SpPlanHolder>(std::move(sp));
+}
+
+// tp_adaln_projection: (table (T, N) full, act (T, D)); weight/bias are this rank's shard.
+std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                               int64_t comm, const std::string& numerics) {
+  DeviceScope scope(temb);
+  auto group = communicator(comm);
+  const int64_t rows = dim_or_zero(temb, 0);
+  Tensor table =
+      empty_like_shape(temb, {rows, dim_or_zero(weight, 0) * group->world_size()}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, {rows, dim_or_zero(temb, 1)}, weight.scalar_type());
+  detdit::AdalnProjectionParams p;
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.bias = view(bias, "bias");
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::tp_adaln_projection_forward(*group, p, scope.stream()));
+  return {table, act};
+}
+
+// (d_temb fp32 replicated, d_weight, d_bias of the shard).
+std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                                const Tensor& weight, const Tensor& act,
+                                                                int64_t comm, const std::string& numerics,
+                                                                std::array<bool, 3> output_mask) {
+  DeviceScope scope(temb);
+  auto group = communicator(comm);
+  // every rank takes part in the collectives, so d_temb is always computed
+  Tensor d_temb = empty_like_shape(temb, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
+  Tensor d_weight =
+      maybe_empty(output_mask[1], temb, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::AdalnProjectionBackwardParams p;
+  p.temb = view(temb, "temb");
+  p.weight = view(weight, "weight");
+  p.act = view(act, "act");
+  p.grad_table = view(grad_table, "grad_table");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::tp_adaln_projection_backward(*group, p, scope.stream()));
+  return {output_mask[0] ? d_temb : Tensor(), d_weight, d_bias};
+}
+
+// sp_rmsnorm: the local rows (B, S_local, H); (out, rstd).
+std::tuple<Tensor, Tensor> sp_rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                      const OptTensor& scale, const SpPlanPtr& sp, double eps,
+                                      const std::string& numerics) {
+  DeviceScope scope(x);
+  Tensor out = x.defined() ? at::empty(x.sizes(), x.options()) : x;
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::RmsnormParams p;
+  p.x = view(x, "x");
+  p.weight = view(weight, "weight");
+  p.shift = view(shift, "shift");
+  p.scale = view(scale, "scale");
+  p.plan = sp->sp.global_plan();
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  p.eps = static_cast<float>(eps);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::sp_rmsnorm_forward(sp->sp, p, scope.stream()));
+  return {out, rstd};
+}
+
+// (dx local, d_weight, d_shift, d_scale replicated). The collectives need every
+// replicated output on every rank, so they are always computed.
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                               const Tensor& weight, const OptTensor& shift,
+                                                               const OptTensor& scale, const SpPlanPtr& sp,
+                                                               const Tensor& rstd, int64_t comm, double eps,
+                                                               const std::string& numerics) {
+  DeviceScope scope(x);
+  auto group = communicator(comm);
+  Tensor dx = x.defined() ? at::empty(x.sizes(), x.options()) : x;
+  Tensor d_weight = empty_like_shape(x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  auto table_grad = [&](const OptTensor& table) {
+    return table.has_value() ? empty_like_shape(x, {dim_or_zero(*table, 0), dim_or_zero(*table, 1)},
+                                                table->scalar_type())
+                             : Tensor();
+  };
+  Tensor d_shift = table_grad(shift), d_scale = table_grad(scale);
+  detdit::RmsnormBackwardParams p;
+  p.x = view(x, "x");
+  p.weight = view(weight, "weight");
+  p.shift = view(shift, "shift");
+  p.scale = view(scale, "scale");
+  p.plan = sp->sp.global_plan();
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  p.eps = static_cast<float>(eps);
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::sp_rmsnorm_backward(*group, sp->sp, p, scope.stream()));
+  return {dx, d_weight, d_shift, d_scale};
+}
+
+Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp) {
+  DeviceScope scope(residual);
+  Tensor out = residual.defined() ? at::empty(residual.sizes(), residual.options()) : residual;
+  detdit::GateResidualParams p;
+  p.residual = view(residual, "residual");
+  p.y = view(y, "y");
+  p.gate = view(gate, "gate");
+  p.plan = sp->sp.global_plan();
+  p.out = view(out, "out");
+  check_ok(detdit::sp_gate_residual_forward(sp->sp, p, scope.stream()));
+  return out;
+}
+
+// (d_residual, d_y local, d_gate replicated).
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                             const SpPlanPtr& sp, int64_t comm) {
+  DeviceScope scope(y);
+  auto group = communicator(comm);
+  Tensor d_residual = y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
+  Tensor d_y = y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
+  Tensor d_gate = empty_like_shape(y, {dim_or_zero(gate, 0), dim_or_zero(gate, 1)}, gate.scalar_type());
+  detdit::GateResidualBackwardParams p;
+  p.grad = view(grad, "grad");
+  p.y = view(y, "y");
+  p.gate = view(gate, "gate");
+  p.plan = sp->sp.global_plan();
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  check_ok(detdit::sp_gate_residual_backward(*group, sp->sp, p, scope.stream()));
+  return {d_residual, d_y, d_gate};
+}
+
+struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                               int64_t comm, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [table, act] = tp_adaln_projection(temb, weight, bias, comm, numerics);
+    ctx->save_for_backward({temb, weight, act});
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({act});
+    return {table, act};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto [d_temb, d_weight, d_bias] = tp_adaln_projection_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2)});
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+struct SpRmsnormFunction : torch::autograd::Function<SpRmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                               const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, rstd] = sp_rmsnorm(x, weight, shift, scale, sp, eps, numerics);
+    ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const OptTensor shift = s[2].defined() ? OptTensor(s[2]) : OptTensor();
+    const OptTensor scale = s[3].defined() ? OptTensor(s[3]) : OptTensor();
+    auto [dx, d_weight, d_shift, d_scale] = sp_rmsnorm_backward(
+        contiguous_grad(grads[0]), s[0], s[1], shift, scale, ctx->saved_data["sp"].toCustomClass<SpPlanHolder>(),
+        s[4], ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef());
+    return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct SpGateResidualFunction : torch::autograd::Function<SpGateResidualFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                        const SpPlanPtr& sp, int64_t comm) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = sp_gate_residual(residual, y, gate, sp);
+    ctx->save_for_backward({y, gate});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate] =
+        sp_gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1],
+                                  ctx->saved_data["sp"].toCustomClass<SpPlanHolder>(), ctx->saved_data["comm"].toInt());
+    return {d_residual, d_y, d_gate, Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> tp_adaln_projection_autograd(const Tensor& temb, const Tensor& weight,
+                                                        const Tensor& bias, int64_t comm,
+                                                        const std::string& numerics) {
+  auto out = TpAdalnProjectionFunction::apply(temb, weight, bias, comm, numerics);
+  return {out[0], out[1]};
+}
+std::tuple<Tensor, Tensor> sp_rmsnorm_autograd(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                               const OptTensor& scale, const SpPlanPtr& sp, int64_t comm,
+                                               double eps, const std::string& numerics) {
+  auto out = SpRmsnormFunction::apply(x, weight, shift, scale, sp, comm, eps, numerics);
+  return {out[0], out[1]};
+}
+// The forward kernel has no use for the communicator (no communication).
+std::tuple<Tensor, Tensor> sp_rmsnorm_kernel(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                             const OptTensor& scale, const SpPlanPtr& sp, int64_t,
+                                             double eps, const std::string& numerics) {
+  return sp_rmsnorm(x, weight, shift, scale, sp, eps, numerics);
+}
+Tensor sp_gate_residual_autograd(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp,
+                                 int64_t comm) {
+  return SpGateResidualFunction::apply(residual, y, gate, sp, comm);
+}
+Tensor sp_gate_residual_kernel(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp,
+                               int64_t) {
+  return sp_gate_residual(residual, y, gate, sp);
+}
+
+// Python: _C._register_communicator(gather, rank, world, device) -> handle.
+PyObject* register_communicator(PyObject*, PyObject* args) {
+  PyObject* gather;
+  int rank, world;
+  const char* device;
+  if (!PyArg_ParseTuple(args, "Oiis", &gather, &rank, &world, &device)) return nullptr;
+  if (!PyCallable_Check(gather)) {
+    PyErr_SetString(PyExc_TypeError, "gather must be callable");
+    return nullptr;
+  }
+  if (world < 1 || rank < 0 || rank >= world) {
+    PyErr_Format(PyExc_ValueError, "need 0 <= rank < world, got rank=%d, world=%d", rank, world);
+    return nullptr;
+  }
+  const std::string where(device);
+  detdit::Device dev = detdit::Device::cpu();
+  if (where.rfind("cuda", 0) == 0) {
+    dev = detdit::Device::cuda(where.size() > 5 ? std::stoi(where.substr(5)) : 0);
+  } else if (where != "cpu") {
+    PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda:N', got '%s'", device);
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(communicators_mutex);
+  const int64_t handle = next_communicator++;
+  communicators[handle] = std::make_shared<TorchDistCommunicator>(gather, rank, world, dev);
+  return PyLong_FromLongLong(handle);
+}
+
+// Python: _C._release_communicator(handle). Ops that captured it keep it alive.
+PyObject* release_communicator(PyObject*, PyObject* args) {
+  long long handle;
+  if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
+  std::shared_ptr<detdit::Communicator> released;
+  {
+    std::lock_guard<std::mutex> lock(communicators_mutex);
+    auto found = communicators.find(handle);
+    if (found != communicators.end()) {
+      released = std::move(found->second);
+      communicators.erase(found);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
 }  // namespace detdit_torch
 
 // ---------------------------------------------------------------------------
 // Registration
 
 #define DETDIT_PLAN "__torch__.torch.classes.detdit.IndexPlan"
+#define DETDIT_SP_PLAN "__torch__.torch.classes.detdit.SpPlan"
 
 TORCH_LIBRARY(detdit, m) {
   using detdit_torch::PlanHolder;
@@ -982,6 +1418,13 @@ TORCH_LIBRARY(detdit, m) {
       .def("num_segments", &PlanHolder::num_segments)
       .def("device", &PlanHolder::device)
       .def("row_index", &PlanHolder::row_index);
+  m.class_<detdit_torch::SpPlanHolder>("SpPlan")
+      .def("world", &detdit_torch::SpPlanHolder::world)
+      .def("rank", &detdit_torch::SpPlanHolder::rank)
+      .def("local_begin", &detdit_torch::SpPlanHolder::local_begin)
+      .def("local_end", &detdit_torch::SpPlanHolder::local_end)
+      .def("local_seq_len", &detdit_torch::SpPlanHolder::local_seq_len)
+      .def("max_send", &detdit_torch::SpPlanHolder::max_send);
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
         &detdit_torch::make_plan);
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN,
@@ -1017,6 +1460,19 @@ TORCH_LIBRARY(detdit, m) {
         " plan, str numerics) -> (Tensor, Tensor, Tensor)");
   m.def("adaln_modulation_backward(Tensor grad, Tensor temb, Tensor weight, Tensor act, " DETDIT_PLAN
         " plan, str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+
+  // detdit.distributed: `comm` is a handle from _C._register_communicator.
+  m.def("sp_plan(" DETDIT_PLAN " plan, int world, int rank) -> " DETDIT_SP_PLAN, &detdit_torch::make_sp_plan);
+  m.def("tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics) -> (Tensor, Tensor)");
+  m.def("tp_adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, int comm, "
+        "str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("sp_rmsnorm(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+        " sp, int comm, float eps, str numerics) -> (Tensor, Tensor)");
+  m.def("sp_rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+        " sp, Tensor rstd, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("sp_gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_SP_PLAN " sp, int comm) -> Tensor");
+  m.def("sp_gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_SP_PLAN
+        " sp, int comm) -> (Tensor, Tensor, Tensor)");
 }
 
 // The device kernels: the same functions for CPU and CUDA tensors.
@@ -1038,7 +1494,13 @@ TORCH_LIBRARY(detdit, m) {
   m.impl("final_adaln_out", &detdit_torch::final_adaln_out);                     \
   m.impl("final_adaln_out_backward", &detdit_torch::final_adaln_out_backward);   \
   m.impl("adaln_modulation", &detdit_torch::adaln_modulation);                   \
-  m.impl("adaln_modulation_backward", &detdit_torch::adaln_modulation_backward)
+  m.impl("adaln_modulation_backward", &detdit_torch::adaln_modulation_backward);  \
+  m.impl("tp_adaln_projection", &detdit_torch::tp_adaln_projection);             \
+  m.impl("tp_adaln_projection_backward", &detdit_torch::tp_adaln_projection_backward); \
+  m.impl("sp_rmsnorm", &detdit_torch::sp_rmsnorm_kernel);                        \
+  m.impl("sp_rmsnorm_backward", &detdit_torch::sp_rmsnorm_backward);             \
+  m.impl("sp_gate_residual", &detdit_torch::sp_gate_residual_kernel);            \
+  m.impl("sp_gate_residual_backward", &detdit_torch::sp_gate_residual_backward)
 
 TORCH_LIBRARY_IMPL(detdit, CPU, m) { DETDIT_DEVICE_KERNELS(m); }
 TORCH_LIBRARY_IMPL(detdit, CUDA, m) { DETDIT_DEVICE_KERNELS(m); }
@@ -1053,12 +1515,21 @@ TORCH_LIBRARY_IMPL(detdit, Autograd, m) {
   m.impl("gate_residual", &detdit_torch::gate_residual_autograd);
   m.impl("final_adaln_out", &detdit_torch::final_adaln_out_autograd);
   m.impl("adaln_modulation", &detdit_torch::adaln_modulation_autograd);
+  m.impl("tp_adaln_projection", &detdit_torch::tp_adaln_projection_autograd);
+  m.impl("sp_rmsnorm", &detdit_torch::sp_rmsnorm_autograd);
+  m.impl("sp_gate_residual", &detdit_torch::sp_gate_residual_autograd);
 }
 
 // `import detdit._C` loads this library, which registers the operators above
-// (torch.ops.detdit.*); the module itself has no attributes.
+// (torch.ops.detdit.*); the module itself holds only the communicator registry.
+static PyMethodDef detdit_methods[] = {
+    {"_register_communicator", detdit_torch::register_communicator, METH_VARARGS,
+     "_register_communicator(gather, rank, world, device) -> handle"},
+    {"_release_communicator", detdit_torch::release_communicator, METH_VARARGS, "_release_communicator(handle)"},
+    {nullptr, nullptr, 0, nullptr}};
+
 PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "detdit._C", nullptr, -1, nullptr,
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "detdit._C", nullptr, -1, detdit_methods,
                                nullptr,               nullptr,     nullptr, nullptr};
   return PyModule_Create(&module);
 }

@@ -1,0 +1,96 @@
+"""detdit.distributed: tensor and sequence parallelism over a torch.distributed group.
+
+Every rank's outputs and gradients are byte-equal to one process (docs/parallel.md):
+
+- ``tp_adaln_projection(temb, weight_shard, bias_shard, comm)``: rank r owns the output
+  columns ``[r*N/tp, (r+1)*N/tp)`` of the ``(T, N)`` table (those rows of the projection's
+  weight and bias; ``N/tp`` a multiple of 64). Every rank gets the full table; backward
+  gives the shard's ``dW``/``db`` and the full, replicated ``d_temb``.
+- ``SpRegion(plan, comm)``: rank r holds positions ``[r*S//sp, (r+1)*S//sp)`` of every batch
+  item (``region.local_slice``); the plan (full ``(S,)`` index), the tables and the norm
+  weight are replicated. ``region.rmsnorm`` and ``region.gate_residual`` take the local
+  rows ``(B, S_local, H)``. Their replicated gradients (``d_weight``, ``d_shift``,
+  ``d_scale``, ``d_gate``) are already the full sums, identical on every rank: do not
+  all-reduce them again.
+
+The only collective is a rank-ordered all-gather of bytes through ``torch.distributed``
+(gloo on the CPU, NCCL on GPUs); detdit never reduces inside a collective. Every call is
+checked across ranks, and a validation error on one rank fails the call on every rank.
+"""
+import torch
+import torch.distributed as dist
+
+from . import _C, H3_NORM_EPS
+
+__all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection"]
+
+_ops = torch.ops.detdit
+
+
+class Communicator:
+    """detdit's view of a torch.distributed process group (default: the world group).
+
+    ``device``: where the ops' buffers live, ``"cpu"`` (default for gloo) or ``"cuda:N"``
+    (default for NCCL: the current CUDA device)."""
+
+    def __init__(self, group=None, device=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device(device if device is not None else ("cuda" if nccl else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = str(device)
+        world = self.world
+
+        def gather(send, recv):
+            # send: (bytes,) uint8; recv: (world * bytes,) uint8, rank-ordered.
+            if nccl and not send.is_cuda:  # call headers live on the host; NCCL moves device memory
+                staged = send.to(self.device)
+                parts = [torch.empty_like(staged) for _ in range(world)]
+                dist.all_gather(parts, staged, group=group)
+                recv.copy_(torch.cat(parts).cpu())
+            else:
+                dist.all_gather(list(recv.view(world, -1).unbind(0)), send, group=group)
+
+        self._gather = gather
+        self.handle = _C._register_communicator(gather, self.rank, self.world, self.device)
+
+    def __del__(self):
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            _C._release_communicator(handle)
+
+
+def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable"):
+    """The ``(T, N)`` AdaLN table from this rank's ``(N/tp, D)`` weight rows and ``(N/tp,)``
+    bias (rank r: rows ``[r*N/tp, (r+1)*N/tp)``); byte-equal to ``detdit.adaln_projection``."""
+    return _ops.tp_adaln_projection(temb, weight_shard, bias_shard, comm.handle, numerics)[0]
+
+
+class SpRegion:
+    """The sequence-parallel region of one packed index: build once per step (it derives the
+    chunk owners and the rows that move from the replicated plan) and reuse in every block."""
+
+    def __init__(self, plan, comm):
+        self.comm = comm
+        self.plan = plan
+        self.sp = _ops.sp_plan(plan, comm.world, comm.rank)
+
+    @property
+    def local_slice(self):
+        """This rank's positions ``slice(r*S//sp, (r+1)*S//sp)`` of the sequence dim."""
+        return slice(self.sp.local_begin(), self.sp.local_end())
+
+    def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable"):
+        """``detdit.rmsnorm`` of the local rows, with the region's plan when modulated."""
+        return _ops.sp_rmsnorm(x, weight, shift, scale, self.sp, self.comm.handle, float(eps), numerics)[0]
+
+    def gate_residual(self, residual, y, gate):
+        """``detdit.gate_residual`` of the local rows."""
+        return _ops.sp_gate_residual(residual, y, gate, self.sp, self.comm.handle)
+
+
+def sp_region(plan, comm):
+    return SpRegion(plan, comm)

@@ -1,0 +1,132 @@
+"""detdit.distributed with 2-4 gloo processes (torch.multiprocessing): every rank's
+outputs and gradients of tp_adaln_projection and of the SP region (modulated rmsnorm,
+gate_residual) are byte-equal to the same ops in one process, computed by each rank."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _setup(rank, world, init_file):
+    sys.path.insert(0, HERE)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def _sp_checks(rank, world):
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal, packing
+
+    batch, seq, timesteps, hidden = 2, 300, 2, 64
+    ti, tags = packing(seq, timesteps, 300)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    x = normal((batch, seq, hidden), 301, torch.bfloat16)
+    w = (1 + normal((hidden,), 302, scale=0.05)).bfloat16()
+    shift = normal((3 * timesteps, hidden), 303, torch.bfloat16, scale=0.3)
+    scale = normal((3 * timesteps, hidden), 304, torch.bfloat16, scale=0.3)
+    y = normal((batch, seq, hidden), 305, torch.bfloat16)
+    gate = normal((3 * timesteps, hidden), 306, torch.bfloat16)
+    grad = normal((batch, seq, hidden), 307, torch.bfloat16)
+
+    def run(region):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, shift, scale, y, gate)]
+        if region is None:
+            xs, ys, gs = leaves[0], leaves[4], grad
+            h = detdit.rmsnorm(xs, leaves[1], leaves[2], leaves[3], plan)
+            out = detdit.gate_residual(xs, h * ys, leaves[5], plan)
+        else:
+            local = region.local_slice
+            xs = leaves[0][:, local].contiguous()
+            ys, gs = leaves[4][:, local].contiguous(), grad[:, local].contiguous()
+            h = region.rmsnorm(xs, leaves[1], leaves[2], leaves[3])
+            out = region.gate_residual(xs, h * ys, leaves[5])
+        out.backward(gs)
+        return out, [leaf.grad for leaf in leaves]
+
+    comm = detdit.distributed.Communicator()
+    region = detdit.distributed.SpRegion(plan, comm)
+    local = region.local_slice
+    assert (local.start, local.stop) == (rank * seq // world, (rank + 1) * seq // world)
+    ws1_out, ws1_grads = run(None)
+    sp_out, sp_grads = run(region)
+    assert_bitwise_equal(sp_out, ws1_out[:, local], f"rank {rank}/{world}: out")
+    for name, i in (("dx", 0), ("d_y", 4)):
+        # the local rows' grads come through the SP region; the other rows' are zero here
+        assert_bitwise_equal(sp_grads[i][:, local], ws1_grads[i][:, local], f"rank {rank}/{world}: {name}")
+    for name, i in (("d_weight", 1), ("d_shift", 2), ("d_scale", 3), ("d_gate", 5)):
+        assert_bitwise_equal(sp_grads[i], ws1_grads[i], f"rank {rank}/{world}: {name} (replicated)")
+
+
+def _tp_checks(rank, world, timesteps, dim):
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal
+
+    hidden = 128
+    n = 18 * hidden
+    temb = normal((timesteps, dim), 310, scale=2.0)
+    w = normal((n, dim), 311, torch.bfloat16, scale=0.15)
+    b = normal((n,), 312, torch.bfloat16, scale=0.02)
+    g = normal((timesteps, n), 313, torch.bfloat16)
+    rows = slice(rank * n // world, (rank + 1) * n // world)
+    comm = detdit.distributed.Communicator()
+
+    leaves = [t.clone().requires_grad_(True) for t in (temb, w, b)]
+    ws1 = detdit.adaln_projection(*leaves)
+    ws1.backward(g)
+    shard = [temb.clone().requires_grad_(True), w[rows].clone().requires_grad_(True),
+             b[rows].clone().requires_grad_(True)]
+    tp = detdit.distributed.tp_adaln_projection(*shard, comm)
+    tp.backward(g)
+    assert_bitwise_equal(tp, ws1, f"rank {rank}/{world}: table")
+    assert_bitwise_equal(shard[0].grad, leaves[0].grad, f"rank {rank}/{world}: d_temb")
+    assert_bitwise_equal(shard[1].grad, leaves[1].grad[rows], f"rank {rank}/{world}: d_weight shard")
+    assert_bitwise_equal(shard[2].grad, leaves[2].grad[rows], f"rank {rank}/{world}: d_bias shard")
+
+    # a shard that is not whole 64-column chunks fails on every rank
+    with pytest.raises(ValueError):
+        detdit.distributed.tp_adaln_projection(temb, w[:100], b[:100], comm)
+    # shards of different sizes (rank 0 alone has a valid 9*64 rows): every rank fails, none hangs
+    size = 576 if rank == 0 else 640
+    with pytest.raises(ValueError):
+        detdit.distributed.tp_adaln_projection(temb, w[:size], b[:size], comm)
+    # and the communicator still works afterwards
+    assert_bitwise_equal(detdit.distributed.tp_adaln_projection(temb, w[rows], b[rows], comm), ws1.detach(),
+                         f"rank {rank}/{world}: table after the failed calls")
+
+
+def _worker(rank, world, init_file, checks):
+    _setup(rank, world, init_file)
+    if "sp" in checks:
+        _sp_checks(rank, world)
+    if "tp" in checks:
+        _tp_checks(rank, world, 4, 64)  # N/tp = 1152, 768, 576: whole 64-row chunks
+    if "tp_unaligned" in checks:
+        _tp_checks(rank, world, 3, 40)
+    dist.destroy_process_group()
+
+
+def _spawn(worker, world, tmp_path, *extra):
+    mp.spawn(worker, args=(world, str(tmp_path / "init"), *extra), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sp_region_and_tp_projection_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp", "tp"))
+
+
+# Known library bug (src/parallel/tp_adaln_projection.cc, backward): the scratch block is
+# allocated with `block * world` bytes for the gathered d_x partials but d_act is placed
+# after `round_up(block * world)`, so when block * world is not a multiple of 256 bytes
+# d_act runs past the allocation (heap corruption; glibc aborts). T = 3, D = 40, tp = 2
+# gives 17280 bytes. The case above (T = 4, D = 64) is a multiple of 256 for tp = 2, 3 and 4.
+@pytest.mark.xfail(reason="tp_adaln_projection_backward writes past its scratch when the gathered partials are "
+                          "not a multiple of 256 bytes (library bug, reported)", strict=False)
+def test_tp_adaln_projection_unaligned_partials(tmp_path):
+    _spawn(_worker, 2, tmp_path, ("tp_unaligned",))
