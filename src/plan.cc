@@ -83,27 +83,34 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->device = device;
 
   impl->chunk_segment_begin.reserve(static_cast<std::size_t>(num_chunks + 1));
-  impl->segment_positions.reserve(static_cast<std::size_t>(positions));
+  impl->segment_positions.resize(static_cast<std::size_t>(positions));
   impl->segment_pos_begin.push_back(0);
-  std::vector<std::pair<int32_t, int32_t>> members;  // (row, p) of one chunk
-  members.reserve(kReductionChunk);
+  // Per chunk, a counting sort by row (O(chunk) plus sorting its few distinct
+  // rows): segments ascending by row, positions ascending within a segment.
+  std::vector<int32_t> count(static_cast<std::size_t>(num_rows), 0), next_slot(static_cast<std::size_t>(num_rows), 0);
+  std::vector<int32_t> present;  // distinct rows of the chunk
+  present.reserve(kReductionChunk);
+  int64_t s = 0;  // sequence position of p = c*256 (p % seq_len, advanced incrementally)
   for (int64_t c = 0; c < num_chunks; ++c) {
     impl->chunk_segment_begin.push_back(static_cast<int32_t>(impl->segment_row.size()));
-    members.clear();
-    const int64_t end = std::min(positions, (c + 1) * kReductionChunk);
-    for (int64_t p = c * kReductionChunk; p < end; ++p)
-      members.emplace_back(row_of_seq[static_cast<std::size_t>(p % seq_len)], static_cast<int32_t>(p));
-    // by row, then ascending p (p is already ascending: stable sort keeps it)
-    std::stable_sort(members.begin(), members.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      if (i == 0 || members[i].first != members[i - 1].first) {
-        if (i != 0) impl->segment_pos_begin.push_back(static_cast<int32_t>(impl->segment_positions.size()));
-        impl->segment_row.push_back(members[i].first);
-      }
-      impl->segment_positions.push_back(members[i].second);
+    const int64_t begin = c * kReductionChunk, end = std::min(positions, begin + kReductionChunk);
+    present.clear();
+    for (int64_t p = begin, q = s; p < end; ++p, q = (q + 1 == seq_len ? 0 : q + 1)) {
+      const int32_t r = row_of_seq[static_cast<std::size_t>(q)];
+      if (count[r]++ == 0) present.push_back(r);
     }
-    impl->segment_pos_begin.push_back(static_cast<int32_t>(impl->segment_positions.size()));
+    std::sort(present.begin(), present.end());
+    int32_t offset = static_cast<int32_t>(begin);
+    for (int32_t r : present) {
+      impl->segment_row.push_back(r);
+      next_slot[r] = offset;
+      offset += count[r];
+      impl->segment_pos_begin.push_back(offset);
+      count[r] = 0;
+    }
+    for (int64_t p = begin; p < end; ++p, s = (s + 1 == seq_len ? 0 : s + 1))
+      impl->segment_positions[static_cast<std::size_t>(next_slot[row_of_seq[static_cast<std::size_t>(s)]]++)] =
+          static_cast<int32_t>(p);
   }
   impl->chunk_segment_begin.push_back(static_cast<int32_t>(impl->segment_row.size()));
   const int64_t num_segments = static_cast<int64_t>(impl->segment_row.size());
@@ -208,7 +215,14 @@ int64_t IndexPlan::positions() const { return impl_ ? impl_->positions : 0; }
 int64_t IndexPlan::num_chunks() const { return impl_ ? impl_->num_chunks : 0; }
 int64_t IndexPlan::num_segments() const { return impl_ ? impl_->num_segments : 0; }
 Device IndexPlan::device() const { return impl_ ? impl_->device : Device::cpu(); }
-const PlanTables& IndexPlan::host_tables() const { return impl_->host; }
-const PlanTables& IndexPlan::device_tables() const { return impl_->device_tables; }
+// An empty plan has empty tables (all null) rather than a null dereference.
+const PlanTables& IndexPlan::host_tables() const {
+  static const PlanTables kEmpty;
+  return impl_ ? impl_->host : kEmpty;
+}
+const PlanTables& IndexPlan::device_tables() const {
+  static const PlanTables kEmpty;
+  return impl_ ? impl_->device_tables : kEmpty;
+}
 
 }  // namespace detdit
