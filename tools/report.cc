@@ -31,7 +31,7 @@ constexpr const char* kOrange = "#eb6834";
 constexpr double kWidth = 1100;
 constexpr double kLabelWidth = 300;  // case labels left of every panel
 constexpr double kExactError = 1e-9; // where exact zeros are drawn
-constexpr int kLogMin = -10, kLogMax = 1;
+constexpr int kLogMin = -10, kLogMax = 2;
 
 std::string escape(const std::string& text) {
   std::string out;
@@ -115,7 +115,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
       const int64_t run = row.value("bitwise_run", int64_t(0)), ok = row.value("bitwise_passed", int64_t(0));
       svg.rect(x + 1, y + 2, cell_width - 2, row_height - 4, !pass ? kRed : run > 0 ? kGreen : kBlue);
       std::string label = row.value("check", std::string("?"));
-      if (run > 0) label += " b" + std::to_string(ok) + "/" + std::to_string(run);
+      if (run > 0) label = "b" + std::to_string(ok) + "/" + std::to_string(run) + " " + label;
       svg.text(x + 4, y + 16, truncate(label, static_cast<std::size_t>(cell_width / 5.6)), 9, "start", "normal",
                "#fff");
       x += cell_width;
@@ -151,7 +151,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
   svg.text(20, y, "Max error vs FP64 (log axis; tick = the check's bound; exact = drawn at 1e-9)", 15, "start",
            "bold");
   y += 24;
-  const double axis_left = kLabelWidth, axis_right = kWidth - 40;
+  const double axis_left = kLabelWidth + 80, axis_right = kWidth - 40;
   auto x_of = [&](double v) {
     const double lg = std::log10(std::max(v, std::pow(10.0, kLogMin)));
     const double t = (std::min(lg, double(kLogMax)) - kLogMin) / (kLogMax - kLogMin);
@@ -170,17 +170,20 @@ Status write_report_svg(const Json& report, const std::string& path) {
       ++error_rows;
       const double bound = number(row.value("bound", Json()));
       const bool pass = row.value("pass", false);
-      svg.text(kLabelWidth - 8, y + 15,
+      svg.text(axis_left - 8, y + 15,
                truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>() + " / " +
                             row.value("check", std::string("?")),
-                        48),
+                        62),
                10, "end");
       svg.line(axis_left, y + row_height / 2, axis_right, y + row_height / 2, "#eee");
       if (!std::isnan(bound)) svg.line(x_of(bound), y + 3, x_of(bound), y + row_height - 3, kOrange, 2);
       const double drawn = err == 0 ? kExactError : err;
       svg.circle(x_of(drawn), y + row_height / 2, 5, pass ? kGreen : kRed);
-      svg.text(x_of(drawn) + 8, y + 15,
-               err == 0 ? "exact" : fmt("%.2e ", err) + row.value("error_unit", std::string("")), 10);
+      // Labels right of the dot, or left of it in the right third of the axis.
+      const bool left = x_of(drawn) > axis_left + 0.66 * (axis_right - axis_left);
+      svg.text(x_of(drawn) + (left ? -8 : 8), y + 15,
+               err == 0 ? "exact" : fmt("%.2e ", err) + row.value("error_unit", std::string("")), 10,
+               left ? "end" : "start");
       y += row_height;
     }
   }
