@@ -109,6 +109,22 @@ RankStream::~RankStream() {
 #endif
 }
 
+int cuda_device_count() {
+  int count = 0;
+#if defined(DETDIT_WITH_CUDA)
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+#endif
+  return count;
+}
+
+void set_cuda_device(int index) {
+#if defined(DETDIT_WITH_CUDA)
+  cudaSetDevice(index);
+#else
+  (void)index;
+#endif
+}
+
 ::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test) {
 #if defined(DETDIT_MPIEXEC)
   // --oversubscribe: more ranks than the 2 cores of CI; --allow-run-as-root: CI

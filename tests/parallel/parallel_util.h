@@ -49,6 +49,10 @@ class RankStream {
   Stream stream_ = nullptr;
 };
 
+// Number of CUDA devices (0 without CUDA), and make `index` current on this thread.
+int cuda_device_count();
+void set_cuda_device(int index);
+
 // Runs `worker_test` (e.g. "DISABLED_MpiWorker.AllGather") of this binary on
 // `ranks` MPI processes and succeeds only if mpirun exits 0 and every rank
 // reports that exactly one test passed. The output is attached on failure.

@@ -549,6 +549,35 @@ TEST(DISABLED_MpiSpWorker, OddSequenceBothPackings) {
   }
 }
 
+// One GPU per process: NCCL bootstrapped over MPI (the production layout).
+TEST(DISABLED_MpiNcclSpWorker, OneGpuPerRank) {
+  std::unique_ptr<Communicator> mpi;
+  DETDIT_ASSERT_OK(create_mpi_communicator(&mpi));
+  const Device device = Device::cuda(mpi->rank());
+  testing::set_cuda_device(device.index);
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_nccl_communicator_mpi(device, &comm));
+  for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+    Problem pr;
+    build_problem(SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32}, &pr, device);
+    RankResult result;
+    DETDIT_ASSERT_OK(run_rank(*comm, pr, &result));
+    expect_equal_to_ws1(pr, result, comm->rank());
+  }
+}
+
+TEST(SpRegionMpiNccl, OneGpuPerProcessMatchesWs1OnEachGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_MPI) && defined(DETDIT_WITH_NCCL)
+  const int gpus = testing::cuda_device_count();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 or more GPUs, found " << gpus;
+  for (int ranks : {2, gpus})
+    EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiNcclSpWorker.OneGpuPerRank"));
+#else
+  GTEST_SKIP() << "built without MPI or NCCL";
+#endif
+}
+
 TEST(SpRegionMpi, RanksAsProcessesMatchWs1) {
 #if defined(DETDIT_WITH_MPI)
   for (int ranks : {2, 3, 4}) EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiSpWorker.OddSequenceBothPackings"));

@@ -160,8 +160,8 @@ TEST(TpAdalnProjection, H3ShapeTp7) {
 
 // Replaces pr's CPU WS1 results with WS1 computed on the GPU (the reference
 // of the GPU variants: the same device).
-void ws1_on_gpu(TpProblem* pr) {
-  testing::DeviceArena arena(Device::cuda(0), nullptr);
+void ws1_on_gpu(TpProblem* pr, Device device = Device::cuda(0)) {
+  testing::DeviceArena arena(device, nullptr);
   const TensorView temb = arena.upload(pr->temb), weight = arena.upload(pr->weight);
   AdalnProjectionParams f{temb, weight, arena.upload(pr->bias), arena.empty_like(pr->table, kCanary),
                           arena.empty_like(pr->act, kCanary)};
@@ -305,6 +305,38 @@ TEST(DISABLED_MpiTpWorker, SmallN) {
     EXPECT_BITWISE_EQ(pr.d_temb, result.d_temb);
     expect_shard_equal(pr, result);
   }
+}
+
+// One GPU per process: NCCL bootstrapped over MPI (the production layout).
+TEST(DISABLED_MpiNcclTpWorker, OneGpuPerRank) {
+  std::unique_ptr<Communicator> mpi;
+  DETDIT_ASSERT_OK(create_mpi_communicator(&mpi));
+  const Device device = Device::cuda(mpi->rank());
+  testing::set_cuda_device(device.index);
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_nccl_communicator_mpi(device, &comm));
+  TpProblem pr;
+  build(&pr, 3, 18 * 256, 136, DType::kBF16);
+  ws1_on_gpu(&pr, device);
+  TpRankResult result;
+  DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, device, &result));
+  EXPECT_BITWISE_EQ(pr.table, result.table);
+  EXPECT_BITWISE_EQ(pr.d_temb, result.d_temb);
+  expect_shard_equal(pr, result);
+}
+
+TEST(TpAdalnProjectionMpiNccl, OneGpuPerProcessMatchesWs1OnEachGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_MPI) && defined(DETDIT_WITH_NCCL)
+  const int gpus = testing::cuda_device_count();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 or more GPUs, found " << gpus;
+  for (int ranks : {2, gpus}) {
+    if (4608 % (ranks * 64) != 0) continue;  // tp must split N = 4608 into 64-column chunks
+    EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiNcclTpWorker.OneGpuPerRank"));
+  }
+#else
+  GTEST_SKIP() << "built without MPI or NCCL";
+#endif
 }
 
 TEST(TpAdalnProjectionMpi, RanksAsProcessesMatchWs1) {
