@@ -53,7 +53,9 @@ class AdaLNModulation(nn.Module):
     ``forward(temb, plan)`` is the fused op: six ``(S, H)`` tensors (shift_msa, scale_msa,
     gate_msa, shift_mlp, scale_mlp, gate_mlp) gathered for every position, with the table
     gradient kept float32 into the projection backward. ``chunks(temb)`` returns the six
-    ``(3T, H)`` table views instead, for the plan-indexed ops (rmsnorm, gate_residual).
+    ``(3T, H)`` table views instead, for the plan-indexed ops (rmsnorm, gate_residual); on
+    that path autograd hands the projection a table gradient in the table's dtype (each
+    consumer's table gradient is rounded once), as the separate diffusers ops do.
     """
 
     def __init__(self, hidden_size=H3_HIDDEN_SIZE, time_embed_dim=H3_TIME_EMBED_DIM, dtype=torch.bfloat16,

@@ -20,7 +20,8 @@
 //   Python callable doing a torch.distributed all-gather of bytes (registered
 //   from Python, referred to by an integer handle), the SpPlan custom class,
 //   and the tp_adaln_projection / sp_rmsnorm / sp_gate_residual ops.
-// The binding does no arithmetic: every bit comes from the detdit library.
+// The binding does no arithmetic (besides the exact bf16 -> fp32 upcast of a
+// linear grad): every bit comes from the detdit library.
 // Backward grads are made contiguous (a byte copy) because autograd hands out
 // expanded or strided grads and detdit takes contiguous ones.
 #include <Python.h>
