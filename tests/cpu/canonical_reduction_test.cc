@@ -193,29 +193,31 @@ TEST(CanonicalReduction, RowGatherGradientEqualsTheDefinition) {
     }
 }
 
-// Odd lengths around the chunk size, both packings, every batch size.
-TEST(CanonicalReduction, OddLengthsAroundTheChunkSizeEqualTheDefinition) {
+// The task's matrix (S in {1, 3, 257, 4097}, B in {1, 2, 3}, T in {1, 3, 4},
+// both packings) and odd lengths around the chunk size.
+TEST(CanonicalReduction, CaseMatrixAndOddLengthsEqualTheDefinition) {
+  std::vector<IndexCase> cases = testing::standard_cases(3 * 4097);
   for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
     for (int64_t seq_len : {255, 256, 257, 511, 513})
-      for (int64_t batch : {1, 2, 3}) {
-        IndexCase c = testing::make_index_case(packing, seq_len, 3, batch);
-        SCOPED_TRACE(c.name());
-        const int64_t h = 4;
-        IndexPlan plan = testing::adaln_plan(c);
-        HostTensor grad = random_tensor(DType::kBF16, {c.positions(), h}, 41), y = random_tensor(DType::kBF16, {c.positions(), h}, 42);
-        HostTensor gate = random_tensor(DType::kBF16, {c.num_rows(), h}, 43), d_gate(DType::kF32, {c.num_rows(), h});
-        GateResidualBackwardParams p;
-        p.grad = grad.view();
-        p.y = y.view();
-        p.gate = gate.view();
-        p.plan = plan;
-        p.d_gate = d_gate.view();
-        DETDIT_ASSERT_OK(gate_residual_backward(p));
-        HostTensor want = reduce_by_definition(c, c.num_rows(), h, false, DType::kF32, [&](float acc, int64_t pos, int64_t i) {
-          return num::fma32(static_cast<float>(grad.get(pos * h + i)), static_cast<float>(y.get(pos * h + i)), acc);
-        });
-        EXPECT_BITWISE_EQ(want, d_gate);
-      }
+      for (int64_t batch : {1, 2, 3}) cases.push_back(testing::make_index_case(packing, seq_len, 3, batch));
+  for (const IndexCase& c : cases) {
+    SCOPED_TRACE(c.name());
+    const int64_t h = 4;
+    IndexPlan plan = testing::adaln_plan(c);
+    HostTensor grad = random_tensor(DType::kBF16, {c.positions(), h}, 41), y = random_tensor(DType::kBF16, {c.positions(), h}, 42);
+    HostTensor gate = random_tensor(DType::kBF16, {c.num_rows(), h}, 43), d_gate(DType::kF32, {c.num_rows(), h});
+    GateResidualBackwardParams p;
+    p.grad = grad.view();
+    p.y = y.view();
+    p.gate = gate.view();
+    p.plan = plan;
+    p.d_gate = d_gate.view();
+    DETDIT_ASSERT_OK(gate_residual_backward(p));
+    HostTensor want = reduce_by_definition(c, c.num_rows(), h, false, DType::kF32, [&](float acc, int64_t pos, int64_t i) {
+      return num::fma32(static_cast<float>(grad.get(pos * h + i)), static_cast<float>(y.get(pos * h + i)), acc);
+    });
+    EXPECT_BITWISE_EQ(want, d_gate);
+  }
 }
 
 // ---- the split halves -------------------------------------------------------
