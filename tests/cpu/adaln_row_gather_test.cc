@@ -104,6 +104,18 @@ TEST(AdalnRowGather, UnreferencedRowsAreExactZerosAndGradientsRepeat) {
     }
 }
 
+TEST(AdalnRowGather, FourDimensionalGradGivesTheSameRows) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 300, 3, 2);
+  GatherBackward flat(c, 8, DType::kF32), split(c, 8, DType::kF32);
+  DETDIT_ASSERT_OK(adaln_row_gather_backward(flat.params()));
+  AdalnRowGatherBackwardParams p = split.params();
+  p.grad = split.grad.view_as({6, 2, 300, 8});  // (6, B, S, H)
+  DETDIT_ASSERT_OK(adaln_row_gather_backward(p));
+  EXPECT_BITWISE_EQ(flat.d_rows, split.d_rows);
+  p.grad = split.grad.view_as({6, 300, 2, 8});  // B and S swapped: refused
+  EXPECT_EQ(adaln_row_gather_backward(p).kind(), ErrorKind::kValue);
+}
+
 // A row's gradient does not depend on other rows' positions: moving the
 // positions of rows other than r (here: changing their rows) leaves d_rows[r] bitwise unchanged.
 TEST(AdalnRowGather, RowGradientIgnoresOtherRowsPositions) {
