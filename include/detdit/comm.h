@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "detdit/numerics.h"
 #include "detdit/status.h"
@@ -58,9 +59,12 @@ class Communicator {
 
   // Collective validation handshake: returns `local` on a rank whose local
   // validation failed, and on every other rank an error of the same kind that
-  // names the first failing rank and quotes its message. OK only if every rank
-  // passed `local` OK.
-  virtual Status agree(const Status& local) = 0;
+  // names the first failing rank and quotes its message. Then, if the ranks'
+  // `signature`s (a description of what the call will gather) differ, a
+  // ValueError on every rank. OK only if every rank passed `local` OK with the
+  // same signature.
+  virtual Status agree(const Status& local, const std::string& signature) = 0;
+  Status agree(const Status& local) { return agree(local, std::string()); }
 };
 
 // N ranks as threads of one process: a shared group with a barrier. Each rank

@@ -62,15 +62,18 @@ Status check_call_headers(const CallHeader* headers, int world, const Status& lo
   return Status();
 }
 
-AgreeRecord make_record(const Status& local) {
+AgreeRecord make_record(const Status& local, const std::string& signature) {
   AgreeRecord record;
   record.kind = static_cast<int32_t>(local.kind());
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a: the same on every process
+  for (unsigned char c : signature) hash = (hash ^ c) * 0x100000001b3ull;
+  record.signature = hash;
   const std::string& m = local.message();
   std::memcpy(record.message, m.data(), std::min(m.size(), kAgreeMessageBytes - 1));
   return record;
 }
 
-Status resolve_agreement(const AgreeRecord* records, int world, const Status& local) {
+Status resolve_agreement(const AgreeRecord* records, int world, const Status& local, const std::string& signature) {
   if (!local.ok()) return local;
   for (int r = 0; r < world; ++r) {
     if (records[r].kind == static_cast<int32_t>(ErrorKind::kOk)) continue;
@@ -78,6 +81,12 @@ Status resolve_agreement(const AgreeRecord* records, int world, const Status& lo
     return Status(static_cast<ErrorKind>(records[r].kind),
                   "rank " + std::to_string(r) + " rejected the call: " + message);
   }
+  for (int r = 1; r < world; ++r)
+    if (records[r].signature != records[0].signature)
+      return Status::value_error(
+          "the ranks' calls differ: rank " + std::to_string(r) + "'s call does not match rank 0's (this rank: " +
+          (signature.empty() ? std::string("no signature") : signature) +
+          "); every rank must ask for the same gathered outputs with the same replicated shapes");
   return Status();
 }
 

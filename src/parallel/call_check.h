@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "detdit/status.h"
 #include "detdit/tensor.h"
@@ -28,10 +29,11 @@ struct CallHeader {
 };
 static_assert(sizeof(CallHeader) == 32, "CallHeader is exchanged as raw bytes");
 
-constexpr std::size_t kAgreeMessageBytes = 248;
+constexpr std::size_t kAgreeMessageBytes = 240;
 struct AgreeRecord {
   int32_t kind = 0;  // ErrorKind of the rank's local status
   int32_t padding = 0;
+  uint64_t signature = 0;  // FNV-1a hash of the call signature (what decides the collectives)
   char message[kAgreeMessageBytes] = {};
 };
 static_assert(sizeof(AgreeRecord) == 256, "AgreeRecord is exchanged as raw bytes");
@@ -44,9 +46,9 @@ CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dt
 // (`local` is returned unchanged on a rank whose own arguments were invalid).
 Status check_call_headers(const CallHeader* headers, int world, const Status& local);
 
-AgreeRecord make_record(const Status& local);
+AgreeRecord make_record(const Status& local, const std::string& signature);
 // The verdict on the gathered records (see Communicator::agree).
-Status resolve_agreement(const AgreeRecord* records, int world, const Status& local);
+Status resolve_agreement(const AgreeRecord* records, int world, const Status& local, const std::string& signature);
 
 }  // namespace comm_detail
 }  // namespace detdit

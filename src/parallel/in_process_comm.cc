@@ -90,6 +90,7 @@ class InProcessCommunicator final : public Communicator {
   int world_size() const override { return state_->world; }
   Device device() const override { return state_->device; }
   const char* backend_id() const override { return "in_process"; }
+  using Communicator::agree;
 
   Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) override {
     const int world = state_->world;
@@ -124,11 +125,11 @@ class InProcessCommunicator final : public Communicator {
     return Status();
   }
 
-  Status agree(const Status& local) override {
+  Status agree(const Status& local, const std::string& signature) override {
     const int world = state_->world;
     State::Slot& mine = state_->slots[rank_];
     mine.header = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
-    mine.record = comm_detail::make_record(local);
+    mine.record = comm_detail::make_record(local, signature);
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
     std::vector<CallHeader> headers(world);
     std::vector<AgreeRecord> records(world);
@@ -138,7 +139,7 @@ class InProcessCommunicator final : public Communicator {
     }
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
     DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world, Status()));
-    return comm_detail::resolve_agreement(records.data(), world, local);
+    return comm_detail::resolve_agreement(records.data(), world, local, signature);
   }
 
  private:

@@ -53,6 +53,7 @@ class MpiCommunicator final : public Communicator {
   int world_size() const override { return world_; }
   Device device() const override { return Device::cpu(); }
   const char* backend_id() const override { return "mpi"; }
+  using Communicator::agree;
 
   Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream) override {
     Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world_);
@@ -69,15 +70,15 @@ class MpiCommunicator final : public Communicator {
     return gather_bytes(send, bytes, recv);
   }
 
-  Status agree(const Status& local) override {
+  Status agree(const Status& local, const std::string& signature) override {
     CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
     std::vector<CallHeader> headers(static_cast<std::size_t>(world_));
     DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers.data()));
     DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world_, Status()));
-    AgreeRecord record = comm_detail::make_record(local);
+    AgreeRecord record = comm_detail::make_record(local, signature);
     std::vector<AgreeRecord> records(static_cast<std::size_t>(world_));
     DETDIT_RETURN_IF_ERROR(gather_bytes(&record, sizeof(AgreeRecord), records.data()));
-    return comm_detail::resolve_agreement(records.data(), world_, local);
+    return comm_detail::resolve_agreement(records.data(), world_, local, signature);
   }
 
  private:

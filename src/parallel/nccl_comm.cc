@@ -73,6 +73,7 @@ class NcclCommunicator final : public Communicator {
   int world_size() const override { return world_; }
   Device device() const override { return device_; }
   const char* backend_id() const override { return "nccl"; }
+  using Communicator::agree;
 
   Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) override {
     DETDIT_CUDA_TRY(cudaSetDevice(device_.index));
@@ -91,7 +92,7 @@ class NcclCommunicator final : public Communicator {
     return Status();
   }
 
-  Status agree(const Status& local) override {
+  Status agree(const Status& local, const std::string& signature) override {
     if (!options_.check_calls) return local;
     DETDIT_CUDA_TRY(cudaSetDevice(device_.index));
     CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
@@ -99,9 +100,10 @@ class NcclCommunicator final : public Communicator {
     DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), nullptr, &gathered));
     DETDIT_RETURN_IF_ERROR(
         comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered.data()), world_, Status()));
-    AgreeRecord record = comm_detail::make_record(local);
+    AgreeRecord record = comm_detail::make_record(local, signature);
     DETDIT_RETURN_IF_ERROR(exchange(&record, sizeof(AgreeRecord), nullptr, &gathered));
-    return comm_detail::resolve_agreement(reinterpret_cast<const AgreeRecord*>(gathered.data()), world_, local);
+    return comm_detail::resolve_agreement(reinterpret_cast<const AgreeRecord*>(gathered.data()), world_, local,
+                                          signature);
   }
 
  private:

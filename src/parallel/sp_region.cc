@@ -17,6 +17,7 @@
 //   6. every rank folds with the WS1 folds.
 // Every bit is decided by the WS1 backends; this file only moves bytes.
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -196,6 +197,14 @@ Status exchange_partials(Communicator& comm, const Device& device,
   return Status();
 }
 
+// What decides this rank's collectives: every rank must agree on it.
+std::string call_signature(const char* op, const TensorView& rows, std::initializer_list<bool> gathered) {
+  std::string signature = std::string(op) + "(" + dtype_name(rows.dtype) +
+                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) + ", gathers";
+  for (bool g : gathered) signature += g ? " 1" : " 0";
+  return signature + ")";
+}
+
 ChunkSelection owned_selection(const SpPlan::Impl& sp) {
   ChunkSelection sel;
   sel.chunks = sp.owned_chunks_on_device;
@@ -235,12 +244,13 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
   Status valid = check_global_plan(sp, params.plan, modulated);
   if (valid.ok()) valid = check_local_rows(sp, params.x, "x");
   if (valid.ok()) valid = rowwise::validate_rmsnorm_backward(local);
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid));
+  const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, call_signature("sp_rmsnorm_backward", params.x, {params.d_weight.present(), tables})));
 
   const Device device = params.x.device;
   DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::rmsnorm_backward_rows(local, stream)
                                           : cpu::rmsnorm_backward_rows(local, stream));
-  const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
   if (!params.d_weight.present() && !tables) return Status();
 
   const SpPlan::Impl& plan = sp.impl();
@@ -312,7 +322,8 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
   Status valid = check_global_plan(sp, params.plan, true);
   if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
   if (valid.ok()) valid = validate_gate_backward(local);
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid));
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, call_signature("sp_gate_residual_backward", params.grad, {params.d_gate.present()})));
 
   const Device device = params.grad.device;
   DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::gate_residual_backward_rows(local, stream)

@@ -70,6 +70,14 @@ Status columns_to_f32(const TensorView& grad_table, int64_t begin, int64_t colum
   return Status();
 }
 
+// What decides this rank's collectives: every rank must agree on it.
+std::string call_signature(const char* op, const TensorView& temb, const TensorView& table, DType dtype,
+                           bool gathers_d_temb) {
+  auto dim = [](const TensorView& t, int d) { return std::to_string(t.rank > d ? t.shape[d] : 0); };
+  return std::string(op) + "(T=" + dim(temb, 0) + ", D=" + dim(temb, 1) + ", N=" + dim(table, 1) + ", " +
+         dtype_name(dtype) + ", gathers d_temb " + (gathers_d_temb ? "1" : "0") + ")";
+}
+
 }  // namespace
 
 Status tp_column_shard(int64_t columns, int world, int rank, int64_t* begin, int64_t* end) {
@@ -111,7 +119,8 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   for (auto [in, name] : {std::pair<const TensorView*, const char*>{&p.temb, "temb"}, {&p.weight, "weight"},
                           {&p.bias, "bias"}, {&p.act, "act"}})
     if (valid.ok()) valid = check::no_alias(p.table, "table", *in, name);
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid));
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, call_signature("tp_adaln_projection_forward", p.temb, p.table, p.table.dtype, false)));
 
   // local columns (T, n) -> gathered (tp, T, n) -> table (T, N), rank r's block at column r*n.
   const Device device = p.temb.device;
@@ -146,7 +155,8 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   for (auto [out, name] : {std::pair<const TensorView*, const char*>{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
                            {&p.d_bias, "d_bias"}})
     if (valid.ok()) valid = check::no_alias(*out, name, p.grad_table, "grad_table");
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid));
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.temb, p.grad_table,
+                                                          p.weight.dtype, p.d_temb.present())));
 
   const Device device = p.temb.device;
   const int64_t rows = p.temb.shape[0], in_features = p.temb.shape[1], columns = end - begin;

@@ -145,6 +145,21 @@ TEST(InProcessComm, AgreeReportsTheFirstFailingRankOnEveryRank) {
   EXPECT_NE(results[0].message().find("rank 3"), std::string::npos) << results[0].message();
 }
 
+TEST(InProcessComm, AgreeRejectsDifferentSignatures) {
+  const int world = 3;
+  std::vector<Status> results(world);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    DETDIT_RETURN_IF_ERROR(comm.agree(Status(), "op(a)"));  // equal signatures agree
+    results[comm.rank()] = comm.agree(Status(), comm.rank() == 1 ? "op(b)" : "op(a)");
+    return Status();
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
+    EXPECT_NE(results[r].message().find("rank 1's call does not match rank 0's"), std::string::npos)
+        << results[r].message();
+  }
+}
+
 TEST(InProcessComm, RunReportsExceptionsAndRejectsBadWorlds) {
   Status run = InProcessGroup::run(2, [&](Communicator& comm) -> Status {
     if (comm.rank() == 1) throw std::runtime_error("boom");

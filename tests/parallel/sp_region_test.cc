@@ -436,6 +436,7 @@ void expect_collective_failure(const Problem& pr, int world, int bad_rank, const
       if (std::string(what) == "full sequence") bw.x = wrong_x.view();
       if (std::string(what) == "sharded index") bw.plan = sharded;
       if (std::string(what) == "wrong dtype") bw.d_weight.dtype = DType::kF16;
+      if (std::string(what) == "no d_weight") bw.d_weight = TensorView();
     }
     results[comm.rank()] = sp_rmsnorm_backward(comm, sp, bw);
     untouched[comm.rank()] = testing::all_bytes_are(dx, kCanary) && testing::all_bytes_are(d_weight, kCanary) &&
@@ -455,6 +456,8 @@ TEST(SpRegion, InvalidArgumentsOnOneRankFailEveryRankBeforeAnyCollective) {
   expect_collective_failure(pr, 3, 1, "full sequence", ErrorKind::kValue, "x must be this rank's (B, S_local, H)");
   expect_collective_failure(pr, 3, 2, "sharded index", ErrorKind::kValue, "index must be the full (S,) row index");
   expect_collective_failure(pr, 4, 0, "wrong dtype", ErrorKind::kType, "d_weight must be");
+  // A rank that skips a gathered output would skip collectives: caught by agree.
+  expect_collective_failure(pr, 3, 2, "no d_weight", ErrorKind::kValue, "the ranks' calls differ");
 }
 
 TEST(SpRegion, FlatLocalRowsWork) {

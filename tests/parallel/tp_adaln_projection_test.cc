@@ -291,6 +291,31 @@ TEST(TpAdalnProjection, BackwardRejectsFullWeightGradients) {
   }
 }
 
+TEST(TpAdalnProjection, RanksMustAgreeOnGatheredOutputs) {
+  TpProblem pr;
+  build(&pr, 2, 18 * 256, 136, DType::kF32);
+  std::vector<Status> results(2);
+  std::vector<bool> untouched(2, false);
+  (void)InProcessGroup::run(2, [&](Communicator& comm) -> Status {
+    const int64_t begin = comm.rank() * 2304;
+    HostTensor d_temb(DType::kF32, {pr.rows, pr.in_features}), d_weight(pr.dtype, {2304, pr.in_features});
+    d_temb.fill_bytes(kCanary);
+    d_weight.fill_bytes(kCanary);
+    // rank 1 does not ask for d_temb: it would skip the partials gather.
+    results[comm.rank()] = tp_adaln_projection_backward(
+        comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, begin + 2304), pr.act.view(),
+                                            pr.grad_table.view(), comm.rank() == 1 ? TensorView() : d_temb.view(),
+                                            d_weight.view(), TensorView()});
+    untouched[comm.rank()] = testing::all_bytes_are(d_temb, kCanary) && testing::all_bytes_are(d_weight, kCanary);
+    return Status();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
+    EXPECT_NE(results[r].message().find("the ranks' calls differ"), std::string::npos) << results[r].message();
+    EXPECT_TRUE(untouched[r]) << "rank " << r;
+  }
+}
+
 // ---- MPI
 
 TEST(DISABLED_MpiTpWorker, SmallN) {
