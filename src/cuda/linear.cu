@@ -2,8 +2,8 @@
 // and its backward (6.2): d_x chunk partials + fold, d_W, d_b.
 //
 // Forward: each warp owns `columns` output columns and keeps one accumulator
-// per (column, row) for up to kForwardRows rows of x, so a weight row streams
-// once per pass. Lane l walks the 16-byte vectors l, l+32, ... of the row
+// per (column, row) for up to 8 rows of x, so a weight row streams once per
+// pass. Lane l walks the 16-byte vectors l, l+32, ... of the row
 // (fma in element order), then an XOR butterfly 16..1 sums the lanes: exactly
 // the order of numerics 5.2 for any columns-per-warp and block size.
 // Backward: d_x partials[c, t, k] = ascending-n fma chain over the 64 rows of
@@ -25,7 +25,6 @@ namespace cuda {
 namespace {
 
 constexpr int kForwardWarps = 8;  // warps per block of the forward
-constexpr int kForwardRows = 8;   // rows of x per pass: one accumulator each
 
 struct LinearForwardArgs {
   const void* x;       // (rows, k) T
@@ -37,7 +36,9 @@ struct LinearForwardArgs {
   bool silu, torch;
 };
 
-template <typename T, typename Out, int kColumns>
+// kRows: rows of x per pass, one accumulator each (the smallest power of two
+// >= min(T, 8), so small T keeps few registers).
+template <typename T, typename Out, int kColumns, int kForwardRows>
 __global__ void __launch_bounds__(kForwardWarps* kWarpSize)
     linear_forward_warp_per_columns_kernel(LinearForwardArgs a) {
   constexpr int kVec = Vec16<T>::kElems;
@@ -100,15 +101,27 @@ __global__ void __launch_bounds__(kForwardWarps* kWarpSize)
   }
 }
 
+template <typename T, typename Out, int kColumns>
+void launch_linear_forward_rows(const LinearForwardArgs& a, unsigned blocks, cudaStream_t stream) {
+  const int threads = kForwardWarps * kWarpSize;
+  if (a.rows >= 8)
+    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 8><<<blocks, threads, 0, stream>>>(a);
+  else if (a.rows >= 3)
+    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 4><<<blocks, threads, 0, stream>>>(a);
+  else if (a.rows == 2)
+    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 2><<<blocks, threads, 0, stream>>>(a);
+  else
+    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 1><<<blocks, threads, 0, stream>>>(a);
+}
+
 template <typename T, typename Out>
 Status launch_linear_forward(const LinearForwardArgs& a, int columns, cudaStream_t stream) {
   const int64_t warps = (a.n + columns - 1) / columns;
   const unsigned blocks = blocks_for(warps, kForwardWarps);
-  const int threads = kForwardWarps * kWarpSize;
   switch (columns) {
-    case 1: linear_forward_warp_per_columns_kernel<T, Out, 1><<<blocks, threads, 0, stream>>>(a); break;
-    case 2: linear_forward_warp_per_columns_kernel<T, Out, 2><<<blocks, threads, 0, stream>>>(a); break;
-    default: linear_forward_warp_per_columns_kernel<T, Out, 4><<<blocks, threads, 0, stream>>>(a); break;
+    case 1: launch_linear_forward_rows<T, Out, 1>(a, blocks, stream); break;
+    case 2: launch_linear_forward_rows<T, Out, 2>(a, blocks, stream); break;
+    default: launch_linear_forward_rows<T, Out, 4>(a, blocks, stream); break;
   }
   return launch_status("linear_forward_warp_per_columns_kernel");
 }

@@ -30,6 +30,9 @@ namespace cuda {
 namespace {
 
 constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
+// Tree vectors per thread kept in registers between the statistics pass and
+// the output pass (12 covers H <= 6144); vectors past it are read again.
+constexpr int kCached = 12;
 
 struct RmsnormRowArgs {
   const void* x;       // (M, H)
@@ -65,8 +68,19 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   const int64_t m = blockIdx.x;
   const int64_t vectors = a.hidden / kVec;
   const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
+  // Thread t's vectors j = t + 128*i, ascending i: the tree's order.
+  float cached[kCached][kVec];
   float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
+#pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
+    if (j < vectors) {
+      load_elems<T, kVec, kVector>(x + j * kVec, cached[i]);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s = num::fma32(cached[i][e], cached[i][e], s);
+    }
+  }
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
     float v[kVec];
     load_elems<T, kVec, kVector>(x + j * kVec, v);
 #pragma unroll
@@ -84,16 +98,16 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
     shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
     scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
   }
-  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
-    float xv[kVec], wv[kVec], o[kVec];
-    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+  // out_j for the x vector xv of vector j.
+  auto write = [&](int64_t j, const float (&xv)[kVec]) {
+    float wv[kVec], o[kVec];
     load_elems<T, kVec, kVector>(w + j * kVec, wv);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) o[e] = normalised<T>(wv[e], rstd, xv[e]);
     if (shift) {
       float sh[kVec], sc[kVec];
-      load_elems<T, kVec, false>(shift + j * kVec, sh);
-      load_elems<T, kVec, false>(scale + j * kVec, sc);
+      load_elems<T, kVec, kVector>(shift + j * kVec, sh);
+      load_elems<T, kVec, kVector>(scale + j * kVec, sc);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float v = round_to<T>(num::mul32(o[e], one_plus<T>(sc[e])));
@@ -101,6 +115,16 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
       }
     }
     store_elems<T, kVec, kVector>(out + j * kVec, o);
+  };
+#pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
+    if (j < vectors) write(j, cached[i]);
+  }
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec];
+    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+    write(j, xv);
   }
 }
 
@@ -115,40 +139,61 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
   const T* scale = a.row_of_seq ? static_cast<const T*>(a.scale) + a.row_of_seq[m % a.seq_len] * a.scale_stride
                                 : nullptr;
   const float rstd = a.rstd[m];
-  float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
-    float xv[kVec], wv[kVec], d_n[kVec];
+  // x and d_n of vector j (d_n = g, or rn(g * t1) when modulated).
+  auto load = [&](int64_t j, float (&xv)[kVec], float (&d_n)[kVec]) {
     load_elems<T, kVec, kVector>(x + j * kVec, xv);
-    load_elems<T, kVec, kVector>(w + j * kVec, wv);
     load_elems<T, kVec, kVector>(g + j * kVec, d_n);
     if (scale) {
       float sc[kVec];
-      load_elems<T, kVec, false>(scale + j * kVec, sc);
+      load_elems<T, kVec, kVector>(scale + j * kVec, sc);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
     }
+  };
+  auto accumulate = [&](int64_t j, const float (&xv)[kVec], const float (&d_n)[kVec], float acc) {
+    float wv[kVec];
+    load_elems<T, kVec, kVector>(w + j * kVec, wv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) s = num::fma32(num::mul32(wv[e], d_n[e]), xv[e], s);
+    for (int e = 0; e < kVec; ++e) acc = num::fma32(num::mul32(wv[e], d_n[e]), xv[e], acc);
+    return acc;
+  };
+  // Thread t's vectors j = t + 128*i, ascending i: the tree's order.
+  float cached_x[kCached][kVec], cached_d_n[kCached][kVec];
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
+    if (j < vectors) {
+      load(j, cached_x[i], cached_d_n[i]);
+      s = accumulate(j, cached_x[i], cached_d_n[i], s);
+    }
+  }
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec], d_n[kVec];
+    load(j, xv, d_n);
+    s = accumulate(j, xv, d_n, s);
   }
   const float dot = row_tree_block_sum(s, warp_sums);
   const float rstd3 = num::mul32(num::mul32(rstd, rstd), rstd);
   const float coef = num::div32(num::mul32(rstd3, dot), static_cast<float>(a.hidden));
   T* dx = static_cast<T*>(a.dx) + m * a.hidden;
-  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
-    float xv[kVec], wv[kVec], d_n[kVec], o[kVec];
-    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+  auto write = [&](int64_t j, const float (&xv)[kVec], const float (&d_n)[kVec]) {
+    float wv[kVec], o[kVec];
     load_elems<T, kVec, kVector>(w + j * kVec, wv);
-    load_elems<T, kVec, kVector>(g + j * kVec, d_n);
-    if (scale) {
-      float sc[kVec];
-      load_elems<T, kVec, false>(scale + j * kVec, sc);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
-    }
 #pragma unroll
     for (int e = 0; e < kVec; ++e)
       o[e] = num::sub32(num::mul32(num::mul32(rstd, wv[e]), d_n[e]), num::mul32(xv[e], coef));
     store_elems<T, kVec, kVector>(dx + j * kVec, o);
+  };
+#pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
+    if (j < vectors) write(j, cached_x[i], cached_d_n[i]);
+  }
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec], d_n[kVec];
+    load(j, xv, d_n);
+    write(j, xv, d_n);
   }
 }
 
@@ -278,13 +323,18 @@ int64_t reduced_positions(const RmsnormBackwardParams& p) {
   return p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden_of(p.x);
 }
 
-// Vector accesses when every row pointer the row kernels touch is aligned to
-// one 4-element vector (always true for validated x, weight, out; grad and dx
-// are checked here, so an unaligned view still computes the same bits).
+// Vector accesses when every row the row kernels touch is aligned to one
+// 4-element vector (always true for validated x, weight, out; grad, dx and
+// the shift/scale rows are checked here, so an unaligned view still computes
+// the same bits through scalar accesses).
 template <typename T>
-bool rows_vectorizable(std::initializer_list<const void*> pointers) {
+bool rows_vectorizable(const RmsnormRowArgs& a, std::initializer_list<const void*> pointers) {
   for (const void* q : pointers)
     if (q && !address_aligned(q, kVec * sizeof(T))) return false;
+  if (a.row_of_seq) {
+    if (!address_aligned(a.shift, kVec * sizeof(T)) || !address_aligned(a.scale, kVec * sizeof(T))) return false;
+    if (a.shift_stride % kVec != 0 || a.scale_stride % kVec != 0) return false;
+  }
   return true;
 }
 
@@ -320,7 +370,7 @@ Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
   cudaStream_t s = as_cuda_stream(stream);
   return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (rows_vectorizable<T>({a.x, a.weight, a.out}))
+    if (rows_vectorizable<T>(a, {a.x, a.weight, a.out}))
       rmsnorm_forward_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
     else
       rmsnorm_forward_block_per_row_kernel<T, false><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
@@ -341,7 +391,7 @@ Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream) {
   cudaStream_t s = as_cuda_stream(stream);
   return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (rows_vectorizable<T>({a.x, a.weight, a.grad, a.dx}))
+    if (rows_vectorizable<T>(a, {a.x, a.weight, a.grad, a.dx}))
       rmsnorm_backward_rows_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
     else
       rmsnorm_backward_rows_block_per_row_kernel<T, false><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);

@@ -126,6 +126,23 @@ std::vector<uint32_t> run_on_device(const std::vector<float>& a, const std::vect
   return out;
 }
 
+// FP32 results: bitwise equal, except that a NaN result only has to be a NaN
+// on both sides. The NaN *encoding* of FP32 arithmetic is the hardware's
+// (x86 returns the quieted input NaN or 0xFFC00000, CUDA the canonical
+// 0x7FFFFFFF), which docs/numerics.md section 3 leaves out of the contract;
+// every stored bf16/fp16 NaN is canonicalised to 0x7FFF in software.
+::testing::AssertionResult fp32_results_agree(const std::vector<uint32_t>& host, const std::vector<uint32_t>& device) {
+  std::vector<uint32_t> device_nan_as_host(device);
+  int64_t nan_pattern_only = 0;
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    const bool both_nan = num::is_nan32(num::bits_float(host[i])) && num::is_nan32(num::bits_float(device[i]));
+    if (both_nan && host[i] != device[i]) device_nan_as_host[i] = host[i], ++nan_pattern_only;
+  }
+  ::testing::AssertionResult r =
+      bitwise_equal_bytes(host.data(), device_nan_as_host.data(), host.size(), DType::kF32);
+  return r << " (" << nan_pattern_only << " NaN results differ only in their NaN encoding)";
+}
+
 const char* probe_name(int probe) {
   const char* names[] = {"a*b+c", "fma", "divide", "sqrtf", "sqrt64", "float_to_bf16", "float_to_f16", "f16_to_float",
                          "portable_exp", "portable_sin", "portable_cos", "portable_rsqrt"};
@@ -141,9 +158,11 @@ TEST(NumericsCanaryCuda, HostAndDeviceAgreeBitwiseOnEveryPrimitive) {
     const std::vector<uint32_t> device = run_on_device(a, b, c, probe, false);
     std::vector<uint32_t> host(kCount);
     for (int64_t i = 0; i < kCount; ++i) host[i] = evaluate(probe, a[i], b[i], c[i]);
-    // 16-bit results (the conversions to bf16/fp16) are compared as integers.
-    const DType as = probe == kToBf16 || probe == kToF16 ? DType::kI32 : DType::kF32;
-    EXPECT_TRUE(bitwise_equal_bytes(host.data(), device.data(), kCount, as)) << kCount << " inputs";
+    // 16-bit results (the conversions to bf16/fp16) are compared as integers, bit for bit.
+    if (probe == kToBf16 || probe == kToF16)
+      EXPECT_TRUE(bitwise_equal_bytes(host.data(), device.data(), kCount, DType::kI32)) << kCount << " inputs";
+    else
+      EXPECT_TRUE(fp32_results_agree(host, device)) << kCount << " inputs";
   }
 }
 
@@ -157,7 +176,7 @@ TEST(NumericsCanaryCuda, PlainMultiplyAddIsNotContracted) {
     host[i] = num::float_bits(a[i] * b[i] + c[i]);  // host build: -ffp-contract=off
     fused[i] = num::float_bits(std::fmaf(a[i], b[i], c[i]));
   }
-  EXPECT_TRUE(bitwise_equal_bytes(host.data(), device.data(), kCount, DType::kF32));
+  EXPECT_TRUE(fp32_results_agree(host, device));
   // Non-vacuity: contraction would be visible on these inputs.
   int64_t differ = 0;
   for (int64_t i = 0; i < kCount; ++i) differ += host[i] != fused[i];
