@@ -108,8 +108,8 @@ bool Args::parse(int argc, char** argv, int first) {
 
 std::string Args::help_text() const {
   std::string text = "usage: " + usage_ + "\n\n" + summary_ + "\n";
-  bool any_positional = false, any_option = false;
-  for (const Spec& s : specs_) (s.positional ? any_positional : any_option) = true;
+  bool any_positional = false;
+  for (const Spec& s : specs_) any_positional = any_positional || s.positional;
   if (any_positional) {
     text += "\narguments:\n";
     for (const Spec& s : specs_) {
@@ -125,7 +125,6 @@ std::string Args::help_text() const {
     text += "\n";
   }
   text += "  --help                this text\n";
-  (void)any_option;
   return text;
 }
 

@@ -1,10 +1,12 @@
 // verify cases of the whole conditioning chain (include/detdit/chain.h, CPU):
 // sinusoid -> MLP -> per block projection, modulated norms and gated
 // residuals with the seeded stand-in sublayers -> final_adaln_out, forward
-// and backward on the weights (every block they hold). Checks: repeatability
+// and backward on the first kChainMaxBlocks blocks of the weights (each block
+// costs 0.5 GB of bf16 weight gradient). Checks: repeatability
 // of the output and of every gradient, and batch invariance of the row-local
 // results (out and dx of batch item 0 alone = the same rows inside a batch of
 // two, bitwise).
+#include <algorithm>
 #include <cstring>
 
 #include "detdit/chain.h"
@@ -15,6 +17,9 @@ namespace cli {
 namespace {
 
 constexpr int64_t kChainTimesteps = 2;
+constexpr int64_t kChainMaxBlocks = 2;
+
+int64_t chain_blocks(const Weights& w) { return std::min(w.config.blocks, kChainMaxBlocks); }
 
 struct ChainRun {
   HostBuffer out, dx;
@@ -26,10 +31,10 @@ struct ChainInputs {
   HostBuffer timesteps, ti, tags, x, sublayer_out, sublayer_grad, grad_out;
 };
 
-// Weight views of every block the file holds.
+// Weight views of the chain's blocks.
 Status chain_weights(const Weights& w, std::vector<ChainBlockWeights>* blocks, ChainWeights* out) {
-  blocks->resize(static_cast<std::size_t>(w.config.blocks));
-  for (int64_t l = 0; l < w.config.blocks; ++l) {
+  blocks->resize(static_cast<std::size_t>(chain_blocks(w)));
+  for (int64_t l = 0; l < chain_blocks(w); ++l) {
     const std::string prefix = "transformer_blocks." + std::to_string(l) + ".";
     DETDIT_RETURN_IF_ERROR(w.view(prefix + "adaln_proj.linear.weight", &(*blocks)[l].adaln_weight));
     DETDIT_RETURN_IF_ERROR(w.view(prefix + "adaln_proj.linear.bias", &(*blocks)[l].adaln_bias));
@@ -44,7 +49,7 @@ Status chain_weights(const Weights& w, std::vector<ChainBlockWeights>* blocks, C
   DETDIT_RETURN_IF_ERROR(w.view("norm_out.linear.weight", &out->out_weight));
   DETDIT_RETURN_IF_ERROR(w.view("norm_out.linear.bias", &out->out_bias));
   out->blocks = blocks->data();
-  out->num_blocks = w.config.blocks;
+  out->num_blocks = chain_blocks(w);
   return Status::ok_status();
 }
 
@@ -99,7 +104,7 @@ Status run_chain(const Weights& weights, const ChainInputs& in, bool weight_grad
 
 // Inputs of `batch` items; item b's rows [b*S, (b+1)*S) depend only on b.
 Status make_inputs(const VerifyContext& ctx, int64_t batch, ChainInputs* in) {
-  const int64_t S = ctx.quick ? 64 : 512, H = ctx.weights->config.hidden, L = ctx.weights->config.blocks;
+  const int64_t S = ctx.quick ? 64 : 512, H = ctx.weights->config.hidden, L = chain_blocks(*ctx.weights);
   in->seq_len = S;
   in->batch = batch;
   in->hidden = H;
@@ -162,7 +167,7 @@ Status verify_chain(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   }));
   return Status::ok_status();
 }
-DETDIT_VERIFY_CASE("chain", "all blocks, fwd+bwd, T=2", true, false, verify_chain);
+DETDIT_VERIFY_CASE("chain", "blocks 0..1, fwd+bwd, T=2", true, false, verify_chain);
 
 }  // namespace
 }  // namespace cli
