@@ -167,8 +167,8 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   const std::size_t act_bytes = static_cast<std::size_t>(rows * in_features) * sizeof(float);
   auto round_up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   std::shared_ptr<void> memory;
-  DETDIT_RETURN_IF_ERROR(
-      allocate(device, round_up(g_bytes) + round_up(block) + block * world + round_up(act_bytes), stream, &memory));
+  DETDIT_RETURN_IF_ERROR(allocate(device, round_up(g_bytes) + round_up(block) + round_up(block * world) + act_bytes,
+                                  stream, &memory));
   char* base = static_cast<char*>(memory.get());
   float* g = reinterpret_cast<float*>(base);
   char* partials = base + round_up(g_bytes);

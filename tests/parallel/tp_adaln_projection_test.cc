@@ -150,6 +150,17 @@ TEST(TpAdalnProjection, SmallNEveryValidTpBf16AndFp32) {
   }
 }
 
+TEST(TpAdalnProjection, ScratchPiecesNotMultiplesOf256Bytes) {
+  // N = 1152 (18 chunks), D = 40, T = 3, tp = 2: the gathered partials are
+  // 8640 bytes, not a multiple of the 256-byte scratch alignment (d_act, placed
+  // after them, once ran past the allocation; run under ASan to see it).
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    TpProblem pr;
+    build(&pr, 3, 18 * 64, 40, dtype);
+    for (int world : {1, 2, 3, 6}) expect_tp_equal_to_ws1(pr, world);
+  }
+}
+
 TEST(TpAdalnProjection, H3ShapeTp7) {
   // N = 18 * 5376 = 96768, D = 2688, bf16 (the 520 MB H3 weight), T = 1; tp = 7
   // is one of H3's valid odd splits.
