@@ -121,12 +121,8 @@ def test_sp_region_and_tp_projection_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp", "tp"))
 
 
-# Known library bug (src/parallel/tp_adaln_projection.cc, backward): the scratch block is
-# allocated with `block * world` bytes for the gathered d_x partials but d_act is placed
-# after `round_up(block * world)`, so when block * world is not a multiple of 256 bytes
-# d_act runs past the allocation (heap corruption; glibc aborts). T = 3, D = 40, tp = 2
-# gives 17280 bytes. The case above (T = 4, D = 64) is a multiple of 256 for tp = 2, 3 and 4.
-@pytest.mark.xfail(reason="tp_adaln_projection_backward writes past its scratch when the gathered partials are "
-                          "not a multiple of 256 bytes (library bug, reported)", strict=False)
+# Regression: tp_adaln_projection_backward once placed d_act past its scratch when the
+# gathered d_x partials were not a multiple of 256 bytes (T = 3, D = 40, tp = 2: 17280
+# bytes; heap corruption, glibc aborted). The case above is 256-byte aligned.
 def test_tp_adaln_projection_unaligned_partials(tmp_path):
     _spawn(_worker, 2, tmp_path, ("tp_unaligned",))

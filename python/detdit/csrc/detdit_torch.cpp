@@ -35,6 +35,7 @@
 
 #include <array>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -1024,10 +1025,16 @@ class TorchDistCommunicator : public detdit::Communicator {
     return transport(send, bytes, recv, device_.kind == detdit::DeviceKind::kCpu);
   }
 
-  Status agree(const Status& local) override {
+  // Both forms of comm.h's validation handshake are defined without
+  // `override`, so this compiles against either Communicator interface
+  // (agree(local) alone, or agree(local, signature) plus a forwarding agree(local)).
+  Status agree(const Status& local) { return agree(local, std::string()); }
+  Status agree(const Status& local, const std::string& signature) {
     Verdict mine{};
     mine.kind = static_cast<int32_t>(local.kind());
+    mine.signature_hash = std::hash<std::string>()(signature);
     std::strncpy(mine.message, local.message().c_str(), sizeof(mine.message) - 1);
+    std::strncpy(mine.signature, signature.c_str(), sizeof(mine.signature) - 1);
     std::vector<Verdict> all(static_cast<std::size_t>(world_));
     DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Verdict), all.data(), /*host=*/true));
     if (!local.ok()) return local;
@@ -1035,6 +1042,12 @@ class TorchDistCommunicator : public detdit::Communicator {
       const Verdict& v = all[static_cast<std::size_t>(r)];
       if (v.kind != 0)
         return Status(static_cast<ErrorKind>(v.kind), "rank " + std::to_string(r) + " failed: " + v.message);
+    }
+    for (int r = 1; r < world_; ++r) {
+      const Verdict& v = all[static_cast<std::size_t>(r)];
+      if (v.signature_hash != all[0].signature_hash)
+        return Status::value_error("ranks disagree on the call: rank 0 calls '" + std::string(all[0].signature) +
+                                   "', rank " + std::to_string(r) + " calls '" + v.signature + "'");
     }
     return Status();
   }
@@ -1045,7 +1058,9 @@ class TorchDistCommunicator : public detdit::Communicator {
   };
   struct Verdict {
     int32_t kind;
-    char message[1020];
+    uint64_t signature_hash;  // of the whole signature; the text below may be cut
+    char message[1024];
+    char signature[512];
   };
 
   // Calls gather(send, recv) under the GIL; a Python exception becomes a RuntimeError.
