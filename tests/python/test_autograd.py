@@ -212,3 +212,20 @@ def test_chain_close_to_fp64_eager_model():
             assert p.grad is None  # not in the chain
             continue
         check_normwise(p.grad, p64[name].grad, torch.float32, f"chain grad {name}")
+
+
+def test_no_grad_and_inference_mode_give_the_same_bits():
+    ti, tags = packing(40, 2, 95)
+    plan = detdit.plan(ti, tags, 2)
+    x = normal((1, 40, 16), 96, torch.bfloat16)
+    w = torch.ones(16, dtype=torch.bfloat16, requires_grad=True)
+    table = normal((6, 16), 97, torch.bfloat16).requires_grad_(True)
+    graph = detdit.rmsnorm(x, w, table, table, plan)
+    assert graph.requires_grad and graph.grad_fn is not None
+    with torch.no_grad():
+        plain = detdit.rmsnorm(x, w, table, table, plan)
+    with torch.inference_mode():  # no Autograd key: the CPU kernel directly
+        inference = detdit.rmsnorm(x, w, table, table, plan)
+    assert not plain.requires_grad and not inference.requires_grad
+    assert_bitwise_equal(plain, graph, "no_grad")
+    assert_bitwise_equal(inference, graph, "inference_mode")
