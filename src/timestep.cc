@@ -90,7 +90,7 @@ Status validate_sinusoid(const TimestepSinusoidParams& p, Stream stream) {
   DETDIT_RETURN_IF_ERROR(check_channels(p.features, "features", p.timesteps.shape[0]));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.features, "features", p.timesteps, "timesteps"));
   DETDIT_RETURN_IF_ERROR(check_max_period(p.max_period));
-  return check_timestep_values(p.timesteps, stream);
+  return p.check_range ? check_timestep_values(p.timesteps, stream) : Status();
 }
 
 Status validate_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream) {
@@ -107,7 +107,7 @@ Status validate_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Strea
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.timesteps, "timesteps"));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.grad_features, "grad_features"));
   DETDIT_RETURN_IF_ERROR(check_max_period(p.max_period));
-  return check_timestep_values(p.timesteps, stream);
+  return p.check_range ? check_timestep_values(p.timesteps, stream) : Status();
 }
 
 // The H3 time embedder is an FP32 module: every operand fp32, contiguous,

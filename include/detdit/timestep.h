@@ -7,6 +7,10 @@
 //   [0, 1] (t = 1 - sigma, unscaled: the t*1000 convention fails closed);
 //   features (T, C) fp32 contiguous; C even and positive; max_period >= 1.
 //   Row-local: features[t] depends on timesteps[t] alone.
+//   The range check reads the timesteps on the host (for CUDA timesteps: one
+//   copy that synchronises the stream). A caller that has validated them
+//   already (or captures a CUDA graph) sets check_range = false; the op then
+//   never synchronises and trusts that every value is finite and in [0, 1].
 // timestep_mlp: temb = W2 silu(W1 f + b1) + b2, all FP32 (the H3 time
 //   embedder is an FP32 module; a bf16 operand is a TypeError).
 #pragma once
@@ -22,6 +26,7 @@ struct TimestepSinusoidParams {
   TensorView features;    // (T, C) fp32, contiguous
   float max_period = 10000.0f;
   Numerics numerics = Numerics::kPortable;
+  bool check_range = true;  // false: the caller guarantees t finite and in [0, 1]
 };
 Status timestep_sinusoid_forward(const TimestepSinusoidParams& params, Stream stream = nullptr);
 
@@ -31,6 +36,7 @@ struct TimestepSinusoidBackwardParams {
   TensorView d_timesteps;    // (T,) timesteps' dtype
   float max_period = 10000.0f;
   Numerics numerics = Numerics::kPortable;
+  bool check_range = true;  // as in the forward
 };
 Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& params, Stream stream = nullptr);
 

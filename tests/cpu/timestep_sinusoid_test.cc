@@ -176,6 +176,26 @@ TEST(TimestepSinusoidValidation, BadTimestepValuesAreValueErrors) {
     }
 }
 
+// check_range = false is the explicit opt-out for pre-validated timesteps (no
+// host read, so a CUDA graph can capture the op): it skips the value check and
+// changes nothing else.
+TEST(TimestepSinusoidValidation, CheckRangeFalseSkipsOnlyTheValueCheck) {
+  HostTensor timesteps = timesteps_of(DType::kF32, 5, 12);
+  HostTensor checked(DType::kF32, {5, 8}), unchecked(DType::kF32, {5, 8});
+  DETDIT_ASSERT_OK(run_forward(timesteps, &checked));
+  TimestepSinusoidParams p;
+  p.timesteps = timesteps.view();
+  p.features = unchecked.view();
+  p.check_range = false;
+  DETDIT_ASSERT_OK(timestep_sinusoid_forward(p));
+  EXPECT_BITWISE_EQ(checked, unchecked);
+  timesteps.set(3, 1.5);
+  EXPECT_EQ(run_forward(timesteps, &checked).kind(), ErrorKind::kValue);
+  DETDIT_EXPECT_OK(timestep_sinusoid_forward(p));
+  p.features.dtype = DType::kBF16;  // every other check still runs
+  EXPECT_EQ(timestep_sinusoid_forward(p).kind(), ErrorKind::kType);
+}
+
 TEST(TimestepSinusoidValidation, BadArgumentsAreErrorsAndWriteNothing) {
   HostTensor timesteps = timesteps_of(DType::kF32, 4, 14), ints(DType::kI32, {4});
   HostTensor features(DType::kF32, {4, 8}), wide(DType::kF32, {4, 16});
