@@ -12,6 +12,7 @@ CUDA ops run on torch's current stream; a CUDA build of the library under a
 CPU-only torch links the toolkit's static cudart ($CUDA_HOME) and serves CPU
 tensors.
 """
+import glob
 import os
 import subprocess
 import sys
@@ -83,7 +84,8 @@ setup(
             define_macros=macros,
             extra_compile_args={"cxx": compile_args} if torch_has_cuda else compile_args,
             extra_objects=[library],
-            depends=[library],  # relink when libdetdit.a changes
+            # rebuild when the library or its public headers change
+            depends=[library] + sorted(glob.glob(os.path.join(repo, "include", "detdit", "*.h"))),
             libraries=libraries,
             library_dirs=library_dirs,
         )
