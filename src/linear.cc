@@ -194,11 +194,6 @@ Status linear_backward_input(const LinearBackwardInputParams& params, Stream str
   std::shared_ptr<void> scratch;
   if (params.partials.present()) {
     DETDIT_RETURN_IF_ERROR(validate_partials_call(params));
-  } else if (params.grad.device.is_cuda()) {
-    return Status::value_error(
-        "partials is required for CUDA tensors: pass a (ceil(N/64), T, K) = (" + std::to_string(chunks) + ", " +
-        std::to_string(rows) + ", " + std::to_string(in_features) +
-        ") float32 CUDA tensor as scratch (linear_backward_input allocates no device memory itself)");
   } else {
     DETDIT_RETURN_IF_ERROR(scratch_tensor(params.grad.device, DType::kF32, {chunks, rows, in_features}, stream,
                                           &scratch, &run.partials));

@@ -49,6 +49,10 @@ void check_linear(DType dtype, int64_t rows, int64_t k, int64_t n, uint64_t seed
   DETDIT_ASSERT_OK(linear_backward_input(ig));
   EXPECT_GPU_EQ_CPU(partials);
   EXPECT_GPU_EQ_CPU(d_x);
+  // partials absent: internal stream-ordered scratch, the same bytes.
+  Pair d_x_scratch = output_pair(dtype, {rows, k});
+  DETDIT_ASSERT_OK(linear_backward_input({grad.d(), w.d(), TensorView(), d_x_scratch.d()}));
+  EXPECT_BITWISE_EQ(d_x.host, d_x_scratch.result());
 
   Pair d_w = output_pair(dtype, {n, k}), d_b = output_pair(dtype, {n});
   LinearBackwardWeightParams wc{grad.h(), x.h(), d_w.h(), d_b.h()};
