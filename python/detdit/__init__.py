@@ -62,10 +62,13 @@ def _require_plan(index_plan, op):
     return index_plan
 
 
-def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable"):
+def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable", check_range=True):
     """``(T,)`` timesteps in [0, 1] (t = 1 - sigma, unscaled) -> ``(T, C)`` float32 ``[cos | sin]``
-    features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``)."""
-    return _ops.timestep_sinusoid(t, num_channels, float(max_period), numerics)
+    features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``).
+
+    ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
+    the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
+    return _ops.timestep_sinusoid(t, num_channels, float(max_period), numerics, check_range)
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):

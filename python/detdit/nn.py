@@ -23,12 +23,13 @@ class Timesteps(nn.Module):
     """diffusers' ``Timesteps(num_channels, flip_sin_to_cos=True, downscale_freq_shift=0)``:
     ``(T,)`` t = 1 - sigma in [0, 1] -> ``(T, num_channels)`` float32. No parameters."""
 
-    def __init__(self, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable"):
+    def __init__(self, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable", check_range=True):
         super().__init__()
         self.num_channels, self.max_period, self.numerics = num_channels, max_period, numerics
+        self.check_range = check_range  # False: t pre-validated (no host read; CUDA-graph capturable)
 
     def forward(self, t):
-        return timestep_sinusoid(t, self.num_channels, self.max_period, self.numerics)
+        return timestep_sinusoid(t, self.num_channels, self.max_period, self.numerics, self.check_range)
 
 
 class TimestepEmbedding(nn.Module):

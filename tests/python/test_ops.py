@@ -45,6 +45,7 @@ def test_timestep_sinusoid_forward_and_backward(dtype):
     # 1 ulp of the freq rounding moves arg by <= 2^-23 relative (|arg| <= 1), plus 1 ulp of the result.
     assert_close_to(out, ref, 2.0 ** -21, "features vs FP64")
     assert_bitwise_equal(detdit.timestep_sinusoid(t, 256, 10000), out, "repeat")
+    assert_bitwise_equal(detdit.timestep_sinusoid(t, 256, 10000, check_range=False), out, "check_range=False")
     # row-local: each row equals the op on that timestep alone
     for i in range(t.numel()):
         assert_bitwise_equal(detdit.timestep_sinusoid(t[i:i + 1], 256, 10000)[0], out[i], f"row {i} alone")

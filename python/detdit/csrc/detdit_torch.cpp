@@ -276,8 +276,10 @@ PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t b
 // Kernels (CPU and CUDA alike: detdit dispatches on the tensors' device)
 
 // timestep_sinusoid: (T,) -> (T, C) fp32.
+// check_range = false: the caller guarantees finite t in [0, 1]; the op then
+// never reads the timesteps on the host (no sync: CUDA-graph capturable).
 Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
-                         const std::string& numerics) {
+                         const std::string& numerics, bool check_range) {
   if (num_channels < 1)
     C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
   DeviceScope scope(timesteps);
@@ -287,13 +289,14 @@ Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double m
   p.features = view(features, "features");
   p.max_period = static_cast<float>(max_period);
   p.numerics = parse_numerics(numerics);
+  p.check_range = check_range;
   check_ok(detdit::timestep_sinusoid_forward(p, scope.stream()));
   return features;
 }
 
 // d_timesteps (T,) in the timesteps' dtype.
 Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
-                                  const std::string& numerics) {
+                                  const std::string& numerics, bool check_range) {
   DeviceScope scope(timesteps);
   Tensor d_timesteps = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0)}, timesteps.scalar_type());
   detdit::TimestepSinusoidBackwardParams p;
@@ -302,6 +305,7 @@ Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& tim
   p.d_timesteps = view(d_timesteps, "d_timesteps");
   p.max_period = static_cast<float>(max_period);
   p.numerics = parse_numerics(numerics);
+  p.check_range = check_range;
   check_ok(detdit::timestep_sinusoid_backward(p, scope.stream()));
   return d_timesteps;
 }
@@ -730,20 +734,22 @@ OptPlan plan_from_ivalue(const IValue& value) {
 
 struct TimestepSinusoidFunction : torch::autograd::Function<TimestepSinusoidFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& timesteps, int64_t num_channels, double max_period,
-                        const std::string& numerics) {
+                        const std::string& numerics, bool check_range) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({timesteps});
     ctx->saved_data["max_period"] = max_period;
     ctx->saved_data["numerics"] = numerics;
-    return timestep_sinusoid(timesteps, num_channels, max_period, numerics);
+    ctx->saved_data["check_range"] = check_range;
+    return timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     const Tensor timesteps = ctx->get_saved_variables()[0];
     Tensor d_t = timestep_sinusoid_backward(contiguous_grad(grads[0]), timesteps,
                                             ctx->saved_data["max_period"].toDouble(),
-                                            ctx->saved_data["numerics"].toStringRef());
-    return {d_t, Tensor(), Tensor(), Tensor()};
+                                            ctx->saved_data["numerics"].toStringRef(),
+                                            ctx->saved_data["check_range"].toBool());
+    return {d_t, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -931,8 +937,8 @@ struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFuncti
 
 // Autograd kernels: same signatures as the forward kernels.
 Tensor timestep_sinusoid_autograd(const Tensor& timesteps, int64_t num_channels, double max_period,
-                                  const std::string& numerics) {
-  return TimestepSinusoidFunction::apply(timesteps, num_channels, max_period, numerics);
+                                  const std::string& numerics, bool check_range) {
+  return TimestepSinusoidFunction::apply(timesteps, num_channels, max_period, numerics, check_range);
 }
 std::tuple<Tensor, Tensor> linear_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                            const std::string& activation, const std::string& numerics) {
@@ -1446,8 +1452,10 @@ TORCH_LIBRARY(detdit, m) {
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN,
         &detdit_torch::make_plan_from_rows);
 
-  m.def("timestep_sinusoid(Tensor timesteps, int num_channels, float max_period, str numerics) -> Tensor");
-  m.def("timestep_sinusoid_backward(Tensor grad_features, Tensor timesteps, float max_period, str numerics) -> Tensor");
+  m.def("timestep_sinusoid(Tensor timesteps, int num_channels, float max_period, str numerics, "
+        "bool check_range=True) -> Tensor");
+  m.def("timestep_sinusoid_backward(Tensor grad_features, Tensor timesteps, float max_period, str numerics, "
+        "bool check_range=True) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, str activation, str numerics) -> (Tensor, Tensor)");
   m.def("linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor pre, str activation, str numerics, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
