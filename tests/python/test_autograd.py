@@ -229,3 +229,18 @@ def test_no_grad_and_inference_mode_give_the_same_bits():
     assert not plain.requires_grad and not inference.requires_grad
     assert_bitwise_equal(plain, graph, "no_grad")
     assert_bitwise_equal(inference, graph, "inference_mode")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_silu_grads_vs_fp64(dtype):
+    x, w, b = normal((3, 64), 98, dtype), normal((96, 64), 99, dtype, scale=0.2), normal((96,), 100, dtype)
+    g = normal((3, 96), 101, dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    out = detdit.linear(*leaves, activation="silu")
+    out.backward(g)
+    r = fp64_leaves(x, w, b)
+    out64 = F.silu(F.linear(*r))
+    out64.backward(g.double())
+    check_normwise(out, out64, dtype, "silu(linear) forward")
+    for leaf, ref, name in zip(leaves, r, ["d_x", "d_weight", "d_bias"]):
+        check_normwise(leaf.grad, ref.grad, dtype, name)
