@@ -62,28 +62,35 @@ def _require_plan(index_plan, op):
     return index_plan
 
 
+def _profile(numerics):
+    # torch.ops reports a non-str argument as a RuntimeError; it is a TypeError
+    if not isinstance(numerics, str):
+        raise TypeError(f"numerics must be 'portable' or 'torch', got {type(numerics).__name__}")
+    return numerics
+
+
 def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable", check_range=True):
     """``(T,)`` timesteps in [0, 1] (t = 1 - sigma, unscaled) -> ``(T, C)`` float32 ``[cos | sin]``
     features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``).
 
     ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
     the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
-    return _ops.timestep_sinusoid(t, num_channels, float(max_period), numerics, check_range)
+    return _ops.timestep_sinusoid(t, num_channels, float(max_period), _profile(numerics), check_range)
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):
     """``x W^T + b`` (``activation="silu"``: then SiLU), row-wise deterministic; out in x's dtype."""
-    return _ops.linear(x, weight, bias, activation, numerics)[0]
+    return _ops.linear(x, weight, bias, activation, _profile(numerics))[0]
 
 
 def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
     """``W2 silu(W1 f + b1) + b2``, all float32 (diffusers' TimestepEmbedding)."""
-    return _ops.timestep_mlp(features, w1, b1, w2, b2, numerics)[0]
+    return _ops.timestep_mlp(features, w1, b1, w2, b2, _profile(numerics))[0]
 
 
 def adaln_projection(temb, weight, bias, numerics="portable"):
     """``table = linear(bf16(silu(temb)))``: ``(T, 18H)`` in the weight's dtype (temb float32)."""
-    return _ops.adaln_projection(temb, weight, bias, numerics)[0]
+    return _ops.adaln_projection(temb, weight, bias, _profile(numerics))[0]
 
 
 def adaln_table_chunks(table, hidden):
@@ -103,7 +110,7 @@ def adaln_row_gather(rows, index_plan):
 def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable"):
     """RMSNorm of ``(M, H)`` / ``(B, S, H)`` rows times weight; with shift and scale ``(R, H)``
     (and the plan of the positions), ``n * (1 + scale[i]) + shift[i]`` as diffusers rounds it."""
-    return _ops.rmsnorm(x, weight, shift, scale, plan, float(eps), numerics)[0]
+    return _ops.rmsnorm(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
 
 
 def gate_residual(residual, y, gate, plan):
@@ -115,13 +122,14 @@ def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, n
     """H3's norm_out: ``shift, scale = linear(bf16(silu(temb))).chunk(2)`` (shift first), then
     the modulated RMSNorm of x indexed by the timestep index (a plan with ``num_rows = T``)."""
     return _ops.final_adaln_out(x, norm_weight, temb, weight, bias, _require_plan(plan, "final_adaln_out"),
-                                float(eps), numerics)[0]
+                                float(eps), _profile(numerics))[0]
 
 
 def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
     """Fused projection + gather: ``(6, S, H)``; the table gradient stays float32 from the
     gather backward into the projection backward."""
-    return _ops.adaln_modulation(temb, weight, bias, _require_plan(plan, "adaln_modulation"), numerics)[0]
+    return _ops.adaln_modulation(temb, weight, bias, _require_plan(plan, "adaln_modulation"),
+                                 _profile(numerics))[0]
 
 
 from . import nn  # noqa: E402,F401  (after the ops it wraps)

@@ -34,6 +34,8 @@ def test_type_errors(case):
         detdit.plan(case["ti"].int(), case["tags"], 2)
     with pytest.raises(TypeError, match="weight"):
         detdit.rmsnorm(case["x"], case["w"].float())
+    with pytest.raises(TypeError, match="numerics"):
+        detdit.rmsnorm(case["x"], case["w"], numerics=None)
     with pytest.raises(TypeError, match="plan must be a detdit IndexPlan"):
         detdit.gate_residual(case["x"], case["x"], case["table"], case["ti"])
 
