@@ -20,7 +20,7 @@ checked across ranks, and a validation error on one rank fails the call on every
 import torch
 import torch.distributed as dist
 
-from . import _C, H3_NORM_EPS
+from . import _C, H3_NORM_EPS, _profile
 
 __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection"]
 
@@ -66,7 +66,7 @@ class Communicator:
 def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable"):
     """The ``(T, N)`` AdaLN table from this rank's ``(N/tp, D)`` weight rows and ``(N/tp,)``
     bias (rank r: rows ``[r*N/tp, (r+1)*N/tp)``); byte-equal to ``detdit.adaln_projection``."""
-    return _ops.tp_adaln_projection(temb, weight_shard, bias_shard, comm.handle, numerics)[0]
+    return _ops.tp_adaln_projection(temb, weight_shard, bias_shard, comm.handle, _profile(numerics))[0]
 
 
 class SpRegion:
@@ -85,7 +85,8 @@ class SpRegion:
 
     def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable"):
         """``detdit.rmsnorm`` of the local rows, with the region's plan when modulated."""
-        return _ops.sp_rmsnorm(x, weight, shift, scale, self.sp, self.comm.handle, float(eps), numerics)[0]
+        return _ops.sp_rmsnorm(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
+                               _profile(numerics))[0]
 
     def gate_residual(self, residual, y, gate):
         """``detdit.gate_residual`` of the local rows."""
