@@ -1,12 +1,18 @@
 // The conditioning chain (include/detdit/chain.h): the public ops composed in
-// the order of the H3 model, forward then backward, on CPU tensors.
+// the order of the H3 model, forward then backward, on the tensors of one
+// device. Between the ops only the internal elementwise helpers touch the
+// data (add, copy_tensor, fill_zero: src/common/elementwise.h), so the same
+// code runs on CPU and CUDA tensors and every step on CUDA is queued on the
+// caller's stream.
 #include "detdit/chain.h"
 
-#include <algorithm>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/elementwise.h"
 #include "common/scratch.h"
 #include "common/storage.h"
 #include "common/validate.h"
@@ -19,29 +25,26 @@
 namespace detdit {
 namespace {
 
-// Scratch tensors of one call; all freed when the call returns.
+// Scratch tensors of one call on the call's device and stream; all freed when
+// the call returns (on CUDA stream-ordered, after the queued kernels).
 class Scratch {
  public:
-  explicit Scratch(Device device) : device_(device) {}
+  Scratch(Device device, Stream stream) : device_(device), stream_(stream) {}
   Status make(DType dtype, std::initializer_list<int64_t> shape, TensorView* view) {
     owners_.emplace_back();
-    return scratch_tensor(device_, dtype, shape, nullptr, &owners_.back(), view);
+    return scratch_tensor(device_, dtype, shape, stream_, &owners_.back(), view);
   }
 
  private:
   Device device_;
+  Stream stream_;
   std::vector<std::shared_ptr<void>> owners_;
 };
 
-// sum = R_T(rn(sum + add)), elementwise over contiguous tensors of one dtype:
-// the accumulation of two gradient paths (autograd's sum, one rounding).
-void accumulate(const TensorView& sum, const TensorView& add) {
-  dispatch_float_dtype(sum.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    T* s = static_cast<T*>(sum.data);
-    const T* a = static_cast<const T*>(add.data);
-    for (int64_t i = 0; i < sum.numel(); ++i) s[i] = from_float<T>(num::add32(to_float(s[i]), to_float(a[i])));
-  });
+// sum = R_T(rn(sum + add)) (numerics 5.10): the accumulation of two gradient
+// paths (autograd's sum, one rounding).
+Status accumulate(const TensorView& sum, const TensorView& term, Stream stream) {
+  return add(sum, term, sum, stream);
 }
 
 // Row k of a (2L, M, H) stand-in tensor, as an (M, H) view.
@@ -50,16 +53,85 @@ TensorView sublayer(const TensorView& t, int64_t k) {
   return TensorView::contiguous(v.data, v.dtype, {t.shape[1], t.shape[2]}, t.device);
 }
 
-// A byte copy between contiguous CPU tensors of one size.
-void copy_bytes(const TensorView& dst, const TensorView& src) {
-  std::copy_n(static_cast<const char*>(src.data), src.nbytes(), static_cast<char*>(dst.data));
+using NamedTensor = std::pair<const TensorView*, std::string>;
+
+// Every tensor of the call with its name, for the one-device check.
+std::vector<NamedTensor> named_tensors(const ChainParams& p) {
+  const ChainWeights& w = p.weights;
+  const ChainGrads& g = p.grads;
+  std::vector<NamedTensor> all = {
+      {&p.timesteps, "timesteps"}, {&p.sublayer_out, "sublayer_out"}, {&p.sublayer_grad, "sublayer_grad"},
+      {&p.grad_out, "grad_out"}, {&p.out, "out"}, {&w.mlp_w1, "weights.mlp_w1"}, {&w.mlp_b1, "weights.mlp_b1"},
+      {&w.mlp_w2, "weights.mlp_w2"}, {&w.mlp_b2, "weights.mlp_b2"}, {&w.norm_out_weight, "weights.norm_out_weight"},
+      {&w.out_weight, "weights.out_weight"}, {&w.out_bias, "weights.out_bias"}, {&g.d_timesteps, "grads.d_timesteps"},
+      {&g.d_mlp_w1, "grads.d_mlp_w1"}, {&g.d_mlp_b1, "grads.d_mlp_b1"}, {&g.d_mlp_w2, "grads.d_mlp_w2"},
+      {&g.d_mlp_b2, "grads.d_mlp_b2"}, {&g.d_norm_out_weight, "grads.d_norm_out_weight"},
+      {&g.d_out_weight, "grads.d_out_weight"}, {&g.d_out_bias, "grads.d_out_bias"}, {&g.dx, "grads.dx"}};
+  for (int64_t l = 0; l < w.num_blocks; ++l) {
+    const std::string b = "weights.blocks[" + std::to_string(l) + "].", d = "grads.blocks[" + std::to_string(l) + "].";
+    const ChainBlockWeights& bw = w.blocks[l];
+    for (const auto& [t, name] : {NamedTensor{&bw.adaln_weight, "adaln_weight"}, NamedTensor{&bw.adaln_bias, "adaln_bias"},
+                                  NamedTensor{&bw.norm1_weight, "norm1_weight"}, NamedTensor{&bw.norm2_weight, "norm2_weight"}})
+      all.emplace_back(t, b + name);
+    if (g.blocks == nullptr) continue;
+    const ChainBlockGrads& bg = g.blocks[l];
+    for (const auto& [t, name] : {NamedTensor{&bg.d_adaln_weight, "d_adaln_weight"}, NamedTensor{&bg.d_adaln_bias, "d_adaln_bias"},
+                                  NamedTensor{&bg.d_norm1_weight, "d_norm1_weight"}, NamedTensor{&bg.d_norm2_weight, "d_norm2_weight"}})
+      all.emplace_back(t, d + name);
+  }
+  return all;
+}
+
+// A present gradient output: its weight's shape, a dtype in `allowed`. Checked
+// before the forward runs, because the op that writes it runs after others
+// have written outputs. (An absent weight is reported by the forward op that
+// reads it, before anything is written.)
+Status check_grad(const TensorView& grad, const std::string& name, const TensorView& weight,
+                  std::initializer_list<DType> allowed) {
+  if (!grad.present() || !weight.present()) return Status();
+  DETDIT_RETURN_IF_ERROR(check::dtype(grad, name.c_str(), allowed));
+  bool same_shape = grad.rank == weight.rank;
+  for (int d = 0; same_shape && d < grad.rank; ++d) same_shape = grad.shape[d] == weight.shape[d];
+  if (!same_shape) return Status::value_error(name + " must be shaped like its weight " + weight.describe() + ", got " + grad.describe());
+  return check::contiguous(grad, name.c_str());
+}
+
+Status check_grads(const ChainParams& p) {
+  const ChainWeights& w = p.weights;
+  const ChainGrads& g = p.grads;
+  const DType x_dtype = p.x.dtype, f32 = DType::kF32;
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_timesteps, "grads.d_timesteps", p.timesteps, {p.timesteps.dtype}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_mlp_w1, "grads.d_mlp_w1", w.mlp_w1, {f32}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_mlp_b1, "grads.d_mlp_b1", w.mlp_b1, {f32}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_mlp_w2, "grads.d_mlp_w2", w.mlp_w2, {f32}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_mlp_b2, "grads.d_mlp_b2", w.mlp_b2, {f32}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_norm_out_weight, "grads.d_norm_out_weight", w.norm_out_weight, {x_dtype, f32}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_out_weight, "grads.d_out_weight", w.out_weight, {w.out_weight.dtype}));
+  DETDIT_RETURN_IF_ERROR(check_grad(g.d_out_bias, "grads.d_out_bias", w.out_bias, {w.out_weight.dtype}));
+  for (int64_t l = 0; g.blocks != nullptr && l < w.num_blocks; ++l) {
+    const ChainBlockWeights& bw = w.blocks[l];
+    const ChainBlockGrads& bg = g.blocks[l];
+    const std::string d = "grads.blocks[" + std::to_string(l) + "].";
+    DETDIT_RETURN_IF_ERROR(check_grad(bg.d_adaln_weight, d + "d_adaln_weight", bw.adaln_weight, {bw.adaln_weight.dtype}));
+    DETDIT_RETURN_IF_ERROR(check_grad(bg.d_adaln_bias, d + "d_adaln_bias", bw.adaln_bias, {bw.adaln_weight.dtype}));
+    DETDIT_RETURN_IF_ERROR(check_grad(bg.d_norm1_weight, d + "d_norm1_weight", bw.norm1_weight, {x_dtype, f32}));
+    DETDIT_RETURN_IF_ERROR(check_grad(bg.d_norm2_weight, d + "d_norm2_weight", bw.norm2_weight, {x_dtype, f32}));
+  }
+  return Status();
 }
 
 Status validate(const ChainParams& p, int64_t* hidden) {
   DETDIT_RETURN_IF_ERROR(check::present(p.x, "x"));
-  if (p.x.device.is_cuda())
-    return Status::value_error("chain_forward_backward runs on CPU tensors (its gradient sums are host code), got x on " +
-                               p.x.device.to_string());
+  const ChainWeights& w = p.weights;
+  if (w.num_blocks < 0 || (w.num_blocks > 0 && w.blocks == nullptr))
+    return Status::value_error("weights.blocks must hold num_blocks = " + std::to_string(w.num_blocks) + " blocks");
+  // One device for everything: the ops in between would otherwise fail after
+  // earlier ops have written outputs.
+  for (const auto& [t, name] : named_tensors(p))
+    if (t->present() && t->device != p.x.device)
+      return Status::value_error("chain_forward_backward runs on CPU tensors or on CUDA tensors of one device, got x on " +
+                                 p.x.device.to_string() + " and " + name + " on " + t->device.to_string());
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.x.device));
   DETDIT_RETURN_IF_ERROR(check::plan_on(p.adaln_plan, "adaln_plan", p.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::plan_on(p.timestep_plan, "timestep_plan", p.x, "x"));
   DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.x, "x", &p.adaln_plan, hidden));
@@ -70,9 +142,6 @@ Status validate(const ChainParams& p, int64_t* hidden) {
                                ", " + std::to_string(p.timestep_plan.num_rows()) + ") vs adaln (" +
                                std::to_string(p.adaln_plan.batch()) + ", " + std::to_string(p.adaln_plan.seq_len()) + ", " +
                                std::to_string(p.adaln_plan.num_rows()) + ")");
-  const ChainWeights& w = p.weights;
-  if (w.num_blocks < 0 || (w.num_blocks > 0 && w.blocks == nullptr))
-    return Status::value_error("weights.blocks must hold num_blocks = " + std::to_string(w.num_blocks) + " blocks");
   const int64_t rows = p.x.numel() / *hidden;
   for (const auto& [t, name] : {std::make_pair(&p.sublayer_out, "sublayer_out"), std::make_pair(&p.sublayer_grad, "sublayer_grad")}) {
     DETDIT_RETURN_IF_ERROR(check::present(*t, name));
@@ -92,7 +161,7 @@ Status validate(const ChainParams& p, int64_t* hidden) {
   if (p.timesteps.rank != 1 || p.timesteps.shape[0] != p.timestep_plan.num_rows())
     return Status::value_error("timesteps must be (T,) with T = timestep_plan.num_rows() = " +
                                std::to_string(p.timestep_plan.num_rows()) + ", got " + p.timesteps.describe());
-  return Status();
+  return check_grads(p);
 }
 
 }  // namespace
@@ -105,7 +174,7 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
   const int64_t num_timesteps = p.timesteps.shape[0], frequencies = w.mlp_w1.shape[1];
   const int64_t mlp_hidden = w.mlp_w1.shape[0], embed = w.mlp_w2.shape[0];
   const DType dtype = p.x.dtype;
-  Scratch scratch(p.x.device);
+  Scratch scratch(p.x.device, stream);
 
   // ---- forward -----------------------------------------------------------
   TensorView features, temb, pre, mlp_act;
@@ -113,7 +182,10 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, embed}, &temb));
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, mlp_hidden}, &pre));
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, mlp_hidden}, &mlp_act));
-  DETDIT_RETURN_IF_ERROR(timestep_sinusoid_forward({p.timesteps, features, p.max_period, p.numerics}, stream));
+  // The range check (if asked for) happens here, before any output is written;
+  // the backward reads the same timesteps and skips it.
+  DETDIT_RETURN_IF_ERROR(
+      timestep_sinusoid_forward({p.timesteps, features, p.max_period, p.numerics, p.check_range}, stream));
   TimestepMlpParams mlp{features, w.mlp_w1, w.mlp_b1, w.mlp_w2, w.mlp_b2, temb, pre, mlp_act, p.numerics};
   DETDIT_RETURN_IF_ERROR(timestep_mlp_forward(mlp, stream));
 
@@ -178,7 +250,7 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
                                              g ? g->d_norm2_weight : TensorView(), d_chunk[3], d_chunk[4], p.eps,
                                              p.numerics},
                                             stream));
-    accumulate(grad, norm_dx);
+    DETDIT_RETURN_IF_ERROR(accumulate(grad, norm_dx, stream));
     // first half: x' = x_l + gate_msa * attn(norm1(x_l))
     DETDIT_RETURN_IF_ERROR(gate_residual_backward(
         {grad, sublayer(p.sublayer_out, 2 * l), m[2], p.adaln_plan, TensorView(), TensorView(), d_chunk[2]}, stream));
@@ -187,26 +259,27 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
                                              g ? g->d_norm1_weight : TensorView(), d_chunk[0], d_chunk[1], p.eps,
                                              p.numerics},
                                             stream));
-    accumulate(grad, norm_dx);
+    DETDIT_RETURN_IF_ERROR(accumulate(grad, norm_dx, stream));
     AdalnProjectionBackwardParams proj{temb, b.adaln_weight, act[l], d_table, d_temb_part[l],
                                        g ? g->d_adaln_weight : TensorView(), g ? g->d_adaln_bias : TensorView(),
                                        p.numerics};
     DETDIT_RETURN_IF_ERROR(adaln_projection_backward(proj, stream));
   }
-  if (p.grads.dx.present()) copy_bytes(p.grads.dx, grad);
+  if (p.grads.dx.present()) DETDIT_RETURN_IF_ERROR(copy_tensor(grad, p.grads.dx, stream));
 
   // d_temb: ascending FP32 sum from +0.0 over blocks 0..L-1, then the final layer.
   TensorView d_temb;
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, embed}, &d_temb));
-  std::fill_n(static_cast<float*>(d_temb.data), d_temb.numel(), 0.0f);
-  for (const TensorView& part : d_temb_part) accumulate(d_temb, part);
+  DETDIT_RETURN_IF_ERROR(fill_zero(d_temb, stream));
+  for (const TensorView& part : d_temb_part) DETDIT_RETURN_IF_ERROR(accumulate(d_temb, part, stream));
   TensorView d_features;
   if (p.grads.d_timesteps.present()) DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, frequencies}, &d_features));
   TimestepMlpBackwardParams mlp_back{features, w.mlp_w1, w.mlp_w2, pre, mlp_act, d_temb, d_features,
                                      p.grads.d_mlp_w1, p.grads.d_mlp_b1, p.grads.d_mlp_w2, p.grads.d_mlp_b2, p.numerics};
   DETDIT_RETURN_IF_ERROR(timestep_mlp_backward(mlp_back, stream));
   if (!p.grads.d_timesteps.present()) return Status();
-  return timestep_sinusoid_backward({p.timesteps, d_features, p.grads.d_timesteps, p.max_period, p.numerics}, stream);
+  return timestep_sinusoid_backward(
+      {p.timesteps, d_features, p.grads.d_timesteps, p.max_period, p.numerics, /*check_range=*/false}, stream);
 }
 
 Status chain_stand_ins(uint64_t seed, const TensorView& sublayer_out, const TensorView& sublayer_grad) {

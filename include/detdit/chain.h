@@ -22,8 +22,12 @@
 // over the blocks 0..L-1, then the final layer; every table gradient is FP32
 // into the projection backward (never rounded to the weight dtype in between).
 // Every gradient output is optional (absent: not computed into the caller's
-// memory). The chain composes the public ops; it runs on CPU tensors (the
-// gradient sums are host code; CUDA tensors are a ValueError).
+// memory). The chain composes the public ops and the internal elementwise add
+// (docs/numerics.md 5.10); it runs on the tensors of one device, CPU or CUDA
+// (mixed devices are a ValueError), with bitwise equal results. On CUDA every
+// step is queued on `stream`; the only host synchronisation is the range check
+// of the timesteps (one copy to the host before anything is written), and
+// check_range = false removes it, so the call is CUDA-graph capturable.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +82,7 @@ struct ChainParams {
   float max_period = 10000.0f;
   float eps = 1e-5f;
   Numerics numerics = Numerics::kPortable;
+  bool check_range = true;  // false: the caller guarantees every timestep finite and in [0, 1]
 };
 Status chain_forward_backward(const ChainParams& params, Stream stream = nullptr);
 

@@ -1,5 +1,6 @@
 // The CUDA backend of a build without nvcc: every entry point says so.
 #include "common/backends.h"
+#include "common/elementwise.h"
 #include "common/scratch.h"
 #include "parallel/comm_copy.h"
 
@@ -22,11 +23,11 @@ Status linear_backward_weight(const LinearBackwardWeightParams&, Stream) { retur
 Status silu_backward(const SiluBackwardParams&, Stream) { return unavailable(); }
 Status silu_cast(const TensorView&, const TensorView&, Numerics, Stream) { return unavailable(); }
 Status adaln_row_gather_forward(const AdalnRowGatherParams&, Stream) { return unavailable(); }
-Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams&, Stream) { return unavailable(); }
+Status adaln_row_gather_backward_partials(const AdalnRowGatherBackwardParams&, const TensorView&, Stream) {
+  return unavailable();
+}
 Status rmsnorm_forward(const RmsnormParams&, Stream) { return unavailable(); }
-Status rmsnorm_backward(const RmsnormBackwardParams&, Stream) { return unavailable(); }
 Status gate_residual_forward(const GateResidualParams&, Stream) { return unavailable(); }
-Status gate_residual_backward(const GateResidualBackwardParams&, Stream) { return unavailable(); }
 
 Status rmsnorm_backward_rows(const RmsnormBackwardParams&, Stream) { return unavailable(); }
 Status rmsnorm_backward_partials(const RmsnormBackwardParams&, const ChunkSelection&, const ExtraRows&,
@@ -58,5 +59,9 @@ Status comm_columns_to_f32(const void*, DType, int64_t, int64_t, int64_t, float*
 
 Status allocate_scratch(const Device&, std::size_t, Stream, std::shared_ptr<void>*) { return unavailable(); }
 Status upcast_to_f32(const TensorView&, const TensorView&, Stream) { return unavailable(); }
+
+Status add(const TensorView&, const TensorView&, const TensorView&, Stream) { return unavailable(); }
+Status copy_tensor(const TensorView&, const TensorView&, Stream) { return unavailable(); }
+Status fill_zero(const TensorView&, Stream) { return unavailable(); }
 }  // namespace cuda
 }  // namespace detdit
