@@ -1,11 +1,12 @@
-// verify cases of the whole conditioning chain (include/detdit/chain.h, CPU):
-// sinusoid -> MLP -> per block projection, modulated norms and gated
-// residuals with the seeded stand-in sublayers -> final_adaln_out, forward
-// and backward on the first kChainMaxBlocks blocks of the weights (each block
-// costs 0.5 GB of bf16 weight gradient). Checks: repeatability
-// of the output and of every gradient, and batch invariance of the row-local
+// verify cases of the whole conditioning chain (include/detdit/chain.h) on the
+// run's device: sinusoid -> MLP -> per block projection, modulated norms and
+// gated residuals with the seeded stand-in sublayers -> final_adaln_out,
+// forward and backward on the first kChainMaxBlocks blocks of the weights
+// (each block costs 0.5 GB of bf16 weight gradient). Checks: repeatability
+// of the output and of every gradient, batch invariance of the row-local
 // results (out and dx of batch item 0 alone = the same rows inside a batch of
-// two, bitwise).
+// two, bitwise), and on CUDA every output and gradient equal to the CPU
+// chain's, bitwise.
 #include <algorithm>
 #include <cstring>
 
@@ -31,7 +32,7 @@ struct ChainInputs {
   HostBuffer timesteps, ti, tags, x, sublayer_out, sublayer_grad, grad_out;
 };
 
-// Weight views of the chain's blocks.
+// Weight views of the chain's blocks (host memory).
 Status chain_weights(const Weights& w, std::vector<ChainBlockWeights>* blocks, ChainWeights* out) {
   blocks->resize(static_cast<std::size_t>(chain_blocks(w)));
   for (int64_t l = 0; l < chain_blocks(w); ++l) {
@@ -53,53 +54,105 @@ Status chain_weights(const Weights& w, std::vector<ChainBlockWeights>* blocks, C
   return Status::ok_status();
 }
 
-HostBuffer like(const TensorView& v) {
-  return HostBuffer(v.dtype, std::vector<int64_t>(v.shape, v.shape + v.rank));
+std::vector<int64_t> shape_of(const TensorView& v) { return std::vector<int64_t>(v.shape, v.shape + v.rank); }
+
+// The chain's weights on one device: the weights' own host views on the CPU,
+// device copies on CUDA (made once per case, shared by its runs).
+struct ChainWeightsOn {
+  Device device;
+  std::vector<ChainBlockWeights> blocks;
+  ChainWeights weights;
+  std::vector<DeviceTensor> copies;
+};
+
+Status chain_weights_on(const Weights& w, const Device& device, ChainWeightsOn* out) {
+  out->device = device;
+  DETDIT_RETURN_IF_ERROR(chain_weights(w, &out->blocks, &out->weights));
+  if (!device.is_cuda()) return Status::ok_status();
+  // every weight view, each replaced by its device copy
+  std::vector<TensorView*> views = {&out->weights.mlp_w1, &out->weights.mlp_b1, &out->weights.mlp_w2,
+                                    &out->weights.mlp_b2, &out->weights.norm_out_weight, &out->weights.out_weight,
+                                    &out->weights.out_bias};
+  for (ChainBlockWeights& b : out->blocks)
+    for (TensorView* v : {&b.adaln_weight, &b.adaln_bias, &b.norm1_weight, &b.norm2_weight}) views.push_back(v);
+  out->copies.reserve(views.size());
+  for (TensorView* v : views) {
+    HostBuffer host(v->dtype, shape_of(*v));
+    std::memcpy(host.data(), v->data, host.nbytes());
+    out->copies.emplace_back();
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(host, device, &out->copies.back()));
+    *v = out->copies.back().view();
+  }
+  out->weights.blocks = out->blocks.data();
+  return Status::ok_status();
 }
 
-Status run_chain(const Weights& weights, const ChainInputs& in, bool weight_grads, ChainRun* run) {
-  std::vector<ChainBlockWeights> blocks;
+// One chain call on the weights' device; every output comes back to the host.
+Status run_chain(const ChainWeightsOn& w, const ChainInputs& in, bool weight_grads, ChainRun* run) {
+  const Device& device = w.device;
   ChainParams p;
-  DETDIT_RETURN_IF_ERROR(chain_weights(weights, &blocks, &p.weights));
-  DETDIT_RETURN_IF_ERROR(IndexPlan::from_timesteps_and_tags(in.ti.view(), in.tags.view(), kChainTimesteps, in.batch,
+  p.weights = w.weights;
+  DeviceTensor ti, tags, timesteps, x, sublayer_out, sublayer_grad, grad_out, out, dx;
+  for (const auto& [host, tensor] : {std::make_pair(&in.ti, &ti), std::make_pair(&in.tags, &tags),
+                                     std::make_pair(&in.timesteps, &timesteps), std::make_pair(&in.x, &x),
+                                     std::make_pair(&in.sublayer_out, &sublayer_out),
+                                     std::make_pair(&in.sublayer_grad, &sublayer_grad),
+                                     std::make_pair(&in.grad_out, &grad_out)})
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(*host, device, tensor));
+  DETDIT_RETURN_IF_ERROR(IndexPlan::from_timesteps_and_tags(ti.view(), tags.view(), kChainTimesteps, in.batch,
                                                            &p.adaln_plan));
-  DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(in.ti.view(), kChainTimesteps, in.batch, &p.timestep_plan));
-  p.timesteps = in.timesteps.view();
-  p.x = in.x.view();
-  p.sublayer_out = in.sublayer_out.view();
-  p.sublayer_grad = in.sublayer_grad.view();
-  p.grad_out = in.grad_out.view();
-  run->out = HostBuffer(in.x.dtype(), in.x.shape());
-  run->dx = HostBuffer(in.x.dtype(), in.x.shape());
-  p.out = run->out.view();
-  p.grads.dx = run->dx.view();
-  std::vector<ChainBlockGrads> block_grads(blocks.size());
-  run->grads.clear();
+  DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(ti.view(), kChainTimesteps, in.batch, &p.timestep_plan));
+  p.timesteps = timesteps.view();
+  p.x = x.view();
+  p.sublayer_out = sublayer_out.view();
+  p.sublayer_grad = sublayer_grad.view();
+  p.grad_out = grad_out.view();
+  DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(in.x.dtype(), in.x.shape(), device, &out));
+  DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(in.x.dtype(), in.x.shape(), device, &dx));
+  p.out = out.view();
+  p.grads.dx = dx.view();
+  std::vector<ChainBlockGrads> block_grads(w.blocks.size());
+  std::vector<DeviceTensor> grads;
   if (weight_grads) {
-    // Reserve first: the gradient views point into these buffers.
-    run->grads.reserve(8 + 4 * blocks.size());
+    // Reserve first: the gradient views point into these tensors.
+    grads.reserve(8 + 4 * w.blocks.size());
     auto add = [&](const TensorView& like_this, TensorView* grad) {
-      run->grads.push_back(like(like_this));
-      *grad = run->grads.back().view();
+      grads.emplace_back();
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(like_this.dtype, shape_of(like_this), device, &grads.back()));
+      *grad = grads.back().view();
+      return Status::ok_status();
     };
-    run->grads.push_back(HostBuffer(in.timesteps.dtype(), in.timesteps.shape()));
-    p.grads.d_timesteps = run->grads.back().view();
-    add(p.weights.mlp_w1, &p.grads.d_mlp_w1);
-    add(p.weights.mlp_b1, &p.grads.d_mlp_b1);
-    add(p.weights.mlp_w2, &p.grads.d_mlp_w2);
-    add(p.weights.mlp_b2, &p.grads.d_mlp_b2);
-    for (std::size_t l = 0; l < blocks.size(); ++l) {
-      add(blocks[l].adaln_weight, &block_grads[l].d_adaln_weight);
-      add(blocks[l].adaln_bias, &block_grads[l].d_adaln_bias);
-      add(blocks[l].norm1_weight, &block_grads[l].d_norm1_weight);
-      add(blocks[l].norm2_weight, &block_grads[l].d_norm2_weight);
+    DETDIT_RETURN_IF_ERROR(add(p.timesteps, &p.grads.d_timesteps));
+    DETDIT_RETURN_IF_ERROR(add(p.weights.mlp_w1, &p.grads.d_mlp_w1));
+    DETDIT_RETURN_IF_ERROR(add(p.weights.mlp_b1, &p.grads.d_mlp_b1));
+    DETDIT_RETURN_IF_ERROR(add(p.weights.mlp_w2, &p.grads.d_mlp_w2));
+    DETDIT_RETURN_IF_ERROR(add(p.weights.mlp_b2, &p.grads.d_mlp_b2));
+    for (std::size_t l = 0; l < w.blocks.size(); ++l) {
+      DETDIT_RETURN_IF_ERROR(add(w.blocks[l].adaln_weight, &block_grads[l].d_adaln_weight));
+      DETDIT_RETURN_IF_ERROR(add(w.blocks[l].adaln_bias, &block_grads[l].d_adaln_bias));
+      DETDIT_RETURN_IF_ERROR(add(w.blocks[l].norm1_weight, &block_grads[l].d_norm1_weight));
+      DETDIT_RETURN_IF_ERROR(add(w.blocks[l].norm2_weight, &block_grads[l].d_norm2_weight));
     }
     p.grads.blocks = block_grads.data();
-    add(p.weights.norm_out_weight, &p.grads.d_norm_out_weight);
-    add(p.weights.out_weight, &p.grads.d_out_weight);
-    add(p.weights.out_bias, &p.grads.d_out_bias);
+    DETDIT_RETURN_IF_ERROR(add(p.weights.norm_out_weight, &p.grads.d_norm_out_weight));
+    DETDIT_RETURN_IF_ERROR(add(p.weights.out_weight, &p.grads.d_out_weight));
+    DETDIT_RETURN_IF_ERROR(add(p.weights.out_bias, &p.grads.d_out_bias));
   }
-  return chain_forward_backward(p);
+  DETDIT_RETURN_IF_ERROR(chain_forward_backward(p));
+  DETDIT_RETURN_IF_ERROR(out.to_host(&run->out));
+  DETDIT_RETURN_IF_ERROR(dx.to_host(&run->dx));
+  run->grads.assign(grads.size(), HostBuffer());
+  for (std::size_t i = 0; i < grads.size(); ++i) DETDIT_RETURN_IF_ERROR(grads[i].to_host(&run->grads[i]));
+  return Status::ok_status();
+}
+
+// Every output of two runs compared bytewise.
+void compare_runs(const ChainRun& expected, const ChainRun& actual, CheckRow* row) {
+  compare_bytes(expected.out.data(), actual.out.data(), expected.out.nbytes(), expected.out.dtype(), "out", row);
+  compare_bytes(expected.dx.data(), actual.dx.data(), expected.dx.nbytes(), expected.dx.dtype(), "dx", row);
+  for (std::size_t i = 0; i < expected.grads.size() && i < actual.grads.size(); ++i)
+    compare_bytes(expected.grads[i].data(), actual.grads[i].data(), expected.grads[i].nbytes(), expected.grads[i].dtype(),
+                  "gradient " + std::to_string(i), row);
 }
 
 // Inputs of `batch` items; item b's rows [b*S, (b+1)*S) depend only on b.
@@ -144,30 +197,38 @@ Status verify_chain(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   ChainInputs pair, single;
   DETDIT_RETURN_IF_ERROR(make_inputs(ctx, 2, &pair));
   DETDIT_RETURN_IF_ERROR(make_inputs(ctx, 1, &single));
+  ChainWeightsOn weights;
+  DETDIT_RETURN_IF_ERROR(chain_weights_on(*ctx.weights, ctx.device, &weights));
   ChainRun first;
   rows->push_back(timed_check("forward+backward repeatability (out, dx, every grad)", [&](CheckRow* row) {
     ChainRun second;
-    DETDIT_RETURN_IF_ERROR(run_chain(*ctx.weights, pair, true, &first));
-    DETDIT_RETURN_IF_ERROR(run_chain(*ctx.weights, pair, true, &second));
-    compare_bytes(first.out.data(), second.out.data(), first.out.nbytes(), first.out.dtype(), "out", row);
-    compare_bytes(first.dx.data(), second.dx.data(), first.dx.nbytes(), first.dx.dtype(), "dx", row);
-    for (std::size_t i = 0; i < first.grads.size(); ++i) {
-      compare_bytes(first.grads[i].data(), second.grads[i].data(), first.grads[i].nbytes(), first.grads[i].dtype(),
-                    "gradient " + std::to_string(i), row);
-    }
+    DETDIT_RETURN_IF_ERROR(run_chain(weights, pair, true, &first));
+    DETDIT_RETURN_IF_ERROR(run_chain(weights, pair, true, &second));
+    compare_runs(first, second, row);
     return Status::ok_status();
   }));
   rows->push_back(timed_check("batch invariance of out and dx (B=1 vs B=2)", [&](CheckRow* row) {
     ChainRun alone;
-    DETDIT_RETURN_IF_ERROR(run_chain(*ctx.weights, single, false, &alone));
-    if (first.out.nbytes() == 0) DETDIT_RETURN_IF_ERROR(run_chain(*ctx.weights, pair, false, &first));
+    DETDIT_RETURN_IF_ERROR(run_chain(weights, single, false, &alone));
+    if (first.out.nbytes() == 0) DETDIT_RETURN_IF_ERROR(run_chain(weights, pair, false, &first));
     compare_bytes(alone.out.data(), first.out.data(), alone.out.nbytes(), alone.out.dtype(), "out of item 0", row);
     compare_bytes(alone.dx.data(), first.dx.data(), alone.dx.nbytes(), alone.dx.dtype(), "dx of item 0", row);
     return Status::ok_status();
   }));
+  if (ctx.device.is_cuda()) {
+    rows->push_back(timed_check("cuda = cpu reference (out, dx, every grad)", [&](CheckRow* row) {
+      ChainWeightsOn host_weights;
+      DETDIT_RETURN_IF_ERROR(chain_weights_on(*ctx.weights, Device::cpu(), &host_weights));
+      ChainRun reference;
+      DETDIT_RETURN_IF_ERROR(run_chain(host_weights, pair, true, &reference));
+      if (first.grads.size() != reference.grads.size()) DETDIT_RETURN_IF_ERROR(run_chain(weights, pair, true, &first));
+      compare_runs(reference, first, row);
+      return Status::ok_status();
+    }));
+  }
   return Status::ok_status();
 }
-DETDIT_VERIFY_CASE("chain", "blocks 0..1, fwd+bwd, T=2", true, false, verify_chain);
+DETDIT_VERIFY_CASE("chain", "blocks 0..1, fwd+bwd, T=2", true, true, verify_chain);
 
 }  // namespace
 }  // namespace cli
