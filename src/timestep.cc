@@ -141,15 +141,21 @@ Status check_mlp_sizes(const TensorView& features, const TensorView& w1) {
   return Status();
 }
 
+// The start both MLP validations share: features, w1, w2 present; features
+// (T, K) and w1 (H, K) well formed; the numerics available on features' device.
+Status check_mlp_input(const TensorView& features, const TensorView& w1, const TensorView& w2, Numerics numerics) {
+  DETDIT_RETURN_IF_ERROR(check::present(features, "features"));
+  DETDIT_RETURN_IF_ERROR(check::present(w1, "w1"));
+  DETDIT_RETURN_IF_ERROR(check::present(w2, "w2"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(features, "features", features, {-1, -1}, "(T, K)"));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(numerics, features.device));
+  return check_mlp_operand(w1, "w1", features, {-1, features.shape[1]}, "(H, K)");
+}
+
 Status validate_mlp(const TimestepMlpParams& p) {
-  DETDIT_RETURN_IF_ERROR(check::present(p.features, "features"));
-  DETDIT_RETURN_IF_ERROR(check::present(p.w1, "w1"));
-  DETDIT_RETURN_IF_ERROR(check::present(p.w2, "w2"));
-  const int64_t rows = p.features.shape[0], in_features = p.features.shape[1];
+  DETDIT_RETURN_IF_ERROR(check_mlp_input(p.features, p.w1, p.w2, p.numerics));
+  const int64_t rows = p.features.shape[0];
   const int64_t hidden = p.w1.shape[0], out_features = p.w2.shape[0];
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.features, "features", p.features, {-1, -1}, "(T, K)"));
-  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.features.device));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w1, "w1", p.features, {-1, in_features}, "(H, K)"));
   DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.b1, "b1", p.features, {hidden}, "(H,)"));
   DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w2, "w2", p.features, {-1, hidden}, "(D, H)"));
   DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.b2, "b2", p.features, {out_features}, "(D,)"));
@@ -167,14 +173,9 @@ Status validate_mlp(const TimestepMlpParams& p) {
 }
 
 Status validate_mlp_backward(const TimestepMlpBackwardParams& p) {
-  DETDIT_RETURN_IF_ERROR(check::present(p.features, "features"));
-  DETDIT_RETURN_IF_ERROR(check::present(p.w1, "w1"));
-  DETDIT_RETURN_IF_ERROR(check::present(p.w2, "w2"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_input(p.features, p.w1, p.w2, p.numerics));
   const int64_t rows = p.features.shape[0], in_features = p.features.shape[1];
   const int64_t hidden = p.w1.shape[0], out_features = p.w2.shape[0];
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.features, "features", p.features, {-1, -1}, "(T, K)"));
-  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.features.device));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w1, "w1", p.features, {-1, in_features}, "(H, K)"));
   DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w2, "w2", p.features, {-1, hidden}, "(D, H)"));
   DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.features, p.w1));
   DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.pre, "pre", p.features, {rows, hidden}, "(T, H)"));
