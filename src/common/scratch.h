@@ -38,6 +38,9 @@ Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, 
 Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream stream);
 }  // namespace cuda
 
+// `bytes` of scratch memory on `device` (the backend's allocate_scratch).
+Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner);
+
 // A contiguous scratch tensor of `shape` and `dtype` on `device`; *owner keeps
 // its memory alive. Dispatches to the backend of `device`.
 Status scratch_tensor(const Device& device, DType dtype, std::initializer_list<int64_t> shape, Stream stream,

@@ -1,5 +1,5 @@
 // CPU scratch memory and the exact FP32 upcast (src/common/scratch.h), plus the
-// device dispatch of scratch_tensor.
+// device dispatch of allocate_scratch and scratch_tensor.
 #include "common/scratch.h"
 
 #include <new>
@@ -34,12 +34,15 @@ Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream) {
 
 }  // namespace cpu
 
+Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
+  return device.is_cuda() ? cuda::allocate_scratch(device, bytes, stream, owner)
+                          : cpu::allocate_scratch(device, bytes, stream, owner);
+}
+
 Status scratch_tensor(const Device& device, DType dtype, std::initializer_list<int64_t> shape, Stream stream,
                       std::shared_ptr<void>* owner, TensorView* view) {
   TensorView shaped = TensorView::contiguous(nullptr, dtype, shape, device);
-  std::size_t bytes = shaped.nbytes();
-  DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::allocate_scratch(device, bytes, stream, owner)
-                                          : cpu::allocate_scratch(device, bytes, stream, owner));
+  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, shaped.nbytes(), stream, owner));
   shaped.data = owner->get();
   *view = shaped;
   return Status();

@@ -50,11 +50,6 @@ TensorView local_shape(const TensorView& t, int64_t columns) {
   return TensorView::contiguous(t.data, t.dtype, {t.shape[0], columns}, t.device);
 }
 
-Status allocate(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
-  return device.is_cuda() ? cuda::allocate_scratch(device, bytes, stream, owner)
-                          : cpu::allocate_scratch(device, bytes, stream, owner);
-}
-
 // dst (T, columns) fp32 <- grad_table[:, begin:begin+columns] upcast exactly.
 Status columns_to_f32(const TensorView& grad_table, int64_t begin, int64_t columns, float* dst, Stream stream) {
   const int64_t rows = grad_table.shape[0], stride = grad_table.strides[0];
@@ -127,7 +122,7 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   const int64_t rows = p.table.shape[0], columns = end - begin;
   const std::size_t element = dtype_size(p.table.dtype), block = static_cast<std::size_t>(rows * columns) * element;
   std::shared_ptr<void> memory;
-  DETDIT_RETURN_IF_ERROR(allocate(device, block * (1 + world), stream, &memory));
+  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, block * (1 + world), stream, &memory));
   char* local = static_cast<char*>(memory.get());
   char* gathered = local + block;
   const TensorView local_table = TensorView::contiguous(local, p.table.dtype, {rows, columns}, device);
@@ -167,8 +162,8 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   const std::size_t act_bytes = static_cast<std::size_t>(rows * in_features) * sizeof(float);
   auto round_up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   std::shared_ptr<void> memory;
-  DETDIT_RETURN_IF_ERROR(allocate(device, round_up(g_bytes) + round_up(block) + round_up(block * world) + act_bytes,
-                                  stream, &memory));
+  DETDIT_RETURN_IF_ERROR(allocate_scratch(
+      device, round_up(g_bytes) + round_up(block) + round_up(block * world) + act_bytes, stream, &memory));
   char* base = static_cast<char*>(memory.get());
   float* g = reinterpret_cast<float*>(base);
   char* partials = base + round_up(g_bytes);
