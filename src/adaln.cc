@@ -1,6 +1,8 @@
 // Public entry points of adaln_row_gather, adaln_modulation and
 // final_adaln_out (include/detdit/adaln.h, spec 3.5, 3.6, 3.9): validate every
-// argument, then dispatch on the tensors' device. Nothing is written on error.
+// argument, then dispatch on the tensors' device (the cross-row backwards
+// through device-generic compositions of the backend's halves). Nothing is
+// written on error.
 #include "detdit/adaln.h"
 
 #include <memory>
@@ -10,6 +12,7 @@
 #include "common/projection.h"
 #include "common/scratch.h"
 #include "common/validate.h"
+#include "rowwise_backward.h"
 #include "rowwise_checks.h"
 
 namespace detdit {
@@ -76,6 +79,22 @@ Status validate_row_gather_backward(const AdalnRowGatherBackwardParams& p) {
 
 namespace {
 
+// The canonical reduction of d_rows (numerics 6.6): the backend's segment
+// partials (G, 6H) of every chunk into FP32 scratch, then
+// fold_segment_partials, cast once to d_rows' dtype. Params already validated.
+Status run_row_gather_backward(const AdalnRowGatherBackwardParams& p, Stream stream) {
+  const Device device = p.grad.device;
+  const bool on_cuda = device.is_cuda();
+  std::shared_ptr<void> owner;
+  TensorView partials;
+  DETDIT_RETURN_IF_ERROR(
+      scratch_tensor(device, DType::kF32, {p.plan.num_segments(), p.d_rows.shape[1]}, stream, &owner, &partials));
+  DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::adaln_row_gather_backward_partials(p, partials, stream)
+                                 : cpu::adaln_row_gather_backward_partials(p, partials, stream));
+  return on_cuda ? cuda::fold_segment_partials(p.plan, partials, p.d_rows, stream)
+                 : cpu::fold_segment_partials(p.plan, partials, p.d_rows, stream);
+}
+
 // The (3T, 6H) rows view of a contiguous (T, 18H) table (adaln.h).
 TensorView rows_view(const TensorView& table) {
   return TensorView::contiguous(table.data, table.dtype, {3 * table.shape[0], table.shape[1] / 3}, table.device);
@@ -122,8 +141,7 @@ Status adaln_row_gather_forward(const AdalnRowGatherParams& params, Stream strea
 
 Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_backward(params));
-  return params.grad.device.is_cuda() ? cuda::adaln_row_gather_backward(params, stream)
-                                      : cpu::adaln_row_gather_backward(params, stream);
+  return rowwise::run_row_gather_backward(params, stream);
 }
 
 // ---- adaln_modulation: projection + gather (numerics 5.9, 6.9) ----------------
@@ -177,8 +195,7 @@ Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, St
   DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_backward(gather));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint({{&p.grad, "grad"}},
                                                          {{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"}, {&p.d_bias, "d_bias"}}));
-  DETDIT_RETURN_IF_ERROR(p.grad.device.is_cuda() ? cuda::adaln_row_gather_backward(gather, stream)
-                                                 : cpu::adaln_row_gather_backward(gather, stream));
+  DETDIT_RETURN_IF_ERROR(rowwise::run_row_gather_backward(gather, stream));
   return projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.numerics, stream);
 }
 
@@ -186,15 +203,16 @@ Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, St
 
 namespace {
 
-// The rmsnorm half of final_adaln_out, with shift/scale the halves of `table`.
-RmsnormParams norm_params(const FinalAdalnOutParams& p, int64_t hidden) {
-  RmsnormParams norm;
+// The inputs of final_adaln_out's rmsnorm half (forward or backward params),
+// with shift/scale the halves of `table`.
+template <typename NormParams, typename FinalParams>
+NormParams norm_inputs(const FinalParams& p, int64_t hidden) {
+  NormParams norm;
   norm.x = p.x;
   norm.weight = p.norm_weight;
   norm.shift = rowwise::table_half(p.table, hidden, 0);
   norm.scale = rowwise::table_half(p.table, hidden, 1);
   norm.plan = p.plan;
-  norm.out = p.out;
   norm.rstd = p.rstd;
   norm.eps = p.eps;
   norm.numerics = p.numerics;
@@ -221,7 +239,8 @@ Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream)
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics));
-  const RmsnormParams norm = norm_params(p, hidden);
+  RmsnormParams norm = norm_inputs<RmsnormParams>(p, hidden);
+  norm.out = p.out;
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
       {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
@@ -244,27 +263,18 @@ Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Strea
   DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.temb, p.weight, stream, &owner, &d_table));
   DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight,
                                                       p.d_bias, p.numerics));
-  RmsnormBackwardParams norm;
-  norm.x = p.x;
-  norm.weight = p.norm_weight;
-  norm.shift = rowwise::table_half(p.table, hidden, 0);
-  norm.scale = rowwise::table_half(p.table, hidden, 1);
-  norm.plan = p.plan;
-  norm.rstd = p.rstd;
+  RmsnormBackwardParams norm = norm_inputs<RmsnormBackwardParams>(p, hidden);
   norm.grad = p.grad;
   norm.dx = p.dx;
   norm.d_weight = p.d_norm_weight;
   norm.d_shift = rowwise::table_half(d_table, hidden, 0);
   norm.d_scale = rowwise::table_half(d_table, hidden, 1);
-  norm.eps = p.eps;
-  norm.numerics = p.numerics;
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
       {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.table, "table"}, {&p.act, "act"}},
       {{&p.dx, "dx"}, {&p.d_norm_weight, "d_norm_weight"}, {&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
        {&p.d_bias, "d_bias"}}));
-  DETDIT_RETURN_IF_ERROR(p.x.device.is_cuda() ? cuda::rmsnorm_backward(norm, stream)
-                                              : cpu::rmsnorm_backward(norm, stream));
+  DETDIT_RETURN_IF_ERROR(rowwise::run_rmsnorm_backward(norm, stream));
   return projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.numerics, stream);
 }
 

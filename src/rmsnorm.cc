@@ -1,11 +1,17 @@
 // Public rmsnorm entry points: validate every argument (include/detdit/rmsnorm.h,
-// spec 3.7), then dispatch on the tensors' device. Nothing is written on error.
+// spec 3.7), then dispatch on the tensors' device: the forward to the backend,
+// the backward through the device-generic composition of the backend's halves
+// (src/rowwise_backward.h). Nothing is written on error.
 #include "detdit/rmsnorm.h"
 
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "common/backends.h"
+#include "common/scratch.h"
 #include "common/validate.h"
+#include "rowwise_backward.h"
 #include "rowwise_checks.h"
 
 namespace detdit {
@@ -93,6 +99,59 @@ Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
                                 {{&p.dx, "dx"}, {&p.d_weight, "d_weight"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
 }
 
+Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& weight_partials,
+                             const TensorView& table_partials, Stream stream) {
+  const bool on_cuda = p.x.device.is_cuda();
+  const int64_t hidden = p.x.shape[p.x.rank - 1];
+  if (p.d_weight.present())
+    DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::fold_chunk_partials(weight_partials, p.d_weight, stream)
+                                   : cpu::fold_chunk_partials(weight_partials, p.d_weight, stream));
+  if (!table_partials.present()) return Status();
+  // d_shift from columns [0, H), d_scale from [H, 2H) of the (G, 2H) partials.
+  const std::pair<const TensorView*, int64_t> outputs[] = {{&p.d_shift, 0}, {&p.d_scale, hidden}};
+  for (const auto& [out, column] : outputs) {
+    if (!out->present()) continue;
+    const TensorView part = table_partials.narrow(1, column, hidden);
+    DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::fold_segment_partials(p.plan, part, *out, stream)
+                                   : cpu::fold_segment_partials(p.plan, part, *out, stream));
+  }
+  return Status();
+}
+
+Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
+  const Device device = p.x.device;
+  const bool on_cuda = device.is_cuda();
+  const int64_t hidden = p.x.shape[p.x.rank - 1];
+  // positions: the plan's B*S; a plain norm without a plan reduces its own rows.
+  const int64_t positions = p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden;
+  const int64_t chunks = (positions + kReductionChunk - 1) / kReductionChunk;
+  const bool tables = p.shift.present() && (p.d_shift.present() || p.d_scale.present());
+  // One FP32 scratch: d_weight chunk partials (C, H), then the table segment
+  // partials (G, 2H). Allocated before any launch, so a failed allocation
+  // writes nothing.
+  const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
+  const int64_t table_floats = tables ? p.plan.num_segments() * 2 * hidden : 0;
+  std::shared_ptr<void> owner;
+  TensorView scratch, weight_partials, table_partials;
+  if (weight_floats + table_floats > 0) {
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {weight_floats + table_floats}, stream, &owner,
+                                          &scratch));
+    if (p.d_weight.present())
+      weight_partials = TensorView::contiguous(scratch.ptr<float>(), DType::kF32, {chunks, hidden}, device);
+    if (tables)
+      table_partials = TensorView::contiguous(scratch.ptr<float>() + weight_floats, DType::kF32,
+                                              {p.plan.num_segments(), 2 * hidden}, device);
+  }
+  DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::rmsnorm_backward_rows(p, stream)
+                                 : cpu::rmsnorm_backward_rows(p, stream));
+  if (!scratch.present()) return Status();
+  const ChunkSelection every_chunk;
+  DETDIT_RETURN_IF_ERROR(
+      on_cuda ? cuda::rmsnorm_backward_partials(p, every_chunk, ExtraRows{}, weight_partials, table_partials, stream)
+              : cpu::rmsnorm_backward_partials(p, every_chunk, ExtraRows{}, weight_partials, table_partials, stream));
+  return fold_rmsnorm_partials(p, weight_partials, table_partials, stream);
+}
+
 }  // namespace rowwise
 
 Status rmsnorm_forward(const RmsnormParams& params, Stream stream) {
@@ -102,7 +161,7 @@ Status rmsnorm_forward(const RmsnormParams& params, Stream stream) {
 
 Status rmsnorm_backward(const RmsnormBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(params));
-  return params.x.device.is_cuda() ? cuda::rmsnorm_backward(params, stream) : cpu::rmsnorm_backward(params, stream);
+  return rowwise::run_rmsnorm_backward(params, stream);
 }
 
 }  // namespace detdit

@@ -1,7 +1,8 @@
 // Validation shared by the row-wise ops (adaln_row_gather, rmsnorm,
-// gate_residual, final_adaln_out, adaln_modulation). Every function returns a
-// Status naming the argument, what was expected and what was got; the ops run
-// them all before writing anything.
+// gate_residual, final_adaln_out, adaln_modulation) and the sequence-parallel
+// region (src/parallel/sp_region.cc). Every function returns a Status naming
+// the argument, what was expected and what was got; the ops run them all
+// before writing anything.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <utility>
 
 #include "detdit/adaln.h"
+#include "detdit/gate_residual.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -42,6 +44,9 @@ Status validate_rmsnorm_forward(const RmsnormParams& p);
 Status validate_rmsnorm_backward(const RmsnormBackwardParams& p);
 // The gather backward's grad and d_rows (also run by adaln_modulation).
 Status validate_row_gather_backward(const AdalnRowGatherBackwardParams& p);
+// The complete validation of the public gate_residual_backward (also run by
+// sp_gate_residual_backward on the local rows with the local plan).
+Status validate_gate_residual_backward(const GateResidualBackwardParams& p);
 
 }  // namespace rowwise
 }  // namespace detdit

@@ -58,12 +58,13 @@ struct ExtraRows {
   /* act = R_T(silu(temb)), T = act's dtype: the cast before every projection */                \
   Status silu_cast(const TensorView& temb, const TensorView& act, Numerics numerics, Stream stream); \
   Status adaln_row_gather_forward(const AdalnRowGatherParams& p, Stream stream);                 \
-  Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p, Stream stream);        \
+  /* partials (segments, 6H) fp32 contiguous: d_rows' segment partials; the public layer folds */ \
+  Status adaln_row_gather_backward_partials(const AdalnRowGatherBackwardParams& p, const TensorView& partials, \
+                                            Stream stream);                                      \
   Status rmsnorm_forward(const RmsnormParams& p, Stream stream);                                 \
-  Status rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream);                        \
   Status gate_residual_forward(const GateResidualParams& p, Stream stream);                      \
-  Status gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);             \
-  /* halves of the backwards above, for the SP region (ChunkSelection) */                       \
+  /* the halves of the rmsnorm and gate_residual backwards: rows, partials, folds; the public */  \
+  /* layer composes them (src/rowwise_backward.h), the SP region runs them on a ChunkSelection */  \
   Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream); /* dx only */     \
   /* weight_partials (chunks, H) fp32 or absent; table_partials (segments, 2H) fp32 [shift|scale] or absent */ \
   Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel,    \

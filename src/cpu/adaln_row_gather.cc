@@ -1,11 +1,11 @@
 // AdaLN row gather, CPU reference: docs/numerics.md 5.5 (forward, a byte
 // copy) and 6.6 (backward, the canonical reduction of the six chunk
 // gradients). rows (R, 6H) with unit column stride; out and grad (6, B*S, H)
-// contiguous; d_rows (R, 6H) unit column stride. The backward is the segment
-// partials of every chunk (width 6H, j = c*H + h) + fold_segment_partials.
+// contiguous; d_rows (R, 6H) unit column stride. The backward's half here is
+// the segment partials of every chunk (width 6H, j = c*H + h); the public
+// adaln_row_gather_backward adds fold_segment_partials (src/adaln.cc).
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "common/backends.h"
 #include "common/scalar_math.h"
@@ -57,14 +57,9 @@ Status adaln_row_gather_forward(const AdalnRowGatherParams& p, Stream) {
   return Status();
 }
 
-// partials of every segment + fold: the canonical reduction, cast once to d_rows' dtype.
-Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p, Stream stream) {
-  const int64_t width = p.d_rows.shape[1];
-  const int64_t segments = p.plan.num_segments();
-  std::vector<float> scratch(static_cast<std::size_t>(segments * width));
-  const TensorView partials = TensorView::contiguous(scratch.data(), DType::kF32, {segments, width});
+Status adaln_row_gather_backward_partials(const AdalnRowGatherBackwardParams& p, const TensorView& partials, Stream) {
   dispatch_float_dtype(p.grad.dtype, [&](auto tag) { gather_backward_partials<decltype(tag)>(p, partials); });
-  return fold_segment_partials(p.plan, partials, p.d_rows, stream);
+  return Status();
 }
 
 }  // namespace cpu

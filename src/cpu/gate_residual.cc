@@ -93,17 +93,5 @@ Status gate_residual_backward_partials(const GateResidualBackwardParams& p, cons
   return Status();
 }
 
-// rows + partials of every chunk + fold: the one implementation of each order.
-Status gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(gate_residual_backward_rows(p, stream));
-  if (!p.d_gate.present()) return Status();
-  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
-  const int64_t segments = p.plan.num_segments();
-  std::vector<float> scratch(static_cast<std::size_t>(segments * hidden));
-  const TensorView partials = TensorView::contiguous(scratch.data(), DType::kF32, {segments, hidden});
-  DETDIT_RETURN_IF_ERROR(gate_residual_backward_partials(p, ChunkSelection{}, ExtraRows{}, partials, stream));
-  return fold_segment_partials(p.plan, partials, p.d_gate, stream);
-}
-
 }  // namespace cpu
 }  // namespace detdit

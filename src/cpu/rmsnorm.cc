@@ -4,9 +4,10 @@
 // x, grad, out, dx are contiguous (M, H) rows, M = B*S; position p = row p
 // uses table row plan.row_of_seq[p % S]. The backward is split into the
 // row-local half (dx) and the partials half of the canonical reduction
-// (d_weight chunk partials, [d_shift | d_scale] segment partials), so that
-// cpu::rmsnorm_backward is literally rows + partials(every chunk) + fold, the
-// same code the sequence-parallel region runs on a chunk subset.
+// (d_weight chunk partials, [d_shift | d_scale] segment partials); the public
+// rmsnorm_backward is literally rows + partials(every chunk) + folds
+// (src/rowwise_backward.h), the same code the sequence-parallel region runs on
+// a chunk subset.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -198,36 +199,6 @@ Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSele
   dispatch_float_dtype(p.x.dtype, [&](auto tag) {
     backward_partials<decltype(tag)>(p, sel, extra, weight_partials, table_partials);
   });
-  return Status();
-}
-
-// rows + partials of every chunk + folds: the one implementation of each order.
-Status rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(rmsnorm_backward_rows(p, stream));
-  const int64_t hidden = p.x.shape[p.x.rank - 1];
-  const int64_t positions = p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden;
-  const int64_t num_chunks = (positions + kReductionChunk - 1) / kReductionChunk;
-  const bool tables = is_modulated(p.shift) && (p.d_shift.present() || p.d_scale.present());
-  if (!p.d_weight.present() && !tables) return Status();
-  std::vector<float> weight_scratch, table_scratch;
-  TensorView weight_partials, table_partials;
-  if (p.d_weight.present()) {
-    weight_scratch.resize(static_cast<std::size_t>(num_chunks * hidden));
-    weight_partials = TensorView::contiguous(weight_scratch.data(), DType::kF32, {num_chunks, hidden});
-  }
-  if (tables) {
-    const int64_t segments = p.plan.num_segments();
-    table_scratch.resize(static_cast<std::size_t>(segments * 2 * hidden));
-    table_partials = TensorView::contiguous(table_scratch.data(), DType::kF32, {segments, 2 * hidden});
-  }
-  DETDIT_RETURN_IF_ERROR(rmsnorm_backward_partials(p, ChunkSelection{}, ExtraRows{}, weight_partials,
-                                                   table_partials, stream));
-  if (p.d_weight.present()) DETDIT_RETURN_IF_ERROR(fold_chunk_partials(weight_partials, p.d_weight, stream));
-  if (tables && p.d_shift.present())
-    DETDIT_RETURN_IF_ERROR(fold_segment_partials(p.plan, table_partials.narrow(1, 0, hidden), p.d_shift, stream));
-  if (tables && p.d_scale.present())
-    DETDIT_RETURN_IF_ERROR(
-        fold_segment_partials(p.plan, table_partials.narrow(1, hidden, hidden), p.d_scale, stream));
   return Status();
 }
 

@@ -2,10 +2,11 @@
 //   forward:  out[c, s, :] = rows[row(s), c*H : (c+1)*H], a byte copy in the
 //             widest access (16, 8, 4 or 2 bytes) that H, the row stride and
 //             both pointers allow; the width never changes a byte.
-//   backward: d_rows[r, j] (j = c*H + h) by the canonical reduction: segment
-//             partials (an ascending chain over each segment's positions of
-//             grad[c, p, h], one thread per column) into stream-ordered
-//             scratch, then fold_segment_partials (ascending chunk, cast once).
+//   backward: d_rows[r, j] (j = c*H + h) by the canonical reduction: the
+//             segment partials here (an ascending chain over each segment's
+//             positions of grad[c, p, h], one thread per column), then the
+//             public adaln_row_gather_backward folds them (src/adaln.cc:
+//             fold_segment_partials, ascending chunk, cast once).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -91,28 +92,22 @@ Status adaln_row_gather_forward(const AdalnRowGatherParams& p, Stream stream) {
   return launch_status("adaln_row_gather_copy_kernel");
 }
 
-Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p, Stream stream) {
+Status adaln_row_gather_backward_partials(const AdalnRowGatherBackwardParams& p, const TensorView& partials,
+                                          Stream stream) {
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
   const int64_t width = p.d_rows.shape[1];
   const int64_t hidden = width / kAdalnChunks;
   const int64_t segments = p.plan.num_segments();
-  cudaStream_t s = as_cuda_stream(stream);
-  StreamScratch scratch(s);
-  DETDIT_RETURN_IF_ERROR(scratch.allocate(static_cast<std::size_t>(segments * width) * sizeof(float)));
-  if (segments > 0 && width > 0) {
-    constexpr int kThreads = 256;
-    const dim3 grid(static_cast<unsigned>(segments), blocks_for(width, kThreads));
-    DETDIT_RETURN_IF_ERROR(dispatch_float_dtype(p.grad.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      adaln_row_gather_partials_kernel<T><<<grid, kThreads, 0, s>>>(p.grad.ptr<const T>(), p.plan.device_tables(),
-                                                                    p.plan.positions(), hidden, scratch.as<float>());
-      return launch_status("adaln_row_gather_partials_kernel");
-    }));
-  }
-  const TensorView partials =
-      TensorView::contiguous(scratch.as<float>(), DType::kF32, {segments, width}, p.grad.device);
-  return fold_segment_partials(p.plan, partials, p.d_rows, stream);
+  if (segments == 0 || width == 0) return Status();
+  constexpr int kThreads = 256;
+  const dim3 grid(static_cast<unsigned>(segments), blocks_for(width, kThreads));
+  return dispatch_float_dtype(p.grad.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    adaln_row_gather_partials_kernel<T><<<grid, kThreads, 0, as_cuda_stream(stream)>>>(
+        p.grad.ptr<const T>(), p.plan.device_tables(), p.plan.positions(), hidden, partials.ptr<float>());
+    return launch_status("adaln_row_gather_partials_kernel");
+  });
 }
 
 }  // namespace cuda

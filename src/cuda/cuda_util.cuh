@@ -64,30 +64,6 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
-// Stream-ordered scratch memory: cudaMallocAsync on the op's stream, freed
-// with cudaFreeAsync on the same stream after the kernels queued before the
-// destructor, so no host synchronisation and graph capture still works.
-class StreamScratch {
- public:
-  explicit StreamScratch(cudaStream_t stream) : stream_(stream) {}
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-  ~StreamScratch() {
-    if (data_) cudaFreeAsync(data_, stream_);
-  }
-  Status allocate(std::size_t bytes) {
-    if (bytes == 0) bytes = 16;
-    return cuda_status(cudaMallocAsync(&data_, bytes, stream_),
-                       "cudaMallocAsync of " + std::to_string(bytes) + " bytes of scratch");
-  }
-  template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
-
- private:
-  cudaStream_t stream_;
-  void* data_ = nullptr;
-};
-
 // 16 bytes of storage type T unpacked to FP32: kElems = 16 / sizeof(T).
 template <typename T>
 struct Vec16 {

@@ -220,21 +220,5 @@ Status gate_residual_backward_partials(const GateResidualBackwardParams& p, cons
   });
 }
 
-// rows + partials of every chunk + fold: the same composition as the CPU.
-Status gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(gate_residual_backward_rows(p, stream));
-  if (!p.d_gate.present()) return Status();
-  DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
-  const int64_t hidden = hidden_of(p.grad);
-  const int64_t segments = p.plan.num_segments();
-  StreamScratch scratch(as_cuda_stream(stream));
-  DETDIT_RETURN_IF_ERROR(scratch.allocate(static_cast<std::size_t>(segments * hidden) * sizeof(float)));
-  const TensorView partials =
-      TensorView::contiguous(scratch.as<float>(), DType::kF32, {segments, hidden}, p.grad.device);
-  DETDIT_RETURN_IF_ERROR(gate_residual_backward_partials(p, ChunkSelection{}, ExtraRows{}, partials, stream));
-  return fold_segment_partials(p.plan, partials, p.d_gate, stream);
-}
-
 }  // namespace cuda
 }  // namespace detdit

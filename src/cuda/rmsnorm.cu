@@ -10,7 +10,8 @@
 // (selected chunk, column block), each thread owns `cols` adjacent columns and
 // walks the chunk's positions ascending (d_weight chunk partial) and each
 // segment's positions ascending ([d_shift | d_scale] segment partials); then
-// the folds of fold.cu. rmsnorm_backward = rows + partials(all) + folds.
+// the folds of fold.cu. The public rmsnorm_backward composes rows +
+// partials(all) + folds (src/rowwise_backward.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -445,36 +446,6 @@ Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSele
   return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
     return launch_rmsnorm_backward_partials<decltype(tag)>(a, selected, as_cuda_stream(stream));
   });
-}
-
-// rows + partials of every chunk + folds: the same composition as the CPU.
-Status rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(rmsnorm_backward_rows(p, stream));
-  const bool tables = is_modulated(p.shift) && (p.d_shift.present() || p.d_scale.present());
-  if (!p.d_weight.present() && !tables) return Status();
-  DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
-  const int64_t hidden = hidden_of(p.x);
-  const int64_t chunks = (reduced_positions(p) + kReductionChunk - 1) / kReductionChunk;
-  const int64_t segments = tables ? p.plan.num_segments() : 0;
-  const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
-  StreamScratch scratch(as_cuda_stream(stream));
-  DETDIT_RETURN_IF_ERROR(scratch.allocate(static_cast<std::size_t>(weight_floats + segments * 2 * hidden) * 4));
-  TensorView weight_partials, table_partials;
-  if (p.d_weight.present())
-    weight_partials = TensorView::contiguous(scratch.as<float>(), DType::kF32, {chunks, hidden}, p.x.device);
-  if (tables)
-    table_partials = TensorView::contiguous(scratch.as<float>() + weight_floats, DType::kF32,
-                                            {segments, 2 * hidden}, p.x.device);
-  DETDIT_RETURN_IF_ERROR(
-      rmsnorm_backward_partials(p, ChunkSelection{}, ExtraRows{}, weight_partials, table_partials, stream));
-  if (p.d_weight.present()) DETDIT_RETURN_IF_ERROR(fold_chunk_partials(weight_partials, p.d_weight, stream));
-  if (tables && p.d_shift.present())
-    DETDIT_RETURN_IF_ERROR(fold_segment_partials(p.plan, table_partials.narrow(1, 0, hidden), p.d_shift, stream));
-  if (tables && p.d_scale.present())
-    DETDIT_RETURN_IF_ERROR(
-        fold_segment_partials(p.plan, table_partials.narrow(1, hidden, hidden), p.d_scale, stream));
-  return Status();
 }
 
 }  // namespace cuda

@@ -23,11 +23,11 @@ Status linear_backward_weight(const LinearBackwardWeightParams&, Stream) { retur
 Status silu_backward(const SiluBackwardParams&, Stream) { return unavailable(); }
 Status silu_cast(const TensorView&, const TensorView&, Numerics, Stream) { return unavailable(); }
 Status adaln_row_gather_forward(const AdalnRowGatherParams&, Stream) { return unavailable(); }
-Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams&, Stream) { return unavailable(); }
+Status adaln_row_gather_backward_partials(const AdalnRowGatherBackwardParams&, const TensorView&, Stream) {
+  return unavailable();
+}
 Status rmsnorm_forward(const RmsnormParams&, Stream) { return unavailable(); }
-Status rmsnorm_backward(const RmsnormBackwardParams&, Stream) { return unavailable(); }
 Status gate_residual_forward(const GateResidualParams&, Stream) { return unavailable(); }
-Status gate_residual_backward(const GateResidualBackwardParams&, Stream) { return unavailable(); }
 
 Status rmsnorm_backward_rows(const RmsnormBackwardParams&, Stream) { return unavailable(); }
 Status rmsnorm_backward_partials(const RmsnormBackwardParams&, const ChunkSelection&, const ExtraRows&,

@@ -14,7 +14,8 @@
 //      (global plan, ChunkSelection of its chunks, ExtraRows) straight into
 //      its send block, padded to the most chunks/segments any rank owns;
 //   5. ONE all-gather of the partials, copied into global chunk/segment order;
-//   6. every rank folds with the WS1 folds.
+//   6. every rank folds with the WS1 folds (rmsnorm: the same
+//      rowwise::fold_rmsnorm_partials as the WS1 backward).
 // Every bit is decided by the WS1 backends; this file only moves bytes.
 #include <algorithm>
 #include <initializer_list>
@@ -26,6 +27,7 @@
 #include "common/validate.h"
 #include "parallel/copy.h"
 #include "parallel/sp_plan_impl.h"
+#include "rowwise_backward.h"
 #include "rowwise_checks.h"
 
 namespace detdit {
@@ -33,11 +35,6 @@ namespace {
 
 constexpr std::size_t kAlign = 256;  // every scratch piece starts on a 256-byte boundary
 std::size_t aligned_size(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-Status allocate(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
-  return device.is_cuda() ? cuda::allocate_scratch(device, bytes, stream, owner)
-                          : cpu::allocate_scratch(device, bytes, stream, owner);
-}
 
 // ---------------------------------------------------------------- validation
 
@@ -81,22 +78,6 @@ Status check_local_rows(const SpPlan& sp, const TensorView& t, const char* name)
                              std::to_string(sp.local_end()) + ") of every batch item), got " + t.describe());
 }
 
-Status validate_gate_backward(const GateResidualBackwardParams& p) {
-  int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check::plan_on(p.plan, "plan", p.grad, "grad"));
-  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.grad, "grad", &p.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.y, "y", p.grad, "grad"));
-  DETDIT_RETURN_IF_ERROR(
-      rowwise::check_table(p.gate, "gate", p.plan.num_rows(), hidden, p.grad, "grad", {p.grad.dtype}));
-  if (p.d_residual.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_residual, "d_residual", p.grad, "grad"));
-  if (p.d_y.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_y, "d_y", p.grad, "grad"));
-  if (p.d_gate.present())
-    DETDIT_RETURN_IF_ERROR(
-        rowwise::check_table_grad(p.d_gate, "d_gate", p.plan.num_rows(), hidden, p.grad.dtype, p.grad, "grad"));
-  return rowwise::check_outputs_disjoint({{&p.grad, "grad"}, {&p.y, "y"}, {&p.gate, "gate"}},
-                                         {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}});
-}
-
 // ---------------------------------------------------------------- exchanges
 
 // One field of the row exchange: own local rows of `row_bytes` each.
@@ -124,7 +105,7 @@ Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& d
   }
   std::size_t unpacked = 0;
   for (const RowField& field : fields) unpacked += aligned_size(world * max_send * field.row_bytes);
-  DETDIT_RETURN_IF_ERROR(allocate(device, block + world * block + unpacked, stream, owner));
+  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, block + world * block + unpacked, stream, owner));
   char* send = static_cast<char*>(owner->get());
   char* gathered = send + block;
   char* out = gathered + world * block;
@@ -167,7 +148,7 @@ Status allocate_partials(const SpPlan::Impl& sp, const Device& device, std::vect
     *block += aligned_size(static_cast<std::size_t>(f->max_rows * f->width) * sizeof(float));
     total += aligned_size(static_cast<std::size_t>(f->total * f->width) * sizeof(float));
   }
-  DETDIT_RETURN_IF_ERROR(allocate(device, *block * (1 + sp.world) + total, stream, owner));
+  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, *block * (1 + sp.world) + total, stream, owner));
   char* base = static_cast<char*>(owner->get());
   char* global = base + *block * (1 + sp.world);
   std::size_t offset = 0;
@@ -279,10 +260,10 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
   std::shared_ptr<void> partials_memory;
   DETDIT_RETURN_IF_ERROR(allocate_partials(plan, device, families, stream, &block, &partials_memory));
 
+  RmsnormBackwardParams global = params;
+  global.plan = plan.global;
   const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
   if (mine.chunks > 0) {
-    RmsnormBackwardParams global = params;
-    global.plan = plan.global;
     TensorView weight_partials, table_partials;
     if (params.d_weight.present())
       weight_partials = TensorView::contiguous(weight.send, DType::kF32, {mine.chunks, hidden}, device);
@@ -295,23 +276,11 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
   }
   DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, families, block, stream));
 
-  if (params.d_weight.present()) {
-    const TensorView all = TensorView::contiguous(weight.global, DType::kF32, {weight.total, hidden}, device);
-    DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::fold_chunk_partials(all, params.d_weight, stream)
-                                            : cpu::fold_chunk_partials(all, params.d_weight, stream));
-  }
-  if (tables) {
-    // [d_shift | d_scale] columns of the (G, 2H) segment partials.
-    const TensorView all = TensorView::contiguous(table.global, DType::kF32, {table.total, 2 * hidden}, device);
-    const std::pair<const TensorView*, int64_t> outputs[] = {{&params.d_shift, 0}, {&params.d_scale, hidden}};
-    for (const auto& [out, column] : outputs) {
-      if (!out->present()) continue;
-      const TensorView part = all.narrow(1, column, hidden);
-      DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::fold_segment_partials(plan.global, part, *out, stream)
-                                              : cpu::fold_segment_partials(plan.global, part, *out, stream));
-    }
-  }
-  return Status();
+  TensorView weight_all, table_all;  // (C, H) chunk and (G, 2H) segment partials in global order
+  if (params.d_weight.present())
+    weight_all = TensorView::contiguous(weight.global, DType::kF32, {weight.total, hidden}, device);
+  if (tables) table_all = TensorView::contiguous(table.global, DType::kF32, {table.total, 2 * hidden}, device);
+  return rowwise::fold_rmsnorm_partials(global, weight_all, table_all, stream);
 }
 
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
@@ -321,7 +290,7 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
   local.plan = sp.local_plan();
   Status valid = check_global_plan(sp, params.plan, true);
   if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
-  if (valid.ok()) valid = validate_gate_backward(local);
+  if (valid.ok()) valid = rowwise::validate_gate_residual_backward(local);
   DETDIT_RETURN_IF_ERROR(
       comm.agree(valid, call_signature("sp_gate_residual_backward", params.grad, {params.d_gate.present()})));
 

@@ -1,0 +1,31 @@
+// The device-generic backward compositions of the row-wise ops whose gradients
+// sum over positions (docs/numerics.md 6.5): the backend's row-local half, the
+// partials of every chunk (ChunkSelection{}) into FP32 scratch
+// (src/common/scratch.h: host memory on the CPU, stream-ordered on CUDA), then
+// the folds. One composition serves the CPU and CUDA, and the sequence-parallel
+// region (src/parallel/sp_region.cc) runs the same halves on the chunks a rank
+// owns and the same folds, so each order of operations is written once.
+//
+// Params must already be validated (rowwise_checks.h); nothing here checks.
+#pragma once
+
+#include "detdit/rmsnorm.h"
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+
+namespace detdit {
+namespace rowwise {
+
+// rmsnorm_backward after validate_rmsnorm_backward: rows (dx) + partials of
+// every chunk + fold_rmsnorm_partials (also run by final_adaln_out).
+Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream);
+
+// d_weight = fold of the chunk partials (C, H); d_shift / d_scale = folds of
+// the [shift | scale] column halves of the segment partials (G, 2H) over
+// p.plan. Absent partials or outputs are skipped; p.d_weight first, then
+// p.d_shift, then p.d_scale.
+Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& weight_partials,
+                             const TensorView& table_partials, Stream stream);
+
+}  // namespace rowwise
+}  // namespace detdit
