@@ -6,6 +6,7 @@
 #include "bench.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -14,6 +15,7 @@
 #include "args.h"
 #include "cli.h"
 #include "environment.h"
+#include "parallel_common.h"
 
 namespace detdit {
 namespace cli {
@@ -57,6 +59,55 @@ Status run_case(const BenchCase& c, const BenchContext& context, int warmup, int
   return instance.check(&result->wrong, &result->compared);
 }
 
+double metric(const ParallelBenchResult& r, const std::string& name) {
+  for (const auto& [key, values] : r.metrics) {
+    if (key == name && values.size() == 1) return values[0];
+  }
+  return std::nan("");
+}
+
+void print_parallel(const std::vector<ParallelBenchResult>& results, const std::vector<ParallelTarget>& targets,
+                    const std::string& how, const Device& device, bool csv) {
+  if (!csv) {
+    std::printf("\nparallel regions (%s); time = slowest rank's median; #wrong vs WS1 on the same device\n",
+                how.c_str());
+    std::printf("%-20s %-22s %-8s %-5s %12s %9s %14s %10s\n", "op", "case", "phase", "world", "median us",
+                "vs WS1", "bytes/rank", "#wrong");
+  }
+  for (const ParallelBenchResult& r : results) {
+    const std::string world = r.ws1 ? "WS1" : std::to_string(r.world);
+    const std::string name = r.name + " " + r.phase + " " + (r.ws1 ? "WS1" : "ws=" + world);
+    if (!r.error.empty()) {
+      if (csv) {
+        std::printf("%s,%s,%s,,,,,,,\"%s\"\n", r.op.c_str(), name.c_str(), device.to_string().c_str(), r.error.c_str());
+      } else {
+        std::printf("%-20s %-22s %-8s %-5s ERROR %s\n", r.op.c_str(), r.name.c_str(), r.phase.c_str(), world.c_str(),
+                    r.error.c_str());
+      }
+      continue;
+    }
+    const double bytes = metric(r, "bytes_sent_per_rank");
+    if (csv) {
+      std::printf("%s,%s,%s,%.3f,%s,,,%lld,%lld,\n", r.op.c_str(), name.c_str(), device.to_string().c_str(),
+                  r.median_seconds * 1e6, std::isnan(bytes) ? "" : std::to_string(static_cast<long long>(bytes)).c_str(),
+                  static_cast<long long>(r.wrong), static_cast<long long>(r.compared));
+    } else {
+      std::printf("%-20s %-22s %-8s %-5s %12.1f %8.2fx %14.0f %10lld\n", r.op.c_str(), r.name.c_str(),
+                  r.phase.c_str(), world.c_str(), r.median_seconds * 1e6, r.ws1_median_seconds / r.median_seconds,
+                  std::isnan(bytes) ? 0.0 : bytes, static_cast<long long>(r.wrong));
+    }
+  }
+  if (csv) return;
+  for (const ParallelTarget& t : targets) {
+    if (std::isnan(t.measured_speedup)) {
+      std::printf("target %s: not measured in this run\n", t.target.c_str());
+    } else {
+      std::printf("target %s: %.2fx (%s)%s\n", t.target.c_str(), t.measured_speedup,
+                  t.measured_speedup >= t.required_speedup ? "met" : "NOT met", t.simulated ? " [simulation]" : "");
+    }
+  }
+}
+
 }  // namespace
 
 int run_bench(int argc, char** argv) {
@@ -73,6 +124,10 @@ int run_bench(int argc, char** argv) {
   args.option("--weights", "DIR", "weights directory or file", "synthetic, cached");
   args.option("--seed", "N", "seed of the inputs", "0");
   args.flag("--quick", "fewer repeats, smaller copy baseline");
+  args.option("--comm", "inprocess|mpi",
+              "parallel ops (sp_region, tp_adaln_projection): in-process ranks on one device (a simulation),\n"
+              "                        or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
+              "inprocess");
   args.flag("--list", "list the registered cases and exit");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
@@ -92,7 +147,14 @@ int run_bench(int argc, char** argv) {
   const std::vector<BenchCase>& registry = bench_registry();
   if (args.has("--list")) {
     for (const BenchCase& c : registry) std::printf("%-20s %-24s %s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda" : "");
+    std::printf("%-20s %-24s %s\n", "sp_region", "S=32768|131072 block|interleaved", "cuda mpi (cpu: S=4097 with --ops)");
+    std::printf("%-20s %-24s %s\n", "tp_adaln_projection", "T=1|4", "cuda mpi (cpu: T=4 with --ops)");
     return 0;
+  }
+  const std::string comm_name = args.get("--comm", "inprocess");
+  if (comm_name != "inprocess" && comm_name != "mpi") {
+    std::fprintf(stderr, "detdit: --comm must be inprocess or mpi, got '%s'\n", comm_name.c_str());
+    return 2;
   }
   const int gpus = cuda_device_count();
   const std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
@@ -108,23 +170,50 @@ int run_bench(int argc, char** argv) {
   context.device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
   context.quick = quick;
   context.seed = seed;
+  // --comm mpi: one rank per process on GPU rank % count. The NCCL call check
+  // (a host synchronisation per collective) is off for timing: every rank
+  // runs the same calls.
+  std::unique_ptr<Communicator> world;
+  if (comm_name == "mpi") {
+    NcclOptions nccl;
+    nccl.check_calls = false;
+    Status opened = open_mpi_world(context.device.is_cuda(), &world, &context.device, nccl);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "detdit: --comm mpi: %s\n", opened.to_string().c_str());
+      return 2;
+    }
+  }
+  const bool leader = world == nullptr || world->rank() == 0;
   const std::set<std::string> ops = split_set(args.get("--ops")), names = split_set(args.get("--cases"));
   std::vector<const BenchCase*> selected;
   for (const BenchCase& c : registry) {
-    if ((context.device.is_cuda() ? c.cuda : c.cpu) && (ops.empty() || ops.count(c.op)) &&
+    if (world == nullptr && (context.device.is_cuda() ? c.cuda : c.cpu) && (ops.empty() || ops.count(c.op)) &&
         (names.empty() || names.count(c.name))) {
       selected.push_back(&c);
     }
   }
-  if (selected.empty()) {
+  // The parallel ops: by default on a GPU; on the CPU only when --ops names one.
+  std::set<std::string> parallel_ops;
+  for (const std::string& op : ops) {
+    if (is_parallel_op(op)) parallel_ops.insert(op);
+  }
+  const bool parallel = world != nullptr || !parallel_ops.empty() || (ops.empty() && context.device.is_cuda());
+  if (selected.empty() && !parallel) {
     std::fprintf(stderr, "detdit: no bench case matches --device %s%s%s (detdit bench --list shows them)\n",
                  device_name.c_str(), ops.empty() ? "" : " --ops", names.empty() ? "" : " --cases");
     return 2;
   }
   Weights weights;
-  Status status = resolve_weights(args.get("--weights"), 1, 0, /*announce=*/true, &weights);
+  // Under MPI rank 0 resolves (and on first use generates) the cache first.
+  Status status = leader ? resolve_weights(args.get("--weights"), 1, 0, /*announce=*/true, &weights)
+                         : Status::ok_status();
+  if (world != nullptr) {
+    status = world->agree(status);
+    if (status.ok() && !leader) status = resolve_weights(args.get("--weights"), 1, 0, false, &weights);
+    if (status.ok()) status = world->agree(status);
+  }
   if (!status.ok()) {
-    std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
+    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
     return 2;
   }
   context.weights = &weights;
@@ -143,9 +232,30 @@ int run_bench(int argc, char** argv) {
     if (!s.ok()) r.error = s.to_string();
     results.push_back(r);
   }
+  std::vector<ParallelBenchResult> parallel_results;
+  if (parallel) {
+    Status s = run_parallel_bench(context, world.get(), static_cast<int>(warmup), static_cast<int>(repeats),
+                                  parallel_ops, names, &parallel_results);
+    if (!s.ok()) {
+      ParallelBenchResult failed;
+      failed.op = "parallel";
+      failed.error = s.to_string();
+      parallel_results.push_back(failed);
+    }
+  }
 
   bool all_right = true;
   for (const BenchResult& r : results) all_right = all_right && r.error.empty() && r.wrong == 0 && r.compared > 0;
+  for (const ParallelBenchResult& r : parallel_results) {
+    all_right = all_right && r.error.empty() && r.wrong == 0 && (r.ws1 || r.compared > 0);
+  }
+  if (!leader) return all_right ? 0 : 1;  // rank 0 reports for every rank
+  const std::string parallel_how =
+      world != nullptr ? std::to_string(world->world_size()) + " processes, one " + context.device.to_string() +
+                             " each, over " + world->backend_id()
+                       : "SIMULATION: in-process ranks sharing " + context.device.to_string() +
+                             " (they compete for it; not a multi-GPU measurement)";
+  const std::vector<ParallelTarget> targets = parallel_targets(parallel_results);
   const Environment env = collect_environment(context.device);
   auto gbps = [](const BenchResult& r) { return r.bytes / r.median_seconds / 1e9; };
   if (format == "json") {
@@ -170,6 +280,46 @@ int run_bench(int argc, char** argv) {
         j["compared"] = r.compared;
       }
       out["cases"].push_back(j);
+    }
+    if (parallel) {
+      nlohmann::ordered_json p;
+      p["how"] = parallel_how;
+      p["comm"] = world != nullptr ? world->backend_id() : "in_process";
+      p["world_size"] = world != nullptr ? world->world_size() : 1;
+      p["simulated"] = world == nullptr;
+      p["nccl_check_calls"] = false;
+      p["wrong_vs"] = "WS1 on the same device";
+      p["results"] = nlohmann::ordered_json::array();
+      for (const ParallelBenchResult& r : parallel_results) {
+        nlohmann::ordered_json j = {{"op", r.op}, {"case", r.name}, {"phase", r.phase}, {"world", r.world},
+                                    {"ws1", r.ws1}};
+        if (!r.error.empty()) {
+          j["error"] = r.error;
+        } else {
+          j["median_us"] = r.median_seconds * 1e6;
+          j["rank_median_us"] = nlohmann::ordered_json::array();
+          for (double m : r.rank_medians) j["rank_median_us"].push_back(m * 1e6);
+          j["ws1_median_us"] = r.ws1_median_seconds * 1e6;
+          j["speedup_vs_ws1"] = r.ws1_median_seconds / r.median_seconds;
+          for (const auto& [name, values] : r.metrics) {
+            j[name] = values.size() == 1 ? nlohmann::ordered_json(values[0]) : nlohmann::ordered_json(values);
+          }
+          j["wrong"] = r.wrong;
+          j["compared"] = r.compared;
+        }
+        p["results"].push_back(j);
+      }
+      p["targets"] = nlohmann::ordered_json::array();
+      for (const ParallelTarget& t : targets) {
+        const bool measured = !std::isnan(t.measured_speedup);
+        p["targets"].push_back({{"target", t.target},
+                                {"required_speedup", t.required_speedup},
+                                {"measured_speedup", measured ? nlohmann::ordered_json(t.measured_speedup) : nullptr},
+                                {"met", measured ? nlohmann::ordered_json(t.measured_speedup >= t.required_speedup)
+                                                 : nullptr},
+                                {"simulated", t.simulated}});
+      }
+      out["parallel"] = p;
     }
     std::printf("%s\n", out.dump(2).c_str());
   } else {
@@ -201,6 +351,7 @@ int run_bench(int argc, char** argv) {
                     r.bytes, gbps(r), percent, static_cast<long long>(r.wrong));
       }
     }
+    if (parallel) print_parallel(parallel_results, targets, parallel_how, context.device, csv);
   }
   return all_right ? 0 : 1;
 }

@@ -11,10 +11,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "detdit/comm.h"
 #include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
@@ -69,6 +73,39 @@ class BenchTimer {
   virtual Status stop(double* seconds) = 0;  // waits for the work to finish
 };
 Status make_bench_timer(const BenchContext& context, std::unique_ptr<BenchTimer>* timer);
+
+// ---- parallel regions (bench_parallel.cc) -------------------------------------
+// Not registry cases: each times WS1 and several world sizes in one go.
+
+struct ParallelBenchResult {
+  std::string op, name, phase;  // "sp_region", "S=32768 block", "fwd+bwd"
+  int world = 1;
+  bool ws1 = false;             // the public single-device ops on the whole problem
+  bool simulated = true;        // in-process ranks sharing one device
+  double median_seconds = 0;    // the slowest rank's median
+  std::vector<double> rank_medians;
+  double ws1_median_seconds = 0;  // WS1 on the same device in the same run
+  std::vector<std::pair<std::string, std::vector<double>>> metrics;  // rows / bytes each rank sends
+  int64_t wrong = 0, compared = 0;  // elements vs WS1's outputs on the same device
+  std::string error;
+};
+
+// A DESIGN.md section 8 target: measured_speedup = WS1 time / world time (NaN
+// when this run did not measure it).
+struct ParallelTarget {
+  std::string target;
+  double required_speedup = 0;
+  double measured_speedup = std::numeric_limits<double>::quiet_NaN();
+  bool simulated = true;
+};
+
+bool is_parallel_op(const std::string& op);  // sp_region, tp_adaln_projection
+// mpi: this process's rank of a --comm mpi run (nullptr: in-process ranks on
+// context.device). ops / names filter (empty: all).
+Status run_parallel_bench(const BenchContext& context, Communicator* mpi, int warmup, int repeats,
+                          const std::set<std::string>& ops, const std::set<std::string>& names,
+                          std::vector<ParallelBenchResult>* results);
+std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResult>& results);
 
 // Copy bandwidth of the device in bytes/s (read + write counted), measured now:
 // memcpy on the CPU, a device-to-device copy on CUDA; median of `repeats`.

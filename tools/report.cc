@@ -28,6 +28,7 @@ constexpr const char* kGreen = "#1baf7a";
 constexpr const char* kBlue = "#2a78d6";
 constexpr const char* kRed = "#d62728";
 constexpr const char* kOrange = "#eb6834";
+constexpr const char* kGrey = "#8c8c8c";  // informational rows (a measurement, not a check)
 constexpr double kWidth = 1100;
 constexpr double kLabelWidth = 300;  // case labels left of every panel
 constexpr double kExactError = 1e-9; // where exact zeros are drawn
@@ -113,7 +114,8 @@ Status write_report_svg(const Json& report, const std::string& path) {
     for (const Json& row : c["checks"]) {
       const bool pass = row.value("pass", false);
       const int64_t run = row.value("bitwise_run", int64_t(0)), ok = row.value("bitwise_passed", int64_t(0));
-      svg.rect(x + 1, y + 2, cell_width - 2, row_height - 4, !pass ? kRed : run > 0 ? kGreen : kBlue);
+      const bool info = row.value("informational", false);
+      svg.rect(x + 1, y + 2, cell_width - 2, row_height - 4, !pass ? kRed : info ? kGrey : run > 0 ? kGreen : kBlue);
       std::string label = row.value("check", std::string("?"));
       if (run > 0) label = "b" + std::to_string(ok) + "/" + std::to_string(run) + " " + label;
       svg.text(x + 4, y + 16, truncate(label, static_cast<std::size_t>(cell_width / 5.6)), 9, "start", "normal",
@@ -129,6 +131,8 @@ Status write_report_svg(const Json& report, const std::string& path) {
   svg.text(kLabelWidth + 136, y + 10, "accuracy within bound", 11);
   svg.rect(kLabelWidth + 300, y, 12, 12, kRed);
   svg.text(kLabelWidth + 316, y + 10, "failed", 11);
+  svg.rect(kLabelWidth + 380, y, 12, 12, kGrey);
+  svg.text(kLabelWidth + 396, y + 10, "informational", 11);
   y += 40;
 
   // Panel 2: time per case.

@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "environment.h"
 #include "io/manifest.h"
+#include "parallel_common.h"
 
 namespace detdit {
 namespace cli {
@@ -78,7 +79,7 @@ void print_table(const std::vector<CaseResult>& results) {
                        row.bitwise_run ? std::to_string(row.bitwise_passed) + "/" + std::to_string(row.bitwise_run)
                                        : "-",
                        format_error(row.max_error) + (std::isnan(row.max_error) ? "" : " " + row.error_unit),
-                       format_error(row.bound), seconds, row.pass ? "ok" : "FAIL"});
+                       format_error(row.bound), seconds, !row.pass ? "FAIL" : row.informational ? "info" : "ok"});
     }
   }
   size_t w[8] = {0};
@@ -93,11 +94,84 @@ void print_table(const std::vector<CaseResult>& results) {
   }
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
+      if (row.pass && row.informational && !row.detail.empty()) {
+        std::printf("info %s / %s / %s: %s\n", r.c->op, r.c->name, row.check.c_str(), row.detail.c_str());
+      }
+    }
+  }
+  for (const CaseResult& r : results) {
+    for (const CheckRow& row : r.rows) {
       if (!row.pass && !row.detail.empty()) {
         std::printf("FAIL %s / %s / %s: %s\n", r.c->op, r.c->name, row.check.c_str(), row.detail.c_str());
       }
     }
   }
+}
+
+// --comm mpi: a row crosses ranks as this fixed-size record (an all-gather of
+// the communicator; strings truncated).
+struct RowRecord {
+  int64_t present, bitwise_run, bitwise_passed;
+  double max_error, seconds;
+  int32_t pass, informational;
+  char detail[440];
+};
+static_assert(sizeof(RowRecord) % 8 == 0, "RowRecord is gathered as whole words");
+
+// Every rank's rows of one case, merged on every rank: bitwise counts summed,
+// pass only if every rank passed, the first failing rank's detail, the
+// largest error and time; check names, bounds and metrics are rank 0's (the
+// ranks run the same checks; metrics come from plans every rank knows).
+Status merge_rank_rows(Communicator& comm, std::vector<CheckRow>* rows) {
+  const int world = comm.world_size();
+  int64_t count[2] = {static_cast<int64_t>(rows->size()), 0};
+  std::vector<char> gathered;
+  DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, count, sizeof count, &gathered));
+  int64_t most = 0;
+  for (int r = 0; r < world; ++r) most = std::max(most, reinterpret_cast<const int64_t*>(gathered.data())[2 * r]);
+  std::vector<CheckRow> merged;
+  for (int64_t i = 0; i < most; ++i) {
+    RowRecord mine{};
+    if (i < static_cast<int64_t>(rows->size())) {
+      const CheckRow& row = (*rows)[static_cast<std::size_t>(i)];
+      mine = RowRecord{1, row.bitwise_run, row.bitwise_passed, row.max_error, row.seconds, row.pass ? 1 : 0,
+                       row.informational ? 1 : 0, {}};
+      std::snprintf(mine.detail, sizeof mine.detail, "%s", row.detail.c_str());
+    }
+    DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, &mine, sizeof mine, &gathered));
+    const RowRecord* all = reinterpret_cast<const RowRecord*>(gathered.data());
+    CheckRow row = i < static_cast<int64_t>(rows->size()) ? (*rows)[static_cast<std::size_t>(i)] : CheckRow();
+    row.bitwise_run = row.bitwise_passed = 0;
+    row.pass = true;
+    row.informational = all[0].present && all[0].informational;
+    row.detail = all[0].present ? all[0].detail : "";
+    bool failed_detail = false;
+    for (int r = 0; r < world; ++r) {
+      const RowRecord& rec = all[r];
+      if (!rec.present) {
+        row.pass = false;
+        if (!failed_detail) row.detail = "rank " + std::to_string(r) + " ran fewer checks of this case";
+        failed_detail = true;
+        continue;
+      }
+      row.bitwise_run += rec.bitwise_run;
+      row.bitwise_passed += rec.bitwise_passed;
+      row.seconds = std::max(row.seconds, rec.seconds);
+      if (!std::isnan(rec.max_error) && !(rec.max_error <= row.max_error)) row.max_error = rec.max_error;
+      if (!rec.pass) {
+        row.pass = false;
+        if (!failed_detail) {
+          const std::string detail = rec.detail;
+          row.detail = detail.rfind("rank ", 0) == 0 ? detail : "rank " + std::to_string(r) + ": " + detail;
+          failed_detail = true;
+        }
+      }
+    }
+    if (!row.pass) row.informational = false;
+    merged.push_back(std::move(row));
+  }
+  *rows = std::move(merged);
+  return Status::ok_status();
 }
 
 }  // namespace
@@ -114,6 +188,10 @@ int run_verify(int argc, char** argv) {
   args.option("--blocks", "N", "blocks of the synthetic default", "1");
   args.option("--seed", "N", "seed of the synthetic default and of the inputs", "0");
   args.option("--ops", "LIST", "comma-separated ops to run (e.g. rmsnorm,gate_residual)", "all");
+  args.option("--comm", "inprocess|mpi",
+              "parallel ranks as threads of this process, or one per process under mpirun (then only the\n"
+              "                        sp_region and tp_adaln_projection cases run; NCCL on --device cuda)",
+              "inprocess");
   args.option("--out", "FILE", "write the JSON report here");
   args.option("--figure", "FILE", "write the SVG figure here (as detdit report does)");
   args.flag("--list", "list the registered cases and exit");
@@ -127,15 +205,22 @@ int run_verify(int argc, char** argv) {
   }
 
   std::vector<VerifyCase> cases = verify_registry();
+  // Within an op, registration order (a file registers its sizes ascending).
   std::stable_sort(cases.begin(), cases.end(), [](const VerifyCase& a, const VerifyCase& b) {
     if (op_rank(a.op) != op_rank(b.op)) return op_rank(a.op) < op_rank(b.op);
-    return std::string(a.op) != b.op ? std::string(a.op) < b.op : std::string(a.name) < b.name;
+    return std::string(a.op) < b.op;
   });
   if (args.has("--list")) {
     for (const VerifyCase& c : cases) {
-      std::printf("%-20s %-32s %s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda" : "");
+      std::printf("%-20s %-32s %s%s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda " : "",
+                  c.comm ? "mpi" : "");
     }
     return 0;
+  }
+  const std::string comm_name = args.get("--comm", "inprocess");
+  if (comm_name != "inprocess" && comm_name != "mpi") {
+    std::fprintf(stderr, "detdit: --comm must be inprocess or mpi, got '%s'\n", comm_name.c_str());
+    return 2;
   }
 
   const int gpus = cuda_device_count();
@@ -152,7 +237,17 @@ int run_verify(int argc, char** argv) {
 #endif
     return 2;
   }
-  const Device device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
+  Device device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
+  // --comm mpi: this process is one rank; its device is GPU rank % count.
+  std::unique_ptr<Communicator> world;
+  if (comm_name == "mpi") {
+    Status opened = open_mpi_world(device.is_cuda(), &world, &device);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "detdit: --comm mpi: %s\n", opened.to_string().c_str());
+      return 2;
+    }
+  }
+  const bool leader = world == nullptr || world->rank() == 0;
 
   std::set<std::string> wanted_ops;
   for (const std::string& op : split_list(args.get("--ops"))) wanted_ops.insert(op);
@@ -165,17 +260,20 @@ int run_verify(int argc, char** argv) {
       return 2;
     }
   }
-  std::vector<const VerifyCase*> selected;
-  for (const VerifyCase& c : cases) {
-    const bool on_device = device.is_cuda() ? c.cuda : c.cpu;
-    if (on_device && (wanted_ops.empty() || wanted_ops.count(c.op))) selected.push_back(&c);
-  }
 
-  const bool terminal = ::isatty(STDERR_FILENO) != 0;
+  const bool terminal = leader && ::isatty(STDERR_FILENO) != 0;
   Weights weights;
-  Status status = resolve_weights(args.get("--weights"), blocks, seed, /*announce=*/true, &weights);
+  // Under MPI rank 0 resolves (and on first use generates) the cached default
+  // first, so the ranks never write the cache at the same time.
+  Status status = leader ? resolve_weights(args.get("--weights"), blocks, seed, /*announce=*/true, &weights)
+                         : Status::ok_status();
+  if (world != nullptr) {
+    status = world->agree(status);
+    if (status.ok() && !leader) status = resolve_weights(args.get("--weights"), blocks, seed, false, &weights);
+    if (status.ok()) status = world->agree(status);
+  }
   if (!status.ok()) {
-    std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
+    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
     return 2;
   }
 
@@ -184,6 +282,13 @@ int run_verify(int argc, char** argv) {
   context.device = device;
   context.weights = &weights;
   context.seed = seed;
+  context.comm = world.get();
+  std::vector<const VerifyCase*> selected;
+  for (const VerifyCase& c : cases) {
+    const bool on_device = device.is_cuda() ? c.cuda : c.cpu;
+    const bool applies = (world == nullptr || c.comm) && (c.enabled == nullptr || c.enabled(context));
+    if (on_device && applies && (wanted_ops.empty() || wanted_ops.count(c.op))) selected.push_back(&c);
+  }
   std::vector<CaseResult> results;
   const double start = now_seconds();
   for (std::size_t i = 0; i < selected.size(); ++i) {
@@ -211,6 +316,16 @@ int run_verify(int argc, char** argv) {
       row.detail = "the case returned no checks";
       r.rows.push_back(row);
     }
+    // An informational row whose measurement failed is a failed check.
+    for (CheckRow& row : r.rows) row.informational = row.informational && row.pass;
+    if (world != nullptr) {
+      Status merged = merge_rank_rows(*world, &r.rows);
+      if (!merged.ok()) {
+        if (leader) std::fprintf(stderr, "detdit: gathering the ranks' results: %s\n", merged.to_string().c_str());
+        return 1;
+      }
+      r.seconds = r.rows.empty() ? r.seconds : std::max(r.seconds, r.rows.front().seconds);
+    }
     results.push_back(std::move(r));
   }
   if (terminal) std::fprintf(stderr, "\r\033[K");
@@ -219,11 +334,13 @@ int run_verify(int argc, char** argv) {
   int64_t checks = 0, passed = 0;
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
+      if (row.informational) continue;
       ++checks;
       passed += row.pass ? 1 : 0;
     }
   }
   const bool pass = checks > 0 && passed == checks;
+  if (!leader) return pass ? 0 : 1;  // rank 0 reports for every rank
   print_table(results);
 
   const Environment env = collect_environment(device);
@@ -243,7 +360,9 @@ int run_verify(int argc, char** argv) {
                        {"weights", args.get("--weights", "synthetic default")},
                        {"blocks", blocks},
                        {"seed", seed},
-                       {"ops", args.get("--ops", "all")}};
+                       {"ops", args.get("--ops", "all")},
+                       {"comm", world != nullptr ? world->backend_id() : "in_process"},
+                       {"world_size", world != nullptr ? world->world_size() : 1}};
   report["weights"] = {{"path", weights.path},
                        {"synthetic", weights.synthetic},
                        {"manifest", io::kManifestVersion},
@@ -265,6 +384,14 @@ int run_verify(int argc, char** argv) {
                       {"seconds", row.seconds},
                       {"pass", row.pass},
                       {"detail", row.detail}});
+      if (row.informational) rows.back()["informational"] = true;
+      if (!row.metrics.empty()) {
+        Json metrics = Json::object();
+        for (const auto& [name, values] : row.metrics) {
+          metrics[name] = values.size() == 1 ? Json(values[0]) : Json(values);
+        }
+        rows.back()["metrics"] = metrics;
+      }
     }
     json_cases.push_back({{"op", r.c->op},
                           {"case", r.c->name},
@@ -294,9 +421,11 @@ int run_verify(int argc, char** argv) {
                 wanted_ops.empty() ? "" : " and --ops");
     return 1;
   }
+  const std::string where = world == nullptr ? device.to_string()
+                                            : device.to_string() + " x " + std::to_string(world->world_size()) +
+                                                  " ranks over " + world->backend_id();
   std::printf("detdit verify: %s, %lld/%lld checks (%s, %.1f s)\n", pass ? "PASS" : "FAIL",
-              static_cast<long long>(passed), static_cast<long long>(checks), device.to_string().c_str(),
-              total_seconds);
+              static_cast<long long>(passed), static_cast<long long>(checks), where.c_str(), total_seconds);
   return pass ? 0 : 1;
 }
 

@@ -14,8 +14,11 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "detdit/comm.h"
+#include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
 #include "weights_source.h"
@@ -33,6 +36,12 @@ struct CheckRow {
   double seconds = 0;
   bool pass = false;
   std::string detail;           // first mismatch, or why it failed
+  // Informational rows (e.g. the naive-SP contrast) show a measurement; they
+  // are not counted as checks unless their computation failed.
+  bool informational = false;
+  // Named measurements recorded in the JSON report (e.g. rows and bytes each
+  // rank moves): one value, or one per rank.
+  std::vector<std::pair<std::string, std::vector<double>>> metrics;
 };
 
 struct VerifyContext {
@@ -40,6 +49,11 @@ struct VerifyContext {
   Device device;
   const Weights* weights = nullptr;
   uint64_t seed = 0;
+  // --comm mpi: this process's rank of the world (NCCL on CUDA, MPI on the
+  // CPU); only the cases registered with DETDIT_VERIFY_PARALLEL_CASE run, each
+  // on every rank, and the framework merges the ranks' rows. nullptr: the
+  // default in-process run.
+  Communicator* comm = nullptr;
 };
 
 using VerifyFn = Status (*)(const VerifyContext& context, std::vector<CheckRow>* rows);
@@ -50,6 +64,10 @@ struct VerifyCase {
   bool cpu;          // runs with --device cpu
   bool cuda;         // runs with --device cuda
   VerifyFn run;
+  bool comm = false;  // runs under --comm mpi too (uses context.comm)
+  // Whether the case applies to this run (e.g. a size only without --quick);
+  // nullptr: always.
+  bool (*enabled)(const VerifyContext& context) = nullptr;
 };
 
 std::vector<VerifyCase>& verify_registry();
@@ -63,6 +81,11 @@ struct VerifyRegistrar {
 // DETDIT_VERIFY_CASE("rmsnorm", "modulated S=4097", /*cpu=*/true, /*cuda=*/true, run_fn);
 #define DETDIT_VERIFY_CASE(op, name, cpu, cuda, fn) \
   static ::detdit::cli::VerifyRegistrar DETDIT_VERIFY_CONCAT(detdit_verify_case_, __LINE__)({op, name, cpu, cuda, fn})
+// A case that also runs under --comm mpi (one rank per process), and only
+// where enabled(context) says so.
+#define DETDIT_VERIFY_PARALLEL_CASE(op, name, cpu, cuda, fn, enabled)                                         \
+  static ::detdit::cli::VerifyRegistrar DETDIT_VERIFY_CONCAT(detdit_verify_case_, __LINE__)({op, name, cpu, cuda, \
+                                                                                             fn, true, enabled})
 
 // Helpers for cases.
 
@@ -125,10 +148,15 @@ CheckRow timed_check(const std::string& name, Fn&& fn) {
 class DeviceTensor {
  public:
   static Status from_host(const HostBuffer& host, const Device& device, DeviceTensor* tensor);
+  // The same from a buffer that is no longer needed: a CPU tensor takes it over (no copy).
+  static Status from_host(HostBuffer&& host, const Device& device, DeviceTensor* tensor);
   static Status empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor);
   const TensorView& view() const { return view_; }
   // A host copy (synchronises the device).
   Status to_host(HostBuffer* host) const;
+  // A host copy after the work on `stream` (synchronises only that stream; a
+  // rank thread sharing the GPU with other ranks uses this).
+  Status to_host(HostBuffer* host, Stream stream) const;
 
  private:
   std::shared_ptr<void> memory_;

@@ -111,7 +111,19 @@ double HostBuffer::get(int64_t i) const {
 Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor) {
   HostBuffer host(dtype, shape);
   std::memset(host.data(), 0xA5, host.nbytes());
-  return from_host(host, device, tensor);
+  return from_host(std::move(host), device, tensor);
+}
+
+Status DeviceTensor::from_host(HostBuffer&& host, const Device& device, DeviceTensor* tensor) {
+  if (device.is_cuda()) return from_host(static_cast<const HostBuffer&>(host), device, tensor);
+  // A CPU tensor takes the buffer over: no copy of (possibly large) bytes.
+  auto owned = std::make_shared<HostBuffer>(std::move(host));
+  DeviceTensor t;
+  t.shape_ = owned->shape();
+  t.view_ = owned->view();
+  t.memory_ = owned;
+  *tensor = std::move(t);
+  return Status::ok_status();
 }
 
 Status DeviceTensor::from_host(const HostBuffer& host, const Device& device, DeviceTensor* tensor) {
@@ -159,6 +171,22 @@ Status DeviceTensor::to_host(HostBuffer* host) const {
   }
   return Status::ok_status();
 #else
+  return Status::runtime_error("a CUDA tensor needs a CUDA build of detdit");
+#endif
+}
+
+Status DeviceTensor::to_host(HostBuffer* host, Stream stream) const {
+  if (!view_.device.is_cuda()) return to_host(host);
+  *host = HostBuffer(view_.dtype, shape_);
+#ifdef DETDIT_WITH_CUDA
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (cudaMemcpyAsync(host->data(), view_.data, host->nbytes(), cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+      cudaStreamSynchronize(s) != cudaSuccess) {
+    return Status::runtime_error(std::string("copy to the host failed: ") + cudaGetErrorString(cudaGetLastError()));
+  }
+  return Status::ok_status();
+#else
+  (void)stream;
   return Status::runtime_error("a CUDA tensor needs a CUDA build of detdit");
 #endif
 }

@@ -1,0 +1,332 @@
+// bench of the parallel regions: the tp_adaln_projection forward and
+// forward+backward, and the sp_region forward+backward (modulated rmsnorm
+// forward, gate_residual forward, gate_residual backward, modulated rmsnorm
+// backward: one block's AdaLN path), per world size, next to WS1 (the public
+// single-device ops) on the same device in the same run.
+//
+// Per rank: the median of `repeats` timed steps after `warmup` untimed ones
+// (CUDA events on the rank's stream on a GPU, wall clock on the CPU); a world's
+// time is its slowest rank's median. With --comm mpi each rank is a process
+// on its own GPU (NCCL; the medians are all-gathered); in-process ranks share
+// one device and are a simulation (they compete for it), said so in the
+// output. #wrong: elements of the last timed outputs that differ bitwise from
+// WS1's on the same device.
+//
+// Sizes (B = 2, T = 3 timesteps for SP; H, N and D from the weights):
+//   CUDA: SP S = 32768 and 131072 (--quick: 32768), both packings; TP T = 1 and
+//     4 (--quick: 4). In-process world sizes 2, 4, 8; --comm mpi: the MPI world.
+//   CPU (only when --ops names these ops): SP S = 4097, TP T = 4, world sizes 2,
+//     4, 8: a smoke test of the timing path, not a performance claim.
+// Targets (DESIGN.md section 8): SP8 >= 6x faster than WS1 at S = 131072; never
+// slower than WS1 at S = 32768 (every world size, both packings).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "bench.h"
+#include "parallel_common.h"
+
+namespace detdit {
+namespace cli {
+namespace {
+
+// One timed thing of one rank: prepared runs and the step that times them.
+struct RankWork {
+  std::vector<SpRun> sp;  // modulated rmsnorm, gate_residual
+  TpRun tp;
+  std::function<Status()> step;
+  std::vector<const std::vector<SpOutput>*> outputs;
+  int64_t lo = 0, hi = 0;  // the rank's positions (SP) or columns (TP)
+};
+
+Status median_of_steps(const BenchContext& ctx, Stream stream, int warmup, int repeats,
+                       const std::function<Status()>& step, double* median) {
+  BenchContext rank_ctx = ctx;
+  rank_ctx.stream = stream;
+  std::unique_ptr<BenchTimer> timer;
+  DETDIT_RETURN_IF_ERROR(make_bench_timer(rank_ctx, &timer));
+  std::vector<double> times;
+  for (int i = 0; i < warmup + repeats; ++i) {
+    double seconds = 0;
+    DETDIT_RETURN_IF_ERROR(timer->start());
+    DETDIT_RETURN_IF_ERROR(step());
+    DETDIT_RETURN_IF_ERROR(timer->stop(&seconds));
+    if (i >= warmup) times.push_back(seconds);
+  }
+  std::sort(times.begin(), times.end());
+  *median = times[times.size() / 2];
+  return Status::ok_status();
+}
+
+// Elements of `outputs` that differ bitwise from WS1's (the rank's slice of
+// per-position outputs: rows [lo, hi) of each of `batch` items of `length`).
+Status count_wrong(const std::vector<SpOutput>& outputs, const std::vector<HostBuffer>& ws1, int64_t batch,
+                   int64_t length, int64_t lo, int64_t hi, Stream stream, int64_t* wrong, int64_t* compared) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    HostBuffer got;
+    DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&got, stream));
+    const HostBuffer expected = outputs[i].per_position ? local_rows(ws1[i], batch, length, lo, hi) : ws1[i];
+    const std::size_t width = dtype_size(got.dtype());
+    const auto* a = static_cast<const char*>(got.data());
+    const auto* b = static_cast<const char*>(expected.data());
+    *compared += got.numel();
+    if (got.nbytes() != expected.nbytes()) {
+      *wrong += got.numel();
+      continue;
+    }
+    if (std::memcmp(a, b, got.nbytes()) == 0) continue;
+    for (int64_t e = 0; e < got.numel(); ++e) *wrong += std::memcmp(a + e * width, b + e * width, width) != 0;
+  }
+  return Status::ok_status();
+}
+
+// The rank's work: comm == nullptr is WS1 (the whole problem on this device).
+Status prepare_sp_work(const SpProblem& pr, const SpIndex& index, const Device& device, Stream stream,
+                       Communicator* comm, RankWork* work) {
+  SpPlan sp;
+  if (comm != nullptr) DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, comm->world_size(), comm->rank(), &sp, stream));
+  work->lo = comm ? sp.local_begin() : 0;
+  work->hi = comm ? sp.local_end() : pr.seq_len;
+  work->sp.resize(2);
+  DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, SpVariant::kModulatedRmsnorm, device, stream, comm ? &sp : nullptr,
+                                        comm, &work->sp[0]));
+  DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, SpVariant::kGateResidual, device, stream, comm ? &sp : nullptr,
+                                        comm, &work->sp[1]));
+  SpRun* norm = &work->sp[0];
+  SpRun* gate = &work->sp[1];
+  work->step = [norm, gate]() {
+    DETDIT_RETURN_IF_ERROR(norm->forward());
+    DETDIT_RETURN_IF_ERROR(gate->forward());
+    DETDIT_RETURN_IF_ERROR(gate->backward());
+    return norm->backward();
+  };
+  work->outputs = {&norm->outputs, &gate->outputs};
+  return Status::ok_status();
+}
+
+Status prepare_tp_work(const TpProblem& pr, const TpWeights& weights, const Device& device, Stream stream,
+                       Communicator* comm, bool backward, RankWork* work) {
+  DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, stream, comm, &work->tp));
+  work->lo = work->tp.begin;
+  work->hi = work->tp.end;
+  TpRun* run = &work->tp;
+  work->step = [run, backward]() {
+    DETDIT_RETURN_IF_ERROR(run->forward());
+    return backward ? run->backward() : Status::ok_status();
+  };
+  work->outputs = {&run->outputs};
+  return Status::ok_status();
+}
+
+// What one timed configuration needs: how to prepare a rank, and how its
+// outputs map onto WS1's.
+struct Timed {
+  std::function<Status(Stream, Communicator*, RankWork*)> prepare;
+  int64_t batch, length;
+};
+
+// Times WS1 and every world of `worlds` (in-process) or the MPI world, and
+// appends one result per world (WS1 first).
+void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats, const std::string& op,
+                 const std::string& name, const std::string& phase, const Timed& timed, const std::vector<int>& worlds,
+                 const std::function<void(int world, ParallelBenchResult*)>& describe,
+                 std::vector<ParallelBenchResult>* results) {
+  ParallelBenchResult base;
+  base.op = op;
+  base.name = name;
+  base.phase = phase;
+  base.simulated = mpi == nullptr;
+  // WS1 on this device (every MPI rank times its own), outputs kept for #wrong.
+  std::vector<std::vector<HostBuffer>> ws1;
+  {
+    ParallelBenchResult r = base;
+    r.world = 1;
+    r.ws1 = true;
+    RankStream stream(ctx.device);
+    RankWork work;
+    double median = 0;
+    Status s = timed.prepare(stream.get(), nullptr, &work);
+    if (s.ok()) s = median_of_steps(ctx, stream.get(), warmup, repeats, work.step, &median);
+    for (const auto* outputs : work.outputs) {
+      ws1.emplace_back();
+      if (s.ok()) {
+        ws1.back().resize(outputs->size());
+        for (std::size_t i = 0; s.ok() && i < outputs->size(); ++i) s = (*outputs)[i].tensor.to_host(&ws1.back()[i], stream.get());
+      }
+    }
+    double worst = median;
+    if (s.ok() && mpi != nullptr) {
+      std::vector<char> all;
+      s = gather_host_bytes(*mpi, &median, sizeof median, &all);
+      for (int q = 0; s.ok() && q < mpi->world_size(); ++q) {
+        r.rank_medians.push_back(reinterpret_cast<const double*>(all.data())[q]);
+        worst = std::max(worst, r.rank_medians.back());
+      }
+    }
+    r.median_seconds = worst;
+    r.ws1_median_seconds = worst;
+    if (!s.ok()) r.error = s.to_string();
+    results->push_back(r);
+    if (!s.ok()) return;
+  }
+  const double ws1_seconds = results->back().median_seconds;
+  for (int world : worlds) {
+    ParallelBenchResult r = base;
+    r.world = world;
+    r.ws1_median_seconds = ws1_seconds;
+    describe(world, &r);
+    std::vector<double> medians(static_cast<std::size_t>(world), 0.0);
+    std::vector<int64_t> wrong(static_cast<std::size_t>(world), 0), compared(static_cast<std::size_t>(world), 0);
+    auto rank_fn = [&](Communicator& comm) -> Status {
+      RankStream stream(ctx.device);
+      RankWork work;
+      DETDIT_RETURN_IF_ERROR(timed.prepare(stream.get(), &comm, &work));
+      const std::size_t q = static_cast<std::size_t>(comm.rank());
+      DETDIT_RETURN_IF_ERROR(median_of_steps(ctx, stream.get(), warmup, repeats, work.step, &medians[q]));
+      for (std::size_t k = 0; k < work.outputs.size(); ++k) {
+        DETDIT_RETURN_IF_ERROR(count_wrong(*work.outputs[k], ws1[k], timed.batch, timed.length, work.lo, work.hi,
+                                           stream.get(), &wrong[q], &compared[q]));
+      }
+      return Status::ok_status();
+    };
+    Status s;
+    if (mpi != nullptr) {
+      const int rank = mpi->rank();
+      s = rank_fn(*mpi);
+      // Every rank's {median, wrong, compared}.
+      double mine[3] = {medians[static_cast<std::size_t>(rank)], static_cast<double>(wrong[static_cast<std::size_t>(rank)]),
+                        static_cast<double>(compared[static_cast<std::size_t>(rank)])};
+      std::vector<char> all;
+      if (s.ok()) s = gather_host_bytes(*mpi, mine, sizeof mine, &all);
+      for (int q = 0; s.ok() && q < world; ++q) {
+        const double* rec = reinterpret_cast<const double*>(all.data()) + 3 * q;
+        medians[static_cast<std::size_t>(q)] = rec[0];
+        wrong[static_cast<std::size_t>(q)] = static_cast<int64_t>(rec[1]);
+        compared[static_cast<std::size_t>(q)] = static_cast<int64_t>(rec[2]);
+      }
+    } else {
+      s = InProcessGroup::run(world, rank_fn, ctx.device);
+    }
+    if (!s.ok()) {
+      r.error = s.to_string();
+    } else {
+      r.rank_medians = medians;
+      r.median_seconds = *std::max_element(medians.begin(), medians.end());
+      for (int q = 0; q < world; ++q) {
+        r.wrong += wrong[static_cast<std::size_t>(q)];
+        r.compared += compared[static_cast<std::size_t>(q)];
+      }
+    }
+    results->push_back(r);
+  }
+}
+
+bool wanted(const std::set<std::string>& filter, const std::string& item) { return filter.empty() || filter.count(item); }
+
+}  // namespace
+
+bool is_parallel_op(const std::string& op) { return op == "sp_region" || op == "tp_adaln_projection"; }
+
+Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats,
+                          const std::set<std::string>& ops, const std::set<std::string>& names,
+                          std::vector<ParallelBenchResult>* results) {
+  const bool cuda = ctx.device.is_cuda();
+  const std::vector<int> worlds = mpi != nullptr ? std::vector<int>{mpi->world_size()} : std::vector<int>{2, 4, 8};
+  if (wanted(ops, "sp_region")) {
+    std::vector<int64_t> lengths = {4097};
+    if (cuda) lengths = ctx.quick ? std::vector<int64_t>{32768} : std::vector<int64_t>{32768, 131072};
+    for (int64_t seq_len : lengths) {
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+        const std::string name = "S=" + std::to_string(seq_len) + " " + packing_name(packing);
+        if (!wanted(names, name)) continue;
+        SpProblem pr;
+        DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
+        SpIndex index;
+        DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
+        Timed timed;
+        timed.batch = pr.batch;
+        timed.length = pr.seq_len;
+        timed.prepare = [&](Stream stream, Communicator* comm, RankWork* work) {
+          return prepare_sp_work(pr, index, ctx.device, stream, comm, work);
+        };
+        auto describe = [&](int world, ParallelBenchResult* r) {
+          SpPlan sp;
+          if (!SpPlan::create(index.plan, world, 0, &sp).ok()) return;
+          std::vector<double> send_rows;
+          for (const SpPlan::RankTraffic& t : sp.traffic()) send_rows.push_back(static_cast<double>(t.send_rows));
+          r->metrics.push_back({"send_rows_per_rank", send_rows});
+          r->metrics.push_back({"bytes_sent_per_rank", {sp_backward_bytes_per_rank(sp, SpVariant::kModulatedRmsnorm, pr.hidden) +
+                                                        sp_backward_bytes_per_rank(sp, SpVariant::kGateResidual, pr.hidden)}});
+        };
+        time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, describe, results);
+      }
+    }
+  }
+  if (wanted(ops, "tp_adaln_projection")) {
+    const std::vector<int64_t> counts = cuda && !ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{4};
+    for (int64_t timesteps : counts) {
+      const std::string name = "T=" + std::to_string(timesteps);
+      if (!wanted(names, name)) continue;
+      TpProblem pr;
+      DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
+      TpWeights weights;
+      DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, ctx.device, &weights));
+      std::vector<int> valid;
+      for (int world : worlds) {
+        int64_t begin = 0, end = 0;
+        if (tp_column_shard(pr.out_features, world, 0, &begin, &end).ok()) valid.push_back(world);
+      }
+      const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
+      for (bool backward : {false, true}) {
+        Timed timed;
+        timed.batch = 1;
+        timed.length = pr.out_features;
+        timed.prepare = [&, backward](Stream stream, Communicator* comm, RankWork* work) {
+          return prepare_tp_work(pr, weights, ctx.device, stream, comm, backward, work);
+        };
+        auto describe = [&, backward](int world, ParallelBenchResult* r) {
+          const double columns = static_cast<double>(pr.out_features / world);
+          double bytes = static_cast<double>(timesteps) * columns * element;
+          if (backward) bytes += columns / 64 * static_cast<double>(timesteps * pr.in_features) * 4;
+          r->metrics.push_back({"bytes_sent_per_rank", {bytes}});
+        };
+        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, backward ? "fwd+bwd" : "fwd", timed,
+                    valid, describe, results);
+      }
+    }
+  }
+  return Status::ok_status();
+}
+
+std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResult>& results) {
+  std::vector<ParallelTarget> targets;
+  for (const char* packing : {"block", "interleaved"}) {
+    ParallelTarget t;
+    t.target = std::string("sp_region fwd+bwd S=131072 ") + packing + ": SP8 >= 6x faster than WS1";
+    t.required_speedup = 6.0;
+    for (const ParallelBenchResult& r : results) {
+      if (r.op == "sp_region" && r.name == std::string("S=131072 ") + packing && r.world == 8 && !r.ws1 &&
+          r.error.empty()) {
+        t.measured_speedup = r.ws1_median_seconds / r.median_seconds;
+        t.simulated = r.simulated;
+      }
+    }
+    targets.push_back(t);
+  }
+  for (const char* packing : {"block", "interleaved"}) {
+    for (const ParallelBenchResult& r : results) {
+      if (r.op != "sp_region" || r.name != std::string("S=32768 ") + packing || r.ws1 || !r.error.empty()) continue;
+      ParallelTarget t;
+      t.target = "sp_region fwd+bwd S=32768 " + std::string(packing) + " SP" + std::to_string(r.world) +
+                 ": never slower than WS1";
+      t.required_speedup = 1.0;
+      t.measured_speedup = r.ws1_median_seconds / r.median_seconds;
+      t.simulated = r.simulated;
+      targets.push_back(t);
+    }
+  }
+  return targets;
+}
+
+}  // namespace cli
+}  // namespace detdit

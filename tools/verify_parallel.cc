@@ -1,0 +1,431 @@
+// verify cases of the parallel regions: tp_adaln_projection and the sp_region
+// (plain rmsnorm, modulated rmsnorm, gate_residual; forward and backward).
+// Every rank's outputs and gradients must be byte-equal to WS1 (the public
+// single-device ops on the whole problem) computed on the same device.
+//
+// One check row per world size: its bitwise count is tensors x ranks (an SP
+// row: 14 tensors per rank = 4 plain rmsnorm + 6 modulated + 4 gate_residual;
+// a TP row: 5 per rank = table, act, d_temb and the rank's d_weight, d_bias
+// rows). Rows record what the plan moves (metrics in the JSON report).
+//
+// Runs:
+//   in-process (default): world sizes 1..8 as threads of this process, on the
+//     CPU or sharing one GPU; WS1 on the same device.
+//   --comm mpi: one rank per process (mpirun -np N), world size N; each rank
+//     compares with WS1 computed on its own device, the framework merges the
+//     ranks' rows on rank 0.
+// Sizes (B = 2, T = 3 timesteps for SP; H, N = 18H and D from the weights):
+//   SP S = 4097 always; S = 32768 without --quick (in-process on the CPU: the
+//   world sizes 1, 2, 3 and 8 only, to keep the CPU run within minutes: 2 and
+//   8 move no row at this S, 3 does); S = 131072 with --comm mpi on CUDA
+//   without --quick. Both packings everywhere.
+//   TP T = 1..4; every world size whose N/tp is a whole number of 64-column
+//   chunks (an informational row quotes the refusal of the others); on the
+//   CPU with --quick T = 1 and 4 at world sizes 1, 2, 3 and 8.
+// Informational rows (the naive-SP contrast, world sizes 2, 4, 8): each rank
+// runs the WS1 backward on its own rows, then d_weight, d_scale and d_gate are
+// summed in rank order (FP32) and compared with WS1's bits: the fraction of
+// elements that differ is what the sp_region's plan prevents.
+#include <algorithm>
+#include <cstring>
+
+#include "common/scalar_math.h"
+#include "detdit/gate_residual.h"
+#include "detdit/rmsnorm.h"
+#include "parallel_common.h"
+#include "verify.h"
+
+namespace detdit {
+namespace cli {
+namespace {
+
+// A run's rows [lo, hi) of each of `batch` items of `length` positions: the
+// part of a per-position WS1 output the run must equal.
+struct Slice {
+  int64_t batch, length, lo, hi;
+};
+
+// Compares each output of a run with WS1's bytes (its slice for per-position
+// outputs, the whole tensor for replicated ones): one comparison per tensor.
+// CPU outputs are compared in place, slices run by run (no copies of
+// H3-sized tensors unless they differ and the report needs the details).
+Status compare_outputs(const std::vector<SpOutput>& outputs, const std::vector<HostBuffer>& ws1, const Slice& slice,
+                       Stream stream, const std::string& prefix, CheckRow* row) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const TensorView& view = outputs[i].tensor.view();
+    HostBuffer copy;
+    const char* got = static_cast<const char*>(view.data);
+    if (view.device.is_cuda()) {
+      DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&copy, stream));
+      got = static_cast<const char*>(copy.data());
+    }
+    const std::string what = prefix + outputs[i].name;
+    const std::size_t bytes = view.nbytes();
+    const std::size_t expected_bytes =
+        outputs[i].per_position ? ws1[i].nbytes() / static_cast<std::size_t>(slice.length) *
+                                      static_cast<std::size_t>(slice.hi - slice.lo)
+                                : ws1[i].nbytes();
+    if (bytes != expected_bytes) {
+      return Status::runtime_error(what + ": " + std::to_string(bytes) + " bytes, WS1's part has " +
+                                   std::to_string(expected_bytes));
+    }
+    if (!outputs[i].per_position) {
+      compare_bytes(ws1[i].data(), got, bytes, view.dtype, what, row);
+      continue;
+    }
+    // (batch, lo..hi, ...) of WS1's (batch, length, ...): one run per batch item.
+    const std::size_t run = bytes / static_cast<std::size_t>(slice.batch);
+    const std::size_t item = ws1[i].nbytes() / static_cast<std::size_t>(slice.batch);
+    const std::size_t offset = item / static_cast<std::size_t>(slice.length) * static_cast<std::size_t>(slice.lo);
+    bool equal = true;
+    for (int64_t b = 0; b < slice.batch && equal; ++b) {
+      equal = std::memcmp(static_cast<const char*>(ws1[i].data()) + b * item + offset, got + b * run, run) == 0;
+    }
+    if (equal) {
+      ++row->bitwise_run;
+      ++row->bitwise_passed;
+      continue;
+    }
+    const HostBuffer expected = local_rows(ws1[i], slice.batch, slice.length, slice.lo, slice.hi);
+    compare_bytes(expected.data(), got, bytes, view.dtype, what, row);
+  }
+  return Status::ok_status();
+}
+
+Status download(const std::vector<SpOutput>& outputs, std::vector<HostBuffer>* hosts) {
+  hosts->resize(outputs.size());
+  for (std::size_t i = 0; i < outputs.size(); ++i) DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&(*hosts)[i]));
+  return Status::ok_status();
+}
+
+// A world's row: the comparisons of every rank, plus errors (a rank that
+// failed fails the row with its message).
+struct WorldRow {
+  CheckRow row;
+  bool error = false;
+};
+
+void merge(const CheckRow& rank_row, int rank, WorldRow* world) {
+  world->row.bitwise_run += rank_row.bitwise_run;
+  world->row.bitwise_passed += rank_row.bitwise_passed;
+  if (world->row.detail.empty() && !rank_row.detail.empty()) {
+    world->row.detail = "rank " + std::to_string(rank) + ": " + rank_row.detail;
+  }
+}
+
+void record_error(const Status& status, WorldRow* world) {
+  if (status.ok()) return;
+  world->error = true;
+  world->row.detail = status.to_string() + (world->row.detail.empty() ? "" : "; " + world->row.detail);
+}
+
+// Runs fn(comm, &rank_row) on every rank of `world`: in-process threads on
+// context.device, or this process's rank of context.comm. Merges the rows.
+template <typename Fn>
+void run_ranks(const VerifyContext& ctx, int world, Fn&& fn, WorldRow* out) {
+  const double start = now_seconds();
+  if (ctx.comm != nullptr) {
+    CheckRow mine;
+    record_error(fn(*ctx.comm, &mine), out);
+    merge(mine, ctx.comm->rank(), out);
+  } else {
+    std::vector<CheckRow> ranks(static_cast<std::size_t>(world));
+    Status status = InProcessGroup::run(
+        world, [&](Communicator& comm) { return fn(comm, &ranks[static_cast<std::size_t>(comm.rank())]); },
+        ctx.device);
+    record_error(status, out);
+    for (int r = 0; r < world; ++r) merge(ranks[static_cast<std::size_t>(r)], r, out);
+  }
+  out->row.seconds += now_seconds() - start;
+}
+
+void finish(WorldRow* world) {
+  finish_row(&world->row);
+  if (world->error) world->row.pass = false;
+}
+
+std::string percent(double fraction) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f %%", 100.0 * fraction);
+  return text;
+}
+
+// ---- sp_region -----------------------------------------------------------------
+
+std::vector<int> sp_world_sizes(const VerifyContext& ctx, int64_t seq_len) {
+  if (ctx.comm != nullptr) return {ctx.comm->world_size()};
+  if (!ctx.device.is_cuda() && seq_len > 4097) return {3, 8};
+  if (!ctx.device.is_cuda() && ctx.quick) return {1, 2, 3, 8};
+  return {1, 2, 3, 4, 5, 6, 7, 8};
+}
+
+// Fraction of elements of a (FP32) rank-order sum that differ from WS1's bits.
+double fraction_differing(const std::vector<float>& sum, const HostBuffer& ws1) {
+  int64_t differing = 0;
+  const float* expected = ws1.ptr<float>();
+  for (std::size_t i = 0; i < sum.size(); ++i) differing += num::float_bits(sum[i]) != num::float_bits(expected[i]);
+  return static_cast<double>(differing) / static_cast<double>(sum.size());
+}
+
+// The naive alternative for one variant at `world` ranks, simulated on the
+// device: each rank's WS1 backward on its own rows (the local plan) with FP32
+// replicated gradients, summed in rank order. Returns the fractions of
+// (d_weight, d_scale) or (d_gate) elements that differ from WS1.
+Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& device, SpVariant variant, int world,
+                       const std::vector<HostBuffer>& ws1, std::vector<std::pair<std::string, double>>* fractions) {
+  const bool gate = variant == SpVariant::kGateResidual;
+  const int64_t hidden = pr.hidden, rows = pr.shift.shape()[0];
+  std::vector<float> first(gate ? rows * hidden : hidden, 0.0f), second(gate ? 0 : rows * hidden, 0.0f);
+  for (int rank = 0; rank < world; ++rank) {
+    SpPlan sp;
+    DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, world, rank, &sp));
+    const int64_t lo = sp.local_begin(), hi = sp.local_end();
+    DeviceTensor x, grad, rstd, weight, table_a, table_b, part_a, part_b;
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(local_rows(pr.x, pr.batch, pr.seq_len, lo, hi), device, &x));
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(local_rows(pr.grad, pr.batch, pr.seq_len, lo, hi), device, &grad));
+    if (gate) {
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.gate, device, &table_a));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {rows, hidden}, device, &part_a));
+      // As in prepare_sp_run: y = grad, the incoming gradient is x.
+      GateResidualBackwardParams b;
+      b.grad = x.view();
+      b.y = grad.view();
+      b.gate = table_a.view();
+      b.plan = sp.local_plan();
+      b.d_gate = part_a.view();
+      DETDIT_RETURN_IF_ERROR(gate_residual_backward(b));
+    } else {
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(local_rows(ws1[1], pr.batch, pr.seq_len, lo, hi), device, &rstd));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.weight, device, &weight));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.shift, device, &table_a));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.scale, device, &table_b));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {hidden}, device, &part_a));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {rows, hidden}, device, &part_b));
+      RmsnormBackwardParams b;
+      b.x = x.view();
+      b.weight = weight.view();
+      b.shift = table_a.view();
+      b.scale = table_b.view();
+      b.plan = sp.local_plan();
+      b.rstd = rstd.view();
+      b.grad = grad.view();
+      b.d_weight = part_a.view();
+      b.d_scale = part_b.view();
+      DETDIT_RETURN_IF_ERROR(rmsnorm_backward(b));
+    }
+    HostBuffer a, b;
+    DETDIT_RETURN_IF_ERROR(part_a.to_host(&a));
+    for (std::size_t i = 0; i < first.size(); ++i) first[i] = num::add32(first[i], a.ptr<float>()[i]);
+    if (!gate) {
+      DETDIT_RETURN_IF_ERROR(part_b.to_host(&b));
+      for (std::size_t i = 0; i < second.size(); ++i) second[i] = num::add32(second[i], b.ptr<float>()[i]);
+    }
+  }
+  if (gate) {
+    fractions->push_back({"d_gate", fraction_differing(first, ws1[3])});
+  } else {
+    fractions->push_back({"d_weight", fraction_differing(first, ws1[3])});
+    fractions->push_back({"d_scale", fraction_differing(second, ws1[5])});
+  }
+  return Status::ok_status();
+}
+
+Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std::vector<CheckRow>* rows) {
+  const Device device = ctx.device;
+  SpProblem pr;
+  DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
+  SpIndex index;
+  DETDIT_RETURN_IF_ERROR(make_sp_index(pr, device, &index));
+  const std::vector<int> worlds = sp_world_sizes(ctx, seq_len);
+  std::vector<WorldRow> checks(worlds.size());
+  std::vector<int> naive_worlds;
+  for (int w : worlds) {
+    if (w == 2 || w == 4 || w == 8 || (ctx.comm != nullptr && w > 1)) naive_worlds.push_back(w);
+  }
+  std::vector<WorldRow> naive(naive_worlds.size());
+  std::vector<std::vector<std::pair<std::string, double>>> naive_fraction(naive_worlds.size());
+
+  for (std::size_t i = 0; i < worlds.size(); ++i) {
+    CheckRow& row = checks[i].row;
+    row.check = "ws=" + std::to_string(worlds[i]);
+    // What the plan moves (every rank's plan knows every rank's numbers).
+    SpPlan sp;
+    DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, worlds[i], 0, &sp));
+    std::vector<double> send_rows;
+    double moved = 0;
+    for (const SpPlan::RankTraffic& t : sp.traffic()) {
+      send_rows.push_back(static_cast<double>(t.send_rows));
+      moved += static_cast<double>(t.send_rows);
+    }
+    row.metrics.push_back({"send_rows_per_rank", send_rows});
+    row.metrics.push_back({"rows_moved_all_ranks", {moved}});
+    row.metrics.push_back({"max_send_rows", {static_cast<double>(sp.max_send())}});
+    for (SpVariant v : kSpVariants) {
+      row.metrics.push_back({std::string("bytes_sent_per_rank_") + (v == SpVariant::kPlainRmsnorm       ? "rmsnorm_bwd"
+                                                                    : v == SpVariant::kModulatedRmsnorm ? "modulated_rmsnorm_bwd"
+                                                                                                        : "gate_residual_bwd"),
+                             {sp_backward_bytes_per_rank(sp, v, pr.hidden)}});
+    }
+  }
+
+  for (SpVariant variant : kSpVariants) {
+    // WS1 on this device (the default stream), brought to the host.
+    std::vector<HostBuffer> ws1;
+    {
+      SpRun run;
+      DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, variant, device, nullptr, nullptr, nullptr, &run));
+      DETDIT_RETURN_IF_ERROR(run.forward());
+      DETDIT_RETURN_IF_ERROR(run.backward());
+      DETDIT_RETURN_IF_ERROR(download(run.outputs, &ws1));
+    }
+    const std::string prefix = std::string(sp_variant_name(variant)) + " ";
+    for (std::size_t i = 0; i < worlds.size(); ++i) {
+      run_ranks(
+          ctx, worlds[i],
+          [&](Communicator& comm, CheckRow* rank_row) -> Status {
+            RankStream stream(device);
+            SpPlan sp;
+            DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, comm.world_size(), comm.rank(), &sp, stream.get()));
+            SpRun run;
+            DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, variant, device, stream.get(), &sp, &comm, &run));
+            DETDIT_RETURN_IF_ERROR(run.forward());
+            DETDIT_RETURN_IF_ERROR(run.backward());
+            return compare_outputs(run.outputs, ws1, Slice{pr.batch, pr.seq_len, sp.local_begin(), sp.local_end()},
+                                   stream.get(), prefix, rank_row);
+          },
+          &checks[i]);
+    }
+    if (variant == SpVariant::kPlainRmsnorm) continue;  // d_weight's contrast comes with the modulated norm
+    for (std::size_t i = 0; i < naive_worlds.size(); ++i) {
+      const double start = now_seconds();
+      record_error(naive_fractions(pr, index, device, variant, naive_worlds[i], ws1, &naive_fraction[i]), &naive[i]);
+      naive[i].row.seconds += now_seconds() - start;
+    }
+  }
+
+  for (WorldRow& w : checks) {
+    finish(&w);
+    rows->push_back(w.row);
+  }
+  for (std::size_t i = 0; i < naive_worlds.size(); ++i) {
+    CheckRow& row = naive[i].row;
+    row.check = "naive ws=" + std::to_string(naive_worlds[i]) + " (info)";
+    row.informational = true;
+    std::string fractions;
+    for (const auto& [name, fraction] : naive_fraction[i]) {
+      row.metrics.push_back({name + "_fraction_differing_naive", {fraction}});
+      fractions += (fractions.empty() ? "" : ", ") + name + " " + percent(fraction);
+    }
+    if (!naive[i].error) {
+      row.detail = "naive rank-order sum differs from WS1 in " + fractions + " of the elements (the sp_region: 0)";
+    }
+    finish(&naive[i]);
+    rows->push_back(row);
+  }
+  return Status::ok_status();
+}
+
+bool always(const VerifyContext&) { return true; }
+bool mpi_cuda_full_run(const VerifyContext& ctx) { return !ctx.quick && ctx.comm != nullptr && ctx.device.is_cuda(); }
+// In-process runs do 32768 only without --quick; MPI runs always (issue 8's matrix).
+bool sp_32768(const VerifyContext& ctx) { return !ctx.quick || ctx.comm != nullptr; }
+
+Status sp_4097_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, Packing::kBlock, 4097, r); }
+Status sp_4097_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
+  return verify_sp(c, Packing::kInterleaved, 4097, r);
+}
+Status sp_32768_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, Packing::kBlock, 32768, r); }
+Status sp_32768_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
+  return verify_sp(c, Packing::kInterleaved, 32768, r);
+}
+Status sp_131072_block(const VerifyContext& c, std::vector<CheckRow>* r) {
+  return verify_sp(c, Packing::kBlock, 131072, r);
+}
+Status sp_131072_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
+  return verify_sp(c, Packing::kInterleaved, 131072, r);
+}
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=4097 block", true, true, sp_4097_block, always);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=4097 interleaved", true, true, sp_4097_interleaved, always);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=32768 block", true, true, sp_32768_block, sp_32768);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=32768 interleaved", true, true, sp_32768_interleaved, sp_32768);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 block", false, true, sp_131072_block, mpi_cuda_full_run);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 interleaved", false, true, sp_131072_interleaved,
+                            mpi_cuda_full_run);
+
+// ---- tp_adaln_projection -----------------------------------------------------------
+
+Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckRow>* rows) {
+  const Device device = ctx.device;
+  TpProblem pr;
+  DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
+  TpWeights weights;
+  DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, device, &weights));
+  std::vector<HostBuffer> ws1;
+  {
+    TpRun run;
+    DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, nullptr, nullptr, &run));
+    DETDIT_RETURN_IF_ERROR(run.forward());
+    DETDIT_RETURN_IF_ERROR(run.backward());
+    DETDIT_RETURN_IF_ERROR(download(run.outputs, &ws1));
+  }
+  std::vector<int> worlds;
+  if (ctx.comm != nullptr) {
+    worlds = {ctx.comm->world_size()};
+  } else if (ctx.quick && !device.is_cuda()) {
+    worlds = {1, 2, 3, 8};
+  } else {
+    worlds = {1, 2, 3, 4, 5, 6, 7, 8};
+  }
+  const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
+  for (int world : worlds) {
+    int64_t begin = 0, end = 0;
+    Status split = tp_column_shard(pr.out_features, world, 0, &begin, &end);
+    WorldRow check;
+    check.row.check = "tp=" + std::to_string(world);
+    if (!split.ok()) {
+      // Not a valid split of N: what the op says (it refuses before any work).
+      check.row.check += " (info)";
+      check.row.informational = true;
+      check.row.detail = split.message();
+      finish(&check);
+      rows->push_back(check.row);
+      continue;
+    }
+    const double columns = static_cast<double>(end - begin);
+    check.row.metrics.push_back({"bytes_sent_per_rank_forward", {static_cast<double>(timesteps) * columns * element}});
+    check.row.metrics.push_back(
+        {"bytes_sent_per_rank_backward",
+         {columns / 64 * static_cast<double>(timesteps) * static_cast<double>(pr.in_features) * 4}});
+    run_ranks(
+        ctx, world,
+        [&](Communicator& comm, CheckRow* rank_row) -> Status {
+          RankStream stream(device);
+          TpRun run;
+          DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, stream.get(), &comm, &run));
+          DETDIT_RETURN_IF_ERROR(run.forward());
+          DETDIT_RETURN_IF_ERROR(run.backward());
+          return compare_outputs(run.outputs, ws1, Slice{1, pr.out_features, run.begin, run.end}, stream.get(), "",
+                                 rank_row);
+        },
+        &check);
+    finish(&check);
+    rows->push_back(check.row);
+  }
+  return Status::ok_status();
+}
+
+// On the CPU --quick keeps T = 1 and 4 (each TP world costs a full H3 projection).
+bool tp_middle(const VerifyContext& ctx) { return !ctx.quick || ctx.device.is_cuda() || ctx.comm != nullptr; }
+
+Status tp_1(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 1, r); }
+Status tp_2(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 2, r); }
+Status tp_3(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 3, r); }
+Status tp_4(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 4, r); }
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=1", true, true, tp_1, always);
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=2", true, true, tp_2, tp_middle);
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=3", true, true, tp_3, tp_middle);
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=4", true, true, tp_4, always);
+
+}  // namespace
+}  // namespace cli
+}  // namespace detdit
