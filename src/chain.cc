@@ -41,7 +41,7 @@ class Scratch {
   std::vector<std::shared_ptr<void>> owners_;
 };
 
-// sum = R_T(rn(sum + add)) (numerics 5.10): the accumulation of two gradient
+// sum = R_T(rn(sum + term)) (numerics 5.10): the accumulation of two gradient
 // paths (autograd's sum, one rounding).
 Status accumulate(const TensorView& sum, const TensorView& term, Stream stream) {
   return add(sum, term, sum, stream);
