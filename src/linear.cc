@@ -164,6 +164,17 @@ Status validate_silu_backward(const SiluBackwardParams& p) {
   return Status();
 }
 
+// d_x = the ascending fold over chunks of the (C, T, K) partials, cast once
+// (numerics 6.2): the canonical chunk fold on the contiguous (C, T*K) and
+// (T*K,) views of validated partials and d_x.
+Status fold_d_x(const LinearBackwardInputParams& p, Stream stream) {
+  const int64_t elements = p.d_x.numel();
+  const TensorView partials = p.partials.reshaped({p.partials.shape[0], elements});
+  const TensorView d_x = p.d_x.reshaped({elements});
+  return p.d_x.device.is_cuda() ? cuda::fold_chunk_partials(partials, d_x, stream)
+                                : cpu::fold_chunk_partials(partials, d_x, stream);
+}
+
 }  // namespace
 
 Status linear_forward(const LinearParams& params, Stream stream) {
@@ -179,8 +190,7 @@ Status linear_backward_input_partials(const LinearBackwardInputParams& params, S
 
 Status linear_fold_partials(const LinearBackwardInputParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_fold_call(params));
-  return params.partials.device.is_cuda() ? cuda::linear_fold_partials(params, stream)
-                                          : cpu::linear_fold_partials(params, stream);
+  return fold_d_x(params, stream);
 }
 
 Status linear_backward_input(const LinearBackwardInputParams& params, Stream stream) {
@@ -198,12 +208,9 @@ Status linear_backward_input(const LinearBackwardInputParams& params, Stream str
     DETDIT_RETURN_IF_ERROR(scratch_tensor(params.grad.device, DType::kF32, {chunks, rows, in_features}, stream,
                                           &scratch, &run.partials));
   }
-  if (run.grad.device.is_cuda()) {
-    DETDIT_RETURN_IF_ERROR(cuda::linear_backward_input_partials(run, stream));
-    return cuda::linear_fold_partials(run, stream);
-  }
-  DETDIT_RETURN_IF_ERROR(cpu::linear_backward_input_partials(run, stream));
-  return cpu::linear_fold_partials(run, stream);
+  DETDIT_RETURN_IF_ERROR(run.grad.device.is_cuda() ? cuda::linear_backward_input_partials(run, stream)
+                                                   : cpu::linear_backward_input_partials(run, stream));
+  return fold_d_x(run, stream);
 }
 
 Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream stream) {

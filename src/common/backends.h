@@ -52,7 +52,6 @@ struct ExtraRows {
   Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream);     \
   Status linear_forward(const LinearParams& p, Stream stream);                                   \
   Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream stream);      \
-  Status linear_fold_partials(const LinearBackwardInputParams& p, Stream stream);               \
   Status linear_backward_weight(const LinearBackwardWeightParams& p, Stream stream);            \
   Status silu_backward(const SiluBackwardParams& p, Stream stream);                             \
   /* act = R_T(silu(temb)), T = act's dtype: the cast before every projection */                \

@@ -6,8 +6,8 @@
 // XOR butterfly (offsets 16, 8, 4, 2, 1); then bias, the optional FP32
 // pre-activation save, the optional SiLU, one rounding to out's dtype.
 // Backward: d_x chunk partials (64 rows of N per chunk, ascending-n fma
-// chains), their ascending fold, d_W (ascending-t fma chain) and d_b
-// (ascending-t add chain), each rounded once.
+// chains; src/linear.cc folds them with fold_chunk_partials), d_W
+// (ascending-t fma chain) and d_b (ascending-t add chain), each rounded once.
 // Threads split outputs (columns n, chunks c, elements) and never an
 // accumulation, so the thread count never changes a bit.
 #include <algorithm>
@@ -141,19 +141,6 @@ void backward_input_partials_typed(const LinearBackwardInputParams& p) {
   });
 }
 
-template <typename Out>
-void fold_partials_typed(const LinearBackwardInputParams& p) {
-  const int64_t chunks = p.partials.shape[0];
-  const int64_t elements = p.d_x.numel();  // T * K; partial[c] is a (T, K) block
-  const float* partials = p.partials.ptr<float>();
-  Out* d_x = p.d_x.ptr<Out>();
-  parallel_for(0, elements, [&](int64_t i) {
-    float acc = 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) acc = num::add32(acc, partials[c * elements + i]);
-    d_x[i] = from_float<Out>(acc);
-  });
-}
-
 template <typename In>
 void backward_weight_typed(const LinearBackwardWeightParams& p) {
   const int64_t rows = p.grad.shape[0], out_features = p.grad.shape[1], in_features = p.x.shape[1];
@@ -197,11 +184,6 @@ Status linear_forward(const LinearParams& p, Stream) {
 
 Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream) {
   dispatch_float_dtype(p.weight.dtype, [&](auto tag) { backward_input_partials_typed<decltype(tag)>(p); });
-  return Status();
-}
-
-Status linear_fold_partials(const LinearBackwardInputParams& p, Stream) {
-  dispatch_float_dtype(p.d_x.dtype, [&](auto tag) { fold_partials_typed<decltype(tag)>(p); });
   return Status();
 }
 

@@ -1,5 +1,6 @@
 // linear on CUDA: y = x W^T + b with an optional SiLU epilogue (numerics 5.2)
-// and its backward (6.2): d_x chunk partials + fold, d_W, d_b.
+// and its backward (6.2): d_x chunk partials (folded by src/linear.cc with
+// fold_chunk_partials), d_W, d_b.
 //
 // Forward: each warp owns `columns` output columns and keeps one accumulator
 // per (column, row) for up to 8 rows of x, so a weight row streams once per
@@ -8,7 +9,7 @@
 // the order of numerics 5.2 for any columns-per-warp and block size.
 // Backward: d_x partials[c, t, k] = ascending-n fma chain over the 64 rows of
 // chunk c (one thread per 16-byte column vector, grid (chunks, K blocks));
-// the fold is an ascending chain over c; d_W and d_b are ascending-t chains.
+// d_W and d_b are ascending-t chains.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -185,16 +186,6 @@ Status launch_linear_backward_input_partials(const LinearPartialsArgs& a, int ro
   return launch_status("linear_backward_input_partials_kernel");
 }
 
-// d_x[i] = R(ascending fold over chunks of partials[c, i]), i over (rows, k).
-template <typename Out>
-__global__ void linear_fold_partials_kernel(const float* partials, Out* d_x, int64_t chunks, int64_t elements) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= elements) return;
-  float acc = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) acc = num::add32(acc, partials[c * elements + i]);
-  d_x[i] = from_float<Out>(acc);
-}
-
 // d_W[n, k..k+3] = R(ascending-t fma chain of grad[t, n] * x[t, k]).
 template <typename X, typename Out>
 __global__ void linear_backward_weight_kernel(const float* grad, const X* x, Out* d_weight, int64_t rows, int64_t k,
@@ -258,21 +249,6 @@ Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream
   return dispatch_operand(p.weight.dtype, [&](auto tag) {
     return launch_linear_backward_input_partials<decltype(tag)>(a, launch_tuning().linear_partial_rows,
                                                                 as_cuda_stream(stream));
-  });
-}
-
-Status linear_fold_partials(const LinearBackwardInputParams& p, Stream stream) {
-  DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.d_x.device));
-  const int64_t chunks = p.partials.shape[0];
-  const int64_t elements = p.d_x.numel();
-  if (elements == 0) return Status();
-  const int threads = launch_tuning().elementwise_threads;
-  return dispatch_float_dtype(p.d_x.dtype, [&](auto tag) {
-    using Out = decltype(tag);
-    linear_fold_partials_kernel<Out><<<blocks_for(elements, threads), threads, 0, as_cuda_stream(stream)>>>(
-        p.partials.ptr<const float>(), p.d_x.ptr<Out>(), chunks, elements);
-    return launch_status("linear_fold_partials_kernel");
   });
 }
 

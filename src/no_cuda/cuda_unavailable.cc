@@ -18,7 +18,6 @@ Status timestep_sinusoid_forward(const TimestepSinusoidParams&, Stream) { return
 Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams&, Stream) { return unavailable(); }
 Status linear_forward(const LinearParams&, Stream) { return unavailable(); }
 Status linear_backward_input_partials(const LinearBackwardInputParams&, Stream) { return unavailable(); }
-Status linear_fold_partials(const LinearBackwardInputParams&, Stream) { return unavailable(); }
 Status linear_backward_weight(const LinearBackwardWeightParams&, Stream) { return unavailable(); }
 Status silu_backward(const SiluBackwardParams&, Stream) { return unavailable(); }
 Status silu_cast(const TensorView&, const TensorView&, Numerics, Stream) { return unavailable(); }
