@@ -22,6 +22,7 @@
 #include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
+#include "registry.h"
 #include "weights_source.h"
 
 namespace detdit {
@@ -54,16 +55,10 @@ struct BenchCase {
   BenchSetup setup;
 };
 
-std::vector<BenchCase>& bench_registry();
+inline std::vector<BenchCase>& bench_registry() { return registry<BenchCase>(); }
 
-struct BenchRegistrar {
-  explicit BenchRegistrar(const BenchCase& c) { bench_registry().push_back(c); }
-};
-
-#define DETDIT_BENCH_CONCAT_(a, b) a##b
-#define DETDIT_BENCH_CONCAT(a, b) DETDIT_BENCH_CONCAT_(a, b)
 #define DETDIT_BENCH_CASE(op, name, cpu, cuda, fn) \
-  static ::detdit::cli::BenchRegistrar DETDIT_BENCH_CONCAT(detdit_bench_case_, __LINE__)({op, name, cpu, cuda, fn})
+  DETDIT_CLI_REGISTER(::detdit::cli::BenchCase, detdit_bench_case_, op, name, cpu, cuda, fn)
 
 // Times one call on the context's device.
 class BenchTimer {

@@ -69,11 +69,6 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-std::vector<BenchCase>& bench_registry() {
-  static std::vector<BenchCase> registry;
-  return registry;
-}
-
 Status make_bench_timer(const BenchContext& context, std::unique_ptr<BenchTimer>* timer) {
   if (!context.device.is_cuda()) {
     timer->reset(new CpuTimer());

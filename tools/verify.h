@@ -21,6 +21,7 @@
 #include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
+#include "registry.h"
 #include "weights_source.h"
 
 namespace detdit {
@@ -70,22 +71,15 @@ struct VerifyCase {
   bool (*enabled)(const VerifyContext& context) = nullptr;
 };
 
-std::vector<VerifyCase>& verify_registry();
+inline std::vector<VerifyCase>& verify_registry() { return registry<VerifyCase>(); }
 
-struct VerifyRegistrar {
-  explicit VerifyRegistrar(const VerifyCase& c) { verify_registry().push_back(c); }
-};
-
-#define DETDIT_VERIFY_CONCAT_(a, b) a##b
-#define DETDIT_VERIFY_CONCAT(a, b) DETDIT_VERIFY_CONCAT_(a, b)
 // DETDIT_VERIFY_CASE("rmsnorm", "modulated S=4097", /*cpu=*/true, /*cuda=*/true, run_fn);
 #define DETDIT_VERIFY_CASE(op, name, cpu, cuda, fn) \
-  static ::detdit::cli::VerifyRegistrar DETDIT_VERIFY_CONCAT(detdit_verify_case_, __LINE__)({op, name, cpu, cuda, fn})
+  DETDIT_CLI_REGISTER(::detdit::cli::VerifyCase, detdit_verify_case_, op, name, cpu, cuda, fn)
 // A case that also runs under --comm mpi (one rank per process), and only
 // where enabled(context) says so.
-#define DETDIT_VERIFY_PARALLEL_CASE(op, name, cpu, cuda, fn, enabled)                                         \
-  static ::detdit::cli::VerifyRegistrar DETDIT_VERIFY_CONCAT(detdit_verify_case_, __LINE__)({op, name, cpu, cuda, \
-                                                                                             fn, true, enabled})
+#define DETDIT_VERIFY_PARALLEL_CASE(op, name, cpu, cuda, fn, enabled) \
+  DETDIT_CLI_REGISTER(::detdit::cli::VerifyCase, detdit_verify_case_, op, name, cpu, cuda, fn, true, enabled)
 
 // Helpers for cases.
 

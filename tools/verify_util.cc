@@ -16,11 +16,6 @@
 namespace detdit {
 namespace cli {
 
-std::vector<VerifyCase>& verify_registry() {
-  static std::vector<VerifyCase> registry;
-  return registry;
-}
-
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
