@@ -44,6 +44,21 @@ Status output(DType dtype, std::vector<int64_t> shape, const Device& device, con
   return Status::ok_status();
 }
 
+// DeviceTensor uploads are cudaMemcpy calls on the legacy default stream,
+// which may return before the DMA lands; a rank's non-blocking stream is not
+// ordered after them, so wait for them before any rank work is enqueued.
+Status uploads_done(const Device& device) {
+#ifdef DETDIT_WITH_CUDA
+  if (device.is_cuda()) {
+    const cudaError_t err = cudaStreamSynchronize(nullptr);
+    if (err != cudaSuccess) return Status::runtime_error(std::string("uploads: ") + cudaGetErrorString(err));
+  }
+#else
+  (void)device;
+#endif
+  return Status::ok_status();
+}
+
 }  // namespace
 
 const char* packing_name(Packing packing) { return packing == Packing::kBlock ? "block" : "interleaved"; }
@@ -208,7 +223,7 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
     run->backward = [b, plan_copy, parallel, comm, stream]() {
       return parallel ? sp_gate_residual_backward(*comm, plan_copy, b, stream) : gate_residual_backward(b, stream);
     };
-    return Status::ok_status();
+    return uploads_done(device);
   }
 
   const bool modulated = variant == SpVariant::kModulatedRmsnorm;
@@ -251,7 +266,7 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
   run->backward = [b, plan_copy, parallel, comm, stream]() {
     return parallel ? sp_rmsnorm_backward(*comm, plan_copy, b, stream) : rmsnorm_backward(b, stream);
   };
-  return Status::ok_status();
+  return uploads_done(device);
 }
 
 double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t hidden) {
@@ -333,7 +348,7 @@ Status prepare_tp_run(const TpProblem& pr, const TpWeights& weights, const Devic
   run->backward = [b, comm, stream]() {
     return comm ? tp_adaln_projection_backward(*comm, b, stream) : adaln_projection_backward(b, stream);
   };
-  return Status::ok_status();
+  return uploads_done(device);
 }
 
 // ---- --comm mpi ---------------------------------------------------------------

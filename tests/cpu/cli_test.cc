@@ -357,6 +357,9 @@ const char* const kMpirun =
     "--mca btl_vader_single_copy_mechanism none -np 2 ";
 
 TEST(Cli, VerifyParallelUnderMpirunTwoRanks) {
+#if !defined(DETDIT_WITH_MPI)
+  GTEST_SKIP() << "detdit was built without MPI";
+#endif
   if (!have_mpirun()) GTEST_SKIP() << "mpirun is not on PATH";
   const std::string out = temp_dir("verify_mpi");
   const std::string weights = small_weights();
