@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <sstream>
 
 namespace detdit {
 namespace cli {
@@ -136,6 +137,16 @@ bool Args::has(const std::string& name) const {
 std::string Args::get(const std::string& name, const std::string& fallback) const {
   const Spec* s = find(name);
   return s != nullptr && s->given ? s->value : fallback;
+}
+
+std::set<std::string> Args::get_set(const std::string& name) const {
+  std::set<std::string> items;
+  std::stringstream in(get(name));
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) items.insert(item);
+  }
+  return items;
 }
 
 bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value) {

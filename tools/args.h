@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,8 @@ class Args {
 
   bool has(const std::string& name) const;  // option given, or positional present
   std::string get(const std::string& name, const std::string& fallback = "") const;
+  // The non-empty items of a comma-separated value ("a,,b" -> {a, b}); empty when not given.
+  std::set<std::string> get_set(const std::string& name) const;
   // Integer values; false (with error()) when the text is not an integer in [lo, hi].
   bool get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value);
   bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);

@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "args.h"
 #include "cli.h"
@@ -28,16 +27,6 @@ struct BenchResult {
   int64_t wrong = 0, compared = 0;
   std::string error;
 };
-
-std::set<std::string> split_set(const std::string& text) {
-  std::set<std::string> items;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) items.insert(item);
-  }
-  return items;
-}
 
 Status run_case(const BenchCase& c, const BenchContext& context, int warmup, int repeats, BenchResult* result) {
   BenchInstance instance;
@@ -184,7 +173,7 @@ int run_bench(int argc, char** argv) {
     }
   }
   const bool leader = world == nullptr || world->rank() == 0;
-  const std::set<std::string> ops = split_set(args.get("--ops")), names = split_set(args.get("--cases"));
+  const std::set<std::string> ops = args.get_set("--ops"), names = args.get_set("--cases");
   std::vector<const BenchCase*> selected;
   for (const BenchCase& c : registry) {
     if (world == nullptr && (context.device.is_cuda() ? c.cuda : c.cpu) && (ops.empty() || ops.count(c.op)) &&

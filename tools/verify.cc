@@ -11,7 +11,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "args.h"
 #include "cli.h"
@@ -38,16 +37,6 @@ int op_rank(const std::string& op) {
     ++i;
   }
   return i;
-}
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> items;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) items.push_back(item);
-  }
-  return items;
 }
 
 Json number_or_null(double v) { return std::isnan(v) ? Json(nullptr) : Json(v); }
@@ -249,8 +238,7 @@ int run_verify(int argc, char** argv) {
   }
   const bool leader = world == nullptr || world->rank() == 0;
 
-  std::set<std::string> wanted_ops;
-  for (const std::string& op : split_list(args.get("--ops"))) wanted_ops.insert(op);
+  const std::set<std::string> wanted_ops = args.get_set("--ops");
   for (const std::string& op : wanted_ops) {
     bool known = false;
     for (const VerifyCase& c : cases) known = known || op == c.op;
