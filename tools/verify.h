@@ -116,6 +116,10 @@ class HostBuffer {
   std::size_t offset_ = 0, nbytes_ = 0;
 };
 
+// The bf16 nearest to a double (ties to even), for finite x: an FP64
+// oracle's correctly rounded bf16 (x -> float -> bf16 would round twice).
+uint16_t bf16_nearest(double x);
+
 // Seconds since an arbitrary origin (steady clock).
 double now_seconds();
 

@@ -91,26 +91,10 @@ void compare_fused_runs(const FusedRun& expected, const FusedRun& actual, CheckR
 }
 
 // The correctly rounded bits of a finite double in a bf16 or fp32 tensor:
-// fp32 by the host's double-to-float conversion (RNE); bf16 as the nearest of
-// the three bf16 magnitudes around float(|x|), ties to even (each distance
-// is exact: the candidates lie within a factor of two of x).
+// fp32 by the host's double-to-float conversion (RNE); bf16 by bf16_nearest
+// (verify.h).
 uint32_t nearest_bits(double x, DType dtype) {
-  if (dtype == DType::kF32) return num::float_bits(static_cast<float>(x));
-  const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
-  const double magnitude = std::fabs(x);
-  const uint16_t middle = static_cast<uint16_t>(num::float_bits(static_cast<float>(magnitude)) >> 16);
-  uint16_t best = middle;
-  double best_distance = std::fabs(magnitude - num::bf16_to_float(middle));
-  for (int delta : {-1, 1}) {
-    if (middle == 0 && delta < 0) continue;
-    const uint16_t candidate = static_cast<uint16_t>(middle + delta);
-    const double distance = std::fabs(magnitude - num::bf16_to_float(candidate));
-    if (distance < best_distance || (distance == best_distance && (candidate & 1) == 0)) {
-      best = candidate;
-      best_distance = distance;
-    }
-  }
-  return static_cast<uint16_t>(best | sign);
+  return dtype == DType::kF32 ? num::float_bits(static_cast<float>(x)) : bf16_nearest(x);
 }
 
 uint32_t bits_at(const HostBuffer& b, int64_t i) {

@@ -195,27 +195,6 @@ void projection64(const std::vector<double>& act, const HostBuffer& w, const Hos
   });
 }
 
-// The bf16 nearest to a double (ties to even), for finite x: the nearest of
-// the three bf16 magnitudes around float(|x|). Each |x - v| is exact (Sterbenz:
-// v and x are within a factor of 2), so the choice is exact too.
-uint16_t bf16_nearest(double x) {
-  const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
-  const double magnitude = std::fabs(x);
-  const uint16_t middle = static_cast<uint16_t>(num::float_bits(static_cast<float>(magnitude)) >> 16);
-  uint16_t best = middle;
-  double best_distance = std::fabs(magnitude - num::bf16_to_float(middle));
-  for (int delta : {-1, 1}) {
-    if (middle == 0 && delta < 0) continue;
-    const uint16_t candidate = static_cast<uint16_t>(middle + delta);
-    const double distance = std::fabs(magnitude - num::bf16_to_float(candidate));
-    if (distance < best_distance || (distance == best_distance && (candidate & 1) == 0)) {
-      best = candidate;
-      best_distance = distance;
-    }
-  }
-  return static_cast<uint16_t>(best | sign);
-}
-
 Status verify_mlp(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   const int64_t count = 4;
   std::vector<HostBuffer> inputs(5);

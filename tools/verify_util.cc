@@ -1,10 +1,12 @@
 // Helpers shared by the verify and bench cases (verify.h).
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <algorithm>
 #include <cstring>
 #include <memory>
 
+#include "common/scalar_math.h"
 #include "common/storage.h"
 #include "io/synth.h"
 #include "verify.h"
@@ -15,6 +17,27 @@
 
 namespace detdit {
 namespace cli {
+
+// The bf16 nearest to a double (ties to even), for finite x: the nearest of
+// the three bf16 magnitudes around float(|x|). Each |x - v| is exact (Sterbenz:
+// v and x are within a factor of 2), so the choice is exact too.
+uint16_t bf16_nearest(double x) {
+  const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+  const double magnitude = std::fabs(x);
+  const uint16_t middle = static_cast<uint16_t>(num::float_bits(static_cast<float>(magnitude)) >> 16);
+  uint16_t best = middle;
+  double best_distance = std::fabs(magnitude - num::bf16_to_float(middle));
+  for (int delta : {-1, 1}) {
+    if (middle == 0 && delta < 0) continue;
+    const uint16_t candidate = static_cast<uint16_t>(middle + delta);
+    const double distance = std::fabs(magnitude - num::bf16_to_float(candidate));
+    if (distance < best_distance || (distance == best_distance && (candidate & 1) == 0)) {
+      best = candidate;
+      best_distance = distance;
+    }
+  }
+  return static_cast<uint16_t>(best | sign);
+}
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
