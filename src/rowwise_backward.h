@@ -5,6 +5,9 @@
 // the folds. One composition serves the CPU and CUDA, and the sequence-parallel
 // region (src/parallel/sp_region.cc) runs the same halves on the chunks a rank
 // owns and the same folds, so each order of operations is written once.
+// rmsnorm's composition is declared here because final_adaln_out and the SP
+// region share it; gate_residual's and adaln_row_gather's have one caller
+// file each and live there (src/gate_residual.cc, src/adaln.cc).
 //
 // Params must already be validated (rowwise_checks.h); nothing here checks.
 #pragma once
