@@ -318,8 +318,10 @@ int run_bench(int argc, char** argv) {
     } else {
       std::printf("copy bandwidth %.1f GB/s (%s, measured now); commit %.12s%s\n", copy_bandwidth / 1e9,
                   env.device_name.c_str(), env.commit.c_str(), env.dirty ? " (dirty)" : "");
-      std::printf("%-18s %-16s %12s %12s %9s %8s %10s\n", "op", "case", "median us", "bytes", "GB/s", "% copy",
-                  "#wrong");
+      if (!results.empty()) {
+        std::printf("%-18s %-16s %12s %12s %9s %8s %10s\n", "op", "case", "median us", "bytes", "GB/s", "% copy",
+                    "#wrong");
+      }
     }
     for (const BenchResult& r : results) {
       if (!r.error.empty()) {

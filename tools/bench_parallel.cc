@@ -155,13 +155,17 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
       }
     }
     double worst = median;
-    if (s.ok() && mpi != nullptr) {
+    if (mpi != nullptr) {
+      // Every rank takes part, a failed one with NaN, so none waits forever.
+      const double mine = s.ok() ? median : std::nan("");
       std::vector<char> all;
-      s = gather_host_bytes(*mpi, &median, sizeof median, &all);
-      for (int q = 0; s.ok() && q < mpi->world_size(); ++q) {
+      Status gathered = gather_host_bytes(*mpi, &mine, sizeof mine, &all);
+      for (int q = 0; gathered.ok() && q < mpi->world_size(); ++q) {
         r.rank_medians.push_back(reinterpret_cast<const double*>(all.data())[q]);
+        if (std::isnan(r.rank_medians.back()) && s.ok()) s = Status::runtime_error("WS1 failed on rank " + std::to_string(q));
         worst = std::max(worst, r.rank_medians.back());
       }
+      if (s.ok()) s = gathered;
     }
     r.median_seconds = worst;
     r.ws1_median_seconds = worst;
@@ -193,17 +197,21 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
     if (mpi != nullptr) {
       const int rank = mpi->rank();
       s = rank_fn(*mpi);
-      // Every rank's {median, wrong, compared}.
-      double mine[3] = {medians[static_cast<std::size_t>(rank)], static_cast<double>(wrong[static_cast<std::size_t>(rank)]),
-                        static_cast<double>(compared[static_cast<std::size_t>(rank)])};
+      // Every rank's {median, wrong, compared}; a failed rank sends a NaN
+      // median (it still takes part, so no rank waits forever).
+      const std::size_t me = static_cast<std::size_t>(rank);
+      double mine[3] = {s.ok() ? medians[me] : std::nan(""), static_cast<double>(wrong[me]),
+                        static_cast<double>(compared[me])};
       std::vector<char> all;
-      if (s.ok()) s = gather_host_bytes(*mpi, mine, sizeof mine, &all);
-      for (int q = 0; s.ok() && q < world; ++q) {
+      Status gathered = gather_host_bytes(*mpi, mine, sizeof mine, &all);
+      for (int q = 0; gathered.ok() && q < world; ++q) {
         const double* rec = reinterpret_cast<const double*>(all.data()) + 3 * q;
+        if (std::isnan(rec[0]) && s.ok()) s = Status::runtime_error("rank " + std::to_string(q) + " failed");
         medians[static_cast<std::size_t>(q)] = rec[0];
         wrong[static_cast<std::size_t>(q)] = static_cast<int64_t>(rec[1]);
         compared[static_cast<std::size_t>(q)] = static_cast<int64_t>(rec[2]);
       }
+      if (s.ok()) s = gathered;
     } else {
       s = InProcessGroup::run(world, rank_fn, ctx.device);
     }
