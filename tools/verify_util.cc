@@ -127,6 +127,37 @@ double HostBuffer::get(int64_t i) const {
 }
 
 Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor) {
+#ifdef DETDIT_WITH_CUDA
+  if (device.is_cuda()) {
+    // The canary is written on the device (cudaMemset on the default stream,
+    // ordered before the default stream's later work): no host buffer.
+    DeviceTensor t;
+    t.shape_ = shape;
+    t.view_ = TensorView();
+    t.view_.dtype = dtype;
+    t.view_.rank = static_cast<int>(shape.size());
+    int64_t stride = 1;
+    for (int d = t.view_.rank - 1; d >= 0; --d) {
+      t.view_.shape[d] = shape[d];
+      t.view_.strides[d] = stride;
+      stride *= shape[d];
+    }
+    t.view_.device = device;
+    const std::size_t bytes = static_cast<std::size_t>(stride) * dtype_size(dtype);
+    void* memory = nullptr;
+    if (cudaSetDevice(device.index) != cudaSuccess || cudaMalloc(&memory, std::max<std::size_t>(bytes, 1)) != cudaSuccess) {
+      return Status::runtime_error("cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
+                                   cudaGetErrorString(cudaGetLastError()));
+    }
+    t.memory_ = std::shared_ptr<void>(memory, [](void* p) { cudaFree(p); });
+    if (cudaMemset(memory, 0xA5, bytes) != cudaSuccess) {
+      return Status::runtime_error(std::string("cudaMemset failed: ") + cudaGetErrorString(cudaGetLastError()));
+    }
+    t.view_.data = memory;
+    *tensor = std::move(t);
+    return Status::ok_status();
+  }
+#endif
   HostBuffer host(dtype, shape);
   std::memset(host.data(), 0xA5, host.nbytes());
   return from_host(std::move(host), device, tensor);
