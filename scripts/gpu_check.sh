@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU check of detdit in one run, for a CUDA machine (used on the lent
+# H200 machines; see docs/gpu.md). Stages (pick with arguments, default all):
+#   build cuda parallel verify mpi parity sanitizer python bench
+# Logs go to gpu-out/ and, packed as gpu_logs.tgz with the summary and the
+# JSON reports, to $OUT when set; the last lines printed are the summary.
+# NVLink multicast stays off for every process this starts.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="gpu-out"
+rm -rf "$out"
+mkdir -p "$out"
+build="${DETDIT_BUILD_DIR:-build-gpu}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+stages=("$@")
+[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer python bench)
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+run() {  # run NAME TIMEOUT_S COMMAND...: log to $out/NAME.log, record the exit code
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  note "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$out/$name.log" | cut -c1-150)")"
+  return $rc
+}
+mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS)
+
+note "detdit gpu_check $(git rev-parse --short HEAD 2>/dev/null) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1) x$gpus, $(date -u +%FT%TZ)"
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    build)
+      run configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_CUDA_ARCHITECTURES=90 &&
+        run build 600 cmake --build "$build" -j "$(nproc)" || { note "build failed"; exit 1; } ;;
+    cuda) run cuda 500 ctest --test-dir "$build" -L cuda --output-on-failure -j 8 --timeout 400 ;;
+    parallel) run parallel 400 ctest --test-dir "$build" -L parallel --output-on-failure -j 4 --timeout 300 ;;
+    verify) run verify 300 "$build/detdit" verify --device cuda --out "$out/verify_cuda.json" ;;
+    mpi)
+      [ "$gpus" -ge 2 ] && run mpi_verify 300 "${mpi[@]}" -np "$gpus" "$build/detdit" verify --comm mpi --device cuda \
+        --out "$out/verify_mpi.json" ;;
+    parity) run parity 300 python3 scripts/torch_parity.py --runner "$build/tests/torch_parity_main" ;;
+    sanitizer)
+      run sanitizer 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/detdit_cuda_tests" \
+        --gtest_filter='RowwiseCuda.Split*:FailureCuda.*:LinearCuda.AwkwardShapes:SiluCuda.*:RmsnormCuda.TableGradients*:InvarianceCuda.*:AdalnProjectionCuda.Awkward*:GateResidualCuda.Awkward*' ;;
+    python)
+      run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
+        run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rxs ;;
+    bench)
+      run bench 400 "$build/detdit" bench --device cuda
+      [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
+    *) note "unknown stage $stage" ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/gpu_logs.tgz" -C "$out" .
+  cp "$summary" "$out"/*.json "$OUT"/ 2>/dev/null
+fi
+cat "$summary"
