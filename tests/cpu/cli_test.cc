@@ -418,5 +418,37 @@ TEST(Cli, BenchParallelCpuJson) {
   for (const auto& t : p["targets"]) EXPECT_TRUE(t["measured_speedup"].is_null()) << t.dump();
 }
 
+TEST(Cli, BenchParallelUnderMpirunTwoRanks) {
+#if !defined(DETDIT_WITH_MPI)
+  GTEST_SKIP() << "detdit was built without MPI";
+#endif
+  if (!have_mpirun()) GTEST_SKIP() << "mpirun is not on PATH";
+  const std::string out = temp_dir("bench_mpi");
+  const std::string command = std::string("XDG_CACHE_HOME='") + temp_dir("cache") + "' " + kMpirun + "'" +
+                              DETDIT_CLI_PATH + "' bench --comm mpi --device cpu --quick --repeats 2 --warmup 0 --format json " +
+                              "--weights '" + small_weights() + "' > '" + out + "/bench.json' 2> '" + out + "/err.txt'";
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << read_file(out + "/err.txt");
+  // Rank 0 alone prints: the output is one JSON document.
+  const nlohmann::json report = nlohmann::json::parse(read_file(out + "/bench.json"));
+  const nlohmann::json& p = report["parallel"];
+  EXPECT_EQ(p["comm"], "mpi");
+  EXPECT_EQ(p["world_size"], 2);
+  EXPECT_EQ(p["simulated"], false);
+  EXPECT_TRUE(report["cases"].empty()) << "only the parallel ops run under --comm mpi";
+  int worlds = 0;
+  for (const auto& row : p["results"]) {
+    ASSERT_FALSE(row.contains("error")) << row.dump();
+    EXPECT_EQ(row["rank_median_us"].size(), 2u) << row.dump();  // every rank's median, WS1 included
+    EXPECT_EQ(row["wrong"], 0) << row.dump();
+    if (!row["ws1"].get<bool>()) {
+      ++worlds;
+      EXPECT_EQ(row["world"], 2);
+      EXPECT_GT(row["compared"].get<int64_t>(), 0);
+    }
+  }
+  EXPECT_EQ(worlds, 4);  // SP S=4097 x 2 packings, TP T=4 fwd and fwd+bwd
+}
+
 }  // namespace
 }  // namespace detdit
