@@ -159,7 +159,7 @@ int run_bench(int argc, char** argv) {
   context.device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
   context.quick = quick;
   context.seed = seed;
-  // --comm mpi: one rank per process on GPU rank % count. The NCCL call check
+  // --comm mpi: one rank per process on GPU local rank % count. The NCCL call check
   // (a host synchronisation per collective) is off for timing: every rank
   // runs the same calls.
   std::unique_ptr<Communicator> world;

@@ -361,12 +361,27 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
     *comm = std::move(mpi);
     return Status::ok_status();
   }
+  // The rank on this host and the ranks on this host (Open MPI's launcher
+  // variables; a single-host launcher without them: the MPI rank and world).
+  auto from_env = [](const char* name, int fallback) {
+    const char* value = std::getenv(name);
+    return value != nullptr && *value != '\0' ? std::atoi(value) : fallback;
+  };
+  const int local_rank = from_env("OMPI_COMM_WORLD_LOCAL_RANK", mpi->rank());
+  const int local_size = from_env("OMPI_COMM_WORLD_LOCAL_SIZE", mpi->world_size());
   const int gpus = cuda_device_count();
-  Status usable = gpus > 0 ? Status::ok_status()
-                           : Status::runtime_error("rank " + std::to_string(mpi->rank()) + " sees no CUDA device");
+  Status usable;
+  if (gpus == 0) {
+    usable = Status::runtime_error("rank " + std::to_string(mpi->rank()) + " sees no CUDA device");
+  } else if (local_size > gpus) {
+    // NCCL refuses two ranks on one GPU; say so before it does.
+    usable = Status::value_error(std::to_string(local_size) + " ranks on this host but " + std::to_string(gpus) +
+                                 " GPUs: --comm mpi --device cuda needs one GPU per rank (use -np <= " +
+                                 std::to_string(gpus) + ", or --comm inprocess to share one GPU)");
+  }
   // Every rank learns whether any rank lacks a GPU before NCCL would wait for it.
   DETDIT_RETURN_IF_ERROR(mpi->agree(usable));
-  *device = Device::cuda(mpi->rank() % gpus);
+  *device = Device::cuda(local_rank % gpus);
 #ifdef DETDIT_WITH_CUDA
   cudaSetDevice(device->index);
 #endif

@@ -143,7 +143,8 @@ Status prepare_tp_run(const TpProblem& problem, const TpWeights& weights, const 
 // ---- --comm mpi ---------------------------------------------------------------
 
 // The communicator of a process launched by mpirun: MPI on the CPU; on CUDA,
-// NCCL on GPU (MPI rank % device count) from a unique id broadcast over MPI,
+// NCCL on GPU (rank on this host % device count; more ranks on a host than
+// GPUs is a ValueError on every rank) from a unique id broadcast over MPI,
 // with NCCL_NVLS_ENABLE=0 set first unless the user set it (NVLink
 // multicast stays off). *device is where this rank's tensors live.
 Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* device, NcclOptions options = {});

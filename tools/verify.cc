@@ -227,7 +227,7 @@ int run_verify(int argc, char** argv) {
     return 2;
   }
   Device device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
-  // --comm mpi: this process is one rank; its device is GPU rank % count.
+  // --comm mpi: this process is one rank; its device is GPU local rank % count.
   std::unique_ptr<Communicator> world;
   if (comm_name == "mpi") {
     Status opened = open_mpi_world(device.is_cuda(), &world, &device);
