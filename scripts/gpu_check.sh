@@ -2,13 +2,12 @@
 # Every GPU check of detdit in one run, for a CUDA machine (used on the lent
 # H200 machines; see docs/gpu.md). Stages (pick with arguments, default all):
 #   build cuda parallel verify mpi parity sanitizer python bench
-# Logs go to gpu-out/ and, packed as gpu_logs.tgz with the summary and the
-# JSON reports, to $OUT when set; the last lines printed are the summary.
+# Logs and JSON reports go to $OUT when set (the device tool's folder), else
+# gpu-out/; the last lines printed are the summary.
 # NVLink multicast stays off for every process this starts.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="gpu-out"
-rm -rf "$out"
+out="${OUT:-gpu-out}"
 mkdir -p "$out"
 build="${DETDIT_BUILD_DIR:-build-gpu}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,8 +32,8 @@ note "detdit gpu_check $(git rev-parse --short HEAD 2>/dev/null) on $(nvidia-smi
 for stage in "${stages[@]}"; do
   case "$stage" in
     build)
-      run configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_CUDA_ARCHITECTURES=90 &&
-        run build 600 cmake --build "$build" -j "$(nproc)" || { note "build failed"; exit 1; } ;;
+      run build 600 bash -c "cmake -S . -B '$build' -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_CUDA_ARCHITECTURES=90 &&
+        cmake --build '$build' -j $(nproc)" || { note "build failed"; exit 1; } ;;
     cuda) run cuda 500 ctest --test-dir "$build" -L cuda --output-on-failure -j 8 --timeout 400 ;;
     parallel) run parallel 400 ctest --test-dir "$build" -L parallel --output-on-failure -j 4 --timeout 300 ;;
     verify) run verify 300 "$build/detdit" verify --device cuda --out "$out/verify_cuda.json" ;;
@@ -54,8 +53,4 @@ for stage in "${stages[@]}"; do
     *) note "unknown stage $stage" ;;
   esac
 done
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/gpu_logs.tgz" -C "$out" .
-  cp "$summary" "$out"/*.json "$OUT"/ 2>/dev/null
-fi
 cat "$summary"
