@@ -197,9 +197,13 @@ int run_bench(int argc, char** argv) {
   Status status = leader ? resolve_weights(args.get("--weights"), 1, 0, /*announce=*/true, &weights)
                          : Status::ok_status();
   if (world != nullptr) {
-    status = world->agree(status);
-    if (status.ok() && !leader) status = resolve_weights(args.get("--weights"), 1, 0, false, &weights);
-    if (status.ok()) status = world->agree(status);
+    status = all_ranks_ok(*world, status);
+    if (status.ok() && !leader) {
+      status = resolve_weights(args.get("--weights"), 1, 0, false, &weights);
+      // A rank whose own resolve failed says why; rank 0 reports the rest.
+      if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
+    }
+    status = all_ranks_ok(*world, status);
   }
   if (!status.ok()) {
     if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());

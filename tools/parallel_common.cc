@@ -391,6 +391,19 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
   return create_nccl_communicator_mpi(*device, comm, options);
 }
 
+Status all_ranks_ok(Communicator& comm, const Status& local) {
+  const int32_t failed = local.ok() ? 0 : 1;
+  std::vector<char> all;
+  DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, &failed, sizeof failed, &all));
+  if (!local.ok()) return local;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (reinterpret_cast<const int32_t*>(all.data())[r] != 0) {
+      return Status::runtime_error("rank " + std::to_string(r) + " failed (its own output says why)");
+    }
+  }
+  return Status::ok_status();
+}
+
 Status gather_host_bytes(Communicator& comm, const void* record, std::size_t bytes, std::vector<char>* all) {
   if (bytes % 4 != 0) return Status::value_error("gather_host_bytes needs a multiple of 4 bytes, got " + std::to_string(bytes));
   const std::size_t world = static_cast<std::size_t>(comm.world_size());

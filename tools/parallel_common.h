@@ -149,6 +149,12 @@ Status prepare_tp_run(const TpProblem& problem, const TpWeights& weights, const 
 // multicast stays off). *device is where this rank's tensors live.
 Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* device, NcclOptions options = {});
 
+// A barrier that also agrees on success: every rank learns whether any rank's
+// `local` failed (that rank's own error, else a RuntimeError naming the first
+// failing rank). Unlike Communicator::agree it always communicates (a NCCL
+// communicator without its call check skips agree's exchange).
+Status all_ranks_ok(Communicator& comm, const Status& local);
+
 // Rank-ordered all-gather of `bytes` host bytes per rank (staged through
 // device memory on a CUDA communicator): all gets world * bytes.
 Status gather_host_bytes(Communicator& comm, const void* record, std::size_t bytes, std::vector<char>* all);
