@@ -28,7 +28,10 @@
 // summed in rank order (FP32) and compared with WS1's bits: the fraction of
 // elements that differ is what the sp_region's plan prevents.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "common/scalar_math.h"
 #include "detdit/gate_residual.h"
