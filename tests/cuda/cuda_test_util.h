@@ -54,8 +54,12 @@ class DeviceTensor {
       ADD_FAILURE() << "download failed: " << cudaGetErrorString(cudaGetLastError());
     return h;
   }
+  // Synchronous: cudaMemset runs on the legacy default stream, which is not
+  // ordered with non-blocking streams, so without the synchronize a canary
+  // could land after (or during) the kernels of a test's own stream.
   void fill_bytes(uint8_t value) {
-    if (cudaMemset(data(), value, bytes_) != cudaSuccess) ADD_FAILURE() << "cudaMemset failed";
+    if (cudaMemset(data(), value, bytes_) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+      ADD_FAILURE() << "cudaMemset failed";
   }
   void* data() const { return data_.get(); }
   std::size_t nbytes() const { return bytes_; }
