@@ -151,7 +151,10 @@ TEST(InvarianceCuda, RepeatedRunsAndGraphReplayGiveTheEagerBytes) {
   Region region;
   region.d_mod = DeviceTensor::upload(random_tensor(DType::kBF16, {6, region.rows, region.hidden}, 17));
   cudaStream_t stream;
-  DETDIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // A blocking stream: while it captures, any work the library put on the
+  // legacy default stream is an error (cudaErrorStreamCaptureImplicit)
+  // instead of an unordered race, so the capture proves stream discipline.
+  DETDIT_CUDA_CHECK(cudaStreamCreate(&stream));
   region.poison();
   DETDIT_ASSERT_OK(region.run(stream));
   DETDIT_CUDA_CHECK(cudaStreamSynchronize(stream));
