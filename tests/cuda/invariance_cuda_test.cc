@@ -146,15 +146,13 @@ struct Region {
   }
 };
 
-TEST(InvarianceCuda, RepeatedRunsAndGraphReplayGiveTheEagerBytes) {
-  DETDIT_SKIP_WITHOUT_CUDA();
+// Eager run, repeat, and two replays of a CUDA graph captured on a stream
+// made with `stream_flags`: every output's bytes equal the first run's.
+void check_repeat_and_replay(unsigned stream_flags) {
   Region region;
   region.d_mod = DeviceTensor::upload(random_tensor(DType::kBF16, {6, region.rows, region.hidden}, 17));
   cudaStream_t stream;
-  // A blocking stream: while it captures, any work the library put on the
-  // legacy default stream is an error (cudaErrorStreamCaptureImplicit)
-  // instead of an unordered race, so the capture proves stream discipline.
-  DETDIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  DETDIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, stream_flags));
   region.poison();
   DETDIT_ASSERT_OK(region.run(stream));
   DETDIT_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -186,6 +184,20 @@ TEST(InvarianceCuda, RepeatedRunsAndGraphReplayGiveTheEagerBytes) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST(InvarianceCuda, RepeatedRunsAndGraphReplayGiveTheEagerBytes) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  check_repeat_and_replay(cudaStreamNonBlocking);
+}
+
+// On a blocking stream, any work the library put on the legacy default stream
+// while the stream captures is an error (cudaErrorStreamCaptureImplicit)
+// instead of an unordered race: the capture proves the ops' stream discipline
+// (PyTorch captures on such a stream).
+TEST(InvarianceCuda, CaptureOnABlockingStreamProvesStreamDiscipline) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  check_repeat_and_replay(cudaStreamDefault);
 }
 
 }  // namespace
