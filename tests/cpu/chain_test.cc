@@ -133,10 +133,6 @@ TEST(Chain, RowLocalResultsAreInvariantToTheBatch) {
 // ---- FP64 chain -------------------------------------------------------------
 
 double silu(double z) { return z / (1.0 + std::exp(-z)); }
-double silu_grad(double z) {
-  const double s = 1.0 / (1.0 + std::exp(-z));
-  return s * (1.0 + z * (1.0 - s));
-}
 
 TEST(Chain, AdalnWeightGradientsAreCorrectlyRoundedAgainstFp64) {
   for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
