@@ -100,7 +100,9 @@ TEST(AdalnRowGather, UnreferencedRowsAreExactZerosAndGradientsRepeat) {
   for (int64_t r = 0; r < c.num_rows(); ++r)
     for (int64_t j = 0; j < 48; ++j) {
       const uint16_t bits = a.d_rows.ptr<uint16_t>()[r * 48 + j];
-      if (!used[r]) EXPECT_EQ(bits, 0u) << "row " << r;
+      if (!used[r]) {
+        EXPECT_EQ(bits, 0u) << "row " << r;
+      }
     }
 }
 

@@ -56,9 +56,13 @@ TEST(Numerics, F16RoundsToNearestEvenOnRandomFloats) {
       if (std::isinf(g)) continue;
       double dg = std::fabs(x - g), dn = std::fabs(x - nv);
       ASSERT_LE(dg, dn) << "v=" << v << std::hex << " got=0x" << got;
-      if (dg == dn) ASSERT_EQ(got & 1u, 0u) << "tie not to even, v=" << v;
+      if (dg == dn) {
+        ASSERT_EQ(got & 1u, 0u) << "tie not to even, v=" << v;
+      }
     }
-    if (std::isinf(g)) ASSERT_GE(std::fabs(x), 65520.0) << v;
+    if (std::isinf(g)) {
+      ASSERT_GE(std::fabs(x), 65520.0) << v;
+    }
   }
 }
 
