@@ -60,6 +60,14 @@ if library_has_cuda and not torch_has_cuda:
              "with -DDETDIT_ENABLE_CUDA=OFF")
     libraries, library_dirs = ["cudart_static", "dl", "rt", "pthread"], cudart[:1]
 
+# torch's process already holds the shared libstdc++. A compiler that links
+# libstdc++ statically into shared objects (the GPU machine's CXX, /opt/gcc/bin/g++,
+# does) would put a second copy inside the extension, and the two copies' locales
+# do not mix: std::ostringstream << double, in the library's error messages,
+# segfaulted there. Naming the shared library before the compiler's own
+# libstdc++ resolves every std:: symbol to the one copy torch uses.
+link_args = ["-l:libstdc++.so.6"]
+
 torch_version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 compile_args = ["-O2", "-g0", "-ffp-contract=off", "-fno-fast-math"]
 if torch_version < (2, 1):
@@ -87,6 +95,7 @@ setup(
             # rebuild when the library or its public headers change
             depends=[library] + sorted(glob.glob(os.path.join(repo, "include", "detdit", "*.h"))),
             libraries=libraries,
+            extra_link_args=link_args,
             library_dirs=library_dirs,
         )
     ],
