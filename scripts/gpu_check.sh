@@ -49,6 +49,8 @@ for stage in "${stages[@]}"; do
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rxs ;;
     bench)
       run bench 400 "$build/detdit" bench --device cuda
+      run bench_main 300 "$build/tests/bench_main"
+      run torch_bench 200 python3 scripts/torch_bench.py  # PyTorch eager at bench_main's shapes, same run
       [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
     *) note "unknown stage $stage" ;;
   esac

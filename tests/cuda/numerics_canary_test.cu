@@ -166,6 +166,55 @@ TEST(NumericsCanaryCuda, HostAndDeviceAgreeBitwiseOnEveryPrimitive) {
   }
 }
 
+// Every FP32 input (all 2^32 bit patterns): the device's conversions (the cvt
+// instructions on sm_80+) against the integer definition, run on the device.
+struct ConversionMismatches {
+  unsigned long long count;
+  unsigned long long first;  // smallest input bit pattern that differs (~0 when none)
+};
+
+DETDIT_HD uint16_t convert(bool to_bf16, float v, bool integer_form) {
+  if (integer_form) return to_bf16 ? num::float_to_bf16_integer(v) : num::float_to_f16_integer(v);
+  return to_bf16 ? num::float_to_bf16(v) : num::float_to_f16(v);
+}
+
+__global__ void exhaustive_conversion_kernel(bool to_bf16, ConversionMismatches* result) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (1ull << 32); i += stride) {
+    const float v = num::bits_float(static_cast<uint32_t>(i));
+    if (convert(to_bf16, v, false) != convert(to_bf16, v, true)) {
+      atomicAdd(&result->count, 1ull);
+      atomicMin(&result->first, static_cast<unsigned long long>(i));
+    }
+  }
+}
+
+__global__ void convert_one_kernel(bool to_bf16, uint32_t bits, uint16_t* out) {
+  out[0] = convert(to_bf16, num::bits_float(bits), false);
+  out[1] = convert(to_bf16, num::bits_float(bits), true);
+}
+
+TEST(NumericsCanaryCuda, DeviceConversionsEqualTheIntegerDefinitionOnEveryInput) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  for (bool to_bf16 : {true, false}) {
+    SCOPED_TRACE(to_bf16 ? "float_to_bf16" : "float_to_f16");
+    ConversionMismatches host = {0, ~0ull}, *device;
+    uint16_t pair[2], *device_pair;
+    ASSERT_EQ(cudaMalloc(&device, sizeof(host)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&device_pair, sizeof(pair)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(device, &host, sizeof(host), cudaMemcpyHostToDevice), cudaSuccess);
+    exhaustive_conversion_kernel<<<2048, 256>>>(to_bf16, device);
+    ASSERT_EQ(cudaMemcpy(&host, device, sizeof(host), cudaMemcpyDeviceToHost), cudaSuccess);
+    if (host.count != 0) {
+      convert_one_kernel<<<1, 1>>>(to_bf16, static_cast<uint32_t>(host.first), device_pair);
+      ASSERT_EQ(cudaMemcpy(pair, device_pair, sizeof(pair), cudaMemcpyDeviceToHost), cudaSuccess);
+      ADD_FAILURE() << host.count << " of 2^32 inputs differ; first input 0x" << std::hex << host.first
+                    << ": device 0x" << pair[0] << ", integer form 0x" << pair[1];
+    }
+    cudaFree(device), cudaFree(device_pair);
+  }
+}
+
 TEST(NumericsCanaryCuda, PlainMultiplyAddIsNotContracted) {
   DETDIT_SKIP_WITHOUT_CUDA();
   std::vector<float> a, b, c;
