@@ -16,6 +16,7 @@ namespace detdit {
 
 struct IndexPlan::Impl {
   int64_t seq_len = 0, batch = 0, num_rows = 0, positions = 0, num_chunks = 0, num_segments = 0;
+  int64_t max_chunk_segments = 0;
   Device device;
   std::vector<int32_t> row_of_seq, chunk_segment_begin, segment_row, segment_pos_begin, segment_positions,
       row_segment_begin, row_segments;
@@ -115,6 +116,9 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->chunk_segment_begin.push_back(static_cast<int32_t>(impl->segment_row.size()));
   const int64_t num_segments = static_cast<int64_t>(impl->segment_row.size());
   impl->num_segments = num_segments;
+  for (std::size_t c = 0; c + 1 < impl->chunk_segment_begin.size(); ++c)
+    impl->max_chunk_segments = std::max<int64_t>(
+        impl->max_chunk_segments, impl->chunk_segment_begin[c + 1] - impl->chunk_segment_begin[c]);
 
   // Segments of each row in ascending chunk order (counting sort by row).
   impl->row_segment_begin.assign(static_cast<std::size_t>(num_rows + 1), 0);
@@ -214,6 +218,7 @@ int64_t IndexPlan::num_rows() const { return impl_ ? impl_->num_rows : 0; }
 int64_t IndexPlan::positions() const { return impl_ ? impl_->positions : 0; }
 int64_t IndexPlan::num_chunks() const { return impl_ ? impl_->num_chunks : 0; }
 int64_t IndexPlan::num_segments() const { return impl_ ? impl_->num_segments : 0; }
+int64_t IndexPlan::max_chunk_segments() const { return impl_ ? impl_->max_chunk_segments : 0; }
 Device IndexPlan::device() const { return impl_ ? impl_->device : Device::cpu(); }
 // An empty plan has empty tables (all null) rather than a null dereference.
 const PlanTables& IndexPlan::host_tables() const {

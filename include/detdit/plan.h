@@ -69,6 +69,7 @@ class IndexPlan {
   int64_t positions() const;     // P = B*S
   int64_t num_chunks() const;    // C = ceil(P / 256)
   int64_t num_segments() const;  // G
+  int64_t max_chunk_segments() const;  // the most segments of any one chunk
   Device device() const;
   // Host tables (always present) and device tables (the plan's device; equal
   // to host_tables() for a CPU plan).

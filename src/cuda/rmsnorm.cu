@@ -10,8 +10,10 @@
 // (selected chunk, column block), each thread owns `cols` adjacent columns and
 // walks the chunk's positions ascending (d_weight chunk partial) and each
 // segment's positions ascending ([d_shift | d_scale] segment partials); then
-// the folds of fold.cu. The public rmsnorm_backward composes rows +
-// partials(all) + folds (src/rowwise_backward.h).
+// the folds of fold.cu. When a chunk's segment sums fit in shared memory the
+// modulated partials run fused, one walk over the chunk feeding every chain
+// (x and grad read once, not twice). The public rmsnorm_backward composes
+// rows + partials(all) + folds (src/rowwise_backward.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -301,18 +303,120 @@ __global__ void rmsnorm_backward_partials_kernel(RmsnormPartialArgs a) {
   }
 }
 
-template <typename T>
-Status launch_rmsnorm_backward_partials(const RmsnormPartialArgs& a, int64_t selected, cudaStream_t stream) {
+// The same partials in one walk over the chunk's positions (modulated norm):
+// each position's x and grad are read once and feed the d_weight chunk chain
+// (registers) and the chain of the position's segment (shared memory, this
+// thread's columns only, so no barrier after set-up). Each chain still runs
+// over its positions in ascending order: the bits of the kernel above, with
+// x and grad read once instead of twice. grid and columns as above; dynamic
+// shared memory: (chunk's segments, 2, kCols, blockDim.x) floats.
+template <typename T, int kCols, bool kVector>
+__global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
+  extern __shared__ float segment_sums[];  // [local segment][d_shift | d_scale][column e][thread]
+  __shared__ int warp_counts[32];
+  __shared__ int32_t local_segment[kReductionChunk];  // chunk position q -> its segment, 0-based in the chunk
+  const int64_t k = blockIdx.x;
+  const int64_t chunk = a.chunks ? a.chunks[k] : k;
+  const int64_t segment_out = selected_segment_offset(a.tables, a.chunks, k, chunk, warp_counts);
+  const int32_t first = a.tables.chunk_segment_begin[chunk], last = a.tables.chunk_segment_begin[chunk + 1];
+  const int64_t begin = chunk * kReductionChunk;
+  const int64_t end = begin + kReductionChunk < a.positions ? begin + kReductionChunk : a.positions;
+  for (int64_t q = threadIdx.x; q < end - begin; q += blockDim.x) {
+    const int32_t row = a.tables.row_of_seq[(begin + q) % a.seq_len];
+    int32_t g = first;
+    while (a.tables.segment_row[g] != row) ++g;  // the chunk's segments: one per row present
+    local_segment[q] = g - first;
+  }
+  const int threads = static_cast<int>(blockDim.x);
+  for (int i = threadIdx.x; i < (last - first) * 2 * kCols * threads; i += threads) segment_sums[i] = 0.0f;
+  __syncthreads();
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kCols;
+  if (i0 >= a.hidden) return;
+  const T* w = static_cast<const T*>(a.weight);
+  float wv[kCols], acc[kCols];
+  load_elems<T, kCols, kVector>(w + i0, wv);
+#pragma unroll
+  for (int e = 0; e < kCols; ++e) acc[e] = 0.0f;
+#pragma unroll 4
+  for (int64_t p = begin; p < end; ++p) {  // ascending positions of the chunk
+    const PositionRows<T> in = position_rows<T>(a, p);
+    float xv[kCols], gv[kCols];
+    load_elems<T, kCols, kVector>(in.x + i0, xv);
+    load_elems<T, kCols, kVector>(in.grad + i0, gv);
+    // this thread's (d_shift, d_scale) slots of the position's segment, column e at [e * threads]
+    float* sums = segment_sums + local_segment[p - begin] * 2 * kCols * threads + threadIdx.x;
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      sums[e * threads] = num::add32(sums[e * threads], gv[e]);
+      sums[(kCols + e) * threads] =
+          num::fma32(gv[e], normalised<T>(wv[e], in.rstd, xv[e]), sums[(kCols + e) * threads]);
+    }
+    if (a.weight_partials) {
+      const T* scale = static_cast<const T*>(a.scale) + a.tables.row_of_seq[p % a.seq_len] * a.scale_stride;
+      float sc[kCols];
+      load_elems<T, kCols, kVector>(scale + i0, sc);
+#pragma unroll
+      for (int e = 0; e < kCols; ++e)
+        acc[e] = num::fma32(num::mul32(gv[e], one_plus<T>(sc[e])), num::mul32(xv[e], in.rstd), acc[e]);
+    }
+  }
+  if (a.weight_partials) {
+    float* dst = a.weight_partials + k * a.weight_partial_stride + i0;
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) dst[e] = acc[e];
+  }
+  for (int32_t g = 0; g < last - first; ++g) {
+    const float* sums = segment_sums + g * 2 * kCols * threads + threadIdx.x;
+    float* dst = a.table_partials + (segment_out + g) * a.table_partial_stride;  // (2H,) [shift|scale]
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      dst[i0 + e] = sums[e * threads];
+      dst[a.hidden + i0 + e] = sums[(kCols + e) * threads];
+    }
+  }
+}
+
+// Shared memory the fused kernel may take for its segment sums: below the
+// 48 KB a block gets without opting in, with the static arrays beside it.
+constexpr std::size_t kFusedPartialsSharedBytes = 40 * 1024;
+
+template <typename T, int kCols>
+Status launch_partials_with_columns(const RmsnormPartialArgs& a, int64_t selected, int64_t max_chunk_segments,
+                                    bool vector, cudaStream_t stream) {
   constexpr int kThreads = 128;
+  const dim3 grid(static_cast<unsigned>(selected), blocks_for(a.hidden, kThreads * kCols));
+  const std::size_t shared_bytes =
+      static_cast<std::size_t>(max_chunk_segments) * 2 * kCols * kThreads * sizeof(float);
+  if (a.table_partials && a.scale && launch_tuning().rmsnorm_fused_partials &&
+      shared_bytes <= kFusedPartialsSharedBytes) {
+    if (vector)
+      rmsnorm_backward_fused_partials_kernel<T, kCols, true><<<grid, kThreads, shared_bytes, stream>>>(a);
+    else
+      rmsnorm_backward_fused_partials_kernel<T, kCols, false><<<grid, kThreads, shared_bytes, stream>>>(a);
+    return launch_status("rmsnorm_backward_fused_partials_kernel");
+  }
+  rmsnorm_backward_partials_kernel<T, kCols><<<grid, kThreads, 0, stream>>>(a);
+  return launch_status("rmsnorm_backward_partials_kernel");
+}
+
+template <typename T>
+Status launch_rmsnorm_backward_partials(const RmsnormPartialArgs& a, int64_t selected, int64_t max_chunk_segments,
+                                        cudaStream_t stream) {
   if (selected == 0 || a.hidden == 0) return Status();
   const int cols = launch_tuning().partial_columns_per_thread;
-  const dim3 grid(static_cast<unsigned>(selected), blocks_for(a.hidden, kThreads * cols));
+  // Column vectors of cols elements: every row start and the table rows aligned to them.
+  const std::size_t bytes = cols * sizeof(T);
+  bool vector = a.hidden % cols == 0 && a.x_stride % cols == 0 && a.grad_stride % cols == 0 &&
+                address_aligned(a.x, bytes) && address_aligned(a.grad, bytes) && address_aligned(a.weight, bytes);
+  if (a.extra_x)
+    vector = vector && a.extra_x_stride % cols == 0 && a.extra_grad_stride % cols == 0 &&
+             address_aligned(a.extra_x, bytes) && address_aligned(a.extra_grad, bytes);
+  if (a.scale) vector = vector && a.scale_stride % cols == 0 && address_aligned(a.scale, bytes);
   switch (cols) {
-    case 1: rmsnorm_backward_partials_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a); break;
-    case 2: rmsnorm_backward_partials_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a); break;
-    default: rmsnorm_backward_partials_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a); break;
+    case 1: return launch_partials_with_columns<T, 1>(a, selected, max_chunk_segments, vector, stream);
+    case 2: return launch_partials_with_columns<T, 2>(a, selected, max_chunk_segments, vector, stream);
+    default: return launch_partials_with_columns<T, 4>(a, selected, max_chunk_segments, vector, stream);
   }
-  return launch_status("rmsnorm_backward_partials_kernel");
 }
 
 bool is_modulated(const TensorView& shift) { return shift.present(); }
@@ -444,7 +548,8 @@ Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSele
   }
   const int64_t selected = sel.chunks ? sel.num_chunks : (a.positions + kReductionChunk - 1) / kReductionChunk;
   return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
-    return launch_rmsnorm_backward_partials<decltype(tag)>(a, selected, as_cuda_stream(stream));
+    return launch_rmsnorm_backward_partials<decltype(tag)>(a, selected, p.plan.max_chunk_segments(),
+                                                           as_cuda_stream(stream));
   });
 }
 

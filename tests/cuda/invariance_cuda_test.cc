@@ -67,13 +67,17 @@ TEST(InvarianceCuda, LinearRowAloneEqualsRowInBatch) {
   DeviceTensor xd = DeviceTensor::upload(x), out(DType::kBF16, {rows, n});
   DeviceTensor w = DeviceTensor::upload(random_tensor(DType::kBF16, {n, k}, 5, 0.0, 0.02));
   DeviceTensor bias = DeviceTensor::upload(random_tensor(DType::kBF16, {n}, 6));
-  DETDIT_ASSERT_OK(linear_forward(LinearParams{xd.view(), w.view(), bias.view(), out.view()}));
+  LinearParams all_rows;
+  all_rows.x = xd.view(), all_rows.weight = w.view(), all_rows.bias = bias.view(), all_rows.out = out.view();
+  DETDIT_ASSERT_OK(linear_forward(all_rows));
   const HostTensor all = out.download();
   const std::size_t x_row = k * 2, out_row = n * 2;
   for (int64_t t : {0, 5, 7}) {
     DeviceTensor x1(DType::kBF16, {1, k}), o1(DType::kBF16, {1, n});
     cudaMemcpy(x1.data(), static_cast<char*>(xd.data()) + t * x_row, x_row, cudaMemcpyDeviceToDevice);
-    DETDIT_ASSERT_OK(linear_forward(LinearParams{x1.view(), w.view(), bias.view(), o1.view()}));
+    LinearParams one_row;
+    one_row.x = x1.view(), one_row.weight = w.view(), one_row.bias = bias.view(), one_row.out = o1.view();
+    DETDIT_ASSERT_OK(linear_forward(one_row));
     EXPECT_BITWISE_EQ(slice(all, t * out_row, out_row, DType::kBF16), o1.download()) << "row " << t;
   }
 }

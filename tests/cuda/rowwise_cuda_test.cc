@@ -21,23 +21,27 @@ namespace {
 constexpr int64_t kH3Hidden = 5376;
 
 // rmsnorm forward + backward of one case on both devices; every output compared.
+// offset_table: shift and scale are (R, H) views at column 1 of (R, H + 1)
+// tensors, so their rows are unaligned and the kernels take scalar loads.
 void check_rmsnorm(DType dtype, int64_t hidden, const IndexCase& c, bool modulated, uint64_t seed,
-                   DType table_grad_dtype = DType::kF32) {
+                   DType table_grad_dtype = DType::kF32, bool offset_table = false) {
   SCOPED_TRACE(std::string(dtype_name(dtype)) + " H=" + std::to_string(hidden) + " " + c.name() +
-               (modulated ? " modulated" : " plain"));
+               (modulated ? " modulated" : " plain") + (offset_table ? " offset table" : ""));
   const int64_t rows = c.positions(), table_rows = c.num_rows();
   PlanPair plans = modulated ? adaln_plan_pair(c) : PlanPair{};
   Pair x = random_pair(dtype, {rows, hidden}, seed, 0.0, 3.0);
   Pair w = random_pair(dtype, {hidden}, seed + 1, 1.0, 0.5);
-  Pair shift = random_pair(dtype, {table_rows, hidden}, seed + 2, 0.0, 0.5);
-  Pair scale = random_pair(dtype, {table_rows, hidden}, seed + 3, 0.0, 0.5);
+  const int64_t table_width = offset_table ? hidden + 1 : hidden;
+  Pair shift = random_pair(dtype, {table_rows, table_width}, seed + 2, 0.0, 0.5);
+  Pair scale = random_pair(dtype, {table_rows, table_width}, seed + 3, 0.0, 0.5);
+  auto table_view = [&](const TensorView& t) { return offset_table ? t.narrow(1, 1, hidden) : t; };
   Pair out = output_pair(dtype, {rows, hidden}), rstd = output_pair(DType::kF32, {rows});
   RmsnormParams cpu, gpu;
   cpu.x = x.h(), gpu.x = x.d();
   cpu.weight = w.h(), gpu.weight = w.d();
   if (modulated) {
-    cpu.shift = shift.h(), gpu.shift = shift.d();
-    cpu.scale = scale.h(), gpu.scale = scale.d();
+    cpu.shift = table_view(shift.h()), gpu.shift = table_view(shift.d());
+    cpu.scale = table_view(scale.h()), gpu.scale = table_view(scale.d());
     cpu.plan = plans.host, gpu.plan = plans.dev;
   }
   cpu.out = out.h(), gpu.out = out.d();
@@ -214,6 +218,27 @@ TEST(RowwiseCuda, EveryLaunchTuningGivesTheSameBytes) {
         check_gate(DType::kBF16, 68, c, 401, true);
         check_gather(DType::kBF16, 68, c, 402, false, DType::kF32);
       }
+  cuda::launch_tuning() = saved;
+}
+
+// rmsnorm's table partials in the d_weight pass (fused, when a chunk's segment
+// sums fit in shared memory) or in a second pass: the same bytes, for every
+// column count, unaligned table rows (scalar loads) and plans with up to 12
+// segments in a chunk (interleaved, T = 4: fused for 1 and 2 columns only).
+TEST(RmsnormCuda, FusedAndTwoPassTablePartialsGiveTheSameBytes) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  for (bool fused : {true, false})
+    for (int cols : {1, 2, 4}) {
+      SCOPED_TRACE(std::string(fused ? "fused" : "two-pass") + " cols " + std::to_string(cols));
+      cuda::launch_tuning().rmsnorm_fused_partials = fused;
+      cuda::launch_tuning().partial_columns_per_thread = cols;
+      check_rmsnorm(DType::kBF16, 68, make_index_case(Packing::kInterleaved, 257, 3, 2), true, 410);
+      check_rmsnorm(DType::kBF16, 68, make_index_case(Packing::kInterleaved, 700, 4, 2), true, 411);
+      check_rmsnorm(DType::kF32, 20, make_index_case(Packing::kBlock, 1000, 2, 1), true, 412);
+      check_rmsnorm(DType::kF16, 1028, make_index_case(Packing::kInterleaved, 513, 2, 1), true, 413, DType::kF16);
+      check_rmsnorm(DType::kBF16, 68, make_index_case(Packing::kInterleaved, 300, 2, 2), true, 414, DType::kF32, true);
+    }
   cuda::launch_tuning() = saved;
 }
 
