@@ -145,6 +145,24 @@ __device__ __forceinline__ void store_elems(T* p, const float (&in)[kElems]) {
   }
 }
 
+// kElems elements kept in their storage type, widened where they are used:
+// bf16/fp16 take half the registers of the widened FP32 values (the row
+// kernels cache a thread's whole share of a row between two passes).
+template <typename T, int kElems, bool kVector>
+__device__ __forceinline__ void load_stored(const T* p, ElemVec<T, kElems>& out) {
+  if constexpr (kVector) {
+    out.raw = *reinterpret_cast<const decltype(out.raw)*>(p);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) out.elems[e] = p[e];
+  }
+}
+template <typename T, int kElems>
+__device__ __forceinline__ void widen(const ElemVec<T, kElems>& in, float (&out)[kElems]) {
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) out[e] = to_float(in.elems[e]);
+}
+
 // True when the address is a multiple of `bytes`.
 inline bool address_aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;

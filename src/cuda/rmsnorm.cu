@@ -71,16 +71,19 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   const int64_t m = blockIdx.x;
   const int64_t vectors = a.hidden / kVec;
   const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
-  // Thread t's vectors j = t + 128*i, ascending i: the tree's order.
-  float cached[kCached][kVec];
+  // Thread t's vectors j = t + 128*i, ascending i: the tree's order. The
+  // cached vectors stay in x's storage type (24 registers for bf16, not 48).
+  ElemVec<T, kVec> cached[kCached];
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
     if (j < vectors) {
-      load_elems<T, kVec, kVector>(x + j * kVec, cached[i]);
+      load_stored<T, kVec, kVector>(x + j * kVec, cached[i]);
+      float v[kVec];
+      widen(cached[i], v);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) s = num::fma32(cached[i][e], cached[i][e], s);
+      for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
     }
   }
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
@@ -122,7 +125,11 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
-    if (j < vectors) write(j, cached[i]);
+    if (j < vectors) {
+      float xv[kVec];
+      widen(cached[i], xv);
+      write(j, xv);
+    }
   }
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
     float xv[kVec];
@@ -142,16 +149,27 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
   const T* scale = a.row_of_seq ? static_cast<const T*>(a.scale) + a.row_of_seq[m % a.seq_len] * a.scale_stride
                                 : nullptr;
   const float rstd = a.rstd[m];
-  // x and d_n of vector j (d_n = g, or rn(g * t1) when modulated).
-  auto load = [&](int64_t j, float (&xv)[kVec], float (&d_n)[kVec]) {
-    load_elems<T, kVec, kVector>(x + j * kVec, xv);
-    load_elems<T, kVec, kVector>(g + j * kVec, d_n);
+  // d_n of vector j from its grad (d_n = g, or rn(g * t1) when modulated).
+  auto d_n_of = [&](int64_t j, float (&d_n)[kVec]) {
     if (scale) {
       float sc[kVec];
       load_elems<T, kVec, kVector>(scale + j * kVec, sc);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
     }
+  };
+  auto load = [&](int64_t j, float (&xv)[kVec], float (&d_n)[kVec]) {
+    load_elems<T, kVec, kVector>(x + j * kVec, xv);
+    load_elems<T, kVec, kVector>(g + j * kVec, d_n);
+    d_n_of(j, d_n);
+  };
+  // A cached vector: x and grad kept in their storage type (48 registers for
+  // bf16 instead of 96 for FP32 x and d_n); d_n is recomputed from them.
+  auto unpack = [&](int64_t j, const ElemVec<T, kVec>& xs, const ElemVec<T, kVec>& gs, float (&xv)[kVec],
+                    float (&d_n)[kVec]) {
+    widen(xs, xv);
+    widen(gs, d_n);
+    d_n_of(j, d_n);
   };
   auto accumulate = [&](int64_t j, const float (&xv)[kVec], const float (&d_n)[kVec], float acc) {
     float wv[kVec];
@@ -161,14 +179,17 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
     return acc;
   };
   // Thread t's vectors j = t + 128*i, ascending i: the tree's order.
-  float cached_x[kCached][kVec], cached_d_n[kCached][kVec];
+  ElemVec<T, kVec> cached_x[kCached], cached_g[kCached];
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
     if (j < vectors) {
-      load(j, cached_x[i], cached_d_n[i]);
-      s = accumulate(j, cached_x[i], cached_d_n[i], s);
+      load_stored<T, kVec, kVector>(x + j * kVec, cached_x[i]);
+      load_stored<T, kVec, kVector>(g + j * kVec, cached_g[i]);
+      float xv[kVec], d_n[kVec];
+      unpack(j, cached_x[i], cached_g[i], xv, d_n);
+      s = accumulate(j, xv, d_n, s);
     }
   }
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
@@ -191,7 +212,11 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
-    if (j < vectors) write(j, cached_x[i], cached_d_n[i]);
+    if (j < vectors) {
+      float xv[kVec], d_n[kVec];
+      unpack(j, cached_x[i], cached_g[i], xv, d_n);
+      write(j, xv, d_n);
+    }
   }
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
     float xv[kVec], d_n[kVec];
@@ -337,8 +362,9 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
   load_elems<T, kCols, kVector>(w + i0, wv);
 #pragma unroll
   for (int e = 0; e < kCols; ++e) acc[e] = 0.0f;
+  int64_t seq = begin % a.seq_len;  // p % S, stepped along (no division in the loop)
 #pragma unroll 4
-  for (int64_t p = begin; p < end; ++p) {  // ascending positions of the chunk
+  for (int64_t p = begin; p < end; ++p, seq = seq + 1 == a.seq_len ? 0 : seq + 1) {  // ascending positions
     const PositionRows<T> in = position_rows<T>(a, p);
     float xv[kCols], gv[kCols];
     load_elems<T, kCols, kVector>(in.x + i0, xv);
@@ -352,7 +378,7 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
           num::fma32(gv[e], normalised<T>(wv[e], in.rstd, xv[e]), sums[(kCols + e) * threads]);
     }
     if (a.weight_partials) {
-      const T* scale = static_cast<const T*>(a.scale) + a.tables.row_of_seq[p % a.seq_len] * a.scale_stride;
+      const T* scale = static_cast<const T*>(a.scale) + a.tables.row_of_seq[seq] * a.scale_stride;
       float sc[kCols];
       load_elems<T, kCols, kVector>(scale + i0, sc);
 #pragma unroll
