@@ -71,6 +71,24 @@ IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int
   return must_plan(s, plan);
 }
 
+IndexCase single_position_case(const IndexCase& c, int64_t p) {
+  IndexCase alone = c;
+  alone.seq_len = 1;
+  alone.batch = 1;
+  alone.timestep_indices = {c.timestep_indices[p % c.seq_len]};
+  alone.tags = {c.tags[p % c.seq_len]};
+  return alone;
+}
+
+std::vector<int64_t> unreferenced_rows(const IndexCase& c) {
+  std::vector<bool> used(c.num_rows(), false);
+  for (int64_t s = 0; s < c.seq_len; ++s) used[c.row(s)] = true;
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < c.num_rows(); ++r)
+    if (!used[r]) rows.push_back(r);
+  return rows;
+}
+
 std::vector<IndexCase> standard_cases(int64_t max_positions) {
   std::vector<IndexCase> cases;
   for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
@@ -200,6 +218,15 @@ std::vector<int64_t> timestep_rows_of_positions(const IndexCase& c) {
   std::vector<int64_t> rows(c.positions());
   for (int64_t p = 0; p < c.positions(); ++p) rows[p] = c.timestep_indices[p % c.seq_len];
   return rows;
+}
+
+std::vector<double> row_gather_grad_exact(const IndexCase& c, const HostTensor& grad, int64_t hidden) {
+  std::vector<double> sum(c.num_rows() * 6 * hidden, 0.0);
+  for (int chunk = 0; chunk < 6; ++chunk)
+    for (int64_t p = 0; p < c.positions(); ++p)
+      for (int64_t i = 0; i < hidden; ++i)
+        sum[c.row(p % c.seq_len) * 6 * hidden + chunk * hidden + i] += grad.get((chunk * c.positions() + p) * hidden + i);
+  return sum;
 }
 
 ProjectionReference projection_reference(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias,

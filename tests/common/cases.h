@@ -42,6 +42,12 @@ IndexPlan timestep_plan(const IndexCase& c);
 // A plan from an explicit (S,) row index.
 IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int64_t batch);
 
+// The case of position p alone (S = B = 1, the timestep and tag of p): a row
+// computed by itself, for the invariance tests.
+IndexCase single_position_case(const IndexCase& c, int64_t p);
+// The AdaLN rows (of 3T) that no position of the case refers to.
+std::vector<int64_t> unreferenced_rows(const IndexCase& c);
+
 // The matrix of the task: S in {1, 3, 257, 4097}, B in {1, 2, 3}, T in {1, 3, 4},
 // both packings; `max_positions` drops the larger combinations (keeps tests fast).
 std::vector<IndexCase> standard_cases(int64_t max_positions);
@@ -72,6 +78,11 @@ RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight
 // row_of[p] = c.row(p % S) (AdaLN rows) or c.timestep_indices[p % S].
 std::vector<int64_t> adaln_rows_of_positions(const IndexCase& c);
 std::vector<int64_t> timestep_rows_of_positions(const IndexCase& c);
+
+// FP64 reference of the adaln_row_gather backward: the exact (3T, 6H) table
+// gradient d_rows[r, chunk*H + i] = sum of grad[chunk, p, i] over the
+// positions p of row r; grad is (6, B*S, H).
+std::vector<double> row_gather_grad_exact(const IndexCase& c, const HostTensor& grad, int64_t hidden);
 
 // FP64 reference of the projection (numerics 5.4 / 6.4), straight-through:
 // act = R_W(silu(temb)), table = R_W(act W^T + b) (W = `dtype`); backward from

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/cases.h"
+#include "common/rowwise_fixture.h"
 #include "common/test_util.h"
 #include "detdit/adaln.h"
 
@@ -19,9 +20,9 @@ namespace {
 using testing::HostTensor;
 using testing::IndexCase;
 using testing::Packing;
+using testing::kCanary;
 using testing::random_tensor;
 
-constexpr uint8_t kCanary = 0xA5;
 constexpr int64_t kHidden = 12, kEmbed = 64, kWidth = 18 * kHidden;
 
 struct Modulation {
@@ -76,13 +77,7 @@ TEST(AdalnModulation, EqualsProjectionThenGatherWithFp32TableGradients) {
     DETDIT_ASSERT_OK(k.run());
     HostTensor table(DType::kBF16, {c.num_timesteps, kWidth}), act(DType::kBF16, {c.num_timesteps, kEmbed});
     HostTensor out(DType::kBF16, {6, c.seq_len, kHidden});
-    AdalnProjectionParams proj;
-    proj.temb = k.temb.view();
-    proj.weight = k.weight.view();
-    proj.bias = k.bias.view();
-    proj.table = table.view();
-    proj.act = act.view();
-    DETDIT_ASSERT_OK(adaln_projection_forward(proj));
+    DETDIT_ASSERT_OK(adaln_projection_forward({k.temb.view(), k.weight.view(), k.bias.view(), table.view(), act.view()}));
     DETDIT_ASSERT_OK(adaln_row_gather_forward({table.view_as({3 * c.num_timesteps, 6 * kHidden}), k.plan, out.view()}));
     EXPECT_BITWISE_EQ(table, k.table);
     EXPECT_BITWISE_EQ(act, k.act);
@@ -92,15 +87,8 @@ TEST(AdalnModulation, EqualsProjectionThenGatherWithFp32TableGradients) {
     DETDIT_ASSERT_OK(adaln_row_gather_backward({k.grad.view(), k.plan, d_table.view_as({3 * c.num_timesteps, 6 * kHidden})}));
     HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {kWidth, kEmbed});
     HostTensor d_bias(DType::kBF16, {kWidth});
-    AdalnProjectionBackwardParams pb;
-    pb.temb = k.temb.view();
-    pb.weight = k.weight.view();
-    pb.act = act.view();
-    pb.grad_table = d_table.view();
-    pb.d_temb = d_temb.view();
-    pb.d_weight = d_weight.view();
-    pb.d_bias = d_bias.view();
-    DETDIT_ASSERT_OK(adaln_projection_backward(pb));
+    DETDIT_ASSERT_OK(adaln_projection_backward(
+        {k.temb.view(), k.weight.view(), act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
     EXPECT_BITWISE_EQ(d_temb, k.d_temb);
     EXPECT_BITWISE_EQ(d_weight, k.d_weight);
     EXPECT_BITWISE_EQ(d_bias, k.d_bias);
@@ -113,12 +101,9 @@ TEST(AdalnModulation, WeightGradientsAreCorrectlyRoundedAndRepeat) {
   DETDIT_ASSERT_OK(k.run());
   DETDIT_ASSERT_OK(again.run());
   for (std::size_t i = 0; i < k.outputs().size(); ++i) EXPECT_BITWISE_EQ(*k.outputs()[i], *again.outputs()[i]);
-  // exact d_table (T, 18H): row ti*3 + m, column c*H + h  <->  channel m*6H + c*H + h of timestep ti
-  std::vector<double> d_table(c.num_timesteps * kWidth, 0.0);
-  for (int chunk = 0; chunk < 6; ++chunk)
-    for (int64_t p = 0; p < c.positions(); ++p)
-      for (int64_t h = 0; h < kHidden; ++h)
-        d_table[c.row(p % c.seq_len) * 6 * kHidden + chunk * kHidden + h] += k.grad.get((chunk * c.positions() + p) * kHidden + h);
+  // exact d_table (T, 18H) = the gather's (3T, 6H) d_rows: row ti*3 + m, column c*H + h  <->  channel m*6H + c*H + h
+  // of timestep ti
+  const std::vector<double> d_table = testing::row_gather_grad_exact(c, k.grad, kHidden);
   const testing::ProjectionReference ref = testing::projection_reference(k.temb, k.weight, k.bias, &d_table, DType::kBF16);
   const double dw = testing::fraction_correctly_rounded(k.d_weight, ref.d_weight);
   const double db = testing::fraction_correctly_rounded(k.d_bias, ref.d_bias);
@@ -132,13 +117,7 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
   IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
   IndexPlan timestep_only = testing::timestep_plan(c);  // R = T, not 3T
   HostTensor wide_grad = random_tensor(DType::kBF16, {6, 32, 2 * kHidden}, 3);
-  struct Case {
-    const char* what;
-    ErrorKind kind;
-    const char* message;
-    std::function<void(AdalnModulationParams*, AdalnModulationBackwardParams*)> mutate;
-  };
-  const Case cases[] = {
+  const std::vector<testing::BadParams<AdalnModulationParams, AdalnModulationBackwardParams>> cases = {
       {"plan rows", ErrorKind::kValue, "plan must have R = 3T = 6 table rows, got R = 2",
        [&](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->plan = b->plan = timestep_only; }},
       {"no plan", ErrorKind::kValue, "plan is required",
@@ -150,18 +129,7 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
       {"torch on cpu", ErrorKind::kValue, "numerics=torch exists on CUDA only",
        [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->numerics = b->numerics = Numerics::kTorch; }},
   };
-  for (const Case& bad : cases) {
-    SCOPED_TRACE(bad.what);
-    Modulation k(c);
-    AdalnModulationParams f = k.forward_params();
-    AdalnModulationBackwardParams b = k.backward_params();
-    bad.mutate(&f, &b);
-    for (Status s : {adaln_modulation_forward(f), adaln_modulation_backward(b)}) {
-      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
-      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
-    }
-    for (HostTensor* t : k.outputs()) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
-  }
+  testing::expect_bad_params_refused<Modulation>(cases, adaln_modulation_forward, adaln_modulation_backward, c);
   // backward-only: grad of the wrong width / length / dtype
   Modulation k(c);
   const std::pair<const char*, std::function<void(AdalnModulationBackwardParams*)>> backward_cases[] = {
@@ -175,7 +143,7 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
     Status s = adaln_modulation_backward(b);
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find(message), std::string::npos) << s.to_string();
-    for (HostTensor* t : k.outputs()) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
+    EXPECT_TRUE(testing::still_canary(k.outputs()));
   }
 }
 

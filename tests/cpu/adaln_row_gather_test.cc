@@ -6,11 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <vector>
 
 #include "common/cases.h"
+#include "common/rowwise_fixture.h"
 #include "common/test_util.h"
 #include "detdit/adaln.h"
 
@@ -20,9 +19,8 @@ namespace {
 using testing::HostTensor;
 using testing::IndexCase;
 using testing::Packing;
+using testing::kCanary;
 using testing::random_tensor;
-
-constexpr uint8_t kCanary = 0xA5;
 
 TEST(AdalnRowGather, ForwardEqualsSixIndexSelects) {
   for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 1),
@@ -57,14 +55,7 @@ struct GatherBackward {
     d_rows.fill_bytes(kCanary);
   }
   AdalnRowGatherBackwardParams params() const { return {grad.view(), testing::adaln_plan(c), d_rows.view()}; }
-  std::vector<double> exact() const {
-    std::vector<double> sum(c.num_rows() * 6 * hidden, 0.0);
-    for (int chunk = 0; chunk < 6; ++chunk)
-      for (int64_t p = 0; p < c.positions(); ++p)
-        for (int64_t i = 0; i < hidden; ++i)
-          sum[c.row(p % c.seq_len) * 6 * hidden + chunk * hidden + i] += grad.get((chunk * c.positions() + p) * hidden + i);
-    return sum;
-  }
+  std::vector<double> exact() const { return testing::row_gather_grad_exact(c, grad, hidden); }
 };
 
 TEST(AdalnRowGather, TableGradientIsCorrectlyRounded) {
@@ -95,15 +86,7 @@ TEST(AdalnRowGather, UnreferencedRowsAreExactZerosAndGradientsRepeat) {
   DETDIT_ASSERT_OK(adaln_row_gather_backward(a.params()));
   DETDIT_ASSERT_OK(adaln_row_gather_backward(b.params()));
   EXPECT_BITWISE_EQ(a.d_rows, b.d_rows);
-  std::vector<bool> used(c.num_rows(), false);
-  for (int64_t s = 0; s < c.seq_len; ++s) used[c.row(s)] = true;
-  for (int64_t r = 0; r < c.num_rows(); ++r)
-    for (int64_t j = 0; j < 48; ++j) {
-      const uint16_t bits = a.d_rows.ptr<uint16_t>()[r * 48 + j];
-      if (!used[r]) {
-        EXPECT_EQ(bits, 0u) << "row " << r;
-      }
-    }
+  EXPECT_TRUE(testing::rows_are_zero(a.d_rows, testing::unreferenced_rows(c)));
 }
 
 TEST(AdalnRowGather, FourDimensionalGradGivesTheSameRows) {
@@ -130,9 +113,9 @@ TEST(AdalnRowGather, RowGradientIgnoresOtherRowsPositions) {
     if (c.row(s) != kept) moved.timestep_indices[s] = (c.timestep_indices[s] + 1) % 3, moved.tags[s] = (c.row(s) + 1) % 3 == kept % 3 ? (c.tags[s] + 2) % 3 : (c.tags[s] + 1) % 3;
   for (int64_t s = 0; s < c.seq_len; ++s) ASSERT_EQ(moved.row(s) == kept, c.row(s) == kept);
   GatherBackward b(moved, 8, DType::kF32);
-  std::memcpy(b.grad.data(), a.grad.data(), a.grad.nbytes());
+  testing::copy_bytes(a.grad, &b.grad);
   DETDIT_ASSERT_OK(adaln_row_gather_backward(b.params()));
-  EXPECT_TRUE(testing::bitwise_equal_bytes(a.d_rows.ptr<float>() + kept * 48, b.d_rows.ptr<float>() + kept * 48, 48, DType::kF32));
+  EXPECT_TRUE(testing::rows_bitwise_equal(a.d_rows, kept, b.d_rows, kept));
 }
 
 TEST(AdalnRowGather, BadInputsGetClearErrorsAndWriteNothing) {
@@ -140,13 +123,7 @@ TEST(AdalnRowGather, BadInputsGetClearErrorsAndWriteNothing) {
   IndexPlan plan = testing::adaln_plan(c), sharded = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 8, 2, 2));
   HostTensor rows = random_tensor(DType::kBF16, {6, 48}, 1), out(DType::kBF16, {6, 16, 8});
   HostTensor grad = random_tensor(DType::kBF16, {6, 32, 8}, 2), d_rows(DType::kF32, {6, 48});
-  struct Case {
-    const char* what;
-    ErrorKind kind;
-    const char* message;
-    std::function<void(AdalnRowGatherParams*, AdalnRowGatherBackwardParams*)> mutate;
-  };
-  const Case cases[] = {
+  const std::vector<testing::BadParams<AdalnRowGatherParams, AdalnRowGatherBackwardParams>> cases = {
       {"rows dtype", ErrorKind::kType, "must be float32, bfloat16 or float16, got int32",
        [](AdalnRowGatherParams* f, AdalnRowGatherBackwardParams* b) { f->rows.dtype = b->grad.dtype = DType::kI32; }},
       {"out / d_rows dtype", ErrorKind::kType, "float16", [](AdalnRowGatherParams* f, AdalnRowGatherBackwardParams* b) {
@@ -182,19 +159,16 @@ TEST(AdalnRowGather, BadInputsGetClearErrorsAndWriteNothing) {
          b->d_rows = TensorView();
        }},
   };
-  for (const Case& bad : cases) {
+  for (const auto& bad : cases) {
     SCOPED_TRACE(bad.what);
     out.fill_bytes(kCanary);
     d_rows.fill_bytes(kCanary);
     AdalnRowGatherParams f{rows.view(), plan, out.view()};
     AdalnRowGatherBackwardParams b{grad.view(), plan, d_rows.view()};
     bad.mutate(&f, &b);
-    for (Status s : {adaln_row_gather_forward(f), adaln_row_gather_backward(b)}) {
-      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
-      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
-    }
-    EXPECT_TRUE(testing::all_bytes_are(out, kCanary));
-    EXPECT_TRUE(testing::all_bytes_are(d_rows, kCanary));
+    EXPECT_TRUE(testing::refused(adaln_row_gather_forward(f), bad.kind, bad.message)) << "forward";
+    EXPECT_TRUE(testing::refused(adaln_row_gather_backward(b), bad.kind, bad.message)) << "backward";
+    EXPECT_TRUE(testing::still_canary({&out, &d_rows}));
   }
 }
 

@@ -19,8 +19,8 @@
 
 #include "common/backends.h"
 #include "common/cases.h"
+#include "common/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/storage.h"
 #include "common/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
@@ -33,11 +33,7 @@ using testing::HostTensor;
 using testing::IndexCase;
 using testing::Packing;
 using testing::random_tensor;
-
-// Round an FP32 value to `dtype` and back (R_T).
-float round_as(float v, DType dtype) {
-  return dispatch_float_dtype(dtype, [&](auto tag) { return round_to<decltype(tag)>(v); });
-}
+using testing::round_as;
 
 // The definition: out[r, j] = R(fold over every chunk c of partial(c, r, j)),
 // partial = chain from +0.0 over the positions of c with row r.
@@ -106,6 +102,21 @@ struct NormCase {
   }
 };
 
+// gate_residual_backward for d_gate alone (no d_residual, no d_y).
+GateResidualBackwardParams gate_gradient_params(const HostTensor& grad, const HostTensor& y, const HostTensor& gate,
+                                                const IndexPlan& plan, const HostTensor& d_gate) {
+  return {grad.view(), y.view(), gate.view(), plan, TensorView(), TensorView(), d_gate.view()};
+}
+
+// d_gate by the definition: the partial of a chunk chains fma(grad, y, acc)
+// over its positions of the row; grad and y are (B*S, H).
+HostTensor gate_gradient_by_definition(const IndexCase& c, const HostTensor& grad, const HostTensor& y, DType dtype) {
+  const int64_t h = grad.shape()[1];
+  return reduce_by_definition(c, c.num_rows(), h, false, dtype, [&](float acc, int64_t pos, int64_t i) {
+    return num::fma32(static_cast<float>(grad.get(pos * h + i)), static_cast<float>(y.get(pos * h + i)), acc);
+  });
+}
+
 std::vector<IndexCase> small_cases() {
   return {testing::make_index_case(Packing::kBlock, 300, 3, 2), testing::make_index_case(Packing::kInterleaved, 300, 3, 2),
           testing::make_index_case(Packing::kInterleaved, 257, 4, 3), testing::make_index_case(Packing::kBlock, 3, 1, 3)};
@@ -160,17 +171,8 @@ TEST(CanonicalReduction, GateGradientEqualsTheDefinition) {
       IndexPlan plan = testing::adaln_plan(c);
       HostTensor grad = random_tensor(dtype, {c.positions(), h}, 11), y = random_tensor(dtype, {c.positions(), h}, 12, 0, 3);
       HostTensor gate = random_tensor(dtype, {c.num_rows(), h}, 13), d_gate(dtype, {c.num_rows(), h});
-      GateResidualBackwardParams p;
-      p.grad = grad.view();
-      p.y = y.view();
-      p.gate = gate.view();
-      p.plan = plan;
-      p.d_gate = d_gate.view();
-      DETDIT_ASSERT_OK(gate_residual_backward(p));
-      HostTensor want = reduce_by_definition(c, c.num_rows(), h, false, dtype, [&](float acc, int64_t pos, int64_t i) {
-        return num::fma32(static_cast<float>(grad.get(pos * h + i)), static_cast<float>(y.get(pos * h + i)), acc);
-      });
-      EXPECT_BITWISE_EQ(want, d_gate);
+      DETDIT_ASSERT_OK(gate_residual_backward(gate_gradient_params(grad, y, gate, plan, d_gate)));
+      EXPECT_BITWISE_EQ(gate_gradient_by_definition(c, grad, y, dtype), d_gate);
     }
 }
 
@@ -181,11 +183,7 @@ TEST(CanonicalReduction, RowGatherGradientEqualsTheDefinition) {
       const int64_t h = 8;
       IndexPlan plan = testing::adaln_plan(c);
       HostTensor grad = random_tensor(DType::kBF16, {6, c.positions(), h}, 21), d_rows(out_dtype, {c.num_rows(), 6 * h});
-      AdalnRowGatherBackwardParams p;
-      p.grad = grad.view();
-      p.plan = plan;
-      p.d_rows = d_rows.view();
-      DETDIT_ASSERT_OK(adaln_row_gather_backward(p));
+      DETDIT_ASSERT_OK(adaln_row_gather_backward({grad.view(), plan, d_rows.view()}));
       HostTensor want = reduce_by_definition(c, c.num_rows(), 6 * h, false, out_dtype, [&](float acc, int64_t pos, int64_t j) {
         return num::add32(acc, static_cast<float>(grad.get(((j / h) * c.positions() + pos) * h + j % h)));
       });
@@ -206,17 +204,8 @@ TEST(CanonicalReduction, CaseMatrixAndOddLengthsEqualTheDefinition) {
     IndexPlan plan = testing::adaln_plan(c);
     HostTensor grad = random_tensor(DType::kBF16, {c.positions(), h}, 41), y = random_tensor(DType::kBF16, {c.positions(), h}, 42);
     HostTensor gate = random_tensor(DType::kBF16, {c.num_rows(), h}, 43), d_gate(DType::kF32, {c.num_rows(), h});
-    GateResidualBackwardParams p;
-    p.grad = grad.view();
-    p.y = y.view();
-    p.gate = gate.view();
-    p.plan = plan;
-    p.d_gate = d_gate.view();
-    DETDIT_ASSERT_OK(gate_residual_backward(p));
-    HostTensor want = reduce_by_definition(c, c.num_rows(), h, false, DType::kF32, [&](float acc, int64_t pos, int64_t i) {
-      return num::fma32(static_cast<float>(grad.get(pos * h + i)), static_cast<float>(y.get(pos * h + i)), acc);
-    });
-    EXPECT_BITWISE_EQ(want, d_gate);
+    DETDIT_ASSERT_OK(gate_residual_backward(gate_gradient_params(grad, y, gate, plan, d_gate)));
+    EXPECT_BITWISE_EQ(gate_gradient_by_definition(c, grad, y, DType::kF32), d_gate);
   }
 }
 
@@ -332,12 +321,7 @@ TEST(CanonicalReduction, SplitHalvesOfGateResidualComposeToTheFullBackward) {
       IndexPlan plan = testing::adaln_plan(c);
       HostTensor grad = random_tensor(DType::kBF16, {c.positions(), h}, 31), y = random_tensor(DType::kBF16, {c.positions(), h}, 32);
       HostTensor gate = random_tensor(DType::kBF16, {rows, h}, 33), d_gate(DType::kBF16, {rows, h});
-      GateResidualBackwardParams p;
-      p.grad = grad.view();
-      p.y = y.view();
-      p.gate = gate.view();
-      p.plan = plan;
-      p.d_gate = d_gate.view();
+      const GateResidualBackwardParams p = gate_gradient_params(grad, y, gate, plan, d_gate);
       DETDIT_ASSERT_OK(gate_residual_backward(p));
 
       HostTensor partials(DType::kF32, {plan.num_segments(), h});

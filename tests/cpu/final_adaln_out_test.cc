@@ -7,10 +7,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 #include "common/cases.h"
+#include "common/rowwise_fixture.h"
 #include "common/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/rmsnorm.h"
@@ -21,9 +21,9 @@ namespace {
 using testing::HostTensor;
 using testing::IndexCase;
 using testing::Packing;
+using testing::kCanary;
 using testing::random_tensor;
 
-constexpr uint8_t kCanary = 0xA5;
 // H = 36 makes N = 2H = 72 a multiple of 18, so adaln_projection can run the
 // same table for the composition check.
 constexpr int64_t kHidden = 36, kEmbed = 64;
@@ -97,13 +97,7 @@ TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
     DETDIT_ASSERT_OK(k.run());
     // the same sequence through the separate public ops
     HostTensor table(DType::kBF16, {c.num_timesteps, 2 * kHidden}), act(DType::kBF16, {c.num_timesteps, kEmbed});
-    AdalnProjectionParams proj;
-    proj.temb = k.temb.view();
-    proj.weight = k.weight.view();
-    proj.bias = k.bias.view();
-    proj.table = table.view();
-    proj.act = act.view();
-    DETDIT_ASSERT_OK(adaln_projection_forward(proj));
+    DETDIT_ASSERT_OK(adaln_projection_forward({k.temb.view(), k.weight.view(), k.bias.view(), table.view(), act.view()}));
     const TensorView shift = table.view().narrow(1, 0, kHidden), scale = table.view().narrow(1, kHidden, kHidden);
     HostTensor out(DType::kBF16, {c.batch, c.seq_len, kHidden}), rstd(DType::kF32, {c.positions()});
     RmsnormParams norm;
@@ -137,15 +131,9 @@ TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
     DETDIT_ASSERT_OK(rmsnorm_backward(nb));
     HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {2 * kHidden, kEmbed});
     HostTensor d_bias(DType::kBF16, {2 * kHidden});
-    AdalnProjectionBackwardParams pb;
-    pb.temb = k.temb.view();
-    pb.weight = k.weight.view();
-    pb.act = act.view();
-    pb.grad_table = d_table.view();  // FP32: never rounded to bf16 in between
-    pb.d_temb = d_temb.view();
-    pb.d_weight = d_weight.view();
-    pb.d_bias = d_bias.view();
-    DETDIT_ASSERT_OK(adaln_projection_backward(pb));
+    // d_table is FP32: never rounded to bf16 in between
+    DETDIT_ASSERT_OK(adaln_projection_backward(
+        {k.temb.view(), k.weight.view(), act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
     EXPECT_BITWISE_EQ(dx, k.dx);
     EXPECT_BITWISE_EQ(d_norm_weight, k.d_norm_weight);
     EXPECT_BITWISE_EQ(d_temb, k.d_temb);
@@ -196,13 +184,7 @@ TEST(FinalAdalnOut, BadInputsGetClearErrorsAndWriteNothing) {
   IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
   IndexPlan adaln_rows = testing::adaln_plan(c);  // R = 3T: the wrong index for norm_out
   HostTensor temb_bf16 = random_tensor(DType::kBF16, {2, kEmbed}, 9);
-  struct Case {
-    const char* what;
-    ErrorKind kind;
-    const char* message;
-    std::function<void(FinalAdalnOutParams*, FinalAdalnOutBackwardParams*)> mutate;
-  };
-  const Case cases[] = {
+  const std::vector<testing::BadParams<FinalAdalnOutParams, FinalAdalnOutBackwardParams>> cases = {
       {"adaln plan", ErrorKind::kValue, "plan must have R = T (temb rows) = 2 table rows, got R = 6",
        [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->plan = b->plan = adaln_rows; }},
       {"temb bf16", ErrorKind::kType, "temb must be float32 (the SiLU runs before the cast), got bfloat16",
@@ -220,18 +202,7 @@ TEST(FinalAdalnOut, BadInputsGetClearErrorsAndWriteNothing) {
       {"norm_weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float16",
        [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->norm_weight.dtype = b->norm_weight.dtype = DType::kF16; }},
   };
-  for (const Case& bad : cases) {
-    SCOPED_TRACE(bad.what);
-    Final k(c);
-    FinalAdalnOutParams f = k.forward_params();
-    FinalAdalnOutBackwardParams b = k.backward_params();
-    bad.mutate(&f, &b);
-    for (Status s : {final_adaln_out_forward(f), final_adaln_out_backward(b)}) {
-      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
-      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
-    }
-    for (HostTensor* t : k.outputs()) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
-  }
+  testing::expect_bad_params_refused<Final>(cases, final_adaln_out_forward, final_adaln_out_backward, c);
 }
 
 }  // namespace

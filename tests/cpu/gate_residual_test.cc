@@ -5,15 +5,12 @@
 // exact zeros, and bad inputs fail closed (canary outputs untouched).
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <vector>
 
 #include "common/cases.h"
+#include "common/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/storage.h"
 #include "common/test_util.h"
 #include "detdit/gate_residual.h"
 
@@ -23,9 +20,8 @@ namespace {
 using testing::HostTensor;
 using testing::IndexCase;
 using testing::Packing;
+using testing::kCanary;
 using testing::random_tensor;
-
-constexpr uint8_t kCanary = 0xA5;
 
 struct Gate {
   IndexCase c;
@@ -41,8 +37,9 @@ struct Gate {
         grad(random_tensor(d, {index.positions(), h}, seed + 3)), out(d, {index.positions(), h}),
         d_residual(d, {index.positions(), h}), d_y(d, {index.positions(), h}),
         d_gate(gate_grad_dtype, {index.num_rows(), h}) {
-    for (HostTensor* t : {&out, &d_residual, &d_y, &d_gate}) t->fill_bytes(kCanary);
+    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
   }
+  std::vector<HostTensor*> outputs() { return {&out, &d_residual, &d_y, &d_gate}; }
   GateResidualParams forward_params() const {
     GateResidualParams p;
     p.residual = residual.view();
@@ -75,7 +72,7 @@ TEST(GateResidual, RowLocalResultsFollowTheContractBitwise) {
     SCOPED_TRACE(dtype_name(dtype));
     Gate k(c, 20, dtype, DType::kF32);
     DETDIT_ASSERT_OK(k.run());
-    auto R = [&](float v) { return dispatch_float_dtype(dtype, [&](auto tag) { return round_to<decltype(tag)>(v); }); };
+    auto R = [&](float v) { return testing::round_as(v, dtype); };
     HostTensor out(dtype, {c.positions(), 20}), d_y(dtype, {c.positions(), 20});
     for (int64_t p = 0; p < c.positions(); ++p)
       for (int64_t i = 0; i < 20; ++i) {
@@ -112,23 +109,17 @@ TEST(GateResidual, RowLocalOutputsAreInvariantToBatchAndNeighbours) {
   IndexCase c = testing::make_index_case(Packing::kBlock, 300, 3, 3);
   Gate batch(c, 12, DType::kBF16, DType::kF32);
   DETDIT_ASSERT_OK(batch.run());
-  const std::size_t row_bytes = 12 * 2;
   for (int64_t p : {int64_t{0}, int64_t{299}, int64_t{300}, int64_t{555}, c.positions() - 1}) {
     SCOPED_TRACE(p);
-    IndexCase alone = c;
-    alone.seq_len = alone.batch = 1;
-    alone.timestep_indices = {c.timestep_indices[p % c.seq_len]};
-    alone.tags = {c.tags[p % c.seq_len]};
-    Gate one(alone, 12, DType::kBF16, DType::kF32);
-    for (auto [dst, src] : {std::make_pair(&one.residual, &batch.residual), std::make_pair(&one.y, &batch.y),
-                            std::make_pair(&one.grad, &batch.grad)})
-      std::memcpy(dst->data(), static_cast<char*>(src->data()) + p * row_bytes, row_bytes);
-    std::memcpy(one.gate.data(), batch.gate.data(), batch.gate.nbytes());
+    Gate one(testing::single_position_case(c, p), 12, DType::kBF16, DType::kF32);
+    testing::copy_row(batch.residual, p, &one.residual, 0);
+    testing::copy_row(batch.y, p, &one.y, 0);
+    testing::copy_row(batch.grad, p, &one.grad, 0);
+    testing::copy_bytes(batch.gate, &one.gate);
     DETDIT_ASSERT_OK(one.run());
-    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.out.data()) + p * row_bytes, one.out.data(), 12, DType::kBF16));
-    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.d_y.data()) + p * row_bytes, one.d_y.data(), 12, DType::kBF16));
-    EXPECT_TRUE(testing::bitwise_equal_bytes(static_cast<char*>(batch.d_residual.data()) + p * row_bytes, one.d_residual.data(), 12,
-                                             DType::kBF16));
+    EXPECT_TRUE(testing::rows_bitwise_equal(batch.out, p, one.out, 0));
+    EXPECT_TRUE(testing::rows_bitwise_equal(batch.d_y, p, one.d_y, 0));
+    EXPECT_TRUE(testing::rows_bitwise_equal(batch.d_residual, p, one.d_residual, 0));
   }
 }
 
@@ -140,28 +131,16 @@ TEST(GateResidual, RepeatableWithExactZerosForUnreferencedRows) {
   EXPECT_BITWISE_EQ(a.out, b.out);
   EXPECT_BITWISE_EQ(a.d_y, b.d_y);
   EXPECT_BITWISE_EQ(a.d_gate, b.d_gate);
-  std::vector<bool> used(c.num_rows(), false);
-  for (int64_t s = 0; s < c.seq_len; ++s) used[c.row(s)] = true;
-  int unused = 0;
-  for (int64_t r = 0; r < c.num_rows(); ++r)
-    if (!used[r]) {
-      ++unused;
-      for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(a.d_gate.ptr<uint16_t>()[r * 12 + i], 0u) << r;
-    }
-  EXPECT_GE(unused, 9);
+  const std::vector<int64_t> unreferenced = testing::unreferenced_rows(c);
+  EXPECT_TRUE(testing::rows_are_zero(a.d_gate, unreferenced));
+  EXPECT_GE(unreferenced.size(), 9u);
 }
 
 TEST(GateResidual, BadInputsGetClearErrorsAndWriteNothing) {
   IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
   IndexPlan sharded = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 8, 2, 2));
   IndexPlan other_rows = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 16, 3, 2));
-  struct Case {
-    const char* what;
-    ErrorKind kind;
-    const char* message;
-    std::function<void(GateResidualParams*, GateResidualBackwardParams*)> mutate;
-  };
-  const Case cases[] = {
+  const std::vector<testing::BadParams<GateResidualParams, GateResidualBackwardParams>> cases = {
       {"residual dtype", ErrorKind::kType, "must be float32, bfloat16 or float16, got int64",
        [](GateResidualParams* f, GateResidualBackwardParams* b) { f->residual.dtype = b->grad.dtype = DType::kI64; }},
       {"y dtype", ErrorKind::kType, "y must have", [](GateResidualParams* f, GateResidualBackwardParams* b) {
@@ -189,25 +168,13 @@ TEST(GateResidual, BadInputsGetClearErrorsAndWriteNothing) {
          f->y = b->y = TensorView();
        }},
   };
-  for (const Case& bad : cases) {
-    SCOPED_TRACE(bad.what);
-    Gate k(c, 16, DType::kBF16, DType::kF32);
-    GateResidualParams f = k.forward_params();
-    GateResidualBackwardParams b = k.backward_params();
-    bad.mutate(&f, &b);
-    for (Status s : {gate_residual_forward(f), gate_residual_backward(b)}) {
-      EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
-      EXPECT_NE(s.message().find(bad.message), std::string::npos) << s.to_string();
-    }
-    for (const HostTensor* t : {&k.out, &k.d_residual, &k.d_y, &k.d_gate}) EXPECT_TRUE(testing::all_bytes_are(*t, kCanary));
-  }
+  testing::expect_bad_params_refused<Gate>(cases, gate_residual_forward, gate_residual_backward, c, int64_t{16},
+                                          DType::kBF16, DType::kF32);
   // An output overlapping an input is refused too (the backward reads y while writing d_y).
   Gate k(c, 16, DType::kBF16, DType::kF32);
   GateResidualBackwardParams b = k.backward_params();
   b.d_y = k.y.view();
-  Status s = gate_residual_backward(b);
-  EXPECT_EQ(s.kind(), ErrorKind::kValue);
-  EXPECT_NE(s.message().find("d_y must not overlap y"), std::string::npos) << s.to_string();
+  EXPECT_TRUE(testing::refused(gate_residual_backward(b), ErrorKind::kValue, "d_y must not overlap y"));
   EXPECT_TRUE(testing::all_bytes_are(k.d_gate, kCanary));
 }
 
