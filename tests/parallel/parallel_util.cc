@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "common/rowwise_fixture.h"
+
 namespace detdit {
 namespace testing {
 
@@ -123,6 +125,24 @@ void set_cuda_device(int index) {
 #else
   (void)index;
 #endif
+}
+
+void expect_every_rank_refused(int world, ErrorKind kind, const std::string& needle,
+                               const std::function<Status(Communicator& comm, bool* untouched)>& call) {
+  std::vector<Status> results(static_cast<std::size_t>(world));
+  // char, not bool: the ranks write their entries from their own threads
+  // (std::vector<bool> packs neighbours into one word).
+  std::vector<char> untouched(static_cast<std::size_t>(world), 0);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    bool kept = false;
+    results[comm.rank()] = call(comm, &kept);
+    untouched[comm.rank()] = kept;
+    return Status();
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(refused(results[r], kind, needle)) << "rank " << r;
+    EXPECT_TRUE(untouched[r]) << "rank " << r << " wrote an output";
+  }
 }
 
 ::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test) {

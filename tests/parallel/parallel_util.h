@@ -5,11 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "common/test_util.h"
+#include "detdit/comm.h"
 #include "detdit/numerics.h"
+#include "detdit/status.h"
 #include "detdit/tensor.h"
 
 namespace detdit {
@@ -52,6 +55,13 @@ class RankStream {
 // Number of CUDA devices (0 without CUDA), and make `index` current on this thread.
 int cuda_device_count();
 void set_cuda_device(int index);
+
+// Collective validation: runs `call` on `world` in-process CPU ranks; `call`
+// returns the rank's status and sets *untouched when the rank's outputs still
+// hold their canary. Every rank must fail with `kind` and a message
+// containing `needle`, and no rank may write an output.
+void expect_every_rank_refused(int world, ErrorKind kind, const std::string& needle,
+                               const std::function<Status(Communicator& comm, bool* untouched)>& call);
 
 // Runs `worker_test` (e.g. "DISABLED_MpiWorker.AllGather") of this binary on
 // `ranks` MPI processes and succeeds only if mpirun exits 0 and every rank

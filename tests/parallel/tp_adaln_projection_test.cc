@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/cases.h"
+#include "common/rowwise_fixture.h"
 #include "common/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/comm.h"
@@ -20,9 +21,8 @@ namespace detdit {
 namespace {
 
 using testing::HostTensor;
+using testing::kCanary;
 using testing::random_tensor;
-
-constexpr uint8_t kCanary = 0xA5;
 
 struct TpProblem {
   int64_t rows = 0, out_features = 0, in_features = 0;
@@ -223,10 +223,8 @@ TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
 TEST(TpAdalnProjection, ShardsMustBe64Aligned) {
   int64_t begin = 0, end = 0;
   Status s = tp_column_shard(96768, 5, 0, &begin, &end);
-  EXPECT_EQ(s.kind(), ErrorKind::kValue);
-  EXPECT_NE(s.message().find("tp=5 does not split N=96768 into 64-column chunks; valid tp: 1, 2, 3, 4, 6, 7, 8, 9"),
-            std::string::npos)
-      << s.message();
+  EXPECT_TRUE(testing::refused(s, ErrorKind::kValue,
+                               "tp=5 does not split N=96768 into 64-column chunks; valid tp: 1, 2, 3, 4, 6, 7, 8, 9"));
   EXPECT_EQ(tp_column_shard(96768, 16, 0, &begin, &end).kind(), ErrorKind::kValue);
   s = tp_column_shard(4608, 4, 4, &begin, &end);
   EXPECT_NE(s.message().find("need 0 <= rank < tp, got rank=4, tp=4"), std::string::npos) << s.message();
@@ -248,10 +246,8 @@ TEST(TpAdalnProjection, InvalidArgumentsFailEveryRankAndWriteNothing) {
                          Bad{"tp=5", 5, ErrorKind::kValue, "tp=5 does not split N=4608"},
                          Bad{"bf16 temb on rank 0", 3, ErrorKind::kType, "temb must be float32"}}) {
     SCOPED_TRACE(bad.what);
-    std::vector<Status> results(static_cast<std::size_t>(bad.world));
-    std::vector<bool> untouched(static_cast<std::size_t>(bad.world), false);
     HostTensor bf16_temb(DType::kBF16, {pr.rows, pr.in_features});
-    (void)InProcessGroup::run(bad.world, [&](Communicator& comm) -> Status {
+    testing::expect_every_rank_refused(bad.world, bad.kind, bad.needle, [&](Communicator& comm, bool* untouched) {
       const int64_t per_rank = pr.out_features / comm.world_size();
       const int64_t begin = comm.rank() * per_rank;
       HostTensor table(pr.dtype, {pr.rows, pr.out_features}), act(pr.dtype, {pr.rows, pr.in_features});
@@ -264,67 +260,49 @@ TEST(TpAdalnProjection, InvalidArgumentsFailEveryRankAndWriteNothing) {
         p.bias = pr.bias.view();
       }
       if (std::string(bad.what) == "bf16 temb on rank 0" && comm.rank() == 0) p.temb = bf16_temb.view();
-      results[comm.rank()] = tp_adaln_projection_forward(comm, p);
-      untouched[comm.rank()] = testing::all_bytes_are(table, kCanary) && testing::all_bytes_are(act, kCanary);
-      return Status();
+      const Status result = tp_adaln_projection_forward(comm, p);
+      *untouched = testing::still_canary({&table, &act});
+      return result;
     });
-    for (int r = 0; r < bad.world; ++r) {
-      EXPECT_EQ(results[r].kind(), bad.kind) << "rank " << r << ": " << results[r].to_string();
-      EXPECT_NE(results[r].message().find(bad.needle), std::string::npos) << "rank " << r << ": " << results[r].message();
-      EXPECT_TRUE(untouched[r]) << "rank " << r;
-    }
   }
 }
 
 TEST(TpAdalnProjection, BackwardRejectsFullWeightGradients) {
   TpProblem pr;
   build(&pr, 2, 18 * 256, 136, DType::kBF16);
-  std::vector<Status> results(2);
-  std::vector<bool> untouched(2, false);
-  (void)InProcessGroup::run(2, [&](Communicator& comm) -> Status {
+  auto rank_call = [&](Communicator& comm, bool* untouched) {
     const int64_t begin = comm.rank() * 2304;
     HostTensor d_temb(DType::kF32, {pr.rows, pr.in_features}), d_weight(pr.dtype, {pr.out_features, pr.in_features});
     d_temb.fill_bytes(kCanary);
     d_weight.fill_bytes(kCanary);
     // rank 0 passes the full (N, D) d_weight instead of its (N/2, D) shard.
     const TensorView dw = comm.rank() == 0 ? d_weight.view() : shard(d_weight, begin, begin + 2304);
-    results[comm.rank()] = tp_adaln_projection_backward(
+    const Status result = tp_adaln_projection_backward(
         comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, begin + 2304), pr.act.view(),
                                             pr.grad_table.view(), d_temb.view(), dw, TensorView()});
-    untouched[comm.rank()] = testing::all_bytes_are(d_temb, kCanary) && testing::all_bytes_are(d_weight, kCanary);
-    return Status();
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
-    EXPECT_NE(results[r].message().find("rank 0 of tp=2 owns W rows [0, 2304)"), std::string::npos)
-        << results[r].message();
-    EXPECT_TRUE(untouched[r]) << "rank " << r;
-  }
+    *untouched = testing::still_canary({&d_temb, &d_weight});
+    return result;
+  };
+  testing::expect_every_rank_refused(2, ErrorKind::kValue, "rank 0 of tp=2 owns W rows [0, 2304)", rank_call);
 }
 
 TEST(TpAdalnProjection, RanksMustAgreeOnGatheredOutputs) {
   TpProblem pr;
   build(&pr, 2, 18 * 256, 136, DType::kF32);
-  std::vector<Status> results(2);
-  std::vector<bool> untouched(2, false);
-  (void)InProcessGroup::run(2, [&](Communicator& comm) -> Status {
+  auto rank_call = [&](Communicator& comm, bool* untouched) {
     const int64_t begin = comm.rank() * 2304;
     HostTensor d_temb(DType::kF32, {pr.rows, pr.in_features}), d_weight(pr.dtype, {2304, pr.in_features});
     d_temb.fill_bytes(kCanary);
     d_weight.fill_bytes(kCanary);
     // rank 1 does not ask for d_temb: it would skip the partials gather.
-    results[comm.rank()] = tp_adaln_projection_backward(
+    const Status result = tp_adaln_projection_backward(
         comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, begin + 2304), pr.act.view(),
                                             pr.grad_table.view(), comm.rank() == 1 ? TensorView() : d_temb.view(),
                                             d_weight.view(), TensorView()});
-    untouched[comm.rank()] = testing::all_bytes_are(d_temb, kCanary) && testing::all_bytes_are(d_weight, kCanary);
-    return Status();
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
-    EXPECT_NE(results[r].message().find("the ranks' calls differ"), std::string::npos) << results[r].message();
-    EXPECT_TRUE(untouched[r]) << "rank " << r;
-  }
+    *untouched = testing::still_canary({&d_temb, &d_weight});
+    return result;
+  };
+  testing::expect_every_rank_refused(2, ErrorKind::kValue, "the ranks' calls differ", rank_call);
 }
 
 // ---- MPI
