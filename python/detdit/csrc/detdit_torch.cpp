@@ -190,6 +190,7 @@ class DeviceScope {
   detdit::Stream stream_ = nullptr;
 };
 
+// An output of `shape` and `dtype` on like's device (the CPU for an undefined like).
 Tensor empty_like_shape(const Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
   return at::empty(shape, at::TensorOptions().dtype(dtype).device(like.defined() ? like.device() : at::Device(at::kCPU)));
 }
@@ -198,6 +199,15 @@ Tensor empty_like_shape(const Tensor& like, at::IntArrayRef shape, at::ScalarTyp
 Tensor maybe_empty(bool wanted, const Tensor& like, at::IntArrayRef shape, at::ScalarType dtype) {
   return wanted ? empty_like_shape(like, shape, dtype) : Tensor();
 }
+
+// An output with t's shape, dtype and device when `wanted`; undefined when
+// not wanted or when t is (detdit then reports t).
+Tensor output_like(const Tensor& t, bool wanted = true) {
+  return wanted && t.defined() ? at::empty(t.sizes(), t.options()) : Tensor();
+}
+
+// The (rows, cols) of a 2-D tensor, 0 for a dim it lacks (see dim_or_zero).
+std::array<int64_t, 2> matrix_shape(const Tensor& t) { return {dim_or_zero(t, 0), dim_or_zero(t, 1)}; }
 
 // ---------------------------------------------------------------------------
 // IndexPlan custom class
@@ -274,6 +284,18 @@ PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t b
 
 // ---------------------------------------------------------------------------
 // Kernels (CPU and CUDA alike: detdit dispatches on the tensors' device)
+//
+// Each kernel allocates its outputs, fills the op's Params (the inputs' views
+// before the outputs', so that a bad input is reported before an output
+// derived from it) and calls detdit. The ops that detdit.distributed also
+// runs sharded (adaln_projection, rmsnorm, gate_residual) do so in one
+// <op>_with function that takes the detdit call to make, shared with their
+// tp_/sp_ kernels.
+
+// The detdit call of an <op>_with: the op's entry point, or a lambda adding
+// the communicator and SpPlan of the tp_/sp_ entry point.
+template <typename Params>
+using Call = std::function<Status(const Params&, detdit::Stream)>;
 
 // timestep_sinusoid: (T,) -> (T, C) fp32.
 // check_range = false: the caller guarantees finite t in [0, 1]; the op then
@@ -342,7 +364,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
   const Numerics profile = parse_numerics(numerics);
   Tensor g = grad.defined() ? grad.to(at::kFloat).contiguous() : grad;
   if (act == detdit::Activation::kSilu) {
-    Tensor d_pre = empty_like_shape(x, {dim_or_zero(g, 0), dim_or_zero(g, 1)}, at::kFloat);
+    Tensor d_pre = empty_like_shape(x, matrix_shape(g), at::kFloat);
     detdit::SiluBackwardParams s;
     s.grad = view(g, "grad");
     s.pre = view(pre, "pre");
@@ -351,9 +373,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
     check_ok(detdit::silu_backward(s, scope.stream()));
     g = d_pre;
   }
-  Tensor d_x = maybe_empty(output_mask[0], x, {dim_or_zero(x, 0), dim_or_zero(x, 1)}, x.scalar_type());
-  Tensor d_weight =
-      maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_x = maybe_empty(output_mask[0], x, matrix_shape(x), x.scalar_type());
+  Tensor d_weight = maybe_empty(output_mask[1], x, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[2], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
   if (output_mask[0]) {
     detdit::LinearBackwardInputParams p;
@@ -400,11 +421,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
   DeviceScope scope(features);
-  Tensor d_features =
-      maybe_empty(output_mask[0], features, {dim_or_zero(features, 0), dim_or_zero(features, 1)}, at::kFloat);
-  Tensor d_w1 = maybe_empty(output_mask[1], features, {dim_or_zero(w1, 0), dim_or_zero(w1, 1)}, at::kFloat);
+  Tensor d_features = maybe_empty(output_mask[0], features, matrix_shape(features), at::kFloat);
+  Tensor d_w1 = maybe_empty(output_mask[1], features, matrix_shape(w1), at::kFloat);
   Tensor d_b1 = maybe_empty(output_mask[2], features, {dim_or_zero(w1, 0)}, at::kFloat);
-  Tensor d_w2 = maybe_empty(output_mask[3], features, {dim_or_zero(w2, 0), dim_or_zero(w2, 1)}, at::kFloat);
+  Tensor d_w2 = maybe_empty(output_mask[3], features, matrix_shape(w2), at::kFloat);
   Tensor d_b2 = maybe_empty(output_mask[4], features, {dim_or_zero(w2, 0)}, at::kFloat);
   detdit::TimestepMlpBackwardParams p;
   p.features = view(features, "features");
@@ -423,13 +443,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
   return {d_features, d_w1, d_b1, d_w2, d_b2};
 }
 
-// adaln_projection: (table (T, N) in weight's dtype, act (T, D) in weight's dtype).
-std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                            const std::string& numerics) {
+// adaln_projection and tp_adaln_projection: (table (T, shards * N), act
+// (T, D)) in weight's dtype, for an (N, D) weight: tp's table holds every
+// rank's shard (shards = the world size), else shards = 1.
+std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t shards,
+                                                 const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                 const std::string& numerics) {
   DeviceScope scope(temb);
-  const int64_t rows = dim_or_zero(temb, 0);
-  Tensor table = empty_like_shape(temb, {rows, dim_or_zero(weight, 0)}, weight.scalar_type());
-  Tensor act = empty_like_shape(temb, {rows, dim_or_zero(temb, 1)}, weight.scalar_type());
+  Tensor table =
+      empty_like_shape(temb, {dim_or_zero(temb, 0), shards * dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
   detdit::AdalnProjectionParams p;
   p.temb = view(temb, "temb");
   p.weight = view(weight, "weight");
@@ -437,19 +460,17 @@ std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& we
   p.table = view(table, "table");
   p.act = view(act, "act");
   p.numerics = parse_numerics(numerics);
-  check_ok(detdit::adaln_projection_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {table, act};
 }
 
 // (d_temb fp32, d_weight, d_bias in weight's dtype).
-std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
-                                                             const Tensor& weight, const Tensor& act,
-                                                             const std::string& numerics,
-                                                             std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
+    const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask) {
   DeviceScope scope(temb);
-  Tensor d_temb = maybe_empty(output_mask[0], temb, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
-  Tensor d_weight =
-      maybe_empty(output_mask[1], temb, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_temb = maybe_empty(output_mask[0], temb, matrix_shape(temb), at::kFloat);
+  Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
   detdit::AdalnProjectionBackwardParams p;
   p.temb = view(temb, "temb");
@@ -460,8 +481,21 @@ std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_
   p.d_weight = view(d_weight, "d_weight");
   p.d_bias = view(d_bias, "d_bias");
   p.numerics = parse_numerics(numerics);
-  check_ok(detdit::adaln_projection_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {d_temb, d_weight, d_bias};
+}
+
+std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                            const std::string& numerics) {
+  return adaln_projection_with(detdit::adaln_projection_forward, 1, temb, weight, bias, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const std::string& numerics,
+                                                             std::array<bool, 3> output_mask) {
+  return adaln_projection_backward_with(detdit::adaln_projection_backward, grad_table, temb, weight, act, numerics,
+                                        output_mask);
 }
 
 // The hidden size H of a (R, 6H) rows view or an 18H-column projection: a
@@ -472,6 +506,14 @@ int64_t hidden_of(int64_t width, int64_t parts, const char* name, const char* la
     C10_THROW_ERROR(ValueError, std::string(name) + " must be " + layout + ": its width " + std::to_string(width) +
                                     " is not a multiple of " + std::to_string(parts));
   return width / parts;
+}
+
+// The plan of a gather's backward (adaln_row_gather, adaln_modulation): a
+// (6, S, H) grad is already summed over the batch, so it takes the index with
+// batch 1; a (6, B*S, H) or (6, B, S, H) grad takes the plan as it is.
+const IndexPlan& gather_backward_plan(PlanHolder& holder, const Tensor& grad, detdit::Stream stream) {
+  const bool batch_summed = grad.defined() && grad.dim() == 3 && grad.size(1) == holder.plan.seq_len();
+  return batch_summed ? holder.single_batch(stream) : holder.plan;
 }
 
 // adaln_row_gather: out (6, S, H) in rows' dtype.
@@ -493,51 +535,48 @@ Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan) {
 Tensor adaln_row_gather_backward(const Tensor& grad, const PlanPtr& plan) {
   DeviceScope scope(grad);
   PlanPtr holder = required_plan(plan, "adaln_row_gather_backward");
-  const bool batch_summed = grad.defined() && grad.dim() == 3 && grad.size(1) == holder->plan.seq_len();
   Tensor d_rows = empty_like_shape(
       grad, {holder->plan.num_rows(), detdit::kAdalnChunks * dim_or_zero(grad, -1)}, grad.scalar_type());
   detdit::AdalnRowGatherBackwardParams p;
   p.grad = view(grad, "grad");
-  p.plan = batch_summed ? holder->single_batch(scope.stream()) : holder->plan;
+  p.plan = gather_backward_plan(*holder, grad, scope.stream());
   p.d_rows = view(d_rows, "d_rows");
   check_ok(detdit::adaln_row_gather_backward(p, scope.stream()));
   return d_rows;
 }
 
-// rmsnorm: (out like x, rstd (M,) fp32).
-std::tuple<Tensor, Tensor> rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
-                                   const OptTensor& scale, const OptPlan& plan, double eps,
-                                   const std::string& numerics) {
+// rmsnorm and sp_rmsnorm: (out like x, rstd (M,) fp32).
+std::tuple<Tensor, Tensor> rmsnorm_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                        const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                        const IndexPlan& plan, double eps, const std::string& numerics) {
   DeviceScope scope(x);
-  Tensor out = x.defined() ? at::empty(x.sizes(), x.options()) : x;
+  Tensor out = output_like(x);
   Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
   detdit::RmsnormParams p;
   p.x = view(x, "x");
   p.weight = view(weight, "weight");
   p.shift = view(shift, "shift");
   p.scale = view(scale, "scale");
-  p.plan = plan_of(plan);
+  p.plan = plan;
   p.out = view(out, "out");
   p.rstd = view(rstd, "rstd");
   p.eps = static_cast<float>(eps);
   p.numerics = parse_numerics(numerics);
-  check_ok(detdit::rmsnorm_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {out, rstd};
 }
 
-// (dx like x, d_weight in weight's dtype, d_shift / d_scale in the table's dtype).
-std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, const Tensor& x,
-                                                            const Tensor& weight, const OptTensor& shift,
-                                                            const OptTensor& scale, const OptPlan& plan,
-                                                            const Tensor& rstd, double eps,
-                                                            const std::string& numerics,
-                                                            std::array<bool, 4> output_mask) {
+// (dx like x, d_weight in weight's dtype, d_shift / d_scale in the table's
+// dtype; none for an absent table).
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, std::array<bool, 4> output_mask) {
   DeviceScope scope(x);
-  Tensor dx = output_mask[0] && x.defined() ? at::empty(x.sizes(), x.options()) : Tensor();
+  Tensor dx = output_like(x, output_mask[0]);
   Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
   auto table_grad = [&](bool wanted, const OptTensor& table) {
-    if (!wanted || !table.has_value()) return Tensor();
-    return maybe_empty(true, x, {dim_or_zero(*table, 0), dim_or_zero(*table, 1)}, table->scalar_type());
+    return wanted && table.has_value() ? empty_like_shape(x, matrix_shape(*table), table->scalar_type()) : Tensor();
   };
   Tensor d_shift = table_grad(output_mask[2], shift);
   Tensor d_scale = table_grad(output_mask[3], scale);
@@ -546,7 +585,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, 
   p.weight = view(weight, "weight");
   p.shift = view(shift, "shift");
   p.scale = view(scale, "scale");
-  p.plan = plan_of(plan);
+  p.plan = plan;
   p.rstd = view(rstd, "rstd");
   p.grad = view(grad, "grad");
   p.dx = view(dx, "dx");
@@ -555,43 +594,71 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, 
   p.d_scale = view(d_scale, "d_scale");
   p.eps = static_cast<float>(eps);
   p.numerics = parse_numerics(numerics);
-  check_ok(detdit::rmsnorm_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {dx, d_weight, d_shift, d_scale};
 }
 
-// gate_residual: out like residual.
-Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const PlanPtr& plan) {
+std::tuple<Tensor, Tensor> rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                   const OptTensor& scale, const OptPlan& plan, double eps,
+                                   const std::string& numerics) {
+  return rmsnorm_with(detdit::rmsnorm_forward, x, weight, shift, scale, plan_of(plan), eps, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                            const Tensor& weight, const OptTensor& shift,
+                                                            const OptTensor& scale, const OptPlan& plan,
+                                                            const Tensor& rstd, double eps,
+                                                            const std::string& numerics,
+                                                            std::array<bool, 4> output_mask) {
+  return rmsnorm_backward_with(detdit::rmsnorm_backward, grad, x, weight, shift, scale, plan_of(plan), rstd, eps,
+                               numerics, output_mask);
+}
+
+// gate_residual and sp_gate_residual: out like residual.
+Tensor gate_residual_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                          const Tensor& gate, const IndexPlan& plan) {
   DeviceScope scope(residual);
-  const IndexPlan& index = required_plan(plan, "gate_residual")->plan;
-  Tensor out = residual.defined() ? at::empty(residual.sizes(), residual.options()) : residual;
+  Tensor out = output_like(residual);
   detdit::GateResidualParams p;
   p.residual = view(residual, "residual");
   p.y = view(y, "y");
   p.gate = view(gate, "gate");
-  p.plan = index;
+  p.plan = plan;
   p.out = view(out, "out");
-  check_ok(detdit::gate_residual_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return out;
 }
 
 // (d_residual, d_y like y, d_gate in gate's dtype).
-std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
-                                                          const PlanPtr& plan, std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_with(const Call<detdit::GateResidualBackwardParams>& call,
+                                                               const Tensor& grad, const Tensor& y,
+                                                               const Tensor& gate, const IndexPlan& plan,
+                                                               std::array<bool, 3> output_mask) {
   DeviceScope scope(y);
-  const IndexPlan& index = required_plan(plan, "gate_residual_backward")->plan;
-  Tensor d_residual = output_mask[0] && y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
-  Tensor d_y = output_mask[1] && y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
-  Tensor d_gate = maybe_empty(output_mask[2], y, {dim_or_zero(gate, 0), dim_or_zero(gate, 1)}, gate.scalar_type());
+  Tensor d_residual = output_like(y, output_mask[0]);
+  Tensor d_y = output_like(y, output_mask[1]);
+  Tensor d_gate = maybe_empty(output_mask[2], y, matrix_shape(gate), gate.scalar_type());
   detdit::GateResidualBackwardParams p;
   p.grad = view(grad, "grad");
   p.y = view(y, "y");
   p.gate = view(gate, "gate");
-  p.plan = index;
+  p.plan = plan;
   p.d_residual = view(d_residual, "d_residual");
   p.d_y = view(d_y, "d_y");
   p.d_gate = view(d_gate, "d_gate");
-  check_ok(detdit::gate_residual_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {d_residual, d_y, d_gate};
+}
+
+Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const PlanPtr& plan) {
+  return gate_residual_with(detdit::gate_residual_forward, residual, y, gate,
+                            required_plan(plan, "gate_residual")->plan);
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                          const PlanPtr& plan, std::array<bool, 3> output_mask) {
+  return gate_residual_backward_with(detdit::gate_residual_backward, grad, y, gate,
+                                     required_plan(plan, "gate_residual_backward")->plan, output_mask);
 }
 
 // final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype, rstd (M,) fp32).
@@ -601,10 +668,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out(const Tensor& x, cons
                                                            const std::string& numerics) {
   DeviceScope scope(x);
   const IndexPlan& index = required_plan(plan, "final_adaln_out")->plan;
-  const int64_t timesteps = dim_or_zero(temb, 0);
-  Tensor out = x.defined() ? at::empty(x.sizes(), x.options()) : x;
-  Tensor table = empty_like_shape(x, {timesteps, dim_or_zero(weight, 0)}, weight.scalar_type());
-  Tensor act = empty_like_shape(x, {timesteps, dim_or_zero(temb, 1)}, weight.scalar_type());
+  Tensor out = output_like(x);
+  Tensor table = empty_like_shape(x, {dim_or_zero(temb, 0), dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor act = empty_like_shape(x, matrix_shape(temb), weight.scalar_type());
   Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
   detdit::FinalAdalnOutParams p;
   p.x = view(x, "x");
@@ -630,11 +696,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward(
     const std::string& numerics, std::array<bool, 5> output_mask) {
   DeviceScope scope(x);
   const IndexPlan& index = required_plan(plan, "final_adaln_out_backward")->plan;
-  Tensor dx = output_mask[0] && x.defined() ? at::empty(x.sizes(), x.options()) : Tensor();
+  Tensor dx = output_like(x, output_mask[0]);
   Tensor d_norm_weight = maybe_empty(output_mask[1], x, {dim_or_zero(norm_weight, 0)}, norm_weight.scalar_type());
-  Tensor d_temb = maybe_empty(output_mask[2], x, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
-  Tensor d_weight =
-      maybe_empty(output_mask[3], x, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_temb = maybe_empty(output_mask[2], x, matrix_shape(temb), at::kFloat);
+  Tensor d_weight = maybe_empty(output_mask[3], x, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[4], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
   detdit::FinalAdalnOutBackwardParams p;
   p.x = view(x, "x");
@@ -662,11 +727,11 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation(const Tensor& temb, const Te
                                                     const PlanPtr& plan, const std::string& numerics) {
   DeviceScope scope(temb);
   const IndexPlan& index = required_plan(plan, "adaln_modulation")->plan;
-  const int64_t outputs = dim_or_zero(weight, 0), timesteps = dim_or_zero(temb, 0);
+  const int64_t outputs = dim_or_zero(weight, 0);
   const int64_t hidden = hidden_of(outputs, detdit::kNumModalities * detdit::kAdalnChunks, "weight", "(18H, D)");
   Tensor out = empty_like_shape(temb, {detdit::kAdalnChunks, index.seq_len(), hidden}, weight.scalar_type());
-  Tensor table = empty_like_shape(temb, {timesteps, outputs}, weight.scalar_type());
-  Tensor act = empty_like_shape(temb, {timesteps, dim_or_zero(temb, 1)}, weight.scalar_type());
+  Tensor table = empty_like_shape(temb, {dim_or_zero(temb, 0), outputs}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
   detdit::AdalnModulationParams p;
   p.temb = view(temb, "temb");
   p.weight = view(weight, "weight");
@@ -688,16 +753,14 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad,
                                                              std::array<bool, 3> output_mask) {
   DeviceScope scope(temb);
   PlanPtr holder = required_plan(plan, "adaln_modulation_backward");
-  const bool batch_summed = grad.defined() && grad.dim() == 3 && grad.size(1) == holder->plan.seq_len();
-  Tensor d_temb = maybe_empty(output_mask[0], temb, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
-  Tensor d_weight =
-      maybe_empty(output_mask[1], temb, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
+  Tensor d_temb = maybe_empty(output_mask[0], temb, matrix_shape(temb), at::kFloat);
+  Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
   detdit::AdalnModulationBackwardParams p;
   p.temb = view(temb, "temb");
   p.weight = view(weight, "weight");
   p.act = view(act, "act");
-  p.plan = batch_summed ? holder->single_batch(scope.stream()) : holder->plan;
+  p.plan = gather_backward_plan(*holder, grad, scope.stream());
   p.grad = view(grad, "grad");
   p.d_temb = view(d_temb, "d_temb");
   p.d_weight = view(d_weight, "d_weight");
@@ -725,6 +788,24 @@ void check_first_order() {
     C10_THROW_ERROR(Error, "detdit ops support first-order gradients only: backward with create_graph=True "
                            "(double backward) is not implemented");
 }
+
+// The backward's output mask: which of the forward's tensor inputs require grad.
+void save_needs(AutogradContext* ctx, std::initializer_list<bool> needs) {
+  ctx->saved_data["needs"] = c10::List<bool>(needs);
+}
+
+template <size_t N>
+std::array<bool, N> saved_needs(AutogradContext* ctx) {
+  const c10::List<bool> needs = ctx->saved_data["needs"].toBoolList();
+  std::array<bool, N> mask{};
+  for (size_t i = 0; i < N; ++i) mask[i] = needs.get(i);
+  return mask;
+}
+
+// An optional input saved as a tensor (undefined when absent), restored.
+OptTensor saved_optional(const Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); }
+
+PlanPtr saved_plan(AutogradContext* ctx) { return ctx->saved_data["plan"].toCustomClass<PlanHolder>(); }
 
 IValue plan_ivalue(const OptPlan& plan) { return plan.has_value() ? IValue(*plan) : IValue(); }
 OptPlan plan_from_ivalue(const IValue& value) {
@@ -761,17 +842,16 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     ctx->save_for_backward({x, weight, pre});
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(x), requires_grad(weight), requires_grad(bias)});
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({pre});
     return {out, pre};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
-    auto saved = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
+    auto s = ctx->get_saved_variables();
     auto [d_x, d_weight, d_bias] =
-        linear_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["activation"].toStringRef(),
-                        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2)});
+        linear_backward(grads[0], s[0], s[1], s[2], ctx->saved_data["activation"].toStringRef(),
+                        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_x, d_weight, d_bias, Tensor(), Tensor()};
   }
 };
@@ -783,19 +863,17 @@ struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
     auto [temb, pre, hidden] = timestep_mlp(features, w1, b1, w2, b2, numerics);
     ctx->save_for_backward({features, w1, w2, pre, hidden});
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] = c10::List<bool>(
-        {requires_grad(features), requires_grad(w1), requires_grad(b1), requires_grad(w2), requires_grad(b2)});
+    save_needs(ctx, {requires_grad(features), requires_grad(w1), requires_grad(b1), requires_grad(w2),
+                     requires_grad(b2)});
     ctx->mark_non_differentiable({pre, hidden});
     return {temb, pre, hidden};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
     auto [d_f, d_w1, d_b1, d_w2, d_b2] =
         timestep_mlp_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
-                              ctx->saved_data["numerics"].toStringRef(),
-                              {needs.get(0), needs.get(1), needs.get(2), needs.get(3), needs.get(4)});
+                              ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
     return {d_f, d_w1, d_b1, d_w2, d_b2, Tensor()};
   }
 };
@@ -807,17 +885,15 @@ struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFuncti
     auto [table, act] = adaln_projection(temb, weight, bias, numerics);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({act});
     return {table, act};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
     auto [d_temb, d_weight, d_bias] = adaln_projection_backward(
-        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(),
-        {needs.get(0), needs.get(1), needs.get(2)});
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_temb, d_weight, d_bias, Tensor()};
   }
 };
@@ -830,8 +906,7 @@ struct AdalnRowGatherFunction : torch::autograd::Function<AdalnRowGatherFunction
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
-    return {adaln_row_gather_backward(contiguous_grad(grads[0]), ctx->saved_data["plan"].toCustomClass<PlanHolder>()),
-            Tensor()};
+    return {adaln_row_gather_backward(contiguous_grad(grads[0]), saved_plan(ctx)), Tensor()};
   }
 };
 
@@ -845,21 +920,17 @@ struct RmsnormFunction : torch::autograd::Function<RmsnormFunction> {
     ctx->saved_data["plan"] = plan_ivalue(plan);
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] =
-        c10::List<bool>({requires_grad(x), requires_grad(weight), requires_grad(shift), requires_grad(scale)});
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(shift), requires_grad(scale)});
     ctx->mark_non_differentiable({rstd});
     return {out, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
-    const OptTensor shift = s[2].defined() ? OptTensor(s[2]) : OptTensor();
-    const OptTensor scale = s[3].defined() ? OptTensor(s[3]) : OptTensor();
     auto [dx, d_weight, d_shift, d_scale] = rmsnorm_backward(
-        contiguous_grad(grads[0]), s[0], s[1], shift, scale, plan_from_ivalue(ctx->saved_data["plan"]), s[4],
-        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
-        {needs.get(0), needs.get(1), needs.get(2), needs.get(3)});
+        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]),
+        plan_from_ivalue(ctx->saved_data["plan"]), s[4], ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<4>(ctx));
     return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -871,16 +942,14 @@ struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
     Tensor out = gate_residual(residual, y, gate, plan);
     ctx->save_for_backward({y, gate});
     ctx->saved_data["plan"] = plan;
-    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(residual), requires_grad(y), requires_grad(gate)});
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate)});
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
     auto [d_residual, d_y, d_gate] =
-        gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], ctx->saved_data["plan"].toCustomClass<PlanHolder>(),
-                               {needs.get(0), needs.get(1), needs.get(2)});
+        gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_plan(ctx), saved_needs<3>(ctx));
     return {d_residual, d_y, d_gate, Tensor()};
   }
 };
@@ -895,19 +964,17 @@ struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> 
     ctx->saved_data["plan"] = plan;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(x), requires_grad(norm_weight), requires_grad(temb),
-                                                requires_grad(weight), requires_grad(bias)});
+    save_needs(ctx, {requires_grad(x), requires_grad(norm_weight), requires_grad(temb), requires_grad(weight),
+                     requires_grad(bias)});
     ctx->mark_non_differentiable({table, act, rstd});
     return {out, table, act, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
     auto [dx, d_norm_weight, d_temb, d_weight, d_bias] = final_adaln_out_backward(
-        contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6],
-        ctx->saved_data["plan"].toCustomClass<PlanHolder>(), ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2), needs.get(3), needs.get(4)});
+        contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6], saved_plan(ctx),
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
     return {dx, d_norm_weight, d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -920,17 +987,16 @@ struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFuncti
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["plan"] = plan;
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({table, act});
     return {out, table, act};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
-    auto [d_temb, d_weight, d_bias] = adaln_modulation_backward(
-        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["plan"].toCustomClass<PlanHolder>(),
-        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2)});
+    auto [d_temb, d_weight, d_bias] =
+        adaln_modulation_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], saved_plan(ctx),
+                                  ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
   }
 };
@@ -981,7 +1047,6 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation_autograd(const Tensor& temb,
   auto out = AdalnModulationFunction::apply(temb, weight, bias, plan, numerics);
   return {out[0], out[1], out[2]};
 }
-
 
 // ---------------------------------------------------------------------------
 // detdit.distributed: a Communicator over torch.distributed
@@ -1146,24 +1211,15 @@ SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
   return c10::make_intrusive<SpPlanHolder>(std::move(sp));
 }
 
+
 // tp_adaln_projection: (table (T, N) full, act (T, D)); weight/bias are this rank's shard.
 std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                int64_t comm, const std::string& numerics) {
-  DeviceScope scope(temb);
   auto group = communicator(comm);
-  const int64_t rows = dim_or_zero(temb, 0);
-  Tensor table =
-      empty_like_shape(temb, {rows, dim_or_zero(weight, 0) * group->world_size()}, weight.scalar_type());
-  Tensor act = empty_like_shape(temb, {rows, dim_or_zero(temb, 1)}, weight.scalar_type());
-  detdit::AdalnProjectionParams p;
-  p.temb = view(temb, "temb");
-  p.weight = view(weight, "weight");
-  p.bias = view(bias, "bias");
-  p.table = view(table, "table");
-  p.act = view(act, "act");
-  p.numerics = parse_numerics(numerics);
-  check_ok(detdit::tp_adaln_projection_forward(*group, p, scope.stream()));
-  return {table, act};
+  auto call = [&](const detdit::AdalnProjectionParams& p, detdit::Stream stream) {
+    return detdit::tp_adaln_projection_forward(*group, p, stream);
+  };
+  return adaln_projection_with(call, group->world_size(), temb, weight, bias, numerics);
 }
 
 // (d_temb fp32 replicated, d_weight, d_bias of the shard).
@@ -1171,23 +1227,13 @@ std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& gr
                                                                 const Tensor& weight, const Tensor& act,
                                                                 int64_t comm, const std::string& numerics,
                                                                 std::array<bool, 3> output_mask) {
-  DeviceScope scope(temb);
   auto group = communicator(comm);
+  auto call = [&](const detdit::AdalnProjectionBackwardParams& p, detdit::Stream stream) {
+    return detdit::tp_adaln_projection_backward(*group, p, stream);
+  };
   // every rank takes part in the collectives, so d_temb is always computed
-  Tensor d_temb = empty_like_shape(temb, {dim_or_zero(temb, 0), dim_or_zero(temb, 1)}, at::kFloat);
-  Tensor d_weight =
-      maybe_empty(output_mask[1], temb, {dim_or_zero(weight, 0), dim_or_zero(weight, 1)}, weight.scalar_type());
-  Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  detdit::AdalnProjectionBackwardParams p;
-  p.temb = view(temb, "temb");
-  p.weight = view(weight, "weight");
-  p.act = view(act, "act");
-  p.grad_table = view(grad_table, "grad_table");
-  p.d_temb = view(d_temb, "d_temb");
-  p.d_weight = view(d_weight, "d_weight");
-  p.d_bias = view(d_bias, "d_bias");
-  p.numerics = parse_numerics(numerics);
-  check_ok(detdit::tp_adaln_projection_backward(*group, p, scope.stream()));
+  auto [d_temb, d_weight, d_bias] = adaln_projection_backward_with(call, grad_table, temb, weight, act, numerics,
+                                                                   {true, output_mask[1], output_mask[2]});
   return {output_mask[0] ? d_temb : Tensor(), d_weight, d_bias};
 }
 
@@ -1195,21 +1241,10 @@ std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& gr
 std::tuple<Tensor, Tensor> sp_rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
                                       const OptTensor& scale, const SpPlanPtr& sp, double eps,
                                       const std::string& numerics) {
-  DeviceScope scope(x);
-  Tensor out = x.defined() ? at::empty(x.sizes(), x.options()) : x;
-  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
-  detdit::RmsnormParams p;
-  p.x = view(x, "x");
-  p.weight = view(weight, "weight");
-  p.shift = view(shift, "shift");
-  p.scale = view(scale, "scale");
-  p.plan = sp->sp.global_plan();
-  p.out = view(out, "out");
-  p.rstd = view(rstd, "rstd");
-  p.eps = static_cast<float>(eps);
-  p.numerics = parse_numerics(numerics);
-  check_ok(detdit::sp_rmsnorm_forward(sp->sp, p, scope.stream()));
-  return {out, rstd};
+  auto call = [&](const detdit::RmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return rmsnorm_with(call, x, weight, shift, scale, sp->sp.global_plan(), eps, numerics);
 }
 
 // (dx local, d_weight, d_shift, d_scale replicated). The collectives need every
@@ -1219,65 +1254,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& gra
                                                                const OptTensor& scale, const SpPlanPtr& sp,
                                                                const Tensor& rstd, int64_t comm, double eps,
                                                                const std::string& numerics) {
-  DeviceScope scope(x);
   auto group = communicator(comm);
-  Tensor dx = x.defined() ? at::empty(x.sizes(), x.options()) : x;
-  Tensor d_weight = empty_like_shape(x, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  auto table_grad = [&](const OptTensor& table) {
-    return table.has_value() ? empty_like_shape(x, {dim_or_zero(*table, 0), dim_or_zero(*table, 1)},
-                                                table->scalar_type())
-                             : Tensor();
+  auto call = [&](const detdit::RmsnormBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_rmsnorm_backward(*group, sp->sp, p, stream);
   };
-  Tensor d_shift = table_grad(shift), d_scale = table_grad(scale);
-  detdit::RmsnormBackwardParams p;
-  p.x = view(x, "x");
-  p.weight = view(weight, "weight");
-  p.shift = view(shift, "shift");
-  p.scale = view(scale, "scale");
-  p.plan = sp->sp.global_plan();
-  p.rstd = view(rstd, "rstd");
-  p.grad = view(grad, "grad");
-  p.dx = view(dx, "dx");
-  p.d_weight = view(d_weight, "d_weight");
-  p.d_shift = view(d_shift, "d_shift");
-  p.d_scale = view(d_scale, "d_scale");
-  p.eps = static_cast<float>(eps);
-  p.numerics = parse_numerics(numerics);
-  check_ok(detdit::sp_rmsnorm_backward(*group, sp->sp, p, scope.stream()));
-  return {dx, d_weight, d_shift, d_scale};
+  return rmsnorm_backward_with(call, grad, x, weight, shift, scale, sp->sp.global_plan(), rstd, eps, numerics,
+                               {true, true, true, true});
 }
 
 Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp) {
-  DeviceScope scope(residual);
-  Tensor out = residual.defined() ? at::empty(residual.sizes(), residual.options()) : residual;
-  detdit::GateResidualParams p;
-  p.residual = view(residual, "residual");
-  p.y = view(y, "y");
-  p.gate = view(gate, "gate");
-  p.plan = sp->sp.global_plan();
-  p.out = view(out, "out");
-  check_ok(detdit::sp_gate_residual_forward(sp->sp, p, scope.stream()));
-  return out;
+  auto call = [&](const detdit::GateResidualParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_forward(sp->sp, p, stream);
+  };
+  return gate_residual_with(call, residual, y, gate, sp->sp.global_plan());
 }
 
-// (d_residual, d_y local, d_gate replicated).
+// (d_residual, d_y local, d_gate replicated), always computed (as sp_rmsnorm_backward).
 std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
                                                              const SpPlanPtr& sp, int64_t comm) {
-  DeviceScope scope(y);
   auto group = communicator(comm);
-  Tensor d_residual = y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
-  Tensor d_y = y.defined() ? at::empty(y.sizes(), y.options()) : Tensor();
-  Tensor d_gate = empty_like_shape(y, {dim_or_zero(gate, 0), dim_or_zero(gate, 1)}, gate.scalar_type());
-  detdit::GateResidualBackwardParams p;
-  p.grad = view(grad, "grad");
-  p.y = view(y, "y");
-  p.gate = view(gate, "gate");
-  p.plan = sp->sp.global_plan();
-  p.d_residual = view(d_residual, "d_residual");
-  p.d_y = view(d_y, "d_y");
-  p.d_gate = view(d_gate, "d_gate");
-  check_ok(detdit::sp_gate_residual_backward(*group, sp->sp, p, scope.stream()));
-  return {d_residual, d_y, d_gate};
+  auto call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+  };
+  return gate_residual_backward_with(call, grad, y, gate, sp->sp.global_plan(), {true, true, true});
 }
 
 struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFunction> {
@@ -1288,20 +1287,21 @@ struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFu
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["numerics"] = numerics;
-    ctx->saved_data["needs"] = c10::List<bool>({requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({act});
     return {table, act};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto needs = ctx->saved_data["needs"].toBoolList();
     auto [d_temb, d_weight, d_bias] = tp_adaln_projection_backward(
         contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["comm"].toInt(),
-        ctx->saved_data["numerics"].toStringRef(), {needs.get(0), needs.get(1), needs.get(2)});
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
   }
 };
+
+SpPlanPtr saved_sp(AutogradContext* ctx) { return ctx->saved_data["sp"].toCustomClass<SpPlanHolder>(); }
 
 struct SpRmsnormFunction : torch::autograd::Function<SpRmsnormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
@@ -1320,12 +1320,9 @@ struct SpRmsnormFunction : torch::autograd::Function<SpRmsnormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    const OptTensor shift = s[2].defined() ? OptTensor(s[2]) : OptTensor();
-    const OptTensor scale = s[3].defined() ? OptTensor(s[3]) : OptTensor();
     auto [dx, d_weight, d_shift, d_scale] = sp_rmsnorm_backward(
-        contiguous_grad(grads[0]), s[0], s[1], shift, scale, ctx->saved_data["sp"].toCustomClass<SpPlanHolder>(),
-        s[4], ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["numerics"].toStringRef());
+        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]), saved_sp(ctx), s[4],
+        ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef());
     return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -1343,13 +1340,11 @@ struct SpGateResidualFunction : torch::autograd::Function<SpGateResidualFunction
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [d_residual, d_y, d_gate] =
-        sp_gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1],
-                                  ctx->saved_data["sp"].toCustomClass<SpPlanHolder>(), ctx->saved_data["comm"].toInt());
+    auto [d_residual, d_y, d_gate] = sp_gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_sp(ctx),
+                                                               ctx->saved_data["comm"].toInt());
     return {d_residual, d_y, d_gate, Tensor(), Tensor()};
   }
 };
-
 std::tuple<Tensor, Tensor> tp_adaln_projection_autograd(const Tensor& temb, const Tensor& weight,
                                                         const Tensor& bias, int64_t comm,
                                                         const std::string& numerics) {
