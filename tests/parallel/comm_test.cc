@@ -210,10 +210,8 @@ TEST(InProcessCommCuda, AllGatherOnOneGpuIsRankOrdered) {
 TEST(NcclComm, WorldSizeOneAllGatherIsACopy) {
   DETDIT_SKIP_WITHOUT_CUDA();
 #if defined(DETDIT_WITH_NCCL)
-  NcclUniqueId id;
-  DETDIT_ASSERT_OK(nccl_unique_id(&id));
   std::unique_ptr<Communicator> comm;
-  DETDIT_ASSERT_OK(create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), &comm));
+  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm));
   const std::size_t bytes = 4096;
   void *send = nullptr, *recv = nullptr;
   cudaMalloc(&send, bytes);

@@ -111,6 +111,12 @@ RankStream::~RankStream() {
 #endif
 }
 
+Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm) {
+  NcclUniqueId id;
+  DETDIT_RETURN_IF_ERROR(nccl_unique_id(&id));
+  return create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), comm);
+}
+
 int cuda_device_count() {
   int count = 0;
 #if defined(DETDIT_WITH_CUDA)

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,9 @@ class RankStream {
  private:
   Stream stream_ = nullptr;
 };
+
+// A world-size-one NCCL communicator on cuda:0 (the WS1-over-NCCL tests).
+Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm);
 
 // Number of CUDA devices (0 without CUDA), and make `index` current on this thread.
 int cuda_device_count();

@@ -239,10 +239,8 @@ TEST(SpRegionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
 TEST(SpRegionNccl, WorldSizeOneMatchesWs1) {
   DETDIT_SKIP_WITHOUT_CUDA();
 #if defined(DETDIT_WITH_NCCL)
-  NcclUniqueId id;
-  DETDIT_ASSERT_OK(nccl_unique_id(&id));
   std::unique_ptr<Communicator> comm;
-  DETDIT_ASSERT_OK(create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), &comm));
+  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm));
   for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
     Problem pr;
     build_problem(SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32}, &pr, Device::cuda(0));

@@ -203,10 +203,8 @@ TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
 TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
   DETDIT_SKIP_WITHOUT_CUDA();
 #if defined(DETDIT_WITH_NCCL)
-  NcclUniqueId id;
-  DETDIT_ASSERT_OK(nccl_unique_id(&id));
   std::unique_ptr<Communicator> comm;
-  DETDIT_ASSERT_OK(create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), &comm));
+  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm));
   TpProblem pr;
   build(&pr, 3, 18 * 256, 136, DType::kBF16);
   ws1_on_gpu(&pr);
