@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -39,23 +40,73 @@ Status check_index_tensor(const TensorView& t, const char* name) {
   return Status();
 }
 
-// The index as int64 on the host (one copy for a CUDA index).
-Status read_index(const TensorView& t, Stream stream, std::vector<int64_t>* values) {
-  int64_t count = t.shape[0];
-  values->resize(static_cast<std::size_t>(count));
-  std::vector<char> raw(t.nbytes());
-  if (t.device.is_cuda()) {
-    DETDIT_RETURN_IF_ERROR(cuda::copy_to_host(t.data, raw.data(), raw.size(), t.device, stream));
-  } else {
-    std::copy_n(static_cast<const char*>(t.data), raw.size(), raw.data());
+// The entries of an index on the host: a CPU index is read in place, a CUDA
+// index is copied once into `staging`.
+Status host_entries(const TensorView& t, Stream stream, std::vector<char>* staging, const void** entries) {
+  if (!t.device.is_cuda()) {
+    *entries = t.data;
+    return Status();
   }
-  for (int64_t i = 0; i < count; ++i) {
-    if (t.dtype == DType::kI64)
-      (*values)[i] = reinterpret_cast<const int64_t*>(raw.data())[i];
-    else
-      (*values)[i] = reinterpret_cast<const int32_t*>(raw.data())[i];
-  }
+  staging->resize(t.nbytes());
+  DETDIT_RETURN_IF_ERROR(cuda::copy_to_host(t.data, staging->data(), staging->size(), t.device, stream));
+  *entries = staging->data();
   return Status();
+}
+
+// An entry is in [0, bound) iff it is below bound as an unsigned 64-bit value
+// (a negative entry converts to 2^64 + entry >= 2^63).
+template <typename Int>
+bool outside(Int entry, int64_t bound) {
+  return static_cast<uint64_t>(static_cast<int64_t>(entry)) >= static_cast<uint64_t>(bound);
+}
+
+// The fast form of the same test, for a bound below 2^31, in two parts that
+// vectorise without 64-bit compares (SSE2 has none): the entry is in
+// [0, 2^31), i.e. wide(entry) == 0, and as an int32 it is below bound.
+template <typename Int>
+uint64_t wide(Int entry) {
+  return static_cast<uint64_t>(static_cast<int64_t>(entry)) >> 31;
+}
+
+// rows[s] = row_index[s] for s in [0, seq_len), in one branch-free pass that
+// also gathers the range test of every entry; only when some entry is out of
+// range does a second pass find the first. Returns its position, or -1.
+template <typename Int>
+int64_t rows_from_row_index(const Int* row_index, int64_t seq_len, int64_t num_rows, int32_t* rows) {
+  const int32_t bound = static_cast<int32_t>(num_rows);
+  uint64_t any_wide = 0;
+  int32_t any_high = 0;
+  for (int64_t s = 0; s < seq_len; ++s) {
+    const int32_t row = static_cast<int32_t>(row_index[s]);  // exact when wide(row_index[s]) == 0
+    any_wide |= wide(row_index[s]);
+    any_high |= row >= bound;
+    rows[s] = row;
+  }
+  if (any_wide == 0 && any_high == 0) return -1;
+  int64_t s = 0;
+  while (!outside(row_index[s], num_rows)) ++s;
+  return s;
+}
+
+// rows[s] = ti[s]*3 + tag[s], the same way. The row is computed in uint32
+// (wrapping is defined) and is only kept when every entry is in range, where
+// it is below 2^31.
+template <typename Int>
+int64_t rows_from_timesteps_and_tags(const Int* ti, const Int* tags, int64_t seq_len, int64_t num_timesteps,
+                                     int32_t* rows) {
+  const int32_t bound = static_cast<int32_t>(num_timesteps);
+  uint64_t any_wide = 0;
+  int32_t any_high = 0;
+  for (int64_t s = 0; s < seq_len; ++s) {
+    const int32_t timestep = static_cast<int32_t>(ti[s]), tag = static_cast<int32_t>(tags[s]);
+    any_wide |= wide(ti[s]) | wide(tags[s]);
+    any_high |= (timestep >= bound) | (tag >= kNumModalities);
+    rows[s] = static_cast<int32_t>(static_cast<uint32_t>(timestep) * kNumModalities + static_cast<uint32_t>(tag));
+  }
+  if (any_wide == 0 && any_high == 0) return -1;
+  int64_t s = 0;
+  while (!outside(ti[s], num_timesteps) && !outside(tags[s], kNumModalities)) ++s;
+  return s;
 }
 
 Status check_sizes(int64_t seq_len, int64_t num_rows, int64_t batch) {
@@ -68,6 +119,96 @@ Status check_sizes(int64_t seq_len, int64_t num_rows, int64_t batch) {
                                std::to_string(seq_len));
   return Status();
 }
+
+// The per-chunk step of the table build: a stable counting sort of one
+// chunk's positions by row. count[r] is 0 between chunks; slot[r] is the next
+// output slot of row r's segment while the chunk is scattered.
+class ChunkSorter {
+ public:
+  explicit ChunkSorter(int64_t num_rows)
+      : count_(static_cast<std::size_t>(num_rows), 0), slot_(static_cast<std::size_t>(num_rows), 0) {}
+
+  // Appends the segments of the chunk whose positions are [first, first + n)
+  // (n <= 256, rows[i] the row of position first + i) to impl's segment
+  // tables and writes its positions to segment_positions[first, first + n).
+  void add_chunk(const int32_t* rows, int32_t n, int32_t first, IndexPlan::Impl* impl) {
+    // The row span [lo, hi] and where runs of equal rows start, in one
+    // branch-free (vectorised) pass.
+    int32_t lo = rows[0], hi = rows[0], runs = 1;
+    for (int32_t i = 1; i < n; ++i) {
+      lo = std::min(lo, rows[i]);
+      hi = std::max(hi, rows[i]);
+      run_starts_[i] = rows[i] != rows[i - 1];
+      runs += run_starts_[i];
+    }
+    run_starts_[n] = 1;  // the end of the last run
+    // Long runs (block packings) are counted and scattered a run at a time:
+    // a loop over positions would chain its updates of one row's counter
+    // through memory. Short runs (interleaved packings) go position by position.
+    const bool by_runs = runs * 8 <= n;
+    int32_t num_runs = 0;
+    if (by_runs) {
+      for (int32_t i = 0; i < n; ++num_runs) {
+        const int32_t end = next_run_start(i + 1);
+        run_begin_[num_runs] = i;
+        run_end_[num_runs] = end;
+        count_[rows[i]] += end - i;
+        i = end;
+      }
+    } else {
+      for (int32_t i = 0; i < n; ++i) ++count_[rows[i]];
+    }
+    // Segments ascending by row: walk the span when it is narrow (no sort),
+    // else the chunk's distinct rows sorted.
+    int32_t offset = first;  // the chunk's positions fill segment_positions[first, first + n)
+    int64_t segments = 0;
+    auto add_segment = [&](int32_t row) {
+      impl->segment_row.push_back(row);
+      slot_[row] = offset;
+      offset += count_[row];
+      impl->segment_pos_begin.push_back(offset);
+      count_[row] = 0;
+      ++segments;
+    };
+    if (hi - lo < kReductionChunk) {
+      for (int32_t row = lo; row <= hi; ++row)
+        if (count_[row] != 0) add_segment(row);
+    } else {
+      std::copy_n(rows, n, distinct_);
+      std::sort(distinct_, distinct_ + n);
+      std::for_each(distinct_, std::unique(distinct_, distinct_ + n), add_segment);
+    }
+    impl->max_chunk_segments = std::max(impl->max_chunk_segments, segments);
+    // Positions ascending within each segment.
+    int32_t* positions = impl->segment_positions.data();
+    if (by_runs) {
+      for (int32_t k = 0; k < num_runs; ++k) {
+        const int32_t begin = run_begin_[k], length = run_end_[k] - begin, row = rows[begin];
+        int32_t* out = positions + slot_[row];
+        for (int32_t i = 0; i < length; ++i) out[i] = first + begin + i;
+        slot_[row] += length;
+      }
+    } else {
+      for (int32_t i = 0; i < n; ++i) positions[slot_[rows[i]]++] = first + i;
+    }
+  }
+
+ private:
+  // The first run start at or after i (run_starts_[n] = 1 ends the search),
+  // eight flags per step.
+  int32_t next_run_start(int32_t i) const {
+    for (;; i += 8) {
+      uint64_t flags;
+      std::memcpy(&flags, run_starts_ + i, sizeof(flags));
+      if (flags != 0) return i + __builtin_ctzll(flags) / 8;  // little-endian: byte k holds flag i + k
+    }
+  }
+
+  std::vector<int32_t> count_, slot_;  // (R,)
+  int32_t run_begin_[kReductionChunk], run_end_[kReductionChunk], distinct_[kReductionChunk];
+  uint8_t run_starts_[kReductionChunk + 8] = {};  // run_starts_[i]: a run of equal rows starts at i (i >= 1)
+};
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "ChunkSorter::next_run_start reads its flags little-endian");
 
 // Chunk tables from the validated rows of the S sequence positions.
 Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, const Device& device, Stream stream,
@@ -83,42 +224,55 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->num_chunks = num_chunks;
   impl->device = device;
 
+  // When 256 divides S, no chunk straddles two batch items and batch item b's
+  // chunks are item 0's with positions + b*S and segments + b*G0: the chunks
+  // of [0, S) are sorted once and copied. Otherwise all B*S positions are.
+  const bool replicate = seq_len % kReductionChunk == 0;
+  const int64_t sorted_positions = replicate ? seq_len : positions;
   impl->chunk_segment_begin.reserve(static_cast<std::size_t>(num_chunks + 1));
   impl->segment_positions.resize(static_cast<std::size_t>(positions));
   impl->segment_pos_begin.push_back(0);
-  // Per chunk, a counting sort by row (O(chunk) plus sorting its few distinct
-  // rows): segments ascending by row, positions ascending within a segment.
-  std::vector<int32_t> count(static_cast<std::size_t>(num_rows), 0), next_slot(static_cast<std::size_t>(num_rows), 0);
-  std::vector<int32_t> present;  // distinct rows of the chunk
-  present.reserve(kReductionChunk);
-  int64_t s = 0;  // sequence position of p = c*256 (p % seq_len, advanced incrementally)
-  for (int64_t c = 0; c < num_chunks; ++c) {
+  ChunkSorter sorter(num_rows);
+  int32_t straddling_rows[kReductionChunk];  // rows of a chunk that wraps past s = S - 1
+  int64_t s = 0;  // sequence position of the chunk's first position p (p % S, advanced incrementally)
+  for (int64_t first = 0; first < sorted_positions; first += kReductionChunk) {
     impl->chunk_segment_begin.push_back(static_cast<int32_t>(impl->segment_row.size()));
-    const int64_t begin = c * kReductionChunk, end = std::min(positions, begin + kReductionChunk);
-    present.clear();
-    for (int64_t p = begin, q = s; p < end; ++p, q = (q + 1 == seq_len ? 0 : q + 1)) {
-      const int32_t r = row_of_seq[static_cast<std::size_t>(q)];
-      if (count[r]++ == 0) present.push_back(r);
+    const int64_t n = std::min(kReductionChunk, sorted_positions - first);
+    const int32_t* rows = row_of_seq.data() + s;
+    if (s + n <= seq_len) {
+      s += n;
+    } else {
+      for (int64_t i = 0; i < n; ++i, s = (s + 1 == seq_len ? 0 : s + 1)) straddling_rows[i] = row_of_seq[s];
+      rows = straddling_rows;
     }
-    std::sort(present.begin(), present.end());
-    int32_t offset = static_cast<int32_t>(begin);
-    for (int32_t r : present) {
-      impl->segment_row.push_back(r);
-      next_slot[r] = offset;
-      offset += count[r];
-      impl->segment_pos_begin.push_back(offset);
-      count[r] = 0;
+    if (s == seq_len) s = 0;
+    sorter.add_chunk(rows, static_cast<int32_t>(n), static_cast<int32_t>(first), impl.get());
+  }
+  if (replicate) {
+    const int64_t chunks0 = static_cast<int64_t>(impl->chunk_segment_begin.size());
+    const int32_t segments0 = static_cast<int32_t>(impl->segment_row.size());
+    impl->segment_row.reserve(static_cast<std::size_t>(segments0 * batch));
+    impl->segment_pos_begin.reserve(static_cast<std::size_t>(segments0 * batch + 1));
+    for (int64_t b = 1; b < batch; ++b) {
+      const int32_t segment_shift = static_cast<int32_t>(b) * segments0;
+      const int32_t position_shift = static_cast<int32_t>(b * seq_len);
+      for (int64_t c = 0; c < chunks0; ++c)
+        impl->chunk_segment_begin.push_back(impl->chunk_segment_begin[c] + segment_shift);
+      // Item b's segments follow item b-1's: b*G0 rows and 1 + b*G0 segment ends so far.
+      impl->segment_row.resize(impl->segment_row.size() + segments0);
+      std::copy_n(impl->segment_row.data(), segments0, impl->segment_row.data() + b * segments0);
+      impl->segment_pos_begin.resize(impl->segment_pos_begin.size() + segments0);
+      int32_t* pos_begin = impl->segment_pos_begin.data();
+      int32_t* item_pos_begin = pos_begin + 1 + b * segments0;
+      for (int32_t g = 0; g < segments0; ++g) item_pos_begin[g] = pos_begin[g + 1] + position_shift;
+      const int32_t* item0 = impl->segment_positions.data();
+      int32_t* item = impl->segment_positions.data() + position_shift;
+      for (int64_t i = 0; i < seq_len; ++i) item[i] = item0[i] + position_shift;
     }
-    for (int64_t p = begin; p < end; ++p, s = (s + 1 == seq_len ? 0 : s + 1))
-      impl->segment_positions[static_cast<std::size_t>(next_slot[row_of_seq[static_cast<std::size_t>(s)]]++)] =
-          static_cast<int32_t>(p);
   }
   impl->chunk_segment_begin.push_back(static_cast<int32_t>(impl->segment_row.size()));
   const int64_t num_segments = static_cast<int64_t>(impl->segment_row.size());
   impl->num_segments = num_segments;
-  for (std::size_t c = 0; c + 1 < impl->chunk_segment_begin.size(); ++c)
-    impl->max_chunk_segments = std::max<int64_t>(
-        impl->max_chunk_segments, impl->chunk_segment_begin[c + 1] - impl->chunk_segment_begin[c]);
 
   // Segments of each row in ascending chunk order (counting sort by row).
   impl->row_segment_begin.assign(static_cast<std::size_t>(num_rows + 1), 0);
@@ -165,15 +319,21 @@ Status IndexPlan::from_row_index(const TensorView& row_index, int64_t num_rows, 
                                  Stream stream) {
   DETDIT_RETURN_IF_ERROR(check_index_tensor(row_index, "row_index"));
   DETDIT_RETURN_IF_ERROR(check_sizes(row_index.shape[0], num_rows, batch));
-  std::vector<int64_t> values;
-  DETDIT_RETURN_IF_ERROR(read_index(row_index, stream, &values));
-  std::vector<int32_t> rows(values.size());
-  for (std::size_t s = 0; s < values.size(); ++s) {
-    if (values[s] < 0 || values[s] >= num_rows)
-      return Status::index_error("row_index[" + std::to_string(s) + "] = " + std::to_string(values[s]) +
-                                 " is outside [0, " + std::to_string(num_rows) + ") (num_rows = " +
-                                 std::to_string(num_rows) + ")");
-    rows[s] = static_cast<int32_t>(values[s]);
+  std::vector<char> staging;
+  const void* entries = nullptr;
+  DETDIT_RETURN_IF_ERROR(host_entries(row_index, stream, &staging, &entries));
+  std::vector<int32_t> rows(static_cast<std::size_t>(row_index.shape[0]));
+  const bool is_i64 = row_index.dtype == DType::kI64;
+  const int64_t bad = is_i64 ? rows_from_row_index(static_cast<const int64_t*>(entries), row_index.shape[0],
+                                                   num_rows, rows.data())
+                             : rows_from_row_index(static_cast<const int32_t*>(entries), row_index.shape[0],
+                                                   num_rows, rows.data());
+  if (bad >= 0) {
+    const int64_t value =
+        is_i64 ? static_cast<const int64_t*>(entries)[bad] : static_cast<const int32_t*>(entries)[bad];
+    return Status::index_error("row_index[" + std::to_string(bad) + "] = " + std::to_string(value) +
+                               " is outside [0, " + std::to_string(num_rows) + ") (num_rows = " +
+                               std::to_string(num_rows) + ")");
   }
   return build(std::move(rows), num_rows, batch, row_index.device, stream, plan);
 }
@@ -195,19 +355,31 @@ Status IndexPlan::from_timesteps_and_tags(const TensorView& timestep_indices, co
     return Status::value_error("num_timesteps must be < 2^31 / 3, got " + std::to_string(num_timesteps));
   const int64_t num_rows = num_timesteps * kNumModalities;
   DETDIT_RETURN_IF_ERROR(check_sizes(timestep_indices.shape[0], num_rows, batch));
-  std::vector<int64_t> ti, tags;
-  DETDIT_RETURN_IF_ERROR(read_index(timestep_indices, stream, &ti));
-  DETDIT_RETURN_IF_ERROR(read_index(token_tags, stream, &tags));
-  std::vector<int32_t> rows(ti.size());
-  // Both ranges are checked before the multiply, so ti*3 + tag cannot overflow.
-  for (std::size_t s = 0; s < ti.size(); ++s) {
-    if (ti[s] < 0 || ti[s] >= num_timesteps)
-      return Status::index_error("timestep_indices[" + std::to_string(s) + "] = " + std::to_string(ti[s]) +
+  std::vector<char> ti_staging, tag_staging;
+  const void* ti_entries = nullptr;
+  const void* tag_entries = nullptr;
+  DETDIT_RETURN_IF_ERROR(host_entries(timestep_indices, stream, &ti_staging, &ti_entries));
+  DETDIT_RETURN_IF_ERROR(host_entries(token_tags, stream, &tag_staging, &tag_entries));
+  const int64_t seq_len = timestep_indices.shape[0];
+  std::vector<int32_t> rows(static_cast<std::size_t>(seq_len));
+  const bool is_i64 = timestep_indices.dtype == DType::kI64;
+  const int64_t bad =
+      is_i64 ? rows_from_timesteps_and_tags(static_cast<const int64_t*>(ti_entries),
+                                            static_cast<const int64_t*>(tag_entries), seq_len, num_timesteps,
+                                            rows.data())
+             : rows_from_timesteps_and_tags(static_cast<const int32_t*>(ti_entries),
+                                            static_cast<const int32_t*>(tag_entries), seq_len, num_timesteps,
+                                            rows.data());
+  if (bad >= 0) {
+    auto entry = [is_i64, bad](const void* entries) {
+      return is_i64 ? static_cast<const int64_t*>(entries)[bad] : int64_t{static_cast<const int32_t*>(entries)[bad]};
+    };
+    const int64_t ti = entry(ti_entries), tag = entry(tag_entries);
+    if (outside(ti, num_timesteps))
+      return Status::index_error("timestep_indices[" + std::to_string(bad) + "] = " + std::to_string(ti) +
                                  " is outside [0, " + std::to_string(num_timesteps) + ") (num_timesteps)");
-    if (tags[s] < 0 || tags[s] >= kNumModalities)
-      return Status::index_error("token_tags[" + std::to_string(s) + "] = " + std::to_string(tags[s]) +
-                                 " is outside [0, 3) (0 video, 1 text, 2 audio)");
-    rows[s] = static_cast<int32_t>(ti[s] * kNumModalities + tags[s]);
+    return Status::index_error("token_tags[" + std::to_string(bad) + "] = " + std::to_string(tag) +
+                               " is outside [0, 3) (0 video, 1 text, 2 audio)");
   }
   return build(std::move(rows), num_rows, batch, timestep_indices.device, stream, plan);
 }
