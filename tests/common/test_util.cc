@@ -26,19 +26,7 @@ int64_t HostTensor::numel() const {
   return n;
 }
 
-TensorView HostTensor::view() const {
-  TensorView v;
-  v.data = data();
-  v.dtype = dtype_;
-  v.rank = static_cast<int>(shape_.size());
-  int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.shape[d] = shape_[d];
-    v.strides[d] = stride;
-    stride *= shape_[d];
-  }
-  return v;
-}
+TensorView HostTensor::view() const { return contiguous_view(data(), dtype_, shape_); }
 
 TensorView HostTensor::view_as(std::initializer_list<int64_t> shape) const {
   return TensorView::contiguous(data(), dtype_, shape);

@@ -28,6 +28,25 @@ namespace testing {
     EXPECT_TRUE(s_.ok()) << #expr << " -> " << s_.to_string();        \
   } while (0)
 
+// A contiguous (row-major) view of `shape` over `data` on `device` (the shape
+// as a vector, which TensorView::contiguous does not take): the view of every
+// owned test buffer, host or device.
+inline TensorView contiguous_view(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  Device device = Device::cpu()) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = static_cast<int>(shape.size());
+  int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = shape[d];
+    v.strides[d] = stride;
+    stride *= shape[d];
+  }
+  v.device = device;
+  return v;
+}
+
 // A host tensor that owns its bytes (64-byte aligned).
 class HostTensor {
  public:
