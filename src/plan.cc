@@ -132,12 +132,9 @@ class ChunkSorter {
   // (n <= 256, rows[i] the row of position first + i) to impl's segment
   // tables and writes its positions to segment_positions[first, first + n).
   void add_chunk(const int32_t* rows, int32_t n, int32_t first, IndexPlan::Impl* impl) {
-    // The row span [lo, hi] and where runs of equal rows start, in one
-    // branch-free (vectorised) pass.
-    int32_t lo = rows[0], hi = rows[0], runs = 1;
+    // Where runs of equal rows start, in one branch-free (vectorised) pass.
+    int32_t runs = 1;
     for (int32_t i = 1; i < n; ++i) {
-      lo = std::min(lo, rows[i]);
-      hi = std::max(hi, rows[i]);
       run_starts_[i] = rows[i] != rows[i - 1];
       runs += run_starts_[i];
     }
@@ -145,18 +142,25 @@ class ChunkSorter {
     // Long runs (block packings) are counted and scattered a run at a time:
     // a loop over positions would chain its updates of one row's counter
     // through memory. Short runs (interleaved packings) go position by position.
+    // Both note the chunk's row span [lo, hi].
     const bool by_runs = runs * 8 <= n;
-    int32_t num_runs = 0;
+    int32_t num_runs = 0, lo = rows[0], hi = rows[0];
     if (by_runs) {
       for (int32_t i = 0; i < n; ++num_runs) {
         const int32_t end = next_run_start(i + 1);
         run_begin_[num_runs] = i;
         run_end_[num_runs] = end;
         count_[rows[i]] += end - i;
+        lo = std::min(lo, rows[i]);
+        hi = std::max(hi, rows[i]);
         i = end;
       }
     } else {
       for (int32_t i = 0; i < n; ++i) ++count_[rows[i]];
+      for (int32_t i = 1; i < n; ++i) {
+        lo = std::min(lo, rows[i]);
+        hi = std::max(hi, rows[i]);
+      }
     }
     // Segments ascending by row: walk the span when it is narrow (no sort),
     // else the chunk's distinct rows sorted.
