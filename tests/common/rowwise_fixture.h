@@ -37,7 +37,7 @@ inline float round_as(float v, DType dtype) {
 // `s` is an error of `kind` whose message contains `message`.
 inline ::testing::AssertionResult refused(const Status& s, ErrorKind kind, const std::string& message) {
   if (s.kind() == kind && s.message().find(message) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "expected a " << error_kind_name(kind) << " error containing \"" << message
+  return ::testing::AssertionFailure() << "expected " << error_kind_name(kind) << " containing \"" << message
                                        << "\", got " << s.to_string();
 }
 
