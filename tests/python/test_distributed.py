@@ -1,6 +1,7 @@
 """detdit.distributed with 2-4 gloo processes (torch.multiprocessing): every rank's
 outputs and gradients of tp_adaln_projection and of the SP region (modulated rmsnorm,
 gate_residual) are byte-equal to the same ops in one process, computed by each rank."""
+import datetime
 import os
 import sys
 
@@ -15,7 +16,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _setup(rank, world, init_file):
     sys.path.insert(0, HERE)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a collective that only some ranks enter fails after a minute instead of hanging the suite
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
 
 
@@ -89,6 +92,17 @@ def _tp_checks(rank, world, timesteps, dim):
     assert_bitwise_equal(shard[0].grad, leaves[0].grad, f"rank {rank}/{world}: d_temb")
     assert_bitwise_equal(shard[1].grad, leaves[1].grad[rows], f"rank {rank}/{world}: d_weight shard")
     assert_bitwise_equal(shard[2].grad, leaves[2].grad[rows], f"rank {rank}/{world}: d_bias shard")
+
+    # ranks may differ in which inputs need a gradient: every rank still takes part in
+    # d_temb's collectives (none hangs), and the rank that wants d_temb gets WS1's bytes
+    temb_leaf = temb.clone().requires_grad_(rank == 0)
+    w_leaf = w[rows].clone().requires_grad_(True)
+    detdit.distributed.tp_adaln_projection(temb_leaf, w_leaf, b[rows].clone(), comm).backward(g)
+    if rank == 0:
+        assert_bitwise_equal(temb_leaf.grad, leaves[0].grad, f"rank {rank}/{world}: d_temb, other ranks not asking")
+    else:
+        assert temb_leaf.grad is None
+    assert_bitwise_equal(w_leaf.grad, leaves[1].grad[rows], f"rank {rank}/{world}: d_weight shard, mixed needs")
 
     # a shard that is not whole 64-column chunks fails on every rank
     with pytest.raises(ValueError):
