@@ -170,7 +170,9 @@ TEST(TpAdalnProjection, H3ShapeTp7) {
 }
 
 // Replaces pr's CPU WS1 results with WS1 computed on the GPU (the reference
-// of the GPU variants: the same device).
+// of the GPU variants: the same device). The portable profile makes the two
+// equal, which also proves the GPU reference wrote every element (its outputs
+// start as canary bytes, like the ranks'; the CPU's start as zeros).
 void ws1_on_gpu(TpProblem* pr, Device device = Device::cuda(0)) {
   testing::DeviceArena arena(device, nullptr);
   const TensorView temb = arena.upload(pr->temb), weight = arena.upload(pr->weight);
@@ -181,11 +183,14 @@ void ws1_on_gpu(TpProblem* pr, Device device = Device::cuda(0)) {
                                   arena.empty_like(pr->d_temb, kCanary), arena.empty_like(pr->d_weight, kCanary),
                                   arena.empty_like(pr->d_bias, kCanary)};
   DETDIT_EXPECT_OK(adaln_projection_backward(b));
-  pr->table = arena.download(f.table);
-  pr->act = arena.download(f.act);
-  pr->d_temb = arena.download(b.d_temb);
-  pr->d_weight = arena.download(b.d_weight);
-  pr->d_bias = arena.download(b.d_bias);
+  const std::pair<HostTensor*, TensorView> outputs[] = {
+      {&pr->table, f.table}, {&pr->act, f.act}, {&pr->d_temb, b.d_temb}, {&pr->d_weight, b.d_weight},
+      {&pr->d_bias, b.d_bias}};
+  for (const auto& [cpu, gpu] : outputs) {
+    HostTensor on_gpu = arena.download(gpu);
+    EXPECT_BITWISE_EQ(*cpu, on_gpu) << "WS1 on the GPU vs the CPU";
+    *cpu = std::move(on_gpu);
+  }
 }
 
 TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
