@@ -7,7 +7,7 @@ directory is $DETDIT_BUILD_DIR (default: <repo>/build); build it first:
     /usr/bin/python3 python/setup.py build_ext --inplace      # or
     pip install --no-build-isolation ./python
 
-Any build of libdetdit.a works with any torch: with a CUDA build of torch the
+Any build of libdetdit.a works with any torch that uses the new libstdc++ ABI: with a CUDA build of torch the
 CUDA ops run on torch's current stream; a CUDA build of the library under a
 CPU-only torch links the toolkit's static cudart ($CUDA_HOME) and serves CPU
 tensors.

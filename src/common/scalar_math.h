@@ -1,9 +1,9 @@
 // detdit's scalar numerics, identical on the host and on CUDA devices.
 //
-// Contract (docs/numerics.md): only correctly rounded IEEE operations
-// (+ - * /, sqrt, fma) are used, every fused multiply-add is written as an
-// explicit fma, and the build forbids contraction (-ffp-contract=off on the
-// host, --fmad=false on the device). So each function below returns the same
+// Contract (docs/numerics.md): only correctly rounded IEEE operations (+ - *
+// /, sqrt, fma, round-to-nearest-even conversions) are used, every fused
+// multiply-add is written as an explicit fma, and the build forbids
+// contraction (-ffp-contract=off on the host, --fmad=false on the device). So each function below returns the same
 // bits on the CPU and on every CUDA GPU.
 //
 //  * bf16 / fp16 conversions: round to nearest even, subnormals kept,

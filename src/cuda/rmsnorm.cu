@@ -10,9 +10,10 @@
 // (selected chunk, column block), each thread owns `cols` adjacent columns and
 // walks the chunk's positions ascending (d_weight chunk partial) and each
 // segment's positions ascending ([d_shift | d_scale] segment partials); then
-// the folds of fold.cu. When a chunk's segment sums fit in shared memory the
-// modulated partials run fused, one walk over the chunk feeding every chain
-// (x and grad read once, not twice). The public rmsnorm_backward composes
+// the folds of fold.cu. When every chunk's segment sums fit in shared memory
+// (the plan's max_chunk_segments(): at most 10 at 4 columns) the modulated
+// partials run fused, one walk over each chunk feeding every chain (x and
+// grad read once, not twice); otherwise the whole launch takes two walks. The public rmsnorm_backward composes
 // rows + partials(all) + folds (src/rowwise_backward.h).
 #include <cuda_runtime.h>
 

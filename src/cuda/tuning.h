@@ -14,8 +14,8 @@ struct LaunchTuning {
   int elementwise_threads = 256;     // threads per block of elementwise and fold kernels: 64..1024
   int vector_bytes = 16;             // widest access of gather / gate_residual forward: 16, 8, 4 or 2
   int partial_columns_per_thread = 4;  // rmsnorm / gate / gather partials: columns per thread, 1, 2 or 4
-  bool rmsnorm_fused_partials = true;  // rmsnorm table partials in the d_weight pass (when the chunk's
-                                      // segment accumulators fit in shared memory), or a second pass
+  bool rmsnorm_fused_partials = true;  // rmsnorm table partials in the d_weight pass (when every chunk's
+                                      // segment sums fit in shared memory), or a second pass
 };
 
 // The tunables every launcher reads (defaults above).

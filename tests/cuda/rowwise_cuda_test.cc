@@ -221,8 +221,8 @@ TEST(RowwiseCuda, EveryLaunchTuningGivesTheSameBytes) {
   cuda::launch_tuning() = saved;
 }
 
-// rmsnorm's table partials in the d_weight pass (fused, when a chunk's segment
-// sums fit in shared memory) or in a second pass: the same bytes, for every
+// rmsnorm's table partials in the d_weight pass (fused, when every chunk's
+// segment sums fit in shared memory) or in a second pass: the same bytes, for every
 // column count, unaligned table rows (scalar loads) and plans with up to 12
 // segments in a chunk (interleaved, T = 4: fused for 1 and 2 columns only).
 TEST(RmsnormCuda, FusedAndTwoPassTablePartialsGiveTheSameBytes) {

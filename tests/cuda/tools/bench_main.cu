@@ -2,8 +2,9 @@
 // backward): median of CUDA-event timings after warm-up, the bytes each op
 // must move at least (each input read once, each output written once), GB/s
 // and the percentage of a device-to-device copy measured in the same run.
-// Prints a markdown table (docs/benchmarking.md). Not a test; the CLI's
-// `detdit bench` supersedes it.
+// Prints a markdown table (docs/benchmarking.md). Not a test; run by
+// `gpu_check.sh bench` beside `detdit bench` and scripts/torch_bench.py; the
+// before/after kernel tables of docs/benchmarking.md come from it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
