@@ -162,6 +162,13 @@ double fraction_correctly_rounded(const HostTensor& got, const std::vector<doubl
                                        << ", reference " << ref[worst];
 }
 
+::testing::AssertionResult still_canary(const std::vector<HostTensor*>& outputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    if (!all_bytes_are(*outputs[i], kCanary))
+      return ::testing::AssertionFailure() << "output " << i << " of " << outputs.size() << " was written";
+  return ::testing::AssertionSuccess();
+}
+
 bool all_bytes_are(const HostTensor& t, uint8_t value) {
   const auto* bytes = static_cast<const uint8_t*>(t.data());
   for (std::size_t i = 0; i < t.nbytes(); ++i)

@@ -63,6 +63,10 @@ double fraction_correctly_rounded(const HostTensor& got, const std::vector<doubl
                                             double rtol);
 // Every byte of t equals `value` (the canary of an output that must stay unwritten).
 bool all_bytes_are(const HostTensor& t, uint8_t value);
+// The byte every output starts as; an output still all kCanary was not written.
+constexpr uint8_t kCanary = 0xA5;
+// Every byte of every tensor is still kCanary (names the first one written).
+::testing::AssertionResult still_canary(const std::vector<HostTensor*>& outputs);
 
 // FP64 reference of the (modulated) RMSNorm forward and backward, rounding
 // to `dtype` exactly where the model stores values (n = norm(x), 1 + scale,

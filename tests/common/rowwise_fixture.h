@@ -1,6 +1,5 @@
 // Shared pieces of the row-wise op tests (rmsnorm, gate_residual, the AdaLN
-// ops, their parallel forms): the canary byte of unwritten outputs, R_T for
-// contract-by-hand results, the "refused with this kind and message" check, row-level byte access for the
+// ops, their parallel forms): R_T for contract-by-hand results, the "refused with this kind and message" check, row-level byte access for the
 // invariance tests, and the fail-closed loop that every op's fixture runs
 // (fresh valid params, one mutation, forward and backward both refused,
 // every output still the canary). Header-only, so every suite can use it.
@@ -26,9 +25,6 @@
 namespace detdit {
 namespace testing {
 
-// The byte every output starts as; an output still all kCanary was not written.
-constexpr uint8_t kCanary = 0xA5;
-
 // R_T of docs/numerics.md: an FP32 value rounded to `dtype` (RNE) and back.
 inline float round_as(float v, DType dtype) {
   return dispatch_float_dtype(dtype, [&](auto tag) { return round_to<decltype(tag)>(v); });
@@ -39,14 +35,6 @@ inline ::testing::AssertionResult refused(const Status& s, ErrorKind kind, const
   if (s.kind() == kind && s.message().find(message) != std::string::npos) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "expected " << error_kind_name(kind) << " containing \"" << message
                                        << "\", got " << s.to_string();
-}
-
-// Every byte of every tensor is still kCanary (names the first one written).
-inline ::testing::AssertionResult still_canary(const std::vector<HostTensor*>& outputs) {
-  for (std::size_t i = 0; i < outputs.size(); ++i)
-    if (!all_bytes_are(*outputs[i], kCanary))
-      return ::testing::AssertionFailure() << "output " << i << " of " << outputs.size() << " was written";
-  return ::testing::AssertionSuccess();
 }
 
 // Row access for tensors whose first dimension counts rows: a (P, H)

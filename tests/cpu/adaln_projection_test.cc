@@ -17,8 +17,6 @@ namespace detdit {
 namespace testing {
 namespace {
 
-constexpr uint8_t kCanary = 0xA5;
-
 struct Projection {
   int64_t rows, in_features, out_features;
   DType dtype;
@@ -280,7 +278,7 @@ TEST(AdalnProjectionValidation, ForwardRejectsBadArgumentsAndWritesNothing) {
     Status s = adaln_projection_forward(q);
     EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
     EXPECT_NE(s.message().find(bad.part), std::string::npos) << s.to_string();
-    for (HostTensor* t : {&p.table, &p.act, &not18_table}) EXPECT_TRUE(all_bytes_are(*t, kCanary));
+    EXPECT_TRUE(still_canary({&p.table, &p.act, &not18_table}));
   }
   DETDIT_EXPECT_OK(adaln_projection_forward(p.forward()));
 }
@@ -314,7 +312,7 @@ TEST(AdalnProjectionValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
     Status s = adaln_projection_backward(b);
     EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
     EXPECT_NE(s.message().find(bad.part), std::string::npos) << s.to_string();
-    for (HostTensor* t : {&g.d_temb, &g.d_weight, &g.d_bias}) EXPECT_TRUE(all_bytes_are(*t, kCanary));
+    EXPECT_TRUE(still_canary({&g.d_temb, &g.d_weight, &g.d_bias}));
   }
   DETDIT_EXPECT_OK(adaln_projection_backward(g.params(p)));
 }

@@ -23,8 +23,6 @@ namespace detdit {
 namespace testing {
 namespace {
 
-constexpr uint8_t kCanary = 0xA5;
-
 // Small multiples of 1/8 in [-0.5, 0.5]: products are multiples of 1/64, and
 // sums of a few hundred of them stay far below 2^24 / 64, so FP32 is exact.
 void fill_eighths(HostTensor* t, int salt) {
@@ -439,11 +437,7 @@ TEST(LinearValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
   auto canary = [&] {
     for (HostTensor* t : {&partials, &d_x, &d_weight, &d_bias}) t->fill_bytes(kCanary);
   };
-  auto untouched = [&] {
-    for (HostTensor* t : {&partials, &d_x, &d_weight, &d_bias})
-      if (!all_bytes_are(*t, kCanary)) return false;
-    return true;
-  };
+  auto untouched = [&] { return still_canary({&partials, &d_x, &d_weight, &d_bias}); };
   auto input = [&] {
     LinearBackwardInputParams p;
     p.grad = grad.view();

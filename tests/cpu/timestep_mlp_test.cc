@@ -18,8 +18,6 @@ namespace detdit {
 namespace testing {
 namespace {
 
-constexpr uint8_t kCanary = 0xA5;
-
 struct Mlp {
   int64_t rows, in_features, hidden_size, out_features;
   HostTensor features, w1, b1, w2, b2, temb, pre, hidden;
@@ -271,7 +269,7 @@ TEST(TimestepMlpValidation, ForwardRejectsBadArgumentsAndWritesNothing) {
     Status s = timestep_mlp_forward(p);
     EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
     EXPECT_NE(s.message().find(bad.part), std::string::npos) << s.to_string();
-    for (HostTensor* t : {&m.temb, &m.pre, &m.hidden}) EXPECT_TRUE(all_bytes_are(*t, kCanary));
+    EXPECT_TRUE(still_canary({&m.temb, &m.pre, &m.hidden}));
     EXPECT_BITWISE_EQ(w1_before, m.w1);
   }
   DETDIT_EXPECT_OK(timestep_mlp_forward(m.forward()));
@@ -307,7 +305,7 @@ TEST(TimestepMlpValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
     Status s = timestep_mlp_backward(p);
     EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
     EXPECT_NE(s.message().find(bad.part), std::string::npos) << s.to_string();
-    for (HostTensor* t : {&m.d_features, &m.d_w1, &m.d_b1, &m.d_w2, &m.d_b2}) EXPECT_TRUE(all_bytes_are(*t, kCanary));
+    EXPECT_TRUE(still_canary({&m.d_features, &m.d_w1, &m.d_b1, &m.d_w2, &m.d_b2}));
   }
   DETDIT_EXPECT_OK(timestep_mlp_backward(m.backward()));
 }

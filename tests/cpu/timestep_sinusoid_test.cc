@@ -20,8 +20,6 @@ namespace detdit {
 namespace testing {
 namespace {
 
-constexpr uint8_t kCanary = 0xA5;
-
 // T timesteps in [0, 1]: 0 and 1 first, then uniform.
 HostTensor timesteps_of(DType dtype, int64_t count, uint64_t seed) {
   HostTensor t(dtype, {count});

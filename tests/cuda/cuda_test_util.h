@@ -85,8 +85,6 @@ class DeviceTensor {
   std::shared_ptr<void> data_;
 };
 
-constexpr uint8_t kCanary = 0xA5;
-
 // The same tensor on the host (CPU run) and on the device (GPU run). Inputs
 // hold equal bytes on both sides; outputs start as the canary on both sides.
 struct Pair {
