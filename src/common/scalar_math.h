@@ -3,8 +3,8 @@
 // Contract (docs/numerics.md): only correctly rounded IEEE operations (+ - *
 // /, sqrt, fma, round-to-nearest-even conversions) are used, every fused
 // multiply-add is written as an explicit fma, and the build forbids
-// contraction (-ffp-contract=off on the host, --fmad=false on the device). So each function below returns the same
-// bits on the CPU and on every CUDA GPU.
+// contraction (-ffp-contract=off on the host, --fmad=false on the device). So
+// each function below returns the same bits on the CPU and on every CUDA GPU.
 //
 //  * bf16 / fp16 conversions: round to nearest even, subnormals kept,
 //    overflow to +-inf, every NaN becomes the canonical quiet NaN 0x7FFF (the

@@ -108,43 +108,6 @@ union ElemVec {
   T elems[kElems];
 };
 
-template <typename T, int kElems>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[kElems]) {
-  ElemVec<T, kElems> v;
-  v.raw = *reinterpret_cast<const decltype(v.raw)*>(p);
-#pragma unroll
-  for (int e = 0; e < kElems; ++e) out[e] = to_float(v.elems[e]);
-}
-
-template <typename T, int kElems>
-__device__ __forceinline__ void store_vec(T* p, const float (&in)[kElems]) {
-  ElemVec<T, kElems> v;
-#pragma unroll
-  for (int e = 0; e < kElems; ++e) v.elems[e] = from_float<T>(in[e]);
-  *reinterpret_cast<decltype(v.raw)*>(p) = v.raw;
-}
-
-// kElems consecutive elements as one vector access (kVector) or as kElems
-// scalar accesses (any alignment). The values are the same either way.
-template <typename T, int kElems, bool kVector>
-__device__ __forceinline__ void load_elems(const T* p, float (&out)[kElems]) {
-  if constexpr (kVector) {
-    load_vec<T, kElems>(p, out);
-  } else {
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) out[e] = to_float(p[e]);
-  }
-}
-template <typename T, int kElems, bool kVector>
-__device__ __forceinline__ void store_elems(T* p, const float (&in)[kElems]) {
-  if constexpr (kVector) {
-    store_vec<T, kElems>(p, in);
-  } else {
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) p[e] = from_float<T>(in[e]);
-  }
-}
-
 // kElems elements kept in their storage type, widened where they are used:
 // bf16/fp16 take half the registers of the widened FP32 values (the row
 // kernels cache a thread's whole share of a row between two passes).
@@ -161,6 +124,39 @@ template <typename T, int kElems>
 __device__ __forceinline__ void widen(const ElemVec<T, kElems>& in, float (&out)[kElems]) {
 #pragma unroll
   for (int e = 0; e < kElems; ++e) out[e] = to_float(in.elems[e]);
+}
+
+template <typename T, int kElems>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[kElems]) {
+  ElemVec<T, kElems> v;
+  load_stored<T, kElems, true>(p, v);
+  widen(v, out);
+}
+
+template <typename T, int kElems>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[kElems]) {
+  ElemVec<T, kElems> v;
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) v.elems[e] = from_float<T>(in[e]);
+  *reinterpret_cast<decltype(v.raw)*>(p) = v.raw;
+}
+
+// kElems consecutive elements as one vector access (kVector) or as kElems
+// scalar accesses (any alignment). The values are the same either way.
+template <typename T, int kElems, bool kVector>
+__device__ __forceinline__ void load_elems(const T* p, float (&out)[kElems]) {
+  ElemVec<T, kElems> v;
+  load_stored<T, kElems, kVector>(p, v);
+  widen(v, out);
+}
+template <typename T, int kElems, bool kVector>
+__device__ __forceinline__ void store_elems(T* p, const float (&in)[kElems]) {
+  if constexpr (kVector) {
+    store_vec<T, kElems>(p, in);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) p[e] = from_float<T>(in[e]);
+  }
 }
 
 // True when the address is a multiple of `bytes`.

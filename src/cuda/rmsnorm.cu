@@ -13,8 +13,9 @@
 // the folds of fold.cu. When every chunk's segment sums fit in shared memory
 // (the plan's max_chunk_segments(): at most 10 at 4 columns) the modulated
 // partials run fused, one walk over each chunk feeding every chain (x and
-// grad read once, not twice); otherwise the whole launch takes two walks. The public rmsnorm_backward composes
-// rows + partials(all) + folds (src/rowwise_backward.h).
+// grad read once, not twice); otherwise the whole launch takes two walks.
+// The public rmsnorm_backward composes rows + partials(all) + folds
+// (src/rowwise_backward.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -363,15 +364,15 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
   load_elems<T, kCols, kVector>(w + i0, wv);
 #pragma unroll
   for (int e = 0; e < kCols; ++e) acc[e] = 0.0f;
-  int64_t seq = begin % a.seq_len;  // p % S, stepped along (no division in the loop)
 #pragma unroll 4
-  for (int64_t p = begin; p < end; ++p, seq = seq + 1 == a.seq_len ? 0 : seq + 1) {  // ascending positions
+  for (int64_t p = begin; p < end; ++p) {  // ascending positions of the chunk
     const PositionRows<T> in = position_rows<T>(a, p);
     float xv[kCols], gv[kCols];
     load_elems<T, kCols, kVector>(in.x + i0, xv);
     load_elems<T, kCols, kVector>(in.grad + i0, gv);
+    const int32_t local = local_segment[p - begin];
     // this thread's (d_shift, d_scale) slots of the position's segment, column e at [e * threads]
-    float* sums = segment_sums + local_segment[p - begin] * 2 * kCols * threads + threadIdx.x;
+    float* sums = segment_sums + local * 2 * kCols * threads + threadIdx.x;
 #pragma unroll
     for (int e = 0; e < kCols; ++e) {
       sums[e * threads] = num::add32(sums[e * threads], gv[e]);
@@ -379,7 +380,8 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
           num::fma32(gv[e], normalised<T>(wv[e], in.rstd, xv[e]), sums[(kCols + e) * threads]);
     }
     if (a.weight_partials) {
-      const T* scale = static_cast<const T*>(a.scale) + a.tables.row_of_seq[seq] * a.scale_stride;
+      // the position's row is its segment's (no p % S in the loop)
+      const T* scale = static_cast<const T*>(a.scale) + a.tables.segment_row[first + local] * a.scale_stride;
       float sc[kCols];
       load_elems<T, kCols, kVector>(scale + i0, sc);
 #pragma unroll
