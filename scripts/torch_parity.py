@@ -10,7 +10,7 @@ their bits). Prints one line per case and a final line
 
     python3 scripts/torch_parity.py [--runner build/tests/torch_parity_main]
 
-Needs torch with CUDA; recipes in shared/reference/torch-eager-recipes.md.
+Needs torch with CUDA; recipes in docs/numerics.md (the torch profile).
 """
 import argparse
 import math

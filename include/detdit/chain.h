@@ -11,7 +11,7 @@
 //     x_{l+1}  = x' + gate_mlp * ffn(h)
 //   out      = final_adaln_out(x_L, norm_out, temb, W_out, b_out)       (timestep plan)
 //
-// attn and ffn are seeded stand-ins (spec section 9): sublayer k's output is
+// attn and ffn are seeded stand-ins (not the model's attention and FFN): sublayer k's output is
 // sublayer_out[k] (k = 2l attention, 2l + 1 FFN), independent of h, and its
 // vector-Jacobian product returns sublayer_grad[k] as the gradient of its
 // input h. chain_stand_ins fills both deterministically from a seed.

@@ -1,6 +1,6 @@
 """detdit.nn: modules that mirror diffusers' MiniMax-H3 conditioning modules.
 
-Parameter names and shapes follow the H3 manifest (reference spec 1.1), so a state dict
+Parameter names and shapes follow the H3 manifest (docs/weights.md), so a state dict
 of the real model's conditioning tensors loads unchanged into :class:`H3Conditioning`
 (``time_embedder.linear_1.weight``, ``transformer_blocks.{i}.adaln_proj.linear.weight``,
 ``transformer_blocks.{i}.norm1.weight``, ``norm_out.norm.weight``, ...). Defaults are the

@@ -1,4 +1,4 @@
-// The MiniMax-H3 conditioning tensors (manifest h3-conditioning-v1, spec 1.1):
+// The MiniMax-H3 conditioning tensors (manifest h3-conditioning-v1, docs/weights.md):
 // one table shared by the weights tools, the verify cases and docs/weights.md
 // (tests/cpu/manifest_test.cc checks the doc lists every entry).
 //

@@ -1,4 +1,4 @@
-// The H3 manifest (src/io/manifest.h) against spec 1.1's pinned tensors, its
+// The H3 manifest (src/io/manifest.h) against the pinned tensors of docs/weights.md, its
 // block expansion, docs/weights.md, config inference and comparison, and the
 // synthetic weights (src/io/synth.h): determinism, independence of each
 // tensor from the others and from the block count, and realistic scales.
@@ -25,7 +25,8 @@ namespace {
 using io::ManifestConfig;
 using io::ManifestEntry;
 
-// spec 1.1 "Pinned tensors", copied from the spec's table (block 0 only).
+// The H3 conditioning tensors of block 0 as the model ships them (the table of
+// docs/weights.md), written out here independently of src/io/manifest.cc.
 struct Pinned {
   const char* name;
   DType dtype;

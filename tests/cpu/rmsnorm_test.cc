@@ -51,12 +51,12 @@ struct Norm {
   std::vector<HostTensor*> outputs() { return {&out, &rstd, &dx, &d_weight, &d_shift, &d_scale}; }
   RmsnormParams forward_params() const {
     RmsnormParams p;
-    p.x = x.view();
-    p.weight = weight.view();
+    p.in.x = x.view();
+    p.in.weight = weight.view();
     if (modulated) {
-      p.shift = shift.view();
-      p.scale = scale.view();
-      p.plan = plan;
+      p.in.shift = shift.view();
+      p.in.scale = scale.view();
+      p.in.plan = plan;
     }
     p.out = out.view();
     p.rstd = rstd.view();
@@ -64,12 +64,12 @@ struct Norm {
   }
   RmsnormBackwardParams backward_params() const {
     RmsnormBackwardParams p;
-    p.x = x.view();
-    p.weight = weight.view();
+    p.in.x = x.view();
+    p.in.weight = weight.view();
     if (modulated) {
-      p.shift = shift.view();
-      p.scale = scale.view();
-      p.plan = plan;
+      p.in.shift = shift.view();
+      p.in.scale = scale.view();
+      p.in.plan = plan;
       p.d_shift = d_shift.view();
       p.d_scale = d_scale.view();
     }
@@ -99,7 +99,7 @@ struct Norm {
 struct Tolerance {
   double atol, rtol;
 };
-// spec 2.3 reduction class: forward fp32 1e-4/1e-4, bf16 5e-2/2e-2; grads fp32 1e-4/1e-4, bf16 1e-1/2e-2.
+// The accuracy bars of a row reduction: forward fp32 1e-4/1e-4, bf16 5e-2/2e-2; grads fp32 1e-4/1e-4, bf16 1e-1/2e-2.
 Tolerance forward_tolerance(DType d) { return d == DType::kF32 ? Tolerance{1e-4, 1e-4} : Tolerance{5e-2, 2e-2}; }
 Tolerance grad_tolerance(DType d) { return d == DType::kF32 ? Tolerance{1e-4, 1e-4} : Tolerance{1e-1, 2e-2}; }
 
@@ -270,44 +270,44 @@ TEST(Rmsnorm, BadInputsGetClearErrorsAndWriteNothing) {
   IndexPlan sharded = testing::adaln_plan(shorter);
   const std::vector<testing::BadParams<RmsnormParams, RmsnormBackwardParams>> cases = {
       {"x dtype int", ErrorKind::kType, "x must be float32, bfloat16 or float16, got int32",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->x.dtype = b->x.dtype = DType::kI32; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.x.dtype = b->in.x.dtype = DType::kI32; }},
       {"weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float32",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->weight.dtype = b->weight.dtype = DType::kF32; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.weight.dtype = b->in.weight.dtype = DType::kF32; }},
       {"shift dtype", ErrorKind::kType, "shift must be bfloat16, got float16",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->shift.dtype = b->shift.dtype = DType::kF16; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.shift.dtype = b->in.shift.dtype = DType::kF16; }},
       {"H % 4", ErrorKind::kValue, "H=14 must be a multiple of 4 (PyTorch's vectorized RMSNorm path)",
        [](RmsnormParams* f, RmsnormBackwardParams* b) {
          // a plain norm (no plan), so the row count is free
-         f->x = f->x.reshaped({16 * 2 * 16 / 14, 14});
-         b->x = f->x;
-         f->shift = f->scale = b->shift = b->scale = b->d_shift = b->d_scale = TensorView();
-         f->plan = b->plan = IndexPlan();
+         f->in.x = f->in.x.reshaped({16 * 2 * 16 / 14, 14});
+         b->in.x = f->in.x;
+         f->in.shift = f->in.scale = b->in.shift = b->in.scale = b->d_shift = b->d_scale = TensorView();
+         f->in.plan = b->in.plan = IndexPlan();
        }},
       {"misaligned x", ErrorKind::kValue, "x must be 8-byte aligned",
        [](RmsnormParams* f, RmsnormBackwardParams* b) {
-         f->x.data = static_cast<char*>(f->x.data) + 2;
-         b->x = f->x;
+         f->in.x.data = static_cast<char*>(f->in.x.data) + 2;
+         b->in.x = f->in.x;
        }},
       {"sharded index", ErrorKind::kValue, "x must be (B*S, H) rows with S = plan.seq_len() = 8, B = plan.batch() = 2, got (32, 16)",
-       [&](RmsnormParams* f, RmsnormBackwardParams* b) { f->plan = b->plan = sharded; }},
+       [&](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.plan = b->in.plan = sharded; }},
       {"3-D x with wrong S", ErrorKind::kValue, "x must be (B*S, H) rows with S = plan.seq_len() = 16",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->x = b->x = f->x.reshaped({4, 8, 16}); }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.x = b->in.x = f->in.x.reshaped({4, 8, 16}); }},
       {"shift rows", ErrorKind::kValue, "shift must be (R, H) = (6, 16)",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->shift.shape[0] = b->shift.shape[0] = 5; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.shift.shape[0] = b->in.shift.shape[0] = 5; }},
       {"shift column stride", ErrorKind::kValue, "scale must have unit column stride",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->scale.strides[1] = b->scale.strides[1] = 2; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.scale.strides[1] = b->in.scale.strides[1] = 2; }},
       {"shift without scale", ErrorKind::kValue, "modulation needs both shift and scale",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->scale = b->scale = TensorView(); }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.scale = b->in.scale = TensorView(); }},
       {"no plan", ErrorKind::kValue, "plan is required",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->plan = b->plan = IndexPlan(); }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.plan = b->in.plan = IndexPlan(); }},
       {"eps", ErrorKind::kValue, "eps must be finite and > 0",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->eps = b->eps = 0.0f; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.eps = b->in.eps = 0.0f; }},
       {"empty x", ErrorKind::kValue, "x must be non-empty",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->x.shape[0] = b->x.shape[0] = 0; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.x.shape[0] = b->in.x.shape[0] = 0; }},
       {"weight on cuda", ErrorKind::kValue, "weight is on cuda:0, x is on cpu",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->weight.device = b->weight.device = Device::cuda(0); }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.weight.device = b->in.weight.device = Device::cuda(0); }},
       {"torch profile on cpu", ErrorKind::kValue, "numerics=torch exists on CUDA only",
-       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->numerics = b->numerics = Numerics::kTorch; }},
+       [](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.numerics = b->in.numerics = Numerics::kTorch; }},
   };
   testing::expect_bad_params_refused<Norm>(cases, rmsnorm_forward, rmsnorm_backward, c, int64_t{16}, DType::kBF16,
                                           DType::kF32);
@@ -329,7 +329,7 @@ TEST(Rmsnorm, BackwardOnlyErrorsWriteNothing) {
       {ErrorKind::kValue, "d_weight must be (H,) = (16,)", [](RmsnormBackwardParams* b) { b->d_weight.shape[0] = 15; }},
       {ErrorKind::kValue, "dx must not overlap grad", [](RmsnormBackwardParams* b) { b->dx.data = b->grad.data; }},
       {ErrorKind::kValue, "d_shift/d_scale need a modulated norm", [](RmsnormBackwardParams* b) {
-         b->shift = b->scale = TensorView();
+         b->in.shift = b->in.scale = TensorView();
        }},
   };
   for (const Case& bad : cases) {

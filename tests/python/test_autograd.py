@@ -133,7 +133,7 @@ def small_model(seed):
 
 
 def chain(model, t, x, ti, tags, sublayer, batch):
-    """The H3 conditioning chain (spec 1.3): timestep path, every block's modulated norms and
+    """The H3 conditioning chain (include/detdit/chain.h): timestep path, every block's modulated norms and
     gated residuals around the sublayers, then norm_out."""
     plan = detdit.plan(ti, tags, t.numel(), batch=batch)
     tplan = detdit.plan_from_rows(ti, t.numel(), batch=batch)
