@@ -1,5 +1,5 @@
 // Public entry points of adaln_row_gather, adaln_modulation and
-// final_adaln_out (include/detdit/adaln.h, spec 3.5, 3.6, 3.9): validate every
+// final_adaln_out (include/detdit/adaln.h, docs/ops.md): validate every
 // argument, then dispatch on the tensors' device (the cross-row backwards
 // through device-generic compositions of the backend's halves). Nothing is
 // written on error.
@@ -12,8 +12,8 @@
 #include "common/projection.h"
 #include "common/scratch.h"
 #include "common/validate.h"
-#include "rowwise_backward.h"
-#include "rowwise_checks.h"
+#include "rowwise/backward.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace rowwise {
@@ -37,7 +37,7 @@ Status check_gather_rows(const TensorView& rows, const char* name, const IndexPl
   return check::unit_column_stride(rows, name);
 }
 
-Status validate_row_gather_forward(const AdalnRowGatherParams& p) {
+Status validate_adaln_row_gather_forward(const AdalnRowGatherParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check::present(p.rows, "rows"));
   DETDIT_RETURN_IF_ERROR(check_gather_rows(p.rows, "rows", p.plan, p.rows.dtype, &hidden));
@@ -54,7 +54,7 @@ Status validate_row_gather_forward(const AdalnRowGatherParams& p) {
 
 }  // namespace
 
-Status validate_row_gather_backward(const AdalnRowGatherBackwardParams& p) {
+Status validate_adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p) {
   DETDIT_RETURN_IF_ERROR(check::present(p.grad, "grad"));
   DETDIT_RETURN_IF_ERROR(check::dtype(p.grad, "grad", {DType::kF32, DType::kBF16, DType::kF16}));
   DETDIT_RETURN_IF_ERROR(check::plan_on(p.plan, "plan", p.grad, "grad"));
@@ -84,15 +84,12 @@ namespace {
 // fold_segment_partials, cast once to d_rows' dtype. Params already validated.
 Status run_row_gather_backward(const AdalnRowGatherBackwardParams& p, Stream stream) {
   const Device device = p.grad.device;
-  const bool on_cuda = device.is_cuda();
   std::shared_ptr<void> owner;
   TensorView partials;
   DETDIT_RETURN_IF_ERROR(
       scratch_tensor(device, DType::kF32, {p.plan.num_segments(), p.d_rows.shape[1]}, stream, &owner, &partials));
-  DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::adaln_row_gather_backward_partials(p, partials, stream)
-                                 : cpu::adaln_row_gather_backward_partials(p, partials, stream));
-  return on_cuda ? cuda::fold_segment_partials(p.plan, partials, p.d_rows, stream)
-                 : cpu::fold_segment_partials(p.plan, partials, p.d_rows, stream);
+  DETDIT_RETURN_IF_ERROR(backend::adaln_row_gather_backward_partials(device, p, partials, stream));
+  return backend::fold_segment_partials(device, p.plan, partials, p.d_rows, stream);
 }
 
 // The (3T, 6H) rows view of a contiguous (T, 18H) table (adaln.h).
@@ -134,13 +131,12 @@ Status table_grad_scratch(const TensorView& temb, const TensorView& weight, Stre
 }  // namespace rowwise
 
 Status adaln_row_gather_forward(const AdalnRowGatherParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_forward(params));
-  return params.rows.device.is_cuda() ? cuda::adaln_row_gather_forward(params, stream)
-                                      : cpu::adaln_row_gather_forward(params, stream);
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_adaln_row_gather_forward(params));
+  return backend::adaln_row_gather_forward(params.rows.device, params, stream);
 }
 
 Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_backward(params));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_adaln_row_gather_backward(params));
   return rowwise::run_row_gather_backward(params, stream);
 }
 
@@ -150,15 +146,15 @@ namespace {
 
 Status validate_modulation_forward(const AdalnModulationParams& p) {
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
-  DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics));
-  if (p.weight.shape[0] % (3 * kAdalnChunks) != 0)
-    return Status::value_error("weight must be (6 * H * 3, D); got " + p.weight.shape_string() +
+  DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
+  if (p.in.weight.shape[0] % (3 * kAdalnChunks) != 0)
+    return Status::value_error("weight must be (6 * H * 3, D); got " + p.in.weight.shape_string() +
                                ", whose first dim is not a multiple of 18");
-  DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.plan, p.temb, "temb", 3 * p.temb.shape[0], "3T"));
-  AdalnRowGatherParams gather{rowwise::rows_view(p.table), p.plan, p.out};
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_forward(gather));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.in.plan, p.in.temb, "temb", 3 * p.in.temb.shape[0], "3T"));
+  AdalnRowGatherParams gather{rowwise::rows_view(p.table), p.in.plan, p.out};
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_adaln_row_gather_forward(gather));
   return rowwise::check_outputs_disjoint(
-      {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.in.temb, "temb"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
       {{&p.out, "out"}});
 }
 
@@ -166,11 +162,10 @@ Status validate_modulation_forward(const AdalnModulationParams& p) {
 
 Status adaln_modulation_forward(const AdalnModulationParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_modulation_forward(params));
-  DETDIT_RETURN_IF_ERROR(projection_forward(params.temb, params.weight, params.bias, params.table, params.act,
-                                            params.numerics, stream));
-  AdalnRowGatherParams gather{rowwise::rows_view(params.table), params.plan, params.out};
-  return params.table.device.is_cuda() ? cuda::adaln_row_gather_forward(gather, stream)
-                                       : cpu::adaln_row_gather_forward(gather, stream);
+  DETDIT_RETURN_IF_ERROR(projection_forward(params.in.temb, params.in.weight, params.in.bias, params.table, params.act,
+                                            params.in.numerics, stream));
+  AdalnRowGatherParams gather{rowwise::rows_view(params.table), params.in.plan, params.out};
+  return backend::adaln_row_gather_forward(params.table.device, gather, stream);
 }
 
 Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, Stream stream) {
@@ -178,45 +173,36 @@ Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, St
   // d_table (T, 18H) FP32 = d_rows (3T, 6H): never rounded before the projection backward.
   std::shared_ptr<void> owner;
   TensorView d_table;
-  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.temb, p.weight, stream, &owner, &d_table));
-  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight,
-                                                      p.d_bias, p.numerics));
-  if (p.weight.shape[0] % (3 * kAdalnChunks) != 0)
-    return Status::value_error("weight must be (6 * H * 3, D); got " + p.weight.shape_string() +
+  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.in.temb, p.in.weight, stream, &owner, &d_table));
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight,
+                                                      p.d_bias, p.in.numerics));
+  if (p.in.weight.shape[0] % (3 * kAdalnChunks) != 0)
+    return Status::value_error("weight must be (6 * H * 3, D); got " + p.in.weight.shape_string() +
                                ", whose first dim is not a multiple of 18");
-  DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.plan, p.temb, "temb", 3 * p.temb.shape[0], "3T"));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.in.plan, p.in.temb, "temb", 3 * p.in.temb.shape[0], "3T"));
   DETDIT_RETURN_IF_ERROR(check::present(p.grad, "grad"));
-  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.grad, "grad", p.weight, "weight"));
-  const int64_t hidden = p.weight.shape[0] / (3 * kAdalnChunks);
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.grad, "grad", p.in.weight, "weight"));
+  const int64_t hidden = p.in.weight.shape[0] / (3 * kAdalnChunks);
   if (p.grad.shape[p.grad.rank - 1] != hidden)
     return Status::value_error("grad must be (6, B*S, H) with H = weight rows / 18 = " + std::to_string(hidden) +
                                ", got " + p.grad.describe());
-  AdalnRowGatherBackwardParams gather{p.grad, p.plan, rowwise::rows_view(d_table)};
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_row_gather_backward(gather));
+  AdalnRowGatherBackwardParams gather{p.grad, p.in.plan, rowwise::rows_view(d_table)};
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_adaln_row_gather_backward(gather));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint({{&p.grad, "grad"}},
                                                          {{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"}, {&p.d_bias, "d_bias"}}));
   DETDIT_RETURN_IF_ERROR(rowwise::run_row_gather_backward(gather, stream));
-  return projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.numerics, stream);
+  return projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.in.numerics, stream);
 }
 
 // ---- final_adaln_out: projection (T, 2H) + modulated rmsnorm (numerics 5.8, 6.9) ----
 
 namespace {
 
-// The inputs of final_adaln_out's rmsnorm half (forward or backward params),
-// with shift/scale the halves of `table`.
-template <typename NormParams, typename FinalParams>
-NormParams norm_inputs(const FinalParams& p, int64_t hidden) {
-  NormParams norm;
-  norm.x = p.x;
-  norm.weight = p.norm_weight;
-  norm.shift = rowwise::table_half(p.table, hidden, 0);
-  norm.scale = rowwise::table_half(p.table, hidden, 1);
-  norm.plan = p.plan;
-  norm.rstd = p.rstd;
-  norm.eps = p.eps;
-  norm.numerics = p.numerics;
-  return norm;
+// The inputs of final_adaln_out's rmsnorm half, forward and backward alike:
+// shift and scale are the halves of the (T, 2H) table.
+RmsnormInputs norm_inputs(const FinalAdalnOutInputs& in, const TensorView& table, int64_t hidden) {
+  return RmsnormInputs{in.x, in.norm_weight, rowwise::table_half(table, hidden, 0),
+                       rowwise::table_half(table, hidden, 1), in.plan, in.eps, in.numerics};
 }
 
 // H of x, and weight (2H, D) in x's dtype, before anything else uses them.
@@ -235,47 +221,43 @@ Status check_final_shapes(const TensorView& x, const TensorView& weight, const T
 Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream) {
   const FinalAdalnOutParams& p = params;
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.x, p.weight, p.temb, p.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in.x, p.in.weight, p.in.temb, p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
-  DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics));
-  RmsnormParams norm = norm_inputs<RmsnormParams>(p, hidden);
-  norm.out = p.out;
+  DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
+  const RmsnormParams norm{norm_inputs(p.in, p.table, hidden), p.out, p.rstd};
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
-      {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.in.temb, "temb"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
       {{&p.out, "out"}, {&p.rstd, "rstd"}}));
-  DETDIT_RETURN_IF_ERROR(projection_forward(p.temb, p.weight, p.bias, p.table, p.act, p.numerics, stream));
-  return p.x.device.is_cuda() ? cuda::rmsnorm_forward(norm, stream) : cpu::rmsnorm_forward(norm, stream);
+  DETDIT_RETURN_IF_ERROR(projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics, stream));
+  return backend::rmsnorm_forward(p.in.x.device, norm, stream);
 }
 
 Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Stream stream) {
   const FinalAdalnOutBackwardParams& p = params;
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.x, p.weight, p.temb, p.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in.x, p.in.weight, p.in.temb, p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
-  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.table, "table", p.weight, "weight"));
-  DETDIT_RETURN_IF_ERROR(check::shape(p.table, "table", {p.temb.shape[0], 2 * hidden}, "(T, 2H)"));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.table, "table", p.in.weight, "weight"));
+  DETDIT_RETURN_IF_ERROR(check::shape(p.table, "table", {p.in.temb.shape[0], 2 * hidden}, "(T, 2H)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(p.table, "table"));
   // d_table (T, 2H) FP32 = [d_shift | d_scale], never rounded before the projection backward.
   std::shared_ptr<void> owner;
   TensorView d_table;
-  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.temb, p.weight, stream, &owner, &d_table));
-  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight,
-                                                      p.d_bias, p.numerics));
-  RmsnormBackwardParams norm = norm_inputs<RmsnormBackwardParams>(p, hidden);
-  norm.grad = p.grad;
-  norm.dx = p.dx;
-  norm.d_weight = p.d_norm_weight;
-  norm.d_shift = rowwise::table_half(d_table, hidden, 0);
-  norm.d_scale = rowwise::table_half(d_table, hidden, 1);
+  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.in.temb, p.in.weight, stream, &owner, &d_table));
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight,
+                                                      p.d_bias, p.in.numerics));
+  const RmsnormBackwardParams norm{norm_inputs(p.in, p.table, hidden), p.rstd, p.grad, p.dx,
+                                   p.d_norm_weight, rowwise::table_half(d_table, hidden, 0),
+                                   rowwise::table_half(d_table, hidden, 1)};
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
-      {{&p.temb, "temb"}, {&p.weight, "weight"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.in.temb, "temb"}, {&p.in.weight, "weight"}, {&p.table, "table"}, {&p.act, "act"}},
       {{&p.dx, "dx"}, {&p.d_norm_weight, "d_norm_weight"}, {&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
        {&p.d_bias, "d_bias"}}));
   DETDIT_RETURN_IF_ERROR(rowwise::run_rmsnorm_backward(norm, stream));
-  return projection_backward(p.temb, p.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.numerics, stream);
+  return projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.in.numerics, stream);
 }
 
 }  // namespace detdit

@@ -101,8 +101,7 @@ Status projection_forward(const TensorView& temb, const TensorView& weight, cons
     DETDIT_RETURN_IF_ERROR(
         scratch_tensor(device, weight.dtype, {temb.shape[0], temb.shape[1]}, stream, &scratch, &activation));
   // act = R_W(silu_P(temb)): FP32 SiLU, then one cast (the declared boundary).
-  DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::silu_cast(temb, activation, numerics, stream)
-                                          : cpu::silu_cast(temb, activation, numerics, stream));
+  DETDIT_RETURN_IF_ERROR(backend::silu_cast(device, temb, activation, numerics, stream));
   LinearParams linear;
   linear.x = activation;
   linear.weight = weight;
@@ -160,8 +159,7 @@ Status projection_backward(const TensorView& temb, const TensorView& weight, con
   }
   // g = fp32(grad_table): exact widening.
   if (grad_table.dtype != DType::kF32)
-    DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::upcast_to_f32(grad_table, grad, stream)
-                                            : cpu::upcast_to_f32(grad_table, grad, stream));
+    DETDIT_RETURN_IF_ERROR(backend::upcast_to_f32(device, grad_table, grad, stream));
   LinearBackwardWeightParams weight_grads;
   weight_grads.grad = grad;
   weight_grads.x = act;
@@ -207,21 +205,21 @@ Status adaln_table_chunk(const TensorView& table, int64_t hidden, int chunk, Ten
 }
 
 Status adaln_projection_forward(const AdalnProjectionParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(validate_projection_forward(params.temb, params.weight, params.bias, params.table,
-                                                     params.act, params.numerics));
-  DETDIT_RETURN_IF_ERROR(check::present(params.bias, "bias"));
-  DETDIT_RETURN_IF_ERROR(check_table_rows(params.weight));
-  return projection_forward(params.temb, params.weight, params.bias, params.table, params.act, params.numerics,
+  DETDIT_RETURN_IF_ERROR(validate_projection_forward(params.in.temb, params.in.weight, params.in.bias, params.table,
+                                                     params.act, params.in.numerics));
+  DETDIT_RETURN_IF_ERROR(check::present(params.in.bias, "bias"));
+  DETDIT_RETURN_IF_ERROR(check_table_rows(params.in.weight));
+  return projection_forward(params.in.temb, params.in.weight, params.in.bias, params.table, params.act, params.in.numerics,
                             stream);
 }
 
 Status adaln_projection_backward(const AdalnProjectionBackwardParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(validate_projection_backward(params.temb, params.weight, params.act, params.grad_table,
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(params.in.temb, params.in.weight, params.act, params.grad_table,
                                                       params.d_temb, params.d_weight, params.d_bias,
-                                                      params.numerics));
-  DETDIT_RETURN_IF_ERROR(check_table_rows(params.weight));
-  return projection_backward(params.temb, params.weight, params.act, params.grad_table, params.d_temb,
-                             params.d_weight, params.d_bias, params.numerics, stream);
+                                                      params.in.numerics));
+  DETDIT_RETURN_IF_ERROR(check_table_rows(params.in.weight));
+  return projection_backward(params.in.temb, params.in.weight, params.act, params.grad_table, params.d_temb,
+                             params.d_weight, params.d_bias, params.in.numerics, stream);
 }
 
 }  // namespace detdit

@@ -1,7 +1,7 @@
 // The conditioning chain (include/detdit/chain.h): the public ops composed in
 // the order of the H3 model, forward then backward, on the tensors of one
 // device. Between the ops only the internal elementwise helpers touch the
-// data (add, copy_tensor, fill_zero: src/common/elementwise.h), so the same
+// data (add, copy_tensor, fill_zero: src/common/backends.h), so the same
 // code runs on CPU and CUDA tensors and every step on CUDA is queued on the
 // caller's stream.
 #include "detdit/chain.h"
@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/elementwise.h"
+#include "common/backends.h"
 #include "common/scratch.h"
 #include "common/storage.h"
 #include "common/validate.h"
@@ -20,7 +20,7 @@
 #include "detdit/gate_residual.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/timestep.h"
-#include "rowwise_checks.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace {
@@ -44,7 +44,7 @@ class Scratch {
 // sum = R_T(rn(sum + term)) (numerics 5.10): the accumulation of two gradient
 // paths (autograd's sum, one rounding).
 Status accumulate(const TensorView& sum, const TensorView& term, Stream stream) {
-  return add(sum, term, sum, stream);
+  return backend::add(sum.device, sum, term, sum, stream);
 }
 
 // Row k of a (2L, M, H) stand-in tensor, as an (M, H) view.
@@ -184,14 +184,18 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, mlp_hidden}, &mlp_act));
   // The range check (if asked for) happens here, before any output is written;
   // the backward reads the same timesteps and skips it.
-  DETDIT_RETURN_IF_ERROR(
-      timestep_sinusoid_forward({p.timesteps, features, p.max_period, p.numerics, p.check_range}, stream));
-  TimestepMlpParams mlp{features, w.mlp_w1, w.mlp_b1, w.mlp_w2, w.mlp_b2, temb, pre, mlp_act, p.numerics};
-  DETDIT_RETURN_IF_ERROR(timestep_mlp_forward(mlp, stream));
+  const TimestepSinusoidInputs sinusoid{p.timesteps, p.max_period, p.numerics, p.check_range};
+  DETDIT_RETURN_IF_ERROR(timestep_sinusoid_forward({sinusoid, features}, stream));
+  const TimestepMlpInputs mlp{features, w.mlp_w1, w.mlp_b1, w.mlp_w2, w.mlp_b2, p.numerics};
+  DETDIT_RETURN_IF_ERROR(timestep_mlp_forward({mlp, temb, pre, mlp_act}, stream));
 
   // per block: x_l (x_0 = x), x' (between the halves), rstd of both norms, table and act
   std::vector<TensorView> x_in(blocks + 1), x_mid(blocks), rstd1(blocks), rstd2(blocks), table(blocks), act(blocks);
   std::vector<std::vector<TensorView>> chunks(blocks, std::vector<TensorView>(6));
+  // the inputs of each block's ops, read again by their backwards
+  std::vector<AdalnProjectionInputs> proj(blocks);
+  std::vector<RmsnormInputs> norm1(blocks), norm2(blocks);
+  std::vector<GateResidualInputs> gate1(blocks), gate2(blocks);
   x_in[0] = p.x;
   TensorView normed;
   DETDIT_RETURN_IF_ERROR(scratch.make(dtype, {rows, hidden}, &normed));
@@ -203,25 +207,26 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
     DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {rows}, &rstd2[l]));
     DETDIT_RETURN_IF_ERROR(scratch.make(dtype, {num_timesteps, 18 * hidden}, &table[l]));
     DETDIT_RETURN_IF_ERROR(scratch.make(dtype, {num_timesteps, embed}, &act[l]));
-    AdalnProjectionParams proj{temb, b.adaln_weight, b.adaln_bias, table[l], act[l], p.numerics};
-    DETDIT_RETURN_IF_ERROR(adaln_projection_forward(proj, stream));
+    proj[l] = {temb, b.adaln_weight, b.adaln_bias, p.numerics};
+    DETDIT_RETURN_IF_ERROR(adaln_projection_forward({proj[l], table[l], act[l]}, stream));
     for (int c = 0; c < 6; ++c) DETDIT_RETURN_IF_ERROR(adaln_table_chunk(table[l], hidden, c, &chunks[l][c]));
     const std::vector<TensorView>& m = chunks[l];  // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
-    DETDIT_RETURN_IF_ERROR(rmsnorm_forward(
-        {x_in[l], b.norm1_weight, m[0], m[1], p.adaln_plan, normed, rstd1[l], p.eps, p.numerics}, stream));
-    DETDIT_RETURN_IF_ERROR(gate_residual_forward({x_in[l], sublayer(p.sublayer_out, 2 * l), m[2], p.adaln_plan, x_mid[l]}, stream));
-    DETDIT_RETURN_IF_ERROR(rmsnorm_forward(
-        {x_mid[l], b.norm2_weight, m[3], m[4], p.adaln_plan, normed, rstd2[l], p.eps, p.numerics}, stream));
-    DETDIT_RETURN_IF_ERROR(
-        gate_residual_forward({x_mid[l], sublayer(p.sublayer_out, 2 * l + 1), m[5], p.adaln_plan, x_in[l + 1]}, stream));
+    norm1[l] = {x_in[l], b.norm1_weight, m[0], m[1], p.adaln_plan, p.eps, p.numerics};
+    gate1[l] = {x_in[l], sublayer(p.sublayer_out, 2 * l), m[2], p.adaln_plan};
+    norm2[l] = {x_mid[l], b.norm2_weight, m[3], m[4], p.adaln_plan, p.eps, p.numerics};
+    gate2[l] = {x_mid[l], sublayer(p.sublayer_out, 2 * l + 1), m[5], p.adaln_plan};
+    DETDIT_RETURN_IF_ERROR(rmsnorm_forward({norm1[l], normed, rstd1[l]}, stream));
+    DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate1[l], x_mid[l]}, stream));
+    DETDIT_RETURN_IF_ERROR(rmsnorm_forward({norm2[l], normed, rstd2[l]}, stream));
+    DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate2[l], x_in[l + 1]}, stream));
   }
   TensorView final_table, final_act, final_rstd;
   DETDIT_RETURN_IF_ERROR(scratch.make(dtype, {num_timesteps, 2 * hidden}, &final_table));
   DETDIT_RETURN_IF_ERROR(scratch.make(dtype, {num_timesteps, embed}, &final_act));
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {rows}, &final_rstd));
-  FinalAdalnOutParams final_params{x_in[blocks], w.norm_out_weight, temb, w.out_weight, w.out_bias, p.timestep_plan,
-                                   p.out, final_table, final_act, final_rstd, p.eps, p.numerics};
-  DETDIT_RETURN_IF_ERROR(final_adaln_out_forward(final_params, stream));
+  const FinalAdalnOutInputs final_inputs{x_in[blocks], w.norm_out_weight, temb, w.out_weight,
+                                         w.out_bias, p.timestep_plan, p.eps, p.numerics};
+  DETDIT_RETURN_IF_ERROR(final_adaln_out_forward({final_inputs, p.out, final_table, final_act, final_rstd}, stream));
 
   // ---- backward ----------------------------------------------------------
   TensorView grad, norm_dx;  // grad: d(x_l) being accumulated; norm_dx: a norm's dx
@@ -229,57 +234,49 @@ Status chain_forward_backward(const ChainParams& p, Stream stream) {
   DETDIT_RETURN_IF_ERROR(scratch.make(dtype, {rows, hidden}, &norm_dx));
   std::vector<TensorView> d_temb_part(blocks + 1);  // blocks 0..L-1, then the final layer
   for (TensorView& d : d_temb_part) DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, embed}, &d));
-  FinalAdalnOutBackwardParams final_back{x_in[blocks], w.norm_out_weight, temb, w.out_weight, final_table, final_act,
-                                         final_rstd, p.timestep_plan, p.grad_out, grad, p.grads.d_norm_out_weight,
-                                         d_temb_part[blocks], p.grads.d_out_weight, p.grads.d_out_bias, p.eps,
-                                         p.numerics};
+  const FinalAdalnOutBackwardParams final_back{
+      final_inputs, final_table, final_act, final_rstd, p.grad_out, grad, p.grads.d_norm_out_weight,
+      d_temb_part[blocks], p.grads.d_out_weight, p.grads.d_out_bias};
   DETDIT_RETURN_IF_ERROR(final_adaln_out_backward(final_back, stream));
   TensorView d_table;  // (T, 18H) FP32, one block at a time
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, 18 * hidden}, &d_table));
   std::vector<TensorView> d_chunk(6);
   for (int c = 0; c < 6; ++c) DETDIT_RETURN_IF_ERROR(adaln_table_chunk(d_table, hidden, c, &d_chunk[c]));
   for (int64_t l = blocks - 1; l >= 0; --l) {
-    const ChainBlockWeights& b = w.blocks[l];
     const ChainBlockGrads* g = p.grads.blocks ? &p.grads.blocks[l] : nullptr;
-    const std::vector<TensorView>& m = chunks[l];
+    const TensorView none;
     // second half: x_{l+1} = x' + gate_mlp * ffn(norm2(x'))
-    DETDIT_RETURN_IF_ERROR(gate_residual_backward(
-        {grad, sublayer(p.sublayer_out, 2 * l + 1), m[5], p.adaln_plan, TensorView(), TensorView(), d_chunk[5]}, stream));
-    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({x_mid[l], b.norm2_weight, m[3], m[4], p.adaln_plan, rstd2[l],
-                                             sublayer(p.sublayer_grad, 2 * l + 1), norm_dx,
-                                             g ? g->d_norm2_weight : TensorView(), d_chunk[3], d_chunk[4], p.eps,
-                                             p.numerics},
+    DETDIT_RETURN_IF_ERROR(gate_residual_backward({gate2[l], grad, none, none, d_chunk[5]}, stream));
+    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({norm2[l], rstd2[l], sublayer(p.sublayer_grad, 2 * l + 1), norm_dx,
+                                             g ? g->d_norm2_weight : none, d_chunk[3], d_chunk[4]},
                                             stream));
     DETDIT_RETURN_IF_ERROR(accumulate(grad, norm_dx, stream));
     // first half: x' = x_l + gate_msa * attn(norm1(x_l))
-    DETDIT_RETURN_IF_ERROR(gate_residual_backward(
-        {grad, sublayer(p.sublayer_out, 2 * l), m[2], p.adaln_plan, TensorView(), TensorView(), d_chunk[2]}, stream));
-    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({x_in[l], b.norm1_weight, m[0], m[1], p.adaln_plan, rstd1[l],
-                                             sublayer(p.sublayer_grad, 2 * l), norm_dx,
-                                             g ? g->d_norm1_weight : TensorView(), d_chunk[0], d_chunk[1], p.eps,
-                                             p.numerics},
+    DETDIT_RETURN_IF_ERROR(gate_residual_backward({gate1[l], grad, none, none, d_chunk[2]}, stream));
+    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({norm1[l], rstd1[l], sublayer(p.sublayer_grad, 2 * l), norm_dx,
+                                             g ? g->d_norm1_weight : none, d_chunk[0], d_chunk[1]},
                                             stream));
     DETDIT_RETURN_IF_ERROR(accumulate(grad, norm_dx, stream));
-    AdalnProjectionBackwardParams proj{temb, b.adaln_weight, act[l], d_table, d_temb_part[l],
-                                       g ? g->d_adaln_weight : TensorView(), g ? g->d_adaln_bias : TensorView(),
-                                       p.numerics};
-    DETDIT_RETURN_IF_ERROR(adaln_projection_backward(proj, stream));
+    DETDIT_RETURN_IF_ERROR(adaln_projection_backward({proj[l], act[l], d_table, d_temb_part[l],
+                                                      g ? g->d_adaln_weight : none, g ? g->d_adaln_bias : none},
+                                                     stream));
   }
-  if (p.grads.dx.present()) DETDIT_RETURN_IF_ERROR(copy_tensor(grad, p.grads.dx, stream));
+  if (p.grads.dx.present()) DETDIT_RETURN_IF_ERROR(backend::copy_tensor(grad.device, grad, p.grads.dx, stream));
 
   // d_temb: ascending FP32 sum from +0.0 over blocks 0..L-1, then the final layer.
   TensorView d_temb;
   DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, embed}, &d_temb));
-  DETDIT_RETURN_IF_ERROR(fill_zero(d_temb, stream));
+  DETDIT_RETURN_IF_ERROR(backend::fill_zero(d_temb.device, d_temb, stream));
   for (const TensorView& part : d_temb_part) DETDIT_RETURN_IF_ERROR(accumulate(d_temb, part, stream));
   TensorView d_features;
   if (p.grads.d_timesteps.present()) DETDIT_RETURN_IF_ERROR(scratch.make(DType::kF32, {num_timesteps, frequencies}, &d_features));
-  TimestepMlpBackwardParams mlp_back{features, w.mlp_w1, w.mlp_w2, pre, mlp_act, d_temb, d_features,
-                                     p.grads.d_mlp_w1, p.grads.d_mlp_b1, p.grads.d_mlp_w2, p.grads.d_mlp_b2, p.numerics};
+  const TimestepMlpBackwardParams mlp_back{mlp, pre, mlp_act, d_temb, d_features, p.grads.d_mlp_w1, p.grads.d_mlp_b1,
+                                           p.grads.d_mlp_w2, p.grads.d_mlp_b2};
   DETDIT_RETURN_IF_ERROR(timestep_mlp_backward(mlp_back, stream));
   if (!p.grads.d_timesteps.present()) return Status();
-  return timestep_sinusoid_backward(
-      {p.timesteps, d_features, p.grads.d_timesteps, p.max_period, p.numerics, /*check_range=*/false}, stream);
+  TimestepSinusoidInputs checked = sinusoid;
+  checked.check_range = false;  // the forward checked these timesteps
+  return timestep_sinusoid_backward({checked, d_features, p.grads.d_timesteps}, stream);
 }
 
 Status chain_stand_ins(uint64_t seed, const TensorView& sublayer_out, const TensorView& sublayer_grad) {

@@ -1,7 +1,7 @@
 // Public gate_residual entry points: validate every argument
-// (include/detdit/gate_residual.h, spec 3.8), then dispatch on the tensors'
+// (include/detdit/gate_residual.h, docs/ops.md), then dispatch on the tensors'
 // device: the forward to the backend, the backward through one device-generic
-// composition of the backend's halves (as src/rowwise_backward.h describes).
+// composition of the backend's halves (as src/rowwise/backward.h describes).
 // Nothing is written on error.
 #include "detdit/gate_residual.h"
 
@@ -10,7 +10,7 @@
 #include "common/backends.h"
 #include "common/scratch.h"
 #include "common/validate.h"
-#include "rowwise_checks.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace rowwise {
@@ -18,13 +18,13 @@ namespace {
 
 Status validate_gate_residual_forward(const GateResidualParams& p) {
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check::plan_on(p.plan, "plan", p.residual, "residual"));
-  DETDIT_RETURN_IF_ERROR(check_rows(p.residual, "residual", &p.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_like(p.y, "y", p.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.in.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_like(p.in.y, "y", p.in.residual, "residual"));
   DETDIT_RETURN_IF_ERROR(
-      check_table(p.gate, "gate", p.plan.num_rows(), hidden, p.residual, "residual", {p.residual.dtype}));
-  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.residual, "residual"));
-  return check_outputs_disjoint({{&p.residual, "residual"}, {&p.y, "y"}, {&p.gate, "gate"}}, {{&p.out, "out"}});
+      check_table(p.in.gate, "gate", p.in.plan.num_rows(), hidden, p.in.residual, "residual", {p.in.residual.dtype}));
+  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.residual, "residual"));
+  return check_outputs_disjoint({{&p.in.residual, "residual"}, {&p.in.y, "y"}, {&p.in.gate, "gate"}}, {{&p.out, "out"}});
 }
 
 // rows (d_residual, d_y) + d_gate segment partials (G, H) of every chunk into
@@ -32,37 +32,33 @@ Status validate_gate_residual_forward(const GateResidualParams& p) {
 // launch, so a failed allocation writes nothing.
 Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
   const Device device = p.grad.device;
-  const bool on_cuda = device.is_cuda();
   const int64_t hidden = p.grad.shape[p.grad.rank - 1];
   std::shared_ptr<void> owner;
   TensorView partials;
   if (p.d_gate.present())
     DETDIT_RETURN_IF_ERROR(
-        scratch_tensor(device, DType::kF32, {p.plan.num_segments(), hidden}, stream, &owner, &partials));
-  DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::gate_residual_backward_rows(p, stream)
-                                 : cpu::gate_residual_backward_rows(p, stream));
+        scratch_tensor(device, DType::kF32, {p.in.plan.num_segments(), hidden}, stream, &owner, &partials));
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, p, stream));
   if (!p.d_gate.present()) return Status();
   const ChunkSelection every_chunk;
-  DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::gate_residual_backward_partials(p, every_chunk, ExtraRows{}, partials, stream)
-                                 : cpu::gate_residual_backward_partials(p, every_chunk, ExtraRows{}, partials, stream));
-  return on_cuda ? cuda::fold_segment_partials(p.plan, partials, p.d_gate, stream)
-                 : cpu::fold_segment_partials(p.plan, partials, p.d_gate, stream);
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, p, every_chunk, ExtraRows{}, partials, stream));
+  return backend::fold_segment_partials(device, p.in.plan, partials, p.d_gate, stream);
 }
 
 }  // namespace
 
 Status validate_gate_residual_backward(const GateResidualBackwardParams& p) {
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check::plan_on(p.plan, "plan", p.grad, "grad"));
-  DETDIT_RETURN_IF_ERROR(check_rows(p.grad, "grad", &p.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_like(p.y, "y", p.grad, "grad"));
-  DETDIT_RETURN_IF_ERROR(check_table(p.gate, "gate", p.plan.num_rows(), hidden, p.grad, "grad", {p.grad.dtype}));
+  DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.grad, "grad"));
+  DETDIT_RETURN_IF_ERROR(check_rows(p.grad, "grad", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_like(p.in.y, "y", p.grad, "grad"));
+  DETDIT_RETURN_IF_ERROR(check_table(p.in.gate, "gate", p.in.plan.num_rows(), hidden, p.grad, "grad", {p.grad.dtype}));
   if (p.d_residual.present()) DETDIT_RETURN_IF_ERROR(check_like(p.d_residual, "d_residual", p.grad, "grad"));
   if (p.d_y.present()) DETDIT_RETURN_IF_ERROR(check_like(p.d_y, "d_y", p.grad, "grad"));
   if (p.d_gate.present())
     DETDIT_RETURN_IF_ERROR(
-        check_table_grad(p.d_gate, "d_gate", p.plan.num_rows(), hidden, p.grad.dtype, p.grad, "grad"));
-  return check_outputs_disjoint({{&p.grad, "grad"}, {&p.y, "y"}, {&p.gate, "gate"}},
+        check_table_grad(p.d_gate, "d_gate", p.in.plan.num_rows(), hidden, p.grad.dtype, p.grad, "grad"));
+  return check_outputs_disjoint({{&p.grad, "grad"}, {&p.in.y, "y"}, {&p.in.gate, "gate"}},
                                 {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}});
 }
 
@@ -70,8 +66,7 @@ Status validate_gate_residual_backward(const GateResidualBackwardParams& p) {
 
 Status gate_residual_forward(const GateResidualParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward(params));
-  return params.residual.device.is_cuda() ? cuda::gate_residual_forward(params, stream)
-                                          : cpu::gate_residual_forward(params, stream);
+  return backend::gate_residual_forward(params.in.residual.device, params, stream);
 }
 
 Status gate_residual_backward(const GateResidualBackwardParams& params, Stream stream) {

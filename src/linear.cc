@@ -171,21 +171,19 @@ Status fold_d_x(const LinearBackwardInputParams& p, Stream stream) {
   const int64_t elements = p.d_x.numel();
   const TensorView partials = p.partials.reshaped({p.partials.shape[0], elements});
   const TensorView d_x = p.d_x.reshaped({elements});
-  return p.d_x.device.is_cuda() ? cuda::fold_chunk_partials(partials, d_x, stream)
-                                : cpu::fold_chunk_partials(partials, d_x, stream);
+  return backend::fold_chunk_partials(p.d_x.device, partials, d_x, stream);
 }
 
 }  // namespace
 
 Status linear_forward(const LinearParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_forward(params));
-  return params.x.device.is_cuda() ? cuda::linear_forward(params, stream) : cpu::linear_forward(params, stream);
+  return backend::linear_forward(params.x.device, params, stream);
 }
 
 Status linear_backward_input_partials(const LinearBackwardInputParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_partials_call(params));
-  return params.grad.device.is_cuda() ? cuda::linear_backward_input_partials(params, stream)
-                                      : cpu::linear_backward_input_partials(params, stream);
+  return backend::linear_backward_input_partials(params.grad.device, params, stream);
 }
 
 Status linear_fold_partials(const LinearBackwardInputParams& params, Stream stream) {
@@ -208,8 +206,7 @@ Status linear_backward_input(const LinearBackwardInputParams& params, Stream str
     DETDIT_RETURN_IF_ERROR(scratch_tensor(params.grad.device, DType::kF32, {chunks, rows, in_features}, stream,
                                           &scratch, &run.partials));
   }
-  DETDIT_RETURN_IF_ERROR(run.grad.device.is_cuda() ? cuda::linear_backward_input_partials(run, stream)
-                                                   : cpu::linear_backward_input_partials(run, stream));
+  DETDIT_RETURN_IF_ERROR(backend::linear_backward_input_partials(run.grad.device, run, stream));
   return fold_d_x(run, stream);
 }
 
@@ -239,12 +236,12 @@ Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream s
   }
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_bias, "d_bias", p.d_weight, "d_weight"));
   if (!p.d_weight.present() && !p.d_bias.present()) return Status();
-  return p.grad.device.is_cuda() ? cuda::linear_backward_weight(p, stream) : cpu::linear_backward_weight(p, stream);
+  return backend::linear_backward_weight(p.grad.device, p, stream);
 }
 
 Status silu_backward(const SiluBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_silu_backward(params));
-  return params.grad.device.is_cuda() ? cuda::silu_backward(params, stream) : cpu::silu_backward(params, stream);
+  return backend::silu_backward(params.grad.device, params, stream);
 }
 
 }  // namespace detdit

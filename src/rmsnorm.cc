@@ -1,7 +1,7 @@
 // Public rmsnorm entry points: validate every argument (include/detdit/rmsnorm.h,
-// spec 3.7), then dispatch on the tensors' device: the forward to the backend,
+// docs/ops.md), then dispatch on the tensors' device: the forward to the backend,
 // the backward through the device-generic composition of the backend's halves
-// (src/rowwise_backward.h). Nothing is written on error.
+// (src/rowwise/backward.h). Nothing is written on error.
 #include "detdit/rmsnorm.h"
 
 #include <memory>
@@ -11,8 +11,8 @@
 #include "common/backends.h"
 #include "common/scratch.h"
 #include "common/validate.h"
-#include "rowwise_backward.h"
-#include "rowwise_checks.h"
+#include "rowwise/backward.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace rowwise {
@@ -60,77 +60,74 @@ Status check_rstd(const TensorView& rstd, const TensorView& x, int64_t hidden) {
 
 Status validate_rmsnorm_forward(const RmsnormParams& p) {
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check_norm_input(p.x, p.weight, p.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_modulation(p.x, p.shift, p.scale, p.plan, hidden));
-  DETDIT_RETURN_IF_ERROR(check_eps(p.eps));
-  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.x.device));
-  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.x, "x"));
-  DETDIT_RETURN_IF_ERROR(check::aligned(p.out, "out", 4 * dtype_size(p.x.dtype), "PyTorch's vectorized RMSNorm path"));
-  if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.x, hidden));
-  return check_outputs_disjoint({{&p.x, "x"}, {&p.weight, "weight"}, {&p.shift, "shift"}, {&p.scale, "scale"}},
+  DETDIT_RETURN_IF_ERROR(check_norm_input(p.in.x, p.in.weight, p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_modulation(p.in.x, p.in.shift, p.in.scale, p.in.plan, hidden));
+  DETDIT_RETURN_IF_ERROR(check_eps(p.in.eps));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.x.device));
+  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::aligned(p.out, "out", 4 * dtype_size(p.in.x.dtype), "PyTorch's vectorized RMSNorm path"));
+  if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.in.x, hidden));
+  return check_outputs_disjoint({{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"}},
                                 {{&p.out, "out"}, {&p.rstd, "rstd"}});
 }
 
 Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
   int64_t hidden = 0;
-  const bool modulated = p.shift.present() || p.scale.present();
-  DETDIT_RETURN_IF_ERROR(check_norm_input(p.x, p.weight, p.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_modulation(p.x, p.shift, p.scale, p.plan, hidden));
-  DETDIT_RETURN_IF_ERROR(check_eps(p.eps));
-  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.x.device));
+  const bool modulated = p.in.shift.present() || p.in.scale.present();
+  DETDIT_RETURN_IF_ERROR(check_norm_input(p.in.x, p.in.weight, p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_modulation(p.in.x, p.in.shift, p.in.scale, p.in.plan, hidden));
+  DETDIT_RETURN_IF_ERROR(check_eps(p.in.eps));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.x.device));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
-  DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.x, hidden));
-  DETDIT_RETURN_IF_ERROR(check_like(p.grad, "grad", p.x, "x"));
-  if (p.dx.present()) DETDIT_RETURN_IF_ERROR(check_like(p.dx, "dx", p.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.in.x, hidden));
+  DETDIT_RETURN_IF_ERROR(check_like(p.grad, "grad", p.in.x, "x"));
+  if (p.dx.present()) DETDIT_RETURN_IF_ERROR(check_like(p.dx, "dx", p.in.x, "x"));
   if (p.d_weight.present()) {
-    DETDIT_RETURN_IF_ERROR(check::dtype(p.d_weight, "d_weight", {DType::kF32, p.x.dtype}));
-    DETDIT_RETURN_IF_ERROR(check::same_device(p.d_weight, "d_weight", p.x, "x"));
+    DETDIT_RETURN_IF_ERROR(check::dtype(p.d_weight, "d_weight", {DType::kF32, p.in.x.dtype}));
+    DETDIT_RETURN_IF_ERROR(check::same_device(p.d_weight, "d_weight", p.in.x, "x"));
     DETDIT_RETURN_IF_ERROR(check::shape(p.d_weight, "d_weight", {hidden}, "(H,)"));
     DETDIT_RETURN_IF_ERROR(check::contiguous(p.d_weight, "d_weight"));
   }
   if ((p.d_shift.present() || p.d_scale.present()) && !modulated)
     return Status::value_error("d_shift/d_scale need a modulated norm (shift and scale), got a plain norm");
   if (p.d_shift.present())
-    DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_shift, "d_shift", p.plan.num_rows(), hidden, p.x.dtype, p.x, "x"));
+    DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_shift, "d_shift", p.in.plan.num_rows(), hidden, p.in.x.dtype, p.in.x, "x"));
   if (p.d_scale.present())
-    DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_scale, "d_scale", p.plan.num_rows(), hidden, p.x.dtype, p.x, "x"));
-  return check_outputs_disjoint({{&p.x, "x"}, {&p.weight, "weight"}, {&p.shift, "shift"}, {&p.scale, "scale"},
+    DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_scale, "d_scale", p.in.plan.num_rows(), hidden, p.in.x.dtype, p.in.x, "x"));
+  return check_outputs_disjoint({{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"},
                                  {&p.rstd, "rstd"}, {&p.grad, "grad"}},
                                 {{&p.dx, "dx"}, {&p.d_weight, "d_weight"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
 }
 
 Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& weight_partials,
                              const TensorView& table_partials, Stream stream) {
-  const bool on_cuda = p.x.device.is_cuda();
-  const int64_t hidden = p.x.shape[p.x.rank - 1];
+  const Device device = p.in.x.device;
+  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
   if (p.d_weight.present())
-    DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::fold_chunk_partials(weight_partials, p.d_weight, stream)
-                                   : cpu::fold_chunk_partials(weight_partials, p.d_weight, stream));
+    DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, weight_partials, p.d_weight, stream));
   if (!table_partials.present()) return Status();
   // d_shift from columns [0, H), d_scale from [H, 2H) of the (G, 2H) partials.
   const std::pair<const TensorView*, int64_t> outputs[] = {{&p.d_shift, 0}, {&p.d_scale, hidden}};
   for (const auto& [out, column] : outputs) {
     if (!out->present()) continue;
     const TensorView part = table_partials.narrow(1, column, hidden);
-    DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::fold_segment_partials(p.plan, part, *out, stream)
-                                   : cpu::fold_segment_partials(p.plan, part, *out, stream));
+    DETDIT_RETURN_IF_ERROR(backend::fold_segment_partials(device, p.in.plan, part, *out, stream));
   }
   return Status();
 }
 
 Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
-  const Device device = p.x.device;
-  const bool on_cuda = device.is_cuda();
-  const int64_t hidden = p.x.shape[p.x.rank - 1];
+  const Device device = p.in.x.device;
+  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
   // positions: the plan's B*S; a plain norm without a plan reduces its own rows.
-  const int64_t positions = p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden;
+  const int64_t positions = p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden;
   const int64_t chunks = (positions + kReductionChunk - 1) / kReductionChunk;
-  const bool tables = p.shift.present() && (p.d_shift.present() || p.d_scale.present());
+  const bool tables = p.in.shift.present() && (p.d_shift.present() || p.d_scale.present());
   // One FP32 scratch: d_weight chunk partials (C, H), then the table segment
   // partials (G, 2H). Allocated before any launch, so a failed allocation
   // writes nothing.
   const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
-  const int64_t table_floats = tables ? p.plan.num_segments() * 2 * hidden : 0;
+  const int64_t table_floats = tables ? p.in.plan.num_segments() * 2 * hidden : 0;
   std::shared_ptr<void> owner;
   TensorView scratch, weight_partials, table_partials;
   if (weight_floats + table_floats > 0) {
@@ -140,15 +137,13 @@ Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
       weight_partials = TensorView::contiguous(scratch.ptr<float>(), DType::kF32, {chunks, hidden}, device);
     if (tables)
       table_partials = TensorView::contiguous(scratch.ptr<float>() + weight_floats, DType::kF32,
-                                              {p.plan.num_segments(), 2 * hidden}, device);
+                                              {p.in.plan.num_segments(), 2 * hidden}, device);
   }
-  DETDIT_RETURN_IF_ERROR(on_cuda ? cuda::rmsnorm_backward_rows(p, stream)
-                                 : cpu::rmsnorm_backward_rows(p, stream));
+  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, p, stream));
   if (!scratch.present()) return Status();
   const ChunkSelection every_chunk;
   DETDIT_RETURN_IF_ERROR(
-      on_cuda ? cuda::rmsnorm_backward_partials(p, every_chunk, ExtraRows{}, weight_partials, table_partials, stream)
-              : cpu::rmsnorm_backward_partials(p, every_chunk, ExtraRows{}, weight_partials, table_partials, stream));
+      backend::rmsnorm_backward_partials(device, p, every_chunk, ExtraRows{}, weight_partials, table_partials, stream));
   return fold_rmsnorm_partials(p, weight_partials, table_partials, stream);
 }
 
@@ -156,7 +151,7 @@ Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
 
 Status rmsnorm_forward(const RmsnormParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(params));
-  return params.x.device.is_cuda() ? cuda::rmsnorm_forward(params, stream) : cpu::rmsnorm_forward(params, stream);
+  return backend::rmsnorm_forward(params.in.x.device, params, stream);
 }
 
 Status rmsnorm_backward(const RmsnormBackwardParams& params, Stream stream) {

@@ -83,31 +83,31 @@ Status check_channels(const TensorView& t, const char* name, int64_t num_timeste
 }
 
 Status validate_sinusoid(const TimestepSinusoidParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(check_timestep_tensor(p.timesteps));
+  DETDIT_RETURN_IF_ERROR(check_timestep_tensor(p.in.timesteps));
   DETDIT_RETURN_IF_ERROR(check::present(p.features, "features"));
-  DETDIT_RETURN_IF_ERROR(check::same_device(p.features, "features", p.timesteps, "timesteps"));
-  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.timesteps.device));
-  DETDIT_RETURN_IF_ERROR(check_channels(p.features, "features", p.timesteps.shape[0]));
-  DETDIT_RETURN_IF_ERROR(check::no_alias(p.features, "features", p.timesteps, "timesteps"));
-  DETDIT_RETURN_IF_ERROR(check_max_period(p.max_period));
-  return p.check_range ? check_timestep_values(p.timesteps, stream) : Status();
+  DETDIT_RETURN_IF_ERROR(check::same_device(p.features, "features", p.in.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.timesteps.device));
+  DETDIT_RETURN_IF_ERROR(check_channels(p.features, "features", p.in.timesteps.shape[0]));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.features, "features", p.in.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check_max_period(p.in.max_period));
+  return p.in.check_range ? check_timestep_values(p.in.timesteps, stream) : Status();
 }
 
 Status validate_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(check_timestep_tensor(p.timesteps));
+  DETDIT_RETURN_IF_ERROR(check_timestep_tensor(p.in.timesteps));
   for (auto [t, name] : NamedList{{p.grad_features, "grad_features"}, {p.d_timesteps, "d_timesteps"}}) {
     DETDIT_RETURN_IF_ERROR(check::present(t, name));
-    DETDIT_RETURN_IF_ERROR(check::same_device(t, name, p.timesteps, "timesteps"));
+    DETDIT_RETURN_IF_ERROR(check::same_device(t, name, p.in.timesteps, "timesteps"));
   }
-  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.numerics, p.timesteps.device));
-  DETDIT_RETURN_IF_ERROR(check_channels(p.grad_features, "grad_features", p.timesteps.shape[0]));
-  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.d_timesteps, "d_timesteps", p.timesteps, "timesteps"));
-  DETDIT_RETURN_IF_ERROR(check::shape(p.d_timesteps, "d_timesteps", {p.timesteps.shape[0]}, "(T,)"));
+  DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.timesteps.device));
+  DETDIT_RETURN_IF_ERROR(check_channels(p.grad_features, "grad_features", p.in.timesteps.shape[0]));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(p.d_timesteps, "d_timesteps", p.in.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::shape(p.d_timesteps, "d_timesteps", {p.in.timesteps.shape[0]}, "(T,)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(p.d_timesteps, "d_timesteps"));
-  DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.timesteps, "timesteps"));
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.in.timesteps, "timesteps"));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.grad_features, "grad_features"));
-  DETDIT_RETURN_IF_ERROR(check_max_period(p.max_period));
-  return p.check_range ? check_timestep_values(p.timesteps, stream) : Status();
+  DETDIT_RETURN_IF_ERROR(check_max_period(p.in.max_period));
+  return p.in.check_range ? check_timestep_values(p.in.timesteps, stream) : Status();
 }
 
 // The H3 time embedder is an FP32 module: every operand fp32, contiguous,
@@ -153,19 +153,19 @@ Status check_mlp_input(const TensorView& features, const TensorView& w1, const T
 }
 
 Status validate_mlp(const TimestepMlpParams& p) {
-  DETDIT_RETURN_IF_ERROR(check_mlp_input(p.features, p.w1, p.w2, p.numerics));
-  const int64_t rows = p.features.shape[0];
-  const int64_t hidden = p.w1.shape[0], out_features = p.w2.shape[0];
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.b1, "b1", p.features, {hidden}, "(H,)"));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w2, "w2", p.features, {-1, hidden}, "(D, H)"));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.b2, "b2", p.features, {out_features}, "(D,)"));
-  DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.features, p.w1));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.temb, "temb", p.features, {rows, out_features}, "(T, D)"));
-  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.pre, "pre", p.features, {rows, hidden}, "(T, H)"));
-  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.hidden, "hidden", p.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_input(p.in.features, p.in.w1, p.in.w2, p.in.numerics));
+  const int64_t rows = p.in.features.shape[0];
+  const int64_t hidden = p.in.w1.shape[0], out_features = p.in.w2.shape[0];
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.in.b1, "b1", p.in.features, {hidden}, "(H,)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.in.w2, "w2", p.in.features, {-1, hidden}, "(D, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.in.b2, "b2", p.in.features, {out_features}, "(D,)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.in.features, p.in.w1));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.temb, "temb", p.in.features, {rows, out_features}, "(T, D)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.pre, "pre", p.in.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.hidden, "hidden", p.in.features, {rows, hidden}, "(T, H)"));
   for (auto [out, out_name] : NamedList{{p.temb, "temb"}, {p.pre, "pre"}, {p.hidden, "hidden"}})
-    for (auto [in, in_name] : NamedList{{p.features, "features"}, {p.w1, "w1"}, {p.b1, "b1"}, {p.w2, "w2"},
-                                        {p.b2, "b2"}})
+    for (auto [in, in_name] : NamedList{{p.in.features, "features"}, {p.in.w1, "w1"}, {p.in.b1, "b1"}, {p.in.w2, "w2"},
+                                        {p.in.b2, "b2"}})
       DETDIT_RETURN_IF_ERROR(check::no_alias(out, out_name, in, in_name));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.pre, "pre", p.temb, "temb"));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.hidden, "hidden", p.temb, "temb"));
@@ -173,24 +173,24 @@ Status validate_mlp(const TimestepMlpParams& p) {
 }
 
 Status validate_mlp_backward(const TimestepMlpBackwardParams& p) {
-  DETDIT_RETURN_IF_ERROR(check_mlp_input(p.features, p.w1, p.w2, p.numerics));
-  const int64_t rows = p.features.shape[0], in_features = p.features.shape[1];
-  const int64_t hidden = p.w1.shape[0], out_features = p.w2.shape[0];
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.w2, "w2", p.features, {-1, hidden}, "(D, H)"));
-  DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.features, p.w1));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.pre, "pre", p.features, {rows, hidden}, "(T, H)"));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.hidden, "hidden", p.features, {rows, hidden}, "(T, H)"));
-  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.grad_temb, "grad_temb", p.features, {rows, out_features}, "(T, D)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_input(p.in.features, p.in.w1, p.in.w2, p.in.numerics));
+  const int64_t rows = p.in.features.shape[0], in_features = p.in.features.shape[1];
+  const int64_t hidden = p.in.w1.shape[0], out_features = p.in.w2.shape[0];
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.in.w2, "w2", p.in.features, {-1, hidden}, "(D, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_sizes(p.in.features, p.in.w1));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.pre, "pre", p.in.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.hidden, "hidden", p.in.features, {rows, hidden}, "(T, H)"));
+  DETDIT_RETURN_IF_ERROR(check_mlp_operand(p.grad_temb, "grad_temb", p.in.features, {rows, out_features}, "(T, D)"));
   DETDIT_RETURN_IF_ERROR(
-      check_optional_mlp_operand(p.d_features, "d_features", p.features, {rows, in_features}, "(T, K)"));
-  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_w1, "d_w1", p.features, {hidden, in_features}, "(H, K)"));
-  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_b1, "d_b1", p.features, {hidden}, "(H,)"));
-  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_w2, "d_w2", p.features, {out_features, hidden}, "(D, H)"));
-  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_b2, "d_b2", p.features, {out_features}, "(D,)"));
+      check_optional_mlp_operand(p.d_features, "d_features", p.in.features, {rows, in_features}, "(T, K)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_w1, "d_w1", p.in.features, {hidden, in_features}, "(H, K)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_b1, "d_b1", p.in.features, {hidden}, "(H,)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_w2, "d_w2", p.in.features, {out_features, hidden}, "(D, H)"));
+  DETDIT_RETURN_IF_ERROR(check_optional_mlp_operand(p.d_b2, "d_b2", p.in.features, {out_features}, "(D,)"));
   const NamedList outputs{{p.d_features, "d_features"}, {p.d_w1, "d_w1"}, {p.d_b1, "d_b1"}, {p.d_w2, "d_w2"},
                           {p.d_b2, "d_b2"}};
   for (const Named* out = outputs.begin(); out != outputs.end(); ++out) {
-    for (auto [in, in_name] : NamedList{{p.features, "features"}, {p.w1, "w1"}, {p.w2, "w2"}, {p.pre, "pre"},
+    for (auto [in, in_name] : NamedList{{p.in.features, "features"}, {p.in.w1, "w1"}, {p.in.w2, "w2"}, {p.pre, "pre"},
                                         {p.hidden, "hidden"}, {p.grad_temb, "grad_temb"}})
       DETDIT_RETURN_IF_ERROR(check::no_alias(out->first, out->second, in, in_name));
     for (const Named* other = out + 1; other != outputs.end(); ++other)
@@ -203,48 +203,46 @@ Status validate_mlp_backward(const TimestepMlpBackwardParams& p) {
 
 Status timestep_sinusoid_forward(const TimestepSinusoidParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_sinusoid(params, stream));
-  return params.timesteps.device.is_cuda() ? cuda::timestep_sinusoid_forward(params, stream)
-                                           : cpu::timestep_sinusoid_forward(params, stream);
+  return backend::timestep_sinusoid_forward(params.in.timesteps.device, params, stream);
 }
 
 Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_sinusoid_backward(params, stream));
-  return params.timesteps.device.is_cuda() ? cuda::timestep_sinusoid_backward(params, stream)
-                                           : cpu::timestep_sinusoid_backward(params, stream);
+  return backend::timestep_sinusoid_backward(params.in.timesteps.device, params, stream);
 }
 
 Status timestep_mlp_forward(const TimestepMlpParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_mlp(params));
-  const Device device = params.features.device;
-  const int64_t rows = params.features.shape[0], hidden_size = params.w1.shape[0];
+  const Device device = params.in.features.device;
+  const int64_t rows = params.in.features.shape[0], hidden_size = params.in.w1.shape[0];
   // hidden = silu(pre) feeds the second linear: scratch when the caller does not keep it.
   TensorView hidden = params.hidden;
   std::shared_ptr<void> scratch;
   if (!hidden.present())
     DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {rows, hidden_size}, stream, &scratch, &hidden));
   LinearParams first;
-  first.x = params.features;
-  first.weight = params.w1;
-  first.bias = params.b1;
+  first.x = params.in.features;
+  first.weight = params.in.w1;
+  first.bias = params.in.b1;
   first.out = hidden;
   first.pre_activation = params.pre;
   first.activation = Activation::kSilu;
-  first.numerics = params.numerics;
+  first.numerics = params.in.numerics;
   DETDIT_RETURN_IF_ERROR(linear_forward(first, stream));
   LinearParams second;
   second.x = hidden;
-  second.weight = params.w2;
-  second.bias = params.b2;
+  second.weight = params.in.w2;
+  second.bias = params.in.b2;
   second.out = params.temb;
-  second.numerics = params.numerics;
+  second.numerics = params.in.numerics;
   return linear_forward(second, stream);
 }
 
 Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_mlp_backward(params));
-  const Device device = params.features.device;
-  const int64_t rows = params.features.shape[0], in_features = params.features.shape[1];
-  const int64_t hidden_size = params.w1.shape[0], out_features = params.w2.shape[0];
+  const Device device = params.in.features.device;
+  const int64_t rows = params.in.features.shape[0], in_features = params.in.features.shape[1];
+  const int64_t hidden_size = params.in.w1.shape[0], out_features = params.in.w2.shape[0];
   const bool need_d_pre = params.d_features.present() || params.d_w1.present() || params.d_b1.present();
   // Scratch first, so an allocation failure writes nothing:
   // d_hidden, d_pre (T, H) FP32; the d_x chunk partials of both linears.
@@ -273,7 +271,7 @@ Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream str
   // 2. d_hidden = linear d_x (g, W2), FP32
   LinearBackwardInputParams second_input;
   second_input.grad = params.grad_temb;
-  second_input.weight = params.w2;
+  second_input.weight = params.in.w2;
   second_input.partials = hidden_partials;
   second_input.d_x = d_hidden;
   DETDIT_RETURN_IF_ERROR(linear_backward_input(second_input, stream));
@@ -282,12 +280,12 @@ Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream str
   silu.grad = d_hidden;
   silu.pre = params.pre;
   silu.d_pre = d_pre;
-  silu.numerics = params.numerics;
+  silu.numerics = params.in.numerics;
   DETDIT_RETURN_IF_ERROR(silu_backward(silu, stream));
   // 4. dW1, db1 = linear d_W / d_b (d_pre, features)
   LinearBackwardWeightParams first_weight;
   first_weight.grad = d_pre;
-  first_weight.x = params.features;
+  first_weight.x = params.in.features;
   first_weight.d_weight = params.d_w1;
   first_weight.d_bias = params.d_b1;
   DETDIT_RETURN_IF_ERROR(linear_backward_weight(first_weight, stream));
@@ -295,7 +293,7 @@ Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream str
   // 5. d_features = linear d_x (d_pre, W1)
   LinearBackwardInputParams first_input;
   first_input.grad = d_pre;
-  first_input.weight = params.w1;
+  first_input.weight = params.in.w1;
   first_input.partials = feature_partials;
   first_input.d_x = params.d_features;
   return linear_backward_input(first_input, stream);

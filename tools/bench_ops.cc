@@ -99,11 +99,11 @@ Status setup_mlp(const BenchContext& ctx, int64_t count, BenchInstance* instance
   state->out_shape = {count, ctx.weights->config.time_embed_dim};
   state->call = [](const std::vector<TensorView>& in, const TensorView& out, Stream stream) {
     TimestepMlpParams p;
-    p.features = in[0];
-    p.w1 = in[1];
-    p.b1 = in[2];
-    p.w2 = in[3];
-    p.b2 = in[4];
+    p.in.features = in[0];
+    p.in.w1 = in[1];
+    p.in.b1 = in[2];
+    p.in.w2 = in[3];
+    p.in.b2 = in[4];
     p.temb = out;
     return timestep_mlp_forward(p, stream);
   };
@@ -125,9 +125,9 @@ Status setup_projection(const BenchContext& ctx, int64_t count, BenchInstance* i
   state->out_dtype = DType::kBF16;
   state->call = [](const std::vector<TensorView>& in, const TensorView& out, Stream stream) {
     AdalnProjectionParams p;
-    p.temb = in[0];
-    p.weight = in[1];
-    p.bias = in[2];
+    p.in.temb = in[0];
+    p.in.weight = in[1];
+    p.in.bias = in[2];
     p.table = out;
     return adaln_projection_forward(p, stream);
   };
@@ -186,11 +186,11 @@ Status setup_rmsnorm(const BenchContext& ctx, BenchInstance* instance) {
   state->call = [H, plans = std::make_shared<PlanCache>()](const std::vector<TensorView>& in, const TensorView& out,
                                                            Stream stream) {
     RmsnormParams p;
-    DETDIT_RETURN_IF_ERROR(plans->get(in[3], stream, &p.plan));
-    p.x = in[0];
-    p.weight = in[1];
-    p.shift = chunk_of(in[2], H, 0);
-    p.scale = chunk_of(in[2], H, 1);
+    DETDIT_RETURN_IF_ERROR(plans->get(in[3], stream, &p.in.plan));
+    p.in.x = in[0];
+    p.in.weight = in[1];
+    p.in.shift = chunk_of(in[2], H, 0);
+    p.in.scale = chunk_of(in[2], H, 1);
     p.out = out;
     return rmsnorm_forward(p, stream);
   };
@@ -214,10 +214,10 @@ Status setup_gate(const BenchContext& ctx, BenchInstance* instance) {
   state->call = [H, plans = std::make_shared<PlanCache>()](const std::vector<TensorView>& in, const TensorView& out,
                                                            Stream stream) {
     GateResidualParams p;
-    DETDIT_RETURN_IF_ERROR(plans->get(in[3], stream, &p.plan));
-    p.residual = in[0];
-    p.y = in[1];
-    p.gate = chunk_of(in[2], H, 2);
+    DETDIT_RETURN_IF_ERROR(plans->get(in[3], stream, &p.in.plan));
+    p.in.residual = in[0];
+    p.in.y = in[1];
+    p.in.gate = chunk_of(in[2], H, 2);
     p.out = out;
     return gate_residual_forward(p, stream);
   };

@@ -214,9 +214,8 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
     DETDIT_RETURN_IF_ERROR(output(DType::kBF16, act_shape, device, "d_y", true, &out));
     DETDIT_RETURN_IF_ERROR(output(DType::kF32, table_shape, device, "d_gate", false, &out));
     // residual = x, y = grad; the incoming gradient of out is x.
-    const GateResidualParams f{x, grad, run->inputs[2].view(), index.plan, out[0].tensor.view()};
-    const GateResidualBackwardParams b{x, grad, run->inputs[2].view(), index.plan, out[1].tensor.view(),
-                                       out[2].tensor.view(), out[3].tensor.view()};
+    const GateResidualParams f{{x, grad, run->inputs[2].view(), index.plan}, out[0].tensor.view()};
+    const GateResidualBackwardParams b{f.in, x, out[1].tensor.view(), out[2].tensor.view(), out[3].tensor.view()};
     run->forward = [f, plan_copy, parallel, stream]() {
       return parallel ? sp_gate_residual_forward(plan_copy, f, stream) : gate_residual_forward(f, stream);
     };
@@ -233,8 +232,8 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
   DETDIT_RETURN_IF_ERROR(output(DType::kBF16, act_shape, device, "dx", true, &out));
   DETDIT_RETURN_IF_ERROR(output(DType::kF32, {hidden}, device, "d_weight", false, &out));
   RmsnormParams f;
-  f.x = x;
-  f.weight = run->inputs[2].view();
+  f.in.x = x;
+  f.in.weight = run->inputs[2].view();
   f.out = out[0].tensor.view();
   f.rstd = out[1].tensor.view();
   if (modulated) {
@@ -242,16 +241,12 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
     DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.scale, device, &run->inputs[4]));
     DETDIT_RETURN_IF_ERROR(output(DType::kF32, table_shape, device, "d_shift", false, &out));
     DETDIT_RETURN_IF_ERROR(output(DType::kF32, table_shape, device, "d_scale", false, &out));
-    f.shift = run->inputs[3].view();
-    f.scale = run->inputs[4].view();
-    f.plan = index.plan;  // a plain norm takes no plan
+    f.in.shift = run->inputs[3].view();
+    f.in.scale = run->inputs[4].view();
+    f.in.plan = index.plan;  // a plain norm takes no plan
   }
   RmsnormBackwardParams b;
-  b.x = x;
-  b.weight = f.weight;
-  b.shift = f.shift;
-  b.scale = f.scale;
-  b.plan = f.plan;
+  b.in = f.in;
   b.rstd = f.rstd;
   b.grad = grad;
   b.dx = out[2].tensor.view();
@@ -339,9 +334,9 @@ Status prepare_tp_run(const TpProblem& pr, const TpWeights& weights, const Devic
   const TensorView weight = weights.weight_view.narrow(0, run->begin, columns);
   const TensorView bias = weights.bias_view.narrow(0, run->begin, columns);
   const TensorView temb = run->inputs[0].view();
-  const AdalnProjectionParams f{temb, weight, bias, out[0].tensor.view(), out[1].tensor.view()};
-  const AdalnProjectionBackwardParams b{temb, weight, out[1].tensor.view(), run->inputs[1].view(),
-                                        out[2].tensor.view(), out[3].tensor.view(), out[4].tensor.view()};
+  const AdalnProjectionParams f{{temb, weight, bias}, out[0].tensor.view(), out[1].tensor.view()};
+  const AdalnProjectionBackwardParams b{f.in, f.act, run->inputs[1].view(), out[2].tensor.view(),
+                                        out[3].tensor.view(), out[4].tensor.view()};
   run->forward = [f, comm, stream]() {
     return comm ? tp_adaln_projection_forward(*comm, f, stream) : adaln_projection_forward(f, stream);
   };

@@ -180,12 +180,14 @@ Status run_final(const Device& device, const FusedSequence& seq, const FinalInpu
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {T, D}, device, &d_temb));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(w_dtype, {2 * H, D}, device, &d_weight));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(w_dtype, {2 * H}, device, &d_bias));
-  FinalAdalnOutParams f{x.view(), norm_weight.view(), temb.view(), weight.view(), bias.view(), plan,
-                        out.view(), table.view(), act.view(), rstd.view(), kEps};
+  FinalAdalnOutParams f{{x.view(), norm_weight.view(), temb.view(), weight.view(), bias.view(), plan, kEps},
+                        out.view(),
+                        table.view(),
+                        act.view(),
+                        rstd.view()};
   DETDIT_RETURN_IF_ERROR(final_adaln_out_forward(f));
-  FinalAdalnOutBackwardParams b{x.view(), norm_weight.view(), temb.view(), weight.view(), table.view(), act.view(),
-                                rstd.view(), plan, grad.view(), dx.view(), d_norm_weight.view(), d_temb.view(),
-                                d_weight.view(), d_bias.view(), kEps};
+  FinalAdalnOutBackwardParams b{f.in,      f.table,   f.act,     f.rstd,    grad.view(),
+                                dx.view(), d_norm_weight.view(), d_temb.view(), d_weight.view(), d_bias.view()};
   DETDIT_RETURN_IF_ERROR(final_adaln_out_backward(b));
   return collect({{"out", &out}, {"table", &table}, {"act", &act}, {"rstd", &rstd}, {"dx", &dx},
                   {"d_norm_weight", &d_norm_weight}, {"d_temb", &d_temb}, {"d_weight", &d_weight}, {"d_bias", &d_bias}},
@@ -275,10 +277,9 @@ Status run_modulation(const Device& device, const FusedSequence& seq, const Modu
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {T, D}, device, &d_temb));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(w_dtype, {N, D}, device, &d_weight));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(w_dtype, {N}, device, &d_bias));
-  AdalnModulationParams f{temb.view(), weight.view(), bias.view(), plan, table.view(), act.view(), out.view()};
+  AdalnModulationParams f{{temb.view(), weight.view(), bias.view(), plan}, table.view(), act.view(), out.view()};
   DETDIT_RETURN_IF_ERROR(adaln_modulation_forward(f));
-  AdalnModulationBackwardParams b{temb.view(), weight.view(), act.view(), plan, grad.view(), d_temb.view(),
-                                  d_weight.view(), d_bias.view()};
+  AdalnModulationBackwardParams b{f.in, f.act, grad.view(), d_temb.view(), d_weight.view(), d_bias.view()};
   DETDIT_RETURN_IF_ERROR(adaln_modulation_backward(b));
   return collect({{"table", &table}, {"act", &act}, {"out", &out}, {"d_temb", &d_temb}, {"d_weight", &d_weight},
                   {"d_bias", &d_bias}},

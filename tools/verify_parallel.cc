@@ -193,9 +193,9 @@ Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& 
       // As in prepare_sp_run: y = grad, the incoming gradient is x.
       GateResidualBackwardParams b;
       b.grad = x.view();
-      b.y = grad.view();
-      b.gate = table_a.view();
-      b.plan = sp.local_plan();
+      b.in.y = grad.view();
+      b.in.gate = table_a.view();
+      b.in.plan = sp.local_plan();
       b.d_gate = part_a.view();
       DETDIT_RETURN_IF_ERROR(gate_residual_backward(b));
     } else {
@@ -206,11 +206,11 @@ Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& 
       DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {hidden}, device, &part_a));
       DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {rows, hidden}, device, &part_b));
       RmsnormBackwardParams b;
-      b.x = x.view();
-      b.weight = weight.view();
-      b.shift = table_a.view();
-      b.scale = table_b.view();
-      b.plan = sp.local_plan();
+      b.in.x = x.view();
+      b.in.weight = weight.view();
+      b.in.shift = table_a.view();
+      b.in.scale = table_b.view();
+      b.in.plan = sp.local_plan();
       b.rstd = rstd.view();
       b.grad = grad.view();
       b.d_weight = part_a.view();

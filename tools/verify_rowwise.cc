@@ -101,12 +101,12 @@ Status run_norm(const Device& device, const NormInputs& in, HostBuffer* out, Hos
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(in.x.dtype(), in.x.shape(), device, &out_t));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {in.x.shape()[0]}, device, &rstd));
   RmsnormParams p;
-  p.x = x.view();
-  p.weight = weight.view();
+  p.in.x = x.view();
+  p.in.weight = weight.view();
   const TensorView rows = rows_view(table.view(), in.hidden);
-  DETDIT_RETURN_IF_ERROR(adaln_table_chunk(rows, in.hidden, 0, &p.shift));  // shift_msa
-  DETDIT_RETURN_IF_ERROR(adaln_table_chunk(rows, in.hidden, 1, &p.scale));  // scale_msa
-  p.plan = plan;
+  DETDIT_RETURN_IF_ERROR(adaln_table_chunk(rows, in.hidden, 0, &p.in.shift));  // shift_msa
+  DETDIT_RETURN_IF_ERROR(adaln_table_chunk(rows, in.hidden, 1, &p.in.scale));  // scale_msa
+  p.in.plan = plan;
   p.out = out_t.view();
   p.rstd = rstd.view();
   DETDIT_RETURN_IF_ERROR(rmsnorm_forward(p));
@@ -227,10 +227,10 @@ Status run_gate(const Device& device, const HostBuffer& residual, const HostBuff
   DETDIT_RETURN_IF_ERROR(build_plan(index_rows, device, batch, &index, &plan));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(residual.dtype(), residual.shape(), device, &o));
   GateResidualParams p;
-  p.residual = r.view();
-  p.y = yt.view();
-  DETDIT_RETURN_IF_ERROR(adaln_table_chunk(rows_view(t.view(), hidden), hidden, 2, &p.gate));  // gate_msa
-  p.plan = plan;
+  p.in.residual = r.view();
+  p.in.y = yt.view();
+  DETDIT_RETURN_IF_ERROR(adaln_table_chunk(rows_view(t.view(), hidden), hidden, 2, &p.in.gate));  // gate_msa
+  p.in.plan = plan;
   p.out = o.view();
   DETDIT_RETURN_IF_ERROR(gate_residual_forward(p));
   return o.to_host(out);

@@ -79,7 +79,7 @@ Status run_sinusoid(const Device& device, const std::vector<HostBuffer>& in, Hos
   DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[0], device, &timesteps));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {in[0].shape()[0], channels}, device, &features));
   TimestepSinusoidParams p;
-  p.timesteps = timesteps.view();
+  p.in.timesteps = timesteps.view();
   p.features = features.view();
   DETDIT_RETURN_IF_ERROR(timestep_sinusoid_forward(p));
   return features.to_host(out);
@@ -143,11 +143,11 @@ Status run_mlp(const Device& device, const std::vector<HostBuffer>& in, HostBuff
   for (int i = 0; i < 5; ++i) DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[i], device, &t[i]));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {in[0].shape()[0], in[3].shape()[0]}, device, &temb));
   TimestepMlpParams p;
-  p.features = t[0].view();
-  p.w1 = t[1].view();
-  p.b1 = t[2].view();
-  p.w2 = t[3].view();
-  p.b2 = t[4].view();
+  p.in.features = t[0].view();
+  p.in.w1 = t[1].view();
+  p.in.b1 = t[2].view();
+  p.in.w2 = t[3].view();
+  p.in.b2 = t[4].view();
   p.temb = temb.view();
   DETDIT_RETURN_IF_ERROR(timestep_mlp_forward(p));
   return temb.to_host(out);
@@ -237,9 +237,9 @@ Status run_projection(const Device& device, const std::vector<HostBuffer>& in, H
   DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[2], device, &bias));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(in[1].dtype(), {in[0].shape()[0], in[1].shape()[0]}, device, &table));
   AdalnProjectionParams p;
-  p.temb = temb.view();
-  p.weight = weight.view();
-  p.bias = bias.view();
+  p.in.temb = temb.view();
+  p.in.weight = weight.view();
+  p.in.bias = bias.view();
   p.table = table.view();
   DETDIT_RETURN_IF_ERROR(adaln_projection_forward(p));
   return table.to_host(out);

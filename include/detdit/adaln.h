@@ -33,25 +33,28 @@ constexpr int kAdalnChunks = 6;
 // The (3T, H) view of chunk c of a (T, 18H) table (or of a (3T, 6H) rows view).
 Status adaln_table_chunk(const TensorView& table, int64_t hidden, int chunk, TensorView* view);
 
-struct AdalnProjectionParams {
+// What the forward and the backward both read (bias only feeds the forward).
+struct AdalnProjectionInputs {
   TensorView temb;    // (T, D) fp32
   TensorView weight;  // (N, D) bf16 or fp32, N a multiple of 18 (18H for H3)
-  TensorView bias;    // (N,) weight's dtype
+  TensorView bias;    // (N,) weight's dtype (forward only)
+  Numerics numerics = Numerics::kPortable;
+};
+
+struct AdalnProjectionParams {
+  AdalnProjectionInputs in;
   TensorView table;   // (T, N) weight's dtype, output
   TensorView act;     // (T, D) weight's dtype, saved bf16(silu(temb)), or absent
-  Numerics numerics = Numerics::kPortable;
 };
 Status adaln_projection_forward(const AdalnProjectionParams& params, Stream stream = nullptr);
 
 struct AdalnProjectionBackwardParams {
-  TensorView temb;        // (T, D) fp32
-  TensorView weight;      // (N, D)
-  TensorView act;         // (T, D) saved by the forward
-  TensorView grad_table;  // (T, N) fp32 or weight's dtype
-  TensorView d_temb;      // (T, D) fp32, or absent
-  TensorView d_weight;    // (N, D) weight's dtype, or absent
-  TensorView d_bias;      // (N,) weight's dtype, or absent
-  Numerics numerics = Numerics::kPortable;
+  AdalnProjectionInputs in;  // as in the forward
+  TensorView act;            // (T, D) saved by the forward
+  TensorView grad_table;     // (T, N) fp32 or weight's dtype
+  TensorView d_temb;         // (T, D) fp32, or absent
+  TensorView d_weight;       // (N, D) weight's dtype, or absent
+  TensorView d_bias;         // (N,) weight's dtype, or absent
 };
 Status adaln_projection_backward(const AdalnProjectionBackwardParams& params, Stream stream = nullptr);
 
@@ -69,57 +72,63 @@ struct AdalnRowGatherBackwardParams {
 };
 Status adaln_row_gather_backward(const AdalnRowGatherBackwardParams& params, Stream stream = nullptr);
 
-struct AdalnModulationParams {
+// What the forward and the backward both read (bias only feeds the forward).
+struct AdalnModulationInputs {
   TensorView temb;    // (T, D) fp32
   TensorView weight;  // (18H, D) bf16 or fp32
-  TensorView bias;    // (18H,)
+  TensorView bias;    // (18H,) (forward only)
   IndexPlan plan;     // R = 3T
+  Numerics numerics = Numerics::kPortable;
+};
+
+struct AdalnModulationParams {
+  AdalnModulationInputs in;
   TensorView table;   // (T, 18H) weight's dtype, saved
   TensorView act;     // (T, D) weight's dtype, saved
   TensorView out;     // (6, S, H) weight's dtype
-  Numerics numerics = Numerics::kPortable;
 };
 Status adaln_modulation_forward(const AdalnModulationParams& params, Stream stream = nullptr);
 
 struct AdalnModulationBackwardParams {
-  TensorView temb, weight, act;  // as in the forward
-  IndexPlan plan;
-  TensorView grad;      // (6, B*S, H) weight's dtype
-  TensorView d_temb;    // (T, D) fp32, or absent
-  TensorView d_weight;  // (18H, D) weight's dtype, or absent
-  TensorView d_bias;    // (18H,) weight's dtype, or absent
-  Numerics numerics = Numerics::kPortable;
+  AdalnModulationInputs in;  // as in the forward
+  TensorView act;            // (T, D) saved by the forward
+  TensorView grad;           // (6, B*S, H) weight's dtype
+  TensorView d_temb;         // (T, D) fp32, or absent
+  TensorView d_weight;       // (18H, D) weight's dtype, or absent
+  TensorView d_bias;         // (18H,) weight's dtype, or absent
 };
 Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, Stream stream = nullptr);
 
-struct FinalAdalnOutParams {
+// What the forward and the backward both read (bias only feeds the forward).
+struct FinalAdalnOutInputs {
   TensorView x;            // (B*S, H) or (B, S, H) activations, bf16/fp16/fp32
   TensorView norm_weight;  // (H,) x's dtype
   TensorView temb;         // (T, D) fp32
   TensorView weight;       // (2H, D) x's dtype
-  TensorView bias;         // (2H,) x's dtype
+  TensorView bias;         // (2H,) x's dtype (forward only)
   IndexPlan plan;          // timestep index, R = T
+  float eps = 1e-5f;
+  Numerics numerics = Numerics::kPortable;
+};
+
+struct FinalAdalnOutParams {
+  FinalAdalnOutInputs in;
   TensorView out;          // like x
   TensorView table;        // (T, 2H) saved
   TensorView act;          // (T, D) saved
   TensorView rstd;         // (B*S,) fp32 saved
-  float eps = 1e-5f;
-  Numerics numerics = Numerics::kPortable;
 };
 Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream = nullptr);
 
 struct FinalAdalnOutBackwardParams {
-  TensorView x, norm_weight, temb, weight;  // as in the forward
-  TensorView table, act, rstd;              // saved by the forward
-  IndexPlan plan;
-  TensorView grad;           // like x
-  TensorView dx;             // like x, or absent
-  TensorView d_norm_weight;  // (H,) x's dtype or fp32, or absent
-  TensorView d_temb;         // (T, D) fp32, or absent
-  TensorView d_weight;       // (2H, D) weight's dtype, or absent
-  TensorView d_bias;         // (2H,) weight's dtype, or absent
-  float eps = 1e-5f;
-  Numerics numerics = Numerics::kPortable;
+  FinalAdalnOutInputs in;      // as in the forward
+  TensorView table, act, rstd; // saved by the forward
+  TensorView grad;             // like x
+  TensorView dx;               // like x, or absent
+  TensorView d_norm_weight;    // (H,) x's dtype or fp32, or absent
+  TensorView d_temb;           // (T, D) fp32, or absent
+  TensorView d_weight;         // (2H, D) weight's dtype, or absent
+  TensorView d_bias;           // (2H,) weight's dtype, or absent
 };
 Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Stream stream = nullptr);
 

@@ -17,20 +17,24 @@
 
 namespace detdit {
 
-struct GateResidualParams {
+// What the forward and the backward read: the backward takes the forward's
+// inputs unchanged and reads y, gate and plan (residual only feeds the forward).
+struct GateResidualInputs {
   TensorView residual;  // (M, H)
   TensorView y;         // (M, H) residual's dtype (the sublayer output)
   TensorView gate;      // (R, H) residual's dtype
   IndexPlan plan;
+};
+
+struct GateResidualParams {
+  GateResidualInputs in;
   TensorView out;       // (M, H) residual's dtype
 };
 Status gate_residual_forward(const GateResidualParams& params, Stream stream = nullptr);
 
 struct GateResidualBackwardParams {
-  TensorView grad;        // (M, H)
-  TensorView y;           // (M, H) saved
-  TensorView gate;        // (R, H)
-  IndexPlan plan;
+  GateResidualInputs in;  // as in the forward (residual is not read)
+  TensorView grad;        // (M, H) y's dtype
   TensorView d_residual;  // (M, H), or absent
   TensorView d_y;         // (M, H), or absent
   TensorView d_gate;      // (R, H) fp32 or gate's dtype, or absent

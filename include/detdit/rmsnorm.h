@@ -26,30 +26,33 @@
 
 namespace detdit {
 
-struct RmsnormParams {
+// What the forward and the backward both read: the backward takes the
+// forward's inputs unchanged (RmsnormBackwardParams::in = RmsnormParams::in).
+struct RmsnormInputs {
   TensorView x;       // (M, H) or (B, S, H)
   TensorView weight;  // (H,) x's dtype
   TensorView shift;   // (R, H) x's dtype, or absent (plain norm)
   TensorView scale;   // (R, H) x's dtype, or absent (plain norm)
   IndexPlan plan;     // required iff modulated
-  TensorView out;     // like x
-  TensorView rstd;    // (M,) fp32, or absent
   float eps = 1e-5f;
   Numerics numerics = Numerics::kPortable;
+};
+
+struct RmsnormParams {
+  RmsnormInputs in;
+  TensorView out;     // like x
+  TensorView rstd;    // (M,) fp32, or absent
 };
 Status rmsnorm_forward(const RmsnormParams& params, Stream stream = nullptr);
 
 struct RmsnormBackwardParams {
-  TensorView x, weight, shift, scale;  // as in the forward (shift/scale absent: plain)
-  IndexPlan plan;                      // required iff modulated
-  TensorView rstd;                     // (M,) fp32 saved by the forward
-  TensorView grad;                     // like x
-  TensorView dx;                       // like x, or absent
-  TensorView d_weight;                 // (H,) x's dtype or fp32, or absent
-  TensorView d_shift;                  // (R, H) fp32 or x's dtype, or absent
-  TensorView d_scale;                  // (R, H) fp32 or x's dtype, or absent
-  float eps = 1e-5f;
-  Numerics numerics = Numerics::kPortable;
+  RmsnormInputs in;    // as in the forward
+  TensorView rstd;     // (M,) fp32 saved by the forward
+  TensorView grad;     // like x
+  TensorView dx;       // like x, or absent
+  TensorView d_weight; // (H,) x's dtype or fp32, or absent
+  TensorView d_shift;  // (R, H) fp32 or x's dtype, or absent
+  TensorView d_scale;  // (R, H) fp32 or x's dtype, or absent
 };
 Status rmsnorm_backward(const RmsnormBackwardParams& params, Stream stream = nullptr);
 

@@ -21,45 +21,51 @@
 
 namespace detdit {
 
-struct TimestepSinusoidParams {
+// What the forward and the backward both read.
+struct TimestepSinusoidInputs {
   TensorView timesteps;   // (T,) fp32/bf16/fp16, contiguous
-  TensorView features;    // (T, C) fp32, contiguous
   float max_period = 10000.0f;
   Numerics numerics = Numerics::kPortable;
   bool check_range = true;  // false: the caller guarantees t finite and in [0, 1]
 };
+
+struct TimestepSinusoidParams {
+  TimestepSinusoidInputs in;
+  TensorView features;    // (T, C) fp32, contiguous
+};
 Status timestep_sinusoid_forward(const TimestepSinusoidParams& params, Stream stream = nullptr);
 
 struct TimestepSinusoidBackwardParams {
-  TensorView timesteps;      // (T,) fp32/bf16/fp16
-  TensorView grad_features;  // (T, C) fp32
-  TensorView d_timesteps;    // (T,) timesteps' dtype
-  float max_period = 10000.0f;
-  Numerics numerics = Numerics::kPortable;
-  bool check_range = true;  // as in the forward
+  TimestepSinusoidInputs in;  // as in the forward
+  TensorView grad_features;   // (T, C) fp32
+  TensorView d_timesteps;     // (T,) timesteps' dtype
 };
 Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& params, Stream stream = nullptr);
 
-struct TimestepMlpParams {
+// What the forward and the backward both read (b1, b2 only feed the forward).
+struct TimestepMlpInputs {
   TensorView features;  // (T, K) fp32   (K = 256 in H3)
   TensorView w1;        // (H, K) fp32   (H = 5376)
-  TensorView b1;        // (H,)   fp32
+  TensorView b1;        // (H,)   fp32   (forward only)
   TensorView w2;        // (D, H) fp32   (D = 2688)
-  TensorView b2;        // (D,)   fp32
+  TensorView b2;        // (D,)   fp32   (forward only)
+  Numerics numerics = Numerics::kPortable;
+};
+
+struct TimestepMlpParams {
+  TimestepMlpInputs in;
   TensorView temb;      // (T, D) fp32 output
   TensorView pre;       // (T, H) fp32 saved for backward (W1 f + b1), or absent
   TensorView hidden;    // (T, H) fp32 saved for backward (silu(pre)), or absent
-  Numerics numerics = Numerics::kPortable;
 };
 Status timestep_mlp_forward(const TimestepMlpParams& params, Stream stream = nullptr);
 
 struct TimestepMlpBackwardParams {
-  TensorView features, w1, w2;  // as in the forward
+  TimestepMlpInputs in;         // as in the forward
   TensorView pre, hidden;       // saved by the forward
   TensorView grad_temb;         // (T, D) fp32
   TensorView d_features;        // (T, K) fp32, or absent
   TensorView d_w1, d_b1, d_w2, d_b2;  // fp32, each may be absent
-  Numerics numerics = Numerics::kPortable;
 };
 Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream stream = nullptr);
 

@@ -7,8 +7,10 @@
 // Without a CUDA build, cuda:: entry points return a RuntimeError.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "detdit/adaln.h"
@@ -46,54 +48,87 @@ struct ExtraRows {
   TensorView x, grad, y, rstd;
 };
 
-#define DETDIT_BACKEND_OPS(ns)                                                                   \
-  namespace ns {                                                                                 \
-  Status timestep_sinusoid_forward(const TimestepSinusoidParams& p, Stream stream);              \
-  Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream);     \
-  Status linear_forward(const LinearParams& p, Stream stream);                                   \
-  Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream stream);      \
-  Status linear_backward_weight(const LinearBackwardWeightParams& p, Stream stream);            \
-  Status silu_backward(const SiluBackwardParams& p, Stream stream);                             \
-  /* act = R_T(silu(temb)), T = act's dtype: the cast before every projection */                \
-  Status silu_cast(const TensorView& temb, const TensorView& act, Numerics numerics, Stream stream); \
-  Status adaln_row_gather_forward(const AdalnRowGatherParams& p, Stream stream);                 \
-  /* partials (segments, 6H) fp32 contiguous: d_rows' segment partials; the public layer folds */ \
-  Status adaln_row_gather_backward_partials(const AdalnRowGatherBackwardParams& p, const TensorView& partials, \
-                                            Stream stream);                                      \
-  Status rmsnorm_forward(const RmsnormParams& p, Stream stream);                                 \
-  Status gate_residual_forward(const GateResidualParams& p, Stream stream);                      \
-  /* the halves of the rmsnorm and gate_residual backwards: rows, partials, folds; the public */  \
-  /* layer composes them (src/rowwise_backward.h), the SP region runs them on a ChunkSelection */  \
-  Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream); /* dx only */     \
-  /* weight_partials (chunks, H) fp32 or absent; table_partials (segments, 2H) fp32 [shift|scale] or absent */ \
-  Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel,    \
-                                   const ExtraRows& extra, const TensorView& weight_partials,    \
-                                   const TensorView& table_partials, Stream stream);             \
-  Status gate_residual_backward_rows(const GateResidualBackwardParams& p, Stream stream);       \
-  /* partials (segments, H) fp32 */                                                              \
-  Status gate_residual_backward_partials(const GateResidualBackwardParams& p, const ChunkSelection& sel, \
-                                         const ExtraRows& extra, const TensorView& partials, Stream stream); \
-  /* out[r, :] = rounded ascending fold of row r's segment partials (G, W) fp32; out (R, W), unit column stride */ \
-  Status fold_segment_partials(const IndexPlan& plan, const TensorView& partials, const TensorView& out, \
-                               Stream stream);                                                   \
-  /* out[:] = rounded ascending fold over chunks of partials (C, W) fp32; out (W,) */           \
-  Status fold_chunk_partials(const TensorView& partials, const TensorView& out, Stream stream);  \
-  }
+// Every backend entry point, once: X(name, parameter types...). The list
+// declares cpu::name and cuda::name, and generates the dispatch backend::name
+// (below) and the stubs of a build without CUDA (src/no_cuda/), so an entry
+// point cannot exist in one of these places and be missing from another.
+#define DETDIT_BACKEND_OPS(X)                                                                            \
+  X(timestep_sinusoid_forward, const TimestepSinusoidParams&, Stream)                                    \
+  X(timestep_sinusoid_backward, const TimestepSinusoidBackwardParams&, Stream)                           \
+  X(linear_forward, const LinearParams&, Stream)                                                         \
+  X(linear_backward_input_partials, const LinearBackwardInputParams&, Stream)                            \
+  X(linear_backward_weight, const LinearBackwardWeightParams&, Stream)                                   \
+  X(silu_backward, const SiluBackwardParams&, Stream)                                                    \
+  /* silu_cast(temb, act, numerics): act = R_T(silu(temb)), T = act's dtype: the cast before every */    \
+  /* projection */                                                                                       \
+  X(silu_cast, const TensorView&, const TensorView&, Numerics, Stream)                                   \
+  X(adaln_row_gather_forward, const AdalnRowGatherParams&, Stream)                                       \
+  /* (p, partials): partials (segments, 6H) fp32 contiguous, d_rows' segment partials; the public */     \
+  /* layer folds */                                                                                      \
+  X(adaln_row_gather_backward_partials, const AdalnRowGatherBackwardParams&, const TensorView&, Stream)  \
+  X(rmsnorm_forward, const RmsnormParams&, Stream)                                                       \
+  X(gate_residual_forward, const GateResidualParams&, Stream)                                            \
+  /* The halves of the rmsnorm and gate_residual backwards: rows, partials, folds. The public layer */   \
+  /* composes them (src/rowwise/backward.h); the SP region runs them on a ChunkSelection. */            \
+  X(rmsnorm_backward_rows, const RmsnormBackwardParams&, Stream) /* dx only */                           \
+  /* (p, sel, extra, weight_partials, table_partials): weight_partials (chunks, H) fp32 or absent, */    \
+  /* table_partials (segments, 2H) fp32 [shift | scale] or absent */                                     \
+  X(rmsnorm_backward_partials, const RmsnormBackwardParams&, const ChunkSelection&, const ExtraRows&,     \
+    const TensorView&, const TensorView&, Stream)                                                        \
+  X(gate_residual_backward_rows, const GateResidualBackwardParams&, Stream)                              \
+  /* (p, sel, extra, partials): partials (segments, H) fp32 */                                           \
+  X(gate_residual_backward_partials, const GateResidualBackwardParams&, const ChunkSelection&,           \
+    const ExtraRows&, const TensorView&, Stream)                                                         \
+  /* (plan, partials, out): out[r, :] = rounded ascending fold of row r's segment partials (G, W) */     \
+  /* fp32; out (R, W), unit column stride */                                                             \
+  X(fold_segment_partials, const IndexPlan&, const TensorView&, const TensorView&, Stream)               \
+  /* (partials, out): out[:] = rounded ascending fold over chunks of partials (C, W) fp32; out (W,) */   \
+  X(fold_chunk_partials, const TensorView&, const TensorView&, Stream)                                   \
+  /* The composite ops' residual-stream arithmetic (docs/numerics.md 5.10) and device-local copies, */   \
+  /* on validated contiguous tensors of one device, never synchronising the host: */                    \
+  /* add(a, b, out): out[i] = R_T(rn(a[i] + b[i])), T = the tensors' dtype; out may be a or b */         \
+  X(add, const TensorView&, const TensorView&, const TensorView&, Stream)                                \
+  /* copy_tensor(src, dst): dst = src, a byte copy of dst.nbytes() bytes */                             \
+  X(copy_tensor, const TensorView&, const TensorView&, Stream)                                           \
+  /* fill_zero(t): every byte of t = 0 (+0.0 in every float dtype) */                                    \
+  X(fill_zero, const TensorView&, Stream)                                                                \
+  /* upcast_to_f32(src, dst): dst = fp32(src), exact */                                                  \
+  X(upcast_to_f32, const TensorView&, const TensorView&, Stream)                                         \
+  /* allocate_scratch(device, bytes, stream, owner): `bytes` of memory, freed with *owner */             \
+  /* (stream-ordered on CUDA) */                                                                         \
+  X(allocate_scratch, const Device&, std::size_t, Stream, std::shared_ptr<void>*)
 
-DETDIT_BACKEND_OPS(cpu)
-DETDIT_BACKEND_OPS(cuda)
+// CUDA-only entry points (no CPU twin), stubbed without CUDA too.
+#define DETDIT_CUDA_ONLY_OPS(X)                                                                          \
+  /* copy_to_host(device_src, host_dst, bytes, device): synchronises `stream` (plan building reads a */  \
+  /* CUDA index once on the host) */                                                                    \
+  X(copy_to_host, const void*, void*, std::size_t, const Device&, Stream)                                \
+  /* upload_tables(device, arrays, device_ptrs, owner): the int32 host arrays into one device */         \
+  /* allocation; (*device_ptrs)[i] is array i's copy; *owner frees it */                                 \
+  X(upload_tables, const Device&, const std::vector<const std::vector<int32_t>*>&,                       \
+    std::vector<const int32_t*>*, std::shared_ptr<void>*, Stream)
 
+#define DETDIT_DECLARE_BACKEND_OP(name, ...) Status name(__VA_ARGS__);
+namespace cpu {
+DETDIT_BACKEND_OPS(DETDIT_DECLARE_BACKEND_OP)
+}  // namespace cpu
 namespace cuda {
-// Copy bytes from device memory to the host, synchronising `stream` (plan
-// building reads a CUDA index once on the host).
-Status copy_to_host(const void* device_src, void* host_dst, std::size_t bytes, const Device& device,
-                    Stream stream);
-// Copy the int32 host arrays into one device allocation on `device`;
-// (*device_ptrs)[i] is array i's copy; *owner frees the allocation.
-Status upload_tables(const Device& device, const std::vector<const std::vector<int32_t>*>& arrays,
-                     std::vector<const int32_t*>* device_ptrs, std::shared_ptr<void>* owner, Stream stream);
+DETDIT_BACKEND_OPS(DETDIT_DECLARE_BACKEND_OP)
+DETDIT_CUDA_ONLY_OPS(DETDIT_DECLARE_BACKEND_OP)
 }  // namespace cuda
+#undef DETDIT_DECLARE_BACKEND_OP
 
-#undef DETDIT_BACKEND_OPS
+// backend::name(device, args...): cuda::name(args...) on a CUDA device, else
+// cpu::name(args...). The one place where an op picks its backend.
+#define DETDIT_DISPATCH_BACKEND_OP(name, ...)                              \
+  template <typename... Args>                                              \
+  Status name(const Device& device, Args&&... args) {                      \
+    if (device.is_cuda()) return cuda::name(std::forward<Args>(args)...);  \
+    return cpu::name(std::forward<Args>(args)...);                         \
+  }
+namespace backend {
+DETDIT_BACKEND_OPS(DETDIT_DISPATCH_BACKEND_OP)
+}  // namespace backend
+#undef DETDIT_DISPATCH_BACKEND_OP
 
 }  // namespace detdit

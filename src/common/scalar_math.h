@@ -41,11 +41,6 @@ DETDIT_HD float bits_float(uint32_t u) {
   memcpy(&v, &u, sizeof(v));
   return v;
 }
-DETDIT_HD uint64_t double_bits(double v) {
-  uint64_t u;
-  memcpy(&u, &v, sizeof(u));
-  return u;
-}
 DETDIT_HD double bits_double(uint64_t u) {
   double v;
   memcpy(&v, &u, sizeof(v));

@@ -14,31 +14,20 @@
 #include <initializer_list>
 #include <memory>
 
+#include "common/backends.h"
 #include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
 
 namespace detdit {
 
-namespace cpu {
-// `bytes` of host memory, 64-byte aligned (so every scratch view meets the
-// 16-byte alignment that linear's operands need). Never fails short of
-// std::bad_alloc, which it turns into a RuntimeError.
-Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner);
-// dst[i] = float(src[i]): exact widening of a contiguous float tensor
-// (fp32/bf16/fp16) into a contiguous fp32 tensor with the same numel.
-Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream stream);
-}  // namespace cpu
+// The backends' allocate_scratch (backends.h): cpu:: takes 64-byte aligned
+// host memory (so every scratch view meets linear's 16-byte rule) and turns
+// std::bad_alloc into a RuntimeError; cuda:: takes cudaMallocAsync memory on
+// `stream`, 256-byte aligned, freed with cudaFreeAsync on `stream` when the
+// last copy of *owner is destroyed.
 
-namespace cuda {
-// cudaMallocAsync on `stream`, 256-byte aligned; freed with cudaFreeAsync on
-// `stream` when the last copy of *owner is destroyed.
-Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner);
-// As cpu::upcast_to_f32, on `stream`.
-Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream stream);
-}  // namespace cuda
-
-// `bytes` of scratch memory on `device` (the backend's allocate_scratch).
+// `bytes` of scratch memory on `device` (its backend's allocate_scratch).
 Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner);
 
 // A contiguous scratch tensor of `shape` and `dtype` on `device`; *owner keeps

@@ -1,7 +1,6 @@
-// The elementwise helpers on the CPU (src/common/elementwise.h), and their
-// device dispatch. add is numerics 5.10: out[i] = R_T(rn(a[i] + b[i])), each
+// The elementwise helpers on the CPU (src/common/backends.h). add is numerics 5.10: out[i] = R_T(rn(a[i] + b[i])), each
 // element on its own, so the split over threads never changes a bit.
-#include "common/elementwise.h"
+#include "common/backends.h"
 
 #include <cstring>
 
@@ -36,17 +35,4 @@ Status fill_zero(const TensorView& t, Stream) {
 }
 
 }  // namespace cpu
-
-Status add(const TensorView& a, const TensorView& b, const TensorView& out, Stream stream) {
-  return out.device.is_cuda() ? cuda::add(a, b, out, stream) : cpu::add(a, b, out, stream);
-}
-
-Status copy_tensor(const TensorView& src, const TensorView& dst, Stream stream) {
-  return dst.device.is_cuda() ? cuda::copy_tensor(src, dst, stream) : cpu::copy_tensor(src, dst, stream);
-}
-
-Status fill_zero(const TensorView& t, Stream stream) {
-  return t.device.is_cuda() ? cuda::fill_zero(t, stream) : cpu::fill_zero(t, stream);
-}
-
 }  // namespace detdit

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/backends.h"
+#include "common/rowwise_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cpu/parallel.h"
@@ -20,19 +21,17 @@ namespace {
 
 template <typename T>
 void forward(const GateResidualParams& p) {
-  const int64_t hidden = p.residual.shape[p.residual.rank - 1];
-  const int64_t rows = p.residual.numel() / hidden;
-  const int32_t* row_of_seq = p.plan.host_tables().row_of_seq;
-  const int64_t seq_len = p.plan.seq_len();
+  const int64_t hidden = p.in.residual.shape[p.in.residual.rank - 1];
+  const int64_t rows = p.in.residual.numel() / hidden;
+  const int32_t* row_of_seq = p.in.plan.host_tables().row_of_seq;
+  const int64_t seq_len = p.in.plan.seq_len();
   parallel_for(0, rows, [&](int64_t m) {
-    const T* res = static_cast<const T*>(p.residual.data) + m * hidden;  // (H,) row m
-    const T* y = static_cast<const T*>(p.y.data) + m * hidden;
-    const T* gate = row_ptr<T>(p.gate, row_of_seq[m % seq_len]);
+    const T* res = static_cast<const T*>(p.in.residual.data) + m * hidden;  // (H,) row m
+    const T* y = static_cast<const T*>(p.in.y.data) + m * hidden;
+    const T* gate = row_ptr<T>(p.in.gate, rowwise::table_row(row_of_seq, m, seq_len));
     T* out = static_cast<T*>(p.out.data) + m * hidden;
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float gated = round_to<T>(num::mul32(to_float(gate[i]), to_float(y[i])));
-      out[i] = from_float<T>(num::add32(to_float(res[i]), gated));
-    }
+    for (int64_t i = 0; i < hidden; ++i)
+      out[i] = from_float<T>(rowwise::gated_sum<T>(to_float(res[i]), to_float(gate[i]), to_float(y[i])));
   });
 }
 
@@ -42,13 +41,13 @@ void backward_rows(const GateResidualBackwardParams& p) {
   const int64_t rows = p.grad.numel() / hidden;
   if (p.d_residual.present()) std::memcpy(p.d_residual.data, p.grad.data, p.grad.nbytes());
   if (!p.d_y.present()) return;
-  const int32_t* row_of_seq = p.plan.host_tables().row_of_seq;
-  const int64_t seq_len = p.plan.seq_len();
+  const int32_t* row_of_seq = p.in.plan.host_tables().row_of_seq;
+  const int64_t seq_len = p.in.plan.seq_len();
   parallel_for(0, rows, [&](int64_t m) {
     const T* grad = static_cast<const T*>(p.grad.data) + m * hidden;  // (H,) row m
-    const T* gate = row_ptr<T>(p.gate, row_of_seq[m % seq_len]);
+    const T* gate = row_ptr<T>(p.in.gate, rowwise::table_row(row_of_seq, m, seq_len));
     T* d_y = static_cast<T*>(p.d_y.data) + m * hidden;
-    for (int64_t i = 0; i < hidden; ++i) d_y[i] = from_float<T>(num::mul32(to_float(grad[i]), to_float(gate[i])));
+    for (int64_t i = 0; i < hidden; ++i) d_y[i] = from_float<T>(rowwise::gated_grad(to_float(grad[i]), to_float(gate[i])));
   });
 }
 
@@ -57,8 +56,8 @@ template <typename T>
 void backward_partials(const GateResidualBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,
                        const TensorView& partials) {
   const int64_t hidden = p.grad.shape[p.grad.rank - 1];
-  const PlanTables& tables = p.plan.host_tables();
-  const SelectedChunks selected = select_chunks(p.plan, p.plan.num_chunks(), sel);
+  const PlanTables& tables = p.in.plan.host_tables();
+  const SelectedChunks selected = select_chunks(p.in.plan, p.in.plan.num_chunks(), sel);
   parallel_for(0, static_cast<int64_t>(selected.chunk.size()), [&](int64_t k) {
     const int64_t c = selected.chunk[k];
     int64_t out_row = selected.segment_offset[k];
@@ -68,8 +67,8 @@ void backward_partials(const GateResidualBackwardParams& p, const ChunkSelection
       for (int32_t q = tables.segment_pos_begin[g]; q < tables.segment_pos_begin[g + 1]; ++q) {
         const DataRow d = data_row(sel, tables.segment_positions[q]);
         const T* grad = static_cast<const T*>((d.extra ? extra.grad : p.grad).data) + d.row * hidden;
-        const T* y = static_cast<const T*>((d.extra ? extra.y : p.y).data) + d.row * hidden;
-        for (int64_t i = 0; i < hidden; ++i) acc[i] = num::fma32(to_float(grad[i]), to_float(y[i]), acc[i]);
+        const T* y = static_cast<const T*>((d.extra ? extra.y : p.in.y).data) + d.row * hidden;
+        for (int64_t i = 0; i < hidden; ++i) acc[i] = rowwise::gate_grad_step(to_float(grad[i]), to_float(y[i]), acc[i]);
       }
     }
   });
@@ -78,7 +77,7 @@ void backward_partials(const GateResidualBackwardParams& p, const ChunkSelection
 }  // namespace
 
 Status gate_residual_forward(const GateResidualParams& p, Stream) {
-  dispatch_float_dtype(p.residual.dtype, [&](auto tag) { forward<decltype(tag)>(p); });
+  dispatch_float_dtype(p.in.residual.dtype, [&](auto tag) { forward<decltype(tag)>(p); });
   return Status();
 }
 

@@ -6,7 +6,7 @@
 // row-local half (dx) and the partials half of the canonical reduction
 // (d_weight chunk partials, [d_shift | d_scale] segment partials); the public
 // rmsnorm_backward is literally rows + partials(every chunk) + folds
-// (src/rowwise_backward.h), the same code the sequence-parallel region runs on
+// (src/rowwise/backward.h), the same code the sequence-parallel region runs on
 // a chunk subset.
 #include <algorithm>
 #include <cstdint>
@@ -14,6 +14,7 @@
 
 #include "common/backends.h"
 #include "common/row_tree.h"
+#include "common/rowwise_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cpu/parallel.h"
@@ -33,82 +34,63 @@ float row_rstd(const T* x, int64_t hidden, float eps) {
   return num::portable_rsqrt(num::add32(ms, eps));
 }
 
-// n_i = R_T(rn(w_i * rn(rstd * x_i))), the stored normalised value.
-template <typename T>
-float normalised(float w, float rstd, float x) {
-  return round_to<T>(num::mul32(w, num::mul32(rstd, x)));
-}
-
-// t1_i = R_T(rn(1 + scale_i)), the rounded modulation factor.
-template <typename T>
-float one_plus(float scale) {
-  return round_to<T>(num::add32(1.0f, scale));
-}
-
 // d_n_i = g_i (plain) or rn(g_i * t1_i) (modulated; t1 from table row `row`).
 template <typename T>
 float grad_normalised(const RmsnormBackwardParams& p, int64_t row, int64_t i, float g) {
-  if (!is_modulated(p.shift)) return g;
-  return num::mul32(g, one_plus<T>(to_float(row_ptr<T>(p.scale, row)[i])));
+  if (!is_modulated(p.in.shift)) return g;
+  return rowwise::modulated_grad<T>(g, to_float(row_ptr<T>(p.in.scale, row)[i]));
 }
 
 template <typename T>
 void forward(const RmsnormParams& p) {
-  const int64_t hidden = p.x.shape[p.x.rank - 1];
-  const int64_t rows = p.x.numel() / hidden;
-  const T* x = static_cast<const T*>(p.x.data);
-  const T* w = static_cast<const T*>(p.weight.data);
+  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
+  const int64_t rows = p.in.x.numel() / hidden;
+  const T* x = static_cast<const T*>(p.in.x.data);
+  const T* w = static_cast<const T*>(p.in.weight.data);
   T* out = static_cast<T*>(p.out.data);
-  const int32_t* row_of_seq = is_modulated(p.shift) ? p.plan.host_tables().row_of_seq : nullptr;
-  const int64_t seq_len = p.plan.valid() ? p.plan.seq_len() : 1;
+  const int32_t* row_of_seq = is_modulated(p.in.shift) ? p.in.plan.host_tables().row_of_seq : nullptr;
+  const int64_t seq_len = p.in.plan.valid() ? p.in.plan.seq_len() : 1;
   parallel_for(0, rows, [&](int64_t m) {
     const T* xr = x + m * hidden;  // (H,) row m
     T* outr = out + m * hidden;
-    const float rstd = row_rstd(xr, hidden, p.eps);
+    const float rstd = row_rstd(xr, hidden, p.in.eps);
     if (p.rstd.present()) static_cast<float*>(p.rstd.data)[m] = rstd;
-    const T* shift = row_of_seq ? row_ptr<T>(p.shift, row_of_seq[m % seq_len]) : nullptr;
-    const T* scale = row_of_seq ? row_ptr<T>(p.scale, row_of_seq[m % seq_len]) : nullptr;
+    const int64_t table_row = row_of_seq ? rowwise::table_row(row_of_seq, m, seq_len) : 0;
+    const T* shift = row_of_seq ? row_ptr<T>(p.in.shift, table_row) : nullptr;
+    const T* scale = row_of_seq ? row_ptr<T>(p.in.scale, table_row) : nullptr;
     for (int64_t i = 0; i < hidden; ++i) {
-      const float n = normalised<T>(to_float(w[i]), rstd, to_float(xr[i]));
-      if (!row_of_seq) {
-        outr[i] = from_float<T>(n);
-        continue;
-      }
-      const float v = round_to<T>(num::mul32(n, one_plus<T>(to_float(scale[i]))));
-      outr[i] = from_float<T>(num::add32(v, to_float(shift[i])));
+      const float n = rowwise::normalised<T>(to_float(w[i]), rstd, to_float(xr[i]));
+      outr[i] = from_float<T>(row_of_seq ? rowwise::modulated<T>(n, to_float(scale[i]), to_float(shift[i])) : n);
     }
   });
 }
 
 template <typename T>
 void backward_rows(const RmsnormBackwardParams& p) {
-  const int64_t hidden = p.x.shape[p.x.rank - 1];
-  const int64_t rows = p.x.numel() / hidden;
-  const T* x = static_cast<const T*>(p.x.data);
-  const T* w = static_cast<const T*>(p.weight.data);
+  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
+  const int64_t rows = p.in.x.numel() / hidden;
+  const T* x = static_cast<const T*>(p.in.x.data);
+  const T* w = static_cast<const T*>(p.in.weight.data);
   const T* grad = static_cast<const T*>(p.grad.data);
   const float* rstd_all = static_cast<const float*>(p.rstd.data);
   T* dx = static_cast<T*>(p.dx.data);
-  const int32_t* row_of_seq = is_modulated(p.shift) ? p.plan.host_tables().row_of_seq : nullptr;
-  const int64_t seq_len = p.plan.valid() ? p.plan.seq_len() : 1;
+  const int32_t* row_of_seq = is_modulated(p.in.shift) ? p.in.plan.host_tables().row_of_seq : nullptr;
+  const int64_t seq_len = p.in.plan.valid() ? p.in.plan.seq_len() : 1;
   parallel_for(0, rows, [&](int64_t m) {
     const T* xr = x + m * hidden;  // (H,) row m
     const T* gr = grad + m * hidden;
     T* dxr = dx + m * hidden;
-    const int64_t table_row = row_of_seq ? row_of_seq[m % seq_len] : 0;
+    const int64_t table_row = row_of_seq ? rowwise::table_row(row_of_seq, m, seq_len) : 0;
     const float rstd = rstd_all[m];
     std::vector<float> d_n(static_cast<std::size_t>(hidden));
     for (int64_t i = 0; i < hidden; ++i) d_n[i] = grad_normalised<T>(p, table_row, i, to_float(gr[i]));
     const float dot = row_tree_sum(hidden, [&](int64_t i, float* a, float* b) {
-      *a = num::mul32(to_float(w[i]), d_n[i]);
+      *a = rowwise::dot_term(to_float(w[i]), d_n[i]);
       *b = to_float(xr[i]);
     });
-    const float rstd3 = num::mul32(num::mul32(rstd, rstd), rstd);
-    const float coef = num::div32(num::mul32(rstd3, dot), static_cast<float>(hidden));
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float scaled = num::mul32(num::mul32(rstd, to_float(w[i])), d_n[i]);
-      dxr[i] = from_float<T>(num::sub32(scaled, num::mul32(to_float(xr[i]), coef)));
-    }
+    const float coef = rowwise::dx_coefficient(rstd, dot, hidden);
+    for (int64_t i = 0; i < hidden; ++i)
+      dxr[i] = from_float<T>(rowwise::dx_value(rstd, to_float(w[i]), d_n[i], to_float(xr[i]), coef));
   });
 }
 
@@ -124,7 +106,7 @@ template <typename T>
 PositionRows<T> position_rows(const RmsnormBackwardParams& p, const ExtraRows& extra, const ChunkSelection& sel,
                               int64_t hidden, int64_t pos) {
   const DataRow d = data_row(sel, pos);
-  const TensorView& x = d.extra ? extra.x : p.x;
+  const TensorView& x = d.extra ? extra.x : p.in.x;
   const TensorView& grad = d.extra ? extra.grad : p.grad;
   const TensorView& rstd = d.extra ? extra.rstd : p.rstd;
   return PositionRows<T>{static_cast<const T*>(x.data) + d.row * hidden,
@@ -135,15 +117,15 @@ PositionRows<T> position_rows(const RmsnormBackwardParams& p, const ExtraRows& e
 template <typename T>
 void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,
                        const TensorView& weight_partials, const TensorView& table_partials) {
-  const int64_t hidden = p.x.shape[p.x.rank - 1];
+  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
   // positions: the plan's B*S; a plain norm without a plan reduces its own rows.
-  const int64_t positions = p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden;
+  const int64_t positions = p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden;
   const int64_t num_chunks = (positions + kReductionChunk - 1) / kReductionChunk;
-  const bool modulated = is_modulated(p.shift);
-  const SelectedChunks selected = select_chunks(p.plan, num_chunks, sel);
-  const T* w = static_cast<const T*>(p.weight.data);
-  const int32_t* row_of_seq = p.plan.valid() ? p.plan.host_tables().row_of_seq : nullptr;
-  const int64_t seq_len = p.plan.valid() ? p.plan.seq_len() : 1;
+  const bool modulated = is_modulated(p.in.shift);
+  const SelectedChunks selected = select_chunks(p.in.plan, num_chunks, sel);
+  const T* w = static_cast<const T*>(p.in.weight.data);
+  const int32_t* row_of_seq = p.in.plan.valid() ? p.in.plan.host_tables().row_of_seq : nullptr;
+  const int64_t seq_len = p.in.plan.valid() ? p.in.plan.seq_len() : 1;
   parallel_for(0, static_cast<int64_t>(selected.chunk.size()), [&](int64_t k) {
     const int64_t c = selected.chunk[k];
     if (weight_partials.present()) {
@@ -153,16 +135,16 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
       const int64_t end = std::min(positions, (c + 1) * kReductionChunk);
       for (int64_t pos = c * kReductionChunk; pos < end; ++pos) {
         const PositionRows<T> in = position_rows<T>(p, extra, sel, hidden, pos);
-        const int64_t table_row = modulated ? row_of_seq[pos % seq_len] : 0;
+        const int64_t table_row = modulated ? rowwise::table_row(row_of_seq, pos, seq_len) : 0;
         for (int64_t i = 0; i < hidden; ++i) {
           const float d_n = grad_normalised<T>(p, table_row, i, to_float(in.grad[i]));
-          acc[i] = num::fma32(d_n, num::mul32(to_float(in.x[i]), in.rstd), acc[i]);
+          acc[i] = rowwise::weight_grad_step(d_n, to_float(in.x[i]), in.rstd, acc[i]);
         }
       }
     }
     if (modulated && table_partials.present()) {
       // [d_shift | d_scale]: one (2H,) partial per segment of the chunk.
-      const PlanTables& tables = p.plan.host_tables();
+      const PlanTables& tables = p.in.plan.host_tables();
       int64_t out_row = selected.segment_offset[k];
       for (int32_t g = tables.chunk_segment_begin[c]; g < tables.chunk_segment_begin[c + 1]; ++g, ++out_row) {
         float* acc = row_ptr<float>(table_partials, out_row);  // (2H,)
@@ -172,8 +154,8 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
           for (int64_t i = 0; i < hidden; ++i) {
             const float g_i = to_float(in.grad[i]);
             acc[i] = num::add32(acc[i], g_i);
-            const float n = normalised<T>(to_float(w[i]), in.rstd, to_float(in.x[i]));
-            acc[hidden + i] = num::fma32(g_i, n, acc[hidden + i]);
+            const float n = rowwise::normalised<T>(to_float(w[i]), in.rstd, to_float(in.x[i]));
+            acc[hidden + i] = rowwise::scale_grad_step(g_i, n, acc[hidden + i]);
           }
         }
       }
@@ -184,19 +166,19 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
 }  // namespace
 
 Status rmsnorm_forward(const RmsnormParams& p, Stream) {
-  dispatch_float_dtype(p.x.dtype, [&](auto tag) { forward<decltype(tag)>(p); });
+  dispatch_float_dtype(p.in.x.dtype, [&](auto tag) { forward<decltype(tag)>(p); });
   return Status();
 }
 
 Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream) {
   if (!p.dx.present()) return Status();
-  dispatch_float_dtype(p.x.dtype, [&](auto tag) { backward_rows<decltype(tag)>(p); });
+  dispatch_float_dtype(p.in.x.dtype, [&](auto tag) { backward_rows<decltype(tag)>(p); });
   return Status();
 }
 
 Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,
                                  const TensorView& weight_partials, const TensorView& table_partials, Stream) {
-  dispatch_float_dtype(p.x.dtype, [&](auto tag) {
+  dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
     backward_partials<decltype(tag)>(p, sel, extra, weight_partials, table_partials);
   });
   return Status();

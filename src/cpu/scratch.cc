@@ -1,5 +1,5 @@
-// CPU scratch memory and the exact FP32 upcast (src/common/scratch.h), plus the
-// device dispatch of allocate_scratch and scratch_tensor.
+// CPU scratch memory and the exact FP32 upcast (src/common/backends.h), and
+// scratch_tensor (src/common/scratch.h).
 #include "common/scratch.h"
 
 #include <new>
@@ -35,8 +35,7 @@ Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream) {
 }  // namespace cpu
 
 Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
-  return device.is_cuda() ? cuda::allocate_scratch(device, bytes, stream, owner)
-                          : cpu::allocate_scratch(device, bytes, stream, owner);
+  return backend::allocate_scratch(device, device, bytes, stream, owner);
 }
 
 Status scratch_tensor(const Device& device, DType dtype, std::initializer_list<int64_t> shape, Stream stream,

@@ -26,11 +26,11 @@ std::vector<float> frequencies(int64_t half, float max_period) {
 
 Status timestep_sinusoid_forward(const TimestepSinusoidParams& p, Stream) {
   const int64_t num_timesteps = p.features.shape[0], channels = p.features.shape[1], half = channels / 2;
-  const std::vector<float> freq = frequencies(half, p.max_period);
+  const std::vector<float> freq = frequencies(half, p.in.max_period);
   float* features = p.features.ptr<float>();  // (T, C)
-  dispatch_float_dtype(p.timesteps.dtype, [&](auto tag) {
+  dispatch_float_dtype(p.in.timesteps.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T* timesteps = p.timesteps.ptr<T>();  // (T,)
+    const T* timesteps = p.in.timesteps.ptr<T>();  // (T,)
     parallel_for(0, num_timesteps, [&](int64_t t) {
       const float time = to_float(timesteps[t]);
       float* row = features + t * channels;
@@ -47,11 +47,11 @@ Status timestep_sinusoid_forward(const TimestepSinusoidParams& p, Stream) {
 Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream) {
   const int64_t num_timesteps = p.grad_features.shape[0], channels = p.grad_features.shape[1];
   const int64_t half = channels / 2;
-  const std::vector<float> freq = frequencies(half, p.max_period);
+  const std::vector<float> freq = frequencies(half, p.in.max_period);
   const float* grad = p.grad_features.ptr<float>();  // (T, C)
-  dispatch_float_dtype(p.timesteps.dtype, [&](auto tag) {
+  dispatch_float_dtype(p.in.timesteps.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T* timesteps = p.timesteps.ptr<T>();  // (T,)
+    const T* timesteps = p.in.timesteps.ptr<T>();  // (T,)
     T* d_timesteps = p.d_timesteps.ptr<T>();    // (T,), timesteps' dtype
     parallel_for(0, num_timesteps, [&](int64_t t) {
       const float time = to_float(timesteps[t]);

@@ -1,4 +1,4 @@
-// The elementwise helpers on CUDA (src/common/elementwise.h), bitwise equal to
+// The elementwise helpers on CUDA (src/common/backends.h), bitwise equal to
 // src/cpu/elementwise.cc:
 //   add:         out[i] = R_T(rn(a[i] + b[i])) (numerics 5.10); 16-byte vectors
 //                when a, b and out are 16-byte aligned, the last numel % (16 /
@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/elementwise.h"
+#include "common/backends.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "common/backends.h"
+#include "common/rowwise_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
@@ -39,13 +40,13 @@ __global__ void gate_residual_forward_kernel(GateRowArgs a) {
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kElems;  // flat (m, h)
   if (i >= a.elements) return;
   const int64_t m = i / a.hidden, h = i % a.hidden;
-  const T* gate = static_cast<const T*>(a.gate) + a.row_of_seq[m % a.seq_len] * a.gate_stride + h;
+  const T* gate = static_cast<const T*>(a.gate) + rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride + h;
   float res[kElems], y[kElems], g[kElems], o[kElems];
   load_vec<T, kElems>(static_cast<const T*>(a.a) + i, res);
   load_vec<T, kElems>(static_cast<const T*>(a.b) + i, y);
   load_vec<T, kElems>(gate, g);
 #pragma unroll
-  for (int e = 0; e < kElems; ++e) o[e] = num::add32(res[e], round_to<T>(num::mul32(g[e], y[e])));
+  for (int e = 0; e < kElems; ++e) o[e] = rowwise::gated_sum<T>(res[e], g[e], y[e]);
   store_vec<T, kElems>(static_cast<T*>(a.out) + i, o);
 }
 
@@ -58,11 +59,12 @@ __global__ void gate_residual_backward_rows_kernel(GateRowArgs a) {
   load_vec<T, kElems>(static_cast<const T*>(a.a) + i, grad);
   if (a.copy) store_vec<T, kElems>(static_cast<T*>(a.copy) + i, grad);  // exact: grad is already T
   if (a.out) {
-    const T* gate = static_cast<const T*>(a.gate) + a.row_of_seq[m % a.seq_len] * a.gate_stride + h;
+    const T* gate =
+        static_cast<const T*>(a.gate) + rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride + h;
     float g[kElems], d_y[kElems];
     load_vec<T, kElems>(gate, g);
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) d_y[e] = num::mul32(grad[e], g[e]);
+    for (int e = 0; e < kElems; ++e) d_y[e] = rowwise::gated_grad(grad[e], g[e]);
     store_vec<T, kElems>(static_cast<T*>(a.out) + i, d_y);
   }
 }
@@ -82,7 +84,7 @@ int elements_per_access(const GateRowArgs& a) {
 }
 
 template <typename T, bool kForward>
-Status launch_gate_rows(const GateRowArgs& a, cudaStream_t stream) {
+Status launch_gate_residual_rows(const GateRowArgs& a, cudaStream_t stream) {
   if (a.elements == 0) return Status();
   const int threads = launch_tuning().elementwise_threads;
   const int elems = elements_per_access<T>(a);
@@ -142,7 +144,7 @@ __global__ void gate_residual_backward_partials_kernel(GatePartialArgs a) {
       load_elems<T, kCols, false>(grad + i0, gv);
       load_elems<T, kCols, false>(y + i0, yv);
 #pragma unroll
-      for (int e = 0; e < kCols; ++e) acc[e] = num::fma32(gv[e], yv[e], acc[e]);
+      for (int e = 0; e < kCols; ++e) acc[e] = rowwise::gate_grad_step(gv[e], yv[e], acc[e]);
     }
     float* dst = a.partials + (segment_out + (g - first)) * a.partial_stride + i0;  // (H,)
 #pragma unroll
@@ -151,7 +153,7 @@ __global__ void gate_residual_backward_partials_kernel(GatePartialArgs a) {
 }
 
 template <typename T>
-Status launch_gate_partials(const GatePartialArgs& a, int64_t selected, cudaStream_t stream) {
+Status launch_gate_residual_partials(const GatePartialArgs& a, int64_t selected, cudaStream_t stream) {
   constexpr int kThreads = 128;
   if (selected == 0 || a.hidden == 0) return Status();
   // kCols must divide H (rows are not padded): fall back to fewer columns.
@@ -172,11 +174,11 @@ int64_t hidden_of(const TensorView& t) { return t.shape[t.rank - 1]; }
 
 Status gate_residual_forward(const GateResidualParams& p, Stream stream) {
   DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.residual.device));
-  GateRowArgs a{p.residual.data, p.y.data, p.gate.data, p.gate.strides[0], p.plan.device_tables().row_of_seq,
-                p.plan.seq_len(), hidden_of(p.residual), p.residual.numel(), p.out.data, nullptr};
-  return dispatch_float_dtype(p.residual.dtype, [&](auto tag) {
-    return launch_gate_rows<decltype(tag), true>(a, as_cuda_stream(stream));
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.in.residual.device));
+  GateRowArgs a{p.in.residual.data, p.in.y.data, p.in.gate.data, p.in.gate.strides[0], p.in.plan.device_tables().row_of_seq,
+                p.in.plan.seq_len(), hidden_of(p.in.residual), p.in.residual.numel(), p.out.data, nullptr};
+  return dispatch_float_dtype(p.in.residual.dtype, [&](auto tag) {
+    return launch_gate_residual_rows<decltype(tag), true>(a, as_cuda_stream(stream));
   });
 }
 
@@ -184,11 +186,11 @@ Status gate_residual_backward_rows(const GateResidualBackwardParams& p, Stream s
   if (!p.d_residual.present() && !p.d_y.present()) return Status();
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
-  GateRowArgs a{p.grad.data, nullptr, p.gate.data, p.gate.strides[0], p.plan.device_tables().row_of_seq,
-                p.plan.seq_len(), hidden_of(p.grad), p.grad.numel(),
+  GateRowArgs a{p.grad.data, nullptr, p.in.gate.data, p.in.gate.strides[0], p.in.plan.device_tables().row_of_seq,
+                p.in.plan.seq_len(), hidden_of(p.grad), p.grad.numel(),
                 p.d_y.present() ? p.d_y.data : nullptr, p.d_residual.present() ? p.d_residual.data : nullptr};
   return dispatch_float_dtype(p.grad.dtype, [&](auto tag) {
-    return launch_gate_rows<decltype(tag), false>(a, as_cuda_stream(stream));
+    return launch_gate_residual_rows<decltype(tag), false>(a, as_cuda_stream(stream));
   });
 }
 
@@ -198,7 +200,7 @@ Status gate_residual_backward_partials(const GateResidualBackwardParams& p, cons
   DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
   GatePartialArgs a{};
   a.grad = p.grad.data;
-  a.y = p.y.data;
+  a.y = p.in.y.data;
   a.hidden = hidden_of(p.grad);
   a.grad_stride = a.y_stride = a.hidden;
   if (extra.grad.present()) {
@@ -209,14 +211,14 @@ Status gate_residual_backward_partials(const GateResidualBackwardParams& p, cons
     a.extra_y = extra.y.data;
     a.extra_y_stride = extra.y.strides[0];
   }
-  a.tables = p.plan.device_tables();
+  a.tables = p.in.plan.device_tables();
   a.chunks = sel.chunks;
   a.position_row = sel.position_row;
   a.partials = partials.ptr<float>();
   a.partial_stride = partials.strides[0];
-  const int64_t selected = sel.chunks ? sel.num_chunks : p.plan.num_chunks();
+  const int64_t selected = sel.chunks ? sel.num_chunks : p.in.plan.num_chunks();
   return dispatch_float_dtype(p.grad.dtype, [&](auto tag) {
-    return launch_gate_partials<decltype(tag)>(a, selected, as_cuda_stream(stream));
+    return launch_gate_residual_partials<decltype(tag)>(a, selected, as_cuda_stream(stream));
   });
 }
 

@@ -15,13 +15,14 @@
 // partials run fused, one walk over each chunk feeding every chain (x and
 // grad read once, not twice); otherwise the whole launch takes two walks.
 // The public rmsnorm_backward composes rows + partials(all) + folds
-// (src/rowwise_backward.h).
+// (src/rowwise/backward.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "common/backends.h"
 #include "common/row_tree.h"
+#include "common/rowwise_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
@@ -54,18 +55,6 @@ struct RmsnormRowArgs {
   const void* grad;   // backward (M, H)
   void* dx;           // backward (M, H)
 };
-
-// t1_i = R_T(rn(1 + scale_i)), the rounded modulation factor.
-template <typename T>
-__device__ __forceinline__ float one_plus(float scale) {
-  return round_to<T>(num::add32(1.0f, scale));
-}
-
-// n_i = R_T(rn(w_i * rn(rstd * x_i))).
-template <typename T>
-__device__ __forceinline__ float normalised(float w, float rstd, float x) {
-  return round_to<T>(num::mul32(w, num::mul32(rstd, x)));
-}
 
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row_kernel(RmsnormRowArgs a) {
@@ -102,7 +91,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   const T* shift = nullptr;
   const T* scale = nullptr;
   if (a.row_of_seq) {
-    const int64_t r = a.row_of_seq[m % a.seq_len];
+    const int64_t r = rowwise::table_row(a.row_of_seq, m, a.seq_len);
     shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
     scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
   }
@@ -111,16 +100,13 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
     float wv[kVec], o[kVec];
     load_elems<T, kVec, kVector>(w + j * kVec, wv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) o[e] = normalised<T>(wv[e], rstd, xv[e]);
+    for (int e = 0; e < kVec; ++e) o[e] = rowwise::normalised<T>(wv[e], rstd, xv[e]);
     if (shift) {
       float sh[kVec], sc[kVec];
       load_elems<T, kVec, kVector>(shift + j * kVec, sh);
       load_elems<T, kVec, kVector>(scale + j * kVec, sc);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const float v = round_to<T>(num::mul32(o[e], one_plus<T>(sc[e])));
-        o[e] = num::add32(v, sh[e]);
-      }
+      for (int e = 0; e < kVec; ++e) o[e] = rowwise::modulated<T>(o[e], sc[e], sh[e]);
     }
     store_elems<T, kVec, kVector>(out + j * kVec, o);
   };
@@ -148,8 +134,9 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
   const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
   const T* g = static_cast<const T*>(a.grad) + m * a.hidden;
   const T* w = static_cast<const T*>(a.weight);
-  const T* scale = a.row_of_seq ? static_cast<const T*>(a.scale) + a.row_of_seq[m % a.seq_len] * a.scale_stride
-                                : nullptr;
+  const T* scale =
+      a.row_of_seq ? static_cast<const T*>(a.scale) + rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.scale_stride
+                   : nullptr;
   const float rstd = a.rstd[m];
   // d_n of vector j from its grad (d_n = g, or rn(g * t1) when modulated).
   auto d_n_of = [&](int64_t j, float (&d_n)[kVec]) {
@@ -157,7 +144,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
       float sc[kVec];
       load_elems<T, kVec, kVector>(scale + j * kVec, sc);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
+      for (int e = 0; e < kVec; ++e) d_n[e] = rowwise::modulated_grad<T>(d_n[e], sc[e]);
     }
   };
   auto load = [&](int64_t j, float (&xv)[kVec], float (&d_n)[kVec]) {
@@ -177,7 +164,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
     float wv[kVec];
     load_elems<T, kVec, kVector>(w + j * kVec, wv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) acc = num::fma32(num::mul32(wv[e], d_n[e]), xv[e], acc);
+    for (int e = 0; e < kVec; ++e) acc = num::fma32(rowwise::dot_term(wv[e], d_n[e]), xv[e], acc);
     return acc;
   };
   // Thread t's vectors j = t + 128*i, ascending i: the tree's order.
@@ -200,15 +187,14 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
     s = accumulate(j, xv, d_n, s);
   }
   const float dot = row_tree_block_sum(s, warp_sums);
-  const float rstd3 = num::mul32(num::mul32(rstd, rstd), rstd);
-  const float coef = num::div32(num::mul32(rstd3, dot), static_cast<float>(a.hidden));
+  const float coef = rowwise::dx_coefficient(rstd, dot, a.hidden);
   T* dx = static_cast<T*>(a.dx) + m * a.hidden;
   auto write = [&](int64_t j, const float (&xv)[kVec], const float (&d_n)[kVec]) {
     float wv[kVec], o[kVec];
     load_elems<T, kVec, kVector>(w + j * kVec, wv);
 #pragma unroll
     for (int e = 0; e < kVec; ++e)
-      o[e] = num::sub32(num::mul32(num::mul32(rstd, wv[e]), d_n[e]), num::mul32(xv[e], coef));
+      o[e] = rowwise::dx_value(rstd, wv[e], d_n[e], xv[e], coef);
     store_elems<T, kVec, kVector>(dx + j * kVec, o);
   };
 #pragma unroll
@@ -268,7 +254,7 @@ __device__ __forceinline__ PositionRows<T> position_rows(const RmsnormPartialArg
 
 // grid (selected chunk k, column block); thread owns columns [i0, i0 + kCols).
 template <typename T, int kCols>
-__global__ void rmsnorm_backward_partials_kernel(RmsnormPartialArgs a) {
+__global__ void rmsnorm_backward_two_pass_partials_kernel(RmsnormPartialArgs a) {
   __shared__ int warp_counts[32];
   const int64_t k = blockIdx.x;
   const int64_t chunk = a.chunks ? a.chunks[k] : k;
@@ -290,14 +276,15 @@ __global__ void rmsnorm_backward_partials_kernel(RmsnormPartialArgs a) {
       load_elems<T, kCols, false>(in.x + i0, xv);
       load_elems<T, kCols, false>(in.grad + i0, d_n);
       if (a.scale) {
-        const T* scale = static_cast<const T*>(a.scale) + a.tables.row_of_seq[p % a.seq_len] * a.scale_stride;
+        const T* scale =
+            static_cast<const T*>(a.scale) + rowwise::table_row(a.tables.row_of_seq, p, a.seq_len) * a.scale_stride;
         float sc[kCols];
         load_elems<T, kCols, false>(scale + i0, sc);
 #pragma unroll
-        for (int e = 0; e < kCols; ++e) d_n[e] = num::mul32(d_n[e], one_plus<T>(sc[e]));
+        for (int e = 0; e < kCols; ++e) d_n[e] = rowwise::modulated_grad<T>(d_n[e], sc[e]);
       }
 #pragma unroll
-      for (int e = 0; e < kCols; ++e) acc[e] = num::fma32(d_n[e], num::mul32(xv[e], in.rstd), acc[e]);
+      for (int e = 0; e < kCols; ++e) acc[e] = rowwise::weight_grad_step(d_n[e], xv[e], in.rstd, acc[e]);
     }
     float* dst = a.weight_partials + k * a.weight_partial_stride + i0;
 #pragma unroll
@@ -317,7 +304,7 @@ __global__ void rmsnorm_backward_partials_kernel(RmsnormPartialArgs a) {
 #pragma unroll
         for (int e = 0; e < kCols; ++e) {
           d_shift[e] = num::add32(d_shift[e], gv[e]);
-          d_scale[e] = num::fma32(gv[e], normalised<T>(wv[e], in.rstd, xv[e]), d_scale[e]);
+          d_scale[e] = rowwise::scale_grad_step(gv[e], rowwise::normalised<T>(wv[e], in.rstd, xv[e]), d_scale[e]);
         }
       }
       float* dst = a.table_partials + (segment_out + (g - first)) * a.table_partial_stride;  // (2H,) [shift|scale]
@@ -349,7 +336,7 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
   const int64_t begin = chunk * kReductionChunk;
   const int64_t end = begin + kReductionChunk < a.positions ? begin + kReductionChunk : a.positions;
   for (int64_t q = threadIdx.x; q < end - begin; q += blockDim.x) {
-    const int32_t row = a.tables.row_of_seq[(begin + q) % a.seq_len];
+    const int32_t row = rowwise::table_row(a.tables.row_of_seq, begin + q, a.seq_len);
     int32_t g = first;
     while (a.tables.segment_row[g] != row) ++g;  // the chunk's segments: one per row present
     local_segment[q] = g - first;
@@ -377,7 +364,7 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
     for (int e = 0; e < kCols; ++e) {
       sums[e * threads] = num::add32(sums[e * threads], gv[e]);
       sums[(kCols + e) * threads] =
-          num::fma32(gv[e], normalised<T>(wv[e], in.rstd, xv[e]), sums[(kCols + e) * threads]);
+          rowwise::scale_grad_step(gv[e], rowwise::normalised<T>(wv[e], in.rstd, xv[e]), sums[(kCols + e) * threads]);
     }
     if (a.weight_partials) {
       // the position's row is its segment's (no p % S in the loop)
@@ -386,7 +373,7 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
       load_elems<T, kCols, kVector>(scale + i0, sc);
 #pragma unroll
       for (int e = 0; e < kCols; ++e)
-        acc[e] = num::fma32(num::mul32(gv[e], one_plus<T>(sc[e])), num::mul32(xv[e], in.rstd), acc[e]);
+        acc[e] = rowwise::weight_grad_step(rowwise::modulated_grad<T>(gv[e], sc[e]), xv[e], in.rstd, acc[e]);
     }
   }
   if (a.weight_partials) {
@@ -424,8 +411,8 @@ Status launch_partials_with_columns(const RmsnormPartialArgs& a, int64_t selecte
       rmsnorm_backward_fused_partials_kernel<T, kCols, false><<<grid, kThreads, shared_bytes, stream>>>(a);
     return launch_status("rmsnorm_backward_fused_partials_kernel");
   }
-  rmsnorm_backward_partials_kernel<T, kCols><<<grid, kThreads, 0, stream>>>(a);
-  return launch_status("rmsnorm_backward_partials_kernel");
+  rmsnorm_backward_two_pass_partials_kernel<T, kCols><<<grid, kThreads, 0, stream>>>(a);
+  return launch_status("rmsnorm_backward_two_pass_partials_kernel");
 }
 
 template <typename T>
@@ -454,7 +441,7 @@ int64_t hidden_of(const TensorView& x) { return x.shape[x.rank - 1]; }
 // The positions a backward reduces: the plan's B*S, or x's rows for a plain
 // norm without a plan (as the CPU reference).
 int64_t reduced_positions(const RmsnormBackwardParams& p) {
-  return p.plan.valid() ? p.plan.positions() : p.x.numel() / hidden_of(p.x);
+  return p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden_of(p.in.x);
 }
 
 // Vector accesses when every row the row kernels touch is aligned to one
@@ -495,14 +482,14 @@ RmsnormRowArgs row_args(const TensorView& x, const TensorView& weight, const Ten
 
 Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
   DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
-  RmsnormRowArgs a = row_args(p.x, p.weight, p.shift, p.scale, p.plan, p.eps, p.numerics);
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
+  RmsnormRowArgs a = row_args(p.in.x, p.in.weight, p.in.shift, p.in.scale, p.in.plan, p.in.eps, p.in.numerics);
   a.out = p.out.data;
   a.rstd = p.rstd.present() ? p.rstd.ptr<float>() : nullptr;
-  const int64_t rows = p.x.numel() / a.hidden;
+  const int64_t rows = p.in.x.numel() / a.hidden;
   if (rows == 0) return Status();
   cudaStream_t s = as_cuda_stream(stream);
-  return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
+  return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (rows_vectorizable<T>(a, {a.x, a.weight, a.out}))
       rmsnorm_forward_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
@@ -515,15 +502,15 @@ Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
 Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream) {
   if (!p.dx.present()) return Status();
   DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
-  RmsnormRowArgs a = row_args(p.x, p.weight, p.shift, p.scale, p.plan, p.eps, p.numerics);
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
+  RmsnormRowArgs a = row_args(p.in.x, p.in.weight, p.in.shift, p.in.scale, p.in.plan, p.in.eps, p.in.numerics);
   a.rstd = const_cast<float*>(p.rstd.ptr<const float>());
   a.grad = p.grad.data;
   a.dx = p.dx.data;
-  const int64_t rows = p.x.numel() / a.hidden;
+  const int64_t rows = p.in.x.numel() / a.hidden;
   if (rows == 0) return Status();
   cudaStream_t s = as_cuda_stream(stream);
-  return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
+  return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (rows_vectorizable<T>(a, {a.x, a.weight, a.grad, a.dx}))
       rmsnorm_backward_rows_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
@@ -537,14 +524,14 @@ Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSele
                                  const TensorView& weight_partials, const TensorView& table_partials,
                                  Stream stream) {
   DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.x.device));
-  const bool tables = is_modulated(p.shift) && table_partials.present();
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
+  const bool tables = is_modulated(p.in.shift) && table_partials.present();
   if (!weight_partials.present() && !tables) return Status();
   RmsnormPartialArgs a{};
-  a.x = p.x.data;
+  a.x = p.in.x.data;
   a.grad = p.grad.data;
   a.rstd = p.rstd.ptr<const float>();
-  a.hidden = hidden_of(p.x);
+  a.hidden = hidden_of(p.in.x);
   a.x_stride = a.grad_stride = a.hidden;
   if (extra.x.present()) {
     a.extra_x = extra.x.data;
@@ -555,14 +542,14 @@ Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSele
     a.extra_grad_stride = extra.grad.strides[0];
   }
   if (extra.rstd.present()) a.extra_rstd = extra.rstd.ptr<const float>();
-  a.weight = p.weight.data;
-  if (is_modulated(p.shift)) {
-    a.scale = p.scale.data;
-    a.scale_stride = p.scale.strides[0];
+  a.weight = p.in.weight.data;
+  if (is_modulated(p.in.shift)) {
+    a.scale = p.in.scale.data;
+    a.scale_stride = p.in.scale.strides[0];
   }
-  if (p.plan.valid()) {
-    a.tables = p.plan.device_tables();
-    a.seq_len = p.plan.seq_len();
+  if (p.in.plan.valid()) {
+    a.tables = p.in.plan.device_tables();
+    a.seq_len = p.in.plan.seq_len();
   }
   a.positions = reduced_positions(p);
   a.chunks = sel.chunks;
@@ -576,8 +563,8 @@ Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSele
     a.table_partial_stride = table_partials.strides[0];
   }
   const int64_t selected = sel.chunks ? sel.num_chunks : (a.positions + kReductionChunk - 1) / kReductionChunk;
-  return dispatch_float_dtype(p.x.dtype, [&](auto tag) {
-    return launch_rmsnorm_backward_partials<decltype(tag)>(a, selected, p.plan.max_chunk_segments(),
+  return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
+    return launch_rmsnorm_backward_partials<decltype(tag)>(a, selected, p.in.plan.max_chunk_segments(),
                                                            as_cuda_stream(stream));
   });
 }

@@ -58,31 +58,31 @@ __global__ void timestep_sinusoid_backward_kernel(const T* timesteps, const floa
 
 Status timestep_sinusoid_forward(const TimestepSinusoidParams& p, Stream stream) {
   DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.timesteps.device));
-  const int64_t count = p.timesteps.shape[0], half = p.features.shape[1] / 2;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.in.timesteps.device));
+  const int64_t count = p.in.timesteps.shape[0], half = p.features.shape[1] / 2;
   if (count * half == 0) return Status();
-  const SinusoidConstants c = sinusoid_constants(half, p.max_period);
+  const SinusoidConstants c = sinusoid_constants(half, p.in.max_period);
   const int threads = launch_tuning().elementwise_threads;
-  return dispatch_float_dtype(p.timesteps.dtype, [&](auto tag) {
+  return dispatch_float_dtype(p.in.timesteps.dtype, [&](auto tag) {
     using T = decltype(tag);
     timestep_sinusoid_forward_kernel<T><<<blocks_for(count * half, threads), threads, 0, as_cuda_stream(stream)>>>(
-        p.timesteps.ptr<const T>(), p.features.ptr<float>(), count, half, c, p.numerics == Numerics::kTorch);
+        p.in.timesteps.ptr<const T>(), p.features.ptr<float>(), count, half, c, p.in.numerics == Numerics::kTorch);
     return launch_status("timestep_sinusoid_forward_kernel");
   });
 }
 
 Status timestep_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream) {
   DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(p.timesteps.device));
-  const int64_t count = p.timesteps.shape[0], half = p.grad_features.shape[1] / 2;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.in.timesteps.device));
+  const int64_t count = p.in.timesteps.shape[0], half = p.grad_features.shape[1] / 2;
   if (count == 0) return Status();
-  const SinusoidConstants c = sinusoid_constants(half > 0 ? half : 1, p.max_period);
+  const SinusoidConstants c = sinusoid_constants(half > 0 ? half : 1, p.in.max_period);
   constexpr int kThreads = 128;
-  return dispatch_float_dtype(p.timesteps.dtype, [&](auto tag) {
+  return dispatch_float_dtype(p.in.timesteps.dtype, [&](auto tag) {
     using T = decltype(tag);
     timestep_sinusoid_backward_kernel<T><<<blocks_for(count, kThreads), kThreads, 0, as_cuda_stream(stream)>>>(
-        p.timesteps.ptr<const T>(), p.grad_features.ptr<const float>(), p.d_timesteps.ptr<T>(), count, half, c,
-        p.numerics == Numerics::kTorch);
+        p.in.timesteps.ptr<const T>(), p.grad_features.ptr<const float>(), p.d_timesteps.ptr<T>(), count, half, c,
+        p.in.numerics == Numerics::kTorch);
     return launch_status("timestep_sinusoid_backward_kernel");
   });
 }

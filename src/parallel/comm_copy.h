@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "detdit/numerics.h"
 #include "detdit/status.h"
@@ -12,21 +13,30 @@
 namespace detdit {
 namespace cuda {
 
-Status comm_event_create(const Device& device, void** event);
+// The Status-returning entry points, as one list (X(name, parameter types...))
+// from which src/no_cuda/ generates its stubs:
+//   comm_event_create(device, event): a new event in *event;
+//   comm_event_record(event, stream);
+//   comm_stream_wait(stream, event): later work on `stream` waits for `event`;
+//   comm_copy_async(dst, src, bytes, stream): device-to-device copy, ordered on `stream`;
+//   comm_copy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream):
+//     `height` rows of `width` bytes, dst + i*dst_pitch <- src + i*src_pitch;
+//   comm_columns_to_f32(src, src_dtype, src_row_stride, rows, cols, dst, stream):
+//     dst[t, j] = fp32(src[t*src_row_stride + j]) for t < rows, j < cols; src
+//     fp32 or bf16 (exact upcast), dst (rows, cols) fp32 contiguous.
+#define DETDIT_COMM_COPY_OPS(X)                                                                  \
+  X(comm_event_create, const Device&, void**)                                                    \
+  X(comm_event_record, void*, Stream)                                                            \
+  X(comm_stream_wait, Stream, void*)                                                             \
+  X(comm_copy_async, void*, const void*, std::size_t, Stream)                                    \
+  X(comm_copy_2d_async, void*, std::size_t, const void*, std::size_t, std::size_t, std::size_t,  \
+    Stream)                                                                                      \
+  X(comm_columns_to_f32, const void*, DType, int64_t, int64_t, int64_t, float*, Stream)
+
+#define DETDIT_DECLARE_COMM_COPY_OP(name, ...) Status name(__VA_ARGS__);
+DETDIT_COMM_COPY_OPS(DETDIT_DECLARE_COMM_COPY_OP)
+#undef DETDIT_DECLARE_COMM_COPY_OP
 void comm_event_destroy(void* event);
-Status comm_event_record(void* event, Stream stream);
-// Later work on `stream` waits for the work recorded in `event`.
-Status comm_stream_wait(Stream stream, void* event);
-// Device-to-device copy of `bytes` bytes, ordered on `stream`.
-Status comm_copy_async(void* dst, const void* src, std::size_t bytes, Stream stream);
-// `height` rows of `width` bytes: dst + i*dst_pitch <- src + i*src_pitch
-// (device to device), ordered on `stream`.
-Status comm_copy_2d_async(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
-                          std::size_t width, std::size_t height, Stream stream);
-// dst[t, j] = fp32(src[t*src_row_stride + j]) for t < rows, j < cols; src is
-// fp32 or bf16 (exact upcast), dst (rows, cols) fp32 contiguous.
-Status comm_columns_to_f32(const void* src, DType src_dtype, int64_t src_row_stride, int64_t rows, int64_t cols,
-                           float* dst, Stream stream);
 
 }  // namespace cuda
 }  // namespace detdit

@@ -27,8 +27,8 @@
 #include "common/validate.h"
 #include "parallel/copy.h"
 #include "parallel/sp_plan_impl.h"
-#include "rowwise_backward.h"
-#include "rowwise_checks.h"
+#include "rowwise/backward.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace {
@@ -47,7 +47,7 @@ Status check_comm(const Communicator& comm, const SpPlan& sp) {
   return Status();
 }
 
-// params.plan must be the plan the SpPlan was built from (the full (S,) index),
+// params.in.plan must be the plan the SpPlan was built from (the full (S,) index),
 // or absent where allowed.
 Status check_global_plan(const SpPlan& sp, const IndexPlan& plan, bool required) {
   if (!sp.valid()) return Status::value_error("sp is required, got an empty SpPlan");
@@ -199,19 +199,19 @@ ChunkSelection owned_selection(const SpPlan::Impl& sp) {
 // ---------------------------------------------------------------- forward
 
 Status sp_rmsnorm_forward(const SpPlan& sp, const RmsnormParams& params, Stream stream) {
-  const bool modulated = params.shift.present() || params.scale.present();
-  DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.plan, modulated));
-  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.x, "x"));
+  const bool modulated = params.in.shift.present() || params.in.scale.present();
+  DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, modulated));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.x, "x"));
   RmsnormParams local = params;
-  local.plan = sp.local_plan();
+  local.in.plan = sp.local_plan();
   return rmsnorm_forward(local, stream);
 }
 
 Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.plan, true));
-  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, true));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.residual, "residual"));
   GateResidualParams local = params;
-  local.plan = sp.local_plan();
+  local.in.plan = sp.local_plan();
   return gate_residual_forward(local, stream);
 }
 
@@ -219,35 +219,34 @@ Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& para
 
 Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(check_comm(comm, sp));
-  const bool modulated = params.shift.present() || params.scale.present();
+  const bool modulated = params.in.shift.present() || params.in.scale.present();
   RmsnormBackwardParams local = params;
-  local.plan = sp.local_plan();
-  Status valid = check_global_plan(sp, params.plan, modulated);
-  if (valid.ok()) valid = check_local_rows(sp, params.x, "x");
+  local.in.plan = sp.local_plan();
+  Status valid = check_global_plan(sp, params.in.plan, modulated);
+  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
   if (valid.ok()) valid = rowwise::validate_rmsnorm_backward(local);
   const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
   DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, call_signature("sp_rmsnorm_backward", params.x, {params.d_weight.present(), tables})));
+      comm.agree(valid, call_signature("sp_rmsnorm_backward", params.in.x, {params.d_weight.present(), tables})));
 
-  const Device device = params.x.device;
-  DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::rmsnorm_backward_rows(local, stream)
-                                          : cpu::rmsnorm_backward_rows(local, stream));
+  const Device device = params.in.x.device;
+  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, local, stream));
   if (!params.d_weight.present() && !tables) return Status();
 
   const SpPlan::Impl& plan = sp.impl();
-  const int64_t hidden = params.x.shape[params.x.rank - 1];
-  const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.x.dtype);
+  const int64_t hidden = params.in.x.shape[params.in.x.rank - 1];
+  const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.in.x.dtype);
   std::vector<void*> extra_rows;
   std::shared_ptr<void> rows_memory;
-  DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan, device, params.x.dtype,
-                                       {{params.x.data, row_bytes}, {params.grad.data, row_bytes},
+  DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan, device, params.in.x.dtype,
+                                       {{params.in.x.data, row_bytes}, {params.grad.data, row_bytes},
                                         {params.rstd.data, sizeof(float)}},
                                        stream, &extra_rows, &rows_memory));
   const int64_t received = sp.world() * plan.max_send;
   ExtraRows extra;
   if (plan.max_send > 0) {
-    extra.x = TensorView::contiguous(extra_rows[0], params.x.dtype, {received, hidden}, device);
-    extra.grad = TensorView::contiguous(extra_rows[1], params.x.dtype, {received, hidden}, device);
+    extra.x = TensorView::contiguous(extra_rows[0], params.in.x.dtype, {received, hidden}, device);
+    extra.grad = TensorView::contiguous(extra_rows[1], params.in.x.dtype, {received, hidden}, device);
     extra.rstd = TensorView::contiguous(extra_rows[2], DType::kF32, {received}, device);
   }
 
@@ -261,7 +260,7 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
   DETDIT_RETURN_IF_ERROR(allocate_partials(plan, device, families, stream, &block, &partials_memory));
 
   RmsnormBackwardParams global = params;
-  global.plan = plan.global;
+  global.in.plan = plan.global;
   const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
   if (mine.chunks > 0) {
     TensorView weight_partials, table_partials;
@@ -270,9 +269,7 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
     if (tables) table_partials = TensorView::contiguous(table.send, DType::kF32, {mine.segments, 2 * hidden}, device);
     const ChunkSelection sel = owned_selection(plan);
     DETDIT_RETURN_IF_ERROR(
-        device.is_cuda()
-            ? cuda::rmsnorm_backward_partials(global, sel, extra, weight_partials, table_partials, stream)
-            : cpu::rmsnorm_backward_partials(global, sel, extra, weight_partials, table_partials, stream));
+        backend::rmsnorm_backward_partials(device, global, sel, extra, weight_partials, table_partials, stream));
   }
   DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, families, block, stream));
 
@@ -287,16 +284,15 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
                                  Stream stream) {
   DETDIT_RETURN_IF_ERROR(check_comm(comm, sp));
   GateResidualBackwardParams local = params;
-  local.plan = sp.local_plan();
-  Status valid = check_global_plan(sp, params.plan, true);
+  local.in.plan = sp.local_plan();
+  Status valid = check_global_plan(sp, params.in.plan, true);
   if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
   if (valid.ok()) valid = rowwise::validate_gate_residual_backward(local);
   DETDIT_RETURN_IF_ERROR(
       comm.agree(valid, call_signature("sp_gate_residual_backward", params.grad, {params.d_gate.present()})));
 
   const Device device = params.grad.device;
-  DETDIT_RETURN_IF_ERROR(device.is_cuda() ? cuda::gate_residual_backward_rows(local, stream)
-                                          : cpu::gate_residual_backward_rows(local, stream));
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, local, stream));
   if (!params.d_gate.present()) return Status();
 
   const SpPlan::Impl& plan = sp.impl();
@@ -305,7 +301,7 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
   std::vector<void*> extra_rows;
   std::shared_ptr<void> rows_memory;
   DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan, device, params.grad.dtype,
-                                       {{params.grad.data, row_bytes}, {params.y.data, row_bytes}}, stream,
+                                       {{params.grad.data, row_bytes}, {params.in.y.data, row_bytes}}, stream,
                                        &extra_rows, &rows_memory));
   const int64_t received = sp.world() * plan.max_send;
   ExtraRows extra;
@@ -321,17 +317,14 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
   const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
   if (mine.chunks > 0) {
     GateResidualBackwardParams global = params;
-    global.plan = plan.global;
+    global.in.plan = plan.global;
     const TensorView partials = TensorView::contiguous(gate.send, DType::kF32, {mine.segments, hidden}, device);
     const ChunkSelection sel = owned_selection(plan);
-    DETDIT_RETURN_IF_ERROR(device.is_cuda()
-                               ? cuda::gate_residual_backward_partials(global, sel, extra, partials, stream)
-                               : cpu::gate_residual_backward_partials(global, sel, extra, partials, stream));
+    DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, global, sel, extra, partials, stream));
   }
   DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, {&gate}, block, stream));
   const TensorView all = TensorView::contiguous(gate.global, DType::kF32, {gate.total, hidden}, device);
-  return device.is_cuda() ? cuda::fold_segment_partials(plan.global, all, params.d_gate, stream)
-                          : cpu::fold_segment_partials(plan.global, all, params.d_gate, stream);
+  return backend::fold_segment_partials(device, plan.global, all, params.d_gate, stream);
 }
 
 }  // namespace detdit

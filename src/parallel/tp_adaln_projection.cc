@@ -107,18 +107,18 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   int64_t begin = 0, end = 0;
   Status valid = check_columns(p.table, "table");
   if (valid.ok()) valid = tp_column_shard(p.table.shape[1], world, rank, &begin, &end);
-  if (valid.ok()) valid = check_shard_rows(p.weight, p.bias, rank, world, begin, end);
+  if (valid.ok()) valid = check_shard_rows(p.in.weight, p.in.bias, rank, world, begin, end);
   if (valid.ok())
-    valid = validate_projection_forward(p.temb, p.weight, p.bias, local_shape(p.table, end - begin), p.act, p.numerics);
-  if (valid.ok()) valid = check::same_device(p.table, "table", p.temb, "temb");
-  for (auto [in, name] : {std::pair<const TensorView*, const char*>{&p.temb, "temb"}, {&p.weight, "weight"},
-                          {&p.bias, "bias"}, {&p.act, "act"}})
+    valid = validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, local_shape(p.table, end - begin), p.act, p.in.numerics);
+  if (valid.ok()) valid = check::same_device(p.table, "table", p.in.temb, "temb");
+  for (auto [in, name] : {std::pair<const TensorView*, const char*>{&p.in.temb, "temb"}, {&p.in.weight, "weight"},
+                          {&p.in.bias, "bias"}, {&p.act, "act"}})
     if (valid.ok()) valid = check::no_alias(p.table, "table", *in, name);
   DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, call_signature("tp_adaln_projection_forward", p.temb, p.table, p.table.dtype, false)));
+      comm.agree(valid, call_signature("tp_adaln_projection_forward", p.in.temb, p.table, p.table.dtype, false)));
 
   // local columns (T, n) -> gathered (tp, T, n) -> table (T, N), rank r's block at column r*n.
-  const Device device = p.temb.device;
+  const Device device = p.in.temb.device;
   const int64_t rows = p.table.shape[0], columns = end - begin;
   const std::size_t element = dtype_size(p.table.dtype), block = static_cast<std::size_t>(rows * columns) * element;
   std::shared_ptr<void> memory;
@@ -126,7 +126,7 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   char* local = static_cast<char*>(memory.get());
   char* gathered = local + block;
   const TensorView local_table = TensorView::contiguous(local, p.table.dtype, {rows, columns}, device);
-  DETDIT_RETURN_IF_ERROR(projection_forward(p.temb, p.weight, p.bias, local_table, p.act, p.numerics, stream));
+  DETDIT_RETURN_IF_ERROR(projection_forward(p.in.temb, p.in.weight, p.in.bias, local_table, p.act, p.in.numerics, stream));
   DETDIT_RETURN_IF_ERROR(comm.all_gather(local, block, gathered, p.table.dtype, stream));
   const std::size_t row_bytes = static_cast<std::size_t>(columns) * element;
   for (int r = 0; r < world; ++r)
@@ -141,20 +141,20 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   int64_t begin = 0, end = 0;
   Status valid = check_columns(p.grad_table, "grad_table");
   if (valid.ok()) valid = tp_column_shard(p.grad_table.shape[1], world, rank, &begin, &end);
-  if (valid.ok()) valid = check_shard_rows(p.weight, TensorView(), rank, world, begin, end);
+  if (valid.ok()) valid = check_shard_rows(p.in.weight, TensorView(), rank, world, begin, end);
   if (valid.ok() && (p.d_weight.present() || p.d_bias.present()))
-    valid = check_shard_rows(p.d_weight.present() ? p.d_weight : p.weight, p.d_bias, rank, world, begin, end);
+    valid = check_shard_rows(p.d_weight.present() ? p.d_weight : p.in.weight, p.d_bias, rank, world, begin, end);
   if (valid.ok())
-    valid = validate_projection_backward(p.temb, p.weight, p.act, local_shape(p.grad_table, end - begin), p.d_temb,
-                                         p.d_weight, p.d_bias, p.numerics);
+    valid = validate_projection_backward(p.in.temb, p.in.weight, p.act, local_shape(p.grad_table, end - begin), p.d_temb,
+                                         p.d_weight, p.d_bias, p.in.numerics);
   for (auto [out, name] : {std::pair<const TensorView*, const char*>{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
                            {&p.d_bias, "d_bias"}})
     if (valid.ok()) valid = check::no_alias(*out, name, p.grad_table, "grad_table");
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.temb, p.grad_table,
-                                                          p.weight.dtype, p.d_temb.present())));
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.in.temb, p.grad_table,
+                                                          p.in.weight.dtype, p.d_temb.present())));
 
-  const Device device = p.temb.device;
-  const int64_t rows = p.temb.shape[0], in_features = p.temb.shape[1], columns = end - begin;
+  const Device device = p.in.temb.device;
+  const int64_t rows = p.in.temb.shape[0], in_features = p.in.temb.shape[1], columns = end - begin;
   const int64_t chunks = columns / kLinearChunkRows, all_chunks = chunks * world;
   // [g (T, n) fp32 | partials (chunks, T, D) | gathered (tp*chunks, T, D) | d_act (T, D)]
   const std::size_t g_bytes = static_cast<std::size_t>(rows * columns) * sizeof(float);
@@ -177,7 +177,7 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   if (!p.d_temb.present()) return Status();
   LinearBackwardInputParams input;
   input.grad = grad;
-  input.weight = p.weight;
+  input.weight = p.in.weight;
   input.partials = TensorView::contiguous(partials, DType::kF32, {chunks, rows, in_features}, device);
   DETDIT_RETURN_IF_ERROR(linear_backward_input_partials(input, stream));
   // Rank r's chunks are WS1 chunks [r*chunks, (r+1)*chunks): the rank-ordered
@@ -189,9 +189,9 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   DETDIT_RETURN_IF_ERROR(linear_fold_partials(fold, stream));
   SiluBackwardParams silu;
   silu.grad = fold.d_x;
-  silu.pre = p.temb;
+  silu.pre = p.in.temb;
   silu.d_pre = p.d_temb;
-  silu.numerics = p.numerics;
+  silu.numerics = p.in.numerics;
   return silu_backward(silu, stream);
 }
 

@@ -9,7 +9,7 @@
 // region share it; gate_residual's and adaln_row_gather's have one caller
 // file each and live there (src/gate_residual.cc, src/adaln.cc).
 //
-// Params must already be validated (rowwise_checks.h); nothing here checks.
+// Params must already be validated (rowwise/checks.h); nothing here checks.
 #pragma once
 
 #include "detdit/rmsnorm.h"

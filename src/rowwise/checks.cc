@@ -1,5 +1,5 @@
-// Validation shared by the row-wise ops (contract in src/rowwise_checks.h).
-#include "rowwise_checks.h"
+// Validation shared by the row-wise ops (contract in src/rowwise/checks.h).
+#include "rowwise/checks.h"
 
 #include <cmath>
 #include <cstdint>

@@ -42,10 +42,10 @@ struct Modulation {
   std::vector<HostTensor*> outputs() { return {&table, &act, &out, &d_temb, &d_weight, &d_bias}; }
   AdalnModulationParams forward_params() const {
     AdalnModulationParams p;
-    p.temb = temb.view();
-    p.weight = weight.view();
-    p.bias = bias.view();
-    p.plan = plan;
+    p.in.temb = temb.view();
+    p.in.weight = weight.view();
+    p.in.bias = bias.view();
+    p.in.plan = plan;
     p.table = table.view();
     p.act = act.view();
     p.out = out.view();
@@ -53,10 +53,10 @@ struct Modulation {
   }
   AdalnModulationBackwardParams backward_params() const {
     AdalnModulationBackwardParams p;
-    p.temb = temb.view();
-    p.weight = weight.view();
+    p.in.temb = temb.view();
+    p.in.weight = weight.view();
     p.act = act.view();
-    p.plan = plan;
+    p.in.plan = plan;
     p.grad = grad.view();
     p.d_temb = d_temb.view();
     p.d_weight = d_weight.view();
@@ -77,7 +77,7 @@ TEST(AdalnModulation, EqualsProjectionThenGatherWithFp32TableGradients) {
     DETDIT_ASSERT_OK(k.run());
     HostTensor table(DType::kBF16, {c.num_timesteps, kWidth}), act(DType::kBF16, {c.num_timesteps, kEmbed});
     HostTensor out(DType::kBF16, {6, c.seq_len, kHidden});
-    DETDIT_ASSERT_OK(adaln_projection_forward({k.temb.view(), k.weight.view(), k.bias.view(), table.view(), act.view()}));
+    DETDIT_ASSERT_OK(adaln_projection_forward({{k.temb.view(), k.weight.view(), k.bias.view()}, table.view(), act.view()}));
     DETDIT_ASSERT_OK(adaln_row_gather_forward({table.view_as({3 * c.num_timesteps, 6 * kHidden}), k.plan, out.view()}));
     EXPECT_BITWISE_EQ(table, k.table);
     EXPECT_BITWISE_EQ(act, k.act);
@@ -88,7 +88,7 @@ TEST(AdalnModulation, EqualsProjectionThenGatherWithFp32TableGradients) {
     HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {kWidth, kEmbed});
     HostTensor d_bias(DType::kBF16, {kWidth});
     DETDIT_ASSERT_OK(adaln_projection_backward(
-        {k.temb.view(), k.weight.view(), act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
+        {{k.temb.view(), k.weight.view(), k.bias.view()}, act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
     EXPECT_BITWISE_EQ(d_temb, k.d_temb);
     EXPECT_BITWISE_EQ(d_weight, k.d_weight);
     EXPECT_BITWISE_EQ(d_bias, k.d_bias);
@@ -119,15 +119,15 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
   HostTensor wide_grad = random_tensor(DType::kBF16, {6, 32, 2 * kHidden}, 3);
   const std::vector<testing::BadParams<AdalnModulationParams, AdalnModulationBackwardParams>> cases = {
       {"plan rows", ErrorKind::kValue, "plan must have R = 3T = 6 table rows, got R = 2",
-       [&](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->plan = b->plan = timestep_only; }},
+       [&](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->in.plan = b->in.plan = timestep_only; }},
       {"no plan", ErrorKind::kValue, "plan is required",
-       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->plan = b->plan = IndexPlan(); }},
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->in.plan = b->in.plan = IndexPlan(); }},
       {"weight rows not 18H", ErrorKind::kValue, "200",
-       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->weight.shape[0] = b->weight.shape[0] = 200; }},
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->in.weight.shape[0] = b->in.weight.shape[0] = 200; }},
       {"temb bf16", ErrorKind::kType, "temb must be float32",
-       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->temb.dtype = b->temb.dtype = DType::kBF16; }},
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->in.temb.dtype = b->in.temb.dtype = DType::kBF16; }},
       {"torch on cpu", ErrorKind::kValue, "numerics=torch exists on CUDA only",
-       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->numerics = b->numerics = Numerics::kTorch; }},
+       [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->in.numerics = b->in.numerics = Numerics::kTorch; }},
   };
   testing::expect_bad_params_refused<Modulation>(cases, adaln_modulation_forward, adaln_modulation_backward, c);
   // backward-only: grad of the wrong width / length / dtype

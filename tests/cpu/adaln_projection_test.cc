@@ -30,9 +30,9 @@ struct Projection {
   }
   AdalnProjectionParams forward() const {
     AdalnProjectionParams p;
-    p.temb = temb.view();
-    p.weight = weight.view();
-    p.bias = bias.view();
+    p.in.temb = temb.view();
+    p.in.weight = weight.view();
+    p.in.bias = bias.view();
     p.table = table.view();
     p.act = act.view();
     return p;
@@ -48,8 +48,8 @@ struct ProjectionGrads {
   }
   AdalnProjectionBackwardParams params(const Projection& p) const {
     AdalnProjectionBackwardParams b;
-    b.temb = p.temb.view();
-    b.weight = p.weight.view();
+    b.in.temb = p.temb.view();
+    b.in.weight = p.weight.view();
     b.act = p.act.view();
     b.grad_table = grad.view();
     b.d_temb = d_temb.view();
@@ -236,39 +236,39 @@ TEST(AdalnProjectionValidation, ForwardRejectsBadArgumentsAndWritesNothing) {
   };
   const std::vector<Case> cases = {
       {"bf16 temb", ErrorKind::kType, "temb must be float32 (the SiLU runs before the cast), got bfloat16",
-       [&](auto* q) { q->temb = temb_bf16.view(); }},
-      {"weight/bias dtypes", ErrorKind::kType, "weight/bias must share a dtype", [&](auto* q) { q->bias = bias_f32.view(); }},
+       [&](auto* q) { q->in.temb = temb_bf16.view(); }},
+      {"weight/bias dtypes", ErrorKind::kType, "weight/bias must share a dtype", [&](auto* q) { q->in.bias = bias_f32.view(); }},
       {"N not a multiple of 18", ErrorKind::kValue, "AdaLN weight must be (6 * H * 3, D)", [&](auto* q) {
-         q->weight = not18.view();
-         q->bias = not18_bias.view();
+         q->in.weight = not18.view();
+         q->in.bias = not18_bias.view();
          q->table = not18_table.view();
        }},
       {"D not a multiple of 8", ErrorKind::kValue, "16-byte vector load", [&](auto* q) {
-         q->temb = odd_temb.view();
-         q->weight = odd_weight.view();
+         q->in.temb = odd_temb.view();
+         q->in.weight = odd_weight.view();
          q->act = p.act.view_as({3, 60});
        }},
-      {"temb 3-D", ErrorKind::kValue, "temb must be a non-empty (T, D) matrix", [&](auto* q) { q->temb = p.temb.view_as({3, 1, 64}); }},
+      {"temb 3-D", ErrorKind::kValue, "temb must be a non-empty (T, D) matrix", [&](auto* q) { q->in.temb = p.temb.view_as({3, 1, 64}); }},
       {"zero rows", ErrorKind::kValue, "temb must be a non-empty (T, D) matrix", [&](auto* q) {
-         q->temb = p.temb.view_as({0, 64});
+         q->in.temb = p.temb.view_as({0, 64});
          q->table = p.table.view_as({0, 18 * 8});
          q->act = p.act.view_as({0, 64});
        }},
-      {"weight D mismatch", ErrorKind::kValue, "weight must be (N, D)", [&](auto* q) { q->weight = p.weight.view_as({18 * 16, 32}); }},
+      {"weight D mismatch", ErrorKind::kValue, "weight must be (N, D)", [&](auto* q) { q->in.weight = p.weight.view_as({18 * 16, 32}); }},
       {"table shape", ErrorKind::kValue, "table must be (T, N)", [&](auto* q) { q->table = p.table.view_as({18 * 8, 3}); }},
       {"table float32", ErrorKind::kType, "table must have weight's dtype", [&](auto* q) { q->table.dtype = DType::kF32; }},
       {"misaligned weight", ErrorKind::kValue, "16-byte aligned", [&](auto* q) {
-         q->weight = TensorView::contiguous(wide.ptr<uint16_t>() + 2, DType::kBF16, {18 * 8, 64});
+         q->in.weight = TensorView::contiguous(wide.ptr<uint16_t>() + 2, DType::kBF16, {18 * 8, 64});
        }},
       {"non-contiguous temb", ErrorKind::kValue, "temb must be contiguous", [&](auto* q) {
-         q->temb = TensorView::strided(p.temb.data(), DType::kF32, {3, 32}, {64, 1});
+         q->in.temb = TensorView::strided(p.temb.data(), DType::kF32, {3, 32}, {64, 1});
        }},
-      {"bias missing", ErrorKind::kValue, "bias is required", [&](auto* q) { q->bias = TensorView(); }},
+      {"bias missing", ErrorKind::kValue, "bias is required", [&](auto* q) { q->in.bias = TensorView(); }},
       {"act on another device", ErrorKind::kValue, "act is on cuda:0", [&](auto* q) { q->act.device = Device::cuda(0); }},
       {"table aliases act", ErrorKind::kValue, "must not overlap", [&](auto* q) {
          q->table = TensorView::contiguous(p.act.data(), DType::kBF16, {3, 18 * 8});
        }},
-      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* q) { q->numerics = Numerics::kTorch; }},
+      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* q) { q->in.numerics = Numerics::kTorch; }},
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);
@@ -301,8 +301,8 @@ TEST(AdalnProjectionValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
       {"d_temb bfloat16", ErrorKind::kType, "d_temb must be float32", [&](auto* b) { b->d_temb.dtype = DType::kBF16; }},
       {"d_weight shape", ErrorKind::kValue, "d_weight must be (N, D)", [&](auto* b) { b->d_weight = g.d_weight.view_as({64, 18 * 8}); }},
       {"d_bias float32", ErrorKind::kType, "d_bias must have weight's dtype", [&](auto* b) { b->d_bias.dtype = DType::kF32; }},
-      {"bf16 temb", ErrorKind::kType, "temb must be float32", [&](auto* b) { b->temb.dtype = DType::kBF16; }},
-      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* b) { b->numerics = Numerics::kTorch; }},
+      {"bf16 temb", ErrorKind::kType, "temb must be float32", [&](auto* b) { b->in.temb.dtype = DType::kBF16; }},
+      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* b) { b->in.numerics = Numerics::kTorch; }},
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);

@@ -68,11 +68,11 @@ struct NormCase {
         shift(random_tensor(d, {c.num_rows(), h}, 3)), scale(random_tensor(d, {c.num_rows(), h}, 4, 0.0, 0.5)),
         grad(random_tensor(d, {c.positions(), h}, 5)), rstd(DType::kF32, {c.positions()}), out(d, {c.positions(), h}) {
     RmsnormParams p;
-    p.x = x.view();
-    p.weight = weight.view();
-    p.shift = shift.view();
-    p.scale = scale.view();
-    p.plan = plan;
+    p.in.x = x.view();
+    p.in.weight = weight.view();
+    p.in.shift = shift.view();
+    p.in.scale = scale.view();
+    p.in.plan = plan;
     p.out = out.view();
     p.rstd = rstd.view();
     Status s = rmsnorm_forward(p);
@@ -80,11 +80,11 @@ struct NormCase {
   }
   RmsnormBackwardParams backward(HostTensor* d_weight, HostTensor* d_shift, HostTensor* d_scale) const {
     RmsnormBackwardParams p;
-    p.x = x.view();
-    p.weight = weight.view();
-    p.shift = shift.view();
-    p.scale = scale.view();
-    p.plan = plan;
+    p.in.x = x.view();
+    p.in.weight = weight.view();
+    p.in.shift = shift.view();
+    p.in.scale = scale.view();
+    p.in.plan = plan;
     p.rstd = rstd.view();
     p.grad = grad.view();
     if (d_weight) p.d_weight = d_weight->view();
@@ -105,7 +105,7 @@ struct NormCase {
 // gate_residual_backward for d_gate alone (no d_residual, no d_y).
 GateResidualBackwardParams gate_gradient_params(const HostTensor& grad, const HostTensor& y, const HostTensor& gate,
                                                 const IndexPlan& plan, const HostTensor& d_gate) {
-  return {grad.view(), y.view(), gate.view(), plan, TensorView(), TensorView(), d_gate.view()};
+  return {{TensorView(), y.view(), gate.view(), plan}, grad.view(), TensorView(), TensorView(), d_gate.view()};
 }
 
 // d_gate by the definition: the partial of a chunk chains fma(grad, y, acc)
@@ -150,8 +150,8 @@ TEST(CanonicalReduction, PlainRmsnormWeightGradientEqualsTheDefinition) {
   IndexCase c = testing::make_index_case(Packing::kBlock, 700, 1, 2);
   NormCase k(c, 20, DType::kBF16);
   RmsnormBackwardParams p = k.backward(nullptr, nullptr, nullptr);
-  p.shift = p.scale = TensorView();
-  p.plan = IndexPlan();
+  p.in.shift = p.in.scale = TensorView();
+  p.in.plan = IndexPlan();
   // the plain forward's rstd equals the modulated one's (same x, same tree)
   HostTensor d_weight(DType::kF32, {20});
   p.d_weight = d_weight.view();
@@ -287,7 +287,7 @@ TEST(CanonicalReduction, SplitHalvesOfRmsnormComposeToTheFullBackward) {
         HostTensor w_part(DType::kF32, {std::max<int64_t>(1, static_cast<int64_t>(rank.chunks.size())), h});
         HostTensor t_part(DType::kF32, {std::max<int64_t>(1, segments), 2 * h});
         RmsnormBackwardParams p = k.backward(nullptr, nullptr, nullptr);
-        p.x = x.view();
+        p.in.x = x.view();
         p.grad = grad.view();
         p.rstd = rstd.view();
         ChunkSelection sel = selection(rank);
@@ -334,7 +334,7 @@ TEST(CanonicalReduction, SplitHalvesOfGateResidualComposeToTheFullBackward) {
         HostTensor part(DType::kF32, {std::max<int64_t>(1, segments), h});
         GateResidualBackwardParams local = p;
         local.grad = own_grad.view();
-        local.y = own_y.view();
+        local.in.y = own_y.view();
         ChunkSelection sel = selection(rank);
         ExtraRows extra{TensorView(), extra_grad.view(), extra_y.view(), TensorView()};
         DETDIT_ASSERT_OK(cpu::gate_residual_backward_partials(local, sel, extra, part.view(), nullptr));

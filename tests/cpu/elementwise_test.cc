@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/cases.h"
-#include "common/elementwise.h"
+#include "common/backends.h"
 #include "common/scalar_math.h"
 #include "common/test_util.h"
 
@@ -106,7 +106,7 @@ TEST(Elementwise, AddIsTheRoundedFp32SumInEveryDtype) {
     fill_inputs(&a, &b, 7);
     for (int64_t i = 0; i < kElements; ++i) set_expected(&expected, i, static_cast<float>(a.get(i)), static_cast<float>(b.get(i)));
     out.fill_bytes(0xA5);
-    DETDIT_ASSERT_OK(add(a.view(), b.view(), out.view(), nullptr));
+    DETDIT_ASSERT_OK(cpu::add(a.view(), b.view(), out.view(), nullptr));
     EXPECT_BITWISE_EQ(expected, out);
     // the inputs reach every outcome class: some sums overflow, some are NaN, some are exact zeros
     int64_t infinities = 0, nans = 0, zeros = 0;
@@ -128,10 +128,10 @@ TEST(Elementwise, AddInPlaceEqualsOutOfPlace) {
     SCOPED_TRACE(dtype_name(dtype));
     HostTensor a(dtype, {kElements}), b(dtype, {kElements}), out(dtype, {kElements});
     fill_inputs(&a, &b, 8);
-    DETDIT_ASSERT_OK(add(a.view(), b.view(), out.view(), nullptr));
+    DETDIT_ASSERT_OK(cpu::add(a.view(), b.view(), out.view(), nullptr));
     HostTensor in_a = testing::clone(a), in_b = testing::clone(b);
-    DETDIT_ASSERT_OK(add(in_a.view(), b.view(), in_a.view(), nullptr));
-    DETDIT_ASSERT_OK(add(a.view(), in_b.view(), in_b.view(), nullptr));
+    DETDIT_ASSERT_OK(cpu::add(in_a.view(), b.view(), in_a.view(), nullptr));
+    DETDIT_ASSERT_OK(cpu::add(a.view(), in_b.view(), in_b.view(), nullptr));
     EXPECT_BITWISE_EQ(out, in_a);
     EXPECT_BITWISE_EQ(out, in_b);
   }
@@ -143,9 +143,9 @@ TEST(Elementwise, CopyTensorCopiesBytesAndFillZeroWritesPositiveZeros) {
     HostTensor a(dtype, {kElements}), b(dtype, {kElements}), copy(dtype, {kElements});
     fill_inputs(&a, &b, 9);
     copy.fill_bytes(0xA5);
-    DETDIT_ASSERT_OK(copy_tensor(a.view(), copy.view(), nullptr));
+    DETDIT_ASSERT_OK(cpu::copy_tensor(a.view(), copy.view(), nullptr));
     EXPECT_BITWISE_EQ(a, copy);
-    DETDIT_ASSERT_OK(fill_zero(copy.view(), nullptr));
+    DETDIT_ASSERT_OK(cpu::fill_zero(copy.view(), nullptr));
     EXPECT_TRUE(testing::all_bytes_are(copy, 0));
     for (int64_t i = 0; i < kElements; ++i) ASSERT_FALSE(std::signbit(copy.get(i))) << i;
   }

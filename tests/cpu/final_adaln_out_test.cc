@@ -53,12 +53,12 @@ struct Final {
   }
   FinalAdalnOutParams forward_params() const {
     FinalAdalnOutParams p;
-    p.x = x.view();
-    p.norm_weight = norm_weight.view();
-    p.temb = temb.view();
-    p.weight = weight.view();
-    p.bias = bias.view();
-    p.plan = plan;
+    p.in.x = x.view();
+    p.in.norm_weight = norm_weight.view();
+    p.in.temb = temb.view();
+    p.in.weight = weight.view();
+    p.in.bias = bias.view();
+    p.in.plan = plan;
     p.out = out.view();
     p.table = table.view();
     p.act = act.view();
@@ -67,14 +67,14 @@ struct Final {
   }
   FinalAdalnOutBackwardParams backward_params() const {
     FinalAdalnOutBackwardParams p;
-    p.x = x.view();
-    p.norm_weight = norm_weight.view();
-    p.temb = temb.view();
-    p.weight = weight.view();
+    p.in.x = x.view();
+    p.in.norm_weight = norm_weight.view();
+    p.in.temb = temb.view();
+    p.in.weight = weight.view();
     p.table = table.view();
     p.act = act.view();
     p.rstd = rstd.view();
-    p.plan = plan;
+    p.in.plan = plan;
     p.grad = grad.view();
     p.dx = dx.view();
     p.d_norm_weight = d_norm_weight.view();
@@ -97,15 +97,15 @@ TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
     DETDIT_ASSERT_OK(k.run());
     // the same sequence through the separate public ops
     HostTensor table(DType::kBF16, {c.num_timesteps, 2 * kHidden}), act(DType::kBF16, {c.num_timesteps, kEmbed});
-    DETDIT_ASSERT_OK(adaln_projection_forward({k.temb.view(), k.weight.view(), k.bias.view(), table.view(), act.view()}));
+    DETDIT_ASSERT_OK(adaln_projection_forward({{k.temb.view(), k.weight.view(), k.bias.view()}, table.view(), act.view()}));
     const TensorView shift = table.view().narrow(1, 0, kHidden), scale = table.view().narrow(1, kHidden, kHidden);
     HostTensor out(DType::kBF16, {c.batch, c.seq_len, kHidden}), rstd(DType::kF32, {c.positions()});
     RmsnormParams norm;
-    norm.x = k.x.view();
-    norm.weight = k.norm_weight.view();
-    norm.shift = shift;
-    norm.scale = scale;
-    norm.plan = k.plan;
+    norm.in.x = k.x.view();
+    norm.in.weight = k.norm_weight.view();
+    norm.in.shift = shift;
+    norm.in.scale = scale;
+    norm.in.plan = k.plan;
     norm.out = out.view();
     norm.rstd = rstd.view();
     DETDIT_ASSERT_OK(rmsnorm_forward(norm));
@@ -117,11 +117,11 @@ TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
     HostTensor d_table(DType::kF32, {c.num_timesteps, 2 * kHidden}), dx(DType::kBF16, {c.batch, c.seq_len, kHidden});
     HostTensor d_norm_weight(DType::kF32, {kHidden});
     RmsnormBackwardParams nb;
-    nb.x = k.x.view();
-    nb.weight = k.norm_weight.view();
-    nb.shift = shift;
-    nb.scale = scale;
-    nb.plan = k.plan;
+    nb.in.x = k.x.view();
+    nb.in.weight = k.norm_weight.view();
+    nb.in.shift = shift;
+    nb.in.scale = scale;
+    nb.in.plan = k.plan;
     nb.rstd = rstd.view();
     nb.grad = k.grad.view();
     nb.dx = dx.view();
@@ -133,7 +133,7 @@ TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
     HostTensor d_bias(DType::kBF16, {2 * kHidden});
     // d_table is FP32: never rounded to bf16 in between
     DETDIT_ASSERT_OK(adaln_projection_backward(
-        {k.temb.view(), k.weight.view(), act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
+        {{k.temb.view(), k.weight.view(), k.bias.view()}, act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
     EXPECT_BITWISE_EQ(dx, k.dx);
     EXPECT_BITWISE_EQ(d_norm_weight, k.d_norm_weight);
     EXPECT_BITWISE_EQ(d_temb, k.d_temb);
@@ -186,21 +186,21 @@ TEST(FinalAdalnOut, BadInputsGetClearErrorsAndWriteNothing) {
   HostTensor temb_bf16 = random_tensor(DType::kBF16, {2, kEmbed}, 9);
   const std::vector<testing::BadParams<FinalAdalnOutParams, FinalAdalnOutBackwardParams>> cases = {
       {"adaln plan", ErrorKind::kValue, "plan must have R = T (temb rows) = 2 table rows, got R = 6",
-       [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->plan = b->plan = adaln_rows; }},
+       [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.plan = b->in.plan = adaln_rows; }},
       {"temb bf16", ErrorKind::kType, "temb must be float32 (the SiLU runs before the cast), got bfloat16",
-       [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->temb = b->temb = temb_bf16.view(); }},
+       [&](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.temb = b->in.temb = temb_bf16.view(); }},
       {"weight rows", ErrorKind::kValue, "weight must be (2H, D) = (72, *)",
-       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->weight.shape[0] = b->weight.shape[0] = 70; }},
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.weight.shape[0] = b->in.weight.shape[0] = 70; }},
       {"weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float32",
-       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->weight.dtype = b->weight.dtype = DType::kF32; }},
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.weight.dtype = b->in.weight.dtype = DType::kF32; }},
       {"x rows", ErrorKind::kValue, "x must be (B*S, H) rows with S = plan.seq_len() = 16, B = plan.batch() = 2",
-       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->x = b->x = f->x.reshaped({4, 8, kHidden}); }},
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.x = b->in.x = f->in.x.reshaped({4, 8, kHidden}); }},
       {"table shape", ErrorKind::kValue, "table must be (T, ",
        [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->table.shape[1] = b->table.shape[1] = 70; }},
       {"eps", ErrorKind::kValue, "eps must be finite and > 0",
-       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->eps = b->eps = -1.0f; }},
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.eps = b->in.eps = -1.0f; }},
       {"norm_weight dtype", ErrorKind::kType, "weight must have x's dtype bfloat16, got float16",
-       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->norm_weight.dtype = b->norm_weight.dtype = DType::kF16; }},
+       [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.norm_weight.dtype = b->in.norm_weight.dtype = DType::kF16; }},
   };
   testing::expect_bad_params_refused<Final>(cases, final_adaln_out_forward, final_adaln_out_backward, c);
 }

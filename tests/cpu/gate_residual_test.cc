@@ -42,19 +42,19 @@ struct Gate {
   std::vector<HostTensor*> outputs() { return {&out, &d_residual, &d_y, &d_gate}; }
   GateResidualParams forward_params() const {
     GateResidualParams p;
-    p.residual = residual.view();
-    p.y = y.view();
-    p.gate = gate.view();
-    p.plan = plan;
+    p.in.residual = residual.view();
+    p.in.y = y.view();
+    p.in.gate = gate.view();
+    p.in.plan = plan;
     p.out = out.view();
     return p;
   }
   GateResidualBackwardParams backward_params() const {
     GateResidualBackwardParams p;
     p.grad = grad.view();
-    p.y = y.view();
-    p.gate = gate.view();
-    p.plan = plan;
+    p.in.y = y.view();
+    p.in.gate = gate.view();
+    p.in.plan = plan;
     p.d_residual = d_residual.view();
     p.d_y = d_y.view();
     p.d_gate = d_gate.view();
@@ -142,30 +142,30 @@ TEST(GateResidual, BadInputsGetClearErrorsAndWriteNothing) {
   IndexPlan other_rows = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 16, 3, 2));
   const std::vector<testing::BadParams<GateResidualParams, GateResidualBackwardParams>> cases = {
       {"residual dtype", ErrorKind::kType, "must be float32, bfloat16 or float16, got int64",
-       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->residual.dtype = b->grad.dtype = DType::kI64; }},
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.residual.dtype = b->grad.dtype = DType::kI64; }},
       {"y dtype", ErrorKind::kType, "y must have", [](GateResidualParams* f, GateResidualBackwardParams* b) {
-         f->y.dtype = b->y.dtype = DType::kF16;
+         f->in.y.dtype = b->in.y.dtype = DType::kF16;
        }},
       {"gate dtype", ErrorKind::kType, "gate must be bfloat16, got float32",
-       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->gate.dtype = b->gate.dtype = DType::kF32; }},
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.gate.dtype = b->in.gate.dtype = DType::kF32; }},
       {"y shape", ErrorKind::kValue, "y must have", [](GateResidualParams* f, GateResidualBackwardParams* b) {
-         f->y.shape[1] = b->y.shape[1] = 8;
+         f->in.y.shape[1] = b->in.y.shape[1] = 8;
        }},
       {"gate rows vs plan", ErrorKind::kValue, "gate must be (R, H) = (9, 16)",
-       [&](GateResidualParams* f, GateResidualBackwardParams* b) { f->plan = b->plan = other_rows; }},
+       [&](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.plan = b->in.plan = other_rows; }},
       {"gate column stride", ErrorKind::kValue, "gate must have unit column stride",
-       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->gate.strides[1] = b->gate.strides[1] = 3; }},
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.gate.strides[1] = b->in.gate.strides[1] = 3; }},
       {"sharded index", ErrorKind::kValue, "rows with S = plan.seq_len() = 8, B = plan.batch() = 2, got (32, 16)",
-       [&](GateResidualParams* f, GateResidualBackwardParams* b) { f->plan = b->plan = sharded; }},
+       [&](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.plan = b->in.plan = sharded; }},
       {"no plan", ErrorKind::kValue, "plan is required",
-       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->plan = b->plan = IndexPlan(); }},
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.plan = b->in.plan = IndexPlan(); }},
       {"empty", ErrorKind::kValue, "must be non-empty",
-       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->residual.shape[1] = b->grad.shape[1] = 0; }},
+       [](GateResidualParams* f, GateResidualBackwardParams* b) { f->in.residual.shape[1] = b->grad.shape[1] = 0; }},
       {"device", ErrorKind::kValue, "is on cuda:0", [](GateResidualParams* f, GateResidualBackwardParams* b) {
-         f->y.device = b->y.device = Device::cuda(0);
+         f->in.y.device = b->in.y.device = Device::cuda(0);
        }},
       {"absent", ErrorKind::kValue, "y is required", [](GateResidualParams* f, GateResidualBackwardParams* b) {
-         f->y = b->y = TensorView();
+         f->in.y = b->in.y = TensorView();
        }},
   };
   testing::expect_bad_params_refused<Gate>(cases, gate_residual_forward, gate_residual_backward, c, int64_t{16},

@@ -38,11 +38,11 @@ struct Mlp {
   }
   TimestepMlpParams forward() const {
     TimestepMlpParams p;
-    p.features = features.view();
-    p.w1 = w1.view();
-    p.b1 = b1.view();
-    p.w2 = w2.view();
-    p.b2 = b2.view();
+    p.in.features = features.view();
+    p.in.w1 = w1.view();
+    p.in.b1 = b1.view();
+    p.in.w2 = w2.view();
+    p.in.b2 = b2.view();
     p.temb = temb.view();
     p.pre = pre.view();
     p.hidden = hidden.view();
@@ -50,9 +50,9 @@ struct Mlp {
   }
   TimestepMlpBackwardParams backward() const {
     TimestepMlpBackwardParams p;
-    p.features = features.view();
-    p.w1 = w1.view();
-    p.w2 = w2.view();
+    p.in.features = features.view();
+    p.in.w1 = w1.view();
+    p.in.w2 = w2.view();
     p.pre = pre.view();
     p.hidden = hidden.view();
     p.grad_temb = grad.view();
@@ -218,47 +218,47 @@ TEST(TimestepMlpValidation, ForwardRejectsBadArgumentsAndWritesNothing) {
   };
   const std::vector<Case> cases = {
       {"bf16 w1", ErrorKind::kType, "w1 must be float32: the H3 time_embedder is an FP32 module",
-       [&](auto* p) { p->w1 = w1_bf16.view(); }},
+       [&](auto* p) { p->in.w1 = w1_bf16.view(); }},
       {"bf16 features", ErrorKind::kType, "features must be float32: the H3 time_embedder is an FP32 module",
-       [&](auto* p) { p->features = features_bf16.view(); }},
-      {"w1 K mismatch", ErrorKind::kValue, "w1 must be (H, K)", [&](auto* p) { p->w1 = m.w1.view_as({128, 16}); }},
-      {"b1 shape", ErrorKind::kValue, "b1 must be (H,)", [&](auto* p) { p->b1 = m.b1.view_as({32}); }},
-      {"w2 shape", ErrorKind::kValue, "w2 must be (D, H)", [&](auto* p) { p->w2 = m.w2.view_as({96, 32}); }},
-      {"b2 shape", ErrorKind::kValue, "b2 must be (D,)", [&](auto* p) { p->b2 = m.b2.view_as({24}); }},
+       [&](auto* p) { p->in.features = features_bf16.view(); }},
+      {"w1 K mismatch", ErrorKind::kValue, "w1 must be (H, K)", [&](auto* p) { p->in.w1 = m.w1.view_as({128, 16}); }},
+      {"b1 shape", ErrorKind::kValue, "b1 must be (H,)", [&](auto* p) { p->in.b1 = m.b1.view_as({32}); }},
+      {"w2 shape", ErrorKind::kValue, "w2 must be (D, H)", [&](auto* p) { p->in.w2 = m.w2.view_as({96, 32}); }},
+      {"b2 shape", ErrorKind::kValue, "b2 must be (D,)", [&](auto* p) { p->in.b2 = m.b2.view_as({24}); }},
       {"temb shape", ErrorKind::kValue, "temb must be (T, D)", [&](auto* p) { p->temb = m.temb.view_as({48, 3}); }},
-      {"features 1-D", ErrorKind::kValue, "features must be (T, K)", [&](auto* p) { p->features = m.features.view_as({96}); }},
+      {"features 1-D", ErrorKind::kValue, "features must be (T, K)", [&](auto* p) { p->in.features = m.features.view_as({96}); }},
       {"zero rows", ErrorKind::kValue, "features must be a non-empty (T, K) matrix", [&](auto* p) {
-         p->features = m.features.view_as({0, 32});
+         p->in.features = m.features.view_as({0, 32});
          p->temb = m.temb.view_as({0, 48});
          p->pre = m.pre.view_as({0, 64});
          p->hidden = m.hidden.view_as({0, 64});
        }},
       {"K not a multiple of 4", ErrorKind::kValue, "16-byte vector load", [&](auto* p) {
-         p->features = odd_features.view();
-         p->w1 = odd_w1.view();
+         p->in.features = odd_features.view();
+         p->in.w1 = odd_w1.view();
        }},
       // H % 4 != 0 fails only in the second linear: checked before the first writes.
       {"H not a multiple of 4", ErrorKind::kValue, "H = w1.shape[0] = 62", [&](auto* p) {
-         p->w1 = m.w1.view_as({62, 32});
-         p->b1 = m.b1.view_as({62});
-         p->w2 = m.w2.view_as({48, 62});
+         p->in.w1 = m.w1.view_as({62, 32});
+         p->in.b1 = m.b1.view_as({62});
+         p->in.w2 = m.w2.view_as({48, 62});
          p->pre = m.pre.view_as({3, 62});
          p->hidden = m.hidden.view_as({3, 62});
        }},
       {"misaligned w2", ErrorKind::kValue, "16-byte aligned", [&](auto* p) {
-         p->w2 = TensorView::contiguous(wide.ptr<float>() + 1, DType::kF32, {48, 64});
+         p->in.w2 = TensorView::contiguous(wide.ptr<float>() + 1, DType::kF32, {48, 64});
        }},
       {"non-contiguous w1", ErrorKind::kValue, "w1 must be contiguous", [&](auto* p) {
-         p->w1 = TensorView::strided(m.w1.data(), DType::kF32, {32, 32}, {64, 1});
-         p->b1 = m.b1.view_as({32});
-         p->w2 = m.w2.view_as({96, 32});
+         p->in.w1 = TensorView::strided(m.w1.data(), DType::kF32, {32, 32}, {64, 1});
+         p->in.b1 = m.b1.view_as({32});
+         p->in.w2 = m.w2.view_as({96, 32});
          p->pre = m.pre.view_as({6, 32});
        }},
       {"pre on another device", ErrorKind::kValue, "pre is on cuda:0", [&](auto* p) { p->pre.device = Device::cuda(0); }},
       {"temb aliases w1", ErrorKind::kValue, "must not overlap", [&](auto* p) {
          p->temb = TensorView::contiguous(m.w1.data(), DType::kF32, {3, 48});
        }},
-      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* p) { p->numerics = Numerics::kTorch; }},
+      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* p) { p->in.numerics = Numerics::kTorch; }},
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);
@@ -295,7 +295,7 @@ TEST(TimestepMlpValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
       {"d_w2 aliases d_w1", ErrorKind::kValue, "must not overlap", [&](auto* p) {
          p->d_w2 = TensorView::contiguous(m.d_w1.data(), DType::kF32, {48, 64});
        }},
-      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* p) { p->numerics = Numerics::kTorch; }},
+      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* p) { p->in.numerics = Numerics::kTorch; }},
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);

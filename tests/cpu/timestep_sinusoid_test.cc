@@ -31,15 +31,15 @@ HostTensor timesteps_of(DType dtype, int64_t count, uint64_t seed) {
 
 Status run_forward(const HostTensor& timesteps, HostTensor* features, float max_period = 10000.0f) {
   TimestepSinusoidParams p;
-  p.timesteps = timesteps.view();
+  p.in.timesteps = timesteps.view();
   p.features = features->view();
-  p.max_period = max_period;
+  p.in.max_period = max_period;
   return timestep_sinusoid_forward(p);
 }
 
 Status run_backward(const HostTensor& timesteps, const HostTensor& grad, HostTensor* d_t) {
   TimestepSinusoidBackwardParams p;
-  p.timesteps = timesteps.view();
+  p.in.timesteps = timesteps.view();
   p.grad_features = grad.view();
   p.d_timesteps = d_t->view();
   return timestep_sinusoid_backward(p);
@@ -182,9 +182,9 @@ TEST(TimestepSinusoidValidation, CheckRangeFalseSkipsOnlyTheValueCheck) {
   HostTensor checked(DType::kF32, {5, 8}), unchecked(DType::kF32, {5, 8});
   DETDIT_ASSERT_OK(run_forward(timesteps, &checked));
   TimestepSinusoidParams p;
-  p.timesteps = timesteps.view();
+  p.in.timesteps = timesteps.view();
   p.features = unchecked.view();
-  p.check_range = false;
+  p.in.check_range = false;
   DETDIT_ASSERT_OK(timestep_sinusoid_forward(p));
   EXPECT_BITWISE_EQ(checked, unchecked);
   timesteps.set(3, 1.5);
@@ -205,15 +205,15 @@ TEST(TimestepSinusoidValidation, BadArgumentsAreErrorsAndWriteNothing) {
   };
   const std::vector<Case> cases = {
       {"timesteps 2-D", ErrorKind::kValue, "timesteps must be 1-D (num_timesteps,)",
-       [&](auto* p) { p->timesteps = timesteps.view_as({2, 2}); }},
+       [&](auto* p) { p->in.timesteps = timesteps.view_as({2, 2}); }},
       {"no timesteps", ErrorKind::kValue, "at least one timestep", [&](auto* p) {
-         p->timesteps = timesteps.view_as({0});
+         p->in.timesteps = timesteps.view_as({0});
          p->features = features.view_as({0, 8});
        }},
       {"int32 timesteps", ErrorKind::kType, "timesteps must be float32, bfloat16 or float16",
-       [&](auto* p) { p->timesteps = ints.view(); }},
+       [&](auto* p) { p->in.timesteps = ints.view(); }},
       {"non-contiguous timesteps", ErrorKind::kValue, "timesteps must be contiguous", [&](auto* p) {
-         p->timesteps = TensorView::strided(timesteps.data(), DType::kF32, {2}, {2});
+         p->in.timesteps = TensorView::strided(timesteps.data(), DType::kF32, {2}, {2});
          p->features = features.view_as({2, 16});
        }},
       {"odd channels", ErrorKind::kValue, "positive even number, got 7", [&](auto* p) { p->features = features.view_as({4, 7}); }},
@@ -223,18 +223,18 @@ TEST(TimestepSinusoidValidation, BadArgumentsAreErrorsAndWriteNothing) {
       {"non-contiguous features", ErrorKind::kValue, "features must be contiguous", [&](auto* p) {
          p->features = TensorView::strided(wide.data(), DType::kF32, {4, 8}, {16, 1});
        }},
-      {"max_period below 1", ErrorKind::kValue, "max_period must be finite and >= 1", [&](auto* p) { p->max_period = 0.5f; }},
+      {"max_period below 1", ErrorKind::kValue, "max_period must be finite and >= 1", [&](auto* p) { p->in.max_period = 0.5f; }},
       {"max_period inf", ErrorKind::kValue, "max_period must be finite",
-       [&](auto* p) { p->max_period = std::numeric_limits<float>::infinity(); }},
+       [&](auto* p) { p->in.max_period = std::numeric_limits<float>::infinity(); }},
       {"features on cuda", ErrorKind::kValue, "features is on cuda:0", [&](auto* p) { p->features.device = Device::cuda(0); }},
-      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* p) { p->numerics = Numerics::kTorch; }},
+      {"torch numerics on the CPU", ErrorKind::kValue, "CUDA only", [&](auto* p) { p->in.numerics = Numerics::kTorch; }},
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);
     features.fill_bytes(kCanary);
     wide.fill_bytes(kCanary);
     TimestepSinusoidParams p;
-    p.timesteps = timesteps.view();
+    p.in.timesteps = timesteps.view();
     p.features = features.view();
     bad.edit(&p);
     Status s = timestep_sinusoid_forward(p);
@@ -248,7 +248,7 @@ TEST(TimestepSinusoidValidation, BadArgumentsAreErrorsAndWriteNothing) {
   d_t.fill_bytes(kCanary);
   d_t_bf16.fill_bytes(kCanary);
   TimestepSinusoidBackwardParams p;
-  p.timesteps = timesteps.view();
+  p.in.timesteps = timesteps.view();
   p.grad_features = grad.view();
   p.d_timesteps = d_t_bf16.view();
   Status s = timestep_sinusoid_backward(p);
@@ -259,12 +259,12 @@ TEST(TimestepSinusoidValidation, BadArgumentsAreErrorsAndWriteNothing) {
   s = timestep_sinusoid_backward(p);
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   p.grad_features = grad.view();
-  p.numerics = Numerics::kTorch;
+  p.in.numerics = Numerics::kTorch;
   s = timestep_sinusoid_backward(p);
   EXPECT_NE(s.message().find("CUDA only"), std::string::npos) << s.to_string();
   EXPECT_TRUE(all_bytes_are(d_t, kCanary));
   EXPECT_TRUE(all_bytes_are(d_t_bf16, kCanary));
-  p.numerics = Numerics::kPortable;
+  p.in.numerics = Numerics::kPortable;
   DETDIT_EXPECT_OK(timestep_sinusoid_backward(p));
 }
 

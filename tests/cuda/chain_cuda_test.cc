@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "common/elementwise.h"
+#include "common/backends.h"
 #include "cuda/cuda_test_util.h"
 #include "detdit/chain.h"
 
@@ -230,11 +230,11 @@ TEST(ElementwiseCuda, AddEqualsTheCpuAtEveryAlignmentAndInPlace) {
       Pair a = random_pair(dtype, {kCount + offset}, seed++, 0.0, 100.0);
       Pair b = random_pair(dtype, {kCount + offset}, seed++, 0.0, 1.0);
       Pair out = output_pair(dtype, {kCount + offset});
-      DETDIT_ASSERT_OK(add(slice(a.h(), offset, kCount), slice(b.h(), offset, kCount), slice(out.h(), offset, kCount), nullptr));
-      DETDIT_ASSERT_OK(add(slice(a.d(), offset, kCount), slice(b.d(), offset, kCount), slice(out.d(), offset, kCount), nullptr));
+      DETDIT_ASSERT_OK(cuda::add(slice(a.h(), offset, kCount), slice(b.h(), offset, kCount), slice(out.h(), offset, kCount), nullptr));
+      DETDIT_ASSERT_OK(cuda::add(slice(a.d(), offset, kCount), slice(b.d(), offset, kCount), slice(out.d(), offset, kCount), nullptr));
       EXPECT_GPU_EQ_CPU(out);
       // in place: a += b on the device equals the CPU's out
-      DETDIT_ASSERT_OK(add(slice(a.d(), offset, kCount), slice(b.d(), offset, kCount), slice(a.d(), offset, kCount), nullptr));
+      DETDIT_ASSERT_OK(cuda::add(slice(a.d(), offset, kCount), slice(b.d(), offset, kCount), slice(a.d(), offset, kCount), nullptr));
       HostTensor in_place = a.result();
       EXPECT_TRUE(bitwise_equal_bytes(static_cast<char*>(out.host.data()) + offset * dtype_size(dtype),
                                       static_cast<char*>(in_place.data()) + offset * dtype_size(dtype), kCount, dtype));
@@ -245,9 +245,9 @@ TEST(ElementwiseCuda, CopyTensorAndFillZero) {
   DETDIT_SKIP_WITHOUT_CUDA();
   Pair src = random_pair(DType::kBF16, {1001}, 3);
   Pair dst = output_pair(DType::kBF16, {1001});
-  DETDIT_ASSERT_OK(copy_tensor(src.d(), dst.d(), nullptr));
+  DETDIT_ASSERT_OK(cuda::copy_tensor(src.d(), dst.d(), nullptr));
   EXPECT_BITWISE_EQ(src.host, dst.result());
-  DETDIT_ASSERT_OK(fill_zero(dst.d(), nullptr));
+  DETDIT_ASSERT_OK(cuda::fill_zero(dst.d(), nullptr));
   EXPECT_TRUE(all_bytes_are(dst.result(), 0));
 }
 

@@ -43,23 +43,23 @@ TEST(FailureCuda, RmsnormValidationMatchesTheCpu) {
     std::function<void(RmsnormParams&, bool)> apply;
   };
   const std::vector<Misuse> misuses = {
-      {"weight dtype", [&](RmsnormParams& p, bool g) { p.weight = g ? w32.d() : w32.h(); }},
-      {"H % 4", [&](RmsnormParams& p, bool g) { p.x = g ? x12.d() : x12.h(); }},
+      {"weight dtype", [&](RmsnormParams& p, bool g) { p.in.weight = g ? w32.d() : w32.h(); }},
+      {"H % 4", [&](RmsnormParams& p, bool g) { p.in.x = g ? x12.d() : x12.h(); }},
       {"misaligned x", [&](RmsnormParams& p, bool) {
-         p.x = TensorView::contiguous(static_cast<char*>(p.x.data) + 2, DType::kBF16, {257, 64}, p.x.device);
+         p.in.x = TensorView::contiguous(static_cast<char*>(p.in.x.data) + 2, DType::kBF16, {257, 64}, p.in.x.device);
        }},
-      {"shift rows", [&](RmsnormParams& p, bool g) { p.shift = g ? short_shift.d() : short_shift.h(); }},
-      {"scale without shift", [&](RmsnormParams& p, bool) { p.shift = TensorView{}; }},
-      {"eps", [&](RmsnormParams& p, bool) { p.eps = -1.0f; }},
+      {"shift rows", [&](RmsnormParams& p, bool g) { p.in.shift = g ? short_shift.d() : short_shift.h(); }},
+      {"scale without shift", [&](RmsnormParams& p, bool) { p.in.shift = TensorView{}; }},
+      {"eps", [&](RmsnormParams& p, bool) { p.in.eps = -1.0f; }},
       {"absent out", [&](RmsnormParams& p, bool) { p.out = TensorView{}; }},
   };
   for (const Misuse& m : misuses) {
     SCOPED_TRACE(m.what);
     RmsnormParams cpu, gpu;
-    cpu.x = x.h(), gpu.x = x.d();
-    cpu.weight = w.h(), gpu.weight = w.d();
-    cpu.shift = cpu.scale = shift.h(), gpu.shift = gpu.scale = shift.d();
-    cpu.plan = plans.host, gpu.plan = plans.dev;
+    cpu.in.x = x.h(), gpu.in.x = x.d();
+    cpu.in.weight = w.h(), gpu.in.weight = w.d();
+    cpu.in.shift = cpu.in.scale = shift.h(), gpu.in.shift = gpu.in.scale = shift.d();
+    cpu.in.plan = plans.host, gpu.in.plan = plans.dev;
     cpu.out = out.h(), gpu.out = out.d();
     cpu.rstd = rstd.h(), gpu.rstd = rstd.d();
     m.apply(cpu, false);
@@ -99,29 +99,29 @@ TEST(FailureCuda, MixedDevicesAreValueErrors) {
   Pair x = random_pair(DType::kBF16, {256, 64}, 1), y = random_pair(DType::kBF16, {256, 64}, 2);
   Pair gate = random_pair(DType::kBF16, {6, 64}, 3), out = output_pair(DType::kBF16, {256, 64});
   // A CPU plan with CUDA tensors.
-  Status s = gate_residual_forward(GateResidualParams{x.d(), y.d(), gate.d(), plans.host, out.d()});
+  Status s = gate_residual_forward(GateResidualParams{{x.d(), y.d(), gate.d(), plans.host}, out.d()});
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   EXPECT_NE(s.message().find("cpu"), std::string::npos) << s.to_string();
   // A CUDA plan with CPU tensors.
-  s = gate_residual_forward(GateResidualParams{x.h(), y.h(), gate.h(), plans.dev, out.h()});
+  s = gate_residual_forward(GateResidualParams{{x.h(), y.h(), gate.h(), plans.dev}, out.h()});
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   // One tensor on another GPU (a cuda:1 view; never dereferenced).
   s = gate_residual_forward(
-      GateResidualParams{x.d(), on_device(y.d(), Device::cuda(1)), gate.d(), plans.dev, out.d()});
+      GateResidualParams{{x.d(), on_device(y.d(), Device::cuda(1)), gate.d(), plans.dev}, out.d()});
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   EXPECT_NE(s.message().find("cuda:1"), std::string::npos) << s.to_string();
   // CPU and CUDA tensors in one call.
-  s = gate_residual_forward(GateResidualParams{x.d(), y.h(), gate.d(), plans.dev, out.d()});
+  s = gate_residual_forward(GateResidualParams{{x.d(), y.h(), gate.d(), plans.dev}, out.d()});
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   EXPECT_TRUE(all_bytes_are(out.result(), kCanary));
   EXPECT_TRUE(all_bytes_are(out.host, kCanary));
   // The torch profile is CUDA only.
   Pair w = random_pair(DType::kBF16, {64}, 4), normed = output_pair(DType::kBF16, {256, 64});
   RmsnormParams p;
-  p.x = x.h(), p.weight = w.h(), p.out = normed.h(), p.numerics = Numerics::kTorch;
+  p.in.x = x.h(), p.in.weight = w.h(), p.out = normed.h(), p.in.numerics = Numerics::kTorch;
   s = rmsnorm_forward(p);
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
-  p.x = x.d(), p.weight = w.d(), p.out = normed.d();
+  p.in.x = x.d(), p.in.weight = w.d(), p.out = normed.d();
   DETDIT_EXPECT_OK(rmsnorm_forward(p));
 }
 

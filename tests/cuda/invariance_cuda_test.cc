@@ -35,10 +35,10 @@ TEST(InvarianceCuda, RmsnormRowAloneEqualsRowInBatch) {
   DeviceTensor xd = DeviceTensor::upload(x), gd = DeviceTensor::upload(grad);
   DeviceTensor w = DeviceTensor::upload(random_tensor(dtype, {hidden}, 3, 1.0, 0.5));
   RmsnormParams f;
-  f.x = xd.view(), f.weight = w.view(), f.out = out.view(), f.rstd = rstd.view();
+  f.in.x = xd.view(), f.in.weight = w.view(), f.out = out.view(), f.rstd = rstd.view();
   DETDIT_ASSERT_OK(rmsnorm_forward(f));
   RmsnormBackwardParams b;
-  b.x = xd.view(), b.weight = w.view(), b.rstd = rstd.view(), b.grad = gd.view(), b.dx = dx_all.view();
+  b.in.x = xd.view(), b.in.weight = w.view(), b.rstd = rstd.view(), b.grad = gd.view(), b.dx = dx_all.view();
   DETDIT_ASSERT_OK(rmsnorm_backward(b));
   const HostTensor out_all = out.download(), rstd_all = rstd.download(), dx_host = dx_all.download();
   const std::size_t row_bytes = hidden * dtype_size(dtype);
@@ -49,10 +49,10 @@ TEST(InvarianceCuda, RmsnormRowAloneEqualsRowInBatch) {
     cudaMemcpy(x1.data(), static_cast<char*>(xd.data()) + m * row_bytes, row_bytes, cudaMemcpyDeviceToDevice);
     cudaMemcpy(g1.data(), static_cast<char*>(gd.data()) + m * row_bytes, row_bytes, cudaMemcpyDeviceToDevice);
     RmsnormParams f1 = f;
-    f1.x = x1.view(), f1.out = o1.view(), f1.rstd = r1.view();
+    f1.in.x = x1.view(), f1.out = o1.view(), f1.rstd = r1.view();
     DETDIT_ASSERT_OK(rmsnorm_forward(f1));
     RmsnormBackwardParams b1 = b;
-    b1.x = x1.view(), b1.rstd = r1.view(), b1.grad = g1.view(), b1.dx = d1.view();
+    b1.in.x = x1.view(), b1.rstd = r1.view(), b1.grad = g1.view(), b1.dx = d1.view();
     DETDIT_ASSERT_OK(rmsnorm_backward(b1));
     EXPECT_BITWISE_EQ(slice(out_all, m * row_bytes, row_bytes, dtype), o1.download());
     EXPECT_BITWISE_EQ(slice(rstd_all, m * 4, 4, DType::kF32), r1.download());
@@ -124,22 +124,22 @@ struct Region {
   Status run(cudaStream_t stream) {
     const Stream st = stream;
     DETDIT_RETURN_IF_ERROR(adaln_modulation_forward(AdalnModulationParams{
-        temb.view(), weight.view(), bias.view(), plans.dev, table.view(), act.view(), mod.view()}, st));
+        {temb.view(), weight.view(), bias.view(), plans.dev}, table.view(), act.view(), mod.view()}, st));
     RmsnormParams f;
-    f.x = x.view(), f.weight = norm_w.view(), f.shift = table_chunk(0), f.scale = table_chunk(1);
-    f.plan = plans.dev, f.out = normed.view(), f.rstd = rstd.view();
+    f.in.x = x.view(), f.in.weight = norm_w.view(), f.in.shift = table_chunk(0), f.in.scale = table_chunk(1);
+    f.in.plan = plans.dev, f.out = normed.view(), f.rstd = rstd.view();
     DETDIT_RETURN_IF_ERROR(rmsnorm_forward(f, st));
     DETDIT_RETURN_IF_ERROR(
-        gate_residual_forward(GateResidualParams{x.view(), y.view(), table_chunk(2), plans.dev, out.view()}, st));
+        gate_residual_forward(GateResidualParams{{x.view(), y.view(), table_chunk(2), plans.dev}, out.view()}, st));
     DETDIT_RETURN_IF_ERROR(gate_residual_backward(GateResidualBackwardParams{
-        grad.view(), y.view(), table_chunk(2), plans.dev, TensorView{}, d_y.view(), d_gate_t.view()}, st));
+        {x.view(), y.view(), table_chunk(2), plans.dev}, grad.view(), TensorView{}, d_y.view(), d_gate_t.view()}, st));
     RmsnormBackwardParams b;
-    b.x = x.view(), b.weight = norm_w.view(), b.shift = f.shift, b.scale = f.scale, b.plan = plans.dev;
+    b.in.x = x.view(), b.in.weight = norm_w.view(), b.in.shift = f.in.shift, b.in.scale = f.in.scale, b.in.plan = plans.dev;
     b.rstd = rstd.view(), b.grad = grad.view(), b.dx = dx.view(), b.d_weight = d_norm_w.view();
     b.d_shift = d_shift.view(), b.d_scale = d_scale.view();
     DETDIT_RETURN_IF_ERROR(rmsnorm_backward(b, st));
     AdalnModulationBackwardParams mb;
-    mb.temb = temb.view(), mb.weight = weight.view(), mb.act = act.view(), mb.plan = plans.dev;
+    mb.in.temb = temb.view(), mb.in.weight = weight.view(), mb.act = act.view(), mb.in.plan = plans.dev;
     mb.grad = d_mod.view(), mb.d_temb = d_temb.view(), mb.d_weight = d_weight.view(), mb.d_bias = d_bias.view();
     return adaln_modulation_backward(mb, st);
   }

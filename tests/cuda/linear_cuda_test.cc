@@ -117,12 +117,12 @@ TEST(TimestepSinusoidCuda, ManyTimestepsEveryDtype) {
       for (int i = 0; i < 4; ++i) t.set(i, edges[i]);
       Pair ts = input_pair(t);
       Pair features = output_pair(DType::kF32, {count, channels});
-      DETDIT_ASSERT_OK(timestep_sinusoid_forward(TimestepSinusoidParams{ts.h(), features.h()}));
-      DETDIT_ASSERT_OK(timestep_sinusoid_forward(TimestepSinusoidParams{ts.d(), features.d()}));
+      DETDIT_ASSERT_OK(timestep_sinusoid_forward(TimestepSinusoidParams{{ts.h()}, features.h()}));
+      DETDIT_ASSERT_OK(timestep_sinusoid_forward(TimestepSinusoidParams{{ts.d()}, features.d()}));
       EXPECT_GPU_EQ_CPU(features);
       Pair grad = random_pair(DType::kF32, {count, channels}, 1301), d_t = output_pair(dtype, {count});
-      DETDIT_ASSERT_OK(timestep_sinusoid_backward(TimestepSinusoidBackwardParams{ts.h(), grad.h(), d_t.h()}));
-      DETDIT_ASSERT_OK(timestep_sinusoid_backward(TimestepSinusoidBackwardParams{ts.d(), grad.d(), d_t.d()}));
+      DETDIT_ASSERT_OK(timestep_sinusoid_backward(TimestepSinusoidBackwardParams{{ts.h()}, grad.h(), d_t.h()}));
+      DETDIT_ASSERT_OK(timestep_sinusoid_backward(TimestepSinusoidBackwardParams{{ts.d()}, grad.d(), d_t.d()}));
       EXPECT_GPU_EQ_CPU(d_t);
     }
 }
@@ -136,9 +136,9 @@ void check_timestep_mlp(int64_t rows, int64_t k, int64_t hidden, int64_t dim, ui
   Pair temb = output_pair(DType::kF32, {rows, dim}), pre = output_pair(DType::kF32, {rows, hidden});
   Pair hid = output_pair(DType::kF32, {rows, hidden});
   DETDIT_ASSERT_OK(timestep_mlp_forward(
-      TimestepMlpParams{f.h(), w1.h(), b1.h(), w2.h(), b2.h(), temb.h(), pre.h(), hid.h()}));
+      TimestepMlpParams{{f.h(), w1.h(), b1.h(), w2.h(), b2.h()}, temb.h(), pre.h(), hid.h()}));
   DETDIT_ASSERT_OK(timestep_mlp_forward(
-      TimestepMlpParams{f.d(), w1.d(), b1.d(), w2.d(), b2.d(), temb.d(), pre.d(), hid.d()}));
+      TimestepMlpParams{{f.d(), w1.d(), b1.d(), w2.d(), b2.d()}, temb.d(), pre.d(), hid.d()}));
   EXPECT_GPU_EQ_CPU(temb);
   EXPECT_GPU_EQ_CPU(pre);
   EXPECT_GPU_EQ_CPU(hid);
@@ -147,9 +147,9 @@ void check_timestep_mlp(int64_t rows, int64_t k, int64_t hidden, int64_t dim, ui
   Pair d_b1 = output_pair(DType::kF32, {hidden}), d_w2 = output_pair(DType::kF32, {dim, hidden});
   Pair d_b2 = output_pair(DType::kF32, {dim});
   DETDIT_ASSERT_OK(timestep_mlp_backward(TimestepMlpBackwardParams{
-      f.h(), w1.h(), w2.h(), pre.h(), hid.h(), g.h(), d_f.h(), d_w1.h(), d_b1.h(), d_w2.h(), d_b2.h()}));
+      {f.h(), w1.h(), b1.h(), w2.h(), b2.h()}, pre.h(), hid.h(), g.h(), d_f.h(), d_w1.h(), d_b1.h(), d_w2.h(), d_b2.h()}));
   DETDIT_ASSERT_OK(timestep_mlp_backward(TimestepMlpBackwardParams{
-      f.d(), w1.d(), w2.d(), pre.d(), hid.d(), g.d(), d_f.d(), d_w1.d(), d_b1.d(), d_w2.d(), d_b2.d()}));
+      {f.d(), w1.d(), b1.d(), w2.d(), b2.d()}, pre.d(), hid.d(), g.d(), d_f.d(), d_w1.d(), d_b1.d(), d_w2.d(), d_b2.d()}));
   for (const Pair* p : {&d_f, &d_w1, &d_b1, &d_w2, &d_b2}) EXPECT_GPU_EQ_CPU(*p);
 }
 
@@ -165,16 +165,16 @@ void check_projection(int64_t rows, int64_t dim, int64_t n, DType dtype, uint64_
   Pair temb = random_pair(DType::kF32, {rows, dim}, seed, 0.0, 3.0);
   Pair w = random_pair(dtype, {n, dim}, seed + 1, 0.0, 0.02), b = random_pair(dtype, {n}, seed + 2);
   Pair table = output_pair(dtype, {rows, n}), act = output_pair(dtype, {rows, dim});
-  DETDIT_ASSERT_OK(adaln_projection_forward(AdalnProjectionParams{temb.h(), w.h(), b.h(), table.h(), act.h()}));
-  DETDIT_ASSERT_OK(adaln_projection_forward(AdalnProjectionParams{temb.d(), w.d(), b.d(), table.d(), act.d()}));
+  DETDIT_ASSERT_OK(adaln_projection_forward(AdalnProjectionParams{{temb.h(), w.h(), b.h()}, table.h(), act.h()}));
+  DETDIT_ASSERT_OK(adaln_projection_forward(AdalnProjectionParams{{temb.d(), w.d(), b.d()}, table.d(), act.d()}));
   EXPECT_GPU_EQ_CPU(table);
   EXPECT_GPU_EQ_CPU(act);
   Pair grad = random_pair(DType::kF32, {rows, n}, seed + 3);
   Pair d_temb = output_pair(DType::kF32, {rows, dim}), d_w = output_pair(dtype, {n, dim}), d_b = output_pair(dtype, {n});
   DETDIT_ASSERT_OK(adaln_projection_backward(
-      AdalnProjectionBackwardParams{temb.h(), w.h(), act.h(), grad.h(), d_temb.h(), d_w.h(), d_b.h()}));
+      AdalnProjectionBackwardParams{{temb.h(), w.h(), b.h()}, act.h(), grad.h(), d_temb.h(), d_w.h(), d_b.h()}));
   DETDIT_ASSERT_OK(adaln_projection_backward(
-      AdalnProjectionBackwardParams{temb.d(), w.d(), act.d(), grad.d(), d_temb.d(), d_w.d(), d_b.d()}));
+      AdalnProjectionBackwardParams{{temb.d(), w.d(), b.d()}, act.d(), grad.d(), d_temb.d(), d_w.d(), d_b.d()}));
   EXPECT_GPU_EQ_CPU(d_temb);
   EXPECT_GPU_EQ_CPU(d_w);
   EXPECT_GPU_EQ_CPU(d_b);
@@ -201,20 +201,22 @@ void check_modulation(int64_t hidden, int64_t dim, const IndexCase& c, uint64_t 
   Pair w = random_pair(dtype, {n, dim}, seed + 1, 0.0, 0.02), b = random_pair(dtype, {n}, seed + 2);
   Pair table = output_pair(dtype, {rows, n}), act = output_pair(dtype, {rows, dim});
   Pair out = output_pair(dtype, {6, c.seq_len, hidden});
-  DETDIT_ASSERT_OK(adaln_modulation_forward(
-      AdalnModulationParams{temb.h(), w.h(), b.h(), plans.host, table.h(), act.h(), out.h()}));
-  DETDIT_ASSERT_OK(adaln_modulation_forward(
-      AdalnModulationParams{temb.d(), w.d(), b.d(), plans.dev, table.d(), act.d(), out.d()}));
+  AdalnModulationParams cpu, gpu;
+  cpu.in = {temb.h(), w.h(), b.h(), plans.host};
+  gpu.in = {temb.d(), w.d(), b.d(), plans.dev};
+  cpu.table = table.h(), gpu.table = table.d();
+  cpu.act = act.h(), gpu.act = act.d();
+  cpu.out = out.h(), gpu.out = out.d();
+  DETDIT_ASSERT_OK(adaln_modulation_forward(cpu));
+  DETDIT_ASSERT_OK(adaln_modulation_forward(gpu));
   EXPECT_GPU_EQ_CPU(table);
   EXPECT_GPU_EQ_CPU(act);
   EXPECT_GPU_EQ_CPU(out);
   Pair grad = random_pair(dtype, {6, c.positions(), hidden}, seed + 3);
   Pair d_temb = output_pair(DType::kF32, {rows, dim}), d_w = output_pair(dtype, {n, dim}), d_b = output_pair(dtype, {n});
   AdalnModulationBackwardParams bc, bg;
-  bc.temb = temb.h(), bg.temb = temb.d();
-  bc.weight = w.h(), bg.weight = w.d();
+  bc.in = cpu.in, bg.in = gpu.in;
   bc.act = act.h(), bg.act = act.d();
-  bc.plan = plans.host, bg.plan = plans.dev;
   bc.grad = grad.h(), bg.grad = grad.d();
   bc.d_temb = d_temb.h(), bg.d_temb = d_temb.d();
   bc.d_weight = d_w.h(), bg.d_weight = d_w.d();
@@ -244,12 +246,12 @@ void check_final_out(DType dtype, int64_t hidden, int64_t dim, const IndexCase& 
   Pair out = output_pair(dtype, {m, hidden}), table = output_pair(dtype, {rows, 2 * hidden});
   Pair act = output_pair(dtype, {rows, dim}), rstd = output_pair(DType::kF32, {m});
   FinalAdalnOutParams fc, fg;
-  fc.x = x.h(), fg.x = x.d();
-  fc.norm_weight = nw.h(), fg.norm_weight = nw.d();
-  fc.temb = temb.h(), fg.temb = temb.d();
-  fc.weight = w.h(), fg.weight = w.d();
-  fc.bias = b.h(), fg.bias = b.d();
-  fc.plan = plans.host, fg.plan = plans.dev;
+  fc.in.x = x.h(), fg.in.x = x.d();
+  fc.in.norm_weight = nw.h(), fg.in.norm_weight = nw.d();
+  fc.in.temb = temb.h(), fg.in.temb = temb.d();
+  fc.in.weight = w.h(), fg.in.weight = w.d();
+  fc.in.bias = b.h(), fg.in.bias = b.d();
+  fc.in.plan = plans.host, fg.in.plan = plans.dev;
   fc.out = out.h(), fg.out = out.d();
   fc.table = table.h(), fg.table = table.d();
   fc.act = act.h(), fg.act = act.d();
@@ -262,14 +264,14 @@ void check_final_out(DType dtype, int64_t hidden, int64_t dim, const IndexCase& 
   Pair d_temb = output_pair(DType::kF32, {rows, dim}), d_w = output_pair(dtype, {2 * hidden, dim});
   Pair d_b = output_pair(dtype, {2 * hidden});
   FinalAdalnOutBackwardParams bc, bg;
-  bc.x = fc.x, bg.x = fg.x;
-  bc.norm_weight = fc.norm_weight, bg.norm_weight = fg.norm_weight;
-  bc.temb = fc.temb, bg.temb = fg.temb;
-  bc.weight = fc.weight, bg.weight = fg.weight;
+  bc.in.x = fc.in.x, bg.in.x = fg.in.x;
+  bc.in.norm_weight = fc.in.norm_weight, bg.in.norm_weight = fg.in.norm_weight;
+  bc.in.temb = fc.in.temb, bg.in.temb = fg.in.temb;
+  bc.in.weight = fc.in.weight, bg.in.weight = fg.in.weight;
   bc.table = fc.table, bg.table = fg.table;
   bc.act = fc.act, bg.act = fg.act;
   bc.rstd = fc.rstd, bg.rstd = fg.rstd;
-  bc.plan = fc.plan, bg.plan = fg.plan;
+  bc.in.plan = fc.in.plan, bg.in.plan = fg.in.plan;
   bc.grad = grad.h(), bg.grad = grad.d();
   bc.dx = dx.h(), bg.dx = dx.d();
   bc.d_norm_weight = d_nw.h(), bg.d_norm_weight = d_nw.d();

@@ -37,12 +37,12 @@ void check_rmsnorm(DType dtype, int64_t hidden, const IndexCase& c, bool modulat
   auto table_view = [&](const TensorView& t) { return offset_table ? t.narrow(1, 1, hidden) : t; };
   Pair out = output_pair(dtype, {rows, hidden}), rstd = output_pair(DType::kF32, {rows});
   RmsnormParams cpu, gpu;
-  cpu.x = x.h(), gpu.x = x.d();
-  cpu.weight = w.h(), gpu.weight = w.d();
+  cpu.in.x = x.h(), gpu.in.x = x.d();
+  cpu.in.weight = w.h(), gpu.in.weight = w.d();
   if (modulated) {
-    cpu.shift = table_view(shift.h()), gpu.shift = table_view(shift.d());
-    cpu.scale = table_view(scale.h()), gpu.scale = table_view(scale.d());
-    cpu.plan = plans.host, gpu.plan = plans.dev;
+    cpu.in.shift = table_view(shift.h()), gpu.in.shift = table_view(shift.d());
+    cpu.in.scale = table_view(scale.h()), gpu.in.scale = table_view(scale.d());
+    cpu.in.plan = plans.host, gpu.in.plan = plans.dev;
   }
   cpu.out = out.h(), gpu.out = out.d();
   cpu.rstd = rstd.h(), gpu.rstd = rstd.d();
@@ -56,11 +56,11 @@ void check_rmsnorm(DType dtype, int64_t hidden, const IndexCase& c, bool modulat
   Pair d_shift = output_pair(table_grad_dtype, {table_rows, hidden});
   Pair d_scale = output_pair(table_grad_dtype, {table_rows, hidden});
   RmsnormBackwardParams bc, bg;
-  bc.x = cpu.x, bg.x = gpu.x;
-  bc.weight = cpu.weight, bg.weight = gpu.weight;
-  bc.shift = cpu.shift, bg.shift = gpu.shift;
-  bc.scale = cpu.scale, bg.scale = gpu.scale;
-  bc.plan = cpu.plan, bg.plan = gpu.plan;
+  bc.in.x = cpu.in.x, bg.in.x = gpu.in.x;
+  bc.in.weight = cpu.in.weight, bg.in.weight = gpu.in.weight;
+  bc.in.shift = cpu.in.shift, bg.in.shift = gpu.in.shift;
+  bc.in.scale = cpu.in.scale, bg.in.scale = gpu.in.scale;
+  bc.in.plan = cpu.in.plan, bg.in.plan = gpu.in.plan;
   bc.rstd = rstd.h(), bg.rstd = rstd.d();  // each side its own (equal) saved rstd
   bc.grad = grad.h(), bg.grad = grad.d();
   bc.dx = dx.h(), bg.dx = dx.d();
@@ -117,8 +117,8 @@ void check_gate(DType dtype, int64_t hidden, const IndexCase& c, uint64_t seed, 
   Pair table = random_pair(dtype, {table_rows, (strided_gate ? 6 : 1) * hidden}, seed + 2, 0.0, 0.5);
   auto gate_view = [&](const TensorView& t) { return strided_gate ? t.narrow(1, 2 * hidden, hidden) : t; };
   Pair out = output_pair(dtype, {rows, hidden});
-  GateResidualParams cpu{residual.h(), y.h(), gate_view(table.h()), plans.host, out.h()};
-  GateResidualParams gpu{residual.d(), y.d(), gate_view(table.d()), plans.dev, out.d()};
+  GateResidualParams cpu{{residual.h(), y.h(), gate_view(table.h()), plans.host}, out.h()};
+  GateResidualParams gpu{{residual.d(), y.d(), gate_view(table.d()), plans.dev}, out.d()};
   DETDIT_ASSERT_OK(gate_residual_forward(cpu));
   DETDIT_ASSERT_OK(gate_residual_forward(gpu));
   EXPECT_GPU_EQ_CPU(out);
@@ -126,8 +126,8 @@ void check_gate(DType dtype, int64_t hidden, const IndexCase& c, uint64_t seed, 
   Pair grad = random_pair(dtype, {rows, hidden}, seed + 3);
   Pair d_residual = output_pair(dtype, {rows, hidden}), d_y = output_pair(dtype, {rows, hidden});
   Pair d_gate = output_pair(gate_grad_dtype, {table_rows, hidden});
-  GateResidualBackwardParams bc{grad.h(), y.h(), cpu.gate, plans.host, d_residual.h(), d_y.h(), d_gate.h()};
-  GateResidualBackwardParams bg{grad.d(), y.d(), gpu.gate, plans.dev, d_residual.d(), d_y.d(), d_gate.d()};
+  GateResidualBackwardParams bc{cpu.in, grad.h(), d_residual.h(), d_y.h(), d_gate.h()};
+  GateResidualBackwardParams bg{gpu.in, grad.d(), d_residual.d(), d_y.d(), d_gate.d()};
   DETDIT_ASSERT_OK(gate_residual_backward(bc));
   DETDIT_ASSERT_OK(gate_residual_backward(bg));
   EXPECT_GPU_EQ_CPU(d_residual);
@@ -279,11 +279,11 @@ TEST(RowwiseCuda, SplitHalvesWithChunkSelectionAndReceivedRows) {
   Pair weight_partials = output_pair(DType::kF32, {3, hidden});
   Pair table_partials = output_pair(DType::kF32, {segments, 2 * hidden});
   RmsnormBackwardParams pc, pg;
-  pc.x = x.h(), pg.x = x.d();
-  pc.weight = w.h(), pg.weight = w.d();
-  pc.shift = shift.h(), pg.shift = shift.d();
-  pc.scale = scale.h(), pg.scale = scale.d();
-  pc.plan = plans.host, pg.plan = plans.dev;
+  pc.in.x = x.h(), pg.in.x = x.d();
+  pc.in.weight = w.h(), pg.in.weight = w.d();
+  pc.in.shift = shift.h(), pg.in.shift = shift.d();
+  pc.in.scale = scale.h(), pg.in.scale = scale.d();
+  pc.in.plan = plans.host, pg.in.plan = plans.dev;
   pc.rstd = rstd.h(), pg.rstd = rstd.d();
   pc.grad = grad.h(), pg.grad = grad.d();
   ExtraRows ec{extra_x.h(), extra_grad.h(), TensorView{}, extra_rstd.h()};
@@ -296,9 +296,9 @@ TEST(RowwiseCuda, SplitHalvesWithChunkSelectionAndReceivedRows) {
   Pair gate_partials = output_pair(DType::kF32, {segments, hidden});
   GateResidualBackwardParams gc, gg;
   gc.grad = grad.h(), gg.grad = grad.d();
-  gc.y = y.h(), gg.y = y.d();
-  gc.gate = shift.h(), gg.gate = shift.d();
-  gc.plan = plans.host, gg.plan = plans.dev;
+  gc.in.y = y.h(), gg.in.y = y.d();
+  gc.in.gate = shift.h(), gg.in.gate = shift.d();
+  gc.in.plan = plans.host, gg.in.plan = plans.dev;
   ExtraRows xc{TensorView{}, extra_grad.h(), extra_y.h(), TensorView{}};
   ExtraRows xg{TensorView{}, extra_grad.d(), extra_y.d(), TensorView{}};
   DETDIT_ASSERT_OK(cpu::gate_residual_backward_partials(gc, sel_cpu, xc, gate_partials.h(), nullptr));

@@ -101,20 +101,16 @@ Status run_region(const Problem& pr, int64_t lo, int64_t hi, const RegionOps& op
   const SpCase& c = pr.c;
   const int64_t b = c.batch, s = c.seq_len, h = c.hidden, sl = hi - lo, rows = pr.index.num_rows();
   RmsnormParams f;
-  f.x = arena->upload(local_rows(pr.x, b, s, lo, hi));
-  f.weight = arena->upload(pr.weight);
-  f.shift = arena->upload(pr.shift);
-  f.scale = arena->upload(pr.scale);
-  f.plan = pr.plan;
+  f.in.x = arena->upload(local_rows(pr.x, b, s, lo, hi));
+  f.in.weight = arena->upload(pr.weight);
+  f.in.shift = arena->upload(pr.shift);
+  f.in.scale = arena->upload(pr.scale);
+  f.in.plan = pr.plan;
   f.out = arena->empty(c.dtype, {b, sl, h}, kCanary);
   f.rstd = arena->empty(DType::kF32, {b * sl}, kCanary);
   DETDIT_RETURN_IF_ERROR(ops.norm_forward(f));
   RmsnormBackwardParams bw;
-  bw.x = f.x;
-  bw.weight = f.weight;
-  bw.shift = f.shift;
-  bw.scale = f.scale;
-  bw.plan = pr.plan;
+  bw.in = f.in;
   bw.rstd = f.rstd;
   bw.grad = arena->upload(local_rows(pr.grad, b, s, lo, hi));
   bw.dx = arena->empty(c.dtype, {b, sl, h}, kCanary);
@@ -124,10 +120,10 @@ Status run_region(const Problem& pr, int64_t lo, int64_t hi, const RegionOps& op
   DETDIT_RETURN_IF_ERROR(ops.norm_backward(bw));
 
   const TensorView y = arena->upload(local_rows(pr.y, b, s, lo, hi)), gate = arena->upload(pr.gate);
-  GateResidualParams gf{arena->upload(local_rows(pr.residual, b, s, lo, hi)), y, gate, pr.plan,
+  GateResidualParams gf{{arena->upload(local_rows(pr.residual, b, s, lo, hi)), y, gate, pr.plan},
                         arena->empty(c.dtype, {b, sl, h}, kCanary)};
   DETDIT_RETURN_IF_ERROR(ops.gate_forward(gf));
-  GateResidualBackwardParams gb{arena->upload(local_rows(pr.gate_grad, b, s, lo, hi)), y, gate, pr.plan,
+  GateResidualBackwardParams gb{gf.in, arena->upload(local_rows(pr.gate_grad, b, s, lo, hi)),
                                 arena->empty(c.dtype, {b, sl, h}, kCanary), arena->empty(c.dtype, {b, sl, h}, kCanary),
                                 arena->empty(c.table_grad_dtype, {rows, h}, kCanary)};
   DETDIT_RETURN_IF_ERROR(ops.gate_backward(gb));
@@ -293,11 +289,11 @@ RmsnormBackwardParams host_norm_backward(const Problem& pr, const IndexPlan& pla
                                          const HostTensor& rstd, const HostTensor& grad, const HostTensor& d_weight,
                                          const HostTensor& d_shift, const HostTensor& d_scale) {
   RmsnormBackwardParams bw;
-  bw.x = x.view();
-  bw.weight = pr.weight.view();
-  bw.shift = pr.shift.view();
-  bw.scale = pr.scale.view();
-  bw.plan = plan;
+  bw.in.x = x.view();
+  bw.in.weight = pr.weight.view();
+  bw.in.shift = pr.shift.view();
+  bw.in.scale = pr.scale.view();
+  bw.in.plan = plan;
   bw.rstd = rstd.view();
   bw.grad = grad.view();
   bw.d_weight = d_weight.view();
@@ -403,8 +399,8 @@ void expect_collective_failure(const Problem& pr, int world, int bad_rank, const
                              sp.local_plan().host_tables().row_of_seq + sp.local_seq_len()),
         rows, b);
     if (comm.rank() == bad_rank) {
-      if (std::string(what) == "full sequence") bw.x = wrong_x.view();
-      if (std::string(what) == "sharded index") bw.plan = sharded;
+      if (std::string(what) == "full sequence") bw.in.x = wrong_x.view();
+      if (std::string(what) == "sharded index") bw.in.plan = sharded;
       if (std::string(what) == "wrong dtype") bw.d_weight.dtype = DType::kF16;
       if (std::string(what) == "no d_weight") bw.d_weight = TensorView();
     }
@@ -440,8 +436,11 @@ TEST(SpRegion, FlatLocalRowsWork) {
     HostTensor grad = local_rows(pr.gate_grad, 2, 301, lo[r], hi[r]), y = local_rows(pr.y, 2, 301, lo[r], hi[r]);
     d_y[r] = HostTensor(DType::kBF16, {rows, 8});
     d_gate[r] = HostTensor(DType::kBF16, {pr.index.num_rows(), 8});
-    GateResidualBackwardParams gb{grad.view_as({rows, 8}), y.view_as({rows, 8}), pr.gate.view(), pr.plan,
-                                  TensorView(), d_y[r].view(), d_gate[r].view()};
+    GateResidualBackwardParams gb;
+    gb.in = {TensorView(), y.view_as({rows, 8}), pr.gate.view(), pr.plan};
+    gb.grad = grad.view_as({rows, 8});
+    gb.d_y = d_y[r].view();
+    gb.d_gate = d_gate[r].view();
     return sp_gate_residual_backward(comm, sp, gb);
   }));
   for (int r = 0; r < 3; ++r) {
@@ -460,7 +459,7 @@ TEST(SpRegion, ForwardRejectsFullSequenceAndShardedIndex) {
   HostTensor out(DType::kF32, {2, 300, 16});
   out.fill_bytes(kCanary);
   // gate_residual with the full sequence instead of the rank's 100 rows.
-  GateResidualParams gf{pr.residual.view(), pr.y.view(), pr.gate.view(), pr.plan, out.view()};
+  GateResidualParams gf{{pr.residual.view(), pr.y.view(), pr.gate.view(), pr.plan}, out.view()};
   Status s = sp_gate_residual_forward(sp, gf);
   EXPECT_TRUE(testing::refused(
       s, ErrorKind::kValue, "residual must be this rank's (B, S_local, H) = (2, 100, H) rows (positions [100, 200)"));
@@ -468,17 +467,17 @@ TEST(SpRegion, ForwardRejectsFullSequenceAndShardedIndex) {
   HostTensor x = local_rows(pr.x, 2, 300, 100, 200), local_out(DType::kF32, {2, 100, 16});
   local_out.fill_bytes(kCanary);
   RmsnormParams f;
-  f.x = x.view();
-  f.weight = pr.weight.view();
-  f.shift = pr.shift.view();
-  f.scale = pr.scale.view();
-  f.plan = sp.local_plan();
+  f.in.x = x.view();
+  f.in.weight = pr.weight.view();
+  f.in.shift = pr.shift.view();
+  f.in.scale = pr.scale.view();
+  f.in.plan = sp.local_plan();
   f.out = local_out.view();
   s = sp_rmsnorm_forward(sp, f);
   EXPECT_TRUE(testing::refused(s, ErrorKind::kValue,
                                "index must be the full (S,) row index with S = 300, got a plan of seq_len 100"));
   // modulated without a plan.
-  f.plan = IndexPlan();
+  f.in.plan = IndexPlan();
   EXPECT_EQ(sp_rmsnorm_forward(sp, f).kind(), ErrorKind::kValue);
   EXPECT_TRUE(testing::all_bytes_are(out, kCanary));
   EXPECT_TRUE(testing::all_bytes_are(local_out, kCanary));

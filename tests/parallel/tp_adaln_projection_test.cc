@@ -59,12 +59,12 @@ void build(TpProblem* pr, int64_t rows, int64_t out_features, int64_t in_feature
   pr->table = HostTensor(dtype, {rows, out_features});
   pr->act = HostTensor(dtype, {rows, in_features});
   DETDIT_EXPECT_OK(adaln_projection_forward(
-      AdalnProjectionParams{pr->temb.view(), pr->weight.view(), pr->bias.view(), pr->table.view(), pr->act.view()}));
+      AdalnProjectionParams{{pr->temb.view(), pr->weight.view(), pr->bias.view()}, pr->table.view(), pr->act.view()}));
   pr->d_temb = HostTensor(DType::kF32, {rows, in_features});
   pr->d_weight = HostTensor(dtype, {out_features, in_features});
   pr->d_bias = HostTensor(dtype, {out_features});
   DETDIT_EXPECT_OK(adaln_projection_backward(AdalnProjectionBackwardParams{
-      pr->temb.view(), pr->weight.view(), pr->act.view(), pr->grad_table.view(), pr->d_temb.view(),
+      {pr->temb.view(), pr->weight.view(), pr->bias.view()}, pr->act.view(), pr->grad_table.view(), pr->d_temb.view(),
       pr->d_weight.view(), pr->d_bias.view()}));
 }
 
@@ -93,10 +93,10 @@ Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device
               weight_rows.nbytes());
   std::memcpy(bias_rows.data(), static_cast<const char*>(pr.bias.data()) + r->begin * element, bias_rows.nbytes());
   const TensorView temb = arena.upload(pr.temb), weight = arena.upload(weight_rows);
-  AdalnProjectionParams f{temb, weight, arena.upload(bias_rows), arena.empty(pr.dtype, {pr.rows, pr.out_features}, kCanary),
+  AdalnProjectionParams f{{temb, weight, arena.upload(bias_rows)}, arena.empty(pr.dtype, {pr.rows, pr.out_features}, kCanary),
                           arena.empty(pr.dtype, {pr.rows, pr.in_features}, kCanary)};
   DETDIT_RETURN_IF_ERROR(tp_adaln_projection_forward(comm, f, stream.get()));
-  AdalnProjectionBackwardParams b{temb, weight, f.act, arena.upload(pr.grad_table),
+  AdalnProjectionBackwardParams b{f.in, f.act, arena.upload(pr.grad_table),
                                   arena.empty(DType::kF32, {pr.rows, pr.in_features}, kCanary),
                                   arena.empty(pr.dtype, {columns, pr.in_features}, kCanary),
                                   arena.empty(pr.dtype, {columns}, kCanary)};
@@ -176,10 +176,10 @@ TEST(TpAdalnProjection, H3ShapeTp7) {
 void ws1_on_gpu(TpProblem* pr, Device device = Device::cuda(0)) {
   testing::DeviceArena arena(device, nullptr);
   const TensorView temb = arena.upload(pr->temb), weight = arena.upload(pr->weight);
-  AdalnProjectionParams f{temb, weight, arena.upload(pr->bias), arena.empty_like(pr->table, kCanary),
+  AdalnProjectionParams f{{temb, weight, arena.upload(pr->bias)}, arena.empty_like(pr->table, kCanary),
                           arena.empty_like(pr->act, kCanary)};
   DETDIT_EXPECT_OK(adaln_projection_forward(f));
-  AdalnProjectionBackwardParams b{temb, weight, f.act, arena.upload(pr->grad_table),
+  AdalnProjectionBackwardParams b{f.in, f.act, arena.upload(pr->grad_table),
                                   arena.empty_like(pr->d_temb, kCanary), arena.empty_like(pr->d_weight, kCanary),
                                   arena.empty_like(pr->d_bias, kCanary)};
   DETDIT_EXPECT_OK(adaln_projection_backward(b));
@@ -256,13 +256,15 @@ TEST(TpAdalnProjection, InvalidArgumentsFailEveryRankAndWriteNothing) {
       HostTensor table(pr.dtype, {pr.rows, pr.out_features}), act(pr.dtype, {pr.rows, pr.in_features});
       table.fill_bytes(kCanary);
       act.fill_bytes(kCanary);
-      AdalnProjectionParams p{pr.temb.view(), shard(pr.weight, begin, begin + per_rank),
-                              shard(pr.bias, begin, begin + per_rank), table.view(), act.view()};
+      AdalnProjectionParams p{{pr.temb.view(), shard(pr.weight, begin, begin + per_rank),
+                               shard(pr.bias, begin, begin + per_rank)},
+                              table.view(),
+                              act.view()};
       if (std::string(bad.what) == "full weight on rank 1" && comm.rank() == 1) {
-        p.weight = pr.weight.view();
-        p.bias = pr.bias.view();
+        p.in.weight = pr.weight.view();
+        p.in.bias = pr.bias.view();
       }
-      if (std::string(bad.what) == "bf16 temb on rank 0" && comm.rank() == 0) p.temb = bf16_temb.view();
+      if (std::string(bad.what) == "bf16 temb on rank 0" && comm.rank() == 0) p.in.temb = bf16_temb.view();
       const Status result = tp_adaln_projection_forward(comm, p);
       *untouched = testing::still_canary({&table, &act});
       return result;
@@ -281,7 +283,7 @@ TEST(TpAdalnProjection, BackwardRejectsFullWeightGradients) {
     // rank 0 passes the full (N, D) d_weight instead of its (N/2, D) shard.
     const TensorView dw = comm.rank() == 0 ? d_weight.view() : shard(d_weight, begin, begin + 2304);
     const Status result = tp_adaln_projection_backward(
-        comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, begin + 2304), pr.act.view(),
+        comm, AdalnProjectionBackwardParams{{pr.temb.view(), shard(pr.weight, begin, begin + 2304), {}}, pr.act.view(),
                                             pr.grad_table.view(), d_temb.view(), dw, TensorView()});
     *untouched = testing::still_canary({&d_temb, &d_weight});
     return result;
@@ -299,7 +301,7 @@ TEST(TpAdalnProjection, RanksMustAgreeOnGatheredOutputs) {
     d_weight.fill_bytes(kCanary);
     // rank 1 does not ask for d_temb: it would skip the partials gather.
     const Status result = tp_adaln_projection_backward(
-        comm, AdalnProjectionBackwardParams{pr.temb.view(), shard(pr.weight, begin, begin + 2304), pr.act.view(),
+        comm, AdalnProjectionBackwardParams{{pr.temb.view(), shard(pr.weight, begin, begin + 2304), {}}, pr.act.view(),
                                             pr.grad_table.view(), comm.rank() == 1 ? TensorView() : d_temb.view(),
                                             d_weight.view(), TensorView()});
     *untouched = testing::still_canary({&d_temb, &d_weight});

@@ -139,11 +139,11 @@ int main() {
     Tensor table(DType::kBF16, {t, n}), act(DType::kBF16, {t, kTimeDim}), grad(DType::kF32, {t, n}, 5);
     Tensor d_temb(DType::kF32, {t, kTimeDim}), d_w(DType::kBF16, {n, kTimeDim}), d_b(DType::kBF16, {n});
     const std::string shape = "T=" + std::to_string(t) + " N=18H D=2688 bf16";
-    AdalnProjectionParams f{temb.view, w.view, b.view, table.view, act.view};
+    AdalnProjectionParams f{{temb.view, w.view, b.view}, table.view, act.view};
     check(adaln_projection_forward(f, st), "projection");
     row("adaln_projection fwd", shape.c_str(), median_ms(stream, [&] { check(adaln_projection_forward(f, st), "projection"); }),
         w.bytes() + b.bytes() + temb.bytes() + table.bytes() + act.bytes());
-    AdalnProjectionBackwardParams bp{temb.view, w.view, act.view, grad.view, d_temb.view, d_w.view, d_b.view};
+    AdalnProjectionBackwardParams bp{f.in, act.view, grad.view, d_temb.view, d_w.view, d_b.view};
     row("adaln_projection bwd", shape.c_str(),
         median_ms(stream, [&] { check(adaln_projection_backward(bp, st), "projection bwd"); }),
         w.bytes() + d_w.bytes() + grad.bytes() + act.bytes() + temb.bytes() + d_temb.bytes() + d_b.bytes());
@@ -155,13 +155,12 @@ int main() {
     Tensor f(DType::kF32, {t, kFreq}, 6), w1(DType::kF32, {kHidden, kFreq}, 7), b1(DType::kF32, {kHidden}, 8);
     Tensor w2(DType::kF32, {kTimeDim, kHidden}, 9), b2(DType::kF32, {kTimeDim}, 10);
     Tensor temb(DType::kF32, {t, kTimeDim}), pre(DType::kF32, {t, kHidden}), hid(DType::kF32, {t, kHidden});
-    TimestepMlpParams p{f.view, w1.view, b1.view, w2.view, b2.view, temb.view, pre.view, hid.view};
+    TimestepMlpParams p{{f.view, w1.view, b1.view, w2.view, b2.view}, temb.view, pre.view, hid.view};
     row("timestep_mlp fwd", "T=8 fp32", median_ms(stream, [&] { check(timestep_mlp_forward(p, st), "mlp"); }),
         w1.bytes() + w2.bytes() + b1.bytes() + b2.bytes() + f.bytes() + temb.bytes() + pre.bytes() + hid.bytes());
     Tensor g(DType::kF32, {t, kTimeDim}, 11), d_f(DType::kF32, {t, kFreq}), d_w1(DType::kF32, {kHidden, kFreq});
     Tensor d_b1(DType::kF32, {kHidden}), d_w2(DType::kF32, {kTimeDim, kHidden}), d_b2(DType::kF32, {kTimeDim});
-    TimestepMlpBackwardParams bp{f.view, w1.view, w2.view, pre.view, hid.view, g.view, d_f.view, d_w1.view,
-                                 d_b1.view, d_w2.view, d_b2.view};
+    TimestepMlpBackwardParams bp{p.in, pre.view, hid.view, g.view, d_f.view, d_w1.view, d_b1.view, d_w2.view, d_b2.view};
     row("timestep_mlp bwd", "T=8 fp32", median_ms(stream, [&] { check(timestep_mlp_backward(bp, st), "mlp bwd"); }),
         2 * (w1.bytes() + w2.bytes()) + pre.bytes() + hid.bytes() + g.bytes() + f.bytes());
   }
@@ -175,14 +174,14 @@ int main() {
     Tensor shift(DType::kBF16, {table_rows, kHidden}, 14), scale(DType::kBF16, {table_rows, kHidden}, 15);
     Tensor out(DType::kBF16, {rows, kHidden}), rstd(DType::kF32, {rows}), grad(DType::kBF16, {rows, kHidden}, 16);
     RmsnormParams f;
-    f.x = x.view, f.weight = w.view, f.shift = shift.view, f.scale = scale.view, f.plan = plan;
+    f.in = {x.view, w.view, shift.view, scale.view, plan};
     f.out = out.view, f.rstd = rstd.view;
     row("rmsnorm modulated fwd", shape.c_str(), median_ms(stream, [&] { check(rmsnorm_forward(f, st), "rmsnorm"); }),
         x.bytes() + out.bytes() + rstd.bytes() + shift.bytes() + scale.bytes());
     Tensor dx(DType::kBF16, {rows, kHidden}), d_w(DType::kF32, {kHidden});
     Tensor d_shift(DType::kF32, {table_rows, kHidden}), d_scale(DType::kF32, {table_rows, kHidden});
     RmsnormBackwardParams b;
-    b.x = x.view, b.weight = w.view, b.shift = shift.view, b.scale = scale.view, b.plan = plan;
+    b.in = f.in;
     b.rstd = rstd.view, b.grad = grad.view, b.dx = dx.view, b.d_weight = d_w.view;
     b.d_shift = d_shift.view, b.d_scale = d_scale.view;
     row("rmsnorm modulated bwd", shape.c_str(),
@@ -191,13 +190,13 @@ int main() {
             d_scale.bytes());
 
     Tensor y(DType::kBF16, {rows, kHidden}, 17), gate(DType::kBF16, {table_rows, kHidden}, 18);
-    GateResidualParams gf{x.view, y.view, gate.view, plan, out.view};
+    GateResidualParams gf{{x.view, y.view, gate.view, plan}, out.view};
     row("gate_residual fwd", shape.c_str(),
         median_ms(stream, [&] { check(gate_residual_forward(gf, st), "gate"); }),
         x.bytes() + y.bytes() + out.bytes() + gate.bytes());
     Tensor d_res(DType::kBF16, {rows, kHidden}), d_y(DType::kBF16, {rows, kHidden});
     Tensor d_gate(DType::kF32, {table_rows, kHidden});
-    GateResidualBackwardParams gb{grad.view, y.view, gate.view, plan, d_res.view, d_y.view, d_gate.view};
+    GateResidualBackwardParams gb{gf.in, grad.view, d_res.view, d_y.view, d_gate.view};
     row("gate_residual bwd", shape.c_str(),
         median_ms(stream, [&] { check(gate_residual_backward(gb, st), "gate bwd"); }),
         grad.bytes() + y.bytes() + d_res.bytes() + d_y.bytes() + gate.bytes() + d_gate.bytes());

@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
     need(6);
     const int64_t count = arg(argv, 2), channels = arg(argv, 3);
     Buffer t(DType::kF32, {count}, argv[4]), out(DType::kF32, {count, channels});
-    ok(timestep_sinusoid_forward(TimestepSinusoidParams{t.view, out.view, 10000.0f, Numerics::kTorch}));
+    ok(timestep_sinusoid_forward(TimestepSinusoidParams{{t.view, 10000.0f, Numerics::kTorch}, out.view}));
     out.save(argv[5]);
   } else if (op == "rmsnorm") {
     need(8);
@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
     const int64_t rows = arg(argv, 3), hidden = arg(argv, 4);
     Buffer x(dt, {rows, hidden}, argv[5]), w(dt, {hidden}, argv[6]), out(dt, {rows, hidden});
     RmsnormParams p;
-    p.x = x.view, p.weight = w.view, p.out = out.view, p.numerics = Numerics::kTorch;
+    p.in.x = x.view, p.in.weight = w.view, p.out = out.view, p.in.numerics = Numerics::kTorch;
     ok(rmsnorm_forward(p));
     out.save(argv[7]);
   } else if (op == "modulated" || op == "gate") {
@@ -114,14 +114,14 @@ int main(int argc, char** argv) {
       Buffer w(dt, {hidden}, argv[8]), shift(dt, {rows, hidden}, argv[9]), scale(dt, {rows, hidden}, argv[10]);
       Buffer index(DType::kI64, {seq}, argv[11]), out(dt, {batch * seq, hidden});
       RmsnormParams p;
-      p.x = a.view, p.weight = w.view, p.shift = shift.view, p.scale = scale.view;
-      p.plan = plan_of(index, rows, batch), p.out = out.view, p.numerics = Numerics::kTorch;
+      p.in.x = a.view, p.in.weight = w.view, p.in.shift = shift.view, p.in.scale = scale.view;
+      p.in.plan = plan_of(index, rows, batch), p.out = out.view, p.in.numerics = Numerics::kTorch;
       ok(rmsnorm_forward(p));
       out.save(argv[12]);
     } else {
       Buffer y(dt, {batch * seq, hidden}, argv[8]), gate(dt, {rows, hidden}, argv[9]);
       Buffer index(DType::kI64, {seq}, argv[10]), out(dt, {batch * seq, hidden});
-      ok(gate_residual_forward(GateResidualParams{a.view, y.view, gate.view, plan_of(index, rows, batch), out.view}));
+      ok(gate_residual_forward(GateResidualParams{{a.view, y.view, gate.view, plan_of(index, rows, batch)}, out.view}));
       out.save(argv[11]);
     }
   } else if (op == "silu_cast") {
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
     cudaMemset(w.data, 0, w.view.nbytes());
     cudaMemset(b.data, 0, b.view.nbytes());
     ok(adaln_projection_forward(
-        AdalnProjectionParams{temb.view, w.view, b.view, table.view, act.view, Numerics::kTorch}));
+        AdalnProjectionParams{{temb.view, w.view, b.view, Numerics::kTorch}, table.view, act.view}));
     act.save(argv[5]);
   } else if (op == "gather") {
     need(9);
