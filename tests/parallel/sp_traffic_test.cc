@@ -1,11 +1,14 @@
 // What the sp_region plan moves, for docs/parallel.md: rows and bytes per
 // rank for the test shapes and the H3 shapes (S = 4097, 32768, 131072; block
-// and interleaved packing; B = 2; world 2..8), next to the reference design
-// that tiles sorted segments (spec 2.4 / 3.11: a tile is owned by the owner of
-// its first row in (row, p) order, and every row of a tile owned elsewhere
-// moves). The tables are printed and recorded as test properties; the test
-// asserts the bound the design promises: a rank sends at most 255 rows per
-// batch item (only the chunk that straddles the start of its range), and
+// and interleaved packing; B = 2; world 2..8), next to an alternative design
+// that tiles sorted segments (a 256-row tile of each table row's positions in
+// ascending p, owned by the owner of its first row; every row of a tile owned
+// elsewhere moves). The tables are printed and recorded as test properties.
+//
+// Every case (printed or not) is checked against the straddling-row bound,
+// derived from the plan's definition alone in check_straddling_rows below:
+// per rank, exactly the rows that the definition moves, at most 255 per shard
+// boundary per batch item, and in total at most 255 * (world * B - 1);
 // chunk-aligned shards move nothing.
 #include <gtest/gtest.h>
 
@@ -76,17 +79,77 @@ struct TrafficRow {
   ReferenceTraffic reference;
 };
 
+// The straddling-row bound, from the definition of the plan alone
+// (include/detdit/parallel.h): positions are flattened p = b*S + s and cut into
+// chunks of 256; a chunk belongs to the owner of its first position; a row
+// moves when its chunk belongs to another rank.
+//
+// Rank q holds the run I(q, b) = [b*S + lo_q, b*S + hi_q) of every batch item
+// b, lo_q = q*S/world. A chunk holding a position of I(q, b) either starts
+// inside I(q, b) (then q owns it and nothing moves) or starts before the run,
+// and then it is the one chunk that holds the run's first position
+// start = b*S + lo_q. So q sends from I(q, b) only rows of that chunk:
+//   none                                 if start % 256 == 0 (the chunk starts at start),
+//   min(hi_q - lo_q, 256 - start % 256)  otherwise (at most 255),
+// the latter exactly when the chunk's first position belongs to another rank
+// (it can belong to q itself when the chunk reaches back over the other ranks'
+// rows into I(q, b-1): short sequences, e.g. S = 40 at world 8).
+//
+// Each run start is a boundary: the world-1 shard boundaries inside every
+// batch item (ranks 1..world-1), and, for b >= 1, the boundary between item
+// b-1 (rank world-1) and item b (rank 0). The latter straddle too whenever
+// 256 does not divide b*S, because chunks run over the flattened p. Item 0's
+// rank 0 starts at p = 0 and never sends. Hence, for every case:
+//   send_rows(q) <= 255 * B        for q >= 1,
+//   send_rows(0) <= 255 * (B - 1),
+//   sum over ranks <= 255 * (world * B - 1),
+// and 255 * (world - 1) * B alone would be false (S = 515, world 2, B = 2
+// moves 760 rows: SpTraffic.BatchBoundariesStraddleToo).
+void check_straddling_rows(const IndexCase& c, int world, const SpPlan& sp) {
+  const int64_t s_len = c.seq_len, batch = c.batch, chunk = kReductionChunk;
+  const std::string where = c.name() + " world " + std::to_string(world);
+  auto lo = [&](int64_t q) { return q * s_len / world; };
+  auto owner_of = [&](int64_t p) {  // the rank that holds flattened position p
+    const int64_t s = p % s_len;
+    int64_t q = 0;
+    while (s >= lo(q + 1)) ++q;
+    return q;
+  };
+  ASSERT_EQ(static_cast<int64_t>(sp.traffic().size()), world) << where;
+  int64_t total = 0, total_received = 0, most = 0;
+  for (int64_t q = 0; q < world; ++q) {
+    int64_t expected = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t start = b * s_len + lo(q), length = lo(q + 1) - lo(q), offset = start % chunk;
+      if (offset == 0) continue;                             // the run starts a chunk: q owns it
+      if (owner_of(start - offset) == q) continue;           // the chunk started in q's previous run
+      expected += std::min(length, chunk - offset);  // offset >= 1: at most 255
+    }
+    const int64_t sent = sp.traffic()[q].send_rows;
+    EXPECT_EQ(sent, expected) << where << ": rank " << q << " sends the rows of the chunks that straddle its run starts";
+    EXPECT_LE(sent, (chunk - 1) * (q == 0 ? batch - 1 : batch))
+        << where << ": rank " << q << " sends at most 255 rows per boundary per batch item";
+    total += sent;
+    total_received += sp.traffic()[q].receive_rows;
+    most = std::max(most, sent);
+  }
+  EXPECT_LE(total, (chunk - 1) * (world * batch - 1)) << where << ": 255 rows per boundary, world*B - 1 boundaries";
+  EXPECT_EQ(total_received, total) << where << ": every moved row is received once";
+  EXPECT_EQ(sp.max_send(), most) << where;
+  if (s_len % (world * chunk) == 0) {
+    EXPECT_EQ(total, 0) << where << ": chunk-aligned shards move no rows";
+  }
+}
+
 TrafficRow traffic(const IndexCase& c, int world) {
   SpPlan sp;
   EXPECT_TRUE(SpPlan::create(testing::adaln_plan(c), world, 0, &sp).ok());
+  check_straddling_rows(c, world, sp);
   TrafficRow row;
   row.max_send = sp.max_send();
   row.max_chunks = sp.max_chunks();
   row.max_segments = sp.max_segments();
-  for (const SpPlan::RankTraffic& t : sp.traffic()) {
-    row.total_sent += t.send_rows;
-    EXPECT_LE(t.send_rows, 255 * c.batch) << c.name() << " world " << world;  // one straddling chunk per batch item
-  }
+  for (const SpPlan::RankTraffic& t : sp.traffic()) row.total_sent += t.send_rows;
   row.reference = reference_traffic(c, world);
   return row;
 }
@@ -123,9 +186,6 @@ void print_table(const char* title, const std::vector<int64_t>& seq_lens) {
         ::testing::Test::RecordProperty(std::string("max_send_S") + std::to_string(seq_len) + "_" + name + "_sp" +
                                             std::to_string(world),
                                         std::to_string(r.max_send) + "/ref " + std::to_string(r.reference.max_send));
-        if (seq_len % (world * 256) == 0) {
-          EXPECT_EQ(r.total_sent, 0) << "chunk-aligned shards move no rows";
-        }
       }
     }
   }
@@ -146,6 +206,7 @@ TEST(SpTraffic, WorkedExampleThreeRanks) {
   }
   SpPlan sp;
   ASSERT_TRUE(SpPlan::create(testing::adaln_plan(c), 3, 0, &sp).ok());
+  check_straddling_rows(c, 3, sp);
   // Independently derived (docs/parallel.md): rank 0 sends b1 s0..67 (68 rows) to
   // rank 2; rank 1 sends b0 s233..255 (23) and b1 s233..323 (91) to rank 0; rank 2
   // sends b0 s466..511 (46) and b1 s466..579 (114) to rank 1.
@@ -157,6 +218,39 @@ TEST(SpTraffic, WorkedExampleThreeRanks) {
   EXPECT_EQ(sp.traffic()[0].chunks, 2);  // chunks 0 (p 0) and 3 (p 768 = b1 s68)
   EXPECT_EQ(sp.traffic()[1].chunks, 2);  // chunks 1 (p 256) and 4 (p 1024 = b1 s324)
   EXPECT_EQ(sp.traffic()[2].chunks, 2);  // chunks 2 (p 512) and 5 (p 1280 = b1 s580)
+}
+
+// The boundary between two batch items straddles a chunk like a shard
+// boundary: S = 515, world 2 (rank 1 holds s >= 257), B = 2. Rank 1 sends
+// b0 s257..511 (255 rows, chunk 1 starts at b0 s256, rank 0's) and b1
+// s257..508 (252 rows: chunk 3 = p 768..1023 starts at b1 s253, rank 0's);
+// rank 0 sends b1 s0..252 (253 rows: chunk 2 = p 512..767 starts at b0 s512,
+// rank 1's). 760 rows: more than 255 * (world - 1) * B = 510, within
+// 255 * (world * B - 1) = 765.
+TEST(SpTraffic, BatchBoundariesStraddleToo) {
+  const IndexCase c = testing::make_index_case(Packing::kBlock, 515, 1, 2);
+  SpPlan sp;
+  ASSERT_TRUE(SpPlan::create(testing::adaln_plan(c), 2, 0, &sp).ok());
+  check_straddling_rows(c, 2, sp);
+  EXPECT_EQ(sp.traffic()[0].send_rows, 253);
+  EXPECT_EQ(sp.traffic()[1].send_rows, 255 + 252);
+  EXPECT_GT(sp.traffic()[0].send_rows + sp.traffic()[1].send_rows, 255 * (2 - 1) * 2);
+}
+
+// The bound on sizes the printed tables do not reach: every world 2..8, B in
+// {1, 2, 3}, S from one row per rank up to several chunks per rank, shard
+// boundaries and batch boundaries on and off the chunk grid.
+TEST(SpTraffic, StraddlingRowBoundSweep) {
+  for (int64_t seq_len : {8, 40, 255, 256, 257, 515, 700, 768, 1000, 1024, 2048, 4097}) {
+    for (int64_t batch : {1, 2, 3}) {
+      const IndexCase c = testing::make_index_case(Packing::kInterleaved, seq_len, 3, batch);
+      for (int world = 2; world <= 8; ++world) {
+        SpPlan sp;
+        ASSERT_TRUE(SpPlan::create(testing::adaln_plan(c), world, 0, &sp).ok()) << c.name() << " world " << world;
+        check_straddling_rows(c, world, sp);
+      }
+    }
+  }
 }
 
 TEST(SpTraffic, TestShapes) { print_table("test shapes", {40, 4097, 32768}); }
