@@ -1,6 +1,7 @@
 // adaln_projection (docs/numerics.md 5.4, 6.4) and adaln_table_chunk on the
 // CPU reference: accuracy at the real H3 shape vs an FP64 oracle, gradients,
 // row invariance, repeatability, the bf16 grad_table path, validation.
+#include <cstring>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -9,7 +10,7 @@
 #include <vector>
 
 #include "common/cases.h"
-#include "common/oracle.h"
+#include "common/test_util.h"
 #include "common/test_util.h"
 #include "detdit/adaln.h"
 

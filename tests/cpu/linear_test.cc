@@ -7,6 +7,7 @@
 //  - row invariance (bitwise), repeatability, empty N / K in the backwards;
 //  - validation: every bad argument is an error of the right kind and leaves
 //    the outputs untouched (canary bytes).
+#include <cstring>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,7 +16,7 @@
 #include <vector>
 
 #include "common/cases.h"
-#include "common/oracle.h"
+#include "common/test_util.h"
 #include "common/test_util.h"
 #include "detdit/linear.h"
 

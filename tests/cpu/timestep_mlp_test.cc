@@ -1,6 +1,7 @@
 // timestep_mlp (docs/numerics.md 5.3, 6.3) on the CPU reference: FP64 accuracy
 // at the H3 shape (256 -> 5376 -> 2688), composition from the public linear
 // ops, row invariance, repeatability, optional outputs, validation.
+#include <cstring>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -9,7 +10,7 @@
 #include <vector>
 
 #include "common/cases.h"
-#include "common/oracle.h"
+#include "common/test_util.h"
 #include "common/test_util.h"
 #include "detdit/linear.h"
 #include "detdit/timestep.h"

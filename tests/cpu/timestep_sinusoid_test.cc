@@ -1,6 +1,7 @@
 // timestep_sinusoid (docs/numerics.md 5.1, 6.1) on the CPU reference:
 // accuracy vs an FP64 oracle (diffusers' formula in double), input dtypes,
 // row invariance, repeatability, and fail-closed validation.
+#include <cstring>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,7 +13,7 @@
 #include <vector>
 
 #include "common/cases.h"
-#include "common/oracle.h"
+#include "common/test_util.h"
 #include "common/test_util.h"
 #include "detdit/timestep.h"
 

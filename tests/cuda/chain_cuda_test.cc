@@ -1,12 +1,9 @@
-// The conditioning chain (include/detdit/chain.h) on CUDA tensors equals the
-// CPU chain on the same inputs, bitwise, for every output and gradient:
-// small H (bf16 and fp32, both packings, two blocks) and the H3 hidden size
-// with one block (bf16, H3's time-embedding sizes); run on a non-default
-// stream, repeated, and captured into a CUDA graph with check_range = false
-// (capture fails if the chain synchronises the host). Also the internal
-// elementwise helpers (src/common/elementwise.h) on CUDA equal the CPU at
-// every alignment (16-byte vectors, scalar tail, unaligned), in place, and
-// mixed devices fail closed before anything is written.
+// The conditioning chain (include/detdit/chain.h) on CUDA tensors equals the CPU chain on the same inputs, bitwise,
+// for every output and gradient: small H (bf16 and fp32, both packings, two blocks) and the H3 hidden size with one
+// block (bf16, H3's time-embedding sizes); run on a non-default stream, repeated, and captured into a CUDA graph with
+// check_range = false (capture fails if the chain synchronises the host). Also the internal elementwise helpers
+// (src/common/elementwise.h) on CUDA equal the CPU at every alignment (16-byte vectors, scalar tail, unaligned), in
+// place, and mixed devices fail closed before anything is written.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -108,7 +105,7 @@ struct ChainPairs {
   // The canary on every device output; synchronises, so a launch on a
   // non-blocking stream cannot overtake the fills.
   void poison_device() {
-    for (Pair& o : outputs) o.dev.fill_bytes(kCanary);
+    for (Pair& o : outputs) fill_device(&o.dev, kCanary);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
 };

@@ -1,8 +1,7 @@
-// Failure behaviour with CUDA tensors: the validation errors of the CPU hold
-// for CUDA tensors with the same kind and message (device names aside), no
-// output is written, a CPU plan with CUDA tensors and tensors on two CUDA
-// devices are clear ValueErrors (Device::cuda(1) views: no second GPU needed,
-// nothing is dereferenced before validation fails).
+// Failure behaviour with CUDA tensors: the validation errors of the CPU hold for CUDA tensors with the same kind and
+// message (device names aside), no output is written, a CPU plan with CUDA tensors and tensors on two CUDA devices
+// are clear ValueErrors (Device::cuda(1) views: no second GPU needed, nothing is dereferenced before validation
+// fails).
 #include <gtest/gtest.h>
 
 #include <functional>

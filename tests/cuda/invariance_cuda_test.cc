@@ -1,6 +1,6 @@
-// Invariances on the GPU, bitwise: a row alone equals the same row inside a
-// batch (rmsnorm, linear); repeated runs give the same bytes; a CUDA-graph
-// capture of a forward+backward region replays to the eager bytes (so no op
+// Invariances on the GPU, bitwise: a position alone equals the same position inside a batch (every op case with a
+// one-position form); repeated runs
+// give the same bytes; a CUDA-graph capture of a forward+backward region replays to the eager bytes (so no op
 // synchronises the host once its plan exists).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -19,67 +19,22 @@ namespace detdit {
 namespace testing {
 namespace {
 
-// Bytes [offset, offset + bytes) of a host tensor as its own tensor of `dtype`.
-HostTensor slice(const HostTensor& t, std::size_t offset, std::size_t bytes, DType dtype) {
-  HostTensor s(dtype, {static_cast<int64_t>(bytes / dtype_size(dtype))});
-  std::memcpy(s.data(), static_cast<const char*>(t.data()) + offset, bytes);
-  return s;
-}
-
-TEST(InvarianceCuda, RmsnormRowAloneEqualsRowInBatch) {
+// Every test case with a one-position form (rmsnorm, gate_residual,
+// final_adaln_out, linear, the timestep path): probe positions alone on the
+// GPU give the bytes of the same positions inside the batch.
+TEST(InvarianceCuda, PositionAloneEqualsPositionInBatch) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const int64_t rows = 37, hidden = 5376;
-  const DType dtype = DType::kBF16;
-  HostTensor x = random_tensor(dtype, {rows, hidden}, 1, 0.0, 3.0), grad = random_tensor(dtype, {rows, hidden}, 2);
-  DeviceTensor dx_all(dtype, {rows, hidden}), out(dtype, {rows, hidden}), rstd(DType::kF32, {rows});
-  DeviceTensor xd = DeviceTensor::upload(x), gd = DeviceTensor::upload(grad);
-  DeviceTensor w = DeviceTensor::upload(random_tensor(dtype, {hidden}, 3, 1.0, 0.5));
-  RmsnormParams f;
-  f.in.x = xd.view(), f.in.weight = w.view(), f.out = out.view(), f.rstd = rstd.view();
-  DETDIT_ASSERT_OK(rmsnorm_forward(f));
-  RmsnormBackwardParams b;
-  b.in.x = xd.view(), b.in.weight = w.view(), b.rstd = rstd.view(), b.grad = gd.view(), b.dx = dx_all.view();
-  DETDIT_ASSERT_OK(rmsnorm_backward(b));
-  const HostTensor out_all = out.download(), rstd_all = rstd.download(), dx_host = dx_all.download();
-  const std::size_t row_bytes = hidden * dtype_size(dtype);
-  for (int64_t m : {0, 17, 36}) {
-    SCOPED_TRACE("row " + std::to_string(m));
-    DeviceTensor x1(dtype, {1, hidden}), g1(dtype, {1, hidden}), o1(dtype, {1, hidden}), r1(DType::kF32, {1});
-    DeviceTensor d1(dtype, {1, hidden});
-    cudaMemcpy(x1.data(), static_cast<char*>(xd.data()) + m * row_bytes, row_bytes, cudaMemcpyDeviceToDevice);
-    cudaMemcpy(g1.data(), static_cast<char*>(gd.data()) + m * row_bytes, row_bytes, cudaMemcpyDeviceToDevice);
-    RmsnormParams f1 = f;
-    f1.in.x = x1.view(), f1.out = o1.view(), f1.rstd = r1.view();
-    DETDIT_ASSERT_OK(rmsnorm_forward(f1));
-    RmsnormBackwardParams b1 = b;
-    b1.in.x = x1.view(), b1.rstd = r1.view(), b1.grad = g1.view(), b1.dx = d1.view();
-    DETDIT_ASSERT_OK(rmsnorm_backward(b1));
-    EXPECT_BITWISE_EQ(slice(out_all, m * row_bytes, row_bytes, dtype), o1.download());
-    EXPECT_BITWISE_EQ(slice(rstd_all, m * 4, 4, DType::kF32), r1.download());
-    EXPECT_BITWISE_EQ(slice(dx_host, m * row_bytes, row_bytes, dtype), d1.download());
+  int checked = 0;
+  for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (!c.alone || c.positions < 2 || c.positions > 100000) continue;
+    const std::vector<int64_t> probes = {0, c.positions / 2, c.positions - 1};
+    std::vector<OutputReport> reports;
+    DETDIT_ASSERT_OK(compare_positions_alone(c, Device::cuda(0), probes, &reports));
+    for (const OutputReport& r : reports) EXPECT_TRUE(r.mismatch.equal()) << c.full_name() << " " << r.output << ": " << r.mismatch.describe();
+    EXPECT_FALSE(reports.empty()) << c.full_name();
+    ++checked;
   }
-}
-
-TEST(InvarianceCuda, LinearRowAloneEqualsRowInBatch) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  const int64_t rows = 8, k = 2688, n = 1000;
-  HostTensor x = random_tensor(DType::kBF16, {rows, k}, 4);
-  DeviceTensor xd = DeviceTensor::upload(x), out(DType::kBF16, {rows, n});
-  DeviceTensor w = DeviceTensor::upload(random_tensor(DType::kBF16, {n, k}, 5, 0.0, 0.02));
-  DeviceTensor bias = DeviceTensor::upload(random_tensor(DType::kBF16, {n}, 6));
-  LinearParams all_rows;
-  all_rows.x = xd.view(), all_rows.weight = w.view(), all_rows.bias = bias.view(), all_rows.out = out.view();
-  DETDIT_ASSERT_OK(linear_forward(all_rows));
-  const HostTensor all = out.download();
-  const std::size_t x_row = k * 2, out_row = n * 2;
-  for (int64_t t : {0, 5, 7}) {
-    DeviceTensor x1(DType::kBF16, {1, k}), o1(DType::kBF16, {1, n});
-    cudaMemcpy(x1.data(), static_cast<char*>(xd.data()) + t * x_row, x_row, cudaMemcpyDeviceToDevice);
-    LinearParams one_row;
-    one_row.x = x1.view(), one_row.weight = w.view(), one_row.bias = bias.view(), one_row.out = o1.view();
-    DETDIT_ASSERT_OK(linear_forward(one_row));
-    EXPECT_BITWISE_EQ(slice(all, t * out_row, out_row, DType::kBF16), o1.download()) << "row " << t;
-  }
+  EXPECT_GT(checked, 10);
 }
 
 // The region a trainer captures: fused modulation, modulated norm, gated
@@ -89,30 +44,36 @@ struct Region {
   IndexCase index = make_index_case(Packing::kInterleaved, 1000, 3, 2);
   PlanPair plans = adaln_plan_pair(index);
   int64_t rows = index.positions();
-  DeviceTensor temb = DeviceTensor::upload(random_tensor(DType::kF32, {timesteps, dim}, 10, 0.0, 3.0));
-  DeviceTensor weight = DeviceTensor::upload(random_tensor(DType::kBF16, {18 * hidden, dim}, 11, 0.0, 0.05));
-  DeviceTensor bias = DeviceTensor::upload(random_tensor(DType::kBF16, {18 * hidden}, 12));
-  DeviceTensor x = DeviceTensor::upload(random_tensor(DType::kBF16, {rows, hidden}, 13, 0.0, 3.0));
-  DeviceTensor y = DeviceTensor::upload(random_tensor(DType::kBF16, {rows, hidden}, 14));
-  DeviceTensor norm_w = DeviceTensor::upload(random_tensor(DType::kBF16, {hidden}, 15, 1.0, 0.3));
-  DeviceTensor grad = DeviceTensor::upload(random_tensor(DType::kBF16, {rows, hidden}, 16));
-  DeviceTensor table{DType::kBF16, {timesteps, 18 * hidden}}, act{DType::kBF16, {timesteps, dim}};
-  DeviceTensor mod{DType::kBF16, {6, seq_len, hidden}}, normed{DType::kBF16, {rows, hidden}};
-  DeviceTensor rstd{DType::kF32, {rows}}, out{DType::kBF16, {rows, hidden}};
-  DeviceTensor d_y{DType::kBF16, {rows, hidden}};
-  DeviceTensor dx{DType::kBF16, {rows, hidden}}, d_norm_w{DType::kF32, {hidden}};
-  DeviceTensor d_shift{DType::kBF16, {3 * timesteps, hidden}}, d_scale{DType::kBF16, {3 * timesteps, hidden}};
-  DeviceTensor d_gate_t{DType::kBF16, {3 * timesteps, hidden}};
-  DeviceTensor d_mod{DType::kBF16, {6, rows, hidden}};
-  DeviceTensor d_temb{DType::kF32, {timesteps, dim}}, d_weight{DType::kBF16, {18 * hidden, dim}};
-  DeviceTensor d_bias{DType::kBF16, {18 * hidden}};
+  DeviceTensor temb = upload(random_tensor(DType::kF32, {timesteps, dim}, 10, 0.0, 3.0));
+  DeviceTensor weight = upload(random_tensor(DType::kBF16, {18 * hidden, dim}, 11, 0.0, 0.05));
+  DeviceTensor bias = upload(random_tensor(DType::kBF16, {18 * hidden}, 12));
+  DeviceTensor x = upload(random_tensor(DType::kBF16, {rows, hidden}, 13, 0.0, 3.0));
+  DeviceTensor y = upload(random_tensor(DType::kBF16, {rows, hidden}, 14));
+  DeviceTensor norm_w = upload(random_tensor(DType::kBF16, {hidden}, 15, 1.0, 0.3));
+  DeviceTensor grad = upload(random_tensor(DType::kBF16, {rows, hidden}, 16));
+  DeviceTensor table = device_empty(DType::kBF16, {timesteps, 18 * hidden});
+  DeviceTensor act = device_empty(DType::kBF16, {timesteps, dim});
+  DeviceTensor mod = device_empty(DType::kBF16, {6, seq_len, hidden});
+  DeviceTensor normed = device_empty(DType::kBF16, {rows, hidden});
+  DeviceTensor rstd = device_empty(DType::kF32, {rows});
+  DeviceTensor out = device_empty(DType::kBF16, {rows, hidden});
+  DeviceTensor d_y = device_empty(DType::kBF16, {rows, hidden});
+  DeviceTensor dx = device_empty(DType::kBF16, {rows, hidden});
+  DeviceTensor d_norm_w = device_empty(DType::kF32, {hidden});
+  DeviceTensor d_shift = device_empty(DType::kBF16, {3 * timesteps, hidden});
+  DeviceTensor d_scale = device_empty(DType::kBF16, {3 * timesteps, hidden});
+  DeviceTensor d_gate_t = device_empty(DType::kBF16, {3 * timesteps, hidden});
+  DeviceTensor d_mod = device_empty(DType::kBF16, {6, rows, hidden});
+  DeviceTensor d_temb = device_empty(DType::kF32, {timesteps, dim});
+  DeviceTensor d_weight = device_empty(DType::kBF16, {18 * hidden, dim});
+  DeviceTensor d_bias = device_empty(DType::kBF16, {18 * hidden});
 
   std::vector<const DeviceTensor*> outputs() const {
     return {&table, &act, &mod, &normed, &rstd, &out, &d_y, &dx, &d_norm_w, &d_shift, &d_scale, &d_gate_t,
             &d_temb, &d_weight, &d_bias};
   }
   void poison() {
-    for (const DeviceTensor* t : outputs()) const_cast<DeviceTensor*>(t)->fill_bytes(kCanary);
+    for (const DeviceTensor* t : outputs()) fill_device(const_cast<DeviceTensor*>(t), kCanary);
   }
   // (3T, H) view of chunk c of the (T, 18H) table.
   TensorView table_chunk(int c) const {
@@ -145,7 +106,7 @@ struct Region {
   }
   std::vector<HostTensor> results() const {
     std::vector<HostTensor> r;
-    for (const DeviceTensor* t : outputs()) r.push_back(t->download());
+    for (const DeviceTensor* t : outputs()) r.push_back(download(*t));
     return r;
   }
 };
@@ -154,7 +115,7 @@ struct Region {
 // made with `stream_flags`: every output's bytes equal the first run's.
 void check_repeat_and_replay(unsigned stream_flags) {
   Region region;
-  region.d_mod = DeviceTensor::upload(random_tensor(DType::kBF16, {6, region.rows, region.hidden}, 17));
+  region.d_mod = upload(random_tensor(DType::kBF16, {6, region.rows, region.hidden}, 17));
   cudaStream_t stream;
   DETDIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, stream_flags));
   region.poison();

@@ -1,0 +1,115 @@
+// FP64 oracles, one set for the whole tree: the math of every op written as
+// straightforward double loops, independently of docs/numerics.md's FP32
+// orders, with the model's storage roundings (correctly rounded from the
+// exact value) where the model stores a value. The CPU tests use them to show
+// the reference itself is accurate; detdit verify reports the error against them.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cases/index_case.h"
+#include "cases/tensor.h"
+#include "cpu/parallel.h"
+
+namespace detdit {
+namespace cases {
+
+// ---- rounding of exact values ------------------------------------------------
+
+// The correctly rounded (RNE) value of an exact result in `dtype`, as bits and as a value.
+uint64_t correctly_rounded_bits(double exact, DType dtype);
+double correctly_rounded(double exact, DType dtype);
+// Fraction of the elements of `got` that equal the correctly rounded `exact`.
+double fraction_correctly_rounded(const HostTensor& got, const std::vector<double>& exact);
+// A tensor's elements as doubles (exact for every float dtype).
+std::vector<double> to_doubles(const HostTensor& t);
+// max |got - ref| / max |ref|, and max |got - ref|.
+double relative_max_error(const HostTensor& got, const std::vector<double>& ref);
+double max_abs_error(const HostTensor& got, const std::vector<double>& ref);
+
+// ---- elementwise ---------------------------------------------------------------
+
+inline double silu64(double z) { return z / (1.0 + std::exp(-z)); }
+// d silu / dz = s (1 + z (1 - s)), s = sigmoid(z)
+inline double silu_derivative64(double z) {
+  const double s = 1.0 / (1.0 + std::exp(-z));
+  return s * (1.0 + z * (1.0 - s));
+}
+
+// ---- linear (y = x W^T + b) ---------------------------------------------------
+
+// y[t, n] = sum_k x[t, k] w[n, k] (+ b[n]); x (T, K), w (N, K), b (N,) or empty.
+// `weight_row(n, row)` writes row n of w as doubles into row.
+template <typename WeightRow>
+std::vector<double> linear64_rows(const std::vector<double>& x, WeightRow weight_row, const std::vector<double>& b,
+                                  int64_t rows, int64_t in_features, int64_t out_features) {
+  std::vector<double> y(static_cast<std::size_t>(rows * out_features));
+  cpu::parallel_for(0, out_features, [&](int64_t n) {
+    std::vector<double> wn(static_cast<std::size_t>(in_features));
+    weight_row(n, wn.data());
+    for (int64_t t = 0; t < rows; ++t) {
+      const double* xt = x.data() + t * in_features;
+      double acc = b.empty() ? 0.0 : b[n];
+      for (int64_t k = 0; k < in_features; ++k) acc += xt[k] * wn[k];
+      y[t * out_features + n] = acc;
+    }
+  });
+  return y;
+}
+std::vector<double> linear64(const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b,
+                             int64_t rows, int64_t in_features, int64_t out_features);
+// The same with w read straight from an fp32 or bf16 tensor (no FP64 copy of an H3-sized weight).
+std::vector<double> linear64(const std::vector<double>& x, const HostTensor& w, const std::vector<double>& b,
+                             int64_t rows, int64_t in_features, int64_t out_features);
+// d_x[t, k] = sum_n g[t, n] w[n, k]
+std::vector<double> linear_d_x64(const std::vector<double>& g, const std::vector<double>& w, int64_t rows,
+                                 int64_t in_features, int64_t out_features);
+// d_w[n, k] = sum_t g[t, n] x[t, k]
+std::vector<double> linear_d_w64(const std::vector<double>& g, const std::vector<double>& x, int64_t rows,
+                                 int64_t in_features, int64_t out_features);
+// d_b[n] = sum_t g[t, n]
+std::vector<double> linear_d_b64(const std::vector<double>& g, int64_t rows, int64_t out_features);
+
+// ---- timestep_sinusoid -----------------------------------------------------------
+
+// diffusers' Timesteps(C, flip_sin_to_cos=True, shift=0):
+// freq[k] = exp(-ln(max_period) k / half); features[t] = [cos(t freq) | sin(t freq)].
+std::vector<double> sinusoid_frequencies64(int64_t half, double max_period);
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period);
+// d_t[t] = sum_k freq[k] (-g[t, k] sin(t freq[k]) + g[t, half + k] cos(t freq[k]))
+std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
+                                   int64_t channels, double max_period);
+
+// ---- rmsnorm, gate_residual, adaln_row_gather ----------------------------------
+
+// The (modulated) RMSNorm forward and backward, rounding to `dtype` where the
+// model stores values (n = norm(x), 1 + scale, the product, the sum) and
+// straight through for the gradient. shift/scale null for the plain norm;
+// row_of[p] is the table row of flattened position p.
+struct RmsnormReference {
+  std::vector<double> out, dx, d_weight, d_shift, d_scale;
+};
+RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight, const HostTensor* shift,
+                                   const HostTensor* scale, const std::vector<int64_t>& row_of, int64_t num_rows,
+                                   const HostTensor& grad, double eps, DType dtype);
+
+// The exact (3T, 6H) gather gradient: d_rows[r, chunk*H + i] = sum of
+// grad[chunk, p, i] over the positions p of row r; grad (6, B*S, H).
+std::vector<double> row_gather_grad_exact(const IndexCase& c, const HostTensor& grad, int64_t hidden);
+
+// ---- the AdaLN projection -----------------------------------------------------------
+
+// act = R_W(silu(temb)), table = R_W(act W^T + b) (W = `dtype`); backward from
+// an exact table gradient d_table (T, N): dW = d_table^T act, db = sum_t
+// d_table, d_temb = silu'(temb) * (d_table W).
+struct ProjectionReference {
+  std::vector<double> act, table, d_weight, d_bias, d_temb;
+};
+ProjectionReference projection_reference(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias,
+                                         const std::vector<double>* d_table, DType dtype);
+
+}  // namespace cases
+}  // namespace detdit

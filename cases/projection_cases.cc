@@ -1,0 +1,300 @@
+// The cases of the GEMV family: linear (forward with bias / SiLU /
+// pre-activation / fp32 output; backward d_x through the 64-row chunk partials
+// and d_W, d_b), adaln_projection, adaln_modulation and final_adaln_out.
+//
+// Suites: kTest sweeps awkward shapes (N = 1, 64, 72, 128, 200; K = 8, 24, 264;
+// T = 1, 3, 5, 9) and a few H3 shapes; kBench the H3 shapes with the weights'
+// tensors (the AdaLN projection at T = 1, 3, 4, 8, 16, 32; adaln_modulation and
+// final_adaln_out at S = 32768, B = 2, T = 3). Inputs are pure functions of
+// the case's seeds (counter-uniform values, cases/tensor.h).
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cases/op_case.h"
+#include "detdit/adaln.h"
+#include "detdit/linear.h"
+
+namespace detdit {
+namespace cases {
+namespace {
+
+
+int64_t chunks_of(int64_t n) { return (n + kLinearChunkRows - 1) / kLinearChunkRows; }
+
+// ---- linear ----------------------------------------------------------------
+
+struct LinearShape {
+  DType dtype = DType::kF32;
+  int64_t rows = 1, in_features = 8, out_features = 64;
+  bool bias = true, silu = false;
+  DType out_dtype = DType::kF32;
+  bool partials = true;  // the chunk partials as an output (else internal scratch)
+  uint64_t seed = 1000;
+};
+
+OpCase linear_case(const LinearShape& s) {
+  OpCase c;
+  c.op = "linear";
+  c.name = std::string(dtype_name(s.dtype)) + " T=" + std::to_string(s.rows) + " K=" + std::to_string(s.in_features) +
+           " N=" + std::to_string(s.out_features) + (s.bias ? " bias" : "") + (s.silu ? " silu" : "") + " out " +
+           dtype_name(s.out_dtype) + (s.partials ? "" : " scratch partials");
+  const int64_t T = s.rows, K = s.in_features, N = s.out_features;
+  c.input("x", Phase::kForward, s.dtype, {T, K}, uniform_values(s.seed, 0.0, 1.0), 0);
+  c.input("weight", Phase::kForward, s.dtype, {N, K}, uniform_values(s.seed + 1, 0.0, 0.05));
+  if (s.bias) c.input("bias", Phase::kForward, s.dtype, {N}, uniform_values(s.seed + 2, 0.0, 1.0));
+  c.output("out", Phase::kForward, s.out_dtype, {T, N}, 0);
+  c.output("pre", Phase::kForward, DType::kF32, {T, N}, 0);
+  c.input("grad", Phase::kBackward, DType::kF32, {T, N}, uniform_values(s.seed + 3, 0.0, 1.0), 0);
+  if (s.partials) c.output("partials", Phase::kBackward, DType::kF32, {chunks_of(N), T, K}, 1);
+  c.output("d_x", Phase::kBackward, s.dtype, {T, K}, 0);
+  c.output("d_weight", Phase::kBackward, s.dtype, {N, K});
+  c.output("d_bias", Phase::kBackward, s.dtype, {N});
+  const bool bias = s.bias, silu = s.silu, partials = s.partials;
+  c.forward = [bias, silu](const Instance& t, Stream stream) {
+    return linear_forward({t["x"], t["weight"], bias ? t["bias"] : TensorView(), t["out"], t["pre"],
+                           silu ? Activation::kSilu : Activation::kNone},
+                          stream);
+  };
+  c.backward = [partials](const Instance& t, Stream stream) {
+    DETDIT_RETURN_IF_ERROR(linear_backward_input(
+        {t["grad"], t["weight"], partials ? t["partials"] : TensorView(), t["d_x"]}, stream));
+    return linear_backward_weight({t["grad"], t["x"], t["d_weight"], t["d_bias"]}, stream);
+  };
+  std::vector<std::string> forward = {"x", "weight", "out", "pre"};
+  if (s.bias) forward.push_back("bias");
+  c.set_bytes(Phase::kForward, forward);
+  // d_x and d_W each read W or x once; the partials are scratch traffic.
+  c.set_bytes(Phase::kBackward, {"grad", "weight", "x", "d_x", "d_weight", "d_bias"});
+  c.positions = T;
+  c.alone = [s](int64_t) {
+    LinearShape one = s;
+    one.rows = 1;
+    return linear_case(one);
+  };
+  return c;
+}
+
+// ---- adaln_projection -------------------------------------------------------------
+
+struct ProjectionShape {
+  DType dtype = DType::kBF16;
+  int64_t rows = 1, dim = 8, out_features = 18 * 4;
+  uint64_t seed = 1500;
+  Fill weight{}, bias{};  // absent: counter-uniform
+};
+
+OpCase adaln_projection_case(const ProjectionShape& s) {
+  OpCase c;
+  c.op = "adaln_projection";
+  c.name = std::string(dtype_name(s.dtype)) + " T=" + std::to_string(s.rows) + " D=" + std::to_string(s.dim) +
+           " N=" + std::to_string(s.out_features);
+  const int64_t T = s.rows, D = s.dim, N = s.out_features;
+  c.input("temb", Phase::kForward, DType::kF32, {T, D}, uniform_values(s.seed, 0.0, 3.0), 0);
+  c.input("weight", Phase::kForward, s.dtype, {N, D}, s.weight ? s.weight : uniform_values(s.seed + 1, 0.0, 0.02));
+  c.input("bias", Phase::kForward, s.dtype, {N}, s.bias ? s.bias : uniform_values(s.seed + 2, 0.0, 1.0));
+  c.output("table", Phase::kForward, s.dtype, {T, N}, 0);
+  c.output("act", Phase::kForward, s.dtype, {T, D}, 0);
+  c.input("grad_table", Phase::kBackward, DType::kF32, {T, N}, uniform_values(s.seed + 3, 0.0, 1.0), 0);
+  c.output("d_temb", Phase::kBackward, DType::kF32, {T, D}, 0);
+  c.output("d_weight", Phase::kBackward, s.dtype, {N, D});
+  c.output("d_bias", Phase::kBackward, s.dtype, {N});
+  auto inputs = [](const Instance& t) { return AdalnProjectionInputs{t["temb"], t["weight"], t["bias"]}; };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return adaln_projection_forward({inputs(t), t["table"], t["act"]}, stream);
+  };
+  c.backward = [inputs](const Instance& t, Stream stream) {
+    return adaln_projection_backward(
+        {inputs(t), t["act"], t["grad_table"], t["d_temb"], t["d_weight"], t["d_bias"]}, stream);
+  };
+  c.set_bytes(Phase::kForward, {"temb", "weight", "bias", "table", "act"});
+  c.set_bytes(Phase::kBackward, {"temb", "weight", "act", "grad_table", "d_temb", "d_weight", "d_bias"});
+  c.positions = T;
+  c.alone = [s](int64_t) {
+    ProjectionShape one = s;
+    one.rows = 1;
+    return adaln_projection_case(one);
+  };
+  return c;
+}
+
+// ---- adaln_modulation -----------------------------------------------------------------
+
+struct ModulationShape {
+  int64_t hidden = 20, dim = 24;
+  IndexCase index{};
+  uint64_t seed = 1600;
+  Fill weight{}, bias{};
+};
+
+OpCase adaln_modulation_case(const ModulationShape& s) {
+  OpCase c;
+  c.op = "adaln_modulation";
+  c.name = "bfloat16 H=" + std::to_string(s.hidden) + " D=" + std::to_string(s.dim) + " " + s.index.name();
+  const DType dtype = DType::kBF16;
+  const int64_t T = s.index.num_timesteps, D = s.dim, N = 18 * s.hidden, H = s.hidden;
+  c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
+  c.input("temb", Phase::kForward, DType::kF32, {T, D}, uniform_values(s.seed, 0.0, 3.0));
+  c.input("weight", Phase::kForward, dtype, {N, D}, s.weight ? s.weight : uniform_values(s.seed + 1, 0.0, 0.02));
+  c.input("bias", Phase::kForward, dtype, {N}, s.bias ? s.bias : uniform_values(s.seed + 2, 0.0, 1.0));
+  c.output("table", Phase::kForward, dtype, {T, N});
+  c.output("act", Phase::kForward, dtype, {T, D});
+  c.output("out", Phase::kForward, dtype, {6, s.index.seq_len, H});
+  c.input("grad", Phase::kBackward, dtype, {6, s.index.positions(), H}, uniform_values(s.seed + 3, 0.0, 1.0));
+  c.output("d_temb", Phase::kBackward, DType::kF32, {T, D});
+  c.output("d_weight", Phase::kBackward, dtype, {N, D});
+  c.output("d_bias", Phase::kBackward, dtype, {N});
+  auto inputs = [](const Instance& t) {
+    return AdalnModulationInputs{t["temb"], t["weight"], t["bias"], t.plan("plan")};
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return adaln_modulation_forward({inputs(t), t["table"], t["act"], t["out"]}, stream);
+  };
+  c.backward = [inputs](const Instance& t, Stream stream) {
+    return adaln_modulation_backward({inputs(t), t["act"], t["grad"], t["d_temb"], t["d_weight"], t["d_bias"]},
+                                     stream);
+  };
+  c.set_bytes(Phase::kForward, {"temb", "weight", "bias", "table", "act", "out"});
+  c.set_bytes(Phase::kBackward, {"temb", "weight", "act", "grad", "d_temb", "d_weight", "d_bias"});
+  return c;
+}
+
+// ---- final_adaln_out --------------------------------------------------------------------
+
+struct FinalShape {
+  DType dtype = DType::kBF16;
+  int64_t hidden = 20, dim = 24;
+  IndexCase index{};
+  uint64_t seed = 1700;
+  Fill norm_weight{}, weight{}, bias{};
+};
+
+OpCase final_adaln_out_case(const FinalShape& s) {
+  OpCase c;
+  c.op = "final_adaln_out";
+  c.name = std::string(dtype_name(s.dtype)) + " H=" + std::to_string(s.hidden) + " D=" + std::to_string(s.dim) + " " +
+           s.index.name();
+  const int64_t T = s.index.num_timesteps, D = s.dim, H = s.hidden, M = s.index.positions();
+  c.positions = M;
+  c.plans.push_back({"plan", s.index, PlanSpec::Rows::kTimestep});
+  c.input("x", Phase::kForward, s.dtype, {M, H}, uniform_values(s.seed, 0.0, 3.0), 0);
+  c.input("norm_weight", Phase::kForward, s.dtype, {H},
+          s.norm_weight ? s.norm_weight : uniform_values(s.seed + 1, 1.0, 0.3));
+  c.input("temb", Phase::kForward, DType::kF32, {T, D}, uniform_values(s.seed + 2, 0.0, 3.0));
+  c.input("weight", Phase::kForward, s.dtype, {2 * H, D}, s.weight ? s.weight : uniform_values(s.seed + 3, 0.0, 0.02));
+  c.input("bias", Phase::kForward, s.dtype, {2 * H}, s.bias ? s.bias : uniform_values(s.seed + 4, 0.0, 1.0));
+  c.output("out", Phase::kForward, s.dtype, {M, H}, 0);
+  c.output("table", Phase::kForward, s.dtype, {T, 2 * H});
+  c.output("act", Phase::kForward, s.dtype, {T, D});
+  c.output("rstd", Phase::kForward, DType::kF32, {M}, 0);
+  c.input("grad", Phase::kBackward, s.dtype, {M, H}, uniform_values(s.seed + 5, 0.0, 1.0), 0);
+  c.output("dx", Phase::kBackward, s.dtype, {M, H}, 0);
+  c.output("d_norm_weight", Phase::kBackward, DType::kF32, {H});
+  c.output("d_temb", Phase::kBackward, DType::kF32, {T, D});
+  c.output("d_weight", Phase::kBackward, s.dtype, {2 * H, D});
+  c.output("d_bias", Phase::kBackward, s.dtype, {2 * H});
+  auto inputs = [](const Instance& t) {
+    return FinalAdalnOutInputs{t["x"], t["norm_weight"], t["temb"], t["weight"], t["bias"], t.plan("plan")};
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return final_adaln_out_forward({inputs(t), t["out"], t["table"], t["act"], t["rstd"]}, stream);
+  };
+  c.backward = [inputs](const Instance& t, Stream stream) {
+    return final_adaln_out_backward({inputs(t), t["table"], t["act"], t["rstd"], t["grad"], t["dx"],
+                                     t["d_norm_weight"], t["d_temb"], t["d_weight"], t["d_bias"]},
+                                    stream);
+  };
+  c.set_bytes(Phase::kForward, {"x", "norm_weight", "temb", "weight", "bias", "out", "table", "act", "rstd"});
+  c.set_bytes(Phase::kBackward, {"x", "norm_weight", "temb", "weight", "table", "act", "rstd", "grad", "dx",
+                                 "d_norm_weight", "d_temb", "d_weight", "d_bias"});
+  c.alone = [s](int64_t p) {
+    FinalShape one = s;
+    one.index = single_position_case(s.index, p);
+    return final_adaln_out_case(one);
+  };
+  return c;
+}
+
+// ---- the suites -------------------------------------------------------------------------
+
+constexpr int64_t kH3Hidden = 5376, kH3TimeDim = 2688;
+
+std::vector<OpCase> linear_cases(Suite suite, const CaseContext&) {
+  std::vector<OpCase> cases;
+  if (suite != Suite::kTest) return cases;  // benchmarked as adaln_projection and timestep_mlp
+  uint64_t seed = 1000;
+  for (DType dtype : {DType::kF32, DType::kBF16})
+    for (int64_t rows : {1, 3, 9})
+      for (int64_t k : {8, 24, 264})
+        for (int64_t n : {64, 72, 128, 1})
+          cases.push_back(linear_case(
+              {dtype, rows, k, n, n != 72, rows == 3, rows == 9 ? DType::kF32 : dtype, n != 128, seed++}));
+  cases.push_back(linear_case({DType::kBF16, 9, 264, 200, true, true, DType::kBF16, true, 1100}));
+  cases.push_back(linear_case({DType::kF32, 5, 24, 72, true, false, DType::kF32, true, 1101}));
+  return cases;
+}
+
+std::vector<OpCase> adaln_projection_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    cases.push_back(adaln_projection_case({DType::kBF16, 3, 24, 18 * 4, 1500}));
+    cases.push_back(adaln_projection_case({DType::kF32, 1, 8, 18 * 7, 1501}));
+    cases.push_back(adaln_projection_case({DType::kBF16, 4, kH3TimeDim, 18 * kH3Hidden, 1510}));
+    cases.push_back(adaln_projection_case({DType::kBF16, 1, kH3TimeDim, 18 * kH3Hidden, 1511}));
+    return cases;
+  }
+  if (suite != Suite::kBench) return cases;
+  for (int64_t rows : ctx.small ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 3, 4, 8, 16, 32}) {
+    ProjectionShape s{DType::kBF16, rows, ctx.time_embed_dim, 18 * ctx.hidden, ctx.seed + 1520};
+    s.weight = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.weight", uniform_values(ctx.seed + 1521, 0.0, 0.02));
+    s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(ctx.seed + 1522, 0.0, 1.0));
+    cases.push_back(adaln_projection_case(s));
+  }
+  return cases;
+}
+
+std::vector<OpCase> adaln_modulation_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    cases.push_back(adaln_modulation_case({20, 24, make_index_case(Packing::kInterleaved, 257, 3, 2), 1600}));
+    cases.push_back(adaln_modulation_case({12, 8, make_index_case(Packing::kBlock, 1, 1, 1), 1601}));
+    cases.push_back(
+        adaln_modulation_case({kH3Hidden, kH3TimeDim, make_index_case(Packing::kBlock, 4097, 4, 2), 1602}));
+    return cases;
+  }
+  if (suite != Suite::kBench) return cases;
+  ModulationShape s{ctx.hidden, ctx.time_embed_dim, make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2),
+                    ctx.seed + 1610};
+  s.weight = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.weight", uniform_values(ctx.seed + 1611, 0.0, 0.02));
+  s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(ctx.seed + 1612, 0.0, 1.0));
+  cases.push_back(adaln_modulation_case(s));
+  return cases;
+}
+
+std::vector<OpCase> final_adaln_out_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    cases.push_back(final_adaln_out_case({DType::kBF16, 20, 24, make_index_case(Packing::kInterleaved, 257, 3, 2), 1700}));
+    cases.push_back(final_adaln_out_case({DType::kF32, 12, 8, make_index_case(Packing::kBlock, 255, 1, 1), 1701}));
+    cases.push_back(final_adaln_out_case(
+        {DType::kBF16, kH3Hidden, kH3TimeDim, make_index_case(Packing::kBlock, 4097, 4, 1), 1702}));
+    return cases;
+  }
+  if (suite != Suite::kBench) return cases;
+  FinalShape s{DType::kBF16, ctx.hidden, ctx.time_embed_dim,
+               make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2), ctx.seed + 1710};
+  s.norm_weight = weight_or(ctx, "norm_out.norm.weight", uniform_values(ctx.seed + 1711, 1.0, 0.3));
+  s.weight = weight_or(ctx, "norm_out.linear.weight", uniform_values(ctx.seed + 1712, 0.0, 0.02));
+  s.bias = weight_or(ctx, "norm_out.linear.bias", uniform_values(ctx.seed + 1713, 0.0, 1.0));
+  cases.push_back(final_adaln_out_case(s));
+  return cases;
+}
+
+DETDIT_OP_CASES("linear", linear_cases);
+DETDIT_OP_CASES("adaln_projection", adaln_projection_cases);
+DETDIT_OP_CASES("adaln_modulation", adaln_modulation_cases);
+DETDIT_OP_CASES("final_adaln_out", final_adaln_out_cases);
+
+}  // namespace
+}  // namespace cases
+}  // namespace detdit

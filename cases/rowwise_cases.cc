@@ -1,0 +1,410 @@
+// The cases of the row-wise ops: rmsnorm (plain and modulated), gate_residual
+// and adaln_row_gather, on packed sequences (cases/index_case.h).
+//
+// Suites: kTest sweeps awkward legal shapes (H not a multiple of the widest
+// vector, S around a chunk, every dtype, strided and unaligned table views,
+// table gradients in the table dtype) and a few H3 shapes; kBench the H3 shape
+// (bf16, H from the weights, B = 2, T = 3) at S = 4097, 32768 and 131072 with
+// both packings; kVerify the weights' H at verify's sizes (S = 4097, B = 2;
+// --quick: S = 257, B = 1) with block 0's norm1 weight.
+// Every input is a pure function of the case's seeds; the tables are the
+// (3T, 6H) AdaLN rows and each op reads its chunk as a strided (3T, H) view,
+// as the model does.
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cases/op_case.h"
+#include "cases/oracle.h"
+#include "detdit/adaln.h"
+#include "detdit/gate_residual.h"
+#include "detdit/rmsnorm.h"
+
+namespace detdit {
+namespace cases {
+namespace {
+
+constexpr double kBf16Roundoff = 0x1p-8;  // u: one bf16 rounding errs by at most u relative
+
+// How a suite makes its values: counter-uniform (tests, bench: fast, and any
+// slice regenerates alone) or the synthetic-weights stream (verify).
+struct Values {
+  bool stream = false;
+  uint64_t seed = 0;
+  Fill operator()(uint64_t offset, double mean, double std) const {
+    const bool from_stream = stream;
+    const uint64_t s = seed + offset;
+    return [from_stream, s, mean, std](HostTensor* t) {
+      if (from_stream)
+        fill_stream_normal(t, s, "verify", mean, std);
+      else
+        fill_counter_uniform(t, s, mean, std);
+    };
+  }
+};
+
+// Chunk c of the (R, 6H) AdaLN rows: a (R, H) view with row stride 6H.
+TensorView chunk_of(const TensorView& rows, int64_t hidden, int chunk) {
+  TensorView view;
+  const Status s = adaln_table_chunk(rows, hidden, chunk, &view);
+  return s.ok() ? view : TensorView();  // a case's own shapes are valid; an absent view fails the op loudly
+}
+
+std::string shape_name(DType dtype, int64_t hidden, const IndexCase& index) {
+  return std::string(dtype_name(dtype)) + " H=" + std::to_string(hidden) + " " + index.name();
+}
+
+// ---- rmsnorm ---------------------------------------------------------------
+
+struct NormShape {
+  DType dtype = DType::kBF16;
+  int64_t hidden = 0;
+  IndexCase index{};
+  bool modulated = true;
+  DType table_grad_dtype = DType::kF32;
+  // shift and scale as (R, H) views at column 1 of (R, H + 1) tensors: rows
+  // that are not vector-aligned (the kernels' scalar path).
+  bool offset_table = false;
+  Fill weight{};  // absent: values around 1 (spread 0.5)
+};
+
+OpCase rmsnorm_case(const NormShape& s, const Values& v) {
+  OpCase c;
+  c.op = "rmsnorm";
+  c.name = std::string(s.modulated ? "modulated " : "plain ") + shape_name(s.dtype, s.hidden, s.index) +
+           (s.offset_table ? " offset table" : "") +
+           (s.table_grad_dtype != DType::kF32 ? std::string(" table grads ") + dtype_name(s.table_grad_dtype) : "");
+  const int64_t P = s.index.positions(), H = s.hidden, R = s.index.num_rows();
+  c.positions = P;
+  if (s.modulated) c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
+  c.input("x", Phase::kForward, s.dtype, {P, H}, v(1, 0.0, 3.0), 0);
+  c.input("weight", Phase::kForward, s.dtype, {H}, s.weight ? s.weight : v(2, 1.0, 0.5));
+  if (s.modulated) {
+    if (s.offset_table) {
+      c.input("shift_storage", Phase::kForward, s.dtype, {R, H + 1}, v(3, 0.0, 0.5));
+      c.input("scale_storage", Phase::kForward, s.dtype, {R, H + 1}, v(4, 0.0, 0.5));
+    } else {
+      c.input("table", Phase::kForward, s.dtype, {R, 6 * H}, v(3, 0.0, 0.5));
+    }
+  }
+  c.output("out", Phase::kForward, s.dtype, {P, H}, 0);
+  c.output("rstd", Phase::kForward, DType::kF32, {P}, 0);
+  c.input("grad", Phase::kBackward, s.dtype, {P, H}, v(5, 0.0, 1.0), 0);
+  c.output("dx", Phase::kBackward, s.dtype, {P, H}, 0);
+  c.output("d_weight", Phase::kBackward, DType::kF32, {H});
+  if (s.modulated) {
+    c.output("d_shift", Phase::kBackward, s.table_grad_dtype, {R, H});
+    c.output("d_scale", Phase::kBackward, s.table_grad_dtype, {R, H});
+  }
+  const bool modulated = s.modulated, offset = s.offset_table;
+  auto inputs = [modulated, offset, H](const Instance& t) {
+    RmsnormInputs in;
+    in.x = t["x"];
+    in.weight = t["weight"];
+    if (modulated) {
+      in.plan = t.plan("plan");
+      in.shift = offset ? t["shift_storage"].narrow(1, 1, H) : chunk_of(t["table"], H, 0);
+      in.scale = offset ? t["scale_storage"].narrow(1, 1, H) : chunk_of(t["table"], H, 1);
+    }
+    return in;
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return rmsnorm_forward({inputs(t), t["out"], t["rstd"]}, stream);
+  };
+  c.backward = [inputs, modulated](const Instance& t, Stream stream) {
+    const TensorView none;
+    return rmsnorm_backward({inputs(t), t["rstd"], t["grad"], t["dx"], t["d_weight"],
+                             modulated ? t["d_shift"] : none, modulated ? t["d_scale"] : none},
+                            stream);
+  };
+  const double table_rows = s.modulated ? 2.0 * R * H * dtype_size(s.dtype) : 0.0;
+  const double table_grads = s.modulated ? 2.0 * R * H * dtype_size(s.table_grad_dtype) : 0.0;
+  c.set_bytes(Phase::kForward, {"x", "weight", "out", "rstd"}, table_rows, "shift/scale rows");
+  c.set_bytes(Phase::kBackward, {"x", "grad", "rstd", "weight", "dx", "d_weight"}, table_rows / 2 + table_grads,
+              "scale rows + d_shift + d_scale");
+  c.alone = [s, v](int64_t p) {
+    NormShape alone = s;
+    alone.index = single_position_case(s.index, p);
+    return rmsnorm_case(alone, v);
+  };
+  return c;
+}
+
+// |got - exact| / (|product| + |exact|): the error in units of the magnitudes
+// the roundings act on (0/0 counts as 0, x/0 as infinite).
+double scaled_error(double got, double exact, double product) {
+  const double err = std::fabs(got - exact), scale = std::fabs(product) + std::fabs(exact);
+  if (err == 0) return 0;
+  return scale == 0 ? INFINITY : err / scale;
+}
+
+// verify's oracle of the modulated bf16 forward: out = x rstd w (1 + scale) +
+// shift in FP64 against the bf16 output.
+AccuracyCheck rmsnorm_forward_accuracy(const IndexCase& index, int64_t hidden) {
+  AccuracyCheck a;
+  a.name = "accuracy vs fp64";
+  // Roundings to bf16 of n, 1 + scale and the product each err by u|product|
+  // (first order), the sum by u|out|; FP32 statistics add ~1e-6 relative.
+  a.bound = 3.1;
+  a.unit = "u=2^-8 of |n(1+s)|+|out|";
+  a.error = [index, hidden](const std::map<std::string, HostTensor>& t) {
+    const HostTensor &x = t.at("x"), &w = t.at("weight"), &table = t.at("table"), &out = t.at("out");
+    const int64_t H = hidden, M = index.positions();
+    double worst = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      double ss = 0;
+      for (int64_t h = 0; h < H; ++h) ss += x.get(m * H + h) * x.get(m * H + h);
+      const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(H) + 1e-5);
+      const int64_t r = index.row(m % index.seq_len);
+      for (int64_t h = 0; h < H; ++h) {
+        const double shift = table.get(r * 6 * H + h), scale = table.get(r * 6 * H + H + h);
+        const double product = x.get(m * H + h) * rstd * w.get(h) * (1.0 + scale);
+        worst = std::max(worst, scaled_error(out.get(m * H + h), product + shift, product));
+      }
+    }
+    return worst / kBf16Roundoff;
+  };
+  return a;
+}
+
+// ---- gate_residual -------------------------------------------------------------
+
+struct GateShape {
+  DType dtype = DType::kBF16;
+  int64_t hidden = 0;
+  IndexCase index{};
+  bool strided_gate = true;  // chunk 2 of the (R, 6H) rows, or a contiguous (R, H) gate
+  DType gate_grad_dtype = DType::kF32;
+};
+
+OpCase gate_residual_case(const GateShape& s, const Values& v) {
+  OpCase c;
+  c.op = "gate_residual";
+  c.name = shape_name(s.dtype, s.hidden, s.index) + (s.strided_gate ? " gate chunk" : " contiguous gate") +
+           (s.gate_grad_dtype != DType::kF32 ? std::string(" d_gate ") + dtype_name(s.gate_grad_dtype) : "");
+  const int64_t P = s.index.positions(), H = s.hidden, R = s.index.num_rows();
+  c.positions = P;
+  c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
+  c.input("residual", Phase::kForward, s.dtype, {P, H}, v(11, 0.0, 1.0), 0);
+  c.input("y", Phase::kForward, s.dtype, {P, H}, v(12, 0.0, 3.0), 0);  // the reference's stand-in: 3 randn
+  c.input("table", Phase::kForward, s.dtype, {R, (s.strided_gate ? 6 : 1) * H}, v(13, 0.0, 0.5));
+  c.output("out", Phase::kForward, s.dtype, {P, H}, 0);
+  c.input("grad", Phase::kBackward, s.dtype, {P, H}, v(14, 0.0, 1.0), 0);
+  c.output("d_residual", Phase::kBackward, s.dtype, {P, H}, 0);
+  c.output("d_y", Phase::kBackward, s.dtype, {P, H}, 0);
+  c.output("d_gate", Phase::kBackward, s.gate_grad_dtype, {R, H});
+  const bool strided = s.strided_gate;
+  const int64_t hidden = H;
+  auto inputs = [strided, hidden](const Instance& t) {
+    return GateResidualInputs{t["residual"], t["y"], strided ? chunk_of(t["table"], hidden, 2) : t["table"],
+                              t.plan("plan")};
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return gate_residual_forward({inputs(t), t["out"]}, stream);
+  };
+  c.backward = [inputs](const Instance& t, Stream stream) {
+    return gate_residual_backward({inputs(t), t["grad"], t["d_residual"], t["d_y"], t["d_gate"]}, stream);
+  };
+  const double gate_rows = static_cast<double>(R * H) * dtype_size(s.dtype);
+  c.set_bytes(Phase::kForward, {"residual", "y", "out"}, gate_rows, "gate rows");
+  c.set_bytes(Phase::kBackward, {"grad", "y", "d_residual", "d_y", "d_gate"}, gate_rows, "gate rows");
+  c.alone = [s, v](int64_t p) {
+    GateShape alone = s;
+    alone.index = single_position_case(s.index, p);
+    return gate_residual_case(alone, v);
+  };
+  return c;
+}
+
+AccuracyCheck gate_residual_forward_accuracy(const IndexCase& index, int64_t hidden) {
+  AccuracyCheck a;
+  a.name = "accuracy vs fp64";
+  // The product's rounding errs by u|g y|, the sum's by u|out| (first order).
+  a.bound = 1.01;
+  a.unit = "u=2^-8 of |g y|+|out|";
+  a.error = [index, hidden](const std::map<std::string, HostTensor>& t) {
+    const HostTensor &residual = t.at("residual"), &y = t.at("y"), &table = t.at("table"), &out = t.at("out");
+    const int64_t H = hidden, M = index.positions();
+    double worst = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t r = index.row(m % index.seq_len);
+      for (int64_t h = 0; h < H; ++h) {
+        const double product = table.get(r * 6 * H + 2 * H + h) * y.get(m * H + h);
+        worst = std::max(worst, scaled_error(out.get(m * H + h), residual.get(m * H + h) + product, product));
+      }
+    }
+    return worst / kBf16Roundoff;
+  };
+  return a;
+}
+
+// ---- adaln_row_gather ------------------------------------------------------------
+
+struct GatherShape {
+  DType dtype = DType::kBF16;
+  int64_t hidden = 0;
+  IndexCase index{};
+  bool strided_rows = false;  // rows (R, 6H) with row stride 6H + 3
+  DType rows_grad_dtype = DType::kF32;
+};
+
+OpCase adaln_row_gather_case(const GatherShape& s, const Values& v) {
+  OpCase c;
+  c.op = "adaln_row_gather";
+  c.name = shape_name(s.dtype, s.hidden, s.index) + (s.strided_rows ? " strided rows" : "") +
+           (s.rows_grad_dtype != DType::kF32 ? std::string(" d_rows ") + dtype_name(s.rows_grad_dtype) : "");
+  const int64_t S = s.index.seq_len, P = s.index.positions(), H = s.hidden, R = s.index.num_rows();
+  const int64_t width = 6 * H, stride = s.strided_rows ? width + 3 : width;
+  c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
+  c.input("rows_storage", Phase::kForward, s.dtype, {R, stride}, v(21, 0.0, 1.0));
+  c.output("out", Phase::kForward, s.dtype, {6, S, H});
+  c.input("grad", Phase::kBackward, s.dtype, {6, P, H}, v(22, 0.0, 1.0));
+  c.output("d_rows", Phase::kBackward, s.rows_grad_dtype, {R, width});
+  auto rows = [R, width, stride](const Instance& t) {
+    const TensorView storage = t["rows_storage"];
+    return TensorView::strided(storage.data, storage.dtype, {R, width}, {stride, 1}, storage.device);
+  };
+  c.forward = [rows](const Instance& t, Stream stream) {
+    return adaln_row_gather_forward({rows(t), t.plan("plan"), t["out"]}, stream);
+  };
+  c.backward = [](const Instance& t, Stream stream) {
+    return adaln_row_gather_backward({t["grad"], t.plan("plan"), t["d_rows"]}, stream);
+  };
+  c.set_bytes(Phase::kForward, {"out"}, static_cast<double>(R * width) * dtype_size(s.dtype), "rows");
+  c.set_bytes(Phase::kBackward, {"grad", "d_rows"});
+  return c;
+}
+
+// ---- the suites ----------------------------------------------------------------
+
+constexpr int64_t kH3Hidden = 5376;
+
+// The benchmark's sequence lengths (B = 2): S = 4097 (33 chunks, fewer than the
+// GPU's multiprocessors), 32768 and 131072.
+std::vector<int64_t> bench_lengths(const CaseContext& ctx) {
+  if (ctx.small) return {4097};
+  return {4097, 32768, 131072};
+}
+
+std::vector<OpCase> rmsnorm_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    const Values v{false, 100};
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t hidden : {12, 20, 68, 256})
+        for (int64_t seq_len : {1, 255, 256, 257})
+          for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+            const IndexCase index = make_index_case(packing, seq_len, 3, seq_len == 257 ? 2 : 1);
+            cases.push_back(rmsnorm_case({dtype, hidden, index, true}, v));
+            if (packing == Packing::kBlock) cases.push_back(rmsnorm_case({dtype, hidden, index, false}, v));
+          }
+    cases.push_back(rmsnorm_case({DType::kBF16, 68, make_index_case(Packing::kInterleaved, 257, 4, 2), true,
+                                  DType::kBF16},
+                                 v));
+    // up to 12 segments in a chunk (interleaved, T = 4), unaligned table rows, fp16 table grads
+    cases.push_back(rmsnorm_case({DType::kBF16, 68, make_index_case(Packing::kInterleaved, 700, 4, 2), true}, v));
+    cases.push_back(rmsnorm_case({DType::kF32, 20, make_index_case(Packing::kBlock, 1000, 2, 1), true}, v));
+    cases.push_back(rmsnorm_case({DType::kF16, 1028, make_index_case(Packing::kInterleaved, 513, 2, 1), true,
+                                  DType::kF16},
+                                 v));
+    cases.push_back(rmsnorm_case({DType::kBF16, 68, make_index_case(Packing::kInterleaved, 300, 2, 2), true,
+                                  DType::kF32, true},
+                                 v));
+    cases.push_back(rmsnorm_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kBlock, 4097, 4, 2), true}, v));
+    cases.push_back(
+        rmsnorm_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kInterleaved, 4097, 3, 1), true}, v));
+    cases.push_back(rmsnorm_case({DType::kF32, kH3Hidden, make_index_case(Packing::kBlock, 257, 8, 2), false}, v));
+    cases.push_back(rmsnorm_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kBlock, 32768, 1, 1), true}, v));
+    return cases;
+  }
+  if (suite == Suite::kBench) {
+    const Values v{false, ctx.seed + 300};
+    for (int64_t seq_len : bench_lengths(ctx))
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
+        cases.push_back(rmsnorm_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2), true}, v));
+    return cases;
+  }
+  // kVerify: block 0's norm1 weight, modulated, bf16.
+  const Values v{true, ctx.seed + 30};
+  NormShape s{DType::kBF16, ctx.hidden,
+              make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2), true};
+  s.weight = weight_or(ctx, "transformer_blocks.0.norm1.weight", v(2, 1.0, 0.5));
+  OpCase c = rmsnorm_case(s, v);
+  c.name = "modulated, norm1 of block 0";
+  c.accuracy.push_back(rmsnorm_forward_accuracy(s.index, ctx.hidden));
+  cases.push_back(std::move(c));
+  return cases;
+}
+
+std::vector<OpCase> gate_residual_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    const Values v{false, 200};
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t hidden : {12, 20, 68, 7})
+        for (int64_t seq_len : {1, 255, 256, 257})
+          for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
+            cases.push_back(gate_residual_case(
+                {dtype, hidden, make_index_case(packing, seq_len, 3, seq_len == 257 ? 2 : 1), seq_len == 255}, v));
+    cases.push_back(gate_residual_case(
+        {DType::kBF16, 20, make_index_case(Packing::kInterleaved, 257, 3, 2), false, DType::kBF16}, v));
+    cases.push_back(gate_residual_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kBlock, 4097, 4, 2), true}, v));
+    cases.push_back(
+        gate_residual_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kInterleaved, 4097, 8, 1), false}, v));
+    cases.push_back(
+        gate_residual_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kInterleaved, 32768, 3, 2), false}, v));
+    return cases;
+  }
+  if (suite == Suite::kBench) {
+    const Values v{false, ctx.seed + 400};
+    for (int64_t seq_len : bench_lengths(ctx))
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
+        cases.push_back(gate_residual_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2)}, v));
+    return cases;
+  }
+  const Values v{true, ctx.seed + 40};
+  const GateShape s{DType::kBF16, ctx.hidden,
+                    make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2), true};
+  OpCase c = gate_residual_case(s, v);
+  c.name = "gate_msa, 3 randn sublayer";
+  c.accuracy.push_back(gate_residual_forward_accuracy(s.index, ctx.hidden));
+  cases.push_back(std::move(c));
+  return cases;
+}
+
+std::vector<OpCase> adaln_row_gather_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    const Values v{false, 300};
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t hidden : {12, 20, 68, 7})
+        for (int64_t seq_len : {1, 255, 256, 257})
+          for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
+            cases.push_back(adaln_row_gather_case({dtype, hidden,
+                                                   make_index_case(packing, seq_len, 3, seq_len == 257 ? 2 : 1),
+                                                   hidden == 7, seq_len == 256 ? dtype : DType::kF32},
+                                                  v));
+    cases.push_back(
+        adaln_row_gather_case({DType::kBF16, kH3Hidden, make_index_case(Packing::kBlock, 4097, 4, 2)}, v));
+    cases.push_back(adaln_row_gather_case(
+        {DType::kBF16, kH3Hidden, make_index_case(Packing::kInterleaved, 32768, 8, 1), false, DType::kBF16}, v));
+    return cases;
+  }
+  if (suite == Suite::kBench) {
+    const Values v{false, ctx.seed + 500};
+    for (int64_t seq_len : bench_lengths(ctx))
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
+        cases.push_back(adaln_row_gather_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2)}, v));
+    return cases;
+  }
+  return cases;  // verify checks the gather against a direct byte gather (tools/verify_rowwise.cc)
+}
+
+DETDIT_OP_CASES("rmsnorm", rmsnorm_cases);
+DETDIT_OP_CASES("gate_residual", gate_residual_cases);
+DETDIT_OP_CASES("adaln_row_gather", adaln_row_gather_cases);
+
+}  // namespace
+}  // namespace cases
+}  // namespace detdit

@@ -1,0 +1,141 @@
+// The cases of the timestep path: timestep_sinusoid ((T,) timesteps in [0, 1]
+// -> (T, C) FP32 features, and d_t) and timestep_mlp (FP32, W2 silu(W1 f + b1)
+// + b2, every gradient).
+//
+// Suites: kTest sweeps many timesteps in every dtype (with the edges 0, 1,
+// 0.5, 1e-3) at C = 256, 254, 2, and the MLP at an awkward and the H3 shape;
+// kBench the H3 MLP (256 -> 5376 -> 2688, the weights' tensors) and the H3
+// sinusoid at T = 1, 3, 4, 8, 16, 32.
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cases/op_case.h"
+#include "detdit/timestep.h"
+
+namespace detdit {
+namespace cases {
+namespace {
+
+
+// ---- timestep_sinusoid --------------------------------------------------------
+
+OpCase timestep_sinusoid_case(DType dtype, int64_t count, int64_t channels, uint64_t seed) {
+  OpCase c;
+  c.op = "timestep_sinusoid";
+  c.name = std::string(dtype_name(dtype)) + " T=" + std::to_string(count) + " C=" + std::to_string(channels);
+  c.input("timesteps", Phase::kForward, dtype, {count},
+          [seed](HostTensor* t) {
+            fill_uniform(t, seed, 0.0, 1.0);
+            const double edges[4] = {0.0, 1.0, 0.5, 1e-3};
+            for (int64_t i = 0; i < 4 && i < t->numel(); ++i) t->set(i, edges[i]);
+          },
+          0);
+  c.output("features", Phase::kForward, DType::kF32, {count, channels}, 0);
+  c.input("grad_features", Phase::kBackward, DType::kF32, {count, channels}, uniform_values(seed + 1, 0.0, 1.0), 0);
+  c.output("d_timesteps", Phase::kBackward, dtype, {count}, 0);
+  c.forward = [](const Instance& t, Stream stream) {
+    return timestep_sinusoid_forward({{t["timesteps"]}, t["features"]}, stream);
+  };
+  c.backward = [](const Instance& t, Stream stream) {
+    return timestep_sinusoid_backward({{t["timesteps"]}, t["grad_features"], t["d_timesteps"]}, stream);
+  };
+  c.set_bytes(Phase::kForward, {"timesteps", "features"});
+  c.set_bytes(Phase::kBackward, {"timesteps", "grad_features", "d_timesteps"});
+  c.positions = count;
+  c.alone = [dtype, channels, seed](int64_t) { return timestep_sinusoid_case(dtype, 1, channels, seed); };
+  return c;
+}
+
+// ---- timestep_mlp -----------------------------------------------------------------
+
+struct MlpShape {
+  int64_t rows = 3, in_features = 24, hidden = 72, dim = 64;
+  uint64_t seed = 1400;
+  Fill w1{}, b1{}, w2{}, b2{};  // absent: counter-uniform
+};
+
+OpCase timestep_mlp_case(const MlpShape& s) {
+  OpCase c;
+  c.op = "timestep_mlp";
+  c.name = "T=" + std::to_string(s.rows) + " K=" + std::to_string(s.in_features) + " H=" + std::to_string(s.hidden) +
+           " D=" + std::to_string(s.dim);
+  const int64_t T = s.rows, K = s.in_features, H = s.hidden, D = s.dim;
+  const DType f32 = DType::kF32;
+  c.input("features", Phase::kForward, f32, {T, K}, uniform_values(s.seed, 0.0, 1.0), 0);
+  c.input("w1", Phase::kForward, f32, {H, K}, s.w1 ? s.w1 : uniform_values(s.seed + 1, 0.0, 0.05));
+  c.input("b1", Phase::kForward, f32, {H}, s.b1 ? s.b1 : uniform_values(s.seed + 2, 0.0, 1.0));
+  c.input("w2", Phase::kForward, f32, {D, H}, s.w2 ? s.w2 : uniform_values(s.seed + 3, 0.0, 0.02));
+  c.input("b2", Phase::kForward, f32, {D}, s.b2 ? s.b2 : uniform_values(s.seed + 4, 0.0, 1.0));
+  c.output("temb", Phase::kForward, f32, {T, D}, 0);
+  c.output("pre", Phase::kForward, f32, {T, H}, 0);
+  c.output("hidden", Phase::kForward, f32, {T, H}, 0);
+  c.input("grad_temb", Phase::kBackward, f32, {T, D}, uniform_values(s.seed + 5, 0.0, 1.0), 0);
+  c.output("d_features", Phase::kBackward, f32, {T, K}, 0);
+  c.output("d_w1", Phase::kBackward, f32, {H, K});
+  c.output("d_b1", Phase::kBackward, f32, {H});
+  c.output("d_w2", Phase::kBackward, f32, {D, H});
+  c.output("d_b2", Phase::kBackward, f32, {D});
+  auto inputs = [](const Instance& t) {
+    return TimestepMlpInputs{t["features"], t["w1"], t["b1"], t["w2"], t["b2"]};
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return timestep_mlp_forward({inputs(t), t["temb"], t["pre"], t["hidden"]}, stream);
+  };
+  c.backward = [inputs](const Instance& t, Stream stream) {
+    return timestep_mlp_backward({inputs(t), t["pre"], t["hidden"], t["grad_temb"], t["d_features"], t["d_w1"],
+                                  t["d_b1"], t["d_w2"], t["d_b2"]},
+                                 stream);
+  };
+  c.set_bytes(Phase::kForward, {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"});
+  c.set_bytes(Phase::kBackward,
+              {"features", "w1", "w2", "pre", "hidden", "grad_temb", "d_features", "d_w1", "d_b1", "d_w2", "d_b2"});
+  c.positions = T;
+  c.alone = [s](int64_t) {
+    MlpShape one = s;
+    one.rows = 1;
+    return timestep_mlp_case(one);
+  };
+  return c;
+}
+
+// ---- the suites -----------------------------------------------------------------------
+
+std::vector<OpCase> timestep_sinusoid_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t channels : {256, 254, 2}) cases.push_back(timestep_sinusoid_case(dtype, 8192, channels, 1300));
+    return cases;
+  }
+  if (suite != Suite::kBench) return cases;
+  for (int64_t rows : ctx.small ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 3, 4, 8, 16, 32})
+    cases.push_back(timestep_sinusoid_case(DType::kF32, rows, ctx.freq_dim, ctx.seed + 1310));
+  return cases;
+}
+
+std::vector<OpCase> timestep_mlp_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    cases.push_back(timestep_mlp_case({3, 24, 72, 64, 1400}));
+    cases.push_back(timestep_mlp_case({8, 256, 5376, 2688, 1401}));
+    return cases;
+  }
+  if (suite != Suite::kBench) return cases;
+  for (int64_t rows : ctx.small ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 3, 4, 8, 16, 32}) {
+    MlpShape s{rows, ctx.freq_dim, ctx.time_embed_hidden, ctx.time_embed_dim, ctx.seed + 1410};
+    s.w1 = weight_or(ctx, "time_embedder.linear_1.weight", uniform_values(ctx.seed + 1411, 0.0, 0.05));
+    s.b1 = weight_or(ctx, "time_embedder.linear_1.bias", uniform_values(ctx.seed + 1412, 0.0, 1.0));
+    s.w2 = weight_or(ctx, "time_embedder.linear_2.weight", uniform_values(ctx.seed + 1413, 0.0, 0.02));
+    s.b2 = weight_or(ctx, "time_embedder.linear_2.bias", uniform_values(ctx.seed + 1414, 0.0, 1.0));
+    cases.push_back(timestep_mlp_case(s));
+  }
+  return cases;
+}
+
+DETDIT_OP_CASES("timestep_sinusoid", timestep_sinusoid_cases);
+DETDIT_OP_CASES("timestep_mlp", timestep_mlp_cases);
+
+}  // namespace
+}  // namespace cases
+}  // namespace detdit

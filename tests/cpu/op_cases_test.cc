@@ -1,0 +1,92 @@
+// The op-case library itself (cases/), on the CPU: every registered test case
+// instantiates, runs forward and backward, and writes every output (none is
+// left all canary); every case with a one-position form is row-invariant
+// (probe positions alone equal the same positions inside the batch, bitwise).
+// The CUDA tests run the same cases on the GPU against these CPU runs.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cases/op_case.h"
+#include "common/test_util.h"
+
+namespace detdit {
+namespace testing {
+namespace {
+
+// Elements of every tensor of the case: the small ones run here (the H3-sized
+// test cases are for the GPU).
+int64_t elements(const OpCase& c) {
+  int64_t total = 0;
+  for (const TensorSpec& t : c.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    total += n;
+  }
+  return total;
+}
+
+constexpr int64_t kMaxElements = 4 << 20;
+
+TEST(OpCases, EveryOpHasTestCases) {
+  for (const char* op : {"rmsnorm", "gate_residual", "adaln_row_gather", "linear", "adaln_projection",
+                         "adaln_modulation", "final_adaln_out", "timestep_sinusoid", "timestep_mlp"}) {
+    EXPECT_FALSE(op_cases(op, Suite::kTest, CaseContext{}).empty()) << op;
+  }
+}
+
+TEST(OpCases, EveryCaseRunsAndWritesEveryOutput) {
+  int ran = 0;
+  for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (elements(c) > kMaxElements) continue;
+    SCOPED_TRACE(c.full_name());
+    Instance t;
+    DETDIT_ASSERT_OK(instantiate(c, Device::cpu(), nullptr, &t));
+    for (Phase phase : {Phase::kForward, Phase::kBackward}) {
+      if (c.has(phase)) DETDIT_ASSERT_OK(run(c, phase, t));
+    }
+    std::map<std::string, HostTensor> host;
+    DETDIT_ASSERT_OK(download(c, t, &host));
+    for (const TensorSpec& spec : c.tensors) {
+      if (spec.output && host.at(spec.name).nbytes() > 0) {
+        EXPECT_FALSE(all_bytes_are(host.at(spec.name), kCanary)) << spec.name << " was not written";
+      }
+    }
+    EXPECT_GT(c.bytes[0], 0) << "no forward bytes floor";
+    ++ran;
+  }
+  EXPECT_GT(ran, 100);
+}
+
+TEST(OpCases, PositionAloneEqualsPositionInBatch) {
+  int checked = 0;
+  for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (!c.alone || c.positions < 2 || elements(c) > kMaxElements) continue;
+    SCOPED_TRACE(c.full_name());
+    std::vector<OutputReport> reports;
+    DETDIT_ASSERT_OK(compare_positions_alone(c, Device::cpu(), {0, c.positions / 2, c.positions - 1}, &reports));
+    ASSERT_FALSE(reports.empty());
+    for (const OutputReport& r : reports) EXPECT_TRUE(r.mismatch.equal()) << r.output << ": " << r.mismatch.describe();
+    ++checked;
+  }
+  EXPECT_GT(checked, 50);
+}
+
+// A deliberately wrong comparison must fail: the mismatch report is not vacuous.
+TEST(OpCases, AMismatchIsReported) {
+  HostTensor a(DType::kBF16, {4}), b(DType::kBF16, {4});
+  a.set(2, 1.0);
+  b.set(2, 1.0078125);  // one bf16 ulp above 1
+  const Mismatch m = compare(a, b);
+  EXPECT_FALSE(m.equal());
+  EXPECT_EQ(m.count, 1);
+  EXPECT_EQ(m.first, 2);
+  EXPECT_EQ(m.first_ulp, 1u);
+  EXPECT_NE(m.describe().find("0x3f80"), std::string::npos) << m.describe();
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace detdit

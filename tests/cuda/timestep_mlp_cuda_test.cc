@@ -1,0 +1,15 @@
+// timestep_mlp on CUDA: every case of cases/timestep_cases.cc (an awkward and the H3 shape) byte-equal to the CPU
+// reference, forward and every gradient.
+#include <gtest/gtest.h>
+
+#include "cuda/cuda_test_util.h"
+
+namespace detdit {
+namespace testing {
+namespace {
+
+DETDIT_CUDA_OP_CASES(TimestepMlpCaseCuda, "timestep_mlp");
+
+}  // namespace
+}  // namespace testing
+}  // namespace detdit
