@@ -1,13 +1,19 @@
-// detdit bench: per op and case, the median time of repeated calls (wall
-// clock on the CPU, CUDA events on a GPU), the byte model, GB/s, the % of a
-// copy bandwidth measured in the same run, and #wrong: the timed outputs
-// compared bitwise with the CPU reference. Output as a table, CSV or JSON.
-// Exit 0 when no output is wrong, 1 when one is, 2 on usage or input errors.
+// detdit bench: every benchmark case of the op-case library (cases/,
+// Suite::kBench) on one device, forward, backward and both: the median time of
+// repeated calls (wall clock on the CPU, CUDA events on a GPU), the bytes floor
+// of the case (each input read once, each output written once), GB/s, the % of
+// a copy bandwidth measured in the same run, and #wrong: the outputs of the
+// timed calls compared bitwise with a CPU reference run of the same case.
+// Then the parallel regions (bench_parallel.cc). Output as a table, CSV or
+// JSON (docs/cli.md gives the schema). Exit 0 when no output is wrong, 1 when
+// one is, 2 on usage or input errors.
 #include "bench.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -20,32 +26,83 @@ namespace detdit {
 namespace cli {
 namespace {
 
+// One timed phase of one case.
 struct BenchResult {
-  const BenchCase* c;
+  std::string op, name, phase;  // phase: "fwd", "bwd" or "fwd+bwd"
   double median_seconds = 0, bytes = 0;
   std::string byte_model;
   int64_t wrong = 0, compared = 0;
   std::string error;
 };
 
-Status run_case(const BenchCase& c, const BenchContext& context, int warmup, int repeats, BenchResult* result) {
-  BenchInstance instance;
-  DETDIT_RETURN_IF_ERROR(c.setup(context, &instance));
+// The median of `repeats` timed calls of `call` after `warmup` untimed ones.
+Status time_calls(const BenchContext& context, int warmup, int repeats, const std::function<Status()>& call,
+                  double* median_seconds) {
   std::unique_ptr<BenchTimer> timer;
   DETDIT_RETURN_IF_ERROR(make_bench_timer(context, &timer));
   std::vector<double> times;
   for (int i = 0; i < warmup + repeats; ++i) {
     double seconds = 0;
     DETDIT_RETURN_IF_ERROR(timer->start());
-    DETDIT_RETURN_IF_ERROR(instance.run());
+    DETDIT_RETURN_IF_ERROR(call());
     DETDIT_RETURN_IF_ERROR(timer->stop(&seconds));
     if (i >= warmup) times.push_back(seconds);
   }
   std::sort(times.begin(), times.end());
-  result->median_seconds = times[times.size() / 2];
-  result->bytes = instance.bytes;
-  result->byte_model = instance.byte_model;
-  return instance.check(&result->wrong, &result->compared);
+  *median_seconds = times[times.size() / 2];
+  return Status::ok_status();
+}
+
+// Elements compared and differing over the outputs of one phase.
+void count_wrong(const std::vector<cases::OutputReport>& reports, BenchResult* r) {
+  for (const cases::OutputReport& o : reports) {
+    r->compared += o.mismatch.compared;
+    r->wrong += o.mismatch.shape_error.empty() ? o.mismatch.count : o.mismatch.compared;
+    if (o.still_canary && r->error.empty()) r->error = o.output + ": the CPU reference never wrote it";
+  }
+}
+
+// Times the case's phases on the context's device, then compares the outputs
+// of the timed calls with a CPU run of the same case.
+Status bench_op_case(const cases::OpCase& c, const BenchContext& context, int warmup, int repeats,
+                     std::vector<BenchResult>* results) {
+  cases::Instance t;
+  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, context.device, context.stream, &t));
+  const bool backward = c.has(cases::Phase::kBackward);
+  BenchResult fwd{c.op, c.name, "fwd", 0, c.bytes[0], c.byte_model[0], 0, 0, ""};
+  DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats, [&] { return cases::run(c, cases::Phase::kForward, t); },
+                                    &fwd.median_seconds));
+  std::vector<BenchResult> timed = {fwd};
+  if (backward) {
+    BenchResult bwd{c.op, c.name, "bwd", 0, c.bytes[1], c.byte_model[1], 0, 0, ""};
+    DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats,
+                                      [&] { return cases::run(c, cases::Phase::kBackward, t); }, &bwd.median_seconds));
+    BenchResult both{c.op, c.name, "fwd+bwd", 0, c.bytes[0] + c.bytes[1], "fwd + bwd floors", 0, 0, ""};
+    DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats, [&] {
+      DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, t));
+      return cases::run(c, cases::Phase::kBackward, t);
+    }, &both.median_seconds));
+    timed.push_back(bwd);
+    timed.push_back(both);
+  }
+  std::map<std::string, HostTensor> got, expected;
+  DETDIT_RETURN_IF_ERROR(cases::download(c, t, &got));
+  cases::Instance reference;
+  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, Device::cpu(), nullptr, &reference));
+  DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, reference));
+  if (backward) DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kBackward, reference));
+  DETDIT_RETURN_IF_ERROR(cases::download(c, reference, &expected));
+  const std::vector<cases::OutputReport> forward_reports = cases::compare_outputs(c, cases::Phase::kForward, expected, got);
+  count_wrong(forward_reports, &timed[0]);
+  if (backward) {
+    const std::vector<cases::OutputReport> backward_reports =
+        cases::compare_outputs(c, cases::Phase::kBackward, expected, got);
+    count_wrong(backward_reports, &timed[1]);
+    count_wrong(forward_reports, &timed[2]);
+    count_wrong(backward_reports, &timed[2]);
+  }
+  results->insert(results->end(), timed.begin(), timed.end());
+  return Status::ok_status();
 }
 
 double metric(const ParallelBenchResult& r, const std::string& name) {
@@ -133,9 +190,11 @@ int run_bench(int argc, char** argv) {
     std::fprintf(stderr, "detdit: --format must be table, csv or json, got '%s'\n", format.c_str());
     return 2;
   }
-  const std::vector<BenchCase>& registry = bench_registry();
   if (args.has("--list")) {
-    for (const BenchCase& c : registry) std::printf("%-20s %-24s %s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda" : "");
+    // The cases at the H3 shape (the weights' dimensions name them at run time).
+    cases::CaseContext h3;
+    for (const cases::OpCase& c : cases::op_cases("", cases::Suite::kBench, h3))
+      std::printf("%-20s %-36s %s\n", c.op.c_str(), c.name.c_str(), c.has(cases::Phase::kBackward) ? "fwd bwd fwd+bwd" : "fwd");
     std::printf("%-20s %-24s %s\n", "sp_region", "S=32768|131072 block|interleaved", "cuda mpi (cpu: S=4097 with --ops)");
     std::printf("%-20s %-24s %s\n", "tp_adaln_projection", "T=1|4", "cuda mpi (cpu: T=4 with --ops)");
     return 0;
@@ -174,20 +233,17 @@ int run_bench(int argc, char** argv) {
   }
   const bool leader = world == nullptr || world->rank() == 0;
   const std::set<std::string> ops = args.get_set("--ops"), names = args.get_set("--cases");
-  std::vector<const BenchCase*> selected;
-  for (const BenchCase& c : registry) {
-    if (world == nullptr && (context.device.is_cuda() ? c.cuda : c.cpu) && (ops.empty() || ops.count(c.op)) &&
-        (names.empty() || names.count(c.name))) {
-      selected.push_back(&c);
-    }
-  }
+  const std::vector<std::string> case_ops = cases::case_ops();
+  bool any_op_case = false;
+  for (const std::string& op : case_ops) any_op_case = any_op_case || ops.empty() || ops.count(op) > 0;
+  if (world != nullptr) any_op_case = false;  // under mpirun only the parallel regions run
   // The parallel ops: by default on a GPU; on the CPU only when --ops names one.
   std::set<std::string> parallel_ops;
   for (const std::string& op : ops) {
     if (is_parallel_op(op)) parallel_ops.insert(op);
   }
   const bool parallel = world != nullptr || !parallel_ops.empty() || (ops.empty() && context.device.is_cuda());
-  if (selected.empty() && !parallel) {
+  if (!any_op_case && !parallel) {
     std::fprintf(stderr, "detdit: no bench case matches --device %s%s%s (detdit bench --list shows them)\n",
                  device_name.c_str(), ops.empty() ? "" : " --ops", names.empty() ? "" : " --cases");
     return 2;
@@ -217,13 +273,22 @@ int run_bench(int argc, char** argv) {
     std::fprintf(stderr, "detdit: copy baseline: %s\n", status.to_string().c_str());
     return 2;
   }
+  // The benchmark sizes: the smallest only with --quick or on the CPU.
+  cases::CaseContext case_context_of_run = case_context(weights, quick, seed);
+  case_context_of_run.small = quick || !context.device.is_cuda();
+  std::vector<cases::OpCase> selected;
+  if (any_op_case) {
+    for (cases::OpCase& c : cases::op_cases("", cases::Suite::kBench, case_context_of_run))
+      if ((ops.empty() || ops.count(c.op)) && (names.empty() || names.count(c.name))) selected.push_back(std::move(c));
+  }
   std::vector<BenchResult> results;
-  for (const BenchCase* c : selected) {
-    BenchResult r;
-    r.c = c;
-    Status s = run_case(*c, context, static_cast<int>(warmup), static_cast<int>(repeats), &r);
-    if (!s.ok()) r.error = s.to_string();
-    results.push_back(r);
+  for (const cases::OpCase& c : selected) {
+    const std::size_t before = results.size();
+    Status s = bench_op_case(c, context, static_cast<int>(warmup), static_cast<int>(repeats), &results);
+    if (!s.ok()) {
+      results.resize(before);
+      results.push_back(BenchResult{c.op, c.name, "", 0, 0, "", 0, 0, s.to_string()});
+    }
   }
   std::vector<ParallelBenchResult> parallel_results;
   if (parallel) {
@@ -254,13 +319,15 @@ int run_bench(int argc, char** argv) {
   if (format == "json") {
     nlohmann::ordered_json out;
     out["kind"] = "detdit_bench_report";
+    out["format_version"] = 2;
     out["git"] = {{"commit", env.commit}, {"dirty", env.dirty}};
     out["environment"] = {{"device", env.device_name}, {"compiler", env.compiler}, {"cuda_runtime", env.cuda_runtime}};
     out["options"] = {{"repeats", repeats}, {"warmup", warmup}, {"quick", quick}, {"seed", seed}};
     out["copy_gbps"] = copy_bandwidth / 1e9;
     out["cases"] = nlohmann::ordered_json::array();
     for (const BenchResult& r : results) {
-      nlohmann::ordered_json j = {{"op", r.c->op}, {"case", r.c->name}, {"device", context.device.to_string()}};
+      nlohmann::ordered_json j = {
+          {"op", r.op}, {"case", r.name}, {"phase", r.phase}, {"device", context.device.to_string()}};
       if (!r.error.empty()) {
         j["error"] = r.error;
       } else {
@@ -318,32 +385,34 @@ int run_bench(int argc, char** argv) {
   } else {
     const bool csv = format == "csv";
     if (csv) {
-      std::printf("op,case,device,median_us,bytes,gbps,percent_of_copy,wrong,compared,error\n");
+      std::printf("op,case,phase,device,median_us,bytes,gbps,percent_of_copy,wrong,compared,error\n");
     } else {
       std::printf("copy bandwidth %.1f GB/s (%s, measured now); commit %.12s%s\n", copy_bandwidth / 1e9,
                   env.device_name.c_str(), env.commit.c_str(), env.dirty ? " (dirty)" : "");
       if (!results.empty()) {
-        std::printf("%-18s %-16s %12s %12s %9s %8s %10s\n", "op", "case", "median us", "bytes", "GB/s", "% copy",
-                    "#wrong");
+        std::printf("%-18s %-36s %-7s %11s %13s %8s %8s %8s\n", "op", "case", "phase", "median us", "bytes floor",
+                    "GB/s", "% copy", "#wrong");
       }
     }
     for (const BenchResult& r : results) {
       if (!r.error.empty()) {
         if (csv) {
-          std::printf("%s,%s,%s,,,,,,,\"%s\"\n", r.c->op, r.c->name, context.device.to_string().c_str(), r.error.c_str());
+          std::printf("%s,%s,%s,%s,,,,,,,\"%s\"\n", r.op.c_str(), r.name.c_str(), r.phase.c_str(),
+                      context.device.to_string().c_str(), r.error.c_str());
         } else {
-          std::printf("%-18s %-16s ERROR %s\n", r.c->op, r.c->name, r.error.c_str());
+          std::printf("%-18s %-36s %-7s ERROR %s\n", r.op.c_str(), r.name.c_str(), r.phase.c_str(), r.error.c_str());
         }
         continue;
       }
       const double percent = 100.0 * r.bytes / r.median_seconds / copy_bandwidth;
       if (csv) {
-        std::printf("%s,%s,%s,%.3f,%.0f,%.3f,%.2f,%lld,%lld,\n", r.c->op, r.c->name,
+        std::printf("%s,%s,%s,%s,%.3f,%.0f,%.3f,%.2f,%lld,%lld,\n", r.op.c_str(), r.name.c_str(), r.phase.c_str(),
                     context.device.to_string().c_str(), r.median_seconds * 1e6, r.bytes, gbps(r), percent,
                     static_cast<long long>(r.wrong), static_cast<long long>(r.compared));
       } else {
-        std::printf("%-18s %-16s %12.1f %12.0f %9.2f %7.1f%% %10lld\n", r.c->op, r.c->name, r.median_seconds * 1e6,
-                    r.bytes, gbps(r), percent, static_cast<long long>(r.wrong));
+        std::printf("%-18s %-36s %-7s %11.1f %13.0f %8.1f %7.1f%% %8lld\n", r.op.c_str(), r.name.c_str(),
+                    r.phase.c_str(), r.median_seconds * 1e6, r.bytes, gbps(r), percent,
+                    static_cast<long long>(r.wrong));
       }
     }
     if (parallel) print_parallel(parallel_results, targets, parallel_how, context.device, csv);

@@ -1,12 +1,11 @@
-// The `detdit bench` case registry. A bench case sets up one op at one size
-// and hands back a BenchInstance: the call to time, its byte model and a
-// bitwise check of the timed call's outputs against the CPU reference (always
-// run, reported as #wrong). Cases live in tools/bench_<area>.cc and register
-// with DETDIT_BENCH_CASE.
+// detdit bench: the op cases of the op-case library (cases/, Suite::kBench)
+// timed forward, backward and both, each checked bitwise against the CPU
+// reference (#wrong), with the bytes floor of each case; and the parallel
+// regions (bench_parallel.cc).
 //
 // Timing: BenchTimer measures one call. On the CPU it is the wall clock; on
-// CUDA it is a pair of CUDA events on the stream (bench_timer.cc), so a CUDA
-// case's `run` must only enqueue work on context.stream.
+// CUDA it is a pair of CUDA events on the stream (bench_timer.cc), so timed
+// work must only be enqueued on context.stream.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +21,6 @@
 #include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
-#include "registry.h"
 #include "weights_source.h"
 
 namespace detdit {
@@ -35,30 +33,6 @@ struct BenchContext {
   const Weights* weights = nullptr;
   uint64_t seed = 0;
 };
-
-struct BenchInstance {
-  double bytes = 0;        // byte model: bytes one call must read and write at least
-  std::string byte_model;  // how `bytes` was counted, e.g. "W + x + out"
-  std::function<Status()> run;
-  // After the timed runs: compares the outputs of the last run bitwise with the
-  // CPU reference; *compared elements, *wrong of them differ.
-  std::function<Status(int64_t* wrong, int64_t* compared)> check;
-  std::shared_ptr<void> keep_alive;  // buffers the closures use
-};
-
-using BenchSetup = Status (*)(const BenchContext& context, BenchInstance* instance);
-
-struct BenchCase {
-  const char* op;
-  const char* name;
-  bool cpu, cuda;
-  BenchSetup setup;
-};
-
-inline std::vector<BenchCase>& bench_registry() { return registry<BenchCase>(); }
-
-#define DETDIT_BENCH_CASE(op, name, cpu, cuda, fn) \
-  DETDIT_CLI_REGISTER(::detdit::cli::BenchCase, detdit_bench_case_, op, name, cpu, cuda, fn)
 
 // Times one call on the context's device.
 class BenchTimer {

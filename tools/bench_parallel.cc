@@ -60,12 +60,12 @@ Status median_of_steps(const BenchContext& ctx, Stream stream, int warmup, int r
 
 // Elements of `outputs` that differ bitwise from WS1's (the rank's slice of
 // per-position outputs: rows [lo, hi) of each of `batch` items of `length`).
-Status count_wrong(const std::vector<SpOutput>& outputs, const std::vector<HostBuffer>& ws1, int64_t batch,
+Status count_wrong(const std::vector<SpOutput>& outputs, const std::vector<HostTensor>& ws1, int64_t batch,
                    int64_t length, int64_t lo, int64_t hi, Stream stream, int64_t* wrong, int64_t* compared) {
   for (std::size_t i = 0; i < outputs.size(); ++i) {
-    HostBuffer got;
+    HostTensor got;
     DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&got, stream));
-    const HostBuffer expected = outputs[i].per_position ? local_rows(ws1[i], batch, length, lo, hi) : ws1[i];
+    const HostTensor expected = outputs[i].per_position ? local_rows(ws1[i], batch, length, lo, hi) : ws1[i];
     const std::size_t width = dtype_size(got.dtype());
     const auto* a = static_cast<const char*>(got.data());
     const auto* b = static_cast<const char*>(expected.data());
@@ -137,7 +137,7 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
   base.phase = phase;
   base.simulated = mpi == nullptr;
   // WS1 on this device (every MPI rank times its own), outputs kept for #wrong.
-  std::vector<std::vector<HostBuffer>> ws1;
+  std::vector<std::vector<HostTensor>> ws1;
   {
     ParallelBenchResult r = base;
     r.world = 1;

@@ -20,18 +20,16 @@ namespace detdit {
 namespace cli {
 namespace {
 
-constexpr int64_t kInterleavedTags[10] = {0, 1, 0, 2, 0, 0, 1, 0, 2, 0};
-
 uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
-Status copy_weight(const Weights& weights, const std::string& name, HostBuffer* out) {
+Status copy_weight(const Weights& weights, const std::string& name, HostTensor* out) {
   TensorView v;
   DETDIT_RETURN_IF_ERROR(weights.view(name, &v));
-  *out = HostBuffer(v.dtype, std::vector<int64_t>(v.shape, v.shape + v.rank));
+  *out = HostTensor(v.dtype, std::vector<int64_t>(v.shape, v.shape + v.rank));
   std::memcpy(out->data(), v.data, out->nbytes());
   return Status::ok_status();
 }
@@ -61,27 +59,14 @@ Status uploads_done(const Device& device) {
 
 }  // namespace
 
-const char* packing_name(Packing packing) { return packing == Packing::kBlock ? "block" : "interleaved"; }
-
-HostBuffer packed_rows(Packing packing, int64_t seq_len, int64_t num_timesteps) {
-  HostBuffer rows(DType::kI32, {seq_len});
-  int32_t* row = rows.ptr<int32_t>();
-  if (packing == Packing::kInterleaved) {
-    for (int64_t s = 0; s < seq_len; ++s) row[s] = static_cast<int32_t>((s % num_timesteps) * 3 + kInterleavedTags[s % 10]);
-    return rows;
-  }
-  for (int64_t t = 0; t < num_timesteps; ++t) {
-    const int64_t begin = t * seq_len / num_timesteps, end = (t + 1) * seq_len / num_timesteps;
-    const int64_t text = (end - begin) * 5 / 100, audio = (end - begin) * 15 / 100;
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t tag = s - begin < text ? 1 : (end - s <= audio ? 2 : 0);
-      row[s] = static_cast<int32_t>(t * 3 + tag);
-    }
-  }
+HostTensor packed_rows(Packing packing, int64_t seq_len, int64_t num_timesteps) {
+  const cases::IndexCase index = cases::make_index_case(packing, seq_len, num_timesteps, 1);
+  HostTensor rows(DType::kI32, {seq_len});
+  for (int64_t s = 0; s < seq_len; ++s) rows.ptr<int32_t>()[s] = static_cast<int32_t>(index.row(s));
   return rows;
 }
 
-void fill_hashed(HostBuffer* buffer, uint64_t seed) {
+void fill_hashed(HostTensor* buffer, uint64_t seed) {
   const int64_t count = buffer->numel();
   constexpr int64_t kBlock = int64_t{1} << 16;
   const uint64_t key = mix64(seed + 0x5DEECE66Dull);
@@ -103,7 +88,7 @@ void fill_hashed(HostBuffer* buffer, uint64_t seed) {
   });
 }
 
-HostBuffer local_rows(const HostBuffer& full, int64_t batch, int64_t seq_len, int64_t lo, int64_t hi) {
+HostTensor local_rows(const HostTensor& full, int64_t batch, int64_t seq_len, int64_t lo, int64_t hi) {
   const int64_t width = full.numel() / (batch * seq_len);
   const std::size_t element = dtype_size(full.dtype());
   std::vector<int64_t> shape = full.shape();
@@ -112,7 +97,7 @@ HostBuffer local_rows(const HostBuffer& full, int64_t batch, int64_t seq_len, in
   } else {
     shape[0] = batch * (hi - lo);
   }
-  HostBuffer local(full.dtype(), shape);
+  HostTensor local(full.dtype(), shape);
   const std::size_t run = static_cast<std::size_t>((hi - lo) * width) * element;
   for (int64_t b = 0; b < batch; ++b) {
     std::memcpy(static_cast<char*>(local.data()) + b * run,
@@ -169,17 +154,17 @@ Status make_sp_problem(const Weights& weights, Packing packing, int64_t seq_len,
   p.hidden = weights.config.hidden;
   const int64_t rows = 3 * kSpTimesteps;
   p.rows = packed_rows(packing, seq_len, kSpTimesteps);
-  p.x = HostBuffer(DType::kBF16, {p.batch, seq_len, p.hidden});
+  p.x = HostTensor(DType::kBF16, {p.batch, seq_len, p.hidden});
   fill_hashed(&p.x, seed + 101);
-  p.grad = HostBuffer(DType::kBF16, {p.batch, seq_len, p.hidden});
+  p.grad = HostTensor(DType::kBF16, {p.batch, seq_len, p.hidden});
   fill_hashed(&p.grad, seed + 102);
   DETDIT_RETURN_IF_ERROR(copy_weight(weights, "transformer_blocks.0.norm1.weight", &p.weight));
-  p.shift = HostBuffer(DType::kBF16, {rows, p.hidden});
-  p.shift.fill_normal(seed + 103, 0.0, 0.5);
-  p.scale = HostBuffer(DType::kBF16, {rows, p.hidden});
-  p.scale.fill_normal(seed + 104, 0.0, 0.5);
-  p.gate = HostBuffer(DType::kBF16, {rows, p.hidden});
-  p.gate.fill_normal(seed + 105, 0.0, 0.5);
+  p.shift = HostTensor(DType::kBF16, {rows, p.hidden});
+  fill_verify_normal(&p.shift, seed + 103, 0.0, 0.5);
+  p.scale = HostTensor(DType::kBF16, {rows, p.hidden});
+  fill_verify_normal(&p.scale, seed + 104, 0.0, 0.5);
+  p.gate = HostTensor(DType::kBF16, {rows, p.hidden});
+  fill_verify_normal(&p.gate, seed + 105, 0.0, 0.5);
   return Status::ok_status();
 }
 
@@ -194,7 +179,7 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
   const int64_t lo = sp ? sp->local_begin() : 0, hi = sp ? sp->local_end() : pr.seq_len;
   const int64_t batch = pr.batch, hidden = pr.hidden, rows = pr.shift.shape()[0], local = hi - lo;
   // (B, S_local, H) rows of this rank (the whole sequence for WS1).
-  auto upload_rows = [&](const HostBuffer& full, DeviceTensor* t) {
+  auto upload_rows = [&](const HostTensor& full, DeviceTensor* t) {
     return sp ? DeviceTensor::from_host(local_rows(full, batch, pr.seq_len, lo, hi), device, t)
               : DeviceTensor::from_host(full, device, t);
   };
@@ -289,10 +274,10 @@ Status make_tp_problem(const Weights& weights, int64_t timesteps, uint64_t seed,
   p.timesteps = timesteps;
   p.out_features = p.weight.shape[0];
   p.in_features = p.weight.shape[1];
-  p.temb = HostBuffer(DType::kF32, {timesteps, p.in_features});
-  p.temb.fill_normal(seed + 201);
-  p.grad_table = HostBuffer(DType::kF32, {timesteps, p.out_features});
-  p.grad_table.fill_normal(seed + 202);
+  p.temb = HostTensor(DType::kF32, {timesteps, p.in_features});
+  fill_verify_normal(&p.temb, seed + 201);
+  p.grad_table = HostTensor(DType::kF32, {timesteps, p.out_features});
+  fill_verify_normal(&p.grad_table, seed + 202);
   return Status::ok_status();
 }
 
@@ -304,7 +289,7 @@ Status upload_tp_weights(const TpProblem& problem, const Device& device, TpWeigh
   DeviceTensor* targets[] = {&weights->weight, &weights->bias};
   TensorView* views[] = {&weights->weight_view, &weights->bias_view};
   for (int i = 0; i < 2; ++i) {
-    HostBuffer host(sources[i]->dtype, std::vector<int64_t>(sources[i]->shape, sources[i]->shape + sources[i]->rank));
+    HostTensor host(sources[i]->dtype, std::vector<int64_t>(sources[i]->shape, sources[i]->shape + sources[i]->rank));
     std::memcpy(host.data(), sources[i]->data, host.nbytes());
     DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(host, device, targets[i]));
     *views[i] = targets[i]->view();

@@ -3,14 +3,7 @@
 // weights' shapes, one rank's run of them on any device (WS1 = the public
 // single-device ops on the full problem), the world of a `--comm mpi` run and
 // an all-gather of small host records through any communicator.
-//
-// Packings of the (S,) AdaLN row index over T timesteps and 3 modalities
-// (row = ti*3 + tag), the definitions of tests/common/cases.h:
-//   block:       T contiguous runs [t*S/T, (t+1)*S/T); in each run the first
-//                5 % of positions are text (tag 1), the last 15 % audio (2),
-//                the rest video (0);
-//   interleaved: position s has timestep s % T and tag kTags[s % 10] with
-//                kTags = {0, 1, 0, 2, 0, 0, 1, 0, 2, 0}.
+// The packings are the op-case library's (cases/index_case.h).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cases/index_case.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
 #include "verify.h"
@@ -26,20 +20,20 @@
 namespace detdit {
 namespace cli {
 
-enum class Packing { kBlock, kInterleaved };
-const char* packing_name(Packing packing);
+using cases::Packing;
+using cases::packing_name;
 
-// (S,) int32 AdaLN rows of the packing.
-HostBuffer packed_rows(Packing packing, int64_t seq_len, int64_t num_timesteps);
+// (S,) int32 AdaLN rows of the packing (cases::IndexCase::row).
+HostTensor packed_rows(Packing packing, int64_t seq_len, int64_t num_timesteps);
 
 // Deterministic values for large bf16/fp32 tensors, fast (a counter hash,
 // not a normal sample, so H3-sized inputs take milliseconds): sign and
 // mantissa from the hash of (seed, i), magnitude in [0.25, 2).
-void fill_hashed(HostBuffer* buffer, uint64_t seed);
+void fill_hashed(HostTensor* buffer, uint64_t seed);
 
 // Rows [lo, hi) of every batch item of a (B, S, W) buffer as (B, hi - lo, W),
 // or of a (B*S,) buffer as (B*(hi - lo),).
-HostBuffer local_rows(const HostBuffer& full, int64_t batch, int64_t seq_len, int64_t lo, int64_t hi);
+HostTensor local_rows(const HostTensor& full, int64_t batch, int64_t seq_len, int64_t lo, int64_t hi);
 
 // A rank's own stream (non-blocking CUDA stream; nullptr on the CPU).
 class RankStream {
@@ -71,10 +65,10 @@ constexpr SpVariant kSpVariants[] = {SpVariant::kPlainRmsnorm, SpVariant::kModul
 struct SpProblem {
   Packing packing = Packing::kBlock;
   int64_t seq_len = 0, batch = kSpBatch, hidden = 0;
-  HostBuffer rows;                // (S,) int32
-  HostBuffer x, grad;             // (B, S, H) bf16
-  HostBuffer weight;              // (H,) bf16: norm1 of block 0 of the weights
-  HostBuffer shift, scale, gate;  // (3T, H) bf16
+  HostTensor rows;                // (S,) int32
+  HostTensor x, grad;             // (B, S, H) bf16
+  HostTensor weight;              // (H,) bf16: norm1 of block 0 of the weights
+  HostTensor shift, scale, gate;  // (3T, H) bf16
 };
 Status make_sp_problem(const Weights& weights, Packing packing, int64_t seq_len, uint64_t seed, SpProblem* problem);
 
@@ -116,7 +110,7 @@ double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t h
 // weights (a CPU view of the file), grad_table (T, N) fp32.
 struct TpProblem {
   int64_t timesteps = 0, out_features = 0, in_features = 0;
-  HostBuffer temb, grad_table;
+  HostTensor temb, grad_table;
   TensorView weight, bias;
 };
 Status make_tp_problem(const Weights& weights, int64_t timesteps, uint64_t seed, TpProblem* problem);

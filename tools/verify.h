@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "cases/op_case.h"
+#include "cases/tensor.h"
 #include "detdit/comm.h"
 #include "detdit/numerics.h"
 #include "detdit/status.h"
@@ -91,34 +93,25 @@ void compare_bytes(const void* expected, const void* actual, std::size_t bytes, 
 // a NaN max_error fails).
 void finish_row(CheckRow* row);
 
-// Owned, 64-byte aligned host memory for case inputs and outputs.
-class HostBuffer {
- public:
-  HostBuffer() = default;
-  HostBuffer(DType dtype, std::vector<int64_t> shape);
-  TensorView view() const;
-  void* data() const { return const_cast<unsigned char*>(bytes_.data()) + offset_; }
-  template <typename T>
-  T* ptr() const { return static_cast<T*>(data()); }
-  std::size_t nbytes() const { return nbytes_; }
-  int64_t numel() const;
-  DType dtype() const { return dtype_; }
-  const std::vector<int64_t>& shape() const { return shape_; }
-  // Deterministic N(mean, std) values rounded to the dtype (float dtypes).
-  void fill_normal(uint64_t seed, double mean = 0.0, double std = 1.0);
-  // Element i as double (float dtypes).
-  double get(int64_t i) const;
+// The op-case library's tensors (cases/tensor.h); verify and bench draw their
+// inputs from the synthetic-weights generator on the "verify" stream.
+using cases::DeviceTensor;
+using cases::HostTensor;
+inline void fill_verify_normal(HostTensor* t, uint64_t seed, double mean = 0.0, double std = 1.0) {
+  cases::fill_stream_normal(t, seed, "verify", mean, std);
+}
 
- private:
-  DType dtype_ = DType::kF32;
-  std::vector<int64_t> shape_;
-  std::vector<unsigned char> bytes_;
-  std::size_t offset_ = 0, nbytes_ = 0;
-};
 
-// The bf16 nearest to a double (ties to even), for finite x: an FP64
-// oracle's correctly rounded bf16 (x -> float -> bf16 would round twice).
-uint16_t bf16_nearest(double x);
+// ---- the op-case library (verify_cases.cc) ------------------------------------
+
+// The case context of a run on `weights` (their dimensions and tensors).
+cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed);
+// The checks of one op case: accuracy vs its FP64 oracles, forward and
+// backward repeatability, row invariance (probe positions alone), and on CUDA
+// every output equal to the CPU reference.
+Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vector<CheckRow>* rows);
+// verify_op_case for every verify-suite case of `op`.
+Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vector<CheckRow>* rows);
 
 // Seconds since an arbitrary origin (steady clock).
 double now_seconds();
@@ -140,27 +133,6 @@ CheckRow timed_check(const std::string& name, Fn&& fn) {
   return row;
 }
 
-// A case's tensor on the case's device: a CPU tensor owns host memory, a CUDA
-// tensor device memory (cudaMalloc; CUDA builds only). Made from a host
-// buffer (copied) or empty (filled with 0xA5 bytes so unwritten outputs show).
-class DeviceTensor {
- public:
-  static Status from_host(const HostBuffer& host, const Device& device, DeviceTensor* tensor);
-  // The same from a buffer that is no longer needed: a CPU tensor takes it over (no copy).
-  static Status from_host(HostBuffer&& host, const Device& device, DeviceTensor* tensor);
-  static Status empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor);
-  const TensorView& view() const { return view_; }
-  // A host copy (synchronises the device).
-  Status to_host(HostBuffer* host) const;
-  // A host copy after the work on `stream` (synchronises only that stream; a
-  // rank thread sharing the GPU with other ranks uses this).
-  Status to_host(HostBuffer* host, Stream stream) const;
-
- private:
-  std::shared_ptr<void> memory_;
-  TensorView view_;
-  std::vector<int64_t> shape_;
-};
 
 }  // namespace cli
 }  // namespace detdit

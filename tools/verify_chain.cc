@@ -23,13 +23,13 @@ constexpr int64_t kChainMaxBlocks = 2;
 int64_t chain_blocks(const Weights& w) { return std::min(w.config.blocks, kChainMaxBlocks); }
 
 struct ChainRun {
-  HostBuffer out, dx;
-  std::vector<HostBuffer> grads;  // every weight gradient, in a fixed order
+  HostTensor out, dx;
+  std::vector<HostTensor> grads;  // every weight gradient, in a fixed order
 };
 
 struct ChainInputs {
   int64_t seq_len = 0, batch = 1, hidden = 0;
-  HostBuffer timesteps, ti, tags, x, sublayer_out, sublayer_grad, grad_out;
+  HostTensor timesteps, ti, tags, x, sublayer_out, sublayer_grad, grad_out;
 };
 
 // Weight views of the chain's blocks (host memory).
@@ -77,7 +77,7 @@ Status chain_weights_on(const Weights& w, const Device& device, ChainWeightsOn* 
     for (TensorView* v : {&b.adaln_weight, &b.adaln_bias, &b.norm1_weight, &b.norm2_weight}) views.push_back(v);
   out->copies.reserve(views.size());
   for (TensorView* v : views) {
-    HostBuffer host(v->dtype, shape_of(*v));
+    HostTensor host(v->dtype, shape_of(*v));
     std::memcpy(host.data(), v->data, host.nbytes());
     out->copies.emplace_back();
     DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(host, device, &out->copies.back()));
@@ -141,7 +141,7 @@ Status run_chain(const ChainWeightsOn& w, const ChainInputs& in, bool weight_gra
   DETDIT_RETURN_IF_ERROR(chain_forward_backward(p));
   DETDIT_RETURN_IF_ERROR(out.to_host(&run->out));
   DETDIT_RETURN_IF_ERROR(dx.to_host(&run->dx));
-  run->grads.assign(grads.size(), HostBuffer());
+  run->grads.assign(grads.size(), HostTensor());
   for (std::size_t i = 0; i < grads.size(); ++i) DETDIT_RETURN_IF_ERROR(grads[i].to_host(&run->grads[i]));
   return Status::ok_status();
 }
@@ -161,25 +161,25 @@ Status make_inputs(const VerifyContext& ctx, int64_t batch, ChainInputs* in) {
   in->seq_len = S;
   in->batch = batch;
   in->hidden = H;
-  in->timesteps = HostBuffer(DType::kF32, {kChainTimesteps});
+  in->timesteps = HostTensor(DType::kF32, {kChainTimesteps});
   in->timesteps.ptr<float>()[0] = 0.25f;
   in->timesteps.ptr<float>()[1] = 0.8125f;
-  in->ti = HostBuffer(DType::kI32, {S});
-  in->tags = HostBuffer(DType::kI32, {S});
+  in->ti = HostTensor(DType::kI32, {S});
+  in->tags = HostTensor(DType::kI32, {S});
   for (int64_t s = 0; s < S; ++s) {
     in->ti.ptr<int32_t>()[s] = static_cast<int32_t>(s * kChainTimesteps / S);
     in->tags.ptr<int32_t>()[s] = static_cast<int32_t>(s % 7 == 0 ? 1 : s % 5 == 0 ? 2 : 0);
   }
-  in->x = HostBuffer(DType::kBF16, {batch * S, H});
-  in->grad_out = HostBuffer(DType::kBF16, {batch * S, H});
-  in->sublayer_out = HostBuffer(DType::kBF16, {2 * L, batch * S, H});
-  in->sublayer_grad = HostBuffer(DType::kBF16, {2 * L, batch * S, H});
+  in->x = HostTensor(DType::kBF16, {batch * S, H});
+  in->grad_out = HostTensor(DType::kBF16, {batch * S, H});
+  in->sublayer_out = HostTensor(DType::kBF16, {2 * L, batch * S, H});
+  in->sublayer_grad = HostTensor(DType::kBF16, {2 * L, batch * S, H});
   const std::size_t item_bytes = static_cast<std::size_t>(S * H) * 2;
   for (int64_t b = 0; b < batch; ++b) {
-    HostBuffer x(DType::kBF16, {S, H}), g(DType::kBF16, {S, H});
-    HostBuffer so(DType::kBF16, {2 * L, S, H}), sg(DType::kBF16, {2 * L, S, H});
-    x.fill_normal(ctx.seed + 100 + b);
-    g.fill_normal(ctx.seed + 200 + b);
+    HostTensor x(DType::kBF16, {S, H}), g(DType::kBF16, {S, H});
+    HostTensor so(DType::kBF16, {2 * L, S, H}), sg(DType::kBF16, {2 * L, S, H});
+    fill_verify_normal(&x, ctx.seed + 100 + b);
+    fill_verify_normal(&g, ctx.seed + 200 + b);
     DETDIT_RETURN_IF_ERROR(chain_stand_ins(ctx.seed + 300 + b, so.view(), sg.view()));
     std::memcpy(static_cast<char*>(in->x.data()) + b * item_bytes, x.data(), item_bytes);
     std::memcpy(static_cast<char*>(in->grad_out.data()) + b * item_bytes, g.data(), item_bytes);

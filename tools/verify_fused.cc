@@ -27,6 +27,7 @@
 #include "cpu/parallel.h"
 #include "detdit/adaln.h"
 #include "detdit/plan.h"
+#include "cases/oracle.h"
 #include "verify.h"
 
 namespace detdit {
@@ -39,7 +40,7 @@ constexpr float kEps = 1e-5f;
 // T timesteps in contiguous runs over S positions; B batch items.
 struct FusedSequence {
   int64_t seq_len = 0, batch = 1, timesteps = 0, hidden = 0, embed = 0;
-  HostBuffer ti, tags;  // (S,) int32
+  HostTensor ti, tags;  // (S,) int32
   int64_t positions() const { return batch * seq_len; }
 };
 
@@ -50,8 +51,8 @@ FusedSequence make_fused_sequence(const VerifyContext& ctx) {
   s.timesteps = ctx.quick ? 2 : 3;
   s.hidden = ctx.weights->config.hidden;
   s.embed = ctx.weights->config.time_embed_dim;
-  s.ti = HostBuffer(DType::kI32, {s.seq_len});
-  s.tags = HostBuffer(DType::kI32, {s.seq_len});
+  s.ti = HostTensor(DType::kI32, {s.seq_len});
+  s.tags = HostTensor(DType::kI32, {s.seq_len});
   for (int64_t p = 0; p < s.seq_len; ++p) {
     s.ti.ptr<int32_t>()[p] = static_cast<int32_t>(p * s.timesteps / s.seq_len);
     s.tags.ptr<int32_t>()[p] = static_cast<int32_t>(p % 7 == 0 ? 1 : p % 5 == 0 ? 2 : 0);
@@ -59,10 +60,10 @@ FusedSequence make_fused_sequence(const VerifyContext& ctx) {
   return s;
 }
 
-Status copy_named_weight(const Weights& weights, const std::string& name, HostBuffer* out) {
+Status copy_named_weight(const Weights& weights, const std::string& name, HostTensor* out) {
   TensorView v;
   DETDIT_RETURN_IF_ERROR(weights.view(name, &v));
-  *out = HostBuffer(v.dtype, std::vector<int64_t>(v.shape, v.shape + v.rank));
+  *out = HostTensor(v.dtype, std::vector<int64_t>(v.shape, v.shape + v.rank));
   std::memcpy(out->data(), v.data, out->nbytes());
   return Status::ok_status();
 }
@@ -70,12 +71,12 @@ Status copy_named_weight(const Weights& weights, const std::string& name, HostBu
 // Named host copies of every output of one run.
 struct FusedRun {
   std::vector<std::string> names;
-  std::vector<HostBuffer> outputs;
+  std::vector<HostTensor> outputs;
 };
 
 Status collect(const std::vector<std::pair<std::string, const DeviceTensor*>>& tensors, FusedRun* run) {
   run->names.clear();
-  run->outputs.assign(tensors.size(), HostBuffer());
+  run->outputs.assign(tensors.size(), HostTensor());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     run->names.push_back(tensors[i].first);
     DETDIT_RETURN_IF_ERROR(tensors[i].second->to_host(&run->outputs[i]));
@@ -85,30 +86,29 @@ Status collect(const std::vector<std::pair<std::string, const DeviceTensor*>>& t
 
 void compare_fused_runs(const FusedRun& expected, const FusedRun& actual, CheckRow* row) {
   for (std::size_t i = 0; i < expected.outputs.size() && i < actual.outputs.size(); ++i) {
-    const HostBuffer& e = expected.outputs[i];
+    const HostTensor& e = expected.outputs[i];
     compare_bytes(e.data(), actual.outputs[i].data(), e.nbytes(), e.dtype(), expected.names[i], row);
   }
 }
 
 // The correctly rounded bits of a finite double in a bf16 or fp32 tensor:
-// fp32 by the host's double-to-float conversion (RNE); bf16 by bf16_nearest
+// fp32 by the host's double-to-float conversion (RNE); bf16 by cases::correctly_rounded_bits
 // (verify.h).
 uint32_t nearest_bits(double x, DType dtype) {
-  return dtype == DType::kF32 ? num::float_bits(static_cast<float>(x)) : bf16_nearest(x);
+  return dtype == DType::kF32 ? num::float_bits(static_cast<float>(x)) : static_cast<uint16_t>(cases::correctly_rounded_bits(x, DType::kBF16));
 }
 
-uint32_t bits_at(const HostBuffer& b, int64_t i) {
+uint32_t bits_at(const HostTensor& b, int64_t i) {
   if (b.dtype() == DType::kF32) return num::float_bits(b.ptr<float>()[i]);
   return b.ptr<uint16_t>()[i];
 }
 
-double silu64(double z) { return z / (1.0 + std::exp(-z)); }
 
 // act = bf16(silu(temb)) in FP64 then one rounding to the weight's dtype (T, D).
-std::vector<double> act64(const HostBuffer& temb, DType dtype) {
+std::vector<double> act64(const HostTensor& temb, DType dtype) {
   std::vector<double> act(static_cast<std::size_t>(temb.numel()));
   for (int64_t i = 0; i < temb.numel(); ++i) {
-    const uint32_t bits = nearest_bits(silu64(temb.get(i)), dtype);
+    const uint32_t bits = nearest_bits(cases::silu64(temb.get(i)), dtype);
     act[i] = dtype == DType::kF32 ? num::bits_float(bits) : num::bf16_to_float(static_cast<uint16_t>(bits));
   }
   return act;
@@ -119,7 +119,7 @@ std::vector<double> act64(const HostBuffer& temb, DType dtype) {
 // op's d_weight (N, D) and d_bias (N,). dW rows n = 0, stride, 2*stride, ...
 // (--quick: every 7th row, which still samples every chunk and modality).
 void weight_grad_rows(const std::vector<double>& d_table, const std::vector<double>& act, int64_t timesteps,
-                      int64_t outputs, int64_t embed, const HostBuffer& d_weight, const HostBuffer& d_bias,
+                      int64_t outputs, int64_t embed, const HostTensor& d_weight, const HostTensor& d_bias,
                       int64_t stride, std::vector<CheckRow>* rows) {
   rows->push_back(timed_check("dW >= 99.5 % correctly rounded vs fp64", [&](CheckRow* row) {
     const int64_t sampled = (outputs + stride - 1) / stride;
@@ -156,7 +156,7 @@ void weight_grad_rows(const std::vector<double>& d_table, const std::vector<doub
 // ---- final_adaln_out ---------------------------------------------------------
 
 struct FinalInputs {
-  HostBuffer x, norm_weight, temb, weight, bias, grad;
+  HostTensor x, norm_weight, temb, weight, bias, grad;
 };
 
 Status run_final(const Device& device, const FusedSequence& seq, const FinalInputs& in, FusedRun* run) {
@@ -225,12 +225,12 @@ Status verify_final(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   DETDIT_RETURN_IF_ERROR(copy_named_weight(*ctx.weights, "norm_out.norm.weight", &in.norm_weight));
   DETDIT_RETURN_IF_ERROR(copy_named_weight(*ctx.weights, "norm_out.linear.weight", &in.weight));
   DETDIT_RETURN_IF_ERROR(copy_named_weight(*ctx.weights, "norm_out.linear.bias", &in.bias));
-  in.x = HostBuffer(in.norm_weight.dtype(), {M, H});
-  in.x.fill_normal(ctx.seed + 61);
-  in.grad = HostBuffer(in.norm_weight.dtype(), {M, H});
-  in.grad.fill_normal(ctx.seed + 62);
-  in.temb = HostBuffer(DType::kF32, {seq.timesteps, seq.embed});
-  in.temb.fill_normal(ctx.seed + 63);
+  in.x = HostTensor(in.norm_weight.dtype(), {M, H});
+  fill_verify_normal(&in.x, ctx.seed + 61);
+  in.grad = HostTensor(in.norm_weight.dtype(), {M, H});
+  fill_verify_normal(&in.grad, ctx.seed + 62);
+  in.temb = HostTensor(DType::kF32, {seq.timesteps, seq.embed});
+  fill_verify_normal(&in.temb, ctx.seed + 63);
   FusedRun first;
   rows->push_back(timed_check("fwd+bwd repeatability (out, saved, dx, every grad)", [&](CheckRow* row) {
     FusedRun second;
@@ -257,7 +257,7 @@ DETDIT_VERIFY_CASE("final_adaln_out", "norm_out, fwd+bwd", true, true, verify_fi
 // ---- adaln_modulation --------------------------------------------------------
 
 struct ModulationInputs {
-  HostBuffer temb, weight, bias, grad;
+  HostTensor temb, weight, bias, grad;
 };
 
 Status run_modulation(const Device& device, const FusedSequence& seq, const ModulationInputs& in, FusedRun* run) {
@@ -307,10 +307,10 @@ Status verify_modulation(const VerifyContext& ctx, std::vector<CheckRow>* rows) 
   ModulationInputs in;
   DETDIT_RETURN_IF_ERROR(copy_named_weight(*ctx.weights, "transformer_blocks.0.adaln_proj.linear.weight", &in.weight));
   DETDIT_RETURN_IF_ERROR(copy_named_weight(*ctx.weights, "transformer_blocks.0.adaln_proj.linear.bias", &in.bias));
-  in.temb = HostBuffer(DType::kF32, {seq.timesteps, seq.embed});
-  in.temb.fill_normal(ctx.seed + 71);
-  in.grad = HostBuffer(in.weight.dtype(), {kAdalnChunks, seq.positions(), seq.hidden});
-  in.grad.fill_normal(ctx.seed + 72);
+  in.temb = HostTensor(DType::kF32, {seq.timesteps, seq.embed});
+  fill_verify_normal(&in.temb, ctx.seed + 71);
+  in.grad = HostTensor(in.weight.dtype(), {kAdalnChunks, seq.positions(), seq.hidden});
+  fill_verify_normal(&in.grad, ctx.seed + 72);
   FusedRun first;
   rows->push_back(timed_check("fwd+bwd repeatability (table, act, out, every grad)", [&](CheckRow* row) {
     FusedRun second;

@@ -53,11 +53,11 @@ struct Slice {
 // outputs, the whole tensor for replicated ones): one comparison per tensor.
 // CPU outputs are compared in place, slices run by run (no copies of
 // H3-sized tensors unless they differ and the report needs the details).
-Status compare_outputs(const std::vector<SpOutput>& outputs, const std::vector<HostBuffer>& ws1, const Slice& slice,
+Status compare_outputs(const std::vector<SpOutput>& outputs, const std::vector<HostTensor>& ws1, const Slice& slice,
                        Stream stream, const std::string& prefix, CheckRow* row) {
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const TensorView& view = outputs[i].tensor.view();
-    HostBuffer copy;
+    HostTensor copy;
     const char* got = static_cast<const char*>(view.data);
     if (view.device.is_cuda()) {
       DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&copy, stream));
@@ -90,13 +90,13 @@ Status compare_outputs(const std::vector<SpOutput>& outputs, const std::vector<H
       ++row->bitwise_passed;
       continue;
     }
-    const HostBuffer expected = local_rows(ws1[i], slice.batch, slice.length, slice.lo, slice.hi);
+    const HostTensor expected = local_rows(ws1[i], slice.batch, slice.length, slice.lo, slice.hi);
     compare_bytes(expected.data(), got, bytes, view.dtype, what, row);
   }
   return Status::ok_status();
 }
 
-Status download(const std::vector<SpOutput>& outputs, std::vector<HostBuffer>* hosts) {
+Status download(const std::vector<SpOutput>& outputs, std::vector<HostTensor>* hosts) {
   hosts->resize(outputs.size());
   for (std::size_t i = 0; i < outputs.size(); ++i) DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&(*hosts)[i]));
   return Status::ok_status();
@@ -164,7 +164,7 @@ std::vector<int> sp_world_sizes(const VerifyContext& ctx, int64_t seq_len) {
 }
 
 // Fraction of elements of a (FP32) rank-order sum that differ from WS1's bits.
-double fraction_differing(const std::vector<float>& sum, const HostBuffer& ws1) {
+double fraction_differing(const std::vector<float>& sum, const HostTensor& ws1) {
   int64_t differing = 0;
   const float* expected = ws1.ptr<float>();
   for (std::size_t i = 0; i < sum.size(); ++i) differing += num::float_bits(sum[i]) != num::float_bits(expected[i]);
@@ -176,7 +176,7 @@ double fraction_differing(const std::vector<float>& sum, const HostBuffer& ws1) 
 // replicated gradients, summed in rank order. Returns the fractions of
 // (d_weight, d_scale) or (d_gate) elements that differ from WS1.
 Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& device, SpVariant variant, int world,
-                       const std::vector<HostBuffer>& ws1, std::vector<std::pair<std::string, double>>* fractions) {
+                       const std::vector<HostTensor>& ws1, std::vector<std::pair<std::string, double>>* fractions) {
   const bool gate = variant == SpVariant::kGateResidual;
   const int64_t hidden = pr.hidden, rows = pr.shift.shape()[0];
   std::vector<float> first(gate ? rows * hidden : hidden, 0.0f), second(gate ? 0 : rows * hidden, 0.0f);
@@ -217,7 +217,7 @@ Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& 
       b.d_scale = part_b.view();
       DETDIT_RETURN_IF_ERROR(rmsnorm_backward(b));
     }
-    HostBuffer a, b;
+    HostTensor a, b;
     DETDIT_RETURN_IF_ERROR(part_a.to_host(&a));
     for (std::size_t i = 0; i < first.size(); ++i) first[i] = num::add32(first[i], a.ptr<float>()[i]);
     if (!gate) {
@@ -276,7 +276,7 @@ Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std
 
   for (SpVariant variant : kSpVariants) {
     // WS1 on this device (the default stream), brought to the host.
-    std::vector<HostBuffer> ws1;
+    std::vector<HostTensor> ws1;
     {
       SpRun run;
       DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, variant, device, nullptr, nullptr, nullptr, &run));
@@ -366,7 +366,7 @@ Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckR
   DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
   TpWeights weights;
   DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, device, &weights));
-  std::vector<HostBuffer> ws1;
+  std::vector<HostTensor> ws1;
   {
     TpRun run;
     DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, nullptr, nullptr, &run));

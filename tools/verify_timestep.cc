@@ -11,6 +11,7 @@
 #include "cpu/parallel.h"
 #include "detdit/adaln.h"
 #include "detdit/timestep.h"
+#include "cases/oracle.h"
 #include "verify.h"
 
 namespace detdit {
@@ -18,8 +19,8 @@ namespace cli {
 namespace {
 
 // Timesteps t_i = frac(0.25 + i * golden ratio) in [0, 1), a spread that does not repeat.
-HostBuffer make_timesteps(int64_t count) {
-  HostBuffer t(DType::kF32, {count});
+HostTensor make_timesteps(int64_t count) {
+  HostTensor t(DType::kF32, {count});
   for (int64_t i = 0; i < count; ++i) {
     double v = 0.25 + 0.6180339887498949 * static_cast<double>(i);
     t.ptr<float>()[i] = static_cast<float>(v - std::floor(v));
@@ -28,43 +29,43 @@ HostBuffer make_timesteps(int64_t count) {
 }
 
 // Rows [row, row + 1) of a (T, ...) buffer.
-HostBuffer take_row(const HostBuffer& b, int64_t row) {
+HostTensor take_row(const HostTensor& b, int64_t row) {
   std::vector<int64_t> shape = b.shape();
   const std::size_t row_bytes = b.nbytes() / static_cast<std::size_t>(shape[0]);
   shape[0] = 1;
-  HostBuffer out(b.dtype(), shape);
+  HostTensor out(b.dtype(), shape);
   std::memcpy(out.data(), static_cast<const char*>(b.data()) + row * row_bytes, row_bytes);
   return out;
 }
 
 // One call of an op: inputs (host) -> output (host), on `device`.
-using RunFn = std::function<Status(const Device& device, const std::vector<HostBuffer>& inputs, HostBuffer* out)>;
+using RunFn = std::function<Status(const Device& device, const std::vector<HostTensor>& inputs, HostTensor* out)>;
 
 // The checks every row-local timestep op shares. inputs[batched_input] is the
 // (T, ...) input whose rows are the timesteps; the others are shared.
-void standard_checks(const VerifyContext& ctx, const RunFn& run, const std::vector<HostBuffer>& inputs,
-                     std::size_t batched_input, const HostBuffer& first, std::vector<CheckRow>* rows) {
+void standard_checks(const VerifyContext& ctx, const RunFn& run, const std::vector<HostTensor>& inputs,
+                     std::size_t batched_input, const HostTensor& first, std::vector<CheckRow>* rows) {
   const int64_t count = inputs[batched_input].shape()[0];
   rows->push_back(timed_check("repeatability", [&](CheckRow* row) {
-    HostBuffer again;
+    HostTensor again;
     DETDIT_RETURN_IF_ERROR(run(ctx.device, inputs, &again));
     compare_bytes(first.data(), again.data(), first.nbytes(), first.dtype(), "second run", row);
     return Status::ok_status();
   }));
   rows->push_back(timed_check("row invariance T=1 vs T=" + std::to_string(count), [&](CheckRow* row) {
     for (int64_t t = 0; t < count; ++t) {
-      std::vector<HostBuffer> alone = inputs;
+      std::vector<HostTensor> alone = inputs;
       alone[batched_input] = take_row(inputs[batched_input], t);
-      HostBuffer out;
+      HostTensor out;
       DETDIT_RETURN_IF_ERROR(run(ctx.device, alone, &out));
-      HostBuffer expected = take_row(first, t);
+      HostTensor expected = take_row(first, t);
       compare_bytes(expected.data(), out.data(), out.nbytes(), out.dtype(), "row " + std::to_string(t), row);
     }
     return Status::ok_status();
   }));
   if (ctx.device.is_cuda()) {
     rows->push_back(timed_check("cuda = cpu reference", [&](CheckRow* row) {
-      HostBuffer reference;
+      HostTensor reference;
       DETDIT_RETURN_IF_ERROR(run(Device::cpu(), inputs, &reference));
       compare_bytes(reference.data(), first.data(), first.nbytes(), first.dtype(), "cpu vs cuda", row);
       return Status::ok_status();
@@ -74,7 +75,7 @@ void standard_checks(const VerifyContext& ctx, const RunFn& run, const std::vect
 
 // ---- timestep_sinusoid -------------------------------------------------------
 
-Status run_sinusoid(const Device& device, const std::vector<HostBuffer>& in, HostBuffer* out, int64_t channels) {
+Status run_sinusoid(const Device& device, const std::vector<HostTensor>& in, HostTensor* out, int64_t channels) {
   DeviceTensor timesteps, features;
   DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[0], device, &timesteps));
   DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {in[0].shape()[0], channels}, device, &features));
@@ -95,12 +96,12 @@ double sinusoid64(double t, int64_t channel, int64_t channels) {
 
 Status verify_sinusoid(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   const int64_t channels = ctx.weights->config.freq_dim;
-  const RunFn run = [channels](const Device& d, const std::vector<HostBuffer>& in, HostBuffer* out) {
+  const RunFn run = [channels](const Device& d, const std::vector<HostTensor>& in, HostTensor* out) {
     return run_sinusoid(d, in, out, channels);
   };
   for (int64_t count : ctx.quick ? std::vector<int64_t>{1, 7} : std::vector<int64_t>{1, 3, 7, 64, 1000}) {
-    std::vector<HostBuffer> inputs = {make_timesteps(count)};
-    HostBuffer features;
+    std::vector<HostTensor> inputs = {make_timesteps(count)};
+    HostTensor features;
     CheckRow accuracy = timed_check("accuracy vs fp64 T=" + std::to_string(count), [&](CheckRow* row) {
       DETDIT_RETURN_IF_ERROR(run(ctx.device, inputs, &features));
       row->max_error = 0;
@@ -125,19 +126,19 @@ DETDIT_VERIFY_CASE("timestep_sinusoid", "F from weights", true, true, verify_sin
 // ---- timestep_mlp ------------------------------------------------------------
 
 struct MlpWeights {
-  HostBuffer w1, b1, w2, b2;
+  HostTensor w1, b1, w2, b2;
 };
 
-Status copy_weight(const Weights& weights, const std::string& name, HostBuffer* out) {
+Status copy_weight(const Weights& weights, const std::string& name, HostTensor* out) {
   TensorView v;
   DETDIT_RETURN_IF_ERROR(weights.view(name, &v));
   std::vector<int64_t> shape(v.shape, v.shape + v.rank);
-  *out = HostBuffer(v.dtype, shape);
+  *out = HostTensor(v.dtype, shape);
   std::memcpy(out->data(), v.data, out->nbytes());
   return Status::ok_status();
 }
 
-Status run_mlp(const Device& device, const std::vector<HostBuffer>& in, HostBuffer* out) {
+Status run_mlp(const Device& device, const std::vector<HostTensor>& in, HostTensor* out) {
   // in: features, w1, b1, w2, b2
   DeviceTensor t[5], temb;
   for (int i = 0; i < 5; ++i) DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[i], device, &t[i]));
@@ -154,7 +155,7 @@ Status run_mlp(const Device& device, const std::vector<HostBuffer>& in, HostBuff
 }
 
 // y = W x + b in double for every row of x (T, K), W (N, K).
-std::vector<double> linear64(const std::vector<double>& x, const HostBuffer& w, const HostBuffer* b, int64_t rows) {
+std::vector<double> linear64(const std::vector<double>& x, const HostTensor& w, const HostTensor* b, int64_t rows) {
   const int64_t n_out = w.shape()[0], k_in = w.shape()[1];
   std::vector<double> y(static_cast<std::size_t>(rows * n_out));
   cpu::parallel_for(0, n_out, [&](int64_t n) {
@@ -167,11 +168,10 @@ std::vector<double> linear64(const std::vector<double>& x, const HostBuffer& w, 
   return y;
 }
 
-double silu64(double z) { return z / (1.0 + std::exp(-z)); }
 
 // The projection in double, one pass: exact[t, n] = sum_k a[t, k] w[n, k] + b[n]
 // and magnitude[t, n] = sum_k |a[t, k] w[n, k]| + |b[n]|.
-void projection64(const std::vector<double>& act, const HostBuffer& w, const HostBuffer& b, int64_t rows,
+void projection64(const std::vector<double>& act, const HostTensor& w, const HostTensor& b, int64_t rows,
                   std::vector<double>* exact, std::vector<double>* magnitude) {
   const int64_t n_out = w.shape()[0], k_in = w.shape()[1];
   exact->assign(static_cast<std::size_t>(rows * n_out), 0.0);
@@ -197,20 +197,20 @@ void projection64(const std::vector<double>& act, const HostBuffer& w, const Hos
 
 Status verify_mlp(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   const int64_t count = 4;
-  std::vector<HostBuffer> inputs(5);
-  HostBuffer features;
+  std::vector<HostTensor> inputs(5);
+  HostTensor features;
   DETDIT_RETURN_IF_ERROR(run_sinusoid(Device::cpu(), {make_timesteps(count)}, &features, ctx.weights->config.freq_dim));
   inputs[0] = features;
   const char* names[] = {"time_embedder.linear_1.weight", "time_embedder.linear_1.bias",
                          "time_embedder.linear_2.weight", "time_embedder.linear_2.bias"};
   for (int i = 0; i < 4; ++i) DETDIT_RETURN_IF_ERROR(copy_weight(*ctx.weights, names[i], &inputs[i + 1]));
-  HostBuffer temb;
+  HostTensor temb;
   rows->push_back(timed_check("accuracy vs fp64 T=4", [&](CheckRow* row) {
     DETDIT_RETURN_IF_ERROR(run_mlp(ctx.device, inputs, &temb));
     std::vector<double> x(static_cast<std::size_t>(features.numel()));
     for (int64_t i = 0; i < features.numel(); ++i) x[i] = features.get(i);
     std::vector<double> hidden = linear64(x, inputs[1], &inputs[2], count);
-    for (double& h : hidden) h = silu64(h);
+    for (double& h : hidden) h = cases::silu64(h);
     std::vector<double> exact = linear64(hidden, inputs[3], &inputs[4], count);
     double max_abs = 0, max_ref = 0;
     for (std::size_t i = 0; i < exact.size(); ++i) {
@@ -229,7 +229,7 @@ DETDIT_VERIFY_CASE("timestep_mlp", "weights T=4", true, true, verify_mlp);
 
 // ---- adaln_projection -------------------------------------------------------
 
-Status run_projection(const Device& device, const std::vector<HostBuffer>& in, HostBuffer* out) {
+Status run_projection(const Device& device, const std::vector<HostTensor>& in, HostTensor* out) {
   // in: temb, weight, bias
   DeviceTensor temb, weight, bias, table;
   DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[0], device, &temb));
@@ -247,12 +247,12 @@ Status run_projection(const Device& device, const std::vector<HostBuffer>& in, H
 
 Status verify_projection(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   const int64_t count = ctx.quick ? 2 : 4, dim = ctx.weights->config.time_embed_dim;
-  std::vector<HostBuffer> inputs(3);
-  inputs[0] = HostBuffer(DType::kF32, {count, dim});
-  inputs[0].fill_normal(ctx.seed + 11);
+  std::vector<HostTensor> inputs(3);
+  inputs[0] = HostTensor(DType::kF32, {count, dim});
+  fill_verify_normal(&inputs[0], ctx.seed + 11);
   DETDIT_RETURN_IF_ERROR(copy_weight(*ctx.weights, "transformer_blocks.0.adaln_proj.linear.weight", &inputs[1]));
   DETDIT_RETURN_IF_ERROR(copy_weight(*ctx.weights, "transformer_blocks.0.adaln_proj.linear.bias", &inputs[2]));
-  HostBuffer table;
+  HostTensor table;
   std::vector<double> exact, magnitude;  // the FP64 result and sum |a_k w_k| + |b| per output
   rows->push_back(timed_check("error within the fp32-accumulation bound", [&](CheckRow* row) {
     DETDIT_RETURN_IF_ERROR(run_projection(ctx.device, inputs, &table));
@@ -260,7 +260,7 @@ Status verify_projection(const VerifyContext& ctx, std::vector<CheckRow>* rows) 
     // projection in double.
     std::vector<double> act(static_cast<std::size_t>(count * dim));
     for (std::size_t i = 0; i < act.size(); ++i) {
-      act[i] = num::bf16_to_float(num::float_to_bf16(static_cast<float>(silu64(inputs[0].get(int64_t(i))))));
+      act[i] = num::bf16_to_float(num::float_to_bf16(static_cast<float>(cases::silu64(inputs[0].get(int64_t(i))))));
     }
     projection64(act, inputs[1], inputs[2], count, &exact, &magnitude);
     // An FP32 chain of D products and the bias errs by at most
@@ -281,7 +281,7 @@ Status verify_projection(const VerifyContext& ctx, std::vector<CheckRow>* rows) 
   if (!exact.empty() && exact.size() >= 100000) {
     rows->push_back(timed_check(">= 99.98 % correctly rounded", [&](CheckRow* row) {
       int64_t wrong = 0;
-      for (std::size_t i = 0; i < exact.size(); ++i) wrong += table.ptr<Bf16>()[i].bits != bf16_nearest(exact[i]);
+      for (std::size_t i = 0; i < exact.size(); ++i) wrong += table.ptr<Bf16>()[i].bits != cases::correctly_rounded_bits(exact[i], DType::kBF16);
       row->max_error = static_cast<double>(wrong) / static_cast<double>(exact.size());
       row->bound = 2e-4;
       row->error_unit = "fraction not RN";

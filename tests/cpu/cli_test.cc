@@ -235,15 +235,26 @@ TEST(Cli, BenchQuickJson) {
   nlohmann::json out = nlohmann::json::parse(r.output);
   EXPECT_EQ(out["kind"], "detdit_bench_report");
   EXPECT_GT(out["copy_gbps"].get<double>(), 0);
-  ASSERT_EQ(out["cases"].size(), 2u);
+  EXPECT_EQ(out["format_version"], 2);
+  // timestep_mlp at T = 1 and 4 (--quick), each forward, backward and both
+  ASSERT_EQ(out["cases"].size(), 6u) << out.dump();
+  std::map<std::string, std::map<std::string, int64_t>> compared;  // case -> phase -> elements
   for (const auto& c : out["cases"]) {
+    EXPECT_EQ(c["op"], "timestep_mlp");
     EXPECT_EQ(c["wrong"], 0) << c.dump();
-    EXPECT_EQ(c["compared"], c["case"] == "T=1" ? 32 : 128) << c.dump();
+    EXPECT_GT(c["compared"].get<int64_t>(), 0) << c.dump();
     EXPECT_GT(c["median_us"].get<double>(), 0);
+    EXPECT_GT(c["bytes"].get<double>(), 0);
+    compared[c["case"]][c["phase"]] = c["compared"];
+  }
+  ASSERT_EQ(compared.size(), 2u);
+  for (const auto& [name, phases] : compared) {
+    ASSERT_EQ(phases.size(), 3u) << name;
+    EXPECT_EQ(phases.at("fwd+bwd"), phases.at("fwd") + phases.at("bwd")) << name;
   }
   r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --format csv --weights '" + small_weights() + "'");
   EXPECT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(r.output.rfind("op,case,device,median_us", 0), 0u) << r.output;
+  EXPECT_EQ(r.output.rfind("op,case,phase,device,median_us", 0), 0u) << r.output;
 }
 
 // ---- parallel regions (tools/verify_parallel.cc, tools/bench_parallel.cc) ----

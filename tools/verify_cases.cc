@@ -1,0 +1,123 @@
+// The verify driver over the op-case library (cases/): the checks every op
+// case gets (verify.h declares verify_op_case), and the case context of a
+// verify or bench run (the weights' dimensions and tensors).
+//   accuracy vs fp64          each of the case's FP64-oracle checks;
+//   forward repeatability     a second forward on fresh outputs gives the same bytes;
+//   backward repeatability    the same for the backward;
+//   row invariance            probe positions alone equal the same positions
+//                             inside the batch (cases::compare_positions_alone);
+//   cuda = cpu reference      on CUDA: every output equal to the CPU's.
+#include <map>
+#include <string>
+#include <vector>
+
+#include "verify.h"
+
+namespace detdit {
+namespace cli {
+namespace {
+
+// Both ends and a spread of positions.
+std::vector<int64_t> probe_positions(int64_t positions) {
+  std::vector<int64_t> probes;
+  for (int64_t i = 0; i < 8; ++i) probes.push_back(i * (positions - 1) / 7);
+  return probes;
+}
+
+void add_reports(const std::vector<cases::OutputReport>& reports, CheckRow* row) {
+  for (const cases::OutputReport& r : reports) {
+    ++row->bitwise_run;
+    if (r.mismatch.equal() && !r.still_canary) {
+      ++row->bitwise_passed;
+    } else if (row->detail.empty()) {
+      row->detail = r.output + ": " + (r.still_canary ? "the reference output was never written" : r.mismatch.describe());
+    }
+  }
+}
+
+// The case on `device` through `phases`; host copies of every tensor.
+Status run_phases(const cases::OpCase& c, const Device& device, int phases, std::map<std::string, HostTensor>* host) {
+  cases::Instance t;
+  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, device, nullptr, &t));
+  for (int phase = 0; phase < phases; ++phase) DETDIT_RETURN_IF_ERROR(cases::run(c, static_cast<cases::Phase>(phase), t));
+  return cases::download(c, t, host);
+}
+
+}  // namespace
+
+cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed) {
+  cases::CaseContext ctx;
+  ctx.hidden = weights.config.hidden;
+  ctx.time_embed_dim = weights.config.time_embed_dim;
+  ctx.time_embed_hidden = weights.config.time_embed_hidden;
+  ctx.freq_dim = weights.config.freq_dim;
+  const Weights* w = &weights;
+  ctx.weight = [w](const std::string& name, TensorView* view) { return w->view(name, view); };
+  ctx.quick = quick;
+  ctx.seed = seed;
+  return ctx;
+}
+
+Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vector<CheckRow>* rows) {
+  const int phases = c.has(cases::Phase::kBackward) ? 2 : 1;
+  std::map<std::string, HostTensor> first;
+  Status ran;
+  rows->push_back(timed_check(c.accuracy.empty() ? "run" : c.accuracy.front().name, [&](CheckRow* row) {
+    ran = run_phases(c, ctx.device, phases, &first);
+    DETDIT_RETURN_IF_ERROR(ran);
+    if (c.accuracy.empty()) return Status::ok_status();
+    const cases::AccuracyCheck& a = c.accuracy.front();
+    row->max_error = a.error(first);
+    row->bound = a.bound;
+    row->error_unit = a.unit;
+    return Status::ok_status();
+  }));
+  if (!ran.ok()) return Status::ok_status();
+  for (std::size_t i = 1; i < c.accuracy.size(); ++i) {
+    const cases::AccuracyCheck& a = c.accuracy[i];
+    rows->push_back(timed_check(a.name, [&](CheckRow* row) {
+      row->max_error = a.error(first);
+      row->bound = a.bound;
+      row->error_unit = a.unit;
+      return Status::ok_status();
+    }));
+  }
+  for (int phase = 0; phase < phases; ++phase) {
+    const cases::Phase p = static_cast<cases::Phase>(phase);
+    rows->push_back(timed_check(std::string(phase == 0 ? "forward" : "backward") + " repeatability", [&](CheckRow* row) {
+      std::map<std::string, HostTensor> again;
+      DETDIT_RETURN_IF_ERROR(run_phases(c, ctx.device, phases, &again));
+      add_reports(cases::compare_outputs(c, p, first, again), row);
+      return Status::ok_status();
+    }));
+  }
+  if (c.alone && c.positions > 1) {
+    rows->push_back(timed_check("row invariance (position alone)", [&](CheckRow* row) {
+      std::vector<cases::OutputReport> reports;
+      DETDIT_RETURN_IF_ERROR(cases::compare_positions_alone(c, ctx.device, probe_positions(c.positions), &reports));
+      add_reports(reports, row);
+      return Status::ok_status();
+    }));
+  }
+  if (ctx.device.is_cuda()) {
+    rows->push_back(timed_check("cuda = cpu reference", [&](CheckRow* row) {
+      std::map<std::string, HostTensor> reference;
+      DETDIT_RETURN_IF_ERROR(run_phases(c, Device::cpu(), phases, &reference));
+      for (int phase = 0; phase < phases; ++phase)
+        add_reports(cases::compare_outputs(c, static_cast<cases::Phase>(phase), reference, first), row);
+      return Status::ok_status();
+    }));
+  }
+  return Status::ok_status();
+}
+
+Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vector<CheckRow>* rows) {
+  const std::vector<cases::OpCase> all =
+      cases::op_cases(op, cases::Suite::kVerify, case_context(*ctx.weights, ctx.quick, ctx.seed));
+  if (all.empty()) return Status::value_error("no verify cases registered for " + op);
+  for (const cases::OpCase& c : all) DETDIT_RETURN_IF_ERROR(verify_op_case(ctx, c, rows));
+  return Status::ok_status();
+}
+
+}  // namespace cli
+}  // namespace detdit
