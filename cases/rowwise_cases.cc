@@ -1,5 +1,6 @@
-// The cases of the row-wise ops: rmsnorm (plain and modulated), gate_residual
-// and adaln_row_gather, on packed sequences (cases/index_case.h).
+// The cases of the row-wise ops: rmsnorm (plain and modulated), gate_residual,
+// the fused region gate_residual_rmsnorm and adaln_row_gather, on packed
+// sequences (cases/index_case.h).
 //
 // Suites: kTest sweeps awkward legal shapes (H not a multiple of the widest
 // vector, S around a chunk, every dtype, strided and unaligned table views,
@@ -19,6 +20,7 @@
 #include "cases/oracle.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/rmsnorm.h"
 
 namespace detdit {
@@ -239,6 +241,84 @@ AccuracyCheck gate_residual_forward_accuracy(const IndexCase& index, int64_t hid
   return a;
 }
 
+// ---- gate_residual_rmsnorm (the fused region) -------------------------------------
+
+struct RegionShape {
+  DType dtype = DType::kBF16;
+  int64_t hidden = 0;
+  IndexCase index{};
+  bool modulated = true;
+  bool d_h = true;  // a gradient reaching h from elsewhere
+  DType table_grad_dtype = DType::kF32;
+};
+
+// h = residual + gate_msa * y, out = rmsnorm(h) * (1 + scale_mlp) + shift_mlp:
+// the gate and the modulation are chunks 2, 3 and 4 of one (R, 6H) table, as
+// in the H3 block (the gate of one half, the norm of the next).
+OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
+  OpCase c;
+  c.op = "gate_residual_rmsnorm";
+  c.name = std::string(s.modulated ? "modulated " : "plain ") + shape_name(s.dtype, s.hidden, s.index) +
+           (s.d_h ? " d_h" : "") +
+           (s.table_grad_dtype != DType::kF32 ? std::string(" table grads ") + dtype_name(s.table_grad_dtype) : "");
+  const int64_t P = s.index.positions(), H = s.hidden, R = s.index.num_rows();
+  c.positions = P;
+  c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
+  c.input("residual", Phase::kForward, s.dtype, {P, H}, v(31, 0.0, 1.0), 0);
+  c.input("y", Phase::kForward, s.dtype, {P, H}, v(32, 0.0, 3.0), 0);
+  c.input("table", Phase::kForward, s.dtype, {R, 6 * H}, v(33, 0.0, 0.5));
+  c.input("weight", Phase::kForward, s.dtype, {H}, v(34, 1.0, 0.5));
+  c.output("h", Phase::kForward, s.dtype, {P, H}, 0);
+  c.output("out", Phase::kForward, s.dtype, {P, H}, 0);
+  c.output("rstd", Phase::kForward, DType::kF32, {P}, 0);
+  c.input("d_out", Phase::kBackward, s.dtype, {P, H}, v(35, 0.0, 1.0), 0);
+  if (s.d_h) c.input("d_h", Phase::kBackward, s.dtype, {P, H}, v(36, 0.0, 1.0), 0);
+  c.output("d_residual", Phase::kBackward, s.dtype, {P, H}, 0);
+  c.output("d_y", Phase::kBackward, s.dtype, {P, H}, 0);
+  c.output("d_gate", Phase::kBackward, s.table_grad_dtype, {R, H});
+  c.output("d_weight", Phase::kBackward, DType::kF32, {H});
+  if (s.modulated) {
+    c.output("d_shift", Phase::kBackward, s.table_grad_dtype, {R, H});
+    c.output("d_scale", Phase::kBackward, s.table_grad_dtype, {R, H});
+  }
+  const bool modulated = s.modulated, d_h = s.d_h;
+  auto inputs = [modulated, H](const Instance& t) {
+    const TensorView table = t["table"];
+    return GateResidualRmsnormInputs{t["residual"],
+                                     t["y"],
+                                     chunk_of(table, H, 2),
+                                     t["weight"],
+                                     modulated ? chunk_of(table, H, 3) : TensorView(),
+                                     modulated ? chunk_of(table, H, 4) : TensorView(),
+                                     t.plan("plan")};
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return gate_residual_rmsnorm_forward({inputs(t), t["h"], t["out"], t["rstd"]}, stream);
+  };
+  c.backward = [inputs, modulated, d_h](const Instance& t, Stream stream) {
+    const TensorView none;
+    return gate_residual_rmsnorm_backward({inputs(t), t["h"], t["rstd"], t["d_out"], d_h ? t["d_h"] : none,
+                                           t["d_residual"], t["d_y"], t["d_gate"], t["d_weight"],
+                                           modulated ? t["d_shift"] : none, modulated ? t["d_scale"] : none},
+                                          stream);
+  };
+  const double table_row = static_cast<double>(R * H) * dtype_size(s.dtype);
+  const double grad_row = static_cast<double>(R * H) * dtype_size(s.table_grad_dtype);
+  const int tables = s.modulated ? 2 : 0;
+  c.set_bytes(Phase::kForward, {"residual", "y", "h", "out", "rstd", "weight"}, (1 + tables) * table_row,
+              "gate/shift/scale rows");
+  std::vector<std::string> backward = {"d_out", "h", "y", "rstd", "weight", "d_residual", "d_y", "d_gate", "d_weight"};
+  if (s.d_h) backward.push_back("d_h");
+  c.set_bytes(Phase::kBackward, backward, (1 + tables / 2) * table_row + tables * grad_row,
+              "gate/scale rows + d_shift + d_scale");
+  c.alone = [s, v](int64_t p) {
+    RegionShape alone = s;
+    alone.index = single_position_case(s.index, p);
+    return gate_residual_rmsnorm_case(alone, v);
+  };
+  return c;
+}
+
 // ---- adaln_row_gather ------------------------------------------------------------
 
 struct GatherShape {
@@ -401,8 +481,48 @@ std::vector<OpCase> adaln_row_gather_cases(Suite suite, const CaseContext& ctx) 
   return cases;  // verify checks the gather against a direct byte gather (tools/verify_rowwise.cc)
 }
 
+std::vector<OpCase> gate_residual_rmsnorm_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    const Values v{false, 600};
+    bool d_h = true;
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t hidden : {12, 68, 256})
+        for (int64_t seq_len : {1, 255, 257})
+          for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+            const IndexCase index = make_index_case(packing, seq_len, 3, seq_len == 257 ? 2 : 1);
+            cases.push_back(gate_residual_rmsnorm_case({dtype, hidden, index, true, d_h}, v));
+            if (packing == Packing::kBlock) cases.push_back(gate_residual_rmsnorm_case({dtype, hidden, index, false, !d_h}, v));
+            d_h = !d_h;
+          }
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kBF16, 68, make_index_case(Packing::kInterleaved, 700, 4, 2), true, true, DType::kBF16}, v));
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kBF16, kH3Hidden, make_index_case(Packing::kBlock, 4097, 3, 2), true, true}, v));
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kBF16, kH3Hidden, make_index_case(Packing::kInterleaved, 4097, 3, 1), true, false}, v));
+    return cases;
+  }
+  if (suite == Suite::kBench) {
+    const Values v{false, ctx.seed + 700};
+    for (int64_t seq_len : bench_lengths(ctx))
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
+        cases.push_back(
+            gate_residual_rmsnorm_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2), true, true}, v));
+    return cases;
+  }
+  const Values v{true, ctx.seed + 70};
+  OpCase c = gate_residual_rmsnorm_case(
+      {DType::kBF16, ctx.hidden, make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2), true, true},
+      v);
+  c.name = "gate_msa then norm2, d_h";
+  cases.push_back(std::move(c));
+  return cases;
+}
+
 DETDIT_OP_CASES("rmsnorm", rmsnorm_cases);
 DETDIT_OP_CASES("gate_residual", gate_residual_cases);
+DETDIT_OP_CASES("gate_residual_rmsnorm", gate_residual_rmsnorm_cases);
 DETDIT_OP_CASES("adaln_row_gather", adaln_row_gather_cases);
 
 }  // namespace

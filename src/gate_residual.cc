@@ -10,22 +10,16 @@
 #include "common/backends.h"
 #include "common/scratch.h"
 #include "common/validate.h"
+#include "rowwise/backward.h"
 #include "rowwise/checks.h"
 
 namespace detdit {
 namespace rowwise {
 namespace {
 
-Status validate_gate_residual_forward(const GateResidualParams& p) {
-  int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.in.residual, "residual"));
-  DETDIT_RETURN_IF_ERROR(check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_like(p.in.y, "y", p.in.residual, "residual"));
-  DETDIT_RETURN_IF_ERROR(
-      check_table(p.in.gate, "gate", p.in.plan.num_rows(), hidden, p.in.residual, "residual", {p.in.residual.dtype}));
-  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.residual, "residual"));
-  return check_outputs_disjoint({{&p.in.residual, "residual"}, {&p.in.y, "y"}, {&p.in.gate, "gate"}}, {{&p.out, "out"}});
-}
+
+
+}  // namespace
 
 // rows (d_residual, d_y) + d_gate segment partials (G, H) of every chunk into
 // FP32 scratch + fold_segment_partials. The scratch is allocated before any
@@ -45,7 +39,16 @@ Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream st
   return backend::fold_segment_partials(device, p.in.plan, partials, p.d_gate, stream);
 }
 
-}  // namespace
+Status validate_gate_residual_forward(const GateResidualParams& p) {
+  int64_t hidden = 0;
+  DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.in.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_like(p.in.y, "y", p.in.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(
+      check_table(p.in.gate, "gate", p.in.plan.num_rows(), hidden, p.in.residual, "residual", {p.in.residual.dtype}));
+  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.residual, "residual"));
+  return check_outputs_disjoint({{&p.in.residual, "residual"}, {&p.in.y, "y"}, {&p.in.gate, "gate"}}, {{&p.out, "out"}});
+}
 
 Status validate_gate_residual_backward(const GateResidualBackwardParams& p) {
   int64_t hidden = 0;

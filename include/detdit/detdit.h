@@ -3,6 +3,7 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/linear.h"
 #include "detdit/numerics.h"
 #include "detdit/plan.h"

@@ -17,6 +17,7 @@
 #include "detdit/adaln.h"
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -126,5 +127,13 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
 Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& params, Stream stream = nullptr);
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream = nullptr);
+// The fused region (gate_residual_rmsnorm.h) on the local rows: the forward is
+// the WS1 op with the local index; the backward is the sp_rmsnorm backward of
+// d_out, the sum with d_h, then the sp_gate_residual backward of that sum, so
+// every output equals WS1's byte for byte.
+Status sp_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params,
+                                        Stream stream = nullptr);
+Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
+                                         const GateResidualRmsnormBackwardParams& params, Stream stream = nullptr);
 
 }  // namespace detdit

@@ -15,6 +15,7 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/linear.h"
 #include "detdit/numerics.h"
 #include "detdit/rmsnorm.h"
@@ -68,6 +69,8 @@ struct ExtraRows {
   X(adaln_row_gather_backward_partials, const AdalnRowGatherBackwardParams&, const TensorView&, Stream)  \
   X(rmsnorm_forward, const RmsnormParams&, Stream)                                                       \
   X(gate_residual_forward, const GateResidualParams&, Stream)                                            \
+  /* the fused region's forward: h = gate_residual, then (out, rstd) = rmsnorm of h */                  \
+  X(gate_residual_rmsnorm_forward, const GateResidualRmsnormParams&, Stream)                             \
   /* The halves of the rmsnorm and gate_residual backwards: rows, partials, folds. The public layer */   \
   /* composes them (src/rowwise/backward.h); the SP region runs them on a ChunkSelection. */            \
   X(rmsnorm_backward_rows, const RmsnormBackwardParams&, Stream) /* dx only */                           \

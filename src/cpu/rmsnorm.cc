@@ -170,6 +170,12 @@ Status rmsnorm_forward(const RmsnormParams& p, Stream) {
   return Status();
 }
 
+Status gate_residual_rmsnorm_forward(const GateResidualRmsnormParams& p, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(gate_residual_forward({{p.in.residual, p.in.y, p.in.gate, p.in.plan}, p.h}, stream));
+  return rmsnorm_forward(
+      {{p.h, p.in.weight, p.in.shift, p.in.scale, p.in.plan, p.in.eps, p.in.numerics}, p.out, p.rstd}, stream);
+}
+
 Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream) {
   if (!p.dx.present()) return Status();
   dispatch_float_dtype(p.in.x.dtype, [&](auto tag) { backward_rows<decltype(tag)>(p); });

@@ -41,7 +41,7 @@ constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
 constexpr int kCached = 12;
 
 struct RmsnormRowArgs {
-  const void* x;       // (M, H)
+  const void* x;       // (M, H); the fused region's forward computes it as h instead
   const void* weight;  // (H,)
   const void* shift;   // (R, H) row stride shift_stride, or nullptr (plain)
   const void* scale;   // (R, H) row stride scale_stride
@@ -54,14 +54,45 @@ struct RmsnormRowArgs {
   float* rstd;        // (M,) forward output or backward input
   const void* grad;   // backward (M, H)
   void* dx;           // backward (M, H)
+  // gate_residual_rmsnorm forward: x = h = R_T(rn(residual + R_T(rn(gate[r] * y)))), written to h
+  const void* residual;  // (M, H)
+  const void* y;         // (M, H)
+  const void* gate;      // (R, H) row stride gate_stride
+  int64_t gate_stride;
+  void* h;               // (M, H)
 };
 
-template <typename T, bool kVector>
+// The x vector j of row m: loaded, or (kGated) computed as h from the
+// residual, y and gate rows and stored to h on the way (gate_residual's
+// formula, numerics 5.7), so the norm reads exactly the h it returns.
+template <typename T, bool kVector, bool kGated>
+__device__ __forceinline__ void row_input(const RmsnormRowArgs& a, const T* gate_row, int64_t m, int64_t j,
+                                          ElemVec<T, kVec>& out) {
+  const int64_t offset = m * a.hidden + j * kVec;
+  if constexpr (kGated) {
+    float r[kVec], y[kVec], g[kVec], h[kVec];
+    load_elems<T, kVec, kVector>(static_cast<const T*>(a.residual) + offset, r);
+    load_elems<T, kVec, kVector>(static_cast<const T*>(a.y) + offset, y);
+    load_elems<T, kVec, kVector>(gate_row + j * kVec, g);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      h[e] = rowwise::gated_sum<T>(r[e], g[e], y[e]);
+      out.elems[e] = from_float<T>(h[e]);
+    }
+    store_elems<T, kVec, kVector>(static_cast<T*>(a.h) + offset, h);
+  } else {
+    load_stored<T, kVec, kVector>(static_cast<const T*>(a.x) + offset, out);
+  }
+}
+
+template <typename T, bool kVector, bool kGated>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
   const int64_t m = blockIdx.x;
   const int64_t vectors = a.hidden / kVec;
-  const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
+  const T* gate_row = kGated ? static_cast<const T*>(a.gate) +
+                                   rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride
+                             : nullptr;
   // Thread t's vectors j = t + 128*i, ascending i: the tree's order. The
   // cached vectors stay in x's storage type (24 registers for bf16, not 48).
   ElemVec<T, kVec> cached[kCached];
@@ -70,16 +101,20 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   for (int i = 0; i < kCached; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
     if (j < vectors) {
-      load_stored<T, kVec, kVector>(x + j * kVec, cached[i]);
+      row_input<T, kVector, kGated>(a, gate_row, m, j, cached[i]);
       float v[kVec];
       widen(cached[i], v);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
     }
   }
+  // Vectors past the cache: read again in the output pass (the fused forward
+  // reads them back from the h it wrote; the same thread wrote them).
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
+    ElemVec<T, kVec> stored;
+    row_input<T, kVector, kGated>(a, gate_row, m, j, stored);
     float v[kVec];
-    load_elems<T, kVec, kVector>(x + j * kVec, v);
+    widen(stored, v);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
   }
@@ -88,9 +123,10 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
   const T* w = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.out) + m * a.hidden;
+  const T* x = static_cast<const T*>(kGated ? a.h : a.x) + m * a.hidden;  // (H,) row m
   const T* shift = nullptr;
   const T* scale = nullptr;
-  if (a.row_of_seq) {
+  if (a.shift) {
     const int64_t r = rowwise::table_row(a.row_of_seq, m, a.seq_len);
     shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
     scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
@@ -135,7 +171,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
   const T* g = static_cast<const T*>(a.grad) + m * a.hidden;
   const T* w = static_cast<const T*>(a.weight);
   const T* scale =
-      a.row_of_seq ? static_cast<const T*>(a.scale) + rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.scale_stride
+      a.scale ? static_cast<const T*>(a.scale) + rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.scale_stride
                    : nullptr;
   const float rstd = a.rstd[m];
   // d_n of vector j from its grad (d_n = g, or rn(g * t1) when modulated).
@@ -452,11 +488,23 @@ template <typename T>
 bool rows_vectorizable(const RmsnormRowArgs& a, std::initializer_list<const void*> pointers) {
   for (const void* q : pointers)
     if (q && !address_aligned(q, kVec * sizeof(T))) return false;
-  if (a.row_of_seq) {
+  if (a.shift) {
     if (!address_aligned(a.shift, kVec * sizeof(T)) || !address_aligned(a.scale, kVec * sizeof(T))) return false;
     if (a.shift_stride % kVec != 0 || a.scale_stride % kVec != 0) return false;
   }
   return true;
+}
+
+// One 128-thread block per row; vector accesses when every row the kernel
+// touches is aligned to a 4-element vector (else scalar ones, the same values).
+template <typename T, bool kGated>
+Status launch_rmsnorm_forward(const RmsnormRowArgs& a, int64_t rows, std::initializer_list<const void*> pointers,
+                              cudaStream_t stream, bool also_aligned = true) {
+  if (rows_vectorizable<T>(a, pointers) && also_aligned)
+    rmsnorm_forward_block_per_row_kernel<T, true, kGated><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, stream>>>(a);
+  else
+    rmsnorm_forward_block_per_row_kernel<T, false, kGated><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, stream>>>(a);
+  return launch_status(kGated ? "rmsnorm_forward_block_per_row_kernel<gated>" : "rmsnorm_forward_block_per_row_kernel");
 }
 
 RmsnormRowArgs row_args(const TensorView& x, const TensorView& weight, const TensorView& shift,
@@ -490,12 +538,33 @@ Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
   if (rows == 0) return Status();
   cudaStream_t s = as_cuda_stream(stream);
   return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
+    return launch_rmsnorm_forward<decltype(tag), false>(a, rows, {a.x, a.weight, a.out}, s);
+  });
+}
+
+Status gate_residual_rmsnorm_forward(const GateResidualRmsnormParams& p, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.h.device));
+  const GateResidualRmsnormInputs& in = p.in;
+  RmsnormRowArgs a = row_args(p.h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics);
+  a.x = nullptr;  // the kernel computes h
+  a.residual = in.residual.data;
+  a.y = in.y.data;
+  a.gate = in.gate.data;
+  a.gate_stride = in.gate.strides[0];
+  a.row_of_seq = in.plan.device_tables().row_of_seq;
+  a.seq_len = in.plan.seq_len();
+  a.h = p.h.data;
+  a.out = p.out.data;
+  a.rstd = p.rstd.ptr<float>();
+  const int64_t rows = p.h.numel() / a.hidden;
+  if (rows == 0) return Status();
+  return dispatch_float_dtype(p.h.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (rows_vectorizable<T>(a, {a.x, a.weight, a.out}))
-      rmsnorm_forward_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
-    else
-      rmsnorm_forward_block_per_row_kernel<T, false><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
-    return launch_status("rmsnorm_forward_block_per_row_kernel");
+    // the gate rows must allow vector loads too
+    const bool gate_aligned = a.gate_stride % kVec == 0 && address_aligned(a.gate, kVec * sizeof(T));
+    return launch_rmsnorm_forward<T, true>(a, rows, {a.residual, a.y, a.h, a.weight, a.out, gate_aligned ? a.gate : nullptr},
+                                           as_cuda_stream(stream), gate_aligned);
   });
 }
 

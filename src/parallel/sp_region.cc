@@ -215,6 +215,14 @@ Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& para
   return gate_residual_forward(local, stream);
 }
 
+Status sp_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, true));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.residual, "residual"));
+  GateResidualRmsnormParams local = params;
+  local.in.plan = sp.local_plan();
+  return gate_residual_rmsnorm_forward(local, stream);
+}
+
 // ---------------------------------------------------------------- backward
 
 Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
@@ -325,6 +333,36 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
   DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, {&gate}, block, stream));
   const TensorView all = TensorView::contiguous(gate.global, DType::kF32, {gate.total, hidden}, device);
   return backend::fold_segment_partials(device, plan.global, all, params.d_gate, stream);
+}
+
+Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
+                                         const GateResidualRmsnormBackwardParams& params, Stream stream) {
+  const GateResidualRmsnormBackwardParams& p = params;
+  const GateResidualRmsnormInputs& in = p.in;
+  // g, the gradient of h: d_residual when kept, else scratch (allocated
+  // before the first collective, like the halves' own scratch).
+  TensorView g = p.d_residual;
+  std::shared_ptr<void> owner;
+  if (!g.present() && p.h.present() && (p.d_y.present() || p.d_gate.present())) {
+    g = p.h;
+    DETDIT_RETURN_IF_ERROR(allocate_scratch(p.h.device, p.h.nbytes(), stream, &owner));
+    g.data = owner.get();
+  }
+  const RmsnormBackwardParams norm{{p.h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics},
+                                   p.rstd,
+                                   p.d_out,
+                                   g,
+                                   p.d_weight,
+                                   p.d_shift,
+                                   p.d_scale};
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, norm, stream));
+  if (!g.present()) return Status();
+  if (p.d_h.present()) {
+    DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_h, "d_h", p.h, "h"));
+    DETDIT_RETURN_IF_ERROR(backend::add(g.device, g, p.d_h, g, stream));
+  }
+  return sp_gate_residual_backward(comm, sp, {{in.residual, in.y, in.gate, in.plan}, g, TensorView(), p.d_y, p.d_gate},
+                                   stream);
 }
 
 }  // namespace detdit

@@ -5,13 +5,14 @@
 // the folds. One composition serves the CPU and CUDA, and the sequence-parallel
 // region (src/parallel/sp_region.cc) runs the same halves on the chunks a rank
 // owns and the same folds, so each order of operations is written once.
-// rmsnorm's composition is declared here because final_adaln_out and the SP
-// region share it; gate_residual's and adaln_row_gather's have one caller
-// file each and live there (src/gate_residual.cc, src/adaln.cc).
+// rmsnorm's and gate_residual's compositions are declared here because
+// final_adaln_out, gate_residual_rmsnorm and the SP region share them;
+// adaln_row_gather's has one caller file and lives there (src/adaln.cc).
 //
 // Params must already be validated (rowwise/checks.h); nothing here checks.
 #pragma once
 
+#include "detdit/gate_residual.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
@@ -22,6 +23,10 @@ namespace rowwise {
 // rmsnorm_backward after validate_rmsnorm_backward: rows (dx) + partials of
 // every chunk + fold_rmsnorm_partials (also run by final_adaln_out).
 Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream);
+
+// gate_residual_backward after validate_gate_residual_backward: rows
+// (d_residual, d_y) + d_gate segment partials of every chunk + the fold.
+Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);
 
 // d_weight = fold of the chunk partials (C, H); d_shift / d_scale = folds of
 // the [shift | scale] column halves of the segment partials (G, 2H) over

@@ -44,8 +44,10 @@ Status validate_rmsnorm_forward(const RmsnormParams& p);
 Status validate_rmsnorm_backward(const RmsnormBackwardParams& p);
 // The gather backward's grad and d_rows (also run by adaln_modulation).
 Status validate_adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p);
-// The complete validation of the public gate_residual_backward (also run by
-// sp_gate_residual_backward on the local rows with the local plan).
+// The complete validation of the public gate_residual entry points (the
+// backward's also run by sp_gate_residual_backward on the local rows with the
+// local plan; both by gate_residual_rmsnorm on its halves).
+Status validate_gate_residual_forward(const GateResidualParams& p);
 Status validate_gate_residual_backward(const GateResidualBackwardParams& p);
 
 }  // namespace rowwise

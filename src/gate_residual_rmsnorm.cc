@@ -1,0 +1,105 @@
+// Public gate_residual_rmsnorm entry points (include/detdit/gate_residual_rmsnorm.h,
+// docs/numerics.md 5.11, 6.10): validate both halves and the outputs against
+// every input, allocate the scratch, then run the backend on the tensors'
+// device. Nothing is written on error.
+//
+// The backward is the composition autograd runs through the two ops, written
+// once for both devices: the rmsnorm backward of d_out (dx into g, the partials
+// of d_weight, d_shift, d_scale, their folds), g = R_T(rn(g + d_h)), then the
+// gate_residual backward of g (d_y, the d_gate partials, their fold), with
+// d_residual = g itself (g lives in d_residual when the caller wants it).
+#include "detdit/gate_residual_rmsnorm.h"
+
+#include <memory>
+
+#include "common/backends.h"
+#include "common/scratch.h"
+#include "common/validate.h"
+#include "detdit/gate_residual.h"
+#include "detdit/rmsnorm.h"
+#include "rowwise/backward.h"
+#include "rowwise/checks.h"
+
+namespace detdit {
+namespace {
+
+RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h) {
+  return RmsnormInputs{h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics};
+}
+
+GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in) {
+  return GateResidualInputs{in.residual, in.y, in.gate, in.plan};
+}
+
+// The halves' validations name the tensors as the separate ops do (x, out,
+// grad, dx); the fused op's own names are checked first, so its errors name them.
+Status validate_forward(const GateResidualRmsnormParams& p) {
+  int64_t hidden = 0;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.h, "h", p.in.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.out, "out", p.in.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward({gate_inputs(p.in), p.h}));
+  DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward({norm_inputs(p.in, p.h), p.out, p.rstd}));
+  const GateResidualRmsnormInputs& in = p.in;
+  return rowwise::check_outputs_disjoint({{&in.residual, "residual"}, {&in.y, "y"}, {&in.gate, "gate"},
+                                          {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"}},
+                                         {{&p.h, "h"}, {&p.out, "out"}, {&p.rstd, "rstd"}});
+}
+
+// g: the gradient of h (d_residual, or scratch when the caller does not keep it).
+RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
+  return RmsnormBackwardParams{norm_inputs(p.in, p.h), p.rstd,    p.d_out,  g, p.d_weight,
+                               p.d_shift,                p.d_scale};
+}
+
+GateResidualBackwardParams gate_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
+  return GateResidualBackwardParams{gate_inputs(p.in), g, TensorView(), p.d_y, p.d_gate};
+}
+
+Status validate_backward(const GateResidualRmsnormBackwardParams& p) {
+  int64_t hidden = 0;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.h, "h", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_out, "d_out", p.h, "h"));
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_h, "d_h", p.h, "h"));
+  if (p.d_residual.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_residual, "d_residual", p.h, "h"));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm_backward(p, p.d_residual)));
+  GateResidualBackwardParams gate = gate_backward(p, p.d_out);
+  gate.d_residual = p.d_residual;
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_backward(gate));
+  const GateResidualRmsnormInputs& in = p.in;
+  return rowwise::check_outputs_disjoint(
+      {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"},
+       {&p.h, "h"}, {&p.rstd, "rstd"}, {&p.d_out, "d_out"}, {&p.d_h, "d_h"}},
+      {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}, {&p.d_weight, "d_weight"},
+       {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
+}
+
+}  // namespace
+
+Status gate_residual_rmsnorm_forward(const GateResidualRmsnormParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_forward(params));
+  return backend::gate_residual_rmsnorm_forward(params.h.device, params, stream);
+}
+
+Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_backward(params));
+  const GateResidualRmsnormBackwardParams& p = params;
+  const Device device = p.h.device;
+  // g = d_residual when kept; else scratch, needed by d_y and d_gate (and by
+  // nothing when only the norm's gradients are asked for).
+  TensorView g = p.d_residual;
+  std::shared_ptr<void> owner;
+  if (!g.present() && (p.d_y.present() || p.d_gate.present())) {
+    g = p.h;
+    DETDIT_RETURN_IF_ERROR(allocate_scratch(device, p.h.nbytes(), stream, &owner));
+    g.data = owner.get();
+  }
+  DETDIT_RETURN_IF_ERROR(rowwise::run_rmsnorm_backward(norm_backward(p, g), stream));
+  if (!g.present()) return Status();
+  // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to T
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(device, g, p.d_h, g, stream));
+  return rowwise::run_gate_residual_backward(gate_backward(p, g), stream);
+}
+
+}  // namespace detdit
