@@ -21,22 +21,33 @@ namespace {
 
 }  // namespace
 
-// rows (d_residual, d_y) + d_gate segment partials (G, H) of every chunk into
-// FP32 scratch + fold_segment_partials. The scratch is allocated before any
-// launch, so a failed allocation writes nothing.
-Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
-  const Device device = p.grad.device;
-  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
-  std::shared_ptr<void> owner;
-  TensorView partials;
-  if (p.d_gate.present())
-    DETDIT_RETURN_IF_ERROR(
-        scratch_tensor(device, DType::kF32, {p.in.plan.num_segments(), hidden}, stream, &owner, &partials));
-  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, p, stream));
+Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream, GatePartials* partials) {
+  *partials = GatePartials();
   if (!p.d_gate.present()) return Status();
+  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
+  return scratch_tensor(p.grad.device, DType::kF32, {p.in.plan.num_segments(), hidden}, stream, &partials->owner,
+                        &partials->gate);
+}
+
+Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream) {
+  const Device device = p.grad.device;
+  bool launched = false;
+  if (device.is_cuda())
+    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_backward_single_pass(p, partials.gate, stream, &launched));
+  if (launched) return Status();
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, p, stream));
+  if (!partials.gate.present()) return Status();
   const ChunkSelection every_chunk;
-  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, p, every_chunk, ExtraRows{}, partials, stream));
-  return backend::fold_segment_partials(device, p.in.plan, partials, p.d_gate, stream);
+  return backend::gate_residual_backward_partials(device, p, every_chunk, ExtraRows{}, partials.gate, stream);
+}
+
+Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
+  // The scratch first, so a failed allocation writes nothing.
+  GatePartials partials;
+  DETDIT_RETURN_IF_ERROR(allocate_gate_partials(p, stream, &partials));
+  DETDIT_RETURN_IF_ERROR(gate_rows_and_partials(p, partials, stream));
+  if (!p.d_gate.present()) return Status();
+  return backend::fold_segment_partials(p.grad.device, p.in.plan, partials.gate, p.d_gate, stream);
 }
 
 Status validate_gate_residual_forward(const GateResidualParams& p) {

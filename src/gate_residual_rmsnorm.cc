@@ -5,9 +5,10 @@
 //
 // The backward is the composition autograd runs through the two ops, written
 // once for both devices: the rmsnorm backward of d_out (dx into g, the partials
-// of d_weight, d_shift, d_scale, their folds), g = R_T(rn(g + d_h)), then the
-// gate_residual backward of g (d_y, the d_gate partials, their fold), with
-// d_residual = g itself (g lives in d_residual when the caller wants it).
+// of d_weight, d_shift, d_scale), g = R_T(rn(g + d_h)), then the gate_residual
+// backward of g (d_y, the d_gate partials), with d_residual = g itself (g lives
+// in d_residual when the caller wants it); then the folds. On a GPU that runs
+// it, one single-pass kernel computes all of it but the folds (the same bits).
 #include "detdit/gate_residual_rmsnorm.h"
 
 #include <memory>
@@ -86,20 +87,35 @@ Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p
   DETDIT_RETURN_IF_ERROR(validate_backward(params));
   const GateResidualRmsnormBackwardParams& p = params;
   const Device device = p.h.device;
-  // g = d_residual when kept; else scratch, needed by d_y and d_gate (and by
-  // nothing when only the norm's gradients are asked for).
+  // Scratch first, so a failed allocation writes nothing: the partials of both
+  // halves, and g (the gradient of h) when the caller does not keep it in
+  // d_residual yet d_y or d_gate need it (the halves only: the single-pass
+  // kernel keeps g in shared memory).
+  rowwise::RmsnormPartials norm_partials;
+  rowwise::GatePartials gate_partials;
+  DETDIT_RETURN_IF_ERROR(rowwise::allocate_rmsnorm_partials(norm_backward(p, p.d_residual), stream, &norm_partials));
+  DETDIT_RETURN_IF_ERROR(rowwise::allocate_gate_partials(gate_backward(p, p.d_out), stream, &gate_partials));
+  bool launched = false;
+  if (device.is_cuda())
+    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_rmsnorm_backward_single_pass(p, norm_partials.weight, norm_partials.table,
+                                                                            gate_partials.gate, stream, &launched));
   TensorView g = p.d_residual;
-  std::shared_ptr<void> owner;
-  if (!g.present() && (p.d_y.present() || p.d_gate.present())) {
-    g = p.h;
-    DETDIT_RETURN_IF_ERROR(allocate_scratch(device, p.h.nbytes(), stream, &owner));
-    g.data = owner.get();
+  if (!launched) {
+    std::shared_ptr<void> owner;
+    if (!g.present() && (p.d_y.present() || p.d_gate.present())) {
+      g = p.h;
+      DETDIT_RETURN_IF_ERROR(allocate_scratch(device, p.h.nbytes(), stream, &owner));
+      g.data = owner.get();
+    }
+    DETDIT_RETURN_IF_ERROR(rowwise::rmsnorm_rows_and_partials(norm_backward(p, g), norm_partials, stream));
+    // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to T
+    if (g.present() && p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(device, g, p.d_h, g, stream));
+    if (g.present()) DETDIT_RETURN_IF_ERROR(rowwise::gate_rows_and_partials(gate_backward(p, g), gate_partials, stream));
   }
-  DETDIT_RETURN_IF_ERROR(rowwise::run_rmsnorm_backward(norm_backward(p, g), stream));
-  if (!g.present()) return Status();
-  // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to T
-  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(device, g, p.d_h, g, stream));
-  return rowwise::run_gate_residual_backward(gate_backward(p, g), stream);
+  DETDIT_RETURN_IF_ERROR(rowwise::fold_rmsnorm_partials(norm_backward(p, g), norm_partials.weight,
+                                                        norm_partials.table, stream));
+  if (!p.d_gate.present()) return Status();
+  return backend::fold_segment_partials(device, p.in.plan, gate_partials.gate, p.d_gate, stream);
 }
 
 }  // namespace detdit

@@ -116,35 +116,47 @@ Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& w
   return Status();
 }
 
-Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
+Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, RmsnormPartials* partials) {
   const Device device = p.in.x.device;
   const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
   // positions: the plan's B*S; a plain norm without a plan reduces its own rows.
   const int64_t positions = p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden;
   const int64_t chunks = (positions + kReductionChunk - 1) / kReductionChunk;
   const bool tables = p.in.shift.present() && (p.d_shift.present() || p.d_scale.present());
-  // One FP32 scratch: d_weight chunk partials (C, H), then the table segment
-  // partials (G, 2H). Allocated before any launch, so a failed allocation
-  // writes nothing.
   const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
   const int64_t table_floats = tables ? p.in.plan.num_segments() * 2 * hidden : 0;
-  std::shared_ptr<void> owner;
-  TensorView scratch, weight_partials, table_partials;
-  if (weight_floats + table_floats > 0) {
-    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32, {weight_floats + table_floats}, stream, &owner,
-                                          &scratch));
-    if (p.d_weight.present())
-      weight_partials = TensorView::contiguous(scratch.ptr<float>(), DType::kF32, {chunks, hidden}, device);
-    if (tables)
-      table_partials = TensorView::contiguous(scratch.ptr<float>() + weight_floats, DType::kF32,
-                                              {p.in.plan.num_segments(), 2 * hidden}, device);
-  }
-  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, p, stream));
-  if (!scratch.present()) return Status();
-  const ChunkSelection every_chunk;
+  *partials = RmsnormPartials();
+  if (weight_floats + table_floats == 0) return Status();
+  TensorView scratch;
   DETDIT_RETURN_IF_ERROR(
-      backend::rmsnorm_backward_partials(device, p, every_chunk, ExtraRows{}, weight_partials, table_partials, stream));
-  return fold_rmsnorm_partials(p, weight_partials, table_partials, stream);
+      scratch_tensor(device, DType::kF32, {weight_floats + table_floats}, stream, &partials->owner, &scratch));
+  if (p.d_weight.present())
+    partials->weight = TensorView::contiguous(scratch.ptr<float>(), DType::kF32, {chunks, hidden}, device);
+  if (tables)
+    partials->table = TensorView::contiguous(scratch.ptr<float>() + weight_floats, DType::kF32,
+                                             {p.in.plan.num_segments(), 2 * hidden}, device);
+  return Status();
+}
+
+Status rmsnorm_rows_and_partials(const RmsnormBackwardParams& p, const RmsnormPartials& partials, Stream stream) {
+  const Device device = p.in.x.device;
+  bool launched = false;
+  if (device.is_cuda())
+    DETDIT_RETURN_IF_ERROR(cuda::rmsnorm_backward_single_pass(p, partials.weight, partials.table, stream, &launched));
+  if (launched) return Status();
+  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, p, stream));
+  if (!partials.weight.present() && !partials.table.present()) return Status();
+  const ChunkSelection every_chunk;
+  return backend::rmsnorm_backward_partials(device, p, every_chunk, ExtraRows{}, partials.weight, partials.table,
+                                            stream);
+}
+
+Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
+  // The scratch first, so a failed allocation writes nothing.
+  RmsnormPartials partials;
+  DETDIT_RETURN_IF_ERROR(allocate_rmsnorm_partials(p, stream, &partials));
+  DETDIT_RETURN_IF_ERROR(rmsnorm_rows_and_partials(p, partials, stream));
+  return fold_rmsnorm_partials(p, partials.weight, partials.table, stream);
 }
 
 }  // namespace rowwise

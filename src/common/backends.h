@@ -103,6 +103,16 @@ struct ExtraRows {
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \
+  /* The single-pass backwards: the rows and the partials of every chunk from one read of the rows, */  \
+  /* bitwise equal to the halves; *launched = false when this GPU cannot run them (the caller runs */   \
+  /* the halves). Partials as the halves' (absent: not computed). */                                   \
+  /* rmsnorm_backward_single_pass(p, weight_partials (C, H), table_partials (G, 2H), stream, launched) */ \
+  X(rmsnorm_backward_single_pass, const RmsnormBackwardParams&, const TensorView&, const TensorView&, Stream, bool*) \
+  /* (p, weight_partials, table_partials, gate_partials (G, H), stream, launched) */                    \
+  X(gate_residual_rmsnorm_backward_single_pass, const GateResidualRmsnormBackwardParams&, const TensorView&,   \
+    const TensorView&, const TensorView&, Stream, bool*)                                                 \
+  /* (p, partials (G, H), stream, launched) */                                                          \
+  X(gate_residual_backward_single_pass, const GateResidualBackwardParams&, const TensorView&, Stream, bool*) \
   /* copy_to_host(device_src, host_dst, bytes, device): synchronises `stream` (plan building reads a */  \
   /* CUDA index once on the host) */                                                                    \
   X(copy_to_host, const void*, void*, std::size_t, const Device&, Stream)                                \

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/storage.h"
+#include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
 

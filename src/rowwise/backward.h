@@ -12,6 +12,8 @@
 // Params must already be validated (rowwise/checks.h); nothing here checks.
 #pragma once
 
+#include <memory>
+
 #include "detdit/gate_residual.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -20,12 +22,34 @@
 namespace detdit {
 namespace rowwise {
 
-// rmsnorm_backward after validate_rmsnorm_backward: rows (dx) + partials of
-// every chunk + fold_rmsnorm_partials (also run by final_adaln_out).
+// The FP32 scratch of rmsnorm's cross-row partials: d_weight's chunk partials
+// (C, H) and the table segment partials (G, 2H) [d_shift | d_scale], each
+// absent when its outputs are.
+struct RmsnormPartials {
+  std::shared_ptr<void> owner;
+  TensorView weight, table;
+};
+Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, RmsnormPartials* partials);
+// dx and the partials of every chunk: the single-pass kernel where the GPU
+// runs it, else the halves (rows, then partials): the same bits.
+Status rmsnorm_rows_and_partials(const RmsnormBackwardParams& p, const RmsnormPartials& partials, Stream stream);
+
+// rmsnorm_backward after validate_rmsnorm_backward: the partials' scratch,
+// rows and partials, fold_rmsnorm_partials (also run by final_adaln_out).
 Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream);
 
-// gate_residual_backward after validate_gate_residual_backward: rows
-// (d_residual, d_y) + d_gate segment partials of every chunk + the fold.
+// gate_residual's d_gate segment partials (G, H), absent without d_gate.
+struct GatePartials {
+  std::shared_ptr<void> owner;
+  TensorView gate;
+};
+Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream, GatePartials* partials);
+// d_residual, d_y and the d_gate partials of every chunk: single pass where
+// the GPU runs it, else the halves.
+Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream);
+
+// gate_residual_backward after validate_gate_residual_backward: the scratch,
+// rows and partials, the fold.
 Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);
 
 // d_weight = fold of the chunk partials (C, H); d_shift / d_scale = folds of
