@@ -2,6 +2,7 @@
 #include "io/manifest.h"
 
 #include <cstdio>
+#include <unordered_set>
 
 namespace detdit {
 namespace io {
@@ -167,10 +168,12 @@ void compare_to_manifest(const SafetensorsFile& file, const ManifestConfig& conf
                              shape_to_string(e.shape));
     }
   }
+  // A set, not a scan per tensor: a file of many tensors (a header may hold
+  // millions of zero-size ones) must not make this quadratic.
+  std::unordered_set<std::string> known;
+  for (const ManifestEntry& e : expected) known.insert(e.name);
   for (const TensorEntry& got : file.entries()) {
-    bool known = false;
-    for (const ManifestEntry& e : expected) known = known || e.name == got.name;
-    if (!known) extras->push_back(got.name + " (" + describe_entry(got.dtype, got.shape) + ")");
+    if (known.count(got.name) == 0) extras->push_back(got.name + " (" + describe_entry(got.dtype, got.shape) + ")");
   }
 }
 

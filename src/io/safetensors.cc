@@ -2,9 +2,7 @@
 // in safetensors.h.
 #include "io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,8 +11,11 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <new>
 #include <set>
-#include <stdexcept>
+#include <unordered_set>
+
+#include "io/files.h"
 
 namespace detdit {
 namespace io {
@@ -23,11 +24,24 @@ namespace {
 using Json = nlohmann::json;
 
 // The header never nests deeper than {name: {shape: [..]}}; anything deeper is
-// refused while parsing, which also bounds the parser's work on hostile input.
+// refused while parsing, before a DOM of it is built.
 constexpr int kMaxHeaderDepth = 3;
 
 Status malformed(const std::string& file, const std::string& problem) {
   return Status::value_error(file + ": " + problem);
+}
+
+// Runs `body`, turning std::bad_alloc into a RuntimeError naming the file: no
+// exception leaves the reader or the writer. Their allocations are bounded by
+// the input (a header of at most 100 MiB needs a DOM of a few hundred MB; the
+// writer's buffer is one tensor), yet may exceed the memory at hand.
+template <typename Body>
+Status out_of_memory_is_an_error(const std::string& file, Body body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Status::runtime_error(file + ": out of memory");
+  }
 }
 
 bool host_is_little_endian() {
@@ -43,38 +57,77 @@ uint64_t read_le64(const uint8_t* p) {
   return v;
 }
 
-// Thrown from the parser callback to stop at the first structural problem
-// nlohmann would otherwise accept (duplicate keys, deep nesting).
-struct HeaderRejected : std::runtime_error {
-  using std::runtime_error::runtime_error;
+// What nlohmann's DOM parser accepts and the reader must not: a key twice in
+// one object (nlohmann keeps the last silently) and nesting deeper than
+// kMaxHeaderDepth. Checked by a SAX pass before the DOM is built, in time
+// linear in the header: one hash set of keys per open object. (nlohmann's
+// callback parser, used for this before, rescans the parent object at every
+// object end: quadratic in the entry count, minutes for a 7 MB header.)
+class HeaderStructureCheck final : public nlohmann::json_sax<Json> {
+ public:
+  // Empty while the header is acceptable; else the problem, for the message.
+  const std::string& problem() const { return problem_; }
+
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override {
+    if (!value()) return false;
+    ++open_;
+    keys_of_open_objects_.emplace_back();
+    return true;
+  }
+  bool key(string_t& key) override {
+    if (!value()) return false;
+    if (keys_of_open_objects_.back().insert(key).second) return true;
+    problem_ = "header JSON has the key \"" + key + "\" twice" + (open_ == 1 ? " (a duplicated tensor name)" : "");
+    return false;
+  }
+  bool end_object() override {
+    --open_;
+    keys_of_open_objects_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    if (!value()) return false;
+    ++open_;
+    return true;
+  }
+  bool end_array() override {
+    --open_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    problem_ = std::string("header is not valid JSON: ") + e.what();
+    return false;
+  }
+
+ private:
+  // Every value, key and container start sits inside `open_` containers.
+  bool value() {
+    if (open_ <= kMaxHeaderDepth) return true;
+    problem_ = "header JSON nests deeper than " + std::to_string(kMaxHeaderDepth) +
+               " levels; a safetensors header is {name: {dtype, shape, data_offsets}}";
+    return false;
+  }
+
+  int open_ = 0;
+  std::vector<std::unordered_set<std::string>> keys_of_open_objects_;
+  std::string problem_;
 };
 
-// Parses the header JSON, refusing duplicate keys at any depth (nlohmann keeps
-// the last one silently) and nesting deeper than kMaxHeaderDepth.
+// Parses the header JSON after the structure check.
 Status parse_header_json(const char* begin, const char* end, const std::string& file, Json* header) {
-  std::vector<std::set<std::string>> keys_of_open_objects;
-  Json::parser_callback_t track_keys = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (depth > kMaxHeaderDepth) {
-      throw HeaderRejected("header JSON nests deeper than " + std::to_string(kMaxHeaderDepth) +
-                           " levels; a safetensors header is {name: {dtype, shape, data_offsets}}");
-    }
-    if (event == Json::parse_event_t::object_start) {
-      keys_of_open_objects.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      if (!keys_of_open_objects.empty()) keys_of_open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && !keys_of_open_objects.empty()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!keys_of_open_objects.back().insert(key).second) {
-        throw HeaderRejected("header JSON has the key \"" + key + "\" twice" +
-                             (depth == 1 ? " (a duplicated tensor name)" : ""));
-      }
-    }
-    return true;
-  };
   try {
-    *header = Json::parse(begin, end, track_keys);
-  } catch (const HeaderRejected& e) {
-    return malformed(file, e.what());
+    HeaderStructureCheck check;
+    if (!Json::sax_parse(begin, end, &check)) {
+      return malformed(file, check.problem().empty() ? "header is not valid JSON" : check.problem());
+    }
+    *header = Json::parse(begin, end);
   } catch (const Json::exception& e) {
     return malformed(file, std::string("header is not valid JSON: ") + e.what());
   }
@@ -235,6 +288,11 @@ int64_t TensorEntry::numel() const {
 }
 
 Status SafetensorsFile::parse(const uint8_t* bytes, uint64_t size, const std::string& name, SafetensorsFile* file) {
+  return out_of_memory_is_an_error(name, [&] { return parse_unguarded(bytes, size, name, file); });
+}
+
+Status SafetensorsFile::parse_unguarded(const uint8_t* bytes, uint64_t size, const std::string& name,
+                                        SafetensorsFile* file) {
   if (!host_is_little_endian()) {
     return Status::runtime_error(name + ": safetensors data is little-endian and this host is not");
   }
@@ -276,24 +334,16 @@ Status SafetensorsFile::parse(const uint8_t* bytes, uint64_t size, const std::st
     parsed.entries_.push_back(std::move(entry));
   }
   DETDIT_RETURN_IF_ERROR(check_ranges(&parsed.entries_, size - 8 - header_bytes, name));
+  parsed.index_.reserve(parsed.entries_.size());
+  for (std::size_t i = 0; i < parsed.entries_.size(); ++i) parsed.index_.emplace(parsed.entries_[i].name, i);
   *file = std::move(parsed);
   return Status::ok_status();
 }
 
 Status SafetensorsFile::open(const std::string& path, SafetensorsFile* file) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::runtime_error(path + ": cannot open: " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    return Status::runtime_error(path + ": cannot stat: " + std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Status::value_error(path + ": not a regular file");
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  int fd = -1;
+  uint64_t size = 0;
+  DETDIT_RETURN_IF_ERROR(open_regular_file(path, &fd, &size));
   if (size < 8) {
     ::close(fd);
     return malformed(path, "truncated: " + std::to_string(size) +
@@ -303,20 +353,20 @@ Status SafetensorsFile::open(const std::string& path, SafetensorsFile* file) {
   int err = errno;
   ::close(fd);  // the mapping keeps the file referenced
   if (mapped == MAP_FAILED) return Status::runtime_error(path + ": cannot mmap: " + std::strerror(err));
-  std::shared_ptr<const void> mapping(mapped, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
-
-  SafetensorsFile parsed;
-  DETDIT_RETURN_IF_ERROR(parse(static_cast<const uint8_t*>(mapped), size, path, &parsed));
-  parsed.mapping_ = std::move(mapping);
-  *file = std::move(parsed);
-  return Status::ok_status();
+  return out_of_memory_is_an_error(path, [&] {
+    // (A failed allocation of the control block unmaps through the deleter.)
+    std::shared_ptr<const void> mapping(mapped, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
+    SafetensorsFile parsed;
+    DETDIT_RETURN_IF_ERROR(parse_unguarded(static_cast<const uint8_t*>(mapped), size, path, &parsed));
+    parsed.mapping_ = std::move(mapping);
+    *file = std::move(parsed);
+    return Status::ok_status();
+  });
 }
 
 const TensorEntry* SafetensorsFile::find(const std::string& name) const {
-  for (const TensorEntry& e : entries_) {
-    if (e.name == name) return &e;
-  }
-  return nullptr;
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
 }
 
 Status SafetensorsFile::view(const std::string& name, TensorView* view) const {
