@@ -132,6 +132,14 @@ Status infer_manifest_config(const SafetensorsFile& file, ManifestConfig* config
       return Status::value_error(file.path() + ": tensor \"" + name + "\" must have rank " + std::to_string(rank) +
                                  ", got " + shape_to_string(e->shape));
     }
+    // A zero dimension would leave the other one unbounded by the file's
+    // bytes ([0, 2^40] is an empty tensor), and the ops sized by it with it.
+    for (int64_t d : e->shape) {
+      if (d < 1) {
+        return Status::value_error(file.path() + ": tensor \"" + name + "\" is " + shape_to_string(e->shape) +
+                                   ": the model's dimensions must be positive");
+      }
+    }
     *shape = e->shape;
     return Status::ok_status();
   };

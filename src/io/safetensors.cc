@@ -256,6 +256,107 @@ Status check_ranges(std::vector<TensorEntry>* entries, uint64_t data_size, const
   return Status::ok_status();
 }
 
+Status write_unguarded(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata, const std::function<Status()>& before_rename) {
+  // Validate every input before creating any file.
+  DETDIT_RETURN_IF_ERROR(check_replaceable(path));
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::set<std::string> names;
+  std::vector<uint64_t> sizes;
+  uint64_t offset = 0;
+  for (const TensorToWrite& t : tensors) {
+    if (t.name.empty() || t.name == "__metadata__") {
+      return Status::value_error(path + ": cannot write a tensor named \"" + t.name + "\"");
+    }
+    if (!names.insert(t.name).second) return Status::value_error(path + ": tensor \"" + t.name + "\" given twice");
+    if (!t.fill) return Status::value_error(path + ": tensor \"" + t.name + "\" has no producer");
+    uint64_t bytes = dtype_size(t.dtype);
+    for (int64_t d : t.shape) {
+      if (d < 0) return Status::value_error(path + ": tensor \"" + t.name + "\" has a negative dimension");
+      if (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
+        return Status::value_error(path + ": tensor \"" + t.name + "\" is too large");
+      }
+      bytes *= static_cast<uint64_t>(d);
+    }
+    if (bytes > std::numeric_limits<uint64_t>::max() - offset) {
+      return Status::value_error(path + ": the tensors up to \"" + t.name + "\" exceed 2^64 bytes");
+    }
+    header[t.name] = {{"dtype", safetensors_dtype_string(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    sizes.push_back(bytes);
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  // Spaces after the JSON are legal padding; they put the data section on a
+  // 64-byte boundary so bf16/fp32 views meet the ops' 16-byte alignment.
+  text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
+
+  // The tensors are produced one at a time into one buffer of the largest
+  // size, allocated before any file exists: a tensor too large for memory
+  // fails here, not after gigabytes of its predecessors were written.
+  std::vector<uint8_t> buffer;
+  const auto largest = std::max_element(sizes.begin(), sizes.end());
+  if (largest != sizes.end()) {
+    const std::string& name = tensors[static_cast<std::size_t>(largest - sizes.begin())].name;
+    if (*largest > buffer.max_size()) {
+      return Status::runtime_error(path + ": tensor \"" + name + "\" of " + std::to_string(*largest) +
+                                   " bytes is larger than this host can address");
+    }
+    try {
+      buffer.resize(std::max<std::size_t>(1, static_cast<std::size_t>(*largest)));  // never a null data()
+    } catch (const std::bad_alloc&) {
+      return Status::runtime_error(path + ": cannot allocate the " + std::to_string(*largest) +
+                                   "-byte buffer of tensor \"" + name + "\" (out of memory); nothing was written");
+    }
+  }
+
+  remove_stale_temporaries(path);
+  const std::string tmp = temporary_path(path);
+  DETDIT_RETURN_IF_ERROR(register_temporary(tmp));
+  std::FILE* out = std::fopen(tmp.c_str(), "wb");
+  if (out == nullptr) {
+    const int err = errno;
+    unregister_temporary(tmp);
+    return Status::runtime_error(path + ": cannot create " + tmp + ": " + std::strerror(err));
+  }
+  auto discard = [&](Status status) {
+    std::remove(tmp.c_str());
+    unregister_temporary(tmp);
+    return status;
+  };
+  auto fail = [&](Status status) {
+    std::fclose(out);
+    return discard(status);
+  };
+  uint8_t length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  if (std::fwrite(length, 1, 8, out) != 8 || std::fwrite(text.data(), 1, text.size(), out) != text.size()) {
+    return fail(Status::runtime_error(path + ": write failed: " + std::strerror(errno)));
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    std::fill_n(buffer.data(), sizes[i], uint8_t{0});
+    Status filled = tensors[i].fill(buffer.data(), sizes[i]);
+    if (!filled.ok()) return fail(filled);
+    if (std::fwrite(buffer.data(), 1, sizes[i], out) != sizes[i]) {
+      return fail(Status::runtime_error(path + ": write of tensor \"" + tensors[i].name +
+                                        "\" failed: " + std::strerror(errno)));
+    }
+  }
+  if (std::fclose(out) != 0) return discard(Status::runtime_error(path + ": close failed: " + std::strerror(errno)));
+  if (before_rename) {
+    Status ready = before_rename();
+    if (!ready.ok()) return discard(ready);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    return discard(Status::runtime_error(path + ": cannot rename " + tmp + " into place: " + std::strerror(err)));
+  }
+  unregister_temporary(tmp);
+  return Status::ok_status();
+}
+
 }  // namespace
 
 bool safetensors_dtype_from_string(const std::string& name, DType* dtype) {
@@ -391,71 +492,9 @@ Status SafetensorsFile::view(const std::string& name, TensorView* view) const {
 }
 
 Status write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                         const std::map<std::string, std::string>& metadata) {
-  // Validate every input before creating any file.
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::set<std::string> names;
-  std::vector<uint64_t> sizes;
-  uint64_t offset = 0;
-  for (const TensorToWrite& t : tensors) {
-    if (t.name.empty() || t.name == "__metadata__") {
-      return Status::value_error(path + ": cannot write a tensor named \"" + t.name + "\"");
-    }
-    if (!names.insert(t.name).second) return Status::value_error(path + ": tensor \"" + t.name + "\" given twice");
-    if (!t.fill) return Status::value_error(path + ": tensor \"" + t.name + "\" has no producer");
-    uint64_t bytes = dtype_size(t.dtype);
-    for (int64_t d : t.shape) {
-      if (d < 0) return Status::value_error(path + ": tensor \"" + t.name + "\" has a negative dimension");
-      if (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
-        return Status::value_error(path + ": tensor \"" + t.name + "\" is too large");
-      }
-      bytes *= static_cast<uint64_t>(d);
-    }
-    header[t.name] = {{"dtype", safetensors_dtype_string(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
-    sizes.push_back(bytes);
-    offset += bytes;
-  }
-  std::string text = header.dump();
-  // Spaces after the JSON are legal padding; they put the data section on a
-  // 64-byte boundary so bf16/fp32 views meet the ops' 16-byte alignment.
-  text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
-
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::FILE* out = std::fopen(tmp.c_str(), "wb");
-  if (out == nullptr) return Status::runtime_error(path + ": cannot create " + tmp + ": " + std::strerror(errno));
-  auto fail = [&](Status status) {
-    std::fclose(out);
-    std::remove(tmp.c_str());
-    return status;
-  };
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  if (std::fwrite(length, 1, 8, out) != 8 || std::fwrite(text.data(), 1, text.size(), out) != text.size()) {
-    return fail(Status::runtime_error(path + ": write failed: " + std::strerror(errno)));
-  }
-  std::vector<uint8_t> buffer;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    buffer.assign(sizes[i], 0);
-    Status filled = tensors[i].fill(buffer.data(), sizes[i]);
-    if (!filled.ok()) return fail(filled);
-    if (std::fwrite(buffer.data(), 1, buffer.size(), out) != buffer.size()) {
-      return fail(Status::runtime_error(path + ": write of tensor \"" + tensors[i].name +
-                                        "\" failed: " + std::strerror(errno)));
-    }
-  }
-  if (std::fclose(out) != 0) {
-    std::remove(tmp.c_str());
-    return Status::runtime_error(path + ": close failed: " + std::strerror(errno));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    std::remove(tmp.c_str());
-    return Status::runtime_error(path + ": cannot rename " + tmp + " into place: " + std::strerror(err));
-  }
-  return Status::ok_status();
+                         const std::map<std::string, std::string>& metadata,
+                         const std::function<Status()>& before_rename) {
+  return out_of_memory_is_an_error(path, [&] { return write_unguarded(path, tensors, metadata, before_rename); });
 }
 
 }  // namespace io

@@ -39,7 +39,11 @@
 // The writer pads the header with spaces so the data section starts at a
 // multiple of 64 bytes, writes the tensors contiguously in the given order,
 // and writes to "<path>.tmp.<pid>" first, renaming on success, so a failed
-// write never leaves a partial file at `path`.
+// write never leaves a partial file at `path`. The temporary is registered
+// for removal on a signal and stale temporaries of `path` left by dead
+// processes are deleted first (io/files.h). The largest tensor's buffer is
+// allocated before the temporary is created: a tensor too large for memory
+// is a RuntimeError that leaves no file behind.
 #pragma once
 
 #include <cstdint>
@@ -126,9 +130,13 @@ struct TensorToWrite {
 
 // Writes a safetensors file; names must be unique and "__metadata__" is
 // reserved. The tensors are produced one at a time (peak memory: the largest
-// tensor), in the given order.
+// tensor), in the given order. `before_rename`, when given, runs once the
+// temporary is complete and before it is renamed to `path`; an error from it
+// discards the temporary and leaves `path` as it was (a caller commits a
+// companion file there, e.g. synth's SHA256SUMS).
 Status write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                         const std::map<std::string, std::string>& metadata);
+                         const std::map<std::string, std::string>& metadata,
+                         const std::function<Status()>& before_rename = {});
 
 }  // namespace io
 }  // namespace detdit
