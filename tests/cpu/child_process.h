@@ -3,8 +3,9 @@
 // parse), aborts (an exception escaping the library) or must run under a
 // memory limit (setrlimit) fails the test with the reason instead of hanging
 // CI or killing the test binary. The body returns the child's exit code
-// (0: passed; any other value is the test's own failure code); it must not use
-// gtest assertions, whose failures would stay in the child.
+// (0: passed; any other value is the test's own failure code; an exception
+// out of it is kExceptionEscaped); it must not use gtest assertions, whose
+// failures would stay in the child.
 #pragma once
 
 #include <signal.h>
@@ -21,6 +22,8 @@
 namespace detdit {
 namespace testing {
 
+constexpr int kExceptionEscaped = 125;  // the child's exit code when the body threw
+
 struct ChildOutcome {
   bool timed_out = false;
   int exit_code = -1;  // when the child exited
@@ -30,6 +33,7 @@ struct ChildOutcome {
   std::string describe() const {
     if (timed_out) return "timed out after " + std::to_string(seconds) + " s (killed)";
     if (signal != 0) return "killed by signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
+    if (exit_code == kExceptionEscaped) return "an exception escaped the body";
     return "exited with code " + std::to_string(exit_code) + " after " + std::to_string(seconds) + " s";
   }
 };
@@ -42,7 +46,16 @@ inline ChildOutcome run_in_child(const std::function<int()>& body, double timeou
     outcome.exit_code = -2;
     return outcome;
   }
-  if (pid == 0) ::_exit(body());  // an escaping exception terminates the child with SIGABRT
+  if (pid == 0) {
+    // Catch here: an exception must not unwind into the forked copy of the
+    // test runner, which would go on running the remaining tests.
+    int code = kExceptionEscaped;
+    try {
+      code = body();
+    } catch (...) {
+    }
+    ::_exit(code);  // not exit(): the runner's buffered output stays the parent's
+  }
   int status = 0;
   for (;;) {
     const pid_t done = ::waitpid(pid, &status, WNOHANG);
