@@ -3,6 +3,7 @@
 #include "io/safetensors.h"
 
 #include <sys/mman.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -295,14 +296,21 @@ Status write_unguarded(const std::string& path, const std::vector<TensorToWrite>
 
   // The tensors are produced one at a time into one buffer of the largest
   // size, allocated before any file exists: a tensor too large for memory
-  // fails here, not after gigabytes of its predecessors were written.
+  // fails here, not after gigabytes of its predecessors were written. The
+  // buffer is zero-filled, so it must fit in RAM + swap (checked first: some
+  // allocators abort on a huge request instead of throwing bad_alloc).
   std::vector<uint8_t> buffer;
   const auto largest = std::max_element(sizes.begin(), sizes.end());
   if (largest != sizes.end()) {
     const std::string& name = tensors[static_cast<std::size_t>(largest - sizes.begin())].name;
-    if (*largest > buffer.max_size()) {
-      return Status::runtime_error(path + ": tensor \"" + name + "\" of " + std::to_string(*largest) +
-                                   " bytes is larger than this host can address");
+    struct sysinfo host;
+    const uint64_t memory = ::sysinfo(&host) == 0
+                                ? (static_cast<uint64_t>(host.totalram) + host.totalswap) * host.mem_unit
+                                : std::numeric_limits<uint64_t>::max();
+    if (*largest > memory || *largest > buffer.max_size()) {
+      return Status::runtime_error(path + ": cannot allocate the " + std::to_string(*largest) +
+                                   "-byte buffer of tensor \"" + name + "\": this host has " +
+                                   std::to_string(memory) + " bytes of RAM and swap; nothing was written");
     }
     try {
       buffer.resize(std::max<std::size_t>(1, static_cast<std::size_t>(*largest)));  // never a null data()

@@ -82,7 +82,7 @@ TEST(Safetensors, RoundTripEveryDtype) {
     const std::vector<uint8_t>* payload = &payloads.back();
     t.fill = [payload](uint8_t* out, uint64_t bytes) {
       EXPECT_EQ(bytes, payload->size());
-      std::memcpy(out, payload->data(), bytes);
+      if (bytes > 0) std::memcpy(out, payload->data(), bytes);  // an empty payload's data() may be null
       return Status::ok_status();
     };
     tensors.push_back(t);
@@ -101,7 +101,9 @@ TEST(Safetensors, RoundTripEveryDtype) {
     EXPECT_EQ(e->dtype, specs[i].dtype);
     EXPECT_EQ(e->shape, specs[i].shape);
     ASSERT_EQ(e->nbytes(), payloads[i].size());
-    EXPECT_EQ(0, std::memcmp(file.data(*e), payloads[i].data(), payloads[i].size())) << specs[i].name;
+    if (!payloads[i].empty()) {  // (an empty payload's data() may be null, which memcmp must not get)
+      EXPECT_EQ(0, std::memcmp(file.data(*e), payloads[i].data(), payloads[i].size())) << specs[i].name;
+    }
     TensorView v;
     DETDIT_ASSERT_OK(file.view(specs[i].name, &v));
     EXPECT_EQ(v.dtype, specs[i].dtype);
@@ -263,11 +265,13 @@ TEST(Safetensors, RejectsDuplicateNames) {
 }
 
 // A header of many zero-size entries (legal: they tile an empty data section)
-// is parsed in time linear in its size: 100,000 entries (5.8 MB, well inside
-// the 100 MiB limit) took over 40 s with the quadratic duplicate-key check of
-// nlohmann's callback parser. A duplicate after all of them is still found.
+// is parsed in time linear in its size: 150,000 entries (8.8 MB, well inside
+// the 100 MiB limit) parse in about 0.5 s (2 s under ASan); the quadratic
+// duplicate-key check of nlohmann's callback parser took about 90 s (50,000
+// entries: 10 s). A duplicate after all of them is still found. The deadline
+// leaves room for a loaded machine and a sanitizer build.
 TEST(Safetensors, ManyEntriesParseInLinearTime) {
-  constexpr int kEntries = 100000;
+  constexpr int kEntries = 150000;
   std::string header = "{";
   for (int i = 0; i < kEntries; ++i) {
     header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]},";
@@ -281,7 +285,7 @@ TEST(Safetensors, ManyEntriesParseInLinearTime) {
         const Status s = parse(duplicated, &file);
         return s.message().find("has the key \"t7\" twice (a duplicated tensor name)") != std::string::npos ? 0 : 2;
       },
-      /*timeout_seconds=*/10);
+      /*timeout_seconds=*/45);
   EXPECT_TRUE(outcome.passed()) << "1: the valid header failed, 2: the duplicate was not refused; "
                                 << outcome.describe();
 }
