@@ -49,24 +49,21 @@ TEST(Unaligned, TimestepSinusoidAnyByteAddress) {
         d_timesteps(dtype, {5});
     testing::fill_uniform(&timesteps, 1, 0.0, 1.0);
     testing::fill_normal(&grad, 2);
-    TimestepSinusoidParams f;
-    f.timesteps = timesteps.view();
-    f.features = features.view();
-    DETDIT_ASSERT_OK(timestep_sinusoid_forward(f));
-    TimestepSinusoidBackwardParams b;
-    b.timesteps = timesteps.view();
-    b.grad_features = grad.view();
-    b.d_timesteps = d_timesteps.view();
-    DETDIT_ASSERT_OK(timestep_sinusoid_backward(b));
-
+    // The forward and the backward on these views of (timesteps, features, grad, d_timesteps).
+    auto run = [](const TensorView& t, const TensorView& f, const TensorView& g, const TensorView& d_t) {
+      TimestepSinusoidParams forward;
+      forward.timesteps = t;
+      forward.features = f;
+      DETDIT_EXPECT_OK(timestep_sinusoid_forward(forward));
+      TimestepSinusoidBackwardParams backward;
+      backward.timesteps = t;
+      backward.grad_features = g;
+      backward.d_timesteps = d_t;
+      DETDIT_EXPECT_OK(timestep_sinusoid_backward(backward));
+    };
+    run(timesteps.view(), features.view(), grad.view(), d_timesteps.view());
     Misaligned m_timesteps(timesteps), m_features(features), m_grad(grad), m_d_timesteps(d_timesteps);
-    f.timesteps = m_timesteps.view();
-    f.features = m_features.view();
-    DETDIT_ASSERT_OK(timestep_sinusoid_forward(f));
-    b.timesteps = m_timesteps.view();
-    b.grad_features = m_grad.view();
-    b.d_timesteps = m_d_timesteps.view();
-    DETDIT_ASSERT_OK(timestep_sinusoid_backward(b));
+    run(m_timesteps.view(), m_features.view(), m_grad.view(), m_d_timesteps.view());
     EXPECT_BITWISE_EQ(features, m_features.aligned());
     EXPECT_BITWISE_EQ(d_timesteps, m_d_timesteps.aligned());
   }
@@ -83,40 +80,37 @@ TEST(Unaligned, LinearTensorsWithoutAnAlignmentRule) {
     testing::fill_normal(&weight, 4);
     testing::fill_normal(&bias, 5);
     testing::fill_normal(&grad, 6);
-    LinearParams f;
-    f.x = x.view();
-    f.weight = weight.view();
-    f.bias = bias.view();
-    f.out = out.view();
-    f.pre_activation = pre.view();
-    f.activation = Activation::kSilu;
-    DETDIT_ASSERT_OK(linear_forward(f));
-    LinearBackwardInputParams bi;
-    bi.grad = grad.view();
-    bi.weight = weight.view();
-    bi.partials = partials.view();
-    DETDIT_ASSERT_OK(linear_backward_input_partials(bi));
-    LinearBackwardWeightParams bw;
-    bw.grad = grad.view();
-    bw.x = x.view();
-    bw.d_weight = d_weight.view();
-    bw.d_bias = d_bias.view();
-    DETDIT_ASSERT_OK(linear_backward_weight(bw));
-
+    // The forward, the input-gradient partials and the weight backward on
+    // these views; x_any is the weight backward's x (no alignment rule there).
+    struct Views {
+      TensorView x_any, bias, out, pre, grad, partials, d_weight, d_bias;
+    };
+    auto run = [&](const Views& v) {
+      LinearParams forward;
+      forward.x = x.view();
+      forward.weight = weight.view();
+      forward.bias = v.bias;
+      forward.out = v.out;
+      forward.pre_activation = v.pre;
+      forward.activation = Activation::kSilu;
+      DETDIT_EXPECT_OK(linear_forward(forward));
+      LinearBackwardInputParams input;
+      input.grad = v.grad;
+      input.weight = weight.view();
+      input.partials = v.partials;
+      DETDIT_EXPECT_OK(linear_backward_input_partials(input));
+      LinearBackwardWeightParams backward;
+      backward.grad = v.grad;
+      backward.x = v.x_any;
+      backward.d_weight = v.d_weight;
+      backward.d_bias = v.d_bias;
+      DETDIT_EXPECT_OK(linear_backward_weight(backward));
+    };
+    run({x.view(), bias.view(), out.view(), pre.view(), grad.view(), partials.view(), d_weight.view(), d_bias.view()});
     Misaligned m_x(x), m_bias(bias), m_out(out), m_pre(pre), m_grad(grad), m_partials(partials), m_d_weight(d_weight),
         m_d_bias(d_bias);
-    f.bias = m_bias.view();
-    f.out = m_out.view();
-    f.pre_activation = m_pre.view();
-    DETDIT_ASSERT_OK(linear_forward(f));
-    bi.grad = m_grad.view();
-    bi.partials = m_partials.view();
-    DETDIT_ASSERT_OK(linear_backward_input_partials(bi));
-    bw.grad = m_grad.view();
-    bw.x = m_x.view();
-    bw.d_weight = m_d_weight.view();
-    bw.d_bias = m_d_bias.view();
-    DETDIT_ASSERT_OK(linear_backward_weight(bw));
+    run({m_x.view(), m_bias.view(), m_out.view(), m_pre.view(), m_grad.view(), m_partials.view(), m_d_weight.view(),
+         m_d_bias.view()});
     EXPECT_BITWISE_EQ(out, m_out.aligned());
     EXPECT_BITWISE_EQ(pre, m_pre.aligned());
     EXPECT_BITWISE_EQ(partials, m_partials.aligned());
