@@ -27,15 +27,17 @@ const char* file_kind(mode_t mode) {
   return "not a file";
 }
 
-// The registry lives in static storage so that a signal handler can read it:
-// a slot's path is written before its flag is set and read only while set.
+// The registry lives in static storage so that a signal handler can read it.
+// A slot is claimed (kClaimed, by one thread: compare-exchange), its path
+// written, then published (kReady); the handler reads only kReady slots.
 constexpr std::size_t kMaxPathBytes = 4096;
+enum SlotState : int { kFree = 0, kClaimed = 1, kReady = 2 };
 struct Slot {
-  std::atomic<bool> used{false};
+  std::atomic<int> state{kFree};
   char path[kMaxPathBytes];
 };
 Slot g_slots[kMaxRegisteredTemporaries];
-static_assert(std::atomic<bool>::is_always_lock_free, "the signal handler reads the flags");
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler reads the states");
 
 struct sigaction g_previous[2];
 constexpr int kSignals[2] = {SIGINT, SIGTERM};
@@ -142,9 +144,10 @@ std::string temporary_path(const std::string& path) { return path + ".tmp." + st
 Status register_temporary(const std::string& tmp) {
   if (tmp.size() >= kMaxPathBytes) return Status::runtime_error(tmp + ": path too long for a temporary file");
   for (Slot& slot : g_slots) {
-    if (slot.used.load(std::memory_order_acquire)) continue;
+    int expected = kFree;
+    if (!slot.state.compare_exchange_strong(expected, kClaimed, std::memory_order_acquire)) continue;
     std::memcpy(slot.path, tmp.c_str(), tmp.size() + 1);
-    slot.used.store(true, std::memory_order_release);
+    slot.state.store(kReady, std::memory_order_release);
     return Status::ok_status();
   }
   return Status::runtime_error(tmp + ": more than " + std::to_string(kMaxRegisteredTemporaries) +
@@ -153,13 +156,16 @@ Status register_temporary(const std::string& tmp) {
 
 void unregister_temporary(const std::string& tmp) {
   for (Slot& slot : g_slots) {
-    if (slot.used.load(std::memory_order_acquire) && tmp == slot.path) slot.used.store(false, std::memory_order_release);
+    if (slot.state.load(std::memory_order_acquire) == kReady && tmp == slot.path) {
+      slot.state.store(kFree, std::memory_order_release);
+      return;
+    }
   }
 }
 
 void remove_registered_temporaries() {
   for (Slot& slot : g_slots) {
-    if (slot.used.load(std::memory_order_acquire)) ::unlink(slot.path);
+    if (slot.state.load(std::memory_order_acquire) == kReady) ::unlink(slot.path);
   }
 }
 
