@@ -24,7 +24,7 @@ const char* file_kind(mode_t mode) {
   if (S_ISBLK(mode)) return "a block device";
   if (S_ISSOCK(mode)) return "a socket";
   if (S_ISLNK(mode)) return "a symbolic link";
-  return "not a file";
+  return "an unknown file type";
 }
 
 // The registry lives in static storage so that a signal handler can read it.
