@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -121,12 +123,14 @@ Status check_sizes(int64_t seq_len, int64_t num_rows, int64_t batch) {
 }
 
 // The per-chunk step of the table build: a stable counting sort of one
-// chunk's positions by row. count[r] is 0 between chunks; slot[r] is the next
-// output slot of row r's segment while the chunk is scattered.
+// chunk's positions by row. by_row_ is an (R,) scratch of zeros between
+// chunks (the plan's row_segment_begin table, lent for the build: the one
+// allocation of R entries, so a plan's memory is O(B*S) + 4(R+1) bytes).
+// Within a chunk by_row_[r] first counts row r's positions, then, once the
+// row's segment is placed, holds the next output slot of that segment.
 class ChunkSorter {
  public:
-  explicit ChunkSorter(int64_t num_rows)
-      : count_(static_cast<std::size_t>(num_rows), 0), slot_(static_cast<std::size_t>(num_rows), 0) {}
+  explicit ChunkSorter(int32_t* by_row) : by_row_(by_row) {}
 
   // Appends the segments of the chunk whose positions are [first, first + n)
   // (n <= 256, rows[i] the row of position first + i) to impl's segment
@@ -150,13 +154,13 @@ class ChunkSorter {
         const int32_t end = next_run_start(i + 1);
         run_begin_[num_runs] = i;
         run_end_[num_runs] = end;
-        count_[rows[i]] += end - i;
+        by_row_[rows[i]] += end - i;
         lo = std::min(lo, rows[i]);
         hi = std::max(hi, rows[i]);
         i = end;
       }
     } else {
-      for (int32_t i = 0; i < n; ++i) ++count_[rows[i]];
+      for (int32_t i = 0; i < n; ++i) ++by_row_[rows[i]];
       for (int32_t i = 1; i < n; ++i) {
         lo = std::min(lo, rows[i]);
         hi = std::max(hi, rows[i]);
@@ -165,36 +169,40 @@ class ChunkSorter {
     // Segments ascending by row: walk the span when it is narrow (no sort),
     // else the chunk's distinct rows sorted.
     int32_t offset = first;  // the chunk's positions fill segment_positions[first, first + n)
-    int64_t segments = 0;
+    const std::size_t chunk_segments_begin = impl->segment_row.size();
     auto add_segment = [&](int32_t row) {
       impl->segment_row.push_back(row);
-      slot_[row] = offset;
-      offset += count_[row];
+      const int32_t count = by_row_[row];
+      by_row_[row] = offset;  // from now on the segment's next slot
+      offset += count;
       impl->segment_pos_begin.push_back(offset);
-      count_[row] = 0;
-      ++segments;
     };
     if (hi - lo < kReductionChunk) {
+      // Each row of the span is tested once, before add_segment turns its
+      // count into a slot.
       for (int32_t row = lo; row <= hi; ++row)
-        if (count_[row] != 0) add_segment(row);
+        if (by_row_[row] != 0) add_segment(row);
     } else {
       std::copy_n(rows, n, distinct_);
       std::sort(distinct_, distinct_ + n);
       std::for_each(distinct_, std::unique(distinct_, distinct_ + n), add_segment);
     }
+    const int64_t segments = static_cast<int64_t>(impl->segment_row.size() - chunk_segments_begin);
     impl->max_chunk_segments = std::max(impl->max_chunk_segments, segments);
     // Positions ascending within each segment.
     int32_t* positions = impl->segment_positions.data();
     if (by_runs) {
       for (int32_t k = 0; k < num_runs; ++k) {
         const int32_t begin = run_begin_[k], length = run_end_[k] - begin, row = rows[begin];
-        int32_t* out = positions + slot_[row];
+        int32_t* out = positions + by_row_[row];
         for (int32_t i = 0; i < length; ++i) out[i] = first + begin + i;
-        slot_[row] += length;
+        by_row_[row] += length;
       }
     } else {
-      for (int32_t i = 0; i < n; ++i) positions[slot_[rows[i]]++] = first + i;
+      for (int32_t i = 0; i < n; ++i) positions[by_row_[rows[i]]++] = first + i;
     }
+    // Zeros again for the next chunk: only this chunk's rows were touched.
+    for (std::size_t g = chunk_segments_begin; g < impl->segment_row.size(); ++g) by_row_[impl->segment_row[g]] = 0;
   }
 
  private:
@@ -208,7 +216,7 @@ class ChunkSorter {
     }
   }
 
-  std::vector<int32_t> count_, slot_;  // (R,)
+  int32_t* by_row_;  // (R,)
   int32_t run_begin_[kReductionChunk], run_end_[kReductionChunk], distinct_[kReductionChunk];
   uint8_t run_starts_[kReductionChunk + 8] = {};  // run_starts_[i]: a run of equal rows starts at i (i >= 1)
 };
@@ -236,7 +244,8 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->chunk_segment_begin.reserve(static_cast<std::size_t>(num_chunks + 1));
   impl->segment_positions.resize(static_cast<std::size_t>(positions));
   impl->segment_pos_begin.push_back(0);
-  ChunkSorter sorter(num_rows);
+  impl->row_segment_begin.assign(static_cast<std::size_t>(num_rows + 1), 0);
+  ChunkSorter sorter(impl->row_segment_begin.data());
   int32_t straddling_rows[kReductionChunk];  // rows of a chunk that wraps past s = S - 1
   int64_t s = 0;  // sequence position of the chunk's first position p (p % S, advanced incrementally)
   for (int64_t first = 0; first < sorted_positions; first += kReductionChunk) {
@@ -278,14 +287,17 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   const int64_t num_segments = static_cast<int64_t>(impl->segment_row.size());
   impl->num_segments = num_segments;
 
-  // Segments of each row in ascending chunk order (counting sort by row).
-  impl->row_segment_begin.assign(static_cast<std::size_t>(num_rows + 1), 0);
-  for (int32_t r : impl->segment_row) ++impl->row_segment_begin[static_cast<std::size_t>(r) + 1];
-  for (int64_t r = 0; r < num_rows; ++r) impl->row_segment_begin[r + 1] += impl->row_segment_begin[r];
+  // Segments of each row in ascending chunk order: a counting sort by row in
+  // place (the sorter left row_segment_begin all zeros). begin[r] is used as
+  // row r's cursor, which leaves it at begin[r + 1]; one shift restores it.
+  int32_t* begin = impl->row_segment_begin.data();
+  for (int32_t r : impl->segment_row) ++begin[r + 1];
+  for (int64_t r = 0; r < num_rows; ++r) begin[r + 1] += begin[r];
   impl->row_segments.resize(static_cast<std::size_t>(num_segments));
-  std::vector<int32_t> cursor(impl->row_segment_begin.begin(), impl->row_segment_begin.end() - 1);
   for (int64_t g = 0; g < num_segments; ++g)
-    impl->row_segments[static_cast<std::size_t>(cursor[impl->segment_row[g]]++)] = static_cast<int32_t>(g);
+    impl->row_segments[static_cast<std::size_t>(begin[impl->segment_row[g]]++)] = static_cast<int32_t>(g);
+  std::copy_backward(begin, begin + num_rows, begin + num_rows + 1);
+  begin[0] = 0;
 
   impl->row_of_seq = std::move(row_of_seq);
   PlanTables& h = impl->host;
@@ -317,10 +329,8 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   return Status();
 }
 
-}  // namespace
-
-Status IndexPlan::from_row_index(const TensorView& row_index, int64_t num_rows, int64_t batch, IndexPlan* plan,
-                                 Stream stream) {
+Status build_from_row_index(const TensorView& row_index, int64_t num_rows, int64_t batch, IndexPlan* plan,
+                            Stream stream) {
   DETDIT_RETURN_IF_ERROR(check_index_tensor(row_index, "row_index"));
   DETDIT_RETURN_IF_ERROR(check_sizes(row_index.shape[0], num_rows, batch));
   std::vector<char> staging;
@@ -342,8 +352,8 @@ Status IndexPlan::from_row_index(const TensorView& row_index, int64_t num_rows, 
   return build(std::move(rows), num_rows, batch, row_index.device, stream, plan);
 }
 
-Status IndexPlan::from_timesteps_and_tags(const TensorView& timestep_indices, const TensorView& token_tags,
-                                          int64_t num_timesteps, int64_t batch, IndexPlan* plan, Stream stream) {
+Status build_from_timesteps_and_tags(const TensorView& timestep_indices, const TensorView& token_tags,
+                                     int64_t num_timesteps, int64_t batch, IndexPlan* plan, Stream stream) {
   DETDIT_RETURN_IF_ERROR(check_index_tensor(timestep_indices, "timestep_indices"));
   DETDIT_RETURN_IF_ERROR(check_index_tensor(token_tags, "token_tags"));
   if (token_tags.dtype != timestep_indices.dtype)
@@ -386,6 +396,44 @@ Status IndexPlan::from_timesteps_and_tags(const TensorView& timestep_indices, co
                                " is outside [0, 3) (0 video, 1 text, 2 audio)");
   }
   return build(std::move(rows), num_rows, batch, timestep_indices.device, stream, plan);
+}
+
+// Runs a public builder, turning std::bad_alloc into a RuntimeError: no
+// exception leaves the library. The tables take at most
+// 4 * (S + 4*B*S + R + C + 3) bytes (S rows, B*S positions, at most B*S
+// segments in three tables, R + 1 row starts, C + 1 chunk starts). The sizes
+// are doubles: they may be unvalidated arguments (no overflow in the message).
+template <typename Build>
+Status out_of_memory_is_an_error(double seq_len, double num_rows, double batch, Build build) {
+  try {
+    return build();
+  } catch (const std::bad_alloc&) {
+    const double positions = seq_len * batch;
+    const double bytes = 4.0 * (seq_len + 4.0 * positions + num_rows + positions / kReductionChunk + 3.0);
+    char message[256];
+    std::snprintf(message, sizeof message,
+                  "out of memory building the index plan (S = %.0f, B = %.0f, R = %.0f): its tables take up to "
+                  "%.0f MB, 4 bytes per table row among them",
+                  seq_len, batch, num_rows, bytes / 1e6);
+    return Status::runtime_error(message);
+  }
+}
+
+}  // namespace
+
+Status IndexPlan::from_row_index(const TensorView& row_index, int64_t num_rows, int64_t batch, IndexPlan* plan,
+                                 Stream stream) {
+  return out_of_memory_is_an_error(static_cast<double>(row_index.shape[0]), static_cast<double>(num_rows),
+                                   static_cast<double>(batch),
+                                   [&] { return build_from_row_index(row_index, num_rows, batch, plan, stream); });
+}
+
+Status IndexPlan::from_timesteps_and_tags(const TensorView& timestep_indices, const TensorView& token_tags,
+                                          int64_t num_timesteps, int64_t batch, IndexPlan* plan, Stream stream) {
+  return out_of_memory_is_an_error(static_cast<double>(timestep_indices.shape[0]),
+                                   static_cast<double>(num_timesteps) * kNumModalities, static_cast<double>(batch), [&] {
+    return build_from_timesteps_and_tags(timestep_indices, token_tags, num_timesteps, batch, plan, stream);
+  });
 }
 
 int64_t IndexPlan::seq_len() const { return impl_ ? impl_->seq_len : 0; }

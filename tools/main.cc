@@ -1,6 +1,8 @@
 // detdit CLI entry point: detdit verify|bench|report|weights.
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "cli.h"
@@ -23,7 +25,9 @@ const char* const kUsage =
 }  // namespace cli
 }  // namespace detdit
 
-int main(int argc, char** argv) {
+namespace {
+
+int dispatch(int argc, char** argv) {
   using namespace detdit::cli;
   if (argc < 2) {
     std::fputs(kUsage, stderr);
@@ -39,5 +43,22 @@ int main(int argc, char** argv) {
   if (command == "report") return run_report(argc - 1, argv + 1);
   if (command == "weights") return run_weights(argc - 1, argv + 1);
   std::fprintf(stderr, "detdit: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  return 2;
+}
+
+}  // namespace
+
+// The last guard, not the error handling: inputs are validated where they are
+// read, and the library returns a Status. An exception that still escapes a
+// command (the CLI's own buffers, e.g. verify's at dimensions from a file)
+// ends it with exit 2 and a message instead of std::terminate (exit 134).
+int main(int argc, char** argv) {
+  try {
+    return dispatch(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "detdit: out of memory (the inputs ask for more memory than this host has)\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "detdit: unexpected error: %s\n", e.what());
+  }
   return 2;
 }

@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "args.h"
 #include "cli.h"
+#include "io/files.h"
 
 namespace detdit {
 namespace cli {
@@ -211,16 +211,16 @@ Status write_report_svg(const Json& report, const std::string& path) {
   svg.text(20, y, footer, 11, "start", "normal", "#555");
   y += 20;
 
-  std::ofstream out(path);
+  // Through a temporary and a rename: a figure is complete or absent, and a
+  // path that is not a regular file (a FIFO would block) is refused.
+  std::ostringstream out;
   out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
       << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << y << "\" viewBox=\"0 0 "
       << kWidth << " " << y << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
       << "<text x=\"20\" y=\"30\" font-size=\"18\" font-weight=\"bold\">detdit verify report</text>\n"
       << svg.body() << "</svg>\n";
-  out.close();
-  if (!out) return Status::runtime_error(path + ": cannot write the figure");
-  return Status::ok_status();
+  return io::write_file_atomically(path, out.str());
 }
 
 int run_report(int argc, char** argv) {
@@ -237,14 +237,15 @@ int run_report(int argc, char** argv) {
     const std::size_t dot = in_path.rfind('.');
     out_path = (dot == std::string::npos ? in_path : in_path.substr(0, dot)) + ".svg";
   }
-  std::ifstream in(in_path);
-  if (!in) {
-    std::fprintf(stderr, "detdit: %s: cannot open\n", in_path.c_str());
+  std::string text;
+  Status read = io::read_regular_file(in_path, &text);
+  if (!read.ok()) {
+    std::fprintf(stderr, "detdit: %s\n", read.to_string().c_str());
     return 2;
   }
   Json report;
   try {
-    report = Json::parse(in);
+    report = Json::parse(text);
   } catch (const Json::exception& e) {
     std::fprintf(stderr, "detdit: %s: not valid JSON: %s\n", in_path.c_str(), e.what());
     return 2;

@@ -1,11 +1,11 @@
 // detdit weights synth | verify | inspect.
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "args.h"
 #include "cli.h"
+#include "io/files.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
@@ -75,6 +75,7 @@ int run_synth(int argc, char** argv) {
   }
   options.only = args.get("--only");
   const std::string dir = args.get("--out");
+  io::remove_temporaries_on_signals();  // an interrupted synth leaves no partial file
   Status status = make_directories(dir);
   auto start = std::chrono::steady_clock::now();
   if (status.ok()) status = io::write_synthetic_weights(dir, options);
@@ -94,11 +95,10 @@ int run_synth(int argc, char** argv) {
 // tensor of the file, or the file's own name for a whole-file digest.
 int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, std::vector<std::string>* differences,
                  int* checked) {
-  std::ifstream in(sums_path);
-  if (!in) {
-    std::fprintf(stderr, "detdit: %s: cannot open\n", sums_path.c_str());
-    return 2;
-  }
+  std::string text;
+  Status read = io::read_regular_file(sums_path, &text);
+  if (!read.ok()) return input_error(read);
+  std::istringstream in(text);
   std::string line;
   int line_number = 0;
   const std::string base = file.path().substr(file.path().find_last_of('/') + 1);

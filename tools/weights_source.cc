@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "io/files.h"
 #include "io/synth.h"
 
 namespace detdit {
@@ -105,6 +106,7 @@ Status resolve_weights(const std::string& weights_option, int64_t blocks, uint64
   DETDIT_RETURN_IF_ERROR(synthetic_cache_dir(blocks, seed, &dir));
   if (cache_is_usable(dir, blocks, seed, weights)) return Status::ok_status();
   DETDIT_RETURN_IF_ERROR(make_directories(dir));
+  io::remove_temporaries_on_signals();  // an interrupted generation leaves no partial cache entry
   if (announce) {
     std::fprintf(stderr, "detdit: generating the default synthetic weights (blocks=%lld, seed=%llu) into %s ...\n",
                  static_cast<long long>(blocks), static_cast<unsigned long long>(seed), dir.c_str());

@@ -18,8 +18,11 @@
 // a row's result is an ascending fold from +0.0 over its segments (ascending
 // chunk), cast once. Rows with no positions are exactly zero.
 //
-// Building is O(B*S + R), deterministic, and reads the index once on the host
-// (a CUDA index is copied to the host once, synchronising the given stream).
+// Building is O(B*S + R) time, deterministic, and reads the index once on the
+// host (a CUDA index is copied to the host once, synchronising the given
+// stream). Memory: O(B*S) for every table but row_segment_begin, whose R + 1
+// entries (4 bytes per table row, present or not) are the only per-row
+// storage, during the build too; running out of memory is a RuntimeError.
 // A plan for a CUDA device also holds device copies of its tables; after the
 // plan exists no op synchronises the host. Plans are immutable and cheap to
 // copy (shared ownership); build one per step and reuse it in every block.

@@ -1,9 +1,32 @@
+// TensorView helpers (include/detdit/tensor.h). A view is caller data, so
+// nothing here may overflow or read past shape[kMaxRank] whatever its fields
+// hold: products of dimensions are computed with overflow checks, and a view
+// whose rank is outside [0, kMaxRank], with a negative dimension, or whose
+// element count exceeds int64 has numel() == -1 and is not contiguous (the
+// validators refuse such a view by name, src/common/validate.cc).
 #include "detdit/tensor.h"
 
 #include <cstdint>
 #include <sstream>
 
 namespace detdit {
+namespace {
+
+bool rank_in_range(int rank) { return rank >= 0 && rank <= kMaxRank; }
+
+// Row-major strides of `shape` into `strides`; false (strides unspecified)
+// when a product of dimensions does not fit int64.
+bool row_major_strides(int rank, const int64_t* shape, int64_t* strides) {
+  int64_t stride = 1;
+  bool fits = true;
+  for (int d = rank - 1; d >= 0; --d) {
+    strides[d] = stride;
+    fits = fits && !__builtin_mul_overflow(stride, shape[d], &stride);
+  }
+  return fits;
+}
+
+}  // namespace
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
@@ -44,12 +67,13 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
   v.device = device;
   v.rank = static_cast<int>(shape.size());
   int i = 0;
-  for (int64_t s : shape) v.shape[i++] = s;
-  int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.strides[d] = stride;
-    stride *= v.shape[d];
+  for (int64_t s : shape) {
+    if (i < kMaxRank) v.shape[i] = s;
+    ++i;
   }
+  // A shape past kMaxRank or of more than 2^63 elements keeps its rank, so
+  // that validation names it; its strides are unspecified.
+  if (rank_in_range(v.rank)) row_major_strides(v.rank, v.shape, v.strides);
   return v;
 }
 
@@ -66,16 +90,20 @@ TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<in
 
 int64_t TensorView::numel() const {
   if (rank == 0) return 0;
+  if (!rank_in_range(rank)) return -1;
   int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= shape[d];
+  for (int d = 0; d < rank; ++d) {
+    if (shape[d] < 0 || __builtin_mul_overflow(n, shape[d], &n)) return -1;
+  }
   return n;
 }
 
 bool TensorView::is_contiguous() const {
-  int64_t expected = 1;
-  for (int d = rank - 1; d >= 0; --d) {
-    if (shape[d] != 1 && strides[d] != expected) return false;
-    expected *= shape[d];
+  if (numel() < 0) return false;
+  int64_t expected[kMaxRank];
+  row_major_strides(rank, shape, expected);  // fits: numel() does
+  for (int d = 0; d < rank; ++d) {
+    if (shape[d] != 1 && strides[d] != expected[d]) return false;
   }
   return true;
 }
@@ -86,6 +114,10 @@ bool TensorView::aligned_to(std::size_t bytes) const {
 
 std::string TensorView::shape_string() const {
   std::ostringstream os;
+  if (!rank_in_range(rank)) {
+    os << "(rank " << rank << ")";
+    return os.str();
+  }
   os << "(";
   for (int d = 0; d < rank; ++d) os << (d ? ", " : "") << shape[d];
   if (rank == 1) os << ",";

@@ -6,8 +6,25 @@
 namespace detdit {
 namespace check {
 
+// Beyond presence, what no op can take and TensorView's helpers cannot
+// describe: a rank past kMaxRank, a negative dimension, more elements than
+// int64 or bytes than the address space holds, and a null pointer to a
+// non-empty tensor. Every check after this one may multiply dimensions.
 Status present(const TensorView& t, const char* name) {
   if (!t.present()) return Status::value_error(std::string(name) + " is required, got an absent tensor");
+  if (t.rank > kMaxRank)
+    return Status::value_error(std::string(name) + " has rank " + std::to_string(t.rank) +
+                               "; a TensorView holds ranks 1.." + std::to_string(kMaxRank));
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] < 0)
+      return Status::value_error(std::string(name) + " has a negative dimension: shape " + t.shape_string());
+  }
+  const int64_t size = static_cast<int64_t>(dtype_size(t.dtype));
+  if (t.numel() < 0 || (size > 0 && t.numel() > INT64_MAX / size))
+    return Status::value_error(std::string(name) + " has shape " + t.shape_string() +
+                               ", more bytes than a 64-bit address space holds");
+  if (t.data == nullptr && t.numel() > 0)
+    return Status::value_error(std::string(name) + " is " + t.describe() + " with a null data pointer");
   return Status();
 }
 

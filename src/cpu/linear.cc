@@ -10,13 +10,19 @@
 // (ascending-t fma chain) and d_b (ascending-t add chain), each rounded once.
 // Threads split outputs (columns n, chunks c, elements) and never an
 // accumulation, so the thread count never changes a bit.
+// Validation requires 16-byte alignment of x and weight only (linear.h says
+// bias too, src/linear.cc does not check it), so every other tensor is read
+// and written with cpu/unaligned.h, and the chains accumulate in local
+// buffers.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common/backends.h"
 #include "common/pointwise_math.h"
 #include "common/storage.h"
 #include "cpu/parallel.h"
+#include "cpu/unaligned.h"
 
 namespace detdit {
 namespace cpu {
@@ -92,10 +98,11 @@ void fma_axpy(float scale, const float* row, float* acc, int64_t count) {
   fma_axpy_baseline(scale, row, acc, count);
 }
 
+// count elements of T from element `first` of `data`, upcast to FP32.
 template <typename T>
-std::vector<float> upcast_rows(const T* data, int64_t count) {
+std::vector<float> upcast_rows(const void* data, int64_t first, int64_t count) {
   std::vector<float> out(static_cast<std::size_t>(count));
-  for (int64_t i = 0; i < count; ++i) out[i] = to_float(data[i]);
+  for (int64_t i = 0; i < count; ++i) out[i] = to_float(load<T>(data, first + i));
   return out;
 }
 
@@ -103,19 +110,16 @@ template <typename In, typename Out>
 void linear_forward_typed(const LinearParams& p) {
   const int64_t rows = p.x.shape[0], in_features = p.x.shape[1], out_features = p.weight.shape[0];
   const int64_t vector_width = 16 / static_cast<int64_t>(sizeof(In));
-  const std::vector<float> x = upcast_rows(p.x.ptr<In>(), rows * in_features);  // (T, K)
-  const In* weight = p.weight.ptr<In>();                                      // (N, K)
-  const In* bias = p.bias.present() ? p.bias.ptr<In>() : nullptr;             // (N,)
-  float* pre = p.pre_activation.present() ? p.pre_activation.ptr<float>() : nullptr;  // (T, N)
-  Out* out = p.out.ptr<Out>();                                                // (T, N)
+  const std::vector<float> x = upcast_rows<In>(p.x.data, 0, rows * in_features);  // (T, K)
+  // weight (N, K), bias (N,) or absent, pre_activation (T, N) fp32 or absent, out (T, N)
   parallel_for(0, out_features, [&](int64_t n) {
-    const std::vector<float> w = upcast_rows(weight + n * in_features, in_features);
+    const std::vector<float> w = upcast_rows<In>(p.weight.data, n * in_features, in_features);
     for (int64_t t = 0; t < rows; ++t) {
       float v = lane_butterfly_dot(x.data() + t * in_features, w.data(), in_features, vector_width);
-      if (bias != nullptr) v = num::add32(v, to_float(bias[n]));
-      if (pre != nullptr) pre[t * out_features + n] = v;
+      if (p.bias.present()) v = num::add32(v, to_float(load<In>(p.bias.data, n)));
+      if (p.pre_activation.present()) store(p.pre_activation.data, t * out_features + n, v);
       if (p.activation == Activation::kSilu) v = silu_value(v, PortableExp{});
-      out[t * out_features + n] = from_float<Out>(v);
+      store(p.out.data, t * out_features + n, from_float<Out>(v));
     }
   });
 }
@@ -124,19 +128,21 @@ template <typename W>
 void backward_input_partials_typed(const LinearBackwardInputParams& p) {
   const int64_t rows = p.grad.shape[0], out_features = p.grad.shape[1], in_features = p.weight.shape[1];
   const int64_t chunks = p.partials.shape[0];
-  const float* grad = p.grad.ptr<float>();    // (T, N)
-  const W* weight = p.weight.ptr<W>();        // (N, K)
-  float* partials = p.partials.ptr<float>();  // (C, T, K)
+  // grad (T, N) fp32, weight (N, K), partials (C, T, K) fp32
   parallel_for(0, chunks, [&](int64_t c) {
     const int64_t n_begin = c * kLinearChunkRows;
     const int64_t n_end = std::min(n_begin + kLinearChunkRows, out_features);
-    float* chunk = partials + c * rows * in_features;  // partial[c, :, :]
-    std::fill(chunk, chunk + rows * in_features, 0.0f);
+    std::vector<float> chunk(static_cast<std::size_t>(rows * in_features), 0.0f);  // partial[c, :, :]
     // Ascending n within the chunk; for each n every (t, k) chain takes one step.
     for (int64_t n = n_begin; n < n_end; ++n) {
-      const std::vector<float> w = upcast_rows(weight + n * in_features, in_features);
+      const std::vector<float> w = upcast_rows<W>(p.weight.data, n * in_features, in_features);
       for (int64_t t = 0; t < rows; ++t)
-        fma_axpy(grad[t * out_features + n], w.data(), chunk + t * in_features, in_features);
+        fma_axpy(load<float>(p.grad.data, t * out_features + n), w.data(), chunk.data() + t * in_features,
+                 in_features);
+    }
+    if (!chunk.empty()) {
+      std::memcpy(static_cast<char*>(p.partials.data) + c * rows * in_features * static_cast<int64_t>(sizeof(float)),
+                  chunk.data(), chunk.size() * sizeof(float));
     }
   });
 }
@@ -144,29 +150,27 @@ void backward_input_partials_typed(const LinearBackwardInputParams& p) {
 template <typename In>
 void backward_weight_typed(const LinearBackwardWeightParams& p) {
   const int64_t rows = p.grad.shape[0], out_features = p.grad.shape[1], in_features = p.x.shape[1];
-  const float* grad = p.grad.ptr<float>();  // (T, N)
-  const std::vector<float> x = upcast_rows(p.x.ptr<In>(), rows * in_features);  // (T, K)
+  const std::vector<float> grad = upcast_rows<float>(p.grad.data, 0, rows * out_features);  // (T, N)
+  const std::vector<float> x = upcast_rows<In>(p.x.data, 0, rows * in_features);           // (T, K)
   if (p.d_weight.present()) {
     dispatch_float_dtype(p.d_weight.dtype, [&](auto tag) {
       using Out = decltype(tag);
-      Out* d_weight = p.d_weight.ptr<Out>();  // (N, K)
       parallel_for(0, out_features, [&](int64_t n) {
         // Ascending t; for each t every k's chain takes one step.
         std::vector<float> acc(static_cast<std::size_t>(in_features), 0.0f);
         for (int64_t t = 0; t < rows; ++t)
           fma_axpy(grad[t * out_features + n], x.data() + t * in_features, acc.data(), in_features);
-        for (int64_t k = 0; k < in_features; ++k) d_weight[n * in_features + k] = from_float<Out>(acc[k]);
+        for (int64_t k = 0; k < in_features; ++k) store(p.d_weight.data, n * in_features + k, from_float<Out>(acc[k]));
       });
     });
   }
   if (p.d_bias.present()) {
     dispatch_float_dtype(p.d_bias.dtype, [&](auto tag) {
       using Out = decltype(tag);
-      Out* d_bias = p.d_bias.ptr<Out>();  // (N,)
       for (int64_t n = 0; n < out_features; ++n) {
         float acc = 0.0f;
         for (int64_t t = 0; t < rows; ++t) acc = num::add32(acc, grad[t * out_features + n]);
-        d_bias[n] = from_float<Out>(acc);
+        store(p.d_bias.data, n, from_float<Out>(acc));  // (N,)
       }
     });
   }

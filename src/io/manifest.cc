@@ -2,6 +2,7 @@
 #include "io/manifest.h"
 
 #include <cstdio>
+#include <unordered_set>
 
 namespace detdit {
 namespace io {
@@ -131,6 +132,14 @@ Status infer_manifest_config(const SafetensorsFile& file, ManifestConfig* config
       return Status::value_error(file.path() + ": tensor \"" + name + "\" must have rank " + std::to_string(rank) +
                                  ", got " + shape_to_string(e->shape));
     }
+    // A zero dimension would leave the other one unbounded by the file's
+    // bytes ([0, 2^40] is an empty tensor), and the ops sized by it with it.
+    for (int64_t d : e->shape) {
+      if (d < 1) {
+        return Status::value_error(file.path() + ": tensor \"" + name + "\" is " + shape_to_string(e->shape) +
+                                   ": the model's dimensions must be positive");
+      }
+    }
     *shape = e->shape;
     return Status::ok_status();
   };
@@ -167,10 +176,12 @@ void compare_to_manifest(const SafetensorsFile& file, const ManifestConfig& conf
                              shape_to_string(e.shape));
     }
   }
+  // A set, not a scan per tensor: a file of many tensors (a header may hold
+  // millions of zero-size ones) must not make this quadratic.
+  std::unordered_set<std::string> known;
+  for (const ManifestEntry& e : expected) known.insert(e.name);
   for (const TensorEntry& got : file.entries()) {
-    bool known = false;
-    for (const ManifestEntry& e : expected) known = known || e.name == got.name;
-    if (!known) extras->push_back(got.name + " (" + describe_entry(got.dtype, got.shape) + ")");
+    if (known.count(got.name) == 0) extras->push_back(got.name + " (" + describe_entry(got.dtype, got.shape) + ")");
   }
 }
 

@@ -72,8 +72,9 @@ std::vector<ManifestEntry> manifest_entries(const ManifestConfig& config);
 // Dimensions read from a file's tensors (norm_out.norm.weight gives H,
 // time_embedder.linear_1/2 give the time-embed sizes and freq_dim; blocks is
 // the count of consecutive transformer_blocks.{i}.adaln_proj.linear.weight
-// from i = 0). ValueError naming the file when a defining tensor is absent or
-// has the wrong rank.
+// from i = 0). ValueError naming the file when a defining tensor is absent,
+// has the wrong rank or a dimension below 1 (so that every dimension is
+// bounded by the bytes of the tensors the manifest then requires).
 Status infer_manifest_config(const SafetensorsFile& file, ManifestConfig* config);
 
 // Differences between a file and the manifest of `config`, one readable line

@@ -2,9 +2,8 @@
 // in safetensors.h.
 #include "io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,8 +12,11 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <new>
 #include <set>
-#include <stdexcept>
+#include <unordered_set>
+
+#include "io/files.h"
 
 namespace detdit {
 namespace io {
@@ -23,11 +25,24 @@ namespace {
 using Json = nlohmann::json;
 
 // The header never nests deeper than {name: {shape: [..]}}; anything deeper is
-// refused while parsing, which also bounds the parser's work on hostile input.
+// refused while parsing, before a DOM of it is built.
 constexpr int kMaxHeaderDepth = 3;
 
 Status malformed(const std::string& file, const std::string& problem) {
   return Status::value_error(file + ": " + problem);
+}
+
+// Runs `body`, turning std::bad_alloc into a RuntimeError naming the file: no
+// exception leaves the reader or the writer. Their allocations are bounded by
+// the input (a header of at most 100 MiB needs a DOM of a few hundred MB; the
+// writer's buffer is one tensor), yet may exceed the memory at hand.
+template <typename Body>
+Status out_of_memory_is_an_error(const std::string& file, Body body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Status::runtime_error(file + ": out of memory");
+  }
 }
 
 bool host_is_little_endian() {
@@ -43,38 +58,77 @@ uint64_t read_le64(const uint8_t* p) {
   return v;
 }
 
-// Thrown from the parser callback to stop at the first structural problem
-// nlohmann would otherwise accept (duplicate keys, deep nesting).
-struct HeaderRejected : std::runtime_error {
-  using std::runtime_error::runtime_error;
+// What nlohmann's DOM parser accepts and the reader must not: a key twice in
+// one object (nlohmann keeps the last silently) and nesting deeper than
+// kMaxHeaderDepth. Checked by a SAX pass before the DOM is built, in time
+// linear in the header: one hash set of keys per open object. (nlohmann's
+// callback parser, used for this before, rescans the parent object at every
+// object end: quadratic in the entry count, minutes for a 7 MB header.)
+class HeaderStructureCheck final : public nlohmann::json_sax<Json> {
+ public:
+  // Empty while the header is acceptable; else the problem, for the message.
+  const std::string& problem() const { return problem_; }
+
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override {
+    if (!value()) return false;
+    ++open_;
+    keys_of_open_objects_.emplace_back();
+    return true;
+  }
+  bool key(string_t& key) override {
+    if (!value()) return false;
+    if (keys_of_open_objects_.back().insert(key).second) return true;
+    problem_ = "header JSON has the key \"" + key + "\" twice" + (open_ == 1 ? " (a duplicated tensor name)" : "");
+    return false;
+  }
+  bool end_object() override {
+    --open_;
+    keys_of_open_objects_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    if (!value()) return false;
+    ++open_;
+    return true;
+  }
+  bool end_array() override {
+    --open_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    problem_ = std::string("header is not valid JSON: ") + e.what();
+    return false;
+  }
+
+ private:
+  // Every value, key and container start sits inside `open_` containers.
+  bool value() {
+    if (open_ <= kMaxHeaderDepth) return true;
+    problem_ = "header JSON nests deeper than " + std::to_string(kMaxHeaderDepth) +
+               " levels; a safetensors header is {name: {dtype, shape, data_offsets}}";
+    return false;
+  }
+
+  int open_ = 0;
+  std::vector<std::unordered_set<std::string>> keys_of_open_objects_;
+  std::string problem_;
 };
 
-// Parses the header JSON, refusing duplicate keys at any depth (nlohmann keeps
-// the last one silently) and nesting deeper than kMaxHeaderDepth.
+// Parses the header JSON after the structure check.
 Status parse_header_json(const char* begin, const char* end, const std::string& file, Json* header) {
-  std::vector<std::set<std::string>> keys_of_open_objects;
-  Json::parser_callback_t track_keys = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (depth > kMaxHeaderDepth) {
-      throw HeaderRejected("header JSON nests deeper than " + std::to_string(kMaxHeaderDepth) +
-                           " levels; a safetensors header is {name: {dtype, shape, data_offsets}}");
-    }
-    if (event == Json::parse_event_t::object_start) {
-      keys_of_open_objects.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      if (!keys_of_open_objects.empty()) keys_of_open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && !keys_of_open_objects.empty()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!keys_of_open_objects.back().insert(key).second) {
-        throw HeaderRejected("header JSON has the key \"" + key + "\" twice" +
-                             (depth == 1 ? " (a duplicated tensor name)" : ""));
-      }
-    }
-    return true;
-  };
   try {
-    *header = Json::parse(begin, end, track_keys);
-  } catch (const HeaderRejected& e) {
-    return malformed(file, e.what());
+    HeaderStructureCheck check;
+    if (!Json::sax_parse(begin, end, &check)) {
+      return malformed(file, check.problem().empty() ? "header is not valid JSON" : check.problem());
+    }
+    *header = Json::parse(begin, end);
   } catch (const Json::exception& e) {
     return malformed(file, std::string("header is not valid JSON: ") + e.what());
   }
@@ -203,6 +257,114 @@ Status check_ranges(std::vector<TensorEntry>* entries, uint64_t data_size, const
   return Status::ok_status();
 }
 
+Status write_unguarded(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata, const std::function<Status()>& before_rename) {
+  // Validate every input before creating any file.
+  DETDIT_RETURN_IF_ERROR(check_replaceable(path));
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::set<std::string> names;
+  std::vector<uint64_t> sizes;
+  uint64_t offset = 0;
+  for (const TensorToWrite& t : tensors) {
+    if (t.name.empty() || t.name == "__metadata__") {
+      return Status::value_error(path + ": cannot write a tensor named \"" + t.name + "\"");
+    }
+    if (!names.insert(t.name).second) return Status::value_error(path + ": tensor \"" + t.name + "\" given twice");
+    if (!t.fill) return Status::value_error(path + ": tensor \"" + t.name + "\" has no producer");
+    uint64_t bytes = dtype_size(t.dtype);
+    for (int64_t d : t.shape) {
+      if (d < 0) return Status::value_error(path + ": tensor \"" + t.name + "\" has a negative dimension");
+      if (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
+        return Status::value_error(path + ": tensor \"" + t.name + "\" is too large");
+      }
+      bytes *= static_cast<uint64_t>(d);
+    }
+    if (bytes > std::numeric_limits<uint64_t>::max() - offset) {
+      return Status::value_error(path + ": the tensors up to \"" + t.name + "\" exceed 2^64 bytes");
+    }
+    header[t.name] = {{"dtype", safetensors_dtype_string(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    sizes.push_back(bytes);
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  // Spaces after the JSON are legal padding; they put the data section on a
+  // 64-byte boundary so bf16/fp32 views meet the ops' 16-byte alignment.
+  text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
+
+  // The tensors are produced one at a time into one buffer of the largest
+  // size, allocated before any file exists: a tensor too large for memory
+  // fails here, not after gigabytes of its predecessors were written. The
+  // buffer is zero-filled, so it must fit in RAM + swap (checked first: some
+  // allocators abort on a huge request instead of throwing bad_alloc).
+  std::vector<uint8_t> buffer;
+  const auto largest = std::max_element(sizes.begin(), sizes.end());
+  if (largest != sizes.end()) {
+    const std::string& name = tensors[static_cast<std::size_t>(largest - sizes.begin())].name;
+    struct sysinfo host;
+    const uint64_t memory = ::sysinfo(&host) == 0
+                                ? (static_cast<uint64_t>(host.totalram) + host.totalswap) * host.mem_unit
+                                : std::numeric_limits<uint64_t>::max();
+    if (*largest > memory || *largest > buffer.max_size()) {
+      return Status::runtime_error(path + ": cannot allocate the " + std::to_string(*largest) +
+                                   "-byte buffer of tensor \"" + name + "\": this host has " +
+                                   std::to_string(memory) + " bytes of RAM and swap; nothing was written");
+    }
+    try {
+      buffer.resize(std::max<std::size_t>(1, static_cast<std::size_t>(*largest)));  // never a null data()
+    } catch (const std::bad_alloc&) {
+      return Status::runtime_error(path + ": cannot allocate the " + std::to_string(*largest) +
+                                   "-byte buffer of tensor \"" + name + "\" (out of memory); nothing was written");
+    }
+  }
+
+  remove_stale_temporaries(path);
+  const std::string tmp = temporary_path(path);
+  DETDIT_RETURN_IF_ERROR(register_temporary(tmp));
+  std::FILE* out = std::fopen(tmp.c_str(), "wb");
+  if (out == nullptr) {
+    const int err = errno;
+    unregister_temporary(tmp);
+    return Status::runtime_error(path + ": cannot create " + tmp + ": " + std::strerror(err));
+  }
+  auto discard = [&](Status status) {
+    std::remove(tmp.c_str());
+    unregister_temporary(tmp);
+    return status;
+  };
+  auto fail = [&](Status status) {
+    std::fclose(out);
+    return discard(status);
+  };
+  uint8_t length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  if (std::fwrite(length, 1, 8, out) != 8 || std::fwrite(text.data(), 1, text.size(), out) != text.size()) {
+    return fail(Status::runtime_error(path + ": write failed: " + std::strerror(errno)));
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    std::fill_n(buffer.data(), sizes[i], uint8_t{0});
+    Status filled = tensors[i].fill(buffer.data(), sizes[i]);
+    if (!filled.ok()) return fail(filled);
+    if (std::fwrite(buffer.data(), 1, sizes[i], out) != sizes[i]) {
+      return fail(Status::runtime_error(path + ": write of tensor \"" + tensors[i].name +
+                                        "\" failed: " + std::strerror(errno)));
+    }
+  }
+  if (std::fclose(out) != 0) return discard(Status::runtime_error(path + ": close failed: " + std::strerror(errno)));
+  if (before_rename) {
+    Status ready = before_rename();
+    if (!ready.ok()) return discard(ready);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    return discard(Status::runtime_error(path + ": cannot rename " + tmp + " into place: " + std::strerror(err)));
+  }
+  unregister_temporary(tmp);
+  return Status::ok_status();
+}
+
 }  // namespace
 
 bool safetensors_dtype_from_string(const std::string& name, DType* dtype) {
@@ -235,6 +397,11 @@ int64_t TensorEntry::numel() const {
 }
 
 Status SafetensorsFile::parse(const uint8_t* bytes, uint64_t size, const std::string& name, SafetensorsFile* file) {
+  return out_of_memory_is_an_error(name, [&] { return parse_unguarded(bytes, size, name, file); });
+}
+
+Status SafetensorsFile::parse_unguarded(const uint8_t* bytes, uint64_t size, const std::string& name,
+                                        SafetensorsFile* file) {
   if (!host_is_little_endian()) {
     return Status::runtime_error(name + ": safetensors data is little-endian and this host is not");
   }
@@ -276,24 +443,16 @@ Status SafetensorsFile::parse(const uint8_t* bytes, uint64_t size, const std::st
     parsed.entries_.push_back(std::move(entry));
   }
   DETDIT_RETURN_IF_ERROR(check_ranges(&parsed.entries_, size - 8 - header_bytes, name));
+  parsed.index_.reserve(parsed.entries_.size());
+  for (std::size_t i = 0; i < parsed.entries_.size(); ++i) parsed.index_.emplace(parsed.entries_[i].name, i);
   *file = std::move(parsed);
   return Status::ok_status();
 }
 
 Status SafetensorsFile::open(const std::string& path, SafetensorsFile* file) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::runtime_error(path + ": cannot open: " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    return Status::runtime_error(path + ": cannot stat: " + std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Status::value_error(path + ": not a regular file");
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  int fd = -1;
+  uint64_t size = 0;
+  DETDIT_RETURN_IF_ERROR(open_regular_file(path, &fd, &size));
   if (size < 8) {
     ::close(fd);
     return malformed(path, "truncated: " + std::to_string(size) +
@@ -303,20 +462,20 @@ Status SafetensorsFile::open(const std::string& path, SafetensorsFile* file) {
   int err = errno;
   ::close(fd);  // the mapping keeps the file referenced
   if (mapped == MAP_FAILED) return Status::runtime_error(path + ": cannot mmap: " + std::strerror(err));
-  std::shared_ptr<const void> mapping(mapped, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
-
-  SafetensorsFile parsed;
-  DETDIT_RETURN_IF_ERROR(parse(static_cast<const uint8_t*>(mapped), size, path, &parsed));
-  parsed.mapping_ = std::move(mapping);
-  *file = std::move(parsed);
-  return Status::ok_status();
+  return out_of_memory_is_an_error(path, [&] {
+    // (A failed allocation of the control block unmaps through the deleter.)
+    std::shared_ptr<const void> mapping(mapped, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
+    SafetensorsFile parsed;
+    DETDIT_RETURN_IF_ERROR(parse_unguarded(static_cast<const uint8_t*>(mapped), size, path, &parsed));
+    parsed.mapping_ = std::move(mapping);
+    *file = std::move(parsed);
+    return Status::ok_status();
+  });
 }
 
 const TensorEntry* SafetensorsFile::find(const std::string& name) const {
-  for (const TensorEntry& e : entries_) {
-    if (e.name == name) return &e;
-  }
-  return nullptr;
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
 }
 
 Status SafetensorsFile::view(const std::string& name, TensorView* view) const {
@@ -341,71 +500,9 @@ Status SafetensorsFile::view(const std::string& name, TensorView* view) const {
 }
 
 Status write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                         const std::map<std::string, std::string>& metadata) {
-  // Validate every input before creating any file.
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::set<std::string> names;
-  std::vector<uint64_t> sizes;
-  uint64_t offset = 0;
-  for (const TensorToWrite& t : tensors) {
-    if (t.name.empty() || t.name == "__metadata__") {
-      return Status::value_error(path + ": cannot write a tensor named \"" + t.name + "\"");
-    }
-    if (!names.insert(t.name).second) return Status::value_error(path + ": tensor \"" + t.name + "\" given twice");
-    if (!t.fill) return Status::value_error(path + ": tensor \"" + t.name + "\" has no producer");
-    uint64_t bytes = dtype_size(t.dtype);
-    for (int64_t d : t.shape) {
-      if (d < 0) return Status::value_error(path + ": tensor \"" + t.name + "\" has a negative dimension");
-      if (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
-        return Status::value_error(path + ": tensor \"" + t.name + "\" is too large");
-      }
-      bytes *= static_cast<uint64_t>(d);
-    }
-    header[t.name] = {{"dtype", safetensors_dtype_string(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
-    sizes.push_back(bytes);
-    offset += bytes;
-  }
-  std::string text = header.dump();
-  // Spaces after the JSON are legal padding; they put the data section on a
-  // 64-byte boundary so bf16/fp32 views meet the ops' 16-byte alignment.
-  text.append((kDataAlignment - (8 + text.size()) % kDataAlignment) % kDataAlignment, ' ');
-
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::FILE* out = std::fopen(tmp.c_str(), "wb");
-  if (out == nullptr) return Status::runtime_error(path + ": cannot create " + tmp + ": " + std::strerror(errno));
-  auto fail = [&](Status status) {
-    std::fclose(out);
-    std::remove(tmp.c_str());
-    return status;
-  };
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  if (std::fwrite(length, 1, 8, out) != 8 || std::fwrite(text.data(), 1, text.size(), out) != text.size()) {
-    return fail(Status::runtime_error(path + ": write failed: " + std::strerror(errno)));
-  }
-  std::vector<uint8_t> buffer;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    buffer.assign(sizes[i], 0);
-    Status filled = tensors[i].fill(buffer.data(), sizes[i]);
-    if (!filled.ok()) return fail(filled);
-    if (std::fwrite(buffer.data(), 1, buffer.size(), out) != buffer.size()) {
-      return fail(Status::runtime_error(path + ": write of tensor \"" + tensors[i].name +
-                                        "\" failed: " + std::strerror(errno)));
-    }
-  }
-  if (std::fclose(out) != 0) {
-    std::remove(tmp.c_str());
-    return Status::runtime_error(path + ": close failed: " + std::strerror(errno));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    std::remove(tmp.c_str());
-    return Status::runtime_error(path + ": cannot rename " + tmp + " into place: " + std::strerror(err));
-  }
-  return Status::ok_status();
+                         const std::map<std::string, std::string>& metadata,
+                         const std::function<Status()>& before_rename) {
+  return out_of_memory_is_an_error(path, [&] { return write_unguarded(path, tensors, metadata, before_rename); });
 }
 
 }  // namespace io

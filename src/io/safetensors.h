@@ -10,10 +10,12 @@
 // The reader accepts exactly what the format allows and rejects everything
 // else with a Status naming the file and the problem, before any tensor is
 // handed out (never a crash, never a partial read):
+//   - a path that is not a regular file (a FIFO, directory, device: refused
+//     without blocking, io/files.h);
 //   - a file shorter than 8 bytes; N larger than the file or than 100 MiB;
 //   - a header that is not valid JSON, not an object, or has a duplicated key
-//     at any depth (nlohmann keeps the last duplicate silently, so duplicates
-//     are caught while parsing);
+//     at any depth or nests deeper than 3 levels (nlohmann keeps the last
+//     duplicate silently, so a SAX pass checks both before the DOM is built);
 //   - a tensor entry that is not an object, lacks or has extra fields, a dtype
 //     outside F32/BF16/F16/I32/I64 (TypeError naming the dtype), a shape that
 //     is not a list of non-negative integers or whose byte size overflows,
@@ -24,8 +26,11 @@
 //     reference implementation, so every byte of the file is accounted for);
 //   - "__metadata__" that is not an object of strings.
 // Error kinds: TypeError for an unsupported dtype, RuntimeError when the OS
-// fails (open, stat, mmap, write), ValueError for every malformed content and
-// for a tensor asked for by a name the file does not have.
+// fails (open, stat, mmap, write) or memory runs out, ValueError for every
+// malformed content and for a tensor asked for by a name the file does not
+// have. Parsing is linear in the header size (a 100 MiB header of zero-size
+// entries included) and find() is a hash lookup, so no header makes the
+// reader or its callers quadratic.
 //
 // The data section is memory-mapped read-only (MAP_PRIVATE, PROT_READ); views
 // handed out point into the mapping and stay valid while any copy of the
@@ -34,7 +39,11 @@
 // The writer pads the header with spaces so the data section starts at a
 // multiple of 64 bytes, writes the tensors contiguously in the given order,
 // and writes to "<path>.tmp.<pid>" first, renaming on success, so a failed
-// write never leaves a partial file at `path`.
+// write never leaves a partial file at `path`. The temporary is registered
+// for removal on a signal and stale temporaries of `path` left by dead
+// processes are deleted first (io/files.h). The largest tensor's buffer is
+// allocated before the temporary is created: a tensor too large for memory
+// is a RuntimeError that leaves no file behind.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "detdit/status.h"
@@ -100,8 +110,13 @@ class SafetensorsFile {
   uint64_t header_bytes_ = 0;
   const uint8_t* data_ = nullptr;
   std::vector<TensorEntry> entries_;
+  std::unordered_map<std::string, std::size_t> index_;  // name -> position in entries_
   std::map<std::string, std::string> metadata_;
   std::shared_ptr<const void> mapping_;  // unmaps when the last copy goes
+
+  // parse() without the out-of-memory guard (open() guards the mapping too).
+  static Status parse_unguarded(const uint8_t* bytes, uint64_t size, const std::string& name,
+                                SafetensorsFile* file);
 };
 
 // A tensor to write: name, dtype, shape, and a producer that fills its bytes
@@ -115,9 +130,13 @@ struct TensorToWrite {
 
 // Writes a safetensors file; names must be unique and "__metadata__" is
 // reserved. The tensors are produced one at a time (peak memory: the largest
-// tensor), in the given order.
+// tensor), in the given order. `before_rename`, when given, runs once the
+// temporary is complete and before it is renamed to `path`; an error from it
+// discards the temporary and leaves `path` as it was (a caller commits a
+// companion file there, e.g. synth's SHA256SUMS).
 Status write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                         const std::map<std::string, std::string>& metadata);
+                         const std::map<std::string, std::string>& metadata,
+                         const std::function<Status()>& before_rename = {});
 
 }  // namespace io
 }  // namespace detdit

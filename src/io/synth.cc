@@ -2,13 +2,13 @@
 #include "io/synth.h"
 
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
 
 #include "common/storage.h"
 #include "cpu/parallel.h"
+#include "io/files.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
 
@@ -156,15 +156,18 @@ Status write_synthetic_weights(const std::string& dir, const SynthOptions& optio
       {"detdit.freq_dim", std::to_string(c.freq_dim)},
       {"detdit.only", options.only},
   };
+  // The checksums are committed with the weights: SHA256SUMS is renamed into
+  // place once the weights' temporary is complete and before that is renamed,
+  // and both destinations are checked first, so a failure replaces neither.
   const std::string path = dir + "/" + kWeightsFileName;
-  DETDIT_RETURN_IF_ERROR(write_safetensors(path, tensors, metadata));
-
   const std::string sums_path = dir + "/SHA256SUMS";
-  std::FILE* sums = std::fopen(sums_path.c_str(), "w");
-  if (sums == nullptr) return Status::runtime_error(sums_path + ": cannot create: " + std::strerror(errno));
-  for (const ManifestEntry& e : entries) std::fprintf(sums, "%s  %s\n", digests[e.name].c_str(), e.name.c_str());
-  if (std::fclose(sums) != 0) return Status::runtime_error(sums_path + ": write failed: " + std::strerror(errno));
-  return Status::ok_status();
+  DETDIT_RETURN_IF_ERROR(check_replaceable(sums_path));
+  auto commit_sums = [&]() {
+    std::string sums;
+    for (const ManifestEntry& e : entries) sums += digests[e.name] + "  " + e.name + "\n";
+    return write_file_atomically(sums_path, sums);
+  };
+  return write_safetensors(path, tensors, metadata, commit_sums);
 }
 
 }  // namespace io

@@ -1,10 +1,13 @@
 // The detdit binary end to end: --help of every command, exit codes 0/1/2,
 // weights synth/verify/inspect on a small configuration, a verify --quick run
 // whose JSON report is parsed and checked, and report drawing its SVG.
+#include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
@@ -43,12 +46,14 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
-// Runs `detdit <arguments>` with the cache pointed at a private directory.
-Result detdit(const std::string& arguments) {
+// Runs `detdit <arguments>` with the cache pointed at a private directory. A
+// run past `timeout_s` is killed (exit code 124, or 137 after SIGKILL), so a
+// hang fails its test instead of hanging the suite.
+Result detdit(const std::string& arguments, int timeout_s = 600) {
   static const std::string cache = temp_dir("cache");
   const std::string out = temp_dir("out") + "/output.txt";
-  const std::string command =
-      "XDG_CACHE_HOME='" + cache + "' '" + DETDIT_CLI_PATH + "' " + arguments + " > '" + out + "' 2>&1";
+  const std::string command = "XDG_CACHE_HOME='" + cache + "' timeout -k 5 " + std::to_string(timeout_s) + " '" +
+                              DETDIT_CLI_PATH + "' " + arguments + " > '" + out + "' 2>&1";
   const int status = std::system(command.c_str());
   Result r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -67,6 +72,17 @@ std::string small_weights() {
     EXPECT_EQ(r.code, 0) << r.output;
   }
   return dir;
+}
+
+std::vector<std::string> directory_entries(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (const dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.push_back(e->d_name);
+  }
+  ::closedir(d);
+  return names;
 }
 
 TEST(Cli, HelpForEveryCommand) {
@@ -151,6 +167,141 @@ TEST(Cli, WeightsSynthVerifyInspect) {
   r = detdit("weights manifest");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.output.find("transformer_blocks.{i}.adaln_proj.linear.weight"), std::string::npos) << r.output;
+}
+
+// Every file detdit reads must be a regular file: a FIFO is refused at once
+// (opening one for reading waits for a writer), as a weights file, inside a
+// weights directory, as a checksum list and as a report.
+TEST(Cli, FifosAreRefusedNotWaitedFor) {
+  const std::string dir = temp_dir("fifo");
+  const std::string fifo = dir + "/" + io::kWeightsFileName;
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  for (const std::string& command :
+       {"weights inspect '" + fifo + "'", "weights verify '" + dir + "'",
+        "verify --quick --device cpu --weights '" + dir + "'",
+        "weights verify '" + small_weights() + "'" + kSmallDims + " --sha256 '" + fifo + "'",
+        "report '" + fifo + "' --out '" + dir + "/figure.svg'"}) {
+    Result r = detdit(command, /*timeout_s=*/30);
+    EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
+    EXPECT_NE(r.output.find(fifo + ": not a regular file (a FIFO)"), std::string::npos) << command << "\n" << r.output;
+  }
+}
+
+// Input that used to throw out of the CLI (exit 134, SIGABRT) is an input
+// error (exit 2) with a message; nothing is left behind.
+TEST(Cli, BadInputIsAnErrorNotAnAbort) {
+  // A directory as the report: std::ios_failure reading it.
+  Result r = detdit("report '" + ::testing::TempDir() + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("not a regular file (a directory)"), std::string::npos) << r.output;
+
+  // H = 2^24: the AdaLN weight is 18H x D bf16 = 1.6 TB, which no buffer holds
+  // (std::bad_alloc after 63 MB of the file were written).
+  const std::string huge = temp_dir("huge");
+  r = detdit("weights synth --out '" + huge + "' --hidden 16777216");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot allocate"), std::string::npos) << r.output;
+  EXPECT_TRUE(directory_entries(huge).empty()) << "left behind: " << ::testing::PrintToString(directory_entries(huge));
+
+  // A zero dimension leaves another unbounded by the file: a
+  // time_embedder.linear_1.weight of [0, 2^40] is 0 bytes, yet F = 2^40
+  // sized the verify buffers (std::bad_alloc).
+  io::ManifestConfig config;
+  config.hidden = 64;
+  config.time_embed_hidden = 0;
+  config.time_embed_dim = 32;
+  config.freq_dim = int64_t{1} << 40;
+  std::vector<io::TensorToWrite> tensors;
+  for (const io::ManifestEntry& e : io::manifest_entries(config)) {
+    tensors.push_back({e.name, e.dtype, e.shape, [](uint8_t* out, uint64_t bytes) {
+                         std::memset(out, 0, bytes);
+                         return Status::ok_status();
+                       }});
+  }
+  const std::string zero = temp_dir("zero_dim") + "/" + io::kWeightsFileName;
+  DETDIT_ASSERT_OK(io::write_safetensors(zero, tensors, {}));
+  r = detdit("verify --quick --device cpu --weights '" + zero + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("time_embedder.linear_1.weight"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("must be positive"), std::string::npos) << r.output;
+}
+
+// synth commits the weights and SHA256SUMS together: when SHA256SUMS cannot be
+// replaced (here a directory), the weights file is not replaced either and no
+// temporary is left.
+TEST(Cli, SynthReplacesNothingWhenItFails) {
+  const std::string dir = temp_dir("synth_fails");
+  Result r = detdit("weights synth --out '" + dir + "'" + kSmallDims);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string weights = dir + "/" + io::kWeightsFileName, sums = dir + "/SHA256SUMS";
+  const std::string before = read_file(weights);
+  ASSERT_EQ(std::remove(sums.c_str()), 0);
+  ASSERT_EQ(::mkdir(sums.c_str(), 0755), 0);
+  r = detdit("weights synth --out '" + dir + "' --seed 1" + kSmallDims);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(sums + ": exists and is not a regular file (a directory)"), std::string::npos) << r.output;
+  EXPECT_TRUE(read_file(weights) == before) << "the weights were replaced by a synth that failed";
+  const std::vector<std::string> names = directory_entries(dir);
+  EXPECT_EQ(names.size(), 2u) << "left behind: " << ::testing::PrintToString(names);
+}
+
+// A pid that no longer runs: a child that has exited and been reaped.
+pid_t dead_pid() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return pid;
+}
+
+// Temporaries of dead writers (SIGKILL, power loss) are removed by the next
+// synth into the directory; a live process's temporary and other files stay.
+TEST(Cli, SynthRemovesStaleTemporaries) {
+  const std::string dir = temp_dir("stale");
+  const std::string dead = std::to_string(dead_pid()), alive = std::to_string(::getpid());
+  const std::vector<std::string> stale = {std::string(io::kWeightsFileName) + ".tmp." + dead, "SHA256SUMS.tmp." + dead};
+  const std::vector<std::string> kept = {std::string(io::kWeightsFileName) + ".tmp." + alive,
+                                         std::string(io::kWeightsFileName) + ".tmp.notes", "other.tmp." + dead};
+  for (const std::string& name : stale) std::ofstream(dir + "/" + name) << "partial";
+  for (const std::string& name : kept) std::ofstream(dir + "/" + name) << "keep";
+  Result r = detdit("weights synth --out '" + dir + "'" + kSmallDims);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const std::string& name : stale) EXPECT_NE(::access((dir + "/" + name).c_str(), F_OK), 0) << name;
+  for (const std::string& name : kept) EXPECT_EQ(::access((dir + "/" + name).c_str(), F_OK), 0) << name;
+}
+
+// SIGINT or SIGTERM during a synth removes its temporary (an interrupted
+// H3 synth used to leave up to 0.64 GB per run in the cache) and the process
+// still dies of the signal.
+TEST(Cli, InterruptedSynthLeavesNoTemporary) {
+  for (int sig : {SIGINT, SIGTERM}) {
+    const std::string dir = temp_dir("interrupted_" + std::to_string(sig));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      // Default dispositions, whatever the test runner set (ignored signals
+      // stay ignored across exec, and detdit honours that).
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      std::freopen("/dev/null", "w", stdout);
+      std::freopen("/dev/null", "w", stderr);
+      ::execl(DETDIT_CLI_PATH, "detdit", "weights", "synth", "--out", dir.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    const std::string tmp = dir + "/" + io::kWeightsFileName + ".tmp." + std::to_string(pid);
+    bool appeared = false;
+    for (int waited_ms = 0; waited_ms < 30000 && !appeared; waited_ms += 5) {
+      appeared = ::access(tmp.c_str(), F_OK) == 0;
+      if (!appeared) ::usleep(5000);
+    }
+    ::kill(pid, sig);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(appeared) << "the H3 synth never created " << tmp;
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    EXPECT_NE(::access(tmp.c_str(), F_OK), 0) << tmp << " was left behind after signal " << sig;
+  }
 }
 
 TEST(Cli, VerifyQuickReportAndFigure) {

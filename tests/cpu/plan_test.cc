@@ -3,6 +3,7 @@
 // byte for byte with a reference builder written from their definition
 // (plan.h); the build time at H3 lengths is printed, not asserted.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,6 +16,7 @@
 
 #include "common/cases.h"
 #include "common/test_util.h"
+#include "cpu/child_process.h"
 #include "detdit/plan.h"
 
 namespace detdit {
@@ -364,6 +366,67 @@ TEST(IndexPlan, BuildTimeAtLongSequences) {
       for (int64_t s = 0; s < c.seq_len; ++s) rows[s] = c.row(s);
       expect_tables_match_definition(plan, rows, c.num_rows(), batch);
     }
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+#define DETDIT_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DETDIT_UNDER_ASAN 1
+#endif
+#endif
+
+// The bytes of address space this process maps now (/proc/self/statm).
+uint64_t mapped_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  unsigned long long pages = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// Builds a plan of one position over num_rows rows in a child whose address
+// space may grow by `headroom` bytes. Exit 0: built; 1: a RuntimeError that
+// says it ran out of memory; 2: another Status. An exception escaping the
+// library ends the child with SIGABRT.
+testing::ChildOutcome build_under_memory_limit(int64_t num_rows, uint64_t headroom) {
+  return testing::run_in_child(
+      [=] {
+        const uint64_t limit = mapped_bytes() + headroom;
+        const rlimit address_space = {limit, limit};
+        if (::setrlimit(RLIMIT_AS, &address_space) != 0) return 3;
+        std::vector<int64_t> rows = {num_rows - 1};
+        IndexPlan plan;
+        const Status s = IndexPlan::from_row_index(index_view(rows), num_rows, 1, &plan);
+        if (s.ok()) return plan.host_tables().row_segment_begin[num_rows] == 1 ? 0 : 2;
+        return s.kind() == ErrorKind::kRuntime && s.message().find("out of memory") != std::string::npos ? 1 : 2;
+      },
+      /*timeout_seconds=*/60);
+}
+
+// A plan's memory is O(B*S) plus the one table indexed by row,
+// row_segment_begin (R+1 int32): one position over 2^28 rows builds within
+// 1.5 GB (the table is 1 GiB; the build used to allocate three more R-sized
+// arrays, 4.3 GB, and threw std::bad_alloc out of from_row_index).
+TEST(IndexPlan, MemoryIsOneTableEntryPerRow) {
+#if defined(DETDIT_UNDER_ASAN)
+  GTEST_SKIP() << "RLIMIT_AS cannot bound an AddressSanitizer process (its shadow memory is address space)";
+#endif
+  const testing::ChildOutcome outcome = build_under_memory_limit(int64_t{1} << 28, uint64_t{3} << 29);
+  EXPECT_TRUE(outcome.passed()) << "exit 1: out of memory, 2: wrong table or error; " << outcome.describe();
+}
+
+// Running out of memory while building is a RuntimeError, not an exception
+// out of the library: R = 2^31 - 1 needs an 8 GiB table, refused in 1 GB.
+TEST(IndexPlan, OutOfMemoryIsARuntimeError) {
+#if defined(DETDIT_UNDER_ASAN)
+  GTEST_SKIP() << "RLIMIT_AS cannot bound an AddressSanitizer process (its shadow memory is address space)";
+#endif
+  const testing::ChildOutcome outcome =
+      build_under_memory_limit(std::numeric_limits<int32_t>::max(), uint64_t{1} << 30);
+  EXPECT_EQ(outcome.exit_code, 1) << "exit 0: built, 2: another error; " << outcome.describe();
 }
 
 TEST(IndexPlan, PackingsHaveTheStatedShape) {
