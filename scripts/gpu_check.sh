@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (used on the lent
 # H200 machines; see docs/gpu.md). Stages (pick with arguments, default all):
-#   build cuda parallel verify mpi parity sanitizer python bench
-# Logs and JSON reports go to $OUT when set (the device tool's folder), else
-# gpu-out/; the last lines printed are the summary.
+#   build cuda parallel verify mpi parity sanitizer python bench compare
+# Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
+# folder, which takes back only a few files) the summary and one archive of
+# gpu-out/ are copied there. The last lines printed are the summary.
+# `compare` (scripts/torch_compare.py) needs the extension: run after python.
 # NVLink multicast stays off for every process this starts.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:-gpu-out}"
+out=gpu-out
 mkdir -p "$out"
 build="${DETDIT_BUILD_DIR:-build-gpu}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=("$@")
-[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer python bench)
+[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer python bench compare)
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 summary="$out/summary.txt"
 : >"$summary"
@@ -48,10 +50,16 @@ for stage in "${stages[@]}"; do
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rxs ;;
     bench)
-      run bench 400 "$build/detdit" bench --device cuda
-      run torch_bench 200 python3 scripts/torch_bench.py  # PyTorch eager at the bench cases' shapes, same run
+      run bench 400 "$build/detdit" bench --device cuda --format json --out "$out/bench.json"
       [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
+    compare)  # eager and torch.compile on the bench's row-wise cases, same process (docs/benchmarking.md)
+      run compare 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
+        --out "$out/compare.json" &&
+        "$build/detdit" report "$out/compare.json" --out "$out/compare.svg" ;;
     *) note "unknown stage $stage" ;;
   esac
 done
 cat "$summary"
+if [ -n "${OUT:-}" ]; then
+  cp "$summary" "$OUT/" && tar czf "$OUT/gpu-out.tgz" "$out"
+fi

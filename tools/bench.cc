@@ -20,6 +20,7 @@
 #include "args.h"
 #include "cli.h"
 #include "environment.h"
+#include "io/files.h"
 #include "parallel_common.h"
 
 namespace detdit {
@@ -165,6 +166,7 @@ int run_bench(int argc, char** argv) {
   args.option("--cases", "LIST", "comma-separated case names", "all");
   args.option("--device", "cpu|cuda", "where the ops run", "cuda when a GPU is present, else cpu");
   args.option("--format", "FMT", "table, csv or json", "table");
+  args.option("--out", "FILE", "also write the JSON report here", "none");
   args.option("--repeats", "N", "timed calls per case", "20 (5 with --quick)");
   args.option("--warmup", "N", "untimed calls first", "3 (1 with --quick)");
   args.option("--weights", "DIR", "weights directory or file", "synthetic, cached");
@@ -188,6 +190,11 @@ int run_bench(int argc, char** argv) {
   const std::string format = args.get("--format", "table");
   if (format != "table" && format != "csv" && format != "json") {
     std::fprintf(stderr, "detdit: --format must be table, csv or json, got '%s'\n", format.c_str());
+    return 2;
+  }
+  const std::string out_path = args.get("--out", "");
+  if (args.has("--out") && out_path.empty()) {
+    std::fprintf(stderr, "detdit: --out needs a file name, got an empty one\n");
     return 2;
   }
   if (args.has("--list")) {
@@ -316,7 +323,7 @@ int run_bench(int argc, char** argv) {
   const std::vector<ParallelTarget> targets = parallel_targets(parallel_results);
   const Environment env = collect_environment(context.device);
   auto gbps = [](const BenchResult& r) { return r.bytes / r.median_seconds / 1e9; };
-  if (format == "json") {
+  if (format == "json" || !out_path.empty()) {
     nlohmann::ordered_json out;
     out["kind"] = "detdit_bench_report";
     out["format_version"] = 2;
@@ -381,8 +388,16 @@ int run_bench(int argc, char** argv) {
       }
       out["parallel"] = p;
     }
-    std::printf("%s\n", out.dump(2).c_str());
-  } else {
+    if (format == "json") std::printf("%s\n", out.dump(2).c_str());
+    if (!out_path.empty()) {
+      const Status written = io::write_file_atomically(out_path, out.dump(2) + "\n");
+      if (!written.ok()) {
+        std::fprintf(stderr, "detdit: %s\n", written.to_string().c_str());
+        return 2;
+      }
+    }
+  }
+  if (format != "json") {
     const bool csv = format == "csv";
     if (csv) {
       std::printf("op,case,phase,device,median_us,bytes,gbps,percent_of_copy,wrong,compared,error\n");

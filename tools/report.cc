@@ -1,5 +1,7 @@
-// detdit report: draws a verify report (JSON) as an SVG figure written by
-// detdit itself, three panels top to bottom:
+// detdit report: draws a verify report (JSON), or any report of the same
+// shape (scripts/torch_compare.py writes one: a "title" and a "time_label"
+// replace the verify wording), as an SVG figure written by detdit itself,
+// three panels top to bottom:
 //   1. byte-equality matrix: one row per case, one cell per check, green when
 //      every bitwise comparison matched (label "b passed/run"), blue when the
 //      check is accuracy-only and passed, red when it failed;
@@ -30,7 +32,8 @@ constexpr const char* kRed = "#d62728";
 constexpr const char* kOrange = "#eb6834";
 constexpr const char* kGrey = "#8c8c8c";  // informational rows (a measurement, not a check)
 constexpr double kWidth = 1100;
-constexpr double kLabelWidth = 300;  // case labels left of every panel
+constexpr double kLabelWidth = 380;  // case labels left of every panel
+constexpr std::size_t kLabelChars = 60;
 constexpr double kExactError = 1e-9; // where exact zeros are drawn
 constexpr int kLogMin = -10, kLogMax = 2;
 
@@ -108,7 +111,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
   svg.text(20, y, "Checks: byte equality (b passed/run) and accuracy", 15, "start", "bold");
   y += 12;
   for (const Json& c : cases) {
-    svg.text(kLabelWidth - 8, y + 16, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), 44),
+    svg.text(kLabelWidth - 8, y + 16, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), kLabelChars),
              11, "end");
     double x = kLabelWidth;
     for (const Json& row : c["checks"]) {
@@ -139,11 +142,12 @@ Status write_report_svg(const Json& report, const std::string& path) {
   double max_seconds = 1e-3;
   for (const Json& c : cases) max_seconds = std::max(max_seconds, number(c.value("seconds", Json()), 0));
   const double bar_span = kWidth - kLabelWidth - 90;
-  svg.text(20, y, "Time per case (seconds, wall clock)", 15, "start", "bold");
+  svg.text(20, y, "Time per case (" + report.value("time_label", std::string("seconds, wall clock")) + ")", 15, "start",
+           "bold");
   y += 12;
   for (const Json& c : cases) {
     const double seconds = number(c.value("seconds", Json()), 0);
-    svg.text(kLabelWidth - 8, y + 15, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), 44),
+    svg.text(kLabelWidth - 8, y + 15, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), kLabelChars),
              11, "end");
     svg.rect(kLabelWidth, y + 4, std::max(1.0, bar_span * seconds / max_seconds), row_height - 8, kBlue);
     svg.text(kLabelWidth + bar_span * seconds / max_seconds + 6, y + 15, fmt("%.3g s", seconds), 10);
@@ -201,7 +205,8 @@ Status write_report_svg(const Json& report, const std::string& path) {
   // Footer.
   const Json env = report.value("environment", Json::object());
   const Json git = report.value("git", Json::object());
-  std::string footer = "detdit verify: " + report.value("verdict", std::string("?")) + ", " +
+  const std::string title = report.value("title", std::string("detdit verify report"));
+  std::string footer = title + ": " + report.value("verdict", std::string("?")) + ", " +
                        std::to_string(report.value("checks_passed", 0)) + "/" +
                        std::to_string(report.value("checks_total", 0)) + " checks | device " +
                        env.value("device", std::string("?")) + " | " + env.value("compiler", std::string("?")) +
@@ -218,7 +223,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
       << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << y << "\" viewBox=\"0 0 "
       << kWidth << " " << y << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
-      << "<text x=\"20\" y=\"30\" font-size=\"18\" font-weight=\"bold\">detdit verify report</text>\n"
+      << "<text x=\"20\" y=\"30\" font-size=\"18\" font-weight=\"bold\">" << escape(title) << "</text>\n"
       << svg.body() << "</svg>\n";
   return io::write_file_atomically(path, out.str());
 }

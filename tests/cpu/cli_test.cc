@@ -99,7 +99,7 @@ TEST(Cli, UsageErrorsExit2) {
   for (const char* command :
        {"", "frobnicate", "verify --bogus", "verify --device tpu", "verify --ops no_such_op", "verify --seed -3",
         "weights", "weights frob", "weights synth", "weights synth --out /tmp/x --blocks -1", "weights inspect",
-        "weights verify", "report", "bench --format xml", "verify --quick --quick"}) {
+        "weights verify", "report", "bench --format xml", "bench --out ''", "bench --out=", "verify --quick --quick"}) {
     Result r = detdit(command);
     EXPECT_EQ(r.code, 2) << "'" << command << "'\n" << r.output;
     EXPECT_NE(r.output.find("detdit"), std::string::npos) << command;
@@ -349,6 +349,22 @@ TEST(Cli, VerifyQuickReportAndFigure) {
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
   for (const std::string& op : ops) EXPECT_NE(svg.find(op), std::string::npos) << op;
 
+  // A report of the same shape with its own title and time label (what
+  // scripts/torch_compare.py writes): both replace the verify wording, and a
+  // differing comparison is a red cell.
+  std::ofstream(out + "/compare.json")
+      << R"json({"kind": "detdit_torch_compare", "title": "detdit vs PyTorch", "time_label": "fwd+bwd (s)",
+             "verdict": "PASS", "cases": [{"op": "rmsnorm", "case": "block S4097, torch.compile", "seconds": 0.001,
+             "checks": [{"check": "run to run", "bitwise_run": 1, "bitwise_passed": 0, "pass": false}]}]})json";
+  r = detdit("report '" + out + "/compare.json' --out '" + out + "/compare.svg'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  const std::string compare_svg = read_file(out + "/compare.svg");
+  for (const char* text : {">detdit vs PyTorch</text>", "Time per case (fwd+bwd (s))", "b0/1 run to run",
+                           "rmsnorm / block S4097, torch.compile", "fill=\"#d62728\""}) {
+    EXPECT_NE(compare_svg.find(text), std::string::npos) << text;
+  }
+  EXPECT_EQ(compare_svg.find("detdit verify"), std::string::npos);
+
   // report refuses what is not a verify report.
   std::ofstream(out + "/other.json") << "{\"kind\": 1}";
   r = detdit("report '" + out + "/other.json' --out '" + out + "/x.svg'");
@@ -406,6 +422,15 @@ TEST(Cli, BenchQuickJson) {
   r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --format csv --weights '" + small_weights() + "'");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(r.output.rfind("op,case,phase,device,median_us", 0), 0u) << r.output;
+  // --out: the table on stdout and the same JSON report in the file.
+  const std::string dir = temp_dir("bench_out");
+  r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --warmup 0 --out '" + dir +
+             "/bench.json' --weights '" + small_weights() + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("copy bandwidth"), std::string::npos) << r.output;
+  const nlohmann::json written = nlohmann::json::parse(read_file(dir + "/bench.json"));
+  EXPECT_EQ(written["kind"], "detdit_bench_report");
+  EXPECT_EQ(written["cases"].size(), 6u) << written.dump();
 }
 
 // ---- parallel regions (tools/verify_parallel.cc, tools/bench_parallel.cc) ----
