@@ -106,6 +106,22 @@ void OpCase::set_bytes(Phase phase, const std::vector<std::string>& names, doubl
 
 void PrintTo(const OpCase& c, std::ostream* os) { *os << c.full_name(); }
 
+namespace {
+
+HostTensor filled(const TensorSpec& spec) {
+  HostTensor host(spec.dtype, spec.shape);
+  if (spec.fill) spec.fill(&host);
+  return host;
+}
+
+}  // namespace
+
+void make_inputs(const OpCase& c, std::map<std::string, HostTensor>* inputs) {
+  inputs->clear();
+  for (const TensorSpec& spec : c.tensors)
+    if (!spec.output) (*inputs)[spec.name] = filled(spec);
+}
+
 Status instantiate(const OpCase& c, const Device& device, Stream stream, Instance* instance,
             const std::map<std::string, HostTensor>* inputs) {
   Instance t;
@@ -118,9 +134,7 @@ Status instantiate(const OpCase& c, const Device& device, Stream stream, Instanc
     } else if (inputs != nullptr) {
       DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(inputs->at(spec.name), device, &tensor, stream));
     } else {
-      HostTensor host(spec.dtype, spec.shape);
-      if (spec.fill) spec.fill(&host);
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(host, device, &tensor, stream));
+      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(filled(spec), device, &tensor, stream));
     }
     t.tensors_[spec.name] = std::move(tensor);
   }
@@ -140,11 +154,25 @@ Status run(const OpCase& c, Phase phase, const Instance& instance) {
   return fn(instance, instance.stream);
 }
 
-Status download(const OpCase& c, const Instance& instance, std::map<std::string, HostTensor>* host) {
+namespace {
+
+Status download_tensors(const OpCase& c, const Instance& instance, bool outputs_only,
+                        std::map<std::string, HostTensor>* host) {
   host->clear();
   for (const TensorSpec& spec : c.tensors)
-    DETDIT_RETURN_IF_ERROR(instance.tensor(spec.name).to_host(&(*host)[spec.name], instance.stream));
+    if (spec.output || !outputs_only)
+      DETDIT_RETURN_IF_ERROR(instance.tensor(spec.name).to_host(&(*host)[spec.name], instance.stream));
   return Status();
+}
+
+}  // namespace
+
+Status download(const OpCase& c, const Instance& instance, std::map<std::string, HostTensor>* host) {
+  return download_tensors(c, instance, false, host);
+}
+
+Status download_outputs(const OpCase& c, const Instance& instance, std::map<std::string, HostTensor>* host) {
+  return download_tensors(c, instance, true, host);
 }
 
 std::vector<OutputReport> compare_outputs(const OpCase& c, Phase phase,
@@ -165,8 +193,12 @@ std::vector<OutputReport> compare_outputs(const OpCase& c, Phase phase,
 
 Status compare_with_cpu(const OpCase& c, const Device& device, std::vector<OutputReport>* reports) {
   Instance cpu, other;
-  DETDIT_RETURN_IF_ERROR(instantiate(c, Device::cpu(), nullptr, &cpu));
-  DETDIT_RETURN_IF_ERROR(instantiate(c, device, nullptr, &other));
+  {
+    std::map<std::string, HostTensor> inputs;  // filled once for both
+    make_inputs(c, &inputs);
+    DETDIT_RETURN_IF_ERROR(instantiate(c, Device::cpu(), nullptr, &cpu, &inputs));
+    DETDIT_RETURN_IF_ERROR(instantiate(c, device, nullptr, &other, &inputs));
+  }
   reports->clear();
   for (Phase phase : {Phase::kForward, Phase::kBackward}) {
     if (!c.has(phase)) continue;
@@ -174,8 +206,8 @@ Status compare_with_cpu(const OpCase& c, const Device& device, std::vector<Outpu
     DETDIT_RETURN_IF_ERROR(run(c, phase, other));
   }
   std::map<std::string, HostTensor> expected, actual;
-  DETDIT_RETURN_IF_ERROR(download(c, cpu, &expected));
-  DETDIT_RETURN_IF_ERROR(download(c, other, &actual));
+  DETDIT_RETURN_IF_ERROR(download_outputs(c, cpu, &expected));
+  DETDIT_RETURN_IF_ERROR(download_outputs(c, other, &actual));
   for (Phase phase : {Phase::kForward, Phase::kBackward}) {
     std::vector<OutputReport> r = compare_outputs(c, phase, expected, actual);
     reports->insert(reports->end(), r.begin(), r.end());

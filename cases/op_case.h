@@ -147,14 +147,20 @@ struct OpCase {
 // Prints the case as its full name (GoogleTest's parameter printer).
 void PrintTo(const OpCase& c, std::ostream* os);
 
+// Host tensors of the case's inputs, each filled by its Fill (absent: zeros).
+void make_inputs(const OpCase& c, std::map<std::string, HostTensor>* inputs);
 // Creates the case's tensors (inputs filled, outputs the canary) and plans on
-// `device`. With `inputs`, every input takes those host bytes instead of its fill.
+// `device`. With `inputs` (make_inputs' or others), every input takes those
+// host bytes instead of its fill.
 Status instantiate(const OpCase& c, const Device& device, Stream stream, Instance* instance,
             const std::map<std::string, HostTensor>* inputs = nullptr);
 // Runs one phase (the backward reads what the forward wrote into the instance).
 Status run(const OpCase& c, Phase phase, const Instance& instance);
 // Host copies of every tensor of the instance (after the work on its stream).
 Status download(const OpCase& c, const Instance& instance, std::map<std::string, HostTensor>* host);
+// Host copies of the outputs alone (what compare_outputs reads; at the H3
+// shapes the inputs are gigabytes more).
+Status download_outputs(const OpCase& c, const Instance& instance, std::map<std::string, HostTensor>* host);
 
 // The outputs of `phase` compared bitwise, expected vs actual (host copies);
 // each mismatch named. `written` also fails an expected output that is still

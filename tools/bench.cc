@@ -10,10 +10,12 @@
 #include "bench.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -67,32 +69,39 @@ void count_wrong(const std::vector<cases::OutputReport>& reports, BenchResult* r
 // of the timed calls with a CPU run of the same case.
 Status bench_op_case(const cases::OpCase& c, const BenchContext& context, int warmup, int repeats,
                      std::vector<BenchResult>* results) {
-  cases::Instance t;
-  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, context.device, context.stream, &t));
+  // At the H3 shapes a case is tens of GB on the host: the inputs are filled
+  // once for both runs, the device's outputs downloaded and its tensors freed
+  // before the CPU reference runs.
+  std::map<std::string, HostTensor> inputs, got, expected;
+  cases::make_inputs(c, &inputs);
+  auto t = std::make_unique<cases::Instance>();
+  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, context.device, context.stream, t.get(), &inputs));
   const bool backward = c.has(cases::Phase::kBackward);
   BenchResult fwd{c.op, c.name, "fwd", 0, c.bytes[0], c.byte_model[0], 0, 0, ""};
-  DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats, [&] { return cases::run(c, cases::Phase::kForward, t); },
+  DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats, [&] { return cases::run(c, cases::Phase::kForward, *t); },
                                     &fwd.median_seconds));
   std::vector<BenchResult> timed = {fwd};
   if (backward) {
     BenchResult bwd{c.op, c.name, "bwd", 0, c.bytes[1], c.byte_model[1], 0, 0, ""};
     DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats,
-                                      [&] { return cases::run(c, cases::Phase::kBackward, t); }, &bwd.median_seconds));
+                                      [&] { return cases::run(c, cases::Phase::kBackward, *t); }, &bwd.median_seconds));
     BenchResult both{c.op, c.name, "fwd+bwd", 0, c.bytes[0] + c.bytes[1], "fwd + bwd floors", 0, 0, ""};
     DETDIT_RETURN_IF_ERROR(time_calls(context, warmup, repeats, [&] {
-      DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, t));
-      return cases::run(c, cases::Phase::kBackward, t);
+      DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, *t));
+      return cases::run(c, cases::Phase::kBackward, *t);
     }, &both.median_seconds));
     timed.push_back(bwd);
     timed.push_back(both);
   }
-  std::map<std::string, HostTensor> got, expected;
-  DETDIT_RETURN_IF_ERROR(cases::download(c, t, &got));
-  cases::Instance reference;
-  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, Device::cpu(), nullptr, &reference));
-  DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, reference));
-  if (backward) DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kBackward, reference));
-  DETDIT_RETURN_IF_ERROR(cases::download(c, reference, &expected));
+  DETDIT_RETURN_IF_ERROR(cases::download_outputs(c, *t, &got));
+  t.reset();
+  auto reference = std::make_unique<cases::Instance>();
+  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, Device::cpu(), nullptr, reference.get(), &inputs));
+  inputs.clear();
+  DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, *reference));
+  if (backward) DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kBackward, *reference));
+  DETDIT_RETURN_IF_ERROR(cases::download_outputs(c, *reference, &expected));
+  reference.reset();
   const std::vector<cases::OutputReport> forward_reports = cases::compare_outputs(c, cases::Phase::kForward, expected, got);
   count_wrong(forward_reports, &timed[0]);
   if (backward) {
@@ -289,12 +298,20 @@ int run_bench(int argc, char** argv) {
       if ((ops.empty() || ops.count(c.op)) && (names.empty() || names.count(c.name))) selected.push_back(std::move(c));
   }
   std::vector<BenchResult> results;
-  for (const cases::OpCase& c : selected) {
+  for (std::size_t i = 0; i < selected.size(); ++i) {
+    const cases::OpCase& c = selected[i];
     const std::size_t before = results.size();
+    const auto start = std::chrono::steady_clock::now();
     Status s = bench_op_case(c, context, static_cast<int>(warmup), static_cast<int>(repeats), &results);
     if (!s.ok()) {
       results.resize(before);
       results.push_back(BenchResult{c.op, c.name, "", 0, 0, "", 0, 0, s.to_string()});
+    }
+    // Progress on stderr (the report waits for the last case): a large case
+    // takes seconds, most of it the CPU reference.
+    if (leader) {
+      std::fprintf(stderr, "detdit bench: [%zu/%zu] %s: %.1f s\n", i + 1, selected.size(), c.full_name().c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
   std::vector<ParallelBenchResult> parallel_results;

@@ -298,7 +298,9 @@ Status gate_residual_backward_single_pass(const GateResidualBackwardParams& p, c
   constexpr int kThreads = 128, kCols = 4;
   const std::size_t shared_bytes =
       static_cast<std::size_t>(p.in.plan.max_chunk_segments()) * kCols * kThreads * sizeof(float);
-  if (shared_bytes > 48 * 1024) return Status();  // more segments than fit: the halves
+  // The static local_segment table shares the 48 KiB a block gets without an
+  // opt-in; more segments than fit beside it: the halves.
+  if (shared_bytes + kReductionChunk * sizeof(int32_t) > 48 * 1024) return Status();
   const dim3 grid(static_cast<unsigned>(p.in.plan.num_chunks()), blocks_for(a.hidden, kThreads * kCols));
   const cudaStream_t s = as_cuda_stream(stream);
   return dispatch_float_dtype(p.grad.dtype, [&](auto tag) {

@@ -30,7 +30,8 @@ namespace {
 
 struct Result {
   int code = -1;
-  std::string output;  // stdout and stderr
+  std::string output;       // stdout, then stderr
+  std::string stdout_text;  // stdout alone (the JSON of --format json)
 };
 
 std::string temp_dir(const std::string& name) {
@@ -51,13 +52,14 @@ std::string read_file(const std::string& path) {
 // hang fails its test instead of hanging the suite.
 Result detdit(const std::string& arguments, int timeout_s = 600) {
   static const std::string cache = temp_dir("cache");
-  const std::string out = temp_dir("out") + "/output.txt";
+  const std::string out = temp_dir("out") + "/stdout.txt", err = temp_dir("out") + "/stderr.txt";
   const std::string command = "XDG_CACHE_HOME='" + cache + "' timeout -k 5 " + std::to_string(timeout_s) + " '" +
-                              DETDIT_CLI_PATH + "' " + arguments + " > '" + out + "' 2>&1";
+                              DETDIT_CLI_PATH + "' " + arguments + " > '" + out + "' 2> '" + err + "'";
   const int status = std::system(command.c_str());
   Result r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.output = read_file(out);
+  r.stdout_text = read_file(out);
+  r.output = r.stdout_text + read_file(err);
   return r;
 }
 
@@ -399,7 +401,7 @@ TEST(Cli, BenchQuickJson) {
   Result r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --warmup 0 --format json --weights '" +
                     small_weights() + "'");
   ASSERT_EQ(r.code, 0) << r.output;
-  nlohmann::json out = nlohmann::json::parse(r.output);
+  nlohmann::json out = nlohmann::json::parse(r.stdout_text);
   EXPECT_EQ(out["kind"], "detdit_bench_report");
   EXPECT_GT(out["copy_gbps"].get<double>(), 0);
   EXPECT_EQ(out["format_version"], 2);
@@ -421,7 +423,7 @@ TEST(Cli, BenchQuickJson) {
   }
   r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --format csv --weights '" + small_weights() + "'");
   EXPECT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(r.output.rfind("op,case,phase,device,median_us", 0), 0u) << r.output;
+  EXPECT_EQ(r.stdout_text.rfind("op,case,phase,device,median_us", 0), 0u) << r.output;
   // --out: the table on stdout and the same JSON report in the file.
   const std::string dir = temp_dir("bench_out");
   r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --warmup 0 --out '" + dir +
@@ -577,7 +579,7 @@ TEST(Cli, BenchParallelCpuJson) {
   Result r = detdit("bench --device cpu --ops sp_region,tp_adaln_projection --repeats 2 --warmup 0 --format json "
                     "--weights '" + small_weights() + "'");
   ASSERT_EQ(r.code, 0) << r.output;
-  const nlohmann::json out = nlohmann::json::parse(r.output);
+  const nlohmann::json out = nlohmann::json::parse(r.stdout_text);
   const nlohmann::json& p = out["parallel"];
   EXPECT_EQ(p["simulated"], true);
   EXPECT_NE(p["how"].get<std::string>().find("SIMULATION"), std::string::npos);
