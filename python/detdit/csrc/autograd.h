@@ -59,6 +59,12 @@ std::array<bool, N> saved_needs(AutogradContext* ctx) {
   return mask;
 }
 
+// A gradient that may not have arrived (set_materialize_grads(false)): absent
+// when undefined, else contiguous.
+inline OptTensor optional_grad(const Tensor& grad) {
+  return grad.defined() ? OptTensor(grad.contiguous()) : OptTensor();
+}
+
 // An optional input saved as a tensor (undefined when absent), restored.
 inline OptTensor saved_optional(const Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); }
 
@@ -216,6 +222,37 @@ struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
   }
 };
 
+// Its h and out may each receive a gradient or not; grads are not
+// materialised, so the backward tells an absent gradient of h (none but the
+// norm's) from a zero one, and an absent gradient of out (no norm backward)
+// from a zero one, as autograd through gate_residual then rmsnorm does.
+struct GateResidualRmsnormFunction : torch::autograd::Function<GateResidualRmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const PlanPtr& plan, double eps, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, plan, eps, numerics);
+    ctx->save_for_backward({y, gate, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h, rstd});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate), requires_grad(weight),
+                     requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = gate_residual_rmsnorm_backward(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]),
+        saved_optional(s[4]), saved_plan(ctx), s[5], s[6], ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<6>(ctx));
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
+  }
+};
+
 struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight, const Tensor& temb,
                                const Tensor& weight, const Tensor& bias, const PlanPtr& plan, double eps,
@@ -325,6 +362,33 @@ struct SpGateResidualFunction : torch::autograd::Function<SpGateResidualFunction
     auto [d_residual, d_y, d_gate] = sp_gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_sp(ctx),
                                                                ctx->saved_data["comm"].toInt());
     return {d_residual, d_y, d_gate, Tensor(), Tensor()};
+  }
+};
+
+// As GateResidualRmsnormFunction, on the local rows.
+struct SpGateResidualRmsnormFunction : torch::autograd::Function<SpGateResidualRmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const SpPlanPtr& sp, int64_t comm, double eps, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = sp_gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics);
+    ctx->save_for_backward({y, gate, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h, rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = sp_gate_residual_rmsnorm_backward(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]),
+        saved_optional(s[4]), saved_sp(ctx), s[5], s[6], ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef());
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

@@ -240,6 +240,37 @@ std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad,
 }
 
 // ---------------------------------------------------------------------------
+// sp_gate_residual_rmsnorm
+
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm(const Tensor& residual, const Tensor& y,
+                                                            const Tensor& gate, const Tensor& weight,
+                                                            const OptTensor& shift, const OptTensor& scale,
+                                                            const SpPlanPtr& sp, int64_t, double eps,
+                                                            const std::string& numerics) {
+  auto call = [&](const detdit::GateResidualRmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return gate_residual_rmsnorm_with(call, residual, y, gate, weight, shift, scale, sp->sp.global_plan(), eps,
+                                    numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics) {
+  auto group = communicator(comm);
+  auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
+  };
+  auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+  };
+  return gate_residual_rmsnorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
+                                             sp->sp.global_plan(), h, rstd, eps, numerics,
+                                             {true, true, true, true, true, true});
+}
+
+// ---------------------------------------------------------------------------
 // The Python module's functions
 
 // Python: _C._register_communicator(gather, rank, world, device) -> handle.

@@ -70,6 +70,22 @@ Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& g
 std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
                                                              const SpPlanPtr& sp, int64_t comm);
 
+// sp_gate_residual_rmsnorm: (h, out, rstd) of the local rows. Backward:
+// (d_residual, d_y local, d_gate, d_weight, d_shift, d_scale replicated); an
+// absent d_out runs the sp_gate_residual backward of d_h alone (as
+// gate_residual_rmsnorm_backward, ops.h), so every rank must agree on which
+// of d_out and d_h it has, as every rank of the separate ops runs the same
+// backward nodes.
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm(const Tensor& residual, const Tensor& y,
+                                                            const Tensor& gate, const Tensor& weight,
+                                                            const OptTensor& shift, const OptTensor& scale,
+                                                            const SpPlanPtr& sp, int64_t comm, double eps,
+                                                            const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics);
+
 // Python: _C._register_communicator(gather, rank, world, device) -> handle.
 PyObject* register_communicator(PyObject*, PyObject* args);
 // Python: _C._release_communicator(handle). Ops that captured it keep it alive.

@@ -413,6 +413,100 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, co
 }
 
 // ---------------------------------------------------------------------------
+// gate_residual_rmsnorm (and sp_gate_residual_rmsnorm through the _with forms)
+
+namespace {
+detdit::GateResidualRmsnormInputs gate_residual_rmsnorm_inputs(const Tensor& residual, const Tensor& y,
+                                                              const Tensor& gate, const Tensor& weight,
+                                                              const OptTensor& shift, const OptTensor& scale,
+                                                              const IndexPlan& plan, double eps,
+                                                              const std::string& numerics) {
+  detdit::GateResidualRmsnormInputs in;
+  in.residual = view(residual, "residual");
+  in.y = view(y, "y");
+  in.gate = view(gate, "gate");
+  in.weight = view(weight, "weight");
+  in.shift = view(shift, "shift");
+  in.scale = view(scale, "scale");
+  in.plan = plan;
+  in.eps = static_cast<float>(eps);
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_with(const Call<detdit::GateResidualRmsnormParams>& call,
+                                                              const Tensor& residual, const Tensor& y,
+                                                              const Tensor& gate, const Tensor& weight,
+                                                              const OptTensor& shift, const OptTensor& scale,
+                                                              const IndexPlan& plan, double eps,
+                                                              const std::string& numerics) {
+  DeviceScope scope(residual);
+  Tensor h = output_like(residual);
+  Tensor out = output_like(residual);
+  Tensor rstd = empty_like_shape(residual, {leading_rows(residual)}, at::kFloat);
+  detdit::GateResidualRmsnormParams p;
+  p.in = gate_residual_rmsnorm_inputs(residual, y, gate, weight, shift, scale, plan, eps, numerics);
+  p.h = view(h, "h");
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  check_ok(call(p, scope.stream()));
+  return {h, out, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_with(
+    const Call<detdit::GateResidualRmsnormBackwardParams>& call, const Call<detdit::GateResidualBackwardParams>& gate_call,
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask) {
+  if (!d_out.has_value()) {
+    if (!d_h.has_value()) return {};
+    auto [d_residual, d_y, d_gate] =
+        gate_residual_backward_with(gate_call, *d_h, y, gate, plan, {output_mask[0], output_mask[1], output_mask[2]});
+    return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor()};
+  }
+  DeviceScope scope(h);
+  Tensor d_residual = output_like(h, output_mask[0]);
+  Tensor d_y = output_like(h, output_mask[1]);
+  Tensor d_gate = maybe_empty(output_mask[2], h, matrix_shape(gate), gate.scalar_type());
+  Tensor d_weight = maybe_empty(output_mask[3], h, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor d_shift = table_grad(output_mask[4], shift, h);
+  Tensor d_scale = table_grad(output_mask[5], scale, h);
+  detdit::GateResidualRmsnormBackwardParams p;
+  p.in = gate_residual_rmsnorm_inputs(Tensor(), y, gate, weight, shift, scale, plan, eps, numerics);
+  p.h = view(h, "h");
+  p.rstd = view(rstd, "rstd");
+  p.d_out = view(d_out, "d_out");
+  p.d_h = view(d_h, "d_h");
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(call(p, scope.stream()));
+  return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale};
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm(const Tensor& residual, const Tensor& y, const Tensor& gate,
+                                                         const Tensor& weight, const OptTensor& shift,
+                                                         const OptTensor& scale, const PlanPtr& plan, double eps,
+                                                         const std::string& numerics) {
+  return gate_residual_rmsnorm_with(detdit::gate_residual_rmsnorm_forward, residual, y, gate, weight, shift, scale,
+                                    required_plan(plan, "gate_residual_rmsnorm")->plan, eps, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const PlanPtr& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask) {
+  return gate_residual_rmsnorm_backward_with(detdit::gate_residual_rmsnorm_backward, detdit::gate_residual_backward,
+                                             d_out, d_h, y, gate, weight, shift, scale,
+                                             required_plan(plan, "gate_residual_rmsnorm_backward")->plan, h, rstd,
+                                             eps, numerics, output_mask);
+}
+
+// ---------------------------------------------------------------------------
 // final_adaln_out
 
 namespace {

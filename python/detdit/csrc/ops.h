@@ -112,6 +112,36 @@ Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate
 std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
                                                           const PlanPtr& plan, std::array<bool, 3> output_mask);
 
+// gate_residual_rmsnorm (and sp_gate_residual_rmsnorm): h = gate_residual
+// of (residual, y, gate), out = rmsnorm of h; (h, out like residual, rstd
+// (M,) fp32). Backward from d_out and d_h, the gradients of out and of h from
+// the rest of the network, either absent: (d_residual, d_y like h, d_gate in
+// gate's dtype, d_weight in weight's dtype, d_shift / d_scale in the table's
+// dtype), the dtypes autograd gets through gate_residual then rmsnorm. An
+// absent d_out runs gate_call (the gate_residual backward) of d_h alone and
+// gives no norm gradients, as autograd through the two ops runs no rmsnorm
+// backward when no gradient reaches out; with neither, every gradient is
+// undefined.
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_with(const Call<detdit::GateResidualRmsnormParams>& call,
+                                                              const Tensor& residual, const Tensor& y,
+                                                              const Tensor& gate, const Tensor& weight,
+                                                              const OptTensor& shift, const OptTensor& scale,
+                                                              const IndexPlan& plan, double eps,
+                                                              const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_with(
+    const Call<detdit::GateResidualRmsnormBackwardParams>& call, const Call<detdit::GateResidualBackwardParams>& gate_call,
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask);
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm(const Tensor& residual, const Tensor& y, const Tensor& gate,
+                                                         const Tensor& weight, const OptTensor& shift,
+                                                         const OptTensor& scale, const PlanPtr& plan, double eps,
+                                                         const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const PlanPtr& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask);
+
 // final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype,
 // rstd (M,) fp32). Backward: (dx like x, d_norm_weight in its dtype, d_temb
 // fp32, d_weight, d_bias in weight's dtype).

@@ -118,6 +118,15 @@ TORCH_LIBRARY(detdit, m) {
       "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_PLAN
       " plan, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
       &gate_residual_backward);
+  def_op<GateResidualRmsnormFunction>(
+      m,
+      "gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, Tensor? scale, "
+      DETDIT_PLAN " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm,
+      "gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_PLAN " plan, Tensor h, Tensor rstd, float eps, str numerics, "
+      "bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm_backward);
   def_op<FinalAdalnOutFunction>(
       m,
       "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
@@ -158,6 +167,15 @@ TORCH_LIBRARY(detdit, m) {
       "sp_gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_SP_PLAN
       " sp, int comm) -> (Tensor, Tensor, Tensor)",
       &sp_gate_residual_backward);
+  def_op<SpGateResidualRmsnormFunction>(
+      m,
+      "sp_gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, "
+      "Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_rmsnorm,
+      "sp_gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
+      "str numerics) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &sp_gate_residual_rmsnorm_backward);
 }
 
 // `import detdit._C` loads this library, which registers the operators above
