@@ -7,8 +7,12 @@
 //   kernel below autograd (at::AutoDispatchBelowADInplaceOrView) and saves
 //   what the backward kernel reads; its backward calls the op's backward
 //   kernel with contiguous grads and an output mask of the inputs that
-//   require grad, and returns one grad per forward argument (undefined for
-//   non-tensors and for inputs that do not require grad).
+//   require grad (the sp_ backward kernels take none: they compute every
+//   gradient, distributed.h), and returns one grad per forward argument
+//   (undefined for non-tensors and for inputs that do not require grad).
+// - Autograd hands a zero tensor for an output that received no gradient,
+//   except to the gate_residual_rmsnorm Functions, which must tell one from a
+//   zero gradient (see GateResidualRmsnormFunction).
 // - The tensors a forward returns for its backward (rstd, act, pre, ...) are
 //   marked non-differentiable.
 // - First order only: detdit's backward kernels are not differentiable, so a

@@ -16,6 +16,7 @@
 // tp_/sp_ entry point).
 #pragma once
 
+#include <array>
 #include <functional>
 #include <string>
 #include <tuple>
