@@ -87,13 +87,16 @@ setup(
     ext_modules=[
         extension_class(
             name="detdit._C",
-            sources=["detdit/csrc/detdit_torch.cpp"],
+            # one file per layer of the binding (detdit/csrc/*.h say what each holds)
+            sources=[f"detdit/csrc/{name}.cpp" for name in
+                     ("tensors", "plan", "ops", "distributed", "registration")],
             include_dirs=[os.path.join(repo, "include")],
             define_macros=macros,
             extra_compile_args={"cxx": compile_args} if torch_has_cuda else compile_args,
             extra_objects=[library],
-            # rebuild when the library or its public headers change
-            depends=[library] + sorted(glob.glob(os.path.join(repo, "include", "detdit", "*.h"))),
+            # rebuild when the library, its public headers or the binding's headers change
+            depends=[library] + sorted(glob.glob(os.path.join(repo, "include", "detdit", "*.h")))
+            + sorted(glob.glob(os.path.join(here, "detdit", "csrc", "*.h"))),
             libraries=libraries,
             extra_link_args=link_args,
             library_dirs=library_dirs,

@@ -18,7 +18,7 @@ from . import _C  # noqa: F401  (loading it registers torch.ops.detdit and torch
 __all__ = [
     "IndexPlan", "plan", "plan_from_rows", "timestep_sinusoid", "linear", "timestep_mlp",
     "adaln_projection", "adaln_table_chunks", "adaln_row_gather", "rmsnorm", "gate_residual",
-    "final_adaln_out", "adaln_modulation",
+    "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation",
     "H3_HIDDEN_SIZE", "H3_FREQ_DIM", "H3_TIME_EMBED_HIDDEN_DIM", "H3_TIME_EMBED_DIM",
     "H3_MAX_PERIOD", "H3_NORM_EPS", "ADALN_CHUNKS", "NUM_MODALITIES",
 ]
@@ -116,6 +116,18 @@ def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numer
 def gate_residual(residual, y, gate, plan):
     """``residual + gate[i] * y`` with ``gate`` ``(R, H)`` indexed by the plan."""
     return _ops.gate_residual(residual, y, gate, _require_plan(plan, "gate_residual"))
+
+
+def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
+                          numerics="portable"):
+    """The region every H3 block runs twice, fused: ``h = residual + gate[i] * y``, then
+    ``out = rmsnorm(h, weight, shift, scale)``; returns ``(h, out)``. Forward and every
+    gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`, including the
+    gradient that reaches ``h`` from the rest of the network (the next residual branch)."""
+    h, out, _ = _ops.gate_residual_rmsnorm(residual, y, gate, weight, shift, scale,
+                                           _require_plan(plan, "gate_residual_rmsnorm"), float(eps),
+                                           _profile(numerics))
+    return h, out
 
 
 def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, numerics="portable"):

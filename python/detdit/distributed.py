@@ -8,8 +8,9 @@ Every rank's outputs and gradients are byte-equal to one process (docs/parallel.
   gives the shard's ``dW``/``db`` and the full, replicated ``d_temb``.
 - ``SpRegion(plan, comm)``: rank r holds positions ``[r*S//sp, (r+1)*S//sp)`` of every batch
   item (``region.local_slice``); the plan (full ``(S,)`` index), the tables and the norm
-  weight are replicated. ``region.rmsnorm`` and ``region.gate_residual`` take the local
-  rows ``(B, S_local, H)``. Their replicated gradients (``d_weight``, ``d_shift``,
+  weight are replicated. ``region.rmsnorm``, ``region.gate_residual`` and the two fused,
+  ``region.gate_residual_rmsnorm``, take the local rows ``(B, S_local, H)``. Their
+  replicated gradients (``d_weight``, ``d_shift``,
   ``d_scale``, ``d_gate``) are already the full sums, identical on every rank: do not
   all-reduce them again.
 
@@ -91,6 +92,15 @@ class SpRegion:
     def gate_residual(self, residual, y, gate):
         """``detdit.gate_residual`` of the local rows."""
         return _ops.sp_gate_residual(residual, y, gate, self.sp, self.comm.handle)
+
+    def gate_residual_rmsnorm(self, residual, y, gate, weight, shift=None, scale=None, eps=H3_NORM_EPS,
+                              numerics="portable"):
+        """``detdit.gate_residual_rmsnorm`` of the local rows: ``(h, out)``. Every rank must
+        use h and out alike (each needs a gradient on every rank or on none), as for the
+        separate ops, whose backward collectives every rank runs."""
+        h, out, _ = _ops.sp_gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, self.sp, self.comm.handle,
+                                                  float(eps), _profile(numerics))
+        return h, out
 
 
 def sp_region(plan, comm):

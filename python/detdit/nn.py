@@ -13,7 +13,7 @@ from torch import nn
 from . import (ADALN_CHUNKS, H3_FREQ_DIM, H3_HIDDEN_SIZE, H3_MAX_PERIOD, H3_NORM_EPS, H3_TIME_EMBED_DIM,
                H3_TIME_EMBED_HIDDEN_DIM, NUM_MODALITIES)
 from . import adaln_modulation, adaln_projection, adaln_table_chunks, final_adaln_out, gate_residual
-from . import rmsnorm, timestep_mlp, timestep_sinusoid
+from . import gate_residual_rmsnorm, rmsnorm, timestep_mlp, timestep_sinusoid
 
 __all__ = ["Timesteps", "TimestepEmbedding", "AdaLNModulation", "RMSNorm", "GatedResidual", "AdaLayerNormOut",
            "H3BlockConditioning", "H3TokenRefiner", "H3Conditioning"]
@@ -91,6 +91,11 @@ class RMSNorm(nn.Module):
     def forward(self, x, shift=None, scale=None, plan=None):
         return rmsnorm(x, self.weight, shift, scale, plan, self.eps, self.numerics)
 
+    def gated(self, residual, y, gate, shift=None, scale=None, plan=None):
+        """The gated residual into this norm, fused: ``h = residual + gate[i] * y`` and
+        ``self(h, shift, scale, plan)``; returns ``(h, out)``, bitwise equal to the two."""
+        return gate_residual_rmsnorm(residual, y, gate, self.weight, shift, scale, plan, self.eps, self.numerics)
+
 
 class GatedResidual(nn.Module):
     """``residual + gate[i] * y`` (gate ``(R, H)`` indexed by the plan). No parameters."""
@@ -122,7 +127,9 @@ class H3BlockConditioning(nn.Module):
     ``forward(x, temb, plan, attn, ffn)`` runs the block's conditioning around the two
     sublayers (callables on the modulated ``(B, S, H)`` activations), as diffusers does:
     ``x = x + gate_msa * attn(norm1(x) * (1 + scale_msa) + shift_msa)``, then the same with
-    ``norm2``/``ffn`` and the ``_mlp`` vectors, all indexed by the plan.
+    ``norm2``/``ffn`` and the ``_mlp`` vectors, all indexed by the plan. The attention's
+    gated residual and ``norm2`` run as one fused op (``norm2.gated``, :meth:`RMSNorm.gated`),
+    bitwise equal to the two separate ops, forward and backward.
     """
 
     def __init__(self, hidden_size=H3_HIDDEN_SIZE, time_embed_dim=H3_TIME_EMBED_DIM, eps=H3_NORM_EPS,
@@ -135,8 +142,9 @@ class H3BlockConditioning(nn.Module):
 
     def forward(self, x, temb, plan, attn, ffn):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj.chunks(temb)
-        x = self.gate(x, attn(self.norm1(x, shift_msa, scale_msa, plan)), gate_msa, plan)
-        return self.gate(x, ffn(self.norm2(x, shift_mlp, scale_mlp, plan)), gate_mlp, plan)
+        h, n = self.norm2.gated(x, attn(self.norm1(x, shift_msa, scale_msa, plan)), gate_msa, shift_mlp, scale_mlp,
+                                plan)
+        return self.gate(h, ffn(n), gate_mlp, plan)
 
 
 class H3TokenRefiner(nn.Module):

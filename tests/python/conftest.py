@@ -54,3 +54,21 @@ def packing(seq_len, num_timesteps, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(0, num_timesteps, (seq_len,), generator=g),
             torch.randint(0, 3, (seq_len,), generator=g))
+
+
+def packed(kind, seq_len, num_timesteps):
+    """The two packings of the C++ op cases (cases/index_case.h): (timestep_indices,
+    token_tags), int64. "block": T contiguous runs, each 5 % text (first), 15 % audio (last),
+    the rest video; "interleaved": position s has timestep s % T, tag [0,1,0,2,0,0,1,0,2,0][s % 10]."""
+    s = torch.arange(seq_len)
+    if kind == "interleaved":
+        return s % num_timesteps, torch.tensor([0, 1, 0, 2, 0, 0, 1, 0, 2, 0])[s % 10]
+    assert kind == "block", kind
+    ti, tags = torch.empty(seq_len, dtype=torch.int64), torch.empty(seq_len, dtype=torch.int64)
+    for t in range(num_timesteps):
+        begin, end = t * seq_len // num_timesteps, (t + 1) * seq_len // num_timesteps
+        text, audio = (end - begin) * 5 // 100, (end - begin) * 15 // 100
+        run = torch.arange(begin, end)
+        ti[begin:end] = t
+        tags[begin:end] = torch.where(run - begin < text, 1, torch.where(end - run <= audio, 2, 0))
+    return ti, tags

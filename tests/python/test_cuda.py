@@ -3,7 +3,9 @@
 - numerics="torch" == eager PyTorch on the same GPU, bitwise, for the eager-replayable ops
   (timestep_sinusoid, rmsnorm plain and modulated, the SiLU + cast before a projection,
   gate_residual, adaln_row_gather);
-- a forward + backward region captured in a CUDA graph replays to the eager bits.
+- a forward + backward region captured in a CUDA graph replays to the eager bits;
+- gate_residual_rmsnorm (its own CUDA forward kernel): h, out and every gradient equal to
+  gate_residual then rmsnorm on the GPU (both profiles) and, portable, to the CPU.
 """
 import math
 
@@ -161,3 +163,38 @@ def test_cuda_graph_capture_of_forward_and_backward():
         torch.cuda.synchronize()
         for name, got, want in zip(["out", "dx", "dw", "d_table"], captured, eager):
             assert_bitwise_equal(got, want, f"graph replay {replay}: {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("modulated", [False, True])
+def test_gate_residual_rmsnorm_equals_separate_ops_and_cpu(dtype, modulated):
+    batch, seq, timesteps, hidden = 2, 300, 2, 1088
+    ti, tags = packing(seq, timesteps, 250)
+    rows = 3 * timesteps
+    inputs = [normal((batch, seq, hidden), 251, dtype, scale=2.0), normal((batch, seq, hidden), 252, dtype),
+              normal((rows, hidden), 253, dtype), (1 + normal((hidden,), 254, scale=0.05)).to(dtype),
+              normal((rows, hidden), 255, dtype, scale=0.3), normal((rows, hidden), 256, dtype, scale=0.3)]
+    if not modulated:
+        inputs = inputs[:4]
+    g_out, g_h = normal((batch, seq, hidden), 257, dtype), normal((batch, seq, hidden), 258, dtype)
+
+    def run(device, fused, numerics):
+        plan = plans(device, ti, tags, timesteps, batch)
+        leaves = leaves_on(device, *inputs)
+        tables = leaves[4:] if modulated else [None, None]
+        if fused:
+            h, out = detdit.gate_residual_rmsnorm(*leaves[:4], *tables, plan, numerics=numerics)
+        else:
+            h = detdit.gate_residual(*leaves[:3], plan)
+            out = detdit.rmsnorm(h, leaves[3], *tables, plan, numerics=numerics)
+        ((out * g_out.to(device)).sum() + (h * g_h.to(device)).sum()).backward()
+        return [t.detach().cpu() for t in (h, out, *(leaf.grad for leaf in leaves))]
+
+    names = ["h", "out", "d_residual", "d_y", "d_gate", "d_weight", "d_shift", "d_scale"]
+    cpu = run("cpu", True, "portable")
+    for numerics in ("portable", "torch"):
+        fused, separate = run("cuda", True, numerics), run("cuda", False, numerics)
+        for name, got, want in zip(names, fused, separate):
+            assert_bitwise_equal(got, want, f"{numerics} CUDA fused vs separate ops: {name}")
+    for name, got, want in zip(names, run("cuda", True, "portable"), cpu):
+        assert_bitwise_equal(got, want, f"portable CUDA vs CPU: {name}")

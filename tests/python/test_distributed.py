@@ -1,6 +1,7 @@
 """detdit.distributed with 2-4 gloo processes (torch.multiprocessing): every rank's
-outputs and gradients of tp_adaln_projection and of the SP region (modulated rmsnorm,
-gate_residual) are byte-equal to the same ops in one process, computed by each rank."""
+outputs and gradients of tp_adaln_projection, of the SP region (modulated rmsnorm,
+gate_residual) and of the fused SP gate_residual_rmsnorm are byte-equal to the same ops in
+one process, computed by each rank."""
 import datetime
 import os
 import sys
@@ -67,6 +68,61 @@ def _sp_checks(rank, world):
         assert_bitwise_equal(sp_grads[i], ws1_grads[i], f"rank {rank}/{world}: {name} (replicated)")
 
 
+def _sp_fused_checks(rank, world):
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal, packed
+
+    batch, seq, timesteps, hidden = 2, 600, 3, 32
+    ti, tags = packed("interleaved", seq, timesteps)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    bf = torch.bfloat16
+    residual, y = normal((batch, seq, hidden), 320, bf), normal((batch, seq, hidden), 321, bf)
+    gate, w = normal((3 * timesteps, hidden), 322, bf), (1 + normal((hidden,), 323, scale=0.05)).bfloat16()
+    shift = normal((3 * timesteps, hidden), 324, bf, scale=0.3)
+    scale = normal((3 * timesteps, hidden), 325, bf, scale=0.3)
+    g_out, g_h = normal((batch, seq, hidden), 326, bf), normal((batch, seq, hidden), 327, bf)
+    comm = detdit.distributed.Communicator()
+    region = detdit.distributed.SpRegion(plan, comm)
+    local = region.local_slice
+
+    def run(sp, modulated, reaching):
+        leaves = [t.clone().requires_grad_(True) for t in (residual, y, gate, w, shift, scale)]
+        tables = leaves[4:] if modulated else [None, None]
+        if sp:
+            rows = [leaves[0][:, local].contiguous(), leaves[1][:, local].contiguous()]
+            h, out = region.gate_residual_rmsnorm(*rows, leaves[2], leaves[3], *tables)
+            grads = {"out": g_out[:, local], "h": g_h[:, local]}
+        else:
+            h, out = detdit.gate_residual_rmsnorm(*leaves[:4], *tables, plan)
+            grads = {"out": g_out, "h": g_h}
+        sum(((h if name == "h" else out) * grads[name]).sum() for name in reaching).backward()
+        return h, out, [leaf.grad for leaf in leaves]
+
+    for modulated in (False, True):
+        for reaching in (("out",), ("out", "h"), ("h",)):
+            what = f"rank {rank}/{world} {'modulated' if modulated else 'plain'}, gradient of {'+'.join(reaching)}"
+            ws1_h, ws1_out, ws1_grads = run(False, modulated, reaching)
+            sp_h, sp_out, sp_grads = run(True, modulated, reaching)
+            assert_bitwise_equal(sp_h, ws1_h[:, local], f"{what}: h")
+            assert_bitwise_equal(sp_out, ws1_out[:, local], f"{what}: out")
+            for name, i in (("d_residual", 0), ("d_y", 1)):
+                assert_bitwise_equal(sp_grads[i][:, local], ws1_grads[i][:, local], f"{what}: {name}")
+            for name, i in (("d_gate", 2), ("d_weight", 3), ("d_shift", 4), ("d_scale", 5)):
+                if ws1_grads[i] is None:
+                    assert sp_grads[i] is None, f"{what}: {name} is not None"
+                else:
+                    assert_bitwise_equal(sp_grads[i], ws1_grads[i], f"{what}: {name} (replicated)")
+
+    # a bad input fails on every rank with the WS1 error, and the region still works afterwards
+    rows = residual[:, local].contiguous(), y[:, local].contiguous()
+    with pytest.raises(TypeError, match="y must have residual's dtype bfloat16, got float32"):
+        region.gate_residual_rmsnorm(rows[0], rows[1].float(), gate, w, shift, scale)
+    h, out = region.gate_residual_rmsnorm(*rows, gate, w, shift, scale)
+    assert_bitwise_equal(out, detdit.gate_residual_rmsnorm(residual, y, gate, w, shift, scale, plan)[1][:, local],
+                         f"rank {rank}/{world}: out after the failed call")
+
+
 def _tp_checks(rank, world, timesteps, dim):
     import detdit
     import detdit.distributed
@@ -120,6 +176,8 @@ def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
         _sp_checks(rank, world)
+    if "sp_fused" in checks:
+        _sp_fused_checks(rank, world)
     if "tp" in checks:
         _tp_checks(rank, world, 4, 64)  # N/tp = 1152, 768, 576: whole 64-row chunks
     if "tp_unaligned" in checks:
@@ -134,6 +192,11 @@ def _spawn(worker, world, tmp_path, *extra):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sp_region_and_tp_projection_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp", "tp"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sp_gate_residual_rmsnorm_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_fused",))
 
 
 # Regression: tp_adaln_projection_backward once placed d_act past its scratch when the

@@ -1,0 +1,430 @@
+// The autograd Functions of every detdit op, and the Autograd kernel made of
+// each (autograd_kernel<Function>(&forward_kernel)), registered by
+// registration.cpp, the one file that includes this header.
+//
+// Contract:
+// - One torch::autograd::Function per forward op. Its forward runs the device
+//   kernel below autograd (at::AutoDispatchBelowADInplaceOrView) and saves
+//   what the backward kernel reads; its backward calls the op's backward
+//   kernel with contiguous grads and an output mask of the inputs that
+//   require grad (the sp_ backward kernels take none: they compute every
+//   gradient, distributed.h), and returns one grad per forward argument
+//   (undefined for non-tensors and for inputs that do not require grad).
+// - Autograd hands a zero tensor for an output that received no gradient,
+//   except to the gate_residual_rmsnorm Functions, which must tell one from a
+//   zero gradient (see GateResidualRmsnormFunction).
+// - The tensors a forward returns for its backward (rstd, act, pre, ...) are
+//   marked non-differentiable.
+// - First order only: detdit's backward kernels are not differentiable, so a
+//   backward under create_graph=True is a RuntimeError instead of silently
+//   treating first-order grads as constants.
+#pragma once
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+#include <initializer_list>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "distributed.h"
+#include "ops.h"
+
+namespace detdit_torch {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Backward grads arrive expanded or strided; detdit takes contiguous ones.
+inline Tensor contiguous_grad(const Tensor& grad) { return grad.defined() ? grad.contiguous() : grad; }
+
+inline bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+inline bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
+
+// detdit's backward kernels are not differentiable: a double backward
+// (create_graph=True) fails instead of treating first-order grads as constants.
+inline void check_first_order() {
+  if (at::GradMode::is_enabled())
+    C10_THROW_ERROR(Error, "detdit ops support first-order gradients only: backward with create_graph=True "
+                           "(double backward) is not implemented");
+}
+
+// The backward's output mask: which of the forward's tensor inputs require grad.
+inline void save_needs(AutogradContext* ctx, std::initializer_list<bool> needs) {
+  ctx->saved_data["needs"] = c10::List<bool>(needs);
+}
+
+template <size_t N>
+std::array<bool, N> saved_needs(AutogradContext* ctx) {
+  const c10::List<bool> needs = ctx->saved_data["needs"].toBoolList();
+  std::array<bool, N> mask{};
+  for (size_t i = 0; i < N; ++i) mask[i] = needs.get(i);
+  return mask;
+}
+
+// A gradient that may not have arrived (set_materialize_grads(false)): absent
+// when undefined, else contiguous.
+inline OptTensor optional_grad(const Tensor& grad) {
+  return grad.defined() ? OptTensor(grad.contiguous()) : OptTensor();
+}
+
+// An optional input saved as a tensor (undefined when absent), restored.
+inline OptTensor saved_optional(const Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); }
+
+inline PlanPtr saved_plan(AutogradContext* ctx) { return ctx->saved_data["plan"].toCustomClass<PlanHolder>(); }
+
+inline c10::IValue plan_ivalue(const OptPlan& plan) { return plan.has_value() ? c10::IValue(*plan) : c10::IValue(); }
+inline OptPlan plan_from_ivalue(const c10::IValue& value) {
+  if (value.isNone()) return OptPlan();
+  return value.toCustomClass<PlanHolder>();
+}
+
+inline SpPlanPtr saved_sp(AutogradContext* ctx) { return ctx->saved_data["sp"].toCustomClass<SpPlanHolder>(); }
+
+// ---------------------------------------------------------------------------
+// The Functions, in the order of ops.h and distributed.h
+
+struct TimestepSinusoidFunction : torch::autograd::Function<TimestepSinusoidFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& timesteps, int64_t num_channels, double max_period,
+                        const std::string& numerics, bool check_range) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({timesteps});
+    ctx->saved_data["max_period"] = max_period;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["check_range"] = check_range;
+    return timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    const Tensor timesteps = ctx->get_saved_variables()[0];
+    Tensor d_t = timestep_sinusoid_backward(contiguous_grad(grads[0]), timesteps,
+                                            ctx->saved_data["max_period"].toDouble(),
+                                            ctx->saved_data["numerics"].toStringRef(),
+                                            ctx->saved_data["check_range"].toBool());
+    return {d_t, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                               const std::string& activation, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, pre] = linear(x, weight, bias, activation, numerics);
+    ctx->save_for_backward({x, weight, pre});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({pre});
+    return {out, pre};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_x, d_weight, d_bias] =
+        linear_backward(grads[0], s[0], s[1], s[2], ctx->saved_data["activation"].toStringRef(),
+                        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+    return {d_x, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& features, const Tensor& w1, const Tensor& b1,
+                               const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [temb, pre, hidden] = timestep_mlp(features, w1, b1, w2, b2, numerics);
+    ctx->save_for_backward({features, w1, w2, pre, hidden});
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(features), requires_grad(w1), requires_grad(b1), requires_grad(w2),
+                     requires_grad(b2)});
+    ctx->mark_non_differentiable({pre, hidden});
+    return {temb, pre, hidden};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_f, d_w1, d_b1, d_w2, d_b2] =
+        timestep_mlp_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
+                              ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
+    return {d_f, d_w1, d_b1, d_w2, d_b2, Tensor()};
+  }
+};
+
+struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [table, act] = adaln_projection(temb, weight, bias, numerics);
+    ctx->save_for_backward({temb, weight, act});
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({act});
+    return {table, act};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_temb, d_weight, d_bias] = adaln_projection_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+    return {d_temb, d_weight, d_bias, Tensor()};
+  }
+};
+
+struct AdalnRowGatherFunction : torch::autograd::Function<AdalnRowGatherFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& rows, const PlanPtr& plan) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->saved_data["plan"] = plan;
+    return adaln_row_gather(rows, plan);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    return {adaln_row_gather_backward(contiguous_grad(grads[0]), saved_plan(ctx)), Tensor()};
+  }
+};
+
+struct RmsnormFunction : torch::autograd::Function<RmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                               const OptTensor& scale, const OptPlan& plan, double eps,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, rstd] = rmsnorm(x, weight, shift, scale, plan, eps, numerics);
+    ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_shift, d_scale] = rmsnorm_backward(
+        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]),
+        plan_from_ivalue(ctx->saved_data["plan"]), s[4], ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<4>(ctx));
+    return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                        const PlanPtr& plan) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = gate_residual(residual, y, gate, plan);
+    ctx->save_for_backward({y, gate});
+    ctx->saved_data["plan"] = plan;
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate)});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate] =
+        gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_plan(ctx), saved_needs<3>(ctx));
+    return {d_residual, d_y, d_gate, Tensor()};
+  }
+};
+
+// Its h and out may each receive a gradient or not; grads are not
+// materialised, so the backward tells an absent gradient of h (none but the
+// norm's) from a zero one, and an absent gradient of out (no norm backward)
+// from a zero one, as autograd through gate_residual then rmsnorm does.
+struct GateResidualRmsnormFunction : torch::autograd::Function<GateResidualRmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const PlanPtr& plan, double eps, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, plan, eps, numerics);
+    ctx->save_for_backward({y, gate, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h, rstd});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate), requires_grad(weight),
+                     requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = gate_residual_rmsnorm_backward(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]),
+        saved_optional(s[4]), saved_plan(ctx), s[5], s[6], ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<6>(ctx));
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight, const Tensor& temb,
+                               const Tensor& weight, const Tensor& bias, const PlanPtr& plan, double eps,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, table, act, rstd] = final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps, numerics);
+    ctx->save_for_backward({x, norm_weight, temb, weight, table, act, rstd});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(x), requires_grad(norm_weight), requires_grad(temb), requires_grad(weight),
+                     requires_grad(bias)});
+    ctx->mark_non_differentiable({table, act, rstd});
+    return {out, table, act, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_norm_weight, d_temb, d_weight, d_bias] = final_adaln_out_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6], saved_plan(ctx),
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
+    return {dx, d_norm_weight, d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                               const PlanPtr& plan, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, table, act] = adaln_modulation(temb, weight, bias, plan, numerics);
+    ctx->save_for_backward({temb, weight, act});
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({table, act});
+    return {out, table, act};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_temb, d_weight, d_bias] =
+        adaln_modulation_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], saved_plan(ctx),
+                                  ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                               int64_t comm, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [table, act] = tp_adaln_projection(temb, weight, bias, comm, numerics);
+    ctx->save_for_backward({temb, weight, act});
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({act});
+    return {table, act};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_temb, d_weight, d_bias] = tp_adaln_projection_backward(
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+struct SpRmsnormFunction : torch::autograd::Function<SpRmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                               const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                               const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, rstd] = sp_rmsnorm(x, weight, shift, scale, sp, comm, eps, numerics);
+    ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_shift, d_scale] = sp_rmsnorm_backward(
+        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]), saved_sp(ctx), s[4],
+        ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef());
+    return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct SpGateResidualFunction : torch::autograd::Function<SpGateResidualFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                        const SpPlanPtr& sp, int64_t comm) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = sp_gate_residual(residual, y, gate, sp, comm);
+    ctx->save_for_backward({y, gate});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate] = sp_gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_sp(ctx),
+                                                               ctx->saved_data["comm"].toInt());
+    return {d_residual, d_y, d_gate, Tensor(), Tensor()};
+  }
+};
+
+// As GateResidualRmsnormFunction, on the local rows.
+struct SpGateResidualRmsnormFunction : torch::autograd::Function<SpGateResidualRmsnormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const SpPlanPtr& sp, int64_t comm, double eps, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = sp_gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics);
+    ctx->save_for_backward({y, gate, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h, rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = sp_gate_residual_rmsnorm_backward(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]),
+        saved_optional(s[4]), saved_sp(ctx), s[5], s[6], ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef());
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The Autograd kernel of a forward op: Function::apply with the forward
+// kernel's signature (the schema's), its variable_list unpacked into the
+// kernel's tuple.
+
+template <typename Function, typename Signature>
+struct AutogradKernel;
+
+template <typename Function, typename... Args>
+struct AutogradKernel<Function, Tensor(Args...)> {
+  static Tensor call(Args... args) { return Function::apply(args...); }
+};
+
+template <typename Function, typename... Outputs, typename... Args>
+struct AutogradKernel<Function, std::tuple<Outputs...>(Args...)> {
+  static std::tuple<Outputs...> call(Args... args) {
+    return unpack(Function::apply(args...), std::index_sequence_for<Outputs...>());
+  }
+
+ private:
+  template <size_t... I>
+  static std::tuple<Outputs...> unpack(const variable_list& out, std::index_sequence<I...>) {
+    return {out[I]...};
+  }
+};
+
+template <typename Function, typename Signature>
+auto autograd_kernel(Signature*) {
+  return &AutogradKernel<Function, Signature>::call;
+}
+
+}  // namespace detdit_torch

@@ -1,0 +1,320 @@
+// detdit.distributed's C++ half (contract in distributed.h): the
+// torch.distributed communicator and its handle registry, the SpPlan
+// constructor, and the tp_/sp_ device kernels.
+#include "distributed.h"
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "detdit/comm.h"
+#include "ops.h"
+
+namespace detdit_torch {
+namespace {
+
+// Ranks over a torch.distributed group. The transport is a Python callable
+// gather(send, recv) that all-gathers the uint8 tensor `send` into `recv`
+// (world * send.numel() bytes, rank-ordered); it is the only thing that moves
+// bytes, and it never reduces. On top of it, as comm.h requires, every
+// all_gather first exchanges a fixed-size header {call number, bytes, dtype}
+// so that mismatched calls fail with the same ValueError on every rank, and
+// agree() exchanges each rank's validation Status.
+class TorchDistCommunicator : public detdit::Communicator {
+ public:
+  TorchDistCommunicator(PyObject* gather, int rank, int world, detdit::Device device)
+      : gather_(gather), rank_(rank), world_(world), device_(device) {
+    Py_INCREF(gather_);
+  }
+  ~TorchDistCommunicator() override {
+    // A communicator still registered at exit dies after the interpreter:
+    // its callable is gone with it and must not be touched.
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(gather_);
+    PyGILState_Release(gil);
+  }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  detdit::Device device() const override { return device_; }
+  const char* backend_id() const override { return "torch.distributed"; }
+
+  Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, detdit::Stream) override {
+    const Header mine{call_++, static_cast<int64_t>(bytes), static_cast<int64_t>(dtype)};
+    std::vector<Header> all(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Header), all.data(), /*host=*/true));
+    for (int r = 0; r < world_; ++r) {
+      const Header& h = all[static_cast<std::size_t>(r)];
+      if (h.call != all[0].call || h.bytes != all[0].bytes || h.dtype != all[0].dtype)
+        return Status::value_error("mismatched all_gather calls across ranks: rank 0 sent call " +
+                                   std::to_string(all[0].call) + " with " + std::to_string(all[0].bytes) + " bytes of " +
+                                   detdit::dtype_name(static_cast<DType>(all[0].dtype)) + ", rank " + std::to_string(r) +
+                                   " call " + std::to_string(h.call) + " with " + std::to_string(h.bytes) + " bytes of " +
+                                   detdit::dtype_name(static_cast<DType>(h.dtype)));
+    }
+    if (bytes % detdit::dtype_size(dtype) != 0)
+      return Status::value_error("all_gather of " + std::to_string(bytes) + " bytes is not a whole number of " +
+                                 detdit::dtype_name(dtype) + " elements");
+    return transport(send, bytes, recv, device_.kind == detdit::DeviceKind::kCpu);
+  }
+
+  // Both forms of comm.h's validation handshake are defined without
+  // `override`, so this compiles against either Communicator interface
+  // (agree(local) alone, or agree(local, signature) plus a forwarding agree(local)).
+  Status agree(const Status& local) { return agree(local, std::string()); }
+  Status agree(const Status& local, const std::string& signature) {
+    Verdict mine{};
+    mine.kind = static_cast<int32_t>(local.kind());
+    mine.signature_hash = std::hash<std::string>()(signature);
+    std::strncpy(mine.message, local.message().c_str(), sizeof(mine.message) - 1);
+    std::strncpy(mine.signature, signature.c_str(), sizeof(mine.signature) - 1);
+    std::vector<Verdict> all(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Verdict), all.data(), /*host=*/true));
+    if (!local.ok()) return local;
+    for (int r = 0; r < world_; ++r) {
+      const Verdict& v = all[static_cast<std::size_t>(r)];
+      if (v.kind != 0)
+        return Status(static_cast<ErrorKind>(v.kind), "rank " + std::to_string(r) + " failed: " + v.message);
+    }
+    for (int r = 1; r < world_; ++r) {
+      const Verdict& v = all[static_cast<std::size_t>(r)];
+      if (v.signature_hash != all[0].signature_hash)
+        return Status::value_error("ranks disagree on the call: rank 0 calls '" + std::string(all[0].signature) +
+                                   "', rank " + std::to_string(r) + " calls '" + v.signature + "'");
+    }
+    return Status();
+  }
+
+ private:
+  struct Header {
+    int64_t call, bytes, dtype;
+  };
+  struct Verdict {
+    int32_t kind;
+    uint64_t signature_hash;  // of the whole signature; the text below may be cut
+    char message[1024];
+    char signature[512];
+  };
+
+  // Calls gather(send, recv) under the GIL; a Python exception becomes a RuntimeError.
+  Status transport(const void* send, std::size_t bytes, void* recv, bool host) {
+    if (bytes == 0) return Status();
+    const at::Device where = host ? at::Device(at::kCPU) : at::Device(at::kCUDA, device_.index);
+    const auto options = at::TensorOptions().dtype(at::kByte).device(where);
+    Tensor send_t = at::from_blob(const_cast<void*>(send), {static_cast<int64_t>(bytes)}, options);
+    Tensor recv_t = at::from_blob(recv, {static_cast<int64_t>(bytes) * world_}, options);
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* py_send = THPVariable_Wrap(send_t);
+    PyObject* py_recv = THPVariable_Wrap(recv_t);
+    PyObject* result = PyObject_CallFunctionObjArgs(gather_, py_send, py_recv, nullptr);
+    Py_XDECREF(py_send);
+    Py_XDECREF(py_recv);
+    Status status;
+    if (result == nullptr) {
+      std::string message = "the torch.distributed all-gather failed";
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);
+      if (value != nullptr) {
+        PyObject* text = PyObject_Str(value);
+        if (text != nullptr && PyUnicode_Check(text)) message += std::string(": ") + PyUnicode_AsUTF8(text);
+        Py_XDECREF(text);
+      }
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(traceback);
+      status = Status::runtime_error(message);
+    }
+    Py_XDECREF(result);
+    PyGILState_Release(gil);
+    return status;
+  }
+
+  PyObject* gather_;
+  int rank_, world_;
+  detdit::Device device_;
+  int64_t call_ = 0;
+};
+
+// Communicators by handle: Python registers one per group and passes the
+// handle to the ops (a schema cannot carry a Python callable).
+std::mutex communicators_mutex;
+std::map<int64_t, std::shared_ptr<detdit::Communicator>> communicators;
+int64_t next_communicator = 1;
+
+std::shared_ptr<detdit::Communicator> communicator(int64_t handle) {
+  std::lock_guard<std::mutex> lock(communicators_mutex);
+  auto found = communicators.find(handle);
+  if (found == communicators.end())
+    C10_THROW_ERROR(ValueError, "communicator handle " + std::to_string(handle) +
+                                    " is not registered (use detdit.distributed.Communicator(group))");
+  return found->second;
+}
+
+}  // namespace
+
+SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
+  const IndexPlan& index = required_plan(plan, "sp_plan")->plan;
+  detdit::Stream stream = nullptr;
+#ifdef DETDIT_TORCH_CUDA
+  if (index.device().is_cuda()) stream = c10::cuda::getCurrentCUDAStream(index.device().index).stream();
+#endif
+  detdit::SpPlan sp;
+  check_ok(detdit::SpPlan::create(index, static_cast<int>(world), static_cast<int>(rank), &sp, stream));
+  return c10::make_intrusive<SpPlanHolder>(std::move(sp));
+}
+
+// ---------------------------------------------------------------------------
+// tp_adaln_projection
+
+std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                               int64_t comm, const std::string& numerics) {
+  auto group = communicator(comm);
+  auto call = [&](const detdit::AdalnProjectionParams& p, detdit::Stream stream) {
+    return detdit::tp_adaln_projection_forward(*group, p, stream);
+  };
+  return adaln_projection_with(call, group->world_size(), temb, weight, bias, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                                const Tensor& weight, const Tensor& act,
+                                                                int64_t comm, const std::string& numerics,
+                                                                std::array<bool, 3> output_mask) {
+  auto group = communicator(comm);
+  auto call = [&](const detdit::AdalnProjectionBackwardParams& p, detdit::Stream stream) {
+    return detdit::tp_adaln_projection_backward(*group, p, stream);
+  };
+  // every rank takes part in the collectives, so d_temb is always computed
+  auto [d_temb, d_weight, d_bias] = adaln_projection_backward_with(call, grad_table, temb, weight, act, numerics,
+                                                                   {true, output_mask[1], output_mask[2]});
+  return {output_mask[0] ? d_temb : Tensor(), d_weight, d_bias};
+}
+
+// ---------------------------------------------------------------------------
+// sp_rmsnorm
+
+std::tuple<Tensor, Tensor> sp_rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                      const OptTensor& scale, const SpPlanPtr& sp, int64_t, double eps,
+                                      const std::string& numerics) {
+  auto call = [&](const detdit::RmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return rmsnorm_with(call, x, weight, shift, scale, sp->sp.global_plan(), eps, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                               const Tensor& weight, const OptTensor& shift,
+                                                               const OptTensor& scale, const SpPlanPtr& sp,
+                                                               const Tensor& rstd, int64_t comm, double eps,
+                                                               const std::string& numerics) {
+  auto group = communicator(comm);
+  auto call = [&](const detdit::RmsnormBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_rmsnorm_backward(*group, sp->sp, p, stream);
+  };
+  return rmsnorm_backward_with(call, grad, x, weight, shift, scale, sp->sp.global_plan(), rstd, eps, numerics,
+                               {true, true, true, true});
+}
+
+// ---------------------------------------------------------------------------
+// sp_gate_residual
+
+Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp, int64_t) {
+  auto call = [&](const detdit::GateResidualParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_forward(sp->sp, p, stream);
+  };
+  return gate_residual_with(call, residual, y, gate, sp->sp.global_plan());
+}
+
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                             const SpPlanPtr& sp, int64_t comm) {
+  auto group = communicator(comm);
+  auto call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+  };
+  return gate_residual_backward_with(call, grad, y, gate, sp->sp.global_plan(), {true, true, true});
+}
+
+// ---------------------------------------------------------------------------
+// sp_gate_residual_rmsnorm
+
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm(const Tensor& residual, const Tensor& y,
+                                                            const Tensor& gate, const Tensor& weight,
+                                                            const OptTensor& shift, const OptTensor& scale,
+                                                            const SpPlanPtr& sp, int64_t, double eps,
+                                                            const std::string& numerics) {
+  auto call = [&](const detdit::GateResidualRmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return gate_residual_rmsnorm_with(call, residual, y, gate, weight, shift, scale, sp->sp.global_plan(), eps,
+                                    numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics) {
+  auto group = communicator(comm);
+  auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
+  };
+  auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+  };
+  return gate_residual_rmsnorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
+                                             sp->sp.global_plan(), h, rstd, eps, numerics,
+                                             {true, true, true, true, true, true});
+}
+
+// ---------------------------------------------------------------------------
+// The Python module's functions
+
+// Python: _C._register_communicator(gather, rank, world, device) -> handle.
+PyObject* register_communicator(PyObject*, PyObject* args) {
+  PyObject* gather;
+  int rank, world;
+  const char* device;
+  if (!PyArg_ParseTuple(args, "Oiis", &gather, &rank, &world, &device)) return nullptr;
+  if (!PyCallable_Check(gather)) {
+    PyErr_SetString(PyExc_TypeError, "gather must be callable");
+    return nullptr;
+  }
+  if (world < 1 || rank < 0 || rank >= world) {
+    PyErr_Format(PyExc_ValueError, "need 0 <= rank < world, got rank=%d, world=%d", rank, world);
+    return nullptr;
+  }
+  const std::string where(device);
+  detdit::Device dev = detdit::Device::cpu();
+  if (where.rfind("cuda", 0) == 0) {
+    dev = detdit::Device::cuda(where.size() > 5 ? std::stoi(where.substr(5)) : 0);
+  } else if (where != "cpu") {
+    PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda:N', got '%s'", device);
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(communicators_mutex);
+  const int64_t handle = next_communicator++;
+  communicators[handle] = std::make_shared<TorchDistCommunicator>(gather, rank, world, dev);
+  return PyLong_FromLongLong(handle);
+}
+
+// Python: _C._release_communicator(handle). Ops that captured it keep it alive.
+PyObject* release_communicator(PyObject*, PyObject* args) {
+  long long handle;
+  if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
+  std::shared_ptr<detdit::Communicator> released;
+  {
+    std::lock_guard<std::mutex> lock(communicators_mutex);
+    auto found = communicators.find(handle);
+    if (found != communicators.end()) {
+      released = std::move(found->second);
+      communicators.erase(found);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+}  // namespace detdit_torch

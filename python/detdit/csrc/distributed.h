@@ -1,0 +1,94 @@
+// detdit.distributed's C++ half: a detdit::Communicator whose only transport
+// is a Python callable doing a torch.distributed all-gather of bytes
+// (registered from Python, referred to by an integer handle: a schema cannot
+// carry a Python callable), the SpPlan torch class, and the device kernels of
+// the tp_/sp_ ops (the single-device ops' _with forms, ops.h, with the
+// tp_/sp_ entry points of detdit/parallel.h).
+//
+// Contract: every rank's outputs and gradients are byte-equal to one process.
+// The backward kernels of the sp_ ops compute every output on every rank
+// (the collectives need each replicated output on each rank), and
+// tp_adaln_projection_backward always computes d_temb for the same reason.
+// The forward kernels of the sp_ ops take the communicator handle and do not
+// use it (the forward does not communicate): the schema carries it so that the
+// autograd Function can hand it to the backward.
+#pragma once
+
+#include <Python.h>
+
+#include <torch/custom_class.h>
+
+#include <array>
+#include <string>
+#include <tuple>
+
+#include "detdit/parallel.h"
+#include "plan.h"
+#include "tensors.h"
+
+namespace detdit_torch {
+
+struct SpPlanHolder : torch::CustomClassHolder {
+  detdit::SpPlan sp;
+  explicit SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)) {}
+  int64_t world() const { return sp.world(); }
+  int64_t rank() const { return sp.rank(); }
+  int64_t local_begin() const { return sp.local_begin(); }
+  int64_t local_end() const { return sp.local_end(); }
+  int64_t local_seq_len() const { return sp.local_seq_len(); }
+  int64_t max_send() const { return sp.max_send(); }
+};
+using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;
+
+// detdit::sp_plan: the SpPlan of rank `rank` of `world` for the replicated plan.
+SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank);
+
+// tp_adaln_projection: (table (T, N) full, act (T, D)); weight/bias are this
+// rank's shard. Backward: (d_temb fp32 replicated, d_weight, d_bias of the shard).
+std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                               int64_t comm, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                                const Tensor& weight, const Tensor& act,
+                                                                int64_t comm, const std::string& numerics,
+                                                                std::array<bool, 3> output_mask);
+
+// sp_rmsnorm: the local rows (B, S_local, H); (out, rstd). Backward: (dx
+// local, d_weight, d_shift, d_scale replicated).
+std::tuple<Tensor, Tensor> sp_rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                      const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                                      const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                               const Tensor& weight, const OptTensor& shift,
+                                                               const OptTensor& scale, const SpPlanPtr& sp,
+                                                               const Tensor& rstd, int64_t comm, double eps,
+                                                               const std::string& numerics);
+
+// sp_gate_residual: out (local rows). Backward: (d_residual, d_y local,
+// d_gate replicated).
+Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp,
+                        int64_t comm);
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                             const SpPlanPtr& sp, int64_t comm);
+
+// sp_gate_residual_rmsnorm: (h, out, rstd) of the local rows. Backward:
+// (d_residual, d_y local, d_gate, d_weight, d_shift, d_scale replicated); an
+// absent d_out runs the sp_gate_residual backward of d_h alone (as
+// gate_residual_rmsnorm_backward, ops.h), so every rank must agree on which
+// of d_out and d_h it has, as every rank of the separate ops runs the same
+// backward nodes.
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm(const Tensor& residual, const Tensor& y,
+                                                            const Tensor& gate, const Tensor& weight,
+                                                            const OptTensor& shift, const OptTensor& scale,
+                                                            const SpPlanPtr& sp, int64_t comm, double eps,
+                                                            const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics);
+
+// Python: _C._register_communicator(gather, rank, world, device) -> handle.
+PyObject* register_communicator(PyObject*, PyObject* args);
+// Python: _C._release_communicator(handle). Ops that captured it keep it alive.
+PyObject* release_communicator(PyObject*, PyObject* args);
+
+}  // namespace detdit_torch

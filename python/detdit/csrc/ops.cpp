@@ -1,0 +1,630 @@
+// The device kernels of the single-device ops (contract in ops.h), one section
+// per op: its <op>_inputs helper (the inputs struct that the forward and the
+// backward Params share as `in`), then the forward and backward kernels.
+//
+// Each kernel allocates its outputs, then fills the Params with the inputs'
+// views before the outputs', so that a bad input is reported before an
+// output derived from it. The backward passes an empty tensor for an input
+// that only feeds the forward (a bias, the residual): an absent view.
+#include "ops.h"
+
+#include <string>
+
+namespace detdit_torch {
+
+// ---------------------------------------------------------------------------
+// timestep_sinusoid
+
+namespace {
+detdit::TimestepSinusoidInputs timestep_sinusoid_inputs(const Tensor& timesteps, double max_period,
+                                                        const std::string& numerics, bool check_range) {
+  detdit::TimestepSinusoidInputs in;
+  in.timesteps = view(timesteps, "timesteps");
+  in.max_period = static_cast<float>(max_period);
+  in.numerics = parse_numerics(numerics);
+  in.check_range = check_range;
+  return in;
+}
+}  // namespace
+
+Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
+                         const std::string& numerics, bool check_range) {
+  if (num_channels < 1)
+    C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
+  DeviceScope scope(timesteps);
+  Tensor features = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0), num_channels}, at::kFloat);
+  detdit::TimestepSinusoidParams p;
+  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range);
+  p.features = view(features, "features");
+  check_ok(detdit::timestep_sinusoid_forward(p, scope.stream()));
+  return features;
+}
+
+Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
+                                  const std::string& numerics, bool check_range) {
+  DeviceScope scope(timesteps);
+  Tensor d_timesteps = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0)}, timesteps.scalar_type());
+  detdit::TimestepSinusoidBackwardParams p;
+  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range);
+  p.grad_features = view(grad_features, "grad_features");
+  p.d_timesteps = view(d_timesteps, "d_timesteps");
+  check_ok(detdit::timestep_sinusoid_backward(p, scope.stream()));
+  return d_timesteps;
+}
+
+// ---------------------------------------------------------------------------
+// linear (no shared inputs struct: the backward is two library calls, d_x and
+// d_weight/d_bias, each with its own Params)
+
+std::tuple<Tensor, Tensor> linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                  const std::string& activation, const std::string& numerics) {
+  DeviceScope scope(x);
+  const detdit::Activation act = parse_activation(activation);
+  const int64_t rows = dim_or_zero(x, 0), outputs = dim_or_zero(weight, 0);
+  Tensor out = empty_like_shape(x, {rows, outputs}, x.scalar_type());
+  Tensor pre = act == detdit::Activation::kSilu ? empty_like_shape(x, {rows, outputs}, at::kFloat)
+                                                : empty_like_shape(x, {0}, at::kFloat);
+  detdit::LinearParams p;
+  p.x = view(x, "x");
+  p.weight = view(weight, "weight");
+  p.bias = view(bias, "bias");
+  p.out = view(out, "out");
+  if (act == detdit::Activation::kSilu) p.pre_activation = view(pre, "pre_activation");
+  p.activation = act;
+  p.numerics = parse_numerics(numerics);
+  check_ok(detdit::linear_forward(p, scope.stream()));
+  return {out, pre};
+}
+
+std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
+                                                   const Tensor& pre, const std::string& activation,
+                                                   const std::string& numerics, std::array<bool, 3> output_mask) {
+  DeviceScope scope(x);
+  const detdit::Activation act = parse_activation(activation);
+  const Numerics profile = parse_numerics(numerics);
+  Tensor g = grad.defined() ? grad.to(at::kFloat).contiguous() : grad;
+  if (act == detdit::Activation::kSilu) {
+    Tensor d_pre = empty_like_shape(x, matrix_shape(g), at::kFloat);
+    detdit::SiluBackwardParams s;
+    s.grad = view(g, "grad");
+    s.pre = view(pre, "pre");
+    s.d_pre = view(d_pre, "d_pre");
+    s.numerics = profile;
+    check_ok(detdit::silu_backward(s, scope.stream()));
+    g = d_pre;
+  }
+  Tensor d_x = maybe_empty(output_mask[0], x, matrix_shape(x), x.scalar_type());
+  Tensor d_weight = maybe_empty(output_mask[1], x, matrix_shape(weight), weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  if (output_mask[0]) {
+    detdit::LinearBackwardInputParams p;
+    p.grad = view(g, "grad");
+    p.weight = view(weight, "weight");
+    p.d_x = view(d_x, "d_x");
+    check_ok(detdit::linear_backward_input(p, scope.stream()));
+  }
+  if (output_mask[1] || output_mask[2]) {
+    detdit::LinearBackwardWeightParams p;
+    p.grad = view(g, "grad");
+    p.x = view(x, "x");
+    p.d_weight = view(d_weight, "d_weight");
+    p.d_bias = view(d_bias, "d_bias");
+    check_ok(detdit::linear_backward_weight(p, scope.stream()));
+  }
+  return {d_x, d_weight, d_bias};
+}
+
+// ---------------------------------------------------------------------------
+// timestep_mlp
+
+namespace {
+detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tensor& w1, const Tensor& b1,
+                                              const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  detdit::TimestepMlpInputs in;
+  in.features = view(features, "features");
+  in.w1 = view(w1, "w1");
+  in.b1 = view(b1, "b1");
+  in.w2 = view(w2, "w2");
+  in.b2 = view(b2, "b2");
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
+                                                const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  DeviceScope scope(features);
+  const int64_t rows = dim_or_zero(features, 0), hidden_dim = dim_or_zero(w1, 0);
+  Tensor temb = empty_like_shape(features, {rows, dim_or_zero(w2, 0)}, at::kFloat);
+  Tensor pre = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
+  Tensor hidden = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
+  detdit::TimestepMlpParams p;
+  p.in = timestep_mlp_inputs(features, w1, b1, w2, b2, numerics);
+  p.temb = view(temb, "temb");
+  p.pre = view(pre, "pre");
+  p.hidden = view(hidden, "hidden");
+  check_ok(detdit::timestep_mlp_forward(p, scope.stream()));
+  return {temb, pre, hidden};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
+    const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
+    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
+  DeviceScope scope(features);
+  Tensor d_features = maybe_empty(output_mask[0], features, matrix_shape(features), at::kFloat);
+  Tensor d_w1 = maybe_empty(output_mask[1], features, matrix_shape(w1), at::kFloat);
+  Tensor d_b1 = maybe_empty(output_mask[2], features, {dim_or_zero(w1, 0)}, at::kFloat);
+  Tensor d_w2 = maybe_empty(output_mask[3], features, matrix_shape(w2), at::kFloat);
+  Tensor d_b2 = maybe_empty(output_mask[4], features, {dim_or_zero(w2, 0)}, at::kFloat);
+  detdit::TimestepMlpBackwardParams p;
+  p.in = timestep_mlp_inputs(features, w1, Tensor(), w2, Tensor(), numerics);
+  p.pre = view(pre, "pre");
+  p.hidden = view(hidden, "hidden");
+  p.grad_temb = view(grad_temb, "grad_temb");
+  p.d_features = view(d_features, "d_features");
+  p.d_w1 = view(d_w1, "d_w1");
+  p.d_b1 = view(d_b1, "d_b1");
+  p.d_w2 = view(d_w2, "d_w2");
+  p.d_b2 = view(d_b2, "d_b2");
+  check_ok(detdit::timestep_mlp_backward(p, scope.stream()));
+  return {d_features, d_w1, d_b1, d_w2, d_b2};
+}
+
+// ---------------------------------------------------------------------------
+// adaln_projection (and tp_adaln_projection through the _with forms)
+
+namespace {
+detdit::AdalnProjectionInputs adaln_projection_inputs(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                      const std::string& numerics) {
+  detdit::AdalnProjectionInputs in;
+  in.temb = view(temb, "temb");
+  in.weight = view(weight, "weight");
+  in.bias = view(bias, "bias");
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t shards,
+                                                 const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                 const std::string& numerics) {
+  DeviceScope scope(temb);
+  Tensor table =
+      empty_like_shape(temb, {dim_or_zero(temb, 0), shards * dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
+  detdit::AdalnProjectionParams p;
+  p.in = adaln_projection_inputs(temb, weight, bias, numerics);
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  check_ok(call(p, scope.stream()));
+  return {table, act};
+}
+
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
+    const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask) {
+  DeviceScope scope(temb);
+  Tensor d_temb = maybe_empty(output_mask[0], temb, matrix_shape(temb), at::kFloat);
+  Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::AdalnProjectionBackwardParams p;
+  p.in = adaln_projection_inputs(temb, weight, Tensor(), numerics);
+  p.act = view(act, "act");
+  p.grad_table = view(grad_table, "grad_table");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  check_ok(call(p, scope.stream()));
+  return {d_temb, d_weight, d_bias};
+}
+
+std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                            const std::string& numerics) {
+  return adaln_projection_with(detdit::adaln_projection_forward, 1, temb, weight, bias, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const std::string& numerics,
+                                                             std::array<bool, 3> output_mask) {
+  return adaln_projection_backward_with(detdit::adaln_projection_backward, grad_table, temb, weight, act, numerics,
+                                        output_mask);
+}
+
+// ---------------------------------------------------------------------------
+// adaln_row_gather (no shared inputs struct: the forward reads the rows, the
+// backward only the grad)
+
+namespace {
+// The hidden size H of a (R, 6H) rows view or an 18H-column projection: a
+// width that does not split evenly is reported here, because the output shape
+// is derived from it.
+int64_t hidden_of(int64_t width, int64_t parts, const char* name, const char* layout) {
+  if (width % parts != 0)
+    C10_THROW_ERROR(ValueError, std::string(name) + " must be " + layout + ": its width " + std::to_string(width) +
+                                    " is not a multiple of " + std::to_string(parts));
+  return width / parts;
+}
+
+// The plan of a gather's backward (adaln_row_gather, adaln_modulation): a
+// (6, S, H) grad is already summed over the batch, so it takes the index with
+// batch 1; a (6, B*S, H) or (6, B, S, H) grad takes the plan as it is.
+const IndexPlan& gather_backward_plan(PlanHolder& holder, const Tensor& grad, detdit::Stream stream) {
+  const bool batch_summed = grad.defined() && grad.dim() == 3 && grad.size(1) == holder.plan.seq_len();
+  return batch_summed ? holder.single_batch(stream) : holder.plan;
+}
+}  // namespace
+
+Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan) {
+  DeviceScope scope(rows);
+  const IndexPlan& index = required_plan(plan, "adaln_row_gather")->plan;
+  const int64_t hidden = hidden_of(dim_or_zero(rows, 1), detdit::kAdalnChunks, "rows", "(R, 6H)");
+  Tensor out = empty_like_shape(rows, {detdit::kAdalnChunks, index.seq_len(), hidden}, rows.scalar_type());
+  detdit::AdalnRowGatherParams p;
+  p.rows = view(rows, "rows");
+  p.plan = index;
+  p.out = view(out, "out");
+  check_ok(detdit::adaln_row_gather_forward(p, scope.stream()));
+  return out;
+}
+
+Tensor adaln_row_gather_backward(const Tensor& grad, const PlanPtr& plan) {
+  DeviceScope scope(grad);
+  PlanPtr holder = required_plan(plan, "adaln_row_gather_backward");
+  Tensor d_rows = empty_like_shape(
+      grad, {holder->plan.num_rows(), detdit::kAdalnChunks * dim_or_zero(grad, -1)}, grad.scalar_type());
+  detdit::AdalnRowGatherBackwardParams p;
+  p.grad = view(grad, "grad");
+  p.plan = gather_backward_plan(*holder, grad, scope.stream());
+  p.d_rows = view(d_rows, "d_rows");
+  check_ok(detdit::adaln_row_gather_backward(p, scope.stream()));
+  return d_rows;
+}
+
+// ---------------------------------------------------------------------------
+// rmsnorm (and sp_rmsnorm through the _with forms)
+
+namespace {
+detdit::RmsnormInputs rmsnorm_inputs(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                     const OptTensor& scale, const IndexPlan& plan, double eps,
+                                     const std::string& numerics) {
+  detdit::RmsnormInputs in;
+  in.x = view(x, "x");
+  in.weight = view(weight, "weight");
+  in.shift = view(shift, "shift");
+  in.scale = view(scale, "scale");
+  in.plan = plan;
+  in.eps = static_cast<float>(eps);
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+
+// A table gradient (d_shift, d_scale) in the table's dtype, when wanted and
+// the table is given.
+Tensor table_grad(bool wanted, const OptTensor& table, const Tensor& like) {
+  return wanted && table.has_value() ? empty_like_shape(like, matrix_shape(*table), table->scalar_type()) : Tensor();
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor> rmsnorm_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                        const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                        const IndexPlan& plan, double eps, const std::string& numerics) {
+  DeviceScope scope(x);
+  Tensor out = output_like(x);
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::RmsnormParams p;
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  check_ok(call(p, scope.stream()));
+  return {out, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, std::array<bool, 4> output_mask) {
+  DeviceScope scope(x);
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor d_shift = table_grad(output_mask[2], shift, x);
+  Tensor d_scale = table_grad(output_mask[3], scale, x);
+  detdit::RmsnormBackwardParams p;
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(call(p, scope.stream()));
+  return {dx, d_weight, d_shift, d_scale};
+}
+
+std::tuple<Tensor, Tensor> rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                   const OptTensor& scale, const OptPlan& plan, double eps,
+                                   const std::string& numerics) {
+  return rmsnorm_with(detdit::rmsnorm_forward, x, weight, shift, scale, plan_of(plan), eps, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                            const Tensor& weight, const OptTensor& shift,
+                                                            const OptTensor& scale, const OptPlan& plan,
+                                                            const Tensor& rstd, double eps,
+                                                            const std::string& numerics,
+                                                            std::array<bool, 4> output_mask) {
+  return rmsnorm_backward_with(detdit::rmsnorm_backward, grad, x, weight, shift, scale, plan_of(plan), rstd, eps,
+                               numerics, output_mask);
+}
+
+// ---------------------------------------------------------------------------
+// gate_residual (and sp_gate_residual through the _with forms)
+
+namespace {
+detdit::GateResidualInputs gate_residual_inputs(const Tensor& residual, const Tensor& y, const Tensor& gate,
+                                                const IndexPlan& plan) {
+  detdit::GateResidualInputs in;
+  in.residual = view(residual, "residual");
+  in.y = view(y, "y");
+  in.gate = view(gate, "gate");
+  in.plan = plan;
+  return in;
+}
+}  // namespace
+
+Tensor gate_residual_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                          const Tensor& gate, const IndexPlan& plan) {
+  DeviceScope scope(residual);
+  Tensor out = output_like(residual);
+  detdit::GateResidualParams p;
+  p.in = gate_residual_inputs(residual, y, gate, plan);
+  p.out = view(out, "out");
+  check_ok(call(p, scope.stream()));
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_with(const Call<detdit::GateResidualBackwardParams>& call,
+                                                               const Tensor& grad, const Tensor& y,
+                                                               const Tensor& gate, const IndexPlan& plan,
+                                                               std::array<bool, 3> output_mask) {
+  DeviceScope scope(y);
+  Tensor d_residual = output_like(y, output_mask[0]);
+  Tensor d_y = output_like(y, output_mask[1]);
+  Tensor d_gate = maybe_empty(output_mask[2], y, matrix_shape(gate), gate.scalar_type());
+  detdit::GateResidualBackwardParams p;
+  p.grad = view(grad, "grad");  // before the inputs: a bad grad has always been reported first
+  p.in = gate_residual_inputs(Tensor(), y, gate, plan);
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  check_ok(call(p, scope.stream()));
+  return {d_residual, d_y, d_gate};
+}
+
+Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const PlanPtr& plan) {
+  return gate_residual_with(detdit::gate_residual_forward, residual, y, gate,
+                            required_plan(plan, "gate_residual")->plan);
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                          const PlanPtr& plan, std::array<bool, 3> output_mask) {
+  return gate_residual_backward_with(detdit::gate_residual_backward, grad, y, gate,
+                                     required_plan(plan, "gate_residual_backward")->plan, output_mask);
+}
+
+// ---------------------------------------------------------------------------
+// gate_residual_rmsnorm (and sp_gate_residual_rmsnorm through the _with forms)
+
+namespace {
+detdit::GateResidualRmsnormInputs gate_residual_rmsnorm_inputs(const Tensor& residual, const Tensor& y,
+                                                              const Tensor& gate, const Tensor& weight,
+                                                              const OptTensor& shift, const OptTensor& scale,
+                                                              const IndexPlan& plan, double eps,
+                                                              const std::string& numerics) {
+  detdit::GateResidualRmsnormInputs in;
+  in.residual = view(residual, "residual");
+  in.y = view(y, "y");
+  in.gate = view(gate, "gate");
+  in.weight = view(weight, "weight");
+  in.shift = view(shift, "shift");
+  in.scale = view(scale, "scale");
+  in.plan = plan;
+  in.eps = static_cast<float>(eps);
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_with(const Call<detdit::GateResidualRmsnormParams>& call,
+                                                              const Tensor& residual, const Tensor& y,
+                                                              const Tensor& gate, const Tensor& weight,
+                                                              const OptTensor& shift, const OptTensor& scale,
+                                                              const IndexPlan& plan, double eps,
+                                                              const std::string& numerics) {
+  DeviceScope scope(residual);
+  Tensor h = output_like(residual);
+  Tensor out = output_like(residual);
+  Tensor rstd = empty_like_shape(residual, {leading_rows(residual)}, at::kFloat);
+  detdit::GateResidualRmsnormParams p;
+  p.in = gate_residual_rmsnorm_inputs(residual, y, gate, weight, shift, scale, plan, eps, numerics);
+  p.h = view(h, "h");
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  check_ok(call(p, scope.stream()));
+  return {h, out, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_with(
+    const Call<detdit::GateResidualRmsnormBackwardParams>& call, const Call<detdit::GateResidualBackwardParams>& gate_call,
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask) {
+  if (!d_out.has_value()) {
+    if (!d_h.has_value()) return {};
+    auto [d_residual, d_y, d_gate] =
+        gate_residual_backward_with(gate_call, *d_h, y, gate, plan, {output_mask[0], output_mask[1], output_mask[2]});
+    return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor()};
+  }
+  DeviceScope scope(h);
+  Tensor d_residual = output_like(h, output_mask[0]);
+  Tensor d_y = output_like(h, output_mask[1]);
+  Tensor d_gate = maybe_empty(output_mask[2], h, matrix_shape(gate), gate.scalar_type());
+  Tensor d_weight = maybe_empty(output_mask[3], h, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor d_shift = table_grad(output_mask[4], shift, h);
+  Tensor d_scale = table_grad(output_mask[5], scale, h);
+  detdit::GateResidualRmsnormBackwardParams p;
+  p.in = gate_residual_rmsnorm_inputs(Tensor(), y, gate, weight, shift, scale, plan, eps, numerics);
+  p.h = view(h, "h");
+  p.rstd = view(rstd, "rstd");
+  p.d_out = view(d_out, "d_out");
+  p.d_h = view(d_h, "d_h");
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(call(p, scope.stream()));
+  return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale};
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm(const Tensor& residual, const Tensor& y, const Tensor& gate,
+                                                         const Tensor& weight, const OptTensor& shift,
+                                                         const OptTensor& scale, const PlanPtr& plan, double eps,
+                                                         const std::string& numerics) {
+  return gate_residual_rmsnorm_with(detdit::gate_residual_rmsnorm_forward, residual, y, gate, weight, shift, scale,
+                                    required_plan(plan, "gate_residual_rmsnorm")->plan, eps, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const PlanPtr& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask) {
+  return gate_residual_rmsnorm_backward_with(detdit::gate_residual_rmsnorm_backward, detdit::gate_residual_backward,
+                                             d_out, d_h, y, gate, weight, shift, scale,
+                                             required_plan(plan, "gate_residual_rmsnorm_backward")->plan, h, rstd,
+                                             eps, numerics, output_mask);
+}
+
+// ---------------------------------------------------------------------------
+// final_adaln_out
+
+namespace {
+detdit::FinalAdalnOutInputs final_adaln_out_inputs(const Tensor& x, const Tensor& norm_weight, const Tensor& temb,
+                                                   const Tensor& weight, const Tensor& bias, const IndexPlan& plan,
+                                                   double eps, const std::string& numerics) {
+  detdit::FinalAdalnOutInputs in;
+  in.x = view(x, "x");
+  in.norm_weight = view(norm_weight, "norm_weight");
+  in.temb = view(temb, "temb");
+  in.weight = view(weight, "weight");
+  in.bias = view(bias, "bias");
+  in.plan = plan;
+  in.eps = static_cast<float>(eps);
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out(const Tensor& x, const Tensor& norm_weight,
+                                                           const Tensor& temb, const Tensor& weight,
+                                                           const Tensor& bias, const PlanPtr& plan, double eps,
+                                                           const std::string& numerics) {
+  DeviceScope scope(x);
+  const IndexPlan& index = required_plan(plan, "final_adaln_out")->plan;
+  Tensor out = output_like(x);
+  Tensor table = empty_like_shape(x, {dim_or_zero(temb, 0), dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor act = empty_like_shape(x, matrix_shape(temb), weight.scalar_type());
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::FinalAdalnOutParams p;
+  p.in = final_adaln_out_inputs(x, norm_weight, temb, weight, bias, index, eps, numerics);
+  p.out = view(out, "out");
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.rstd = view(rstd, "rstd");
+  check_ok(detdit::final_adaln_out_forward(p, scope.stream()));
+  return {out, table, act, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward(
+    const Tensor& grad, const Tensor& x, const Tensor& norm_weight, const Tensor& temb, const Tensor& weight,
+    const Tensor& table, const Tensor& act, const Tensor& rstd, const PlanPtr& plan, double eps,
+    const std::string& numerics, std::array<bool, 5> output_mask) {
+  DeviceScope scope(x);
+  const IndexPlan& index = required_plan(plan, "final_adaln_out_backward")->plan;
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_norm_weight = maybe_empty(output_mask[1], x, {dim_or_zero(norm_weight, 0)}, norm_weight.scalar_type());
+  Tensor d_temb = maybe_empty(output_mask[2], x, matrix_shape(temb), at::kFloat);
+  Tensor d_weight = maybe_empty(output_mask[3], x, matrix_shape(weight), weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[4], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::FinalAdalnOutBackwardParams p;
+  p.in = final_adaln_out_inputs(x, norm_weight, temb, weight, Tensor(), index, eps, numerics);
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_norm_weight = view(d_norm_weight, "d_norm_weight");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  check_ok(detdit::final_adaln_out_backward(p, scope.stream()));
+  return {dx, d_norm_weight, d_temb, d_weight, d_bias};
+}
+
+// ---------------------------------------------------------------------------
+// adaln_modulation
+
+namespace {
+detdit::AdalnModulationInputs adaln_modulation_inputs(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                      const IndexPlan& plan, const std::string& numerics) {
+  detdit::AdalnModulationInputs in;
+  in.temb = view(temb, "temb");
+  in.weight = view(weight, "weight");
+  in.bias = view(bias, "bias");
+  in.plan = plan;
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                    const PlanPtr& plan, const std::string& numerics) {
+  DeviceScope scope(temb);
+  const IndexPlan& index = required_plan(plan, "adaln_modulation")->plan;
+  const int64_t outputs = dim_or_zero(weight, 0);
+  const int64_t hidden = hidden_of(outputs, detdit::kNumModalities * detdit::kAdalnChunks, "weight", "(18H, D)");
+  Tensor out = empty_like_shape(temb, {detdit::kAdalnChunks, index.seq_len(), hidden}, weight.scalar_type());
+  Tensor table = empty_like_shape(temb, {dim_or_zero(temb, 0), outputs}, weight.scalar_type());
+  Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
+  detdit::AdalnModulationParams p;
+  p.in = adaln_modulation_inputs(temb, weight, bias, index, numerics);
+  p.table = view(table, "table");
+  p.act = view(act, "act");
+  p.out = view(out, "out");
+  check_ok(detdit::adaln_modulation_forward(p, scope.stream()));
+  return {out, table, act};
+}
+
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const PlanPtr& plan, const std::string& numerics,
+                                                             std::array<bool, 3> output_mask) {
+  DeviceScope scope(temb);
+  PlanPtr holder = required_plan(plan, "adaln_modulation_backward");
+  Tensor d_temb = maybe_empty(output_mask[0], temb, matrix_shape(temb), at::kFloat);
+  Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
+  Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  detdit::AdalnModulationBackwardParams p;
+  p.in = adaln_modulation_inputs(temb, weight, Tensor(), gather_backward_plan(*holder, grad, scope.stream()),
+                                 numerics);
+  p.act = view(act, "act");
+  p.grad = view(grad, "grad");
+  p.d_temb = view(d_temb, "d_temb");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  check_ok(detdit::adaln_modulation_backward(p, scope.stream()));
+  return {d_temb, d_weight, d_bias};
+}
+
+}  // namespace detdit_torch

@@ -1,0 +1,168 @@
+// The device kernels of every single-device detdit op: the CPU and CUDA
+// kernels of `torch.ops.detdit.<op>` and `<op>_backward` (the same functions:
+// detdit dispatches on the tensors' device).
+//
+// Contract: each kernel allocates its outputs with at::empty, builds the op's
+// Params (the op's inputs struct from one <op>_inputs helper shared by the
+// forward and the backward, then the other views) and calls the public C++
+// API, which validates every argument; it does no arithmetic (besides the
+// exact bf16 -> fp32 upcast of a linear grad). A forward returns its output
+// and the tensors its backward needs; a backward returns one gradient per
+// differentiable input, undefined where output_mask says it is not wanted.
+// Output dtypes are docs/numerics.md section 8's "Python allocates" column.
+//
+// The ops that detdit.distributed also runs sharded share one <op>_with
+// function that takes the detdit call to make (distributed.cpp passes the
+// tp_/sp_ entry point).
+#pragma once
+
+#include <array>
+#include <functional>
+#include <string>
+#include <tuple>
+
+#include "plan.h"
+#include "tensors.h"
+
+namespace detdit_torch {
+
+// The detdit call of an <op>_with: the op's entry point, or a lambda adding
+// the communicator and SpPlan of the tp_/sp_ entry point.
+template <typename Params>
+using Call = std::function<Status(const Params&, detdit::Stream)>;
+
+// timestep_sinusoid: (T,) -> (T, C) fp32. check_range = false: the caller
+// guarantees finite t in [0, 1]; the op then never reads the timesteps on the
+// host (no sync: CUDA-graph capturable). Backward: d_timesteps (T,) in the
+// timesteps' dtype.
+Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
+                         const std::string& numerics, bool check_range);
+Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
+                                  const std::string& numerics, bool check_range);
+
+// linear: (out (T, N) in x's dtype, pre (T, N) fp32 = x W^T + b before the
+// activation when it is silu, else an empty tensor). Backward: (d_x, d_weight,
+// d_bias); grad is upcast to fp32 (exact), through the SiLU VJP first when
+// the activation is silu.
+std::tuple<Tensor, Tensor> linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                  const std::string& activation, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
+                                                   const Tensor& pre, const std::string& activation,
+                                                   const std::string& numerics, std::array<bool, 3> output_mask);
+
+// timestep_mlp: (temb (T, D), pre (T, Hm), hidden (T, Hm)), all fp32.
+// Backward: (d_features, d_w1, d_b1, d_w2, d_b2), fp32.
+std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
+                                                const Tensor& w2, const Tensor& b2, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
+    const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
+    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask);
+
+// adaln_projection: (table (T, shards * N), act (T, D)) in weight's dtype, for
+// an (N, D) weight: tp's table holds every rank's shard (shards = the world
+// size), else shards = 1. Backward: (d_temb fp32, d_weight, d_bias in
+// weight's dtype).
+std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t shards,
+                                                 const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                 const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
+    const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask);
+std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                            const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const std::string& numerics,
+                                                             std::array<bool, 3> output_mask);
+
+// adaln_row_gather: out (6, S, H) in rows' dtype. Backward: d_rows (R, 6H) in
+// grad's dtype; grad (6, S, H) (batch summed) or (6, B*S, H) / (6, B, S, H)
+// with B = plan.batch().
+Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan);
+Tensor adaln_row_gather_backward(const Tensor& grad, const PlanPtr& plan);
+
+// rmsnorm (and sp_rmsnorm through the _with forms): (out like x, rstd (M,)
+// fp32). Backward: (dx like x, d_weight in weight's dtype, d_shift / d_scale
+// in the table's dtype; none for an absent table).
+std::tuple<Tensor, Tensor> rmsnorm_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                        const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                        const IndexPlan& plan, double eps, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, std::array<bool, 4> output_mask);
+std::tuple<Tensor, Tensor> rmsnorm(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                   const OptTensor& scale, const OptPlan& plan, double eps,
+                                   const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, const Tensor& x,
+                                                            const Tensor& weight, const OptTensor& shift,
+                                                            const OptTensor& scale, const OptPlan& plan,
+                                                            const Tensor& rstd, double eps,
+                                                            const std::string& numerics,
+                                                            std::array<bool, 4> output_mask);
+
+// gate_residual (and sp_gate_residual): out like residual. Backward:
+// (d_residual, d_y like y, d_gate in gate's dtype).
+Tensor gate_residual_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                          const Tensor& gate, const IndexPlan& plan);
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_with(const Call<detdit::GateResidualBackwardParams>& call,
+                                                               const Tensor& grad, const Tensor& y,
+                                                               const Tensor& gate, const IndexPlan& plan,
+                                                               std::array<bool, 3> output_mask);
+Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const PlanPtr& plan);
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                          const PlanPtr& plan, std::array<bool, 3> output_mask);
+
+// gate_residual_rmsnorm (and sp_gate_residual_rmsnorm): h = gate_residual
+// of (residual, y, gate), out = rmsnorm of h; (h, out like residual, rstd
+// (M,) fp32). Backward from d_out and d_h, the gradients of out and of h from
+// the rest of the network, either absent: (d_residual, d_y like h, d_gate in
+// gate's dtype, d_weight in weight's dtype, d_shift / d_scale in the table's
+// dtype), the dtypes autograd gets through gate_residual then rmsnorm. An
+// absent d_out runs gate_call (the gate_residual backward) of d_h alone and
+// gives no norm gradients, as autograd through the two ops runs no rmsnorm
+// backward when no gradient reaches out; with neither, every gradient is
+// undefined.
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_with(const Call<detdit::GateResidualRmsnormParams>& call,
+                                                              const Tensor& residual, const Tensor& y,
+                                                              const Tensor& gate, const Tensor& weight,
+                                                              const OptTensor& shift, const OptTensor& scale,
+                                                              const IndexPlan& plan, double eps,
+                                                              const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_with(
+    const Call<detdit::GateResidualRmsnormBackwardParams>& call, const Call<detdit::GateResidualBackwardParams>& gate_call,
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask);
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm(const Tensor& residual, const Tensor& y, const Tensor& gate,
+                                                         const Tensor& weight, const OptTensor& shift,
+                                                         const OptTensor& scale, const PlanPtr& plan, double eps,
+                                                         const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const PlanPtr& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask);
+
+// final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype,
+// rstd (M,) fp32). Backward: (dx like x, d_norm_weight in its dtype, d_temb
+// fp32, d_weight, d_bias in weight's dtype).
+std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out(const Tensor& x, const Tensor& norm_weight,
+                                                           const Tensor& temb, const Tensor& weight,
+                                                           const Tensor& bias, const PlanPtr& plan, double eps,
+                                                           const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward(
+    const Tensor& grad, const Tensor& x, const Tensor& norm_weight, const Tensor& temb, const Tensor& weight,
+    const Tensor& table, const Tensor& act, const Tensor& rstd, const PlanPtr& plan, double eps,
+    const std::string& numerics, std::array<bool, 5> output_mask);
+
+// adaln_modulation: (out (6, S, H), table (T, 18H), act (T, D)), weight's
+// dtype. Backward: (d_temb fp32, d_weight, d_bias in weight's dtype); grad as
+// in adaln_row_gather_backward.
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation(const Tensor& temb, const Tensor& weight, const Tensor& bias,
+                                                    const PlanPtr& plan, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad, const Tensor& temb,
+                                                             const Tensor& weight, const Tensor& act,
+                                                             const PlanPtr& plan, const std::string& numerics,
+                                                             std::array<bool, 3> output_mask);
+
+}  // namespace detdit_torch

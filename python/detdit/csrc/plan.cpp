@@ -1,0 +1,51 @@
+// The IndexPlan torch class and its two constructors (contract in plan.h).
+#include "plan.h"
+
+#include <algorithm>
+
+namespace detdit_torch {
+
+Tensor PlanHolder::row_index() const {
+  Tensor rows = at::empty({plan.seq_len()}, at::TensorOptions().dtype(at::kInt));
+  std::copy_n(plan.host_tables().row_of_seq, plan.seq_len(), rows.data_ptr<int32_t>());
+  return rows;
+}
+
+const IndexPlan& PlanHolder::single_batch(detdit::Stream stream) {
+  if (plan.batch() == 1) return plan;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!single_batch_.valid()) {
+    TensorView rows = TensorView::contiguous(const_cast<int32_t*>(plan.device_tables().row_of_seq), DType::kI32,
+                                             {plan.seq_len()}, plan.device());
+    check_ok(IndexPlan::from_row_index(rows, plan.num_rows(), 1, &single_batch_, stream));
+  }
+  return single_batch_;
+}
+
+const IndexPlan& plan_of(const OptPlan& plan) {
+  static const IndexPlan kAbsent;
+  return plan.has_value() && *plan ? (*plan)->plan : kAbsent;
+}
+
+PlanPtr required_plan(const PlanPtr& plan, const char* op) {
+  if (!plan) C10_THROW_ERROR(ValueError, std::string(op) + " needs an IndexPlan (detdit.plan(...)), got None");
+  return plan;
+}
+
+PlanPtr make_plan(const Tensor& timestep_indices, const Tensor& token_tags, int64_t num_timesteps, int64_t batch) {
+  DeviceScope scope(timestep_indices);
+  IndexPlan plan;
+  check_ok(IndexPlan::from_timesteps_and_tags(view(timestep_indices, "timestep_indices"),
+                                              view(token_tags, "token_tags"), num_timesteps, batch, &plan,
+                                              scope.stream()));
+  return c10::make_intrusive<PlanHolder>(std::move(plan));
+}
+
+PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t batch) {
+  DeviceScope scope(row_index);
+  IndexPlan plan;
+  check_ok(IndexPlan::from_row_index(view(row_index, "row_index"), num_rows, batch, &plan, scope.stream()));
+  return c10::make_intrusive<PlanHolder>(std::move(plan));
+}
+
+}  // namespace detdit_torch

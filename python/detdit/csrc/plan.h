@@ -1,0 +1,54 @@
+// The IndexPlan torch class, `torch.classes.detdit.IndexPlan`: a validated
+// detdit::IndexPlan built once per step by `detdit::plan` (timestep indices
+// and token tags) or `detdit::plan_from_rows` (a row index) and passed to
+// every indexed op. Its methods are those registered in registration.cpp.
+#pragma once
+
+#include <torch/custom_class.h>
+
+#include <mutex>
+
+#include "tensors.h"
+
+namespace detdit_torch {
+
+struct PlanHolder : torch::CustomClassHolder {
+  IndexPlan plan;
+
+  explicit PlanHolder(IndexPlan p) : plan(std::move(p)) {}
+
+  int64_t seq_len() const { return plan.seq_len(); }
+  int64_t batch() const { return plan.batch(); }
+  int64_t num_rows() const { return plan.num_rows(); }
+  int64_t positions() const { return plan.positions(); }
+  int64_t num_chunks() const { return plan.num_chunks(); }
+  int64_t num_segments() const { return plan.num_segments(); }
+  std::string device() const { return plan.device().to_string(); }
+  // The validated (S,) table row of every sequence position, int32 on the CPU.
+  Tensor row_index() const;
+
+  // The same index with batch 1, for the backward of ops whose output has no
+  // batch dim (adaln_row_gather, adaln_modulation: (6, S, H)): autograd hands
+  // them a (6, S, H) grad, already summed over the batch by whatever broadcast
+  // the output. Built on first use from the plan's validated row index (on
+  // CUDA this one build copies the index to the host once).
+  const IndexPlan& single_batch(detdit::Stream stream);
+
+ private:
+  std::mutex mutex_;
+  IndexPlan single_batch_;
+};
+
+using PlanPtr = c10::intrusive_ptr<PlanHolder>;
+using OptPlan = Optional<PlanPtr>;
+
+// The plan of an optional argument; an empty IndexPlan for None.
+const IndexPlan& plan_of(const OptPlan& plan);
+// A plan argument that the op requires: None is a ValueError naming the op.
+PlanPtr required_plan(const PlanPtr& plan, const char* op);
+
+// detdit::plan and detdit::plan_from_rows.
+PlanPtr make_plan(const Tensor& timestep_indices, const Tensor& token_tags, int64_t num_timesteps, int64_t batch);
+PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t batch);
+
+}  // namespace detdit_torch

@@ -1,0 +1,193 @@
+// The torch registration of detdit: the custom classes, one def_op per op
+// (its forward and backward schemas, their CPU and CUDA kernels, the
+// forward's Autograd kernel), and the Python module `detdit._C`.
+//
+// Contract: TORCH_LIBRARY(detdit) defines `detdit::<op>` (returning the output
+// and the tensors its backward needs) and `detdit::<op>_backward` (the raw
+// backward, with an output mask where the op has one). The CPU and CUDA
+// kernels of an op are the same function (ops.h, distributed.h): detdit
+// dispatches on the tensors' device, and CUDA work runs on torch's current
+// stream. The Autograd kernel is the op's Function (autograd.h). The plan
+// constructors have one kernel for every key (they take no differentiable
+// input).
+#include <Python.h>
+
+#include <torch/library.h>
+
+#include <string>
+
+#include "autograd.h"
+#include "distributed.h"
+#include "ops.h"
+#include "plan.h"
+
+namespace detdit_torch {
+namespace {
+
+// The operator name of a schema: what precedes its argument list.
+std::string op_name(const char* schema) {
+  const std::string text(schema);
+  return text.substr(0, text.find('('));
+}
+
+// One op: defines the forward and backward schemas, registers `forward` and
+// `backward` as their CPU and CUDA kernels and Function's Autograd kernel for
+// the forward (the backward has none: first order only).
+template <typename Function, typename Forward, typename Backward>
+void def_op(torch::Library& m, const char* schema, Forward* forward, const char* backward_schema,
+            Backward* backward) {
+  m.def(schema);
+  m.def(backward_schema);
+  const std::string name = op_name(schema), backward_name = op_name(backward_schema);
+  for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) {
+    m.impl(name.c_str(), key, forward);
+    m.impl(backward_name.c_str(), key, backward);
+  }
+  m.impl(name.c_str(), c10::DispatchKey::Autograd, autograd_kernel<Function>(forward));
+}
+
+}  // namespace
+}  // namespace detdit_torch
+
+#define DETDIT_PLAN "__torch__.torch.classes.detdit.IndexPlan"
+#define DETDIT_SP_PLAN "__torch__.torch.classes.detdit.SpPlan"
+
+TORCH_LIBRARY(detdit, m) {
+  using namespace detdit_torch;
+  m.class_<PlanHolder>("IndexPlan")
+      .def("seq_len", &PlanHolder::seq_len)
+      .def("batch", &PlanHolder::batch)
+      .def("num_rows", &PlanHolder::num_rows)
+      .def("positions", &PlanHolder::positions)
+      .def("num_chunks", &PlanHolder::num_chunks)
+      .def("num_segments", &PlanHolder::num_segments)
+      .def("device", &PlanHolder::device)
+      .def("row_index", &PlanHolder::row_index);
+  m.class_<SpPlanHolder>("SpPlan")
+      .def("world", &SpPlanHolder::world)
+      .def("rank", &SpPlanHolder::rank)
+      .def("local_begin", &SpPlanHolder::local_begin)
+      .def("local_end", &SpPlanHolder::local_end)
+      .def("local_seq_len", &SpPlanHolder::local_seq_len)
+      .def("max_send", &SpPlanHolder::max_send);
+  m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
+        &make_plan);
+  m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN, &make_plan_from_rows);
+
+  def_op<TimestepSinusoidFunction>(
+      m,
+      "timestep_sinusoid(Tensor timesteps, int num_channels, float max_period, str numerics, "
+      "bool check_range=True) -> Tensor",
+      &timestep_sinusoid,
+      "timestep_sinusoid_backward(Tensor grad_features, Tensor timesteps, float max_period, str numerics, "
+      "bool check_range=True) -> Tensor",
+      &timestep_sinusoid_backward);
+  def_op<LinearFunction>(
+      m, "linear(Tensor x, Tensor weight, Tensor? bias, str activation, str numerics) -> (Tensor, Tensor)", &linear,
+      "linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor pre, str activation, str numerics, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &linear_backward);
+  def_op<TimestepMlpFunction>(
+      m,
+      "timestep_mlp(Tensor features, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str numerics) "
+      "-> (Tensor, Tensor, Tensor)",
+      &timestep_mlp,
+      "timestep_mlp_backward(Tensor grad_temb, Tensor features, Tensor w1, Tensor w2, Tensor pre, "
+      "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &timestep_mlp_backward);
+  def_op<AdalnProjectionFunction>(
+      m, "adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics) -> (Tensor, Tensor)",
+      &adaln_projection,
+      "adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, str numerics, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &adaln_projection_backward);
+  def_op<AdalnRowGatherFunction>(m, "adaln_row_gather(Tensor rows, " DETDIT_PLAN " plan) -> Tensor",
+                                 &adaln_row_gather,
+                                 "adaln_row_gather_backward(Tensor grad, " DETDIT_PLAN " plan) -> Tensor",
+                                 &adaln_row_gather_backward);
+  def_op<RmsnormFunction>(
+      m,
+      "rmsnorm(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      "? plan, float eps, str numerics) -> (Tensor, Tensor)",
+      &rmsnorm,
+      "rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      "? plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)",
+      &rmsnorm_backward);
+  def_op<GateResidualFunction>(
+      m, "gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_PLAN " plan) -> Tensor", &gate_residual,
+      "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_PLAN
+      " plan, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &gate_residual_backward);
+  def_op<GateResidualRmsnormFunction>(
+      m,
+      "gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, Tensor? scale, "
+      DETDIT_PLAN " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm,
+      "gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_PLAN " plan, Tensor h, Tensor rstd, float eps, str numerics, "
+      "bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm_backward);
+  def_op<FinalAdalnOutFunction>(
+      m,
+      "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
+      " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)",
+      &final_adaln_out,
+      "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, "
+      "Tensor table, Tensor act, Tensor rstd, " DETDIT_PLAN
+      " plan, float eps, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &final_adaln_out_backward);
+  def_op<AdalnModulationFunction>(
+      m,
+      "adaln_modulation(Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
+      " plan, str numerics) -> (Tensor, Tensor, Tensor)",
+      &adaln_modulation,
+      "adaln_modulation_backward(Tensor grad, Tensor temb, Tensor weight, Tensor act, " DETDIT_PLAN
+      " plan, str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &adaln_modulation_backward);
+
+  // detdit.distributed: `comm` is a handle from _C._register_communicator.
+  m.def("sp_plan(" DETDIT_PLAN " plan, int world, int rank) -> " DETDIT_SP_PLAN, &make_sp_plan);
+  def_op<TpAdalnProjectionFunction>(
+      m, "tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics) -> (Tensor, Tensor)",
+      &tp_adaln_projection,
+      "tp_adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, int comm, "
+      "str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &tp_adaln_projection_backward);
+  def_op<SpRmsnormFunction>(
+      m,
+      "sp_rmsnorm(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, int comm, float eps, str numerics) -> (Tensor, Tensor)",
+      &sp_rmsnorm,
+      "sp_rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, Tensor rstd, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)",
+      &sp_rmsnorm_backward);
+  def_op<SpGateResidualFunction>(
+      m, "sp_gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_SP_PLAN " sp, int comm) -> Tensor",
+      &sp_gate_residual,
+      "sp_gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_SP_PLAN
+      " sp, int comm) -> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_backward);
+  def_op<SpGateResidualRmsnormFunction>(
+      m,
+      "sp_gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, "
+      "Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_rmsnorm,
+      "sp_gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
+      "str numerics) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &sp_gate_residual_rmsnorm_backward);
+}
+
+// `import detdit._C` loads this library, which registers the operators above
+// (torch.ops.detdit.*); the module itself holds only the communicator registry.
+static PyMethodDef detdit_methods[] = {
+    {"_register_communicator", detdit_torch::register_communicator, METH_VARARGS,
+     "_register_communicator(gather, rank, world, device) -> handle"},
+    {"_release_communicator", detdit_torch::release_communicator, METH_VARARGS, "_release_communicator(handle)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "detdit._C", nullptr, -1, detdit_methods,
+                               nullptr,               nullptr,     nullptr, nullptr};
+  return PyModule_Create(&module);
+}
