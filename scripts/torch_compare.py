@@ -52,6 +52,7 @@ INTERLEAVED_TAGS = (0, 1, 0, 2, 0, 0, 1, 0, 2, 0)
 SEQ_LENS, QUICK_SEQ_LENS = (4097, 32768, 131072), (4097,)
 PACKINGS = ("block", "interleaved")
 CANDIDATES = ("detdit portable", "detdit torch", "eager", "torch.compile")
+DEVICE = "cuda"
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -131,7 +132,7 @@ def median_us(fn, warmup, repeats):
 
 
 def copy_gbps(warmup, repeats):
-    source = torch.empty(1 << 30, dtype=torch.int16, device="cuda")  # 2 GiB
+    source = torch.empty(1 << 30, dtype=torch.int16, device=DEVICE)  # 2 GiB
     source.random_()
     target = torch.empty_like(source)
     us = median_us(lambda: target.copy_(source), warmup, repeats)
@@ -173,15 +174,15 @@ class Case:
         self.op, self.seq_len, self.packing, self.spec = op, seq_len, packing, OPS[op]
         self.name = f"bf16 H{HIDDEN} {packing}_S{seq_len}_T{TIMESTEPS}_B{BATCH}"
         timesteps, tags = index_case(packing, seq_len)
-        ti = torch.tensor(timesteps, dtype=torch.int64, device="cuda")
-        tg = torch.tensor(tags, dtype=torch.int64, device="cuda")
+        ti = torch.tensor(timesteps, dtype=torch.int64, device=DEVICE)
+        tg = torch.tensor(tags, dtype=torch.int64, device=DEVICE)
         self.rows = ti * 3 + tg  # (S,) the AdaLN row of each position
         self.plan = detdit.plan(ti, tg, TIMESTEPS, BATCH)
-        gen = torch.Generator(device="cuda").manual_seed(seq_len * 10 + PACKINGS.index(packing))
+        gen = torch.Generator(device=DEVICE).manual_seed(seq_len * 10 + PACKINGS.index(packing))
         dims = {"BSH": (BATCH, seq_len, HIDDEN), "RH": (3 * TIMESTEPS, HIDDEN), "H": (HIDDEN,)}
 
         def normal(shape, mean, std):
-            return (torch.randn(shape, device="cuda", generator=gen) * std + mean).to(torch.bfloat16)
+            return (torch.randn(shape, device=DEVICE, generator=gen) * std + mean).to(torch.bfloat16)
 
         self.leaves = [normal(dims[kind], mean, std).requires_grad_(True) for _, kind, mean, std in self.spec["inputs"]]
         self.grads_in = [normal(dims["BSH"], 0.0, 1.0) for _ in self.spec["grads_in"]]
@@ -303,7 +304,7 @@ def main():
               "time_label": "forward + backward, median of the timed calls (seconds)",
               "git": git_state(),
               "environment": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "cuda_runtime": torch.version.cuda, "compiler": f"torch.compile mode={args.compile_mode}"},
+                              "cuda_runtime": torch.version.cuda or "none", "compiler": f"torch.compile mode={args.compile_mode}"},
               "options": {"repeats": args.repeats, "warmup": args.warmup, "quick": args.quick, "ops": ops},
               "copy_gbps": gbps, "cases": [], "speedups": []}
     table = ["| op | case | candidate | fwd us | fwd % copy | fwd+bwd us | fwd+bwd % copy | "
@@ -317,7 +318,7 @@ def main():
                 del case
                 torch.cuda.empty_cache()
     checks = [c for case in report["cases"] for c in case["checks"]]
-    failed = [(case["case"], c["check"]) for case in report["cases"] for c in case["checks"]
+    failed = [(f"{case['op']} / {case['case']}", c["check"]) for case in report["cases"] for c in case["checks"]
               if not c["pass"] and c["promise"]]
     report.update(verdict="FAIL" if failed else "PASS", checks_total=len(checks),
                   checks_passed=sum(c["pass"] for c in checks), seconds=time.time() - started)
