@@ -13,7 +13,7 @@ namespace {
 DETDIT_CUDA_OP_CASES(GateResidualCaseCuda, "gate_residual");
 
 // The halves (rows kernel, then partials) at every tunable, and the
-// single-pass kernel: the same bytes.
+// single-pass kernel (below): the same bytes.
 TEST(GateResidualCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
   const cuda::LaunchTuning saved = cuda::launch_tuning();
@@ -28,6 +28,16 @@ TEST(GateResidualCuda, EveryLaunchTuningGivesTheSameBytes) {
         cuda::launch_tuning().partial_columns_per_thread = cols;
         expect_cases_match_cpu("gate_residual", [](const OpCase& c) { return c.positions == 514; });
       }
+  cuda::launch_tuning() = saved;
+}
+
+// The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)
+// on every case: the bytes of the halves and the CPU.
+TEST(GateResidualCuda, TheSinglePassGivesTheSameBytes) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  cuda::launch_tuning().single_pass = true;
+  expect_cases_match_cpu("gate_residual", [](const OpCase&) { return true; });
   cuda::launch_tuning() = saved;
 }
 

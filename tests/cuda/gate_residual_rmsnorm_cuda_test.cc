@@ -12,12 +12,13 @@ namespace {
 
 DETDIT_CUDA_OP_CASES(GateResidualRmsnormCaseCuda, "gate_residual_rmsnorm");
 
-// The composition of the halves (the path of GPUs without clusters): the same bytes as the CPU.
-TEST(GateResidualRmsnormCuda, TheHalvesGiveTheSameBytes) {
+// The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h;
+// the cases above run the halves): the same bytes as the CPU on every case.
+TEST(GateResidualRmsnormCuda, TheSinglePassGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
   const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().single_pass = false;
-  expect_cases_match_cpu("gate_residual_rmsnorm", [](const OpCase& c) { return c.positions <= 2000; });
+  cuda::launch_tuning().single_pass = true;
+  expect_cases_match_cpu("gate_residual_rmsnorm", [](const OpCase&) { return true; });
   cuda::launch_tuning() = saved;
 }
 
