@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check of detdit in one run, for a CUDA machine (used on the lent
-# H200 machines; see docs/gpu.md). Stages (pick with arguments, default all):
+# Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
+# docs/gpu.md). Stages (pick with arguments, default all):
 #   build cuda parallel verify mpi parity sanitizer python bench compare
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of

@@ -59,7 +59,7 @@ struct ParallelBenchResult {
   std::string error;
 };
 
-// A DESIGN.md section 8 target: measured_speedup = WS1 time / world time (NaN
+// A target of docs/design.md: measured_speedup = WS1 time / world time (NaN
 // when this run did not measure it).
 struct ParallelTarget {
   std::string target;

@@ -17,7 +17,7 @@
 //     4 (--quick: 4). In-process world sizes 2, 4, 8; --comm mpi: the MPI world.
 //   CPU (only when --ops names these ops): SP S = 4097, TP T = 4, world sizes 2,
 //     4, 8: a smoke test of the timing path, not a performance claim.
-// Targets (DESIGN.md section 8): SP8 >= 6x faster than WS1 at S = 131072; never
+// Targets (docs/design.md): SP8 >= 6x faster than WS1 at S = 131072; never
 // slower than WS1 at S = 32768 (every world size, both packings).
 #include <algorithm>
 #include <cmath>

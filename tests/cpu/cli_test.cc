@@ -602,7 +602,7 @@ TEST(Cli, BenchParallelCpuJson) {
   EXPECT_EQ(worlds["sp_region S=4097 interleaved fwd+bwd"], sp);
   EXPECT_EQ(worlds["tp_adaln_projection T=4 fwd"], tp);
   EXPECT_EQ(worlds["tp_adaln_projection T=4 fwd+bwd"], tp);
-  // The DESIGN.md targets are listed; S = 131072 is not run on the CPU.
+  // The targets of docs/design.md are listed; S = 131072 is not run on the CPU.
   ASSERT_EQ(p["targets"].size(), 2u);
   for (const auto& t : p["targets"]) EXPECT_TRUE(t["measured_speedup"].is_null()) << t.dump();
 }
