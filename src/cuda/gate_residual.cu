@@ -198,12 +198,7 @@ __global__ void gate_residual_backward_single_pass_kernel(GateSinglePassArgs a) 
   const int32_t first = a.tables.chunk_segment_begin[chunk], last = a.tables.chunk_segment_begin[chunk + 1];
   const int64_t begin = chunk * kReductionChunk;
   const int64_t end = begin + kReductionChunk < a.positions ? begin + kReductionChunk : a.positions;
-  for (int64_t q = threadIdx.x; q < end - begin; q += blockDim.x) {
-    const int32_t row = rowwise::table_row(a.tables.row_of_seq, begin + q, a.seq_len);
-    int32_t g = first;
-    while (a.tables.segment_row[g] != row) ++g;  // one segment per row present
-    local_segment[q] = g - first;
-  }
+  chunk_local_segments(a.tables, chunk, begin, end, a.seq_len, local_segment);
   const int threads = static_cast<int>(blockDim.x);
   for (int i = threadIdx.x; i < (last - first) * kCols * threads; i += threads) segment_sums[i] = 0.0f;
   __syncthreads();

@@ -1,10 +1,12 @@
 // Shared pieces of the partials half of the canonical reduction on CUDA
 // (numerics 6.5, backends.h ChunkSelection / ExtraRows): where a selected
-// chunk's segment partials go, and where the data row of a position lives.
+// chunk's segment partials go, each position's segment within its chunk, and
+// where the data row of a position lives.
 #pragma once
 
 #include <cstdint>
 
+#include "common/rowwise_math.h"
 #include "cuda/cuda_util.cuh"
 #include "detdit/plan.h"
 
@@ -27,6 +29,20 @@ __device__ __forceinline__ int64_t selected_segment_offset(const PlanTables& tab
   int64_t total = 0;
   for (int w = 0; w < static_cast<int>(blockDim.x / kWarpSize); ++w) total += shared[w];
   return total;
+}
+
+// local_segment[p - begin] for the positions [begin, end) of `chunk`: the
+// position's segment, 0-based in the chunk (one segment per table row present,
+// in plan order). Block-strided; the caller synchronises before reading it.
+__device__ __forceinline__ void chunk_local_segments(const PlanTables& tables, int64_t chunk, int64_t begin,
+                                                     int64_t end, int64_t seq_len, int32_t* local_segment) {
+  const int32_t first = tables.chunk_segment_begin[chunk];
+  for (int64_t q = threadIdx.x; q < end - begin; q += blockDim.x) {
+    const int32_t row = rowwise::table_row(tables.row_of_seq, begin + q, seq_len);
+    int32_t g = first;
+    while (tables.segment_row[g] != row) ++g;
+    local_segment[q] = g - first;
+  }
 }
 
 // Row of global position p: r >= 0 is row r of the op's own tensors; r < 0 is

@@ -36,6 +36,7 @@
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
 #include "cuda/profile_math.cuh"
+#include "cuda/reduction.cuh"
 #include "cuda/rmsnorm_single_pass.cuh"
 
 namespace detdit {
@@ -143,15 +144,10 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_backward_single_pass_kernel(
   // The chunk's segments (one per table row present, in plan order) and each position's.
   const int32_t first_segment = a.tables.chunk_segment_begin ? a.tables.chunk_segment_begin[chunk] : 0;
   const int32_t last_segment = a.tables.chunk_segment_begin ? a.tables.chunk_segment_begin[chunk + 1] : 0;
-  for (int64_t q = threadIdx.x; q < end - begin; q += kThreads) {
-    int32_t g = 0;
-    if (a.tables.row_of_seq) {
-      const int32_t row = rowwise::table_row(a.tables.row_of_seq, begin + q, a.seq_len);
-      g = first_segment;
-      while (a.tables.segment_row[g] != row) ++g;
-      g -= first_segment;
-    }
-    local_segment[q] = g;
+  if (a.tables.row_of_seq) {
+    chunk_local_segments(a.tables, chunk, begin, end, a.seq_len, local_segment);
+  } else {
+    for (int64_t q = threadIdx.x; q < end - begin; q += kThreads) local_segment[q] = 0;  // no plan: one chain
   }
   for (int64_t lc = threadIdx.x; lc < columns; lc += kThreads) {
     const int64_t j = vector_of(lc);

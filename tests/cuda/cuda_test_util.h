@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cases/op_case.h"
+#include "cuda/tuning.h"
 #include "common/cases.h"
 #include "common/test_util.h"
 #include "detdit/plan.h"
@@ -75,6 +76,16 @@ inline void expect_cases_match_cpu(const std::string& op, const std::function<bo
     ++checked;
   }
   EXPECT_GT(checked, 0) << "every case of " << op << " was filtered out";
+}
+
+// Every test-suite case of `op` through the single-pass backward (sm_90
+// clusters; LaunchTuning::single_pass, off by default) matches the CPU.
+inline void expect_single_pass_cases_match_cpu(const std::string& op) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  cuda::launch_tuning().single_pass = true;
+  expect_cases_match_cpu(op);
+  cuda::launch_tuning() = saved;
 }
 
 inline std::string case_test_name(const ::testing::TestParamInfo<OpCase>& info) {

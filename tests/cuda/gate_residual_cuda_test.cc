@@ -33,13 +33,7 @@ TEST(GateResidualCuda, EveryLaunchTuningGivesTheSameBytes) {
 
 // The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)
 // on every case: the bytes of the halves and the CPU.
-TEST(GateResidualCuda, TheSinglePassGivesTheSameBytes) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().single_pass = true;
-  expect_cases_match_cpu("gate_residual", [](const OpCase&) { return true; });
-  cuda::launch_tuning() = saved;
-}
+TEST(GateResidualCuda, TheSinglePassGivesTheSameBytes) { expect_single_pass_cases_match_cpu("gate_residual"); }
 
 }  // namespace
 }  // namespace testing

@@ -14,13 +14,7 @@ DETDIT_CUDA_OP_CASES(GateResidualRmsnormCaseCuda, "gate_residual_rmsnorm");
 
 // The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h;
 // the cases above run the halves): the same bytes as the CPU on every case.
-TEST(GateResidualRmsnormCuda, TheSinglePassGivesTheSameBytes) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().single_pass = true;
-  expect_cases_match_cpu("gate_residual_rmsnorm", [](const OpCase&) { return true; });
-  cuda::launch_tuning() = saved;
-}
+TEST(GateResidualRmsnormCuda, TheSinglePassGivesTheSameBytes) { expect_single_pass_cases_match_cpu("gate_residual_rmsnorm"); }
 
 }  // namespace
 }  // namespace testing

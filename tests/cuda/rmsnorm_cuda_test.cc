@@ -33,13 +33,7 @@ TEST(RmsnormCuda, EveryLaunchTuningGivesTheSameBytes) {
 
 // The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)
 // on every case: the bytes of the halves and the CPU.
-TEST(RmsnormCuda, TheSinglePassGivesTheSameBytes) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().single_pass = true;
-  expect_cases_match_cpu("rmsnorm", [](const OpCase&) { return true; });
-  cuda::launch_tuning() = saved;
-}
+TEST(RmsnormCuda, TheSinglePassGivesTheSameBytes) { expect_single_pass_cases_match_cpu("rmsnorm"); }
 
 }  // namespace
 }  // namespace testing
