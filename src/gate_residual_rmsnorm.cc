@@ -4,11 +4,13 @@
 // device. Nothing is written on error.
 //
 // The backward is the composition autograd runs through the two ops, written
-// once for both devices: the rmsnorm backward of d_out (dx into g, the partials
-// of d_weight, d_shift, d_scale), g = R_T(rn(g + d_h)), then the gate_residual
+// once for both devices: the rmsnorm backward of d_out (dx, the partials of
+// d_weight, d_shift, d_scale), g = R_T(rn(dx + d_h)), then the gate_residual
 // backward of g (d_y, the d_gate partials), with d_residual = g itself (g lives
-// in d_residual when the caller wants it); then the folds. On a GPU that runs
-// it, one single-pass kernel computes all of it but the folds (the same bits).
+// in d_residual when the caller wants it); then the folds. The row-local part
+// (g and d_y) is one backend call (one kernel on CUDA: h, d_out and d_h read
+// once), then the partials of both ops. With LaunchTuning::single_pass on an
+// sm_90 GPU, one kernel computes all of it but the folds (the same bits).
 #include "detdit/gate_residual_rmsnorm.h"
 
 #include <memory>
@@ -107,10 +109,14 @@ Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p
       DETDIT_RETURN_IF_ERROR(allocate_scratch(device, p.h.nbytes(), stream, &owner));
       g.data = owner.get();
     }
-    DETDIT_RETURN_IF_ERROR(rowwise::rmsnorm_rows_and_partials(norm_backward(p, g), norm_partials, stream));
-    // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to T
-    if (g.present() && p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(device, g, p.d_h, g, stream));
-    if (g.present()) DETDIT_RETURN_IF_ERROR(rowwise::gate_rows_and_partials(gate_backward(p, g), gate_partials, stream));
+    if (g.present()) DETDIT_RETURN_IF_ERROR(backend::gate_residual_rmsnorm_backward_rows(device, p, g, stream));
+    const ChunkSelection every_chunk;
+    if (norm_partials.weight.present() || norm_partials.table.present())
+      DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_partials(device, norm_backward(p, g), every_chunk, ExtraRows{},
+                                                                norm_partials.weight, norm_partials.table, stream));
+    if (gate_partials.gate.present())
+      DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, gate_backward(p, g), every_chunk,
+                                                                      ExtraRows{}, gate_partials.gate, stream));
   }
   DETDIT_RETURN_IF_ERROR(rowwise::fold_rmsnorm_partials(norm_backward(p, g), norm_partials.weight,
                                                         norm_partials.table, stream));

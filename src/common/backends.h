@@ -79,6 +79,9 @@ struct ExtraRows {
   X(rmsnorm_backward_partials, const RmsnormBackwardParams&, const ChunkSelection&, const ExtraRows&,     \
     const TensorView&, const TensorView&, Stream)                                                        \
   X(gate_residual_backward_rows, const GateResidualBackwardParams&, Stream)                              \
+  /* the fused region's row-local backward (p, g): g = R_T(rn(d_h + R_T(dx))) (R_T(dx) without d_h), */  \
+  /* dx the rmsnorm backward of d_out; d_y = R_T(rn(g * gate)) when p.d_y is present. g (M, H) like h */  \
+  X(gate_residual_rmsnorm_backward_rows, const GateResidualRmsnormBackwardParams&, const TensorView&, Stream) \
   /* (p, sel, extra, partials): partials (segments, H) fp32 */                                           \
   X(gate_residual_backward_partials, const GateResidualBackwardParams&, const ChunkSelection&,           \
     const ExtraRows&, const TensorView&, Stream)                                                         \

@@ -61,6 +61,10 @@ struct RmsnormRowArgs {
   const void* gate;      // (R, H) row stride gate_stride
   int64_t gate_stride;
   void* h;               // (M, H)
+  // gate_residual_rmsnorm backward rows: dx holds g = R_T(rn(d_h + R_T(dx))), and
+  // d_y = R_T(rn(g * gate[r])) (gate and gate_stride as above)
+  const void* d_h;       // (M, H), or nullptr (g = R_T(dx))
+  void* d_y;             // (M, H), or nullptr
 };
 
 // The x vector j of row m: loaded, or (kGated) computed as h from the
@@ -163,7 +167,10 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   }
 }
 
-template <typename T, bool kVector>
+// kGated: the fused region's rows (numerics 6.10): dx is not stored but summed
+// with d_h into g, stored in a.dx, and d_y = g * gate is stored beside it; one
+// read of h, d_out and d_h instead of the halves' three kernels.
+template <typename T, bool kVector, bool kGated>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_per_row_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
   const int64_t m = blockIdx.x;
@@ -226,12 +233,31 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
   const float dot = row_tree_block_sum(s, warp_sums);
   const float coef = rowwise::dx_coefficient(rstd, dot, a.hidden);
   T* dx = static_cast<T*>(a.dx) + m * a.hidden;
+  const T* gate_row = kGated && a.d_y ? static_cast<const T*>(a.gate) +
+                                            rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride
+                                      : nullptr;
   auto write = [&](int64_t j, const float (&xv)[kVec], const float (&d_n)[kVec]) {
     float wv[kVec], o[kVec];
     load_elems<T, kVec, kVector>(w + j * kVec, wv);
 #pragma unroll
     for (int e = 0; e < kVec; ++e)
       o[e] = rowwise::dx_value(rstd, wv[e], d_n[e], xv[e], coef);
+    if constexpr (kGated) {
+      float dh[kVec];
+      if (a.d_h) load_elems<T, kVec, kVector>(static_cast<const T*>(a.d_h) + m * a.hidden + j * kVec, dh);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        o[e] = round_to<T>(o[e]);                                     // the norm's dx, as the halves store it
+        if (a.d_h) o[e] = round_to<T>(num::add32(o[e], dh[e]));       // g = R_T(rn(dx + d_h))
+      }
+      if (gate_row) {
+        float gv[kVec], dy[kVec];
+        load_elems<T, kVec, kVector>(gate_row + j * kVec, gv);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dy[e] = rowwise::gated_grad(o[e], gv[e]);
+        store_elems<T, kVec, kVector>(static_cast<T*>(a.d_y) + m * a.hidden + j * kVec, dy);
+      }
+    }
     store_elems<T, kVec, kVector>(dx + j * kVec, o);
   };
 #pragma unroll
@@ -503,6 +529,19 @@ Status launch_rmsnorm_forward(const RmsnormRowArgs& a, int64_t rows, std::initia
   return launch_status(kGated ? "rmsnorm_forward_block_per_row_kernel<gated>" : "rmsnorm_forward_block_per_row_kernel");
 }
 
+template <typename T, bool kGated>
+Status launch_rmsnorm_backward_rows(const RmsnormRowArgs& a, int64_t rows, std::initializer_list<const void*> pointers,
+                                    cudaStream_t stream, bool also_aligned = true) {
+  if (rows_vectorizable<T>(a, pointers) && also_aligned)
+    rmsnorm_backward_rows_block_per_row_kernel<T, true, kGated>
+        <<<static_cast<unsigned>(rows), kRowTreeThreads, 0, stream>>>(a);
+  else
+    rmsnorm_backward_rows_block_per_row_kernel<T, false, kGated>
+        <<<static_cast<unsigned>(rows), kRowTreeThreads, 0, stream>>>(a);
+  return launch_status(kGated ? "rmsnorm_backward_rows_block_per_row_kernel<gated>"
+                              : "rmsnorm_backward_rows_block_per_row_kernel");
+}
+
 RmsnormRowArgs row_args(const TensorView& x, const TensorView& weight, const TensorView& shift,
                         const TensorView& scale, const IndexPlan& plan, float eps, Numerics numerics) {
   RmsnormRowArgs a{};
@@ -577,11 +616,33 @@ Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream) {
   cudaStream_t s = as_cuda_stream(stream);
   return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (rows_vectorizable<T>(a, {a.x, a.weight, a.grad, a.dx}))
-      rmsnorm_backward_rows_block_per_row_kernel<T, true><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
-    else
-      rmsnorm_backward_rows_block_per_row_kernel<T, false><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, s>>>(a);
-    return launch_status("rmsnorm_backward_rows_block_per_row_kernel");
+    return launch_rmsnorm_backward_rows<T, false>(a, rows, {a.x, a.weight, a.grad, a.dx}, s);
+  });
+}
+
+Status gate_residual_rmsnorm_backward_rows(const GateResidualRmsnormBackwardParams& p, const TensorView& g,
+                                           Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.h.device));
+  const GateResidualRmsnormInputs& in = p.in;
+  RmsnormRowArgs a = row_args(p.h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics);
+  a.rstd = const_cast<float*>(p.rstd.ptr<const float>());
+  a.grad = p.d_out.data;
+  a.dx = g.data;
+  a.d_h = p.d_h.present() ? p.d_h.data : nullptr;
+  a.d_y = p.d_y.present() ? p.d_y.data : nullptr;
+  a.gate = in.gate.data;
+  a.gate_stride = in.gate.strides[0];
+  a.row_of_seq = in.plan.device_tables().row_of_seq;
+  a.seq_len = in.plan.seq_len();
+  const int64_t rows = p.h.numel() / a.hidden;
+  if (rows == 0) return Status();
+  return dispatch_float_dtype(p.h.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    // the gate rows must allow vector loads too
+    const bool gate_aligned = !a.d_y || (a.gate_stride % kVec == 0 && address_aligned(a.gate, kVec * sizeof(T)));
+    return launch_rmsnorm_backward_rows<T, true>(a, rows, {a.x, a.weight, a.grad, a.dx, a.d_h, a.d_y},
+                                                 as_cuda_stream(stream), gate_aligned);
   });
 }
 
