@@ -3,7 +3,6 @@
 // constructor, and the tp_/sp_ device kernels.
 #include "distributed.h"
 
-#include <atomic>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -159,11 +158,7 @@ std::shared_ptr<detdit::Communicator> communicator(int64_t handle) {
 
 }  // namespace
 
-// Ids as the IndexPlan's (plan.cpp): never reused.
-SpPlanHolder::SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)) {
-  static std::atomic<int64_t> next_id{1};
-  id_ = next_id++;
-}
+SpPlanHolder::SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)), id_(new_plan_id()) {}
 
 SpPlanHolder::Flat SpPlanHolder::flatten() const {
   return {Field("id", std::to_string(id_)),

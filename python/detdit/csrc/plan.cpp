@@ -6,13 +6,15 @@
 
 namespace detdit_torch {
 
-// Ids count up from 1 and are never reused, so a compiled graph that guards on
-// one can only run with the plan it was traced with: a CUDA graph captures the
-// plan's device tables by address (docs/python.md, torch.compile).
-PlanHolder::PlanHolder(IndexPlan p) : plan(std::move(p)) {
+// Never reused, so a compiled graph that guards on an id can only run with the
+// plan it was traced with: a CUDA graph captures the plan's device tables by
+// address (docs/python.md, torch.compile).
+int64_t new_plan_id() {
   static std::atomic<int64_t> next_id{1};
-  id_ = next_id++;
+  return next_id++;
 }
+
+PlanHolder::PlanHolder(IndexPlan p) : plan(std::move(p)), id_(new_plan_id()) {}
 
 Tensor PlanHolder::row_index() const {
   Tensor rows = at::empty({plan.seq_len()}, at::TensorOptions().dtype(at::kInt));

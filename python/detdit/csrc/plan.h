@@ -58,6 +58,9 @@ struct PlanHolder : torch::CustomClassHolder {
 using PlanPtr = c10::intrusive_ptr<PlanHolder>;
 using OptPlan = Optional<PlanPtr>;
 
+// A new id for a plan object (IndexPlan, SpPlan): counts up from 1, never reused.
+int64_t new_plan_id();
+
 // The plan of an optional argument; an empty IndexPlan for None.
 const IndexPlan& plan_of(const OptPlan& plan);
 // A plan argument that the op requires: None is a ValueError naming the op.
