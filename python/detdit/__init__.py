@@ -38,7 +38,7 @@ _ops = torch.ops.detdit
 
 #: The plan type, ``torch.classes.detdit.IndexPlan``. Methods: seq_len(), batch(),
 #: num_rows(), positions(), num_chunks(), num_segments(), device(), row_index(); str() (and,
-#: from torch 2.x, repr()) says seq_len, batch, num_rows and device.
+#: where torch forwards it, repr()) says seq_len, batch, num_rows and device.
 IndexPlan = torch.classes.detdit.IndexPlan
 
 
