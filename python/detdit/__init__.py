@@ -1,7 +1,8 @@
 """detdit: deterministic conditioning-path ops for diffusion transformers (MiniMax-H3).
 
 Every op is a torch operator (``torch.ops.detdit.*``, CPU and CUDA kernels, autograd
-in C++); these functions are thin wrappers that pick the primary output. Results are a
+in C++, fake kernels for torch.compile in ``detdit._compile``); these functions are thin
+wrappers that call an op's overload and pick the primary output. Results are a
 pure function of the inputs: the same bits run to run, for any batch composition, and
 (``numerics="portable"``) on the CPU and every CUDA GPU. ``numerics="torch"`` replays
 PyTorch's CUDA math functions (CUDA tensors only). docs/numerics.md is the contract.
@@ -14,6 +15,7 @@ ValueError (shape, device, layout, range), IndexError (index entries) or Runtime
 import torch
 
 from . import _C  # noqa: F401  (loading it registers torch.ops.detdit and torch.classes.detdit)
+from . import _compile  # noqa: F401  (fake kernels, fake plans: torch.compile support, docs/python.md)
 
 __all__ = [
     "IndexPlan", "plan", "plan_from_rows", "timestep_sinusoid", "linear", "timestep_mlp",
@@ -35,7 +37,8 @@ NUM_MODALITIES = 3  # 0 video, 1 text, 2 audio
 _ops = torch.ops.detdit
 
 #: The plan type, ``torch.classes.detdit.IndexPlan``. Methods: seq_len(), batch(),
-#: num_rows(), positions(), num_chunks(), num_segments(), device(), row_index().
+#: num_rows(), positions(), num_chunks(), num_segments(), device(), row_index(); str() (and,
+#: where torch forwards it, repr()) says seq_len, batch, num_rows and device.
 IndexPlan = torch.classes.detdit.IndexPlan
 
 
@@ -45,13 +48,13 @@ def plan(timestep_indices, token_tags, num_timesteps, batch=1):
     timestep_indices, token_tags: ``(S,)`` int32 or int64 (same dtype and device); the plan
     lives on their device. ``batch`` items share the index.
     """
-    return _ops.plan(timestep_indices, token_tags, num_timesteps, batch)
+    return _ops.plan.default(timestep_indices, token_tags, num_timesteps, batch)
 
 
 def plan_from_rows(row_index, num_rows, batch=1):
     """The plan of an ``(S,)`` row index into a table of ``num_rows`` rows (e.g. the timestep
     index of final_adaln_out, ``num_rows = T``)."""
-    return _ops.plan_from_rows(row_index, num_rows, batch)
+    return _ops.plan_from_rows.default(row_index, num_rows, batch)
 
 
 def _require_plan(index_plan, op):
@@ -75,22 +78,22 @@ def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, num
 
     ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
     the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
-    return _ops.timestep_sinusoid(t, num_channels, float(max_period), _profile(numerics), check_range)
+    return _ops.timestep_sinusoid.default(t, num_channels, float(max_period), _profile(numerics), check_range)
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):
     """``x W^T + b`` (``activation="silu"``: then SiLU), row-wise deterministic; out in x's dtype."""
-    return _ops.linear(x, weight, bias, activation, _profile(numerics))[0]
+    return _ops.linear.default(x, weight, bias, activation, _profile(numerics))[0]
 
 
 def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
     """``W2 silu(W1 f + b1) + b2``, all float32 (diffusers' TimestepEmbedding)."""
-    return _ops.timestep_mlp(features, w1, b1, w2, b2, _profile(numerics))[0]
+    return _ops.timestep_mlp.default(features, w1, b1, w2, b2, _profile(numerics))[0]
 
 
 def adaln_projection(temb, weight, bias, numerics="portable"):
     """``table = linear(bf16(silu(temb)))``: ``(T, 18H)`` in the weight's dtype (temb float32)."""
-    return _ops.adaln_projection(temb, weight, bias, _profile(numerics))[0]
+    return _ops.adaln_projection.default(temb, weight, bias, _profile(numerics))[0]
 
 
 def adaln_table_chunks(table, hidden):
@@ -104,18 +107,21 @@ def adaln_row_gather(rows, index_plan):
     """``(R, 6H)`` rows -> ``(6, S, H)``: the six modulation vectors of every position's row
     (a byte copy, equal to six index_selects). Its gradient arrives as ``(6, S, H)`` (summed
     over the batch by whatever broadcast it) and is reduced with the plan's index, batch 1."""
-    return _ops.adaln_row_gather(rows, _require_plan(index_plan, "adaln_row_gather"))
+    return _ops.adaln_row_gather.default(rows, _require_plan(index_plan, "adaln_row_gather"))
 
 
 def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable"):
     """RMSNorm of ``(M, H)`` / ``(B, S, H)`` rows times weight; with shift and scale ``(R, H)``
     (and the plan of the positions), ``n * (1 + scale[i]) + shift[i]`` as diffusers rounds it."""
-    return _ops.rmsnorm(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
+    # with a plan, the overload whose plan is not optional: torch.compile can pass a traced
+    # plan only there (csrc/ops.h)
+    op = _ops.rmsnorm.default if plan is None else _ops.rmsnorm.plan
+    return op(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
 
 
 def gate_residual(residual, y, gate, plan):
     """``residual + gate[i] * y`` with ``gate`` ``(R, H)`` indexed by the plan."""
-    return _ops.gate_residual(residual, y, gate, _require_plan(plan, "gate_residual"))
+    return _ops.gate_residual.default(residual, y, gate, _require_plan(plan, "gate_residual"))
 
 
 def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
@@ -124,7 +130,7 @@ def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, pla
     ``out = rmsnorm(h, weight, shift, scale)``; returns ``(h, out)``. Forward and every
     gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`, including the
     gradient that reaches ``h`` from the rest of the network (the next residual branch)."""
-    h, out, _ = _ops.gate_residual_rmsnorm(residual, y, gate, weight, shift, scale,
+    h, out, _ = _ops.gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale,
                                            _require_plan(plan, "gate_residual_rmsnorm"), float(eps),
                                            _profile(numerics))
     return h, out
@@ -133,14 +139,14 @@ def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, pla
 def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, numerics="portable"):
     """H3's norm_out: ``shift, scale = linear(bf16(silu(temb))).chunk(2)`` (shift first), then
     the modulated RMSNorm of x indexed by the timestep index (a plan with ``num_rows = T``)."""
-    return _ops.final_adaln_out(x, norm_weight, temb, weight, bias, _require_plan(plan, "final_adaln_out"),
+    return _ops.final_adaln_out.default(x, norm_weight, temb, weight, bias, _require_plan(plan, "final_adaln_out"),
                                 float(eps), _profile(numerics))[0]
 
 
 def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
     """Fused projection + gather: ``(6, S, H)``; the table gradient stays float32 from the
     gather backward into the projection backward."""
-    return _ops.adaln_modulation(temb, weight, bias, _require_plan(plan, "adaln_modulation"),
+    return _ops.adaln_modulation.default(temb, weight, bias, _require_plan(plan, "adaln_modulation"),
                                  _profile(numerics))[0]
 
 

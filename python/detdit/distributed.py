@@ -27,6 +27,16 @@ __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection"]
 
 _ops = torch.ops.detdit
 
+# The world size of each registered communicator handle, for the fake kernel of
+# tp_adaln_projection (its table is world * N wide, detdit._compile).
+_WORLDS = {}
+
+
+def _world_of(handle):
+    if handle not in _WORLDS:
+        raise ValueError(f"communicator handle {handle} is not registered (use detdit.distributed.Communicator(group))")
+    return _WORLDS[handle]
+
 
 class Communicator:
     """detdit's view of a torch.distributed process group (default: the world group).
@@ -57,17 +67,19 @@ class Communicator:
 
         self._gather = gather
         self.handle = _C._register_communicator(gather, self.rank, self.world, self.device)
+        _WORLDS[self.handle] = self.world
 
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
+            _WORLDS.pop(handle, None)
             _C._release_communicator(handle)
 
 
 def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable"):
     """The ``(T, N)`` AdaLN table from this rank's ``(N/tp, D)`` weight rows and ``(N/tp,)``
     bias (rank r: rows ``[r*N/tp, (r+1)*N/tp)``); byte-equal to ``detdit.adaln_projection``."""
-    return _ops.tp_adaln_projection(temb, weight_shard, bias_shard, comm.handle, _profile(numerics))[0]
+    return _ops.tp_adaln_projection.default(temb, weight_shard, bias_shard, comm.handle, _profile(numerics))[0]
 
 
 class SpRegion:
@@ -77,7 +89,7 @@ class SpRegion:
     def __init__(self, plan, comm):
         self.comm = comm
         self.plan = plan
-        self.sp = _ops.sp_plan(plan, comm.world, comm.rank)
+        self.sp = _ops.sp_plan.default(plan, comm.world, comm.rank)
 
     @property
     def local_slice(self):
@@ -86,19 +98,19 @@ class SpRegion:
 
     def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable"):
         """``detdit.rmsnorm`` of the local rows, with the region's plan when modulated."""
-        return _ops.sp_rmsnorm(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
+        return _ops.sp_rmsnorm.default(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
                                _profile(numerics))[0]
 
     def gate_residual(self, residual, y, gate):
         """``detdit.gate_residual`` of the local rows."""
-        return _ops.sp_gate_residual(residual, y, gate, self.sp, self.comm.handle)
+        return _ops.sp_gate_residual.default(residual, y, gate, self.sp, self.comm.handle)
 
     def gate_residual_rmsnorm(self, residual, y, gate, weight, shift=None, scale=None, eps=H3_NORM_EPS,
                               numerics="portable"):
         """``detdit.gate_residual_rmsnorm`` of the local rows: ``(h, out)``. Every rank must
         use h and out alike (each needs a gradient on every rank or on none), as for the
         separate ops, whose backward collectives every rank runs."""
-        h, out, _ = _ops.sp_gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, self.sp, self.comm.handle,
+        h, out, _ = _ops.sp_gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale, self.sp, self.comm.handle,
                                                   float(eps), _profile(numerics))
         return h, out
 

@@ -3,10 +3,10 @@
 // registration.cpp, the one file that includes this header.
 //
 // Contract:
-// - One torch::autograd::Function per forward op. Its forward runs the device
-//   kernel below autograd (at::AutoDispatchBelowADInplaceOrView) and saves
-//   what the backward kernel reads; its backward calls the op's backward
-//   kernel with contiguous grads and an output mask of the inputs that
+// - One torch::autograd::Function per forward op. Its forward calls the op
+//   below autograd (at::AutoDispatchBelowADInplaceOrView) and saves what the
+//   backward op reads; its backward calls the op's backward op with
+//   contiguous grads and an output mask of the inputs that
 //   require grad (the sp_ backward kernels take none: they compute every
 //   gradient, distributed.h), and returns one grad per forward argument
 //   (undefined for non-tensors and for inputs that do not require grad).
@@ -15,17 +15,25 @@
 //   zero gradient (see GateResidualRmsnormFunction).
 // - The tensors a forward returns for its backward (rstd, act, pre, ...) are
 //   marked non-differentiable.
+// - Both calls go through the dispatcher (DETDIT_OP), never to the kernel
+//   directly, so that torch.compile traces them as the ops they are. This is
+//   the op's autograd wherever its plan argument is a real plan: eager, and
+//   tracing with a real plan (torch.library.opcheck); under torch.compile the
+//   plan is a fake one that only Python can hold, and detdit/_compile.py
+//   registers the same Functions in Python for that case.
 // - First order only: detdit's backward kernels are not differentiable, so a
 //   backward under create_graph=True is a RuntimeError instead of silently
 //   treating first-order grads as constants.
 #pragma once
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "distributed.h"
@@ -41,6 +49,20 @@ inline Tensor contiguous_grad(const Tensor& grad) { return grad.defined() ? grad
 
 inline bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
 inline bool requires_grad(const OptTensor& t) { return t.has_value() && requires_grad(*t); }
+
+// The operator detdit::<name> whose kernel is Kernel, called through the
+// dispatcher: the Functions call their forward and backward ops this way, so
+// that the modes of torch.compile's tracing (fake tensors, functionalization,
+// the graph recorder) see each call and record it as one node; a kernel called
+// directly would be handed tensors without data there.
+template <auto* Kernel>
+const auto& dispatched(const char* name) {
+  using Signature = std::remove_pointer_t<decltype(Kernel)>;
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
+  return handle;
+}
+// DETDIT_OP(kernel)(args...): the call of detdit::<kernel> through the dispatcher.
+#define DETDIT_OP(kernel) dispatched<&kernel>("detdit::" #kernel).call
 
 // detdit's backward kernels are not differentiable: a double backward
 // (create_graph=True) fails instead of treating first-order grads as constants.
@@ -93,15 +115,14 @@ struct TimestepSinusoidFunction : torch::autograd::Function<TimestepSinusoidFunc
     ctx->saved_data["max_period"] = max_period;
     ctx->saved_data["numerics"] = numerics;
     ctx->saved_data["check_range"] = check_range;
-    return timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range);
+    return DETDIT_OP(timestep_sinusoid)(timesteps, num_channels, max_period, numerics, check_range);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     const Tensor timesteps = ctx->get_saved_variables()[0];
-    Tensor d_t = timestep_sinusoid_backward(contiguous_grad(grads[0]), timesteps,
-                                            ctx->saved_data["max_period"].toDouble(),
-                                            ctx->saved_data["numerics"].toStringRef(),
-                                            ctx->saved_data["check_range"].toBool());
+    Tensor d_t = DETDIT_OP(timestep_sinusoid_backward)(
+        contiguous_grad(grads[0]), timesteps, ctx->saved_data["max_period"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), ctx->saved_data["check_range"].toBool());
     return {d_t, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -110,7 +131,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                const std::string& activation, const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, pre] = linear(x, weight, bias, activation, numerics);
+    auto [out, pre] = DETDIT_OP(linear)(x, weight, bias, activation, numerics);
     ctx->save_for_backward({x, weight, pre});
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["numerics"] = numerics;
@@ -122,8 +143,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_x, d_weight, d_bias] =
-        linear_backward(grads[0], s[0], s[1], s[2], ctx->saved_data["activation"].toStringRef(),
-                        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+        DETDIT_OP(linear_backward)(grads[0], s[0], s[1], s[2], ctx->saved_data["activation"].toStringRef(),
+                                   ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_x, d_weight, d_bias, Tensor(), Tensor()};
   }
 };
@@ -132,7 +153,7 @@ struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& features, const Tensor& w1, const Tensor& b1,
                                const Tensor& w2, const Tensor& b2, const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [temb, pre, hidden] = timestep_mlp(features, w1, b1, w2, b2, numerics);
+    auto [temb, pre, hidden] = DETDIT_OP(timestep_mlp)(features, w1, b1, w2, b2, numerics);
     ctx->save_for_backward({features, w1, w2, pre, hidden});
     ctx->saved_data["numerics"] = numerics;
     save_needs(ctx, {requires_grad(features), requires_grad(w1), requires_grad(b1), requires_grad(w2),
@@ -144,8 +165,8 @@ struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_f, d_w1, d_b1, d_w2, d_b2] =
-        timestep_mlp_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
-                              ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
+        DETDIT_OP(timestep_mlp_backward)(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
+                                         ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
     return {d_f, d_w1, d_b1, d_w2, d_b2, Tensor()};
   }
 };
@@ -154,7 +175,7 @@ struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFuncti
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [table, act] = adaln_projection(temb, weight, bias, numerics);
+    auto [table, act] = DETDIT_OP(adaln_projection)(temb, weight, bias, numerics);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["numerics"] = numerics;
     save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
@@ -164,7 +185,7 @@ struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFuncti
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [d_temb, d_weight, d_bias] = adaln_projection_backward(
+    auto [d_temb, d_weight, d_bias] = DETDIT_OP(adaln_projection_backward)(
         contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_temb, d_weight, d_bias, Tensor()};
   }
@@ -174,11 +195,11 @@ struct AdalnRowGatherFunction : torch::autograd::Function<AdalnRowGatherFunction
   static Tensor forward(AutogradContext* ctx, const Tensor& rows, const PlanPtr& plan) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->saved_data["plan"] = plan;
-    return adaln_row_gather(rows, plan);
+    return DETDIT_OP(adaln_row_gather)(rows, plan);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
-    return {adaln_row_gather_backward(contiguous_grad(grads[0]), saved_plan(ctx)), Tensor()};
+    return {DETDIT_OP(adaln_row_gather_backward)(contiguous_grad(grads[0]), saved_plan(ctx)), Tensor()};
   }
 };
 
@@ -187,7 +208,7 @@ struct RmsnormFunction : torch::autograd::Function<RmsnormFunction> {
                                const OptTensor& scale, const OptPlan& plan, double eps,
                                const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, rstd] = rmsnorm(x, weight, shift, scale, plan, eps, numerics);
+    auto [out, rstd] = DETDIT_OP(rmsnorm)(x, weight, shift, scale, plan, eps, numerics);
     ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
     ctx->saved_data["plan"] = plan_ivalue(plan);
     ctx->saved_data["eps"] = eps;
@@ -199,10 +220,10 @@ struct RmsnormFunction : torch::autograd::Function<RmsnormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [dx, d_weight, d_shift, d_scale] = rmsnorm_backward(
-        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]),
-        plan_from_ivalue(ctx->saved_data["plan"]), s[4], ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["numerics"].toStringRef(), saved_needs<4>(ctx));
+    auto [dx, d_weight, d_shift, d_scale] =
+        DETDIT_OP(rmsnorm_backward)(contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]),
+                                    plan_from_ivalue(ctx->saved_data["plan"]), s[4], ctx->saved_data["eps"].toDouble(),
+                                    ctx->saved_data["numerics"].toStringRef(), saved_needs<4>(ctx));
     return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -211,7 +232,7 @@ struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
                         const PlanPtr& plan) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    Tensor out = gate_residual(residual, y, gate, plan);
+    Tensor out = DETDIT_OP(gate_residual)(residual, y, gate, plan);
     ctx->save_for_backward({y, gate});
     ctx->saved_data["plan"] = plan;
     save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate)});
@@ -221,7 +242,7 @@ struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_residual, d_y, d_gate] =
-        gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_plan(ctx), saved_needs<3>(ctx));
+        DETDIT_OP(gate_residual_backward)(contiguous_grad(grads[0]), s[0], s[1], saved_plan(ctx), saved_needs<3>(ctx));
     return {d_residual, d_y, d_gate, Tensor()};
   }
 };
@@ -235,7 +256,8 @@ struct GateResidualRmsnormFunction : torch::autograd::Function<GateResidualRmsno
                                const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
                                const PlanPtr& plan, double eps, const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [h, out, rstd] = gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, plan, eps, numerics);
+    auto [h, out, rstd] =
+        DETDIT_OP(gate_residual_rmsnorm)(residual, y, gate, weight, shift, scale, plan, eps, numerics);
     ctx->save_for_backward({y, gate, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h, rstd});
     ctx->saved_data["plan"] = plan;
     ctx->saved_data["eps"] = eps;
@@ -249,10 +271,10 @@ struct GateResidualRmsnormFunction : torch::autograd::Function<GateResidualRmsno
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = gate_residual_rmsnorm_backward(
-        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]),
-        saved_optional(s[4]), saved_plan(ctx), s[5], s[6], ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["numerics"].toStringRef(), saved_needs<6>(ctx));
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = DETDIT_OP(gate_residual_rmsnorm_backward)(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]), saved_optional(s[4]),
+        saved_plan(ctx), s[5], s[6], ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        saved_needs<6>(ctx));
     return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -262,7 +284,7 @@ struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> 
                                const Tensor& weight, const Tensor& bias, const PlanPtr& plan, double eps,
                                const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, table, act, rstd] = final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps, numerics);
+    auto [out, table, act, rstd] = DETDIT_OP(final_adaln_out)(x, norm_weight, temb, weight, bias, plan, eps, numerics);
     ctx->save_for_backward({x, norm_weight, temb, weight, table, act, rstd});
     ctx->saved_data["plan"] = plan;
     ctx->saved_data["eps"] = eps;
@@ -275,7 +297,7 @@ struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [dx, d_norm_weight, d_temb, d_weight, d_bias] = final_adaln_out_backward(
+    auto [dx, d_norm_weight, d_temb, d_weight, d_bias] = DETDIT_OP(final_adaln_out_backward)(
         contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6], saved_plan(ctx),
         ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
     return {dx, d_norm_weight, d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor()};
@@ -286,7 +308,7 @@ struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFuncti
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                const PlanPtr& plan, const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, table, act] = adaln_modulation(temb, weight, bias, plan, numerics);
+    auto [out, table, act] = DETDIT_OP(adaln_modulation)(temb, weight, bias, plan, numerics);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["plan"] = plan;
     ctx->saved_data["numerics"] = numerics;
@@ -298,8 +320,8 @@ struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFuncti
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_temb, d_weight, d_bias] =
-        adaln_modulation_backward(contiguous_grad(grads[0]), s[0], s[1], s[2], saved_plan(ctx),
-                                  ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+        DETDIT_OP(adaln_modulation_backward)(contiguous_grad(grads[0]), s[0], s[1], s[2], saved_plan(ctx),
+                                             ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
   }
 };
@@ -308,7 +330,7 @@ struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFu
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                int64_t comm, const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [table, act] = tp_adaln_projection(temb, weight, bias, comm, numerics);
+    auto [table, act] = DETDIT_OP(tp_adaln_projection)(temb, weight, bias, comm, numerics);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["numerics"] = numerics;
@@ -319,7 +341,7 @@ struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFu
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [d_temb, d_weight, d_bias] = tp_adaln_projection_backward(
+    auto [d_temb, d_weight, d_bias] = DETDIT_OP(tp_adaln_projection_backward)(
         contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["comm"].toInt(),
         ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
@@ -331,7 +353,7 @@ struct SpRmsnormFunction : torch::autograd::Function<SpRmsnormFunction> {
                                const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
                                const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, rstd] = sp_rmsnorm(x, weight, shift, scale, sp, comm, eps, numerics);
+    auto [out, rstd] = DETDIT_OP(sp_rmsnorm)(x, weight, shift, scale, sp, comm, eps, numerics);
     ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
     ctx->saved_data["sp"] = sp;
     ctx->saved_data["comm"] = comm;
@@ -343,7 +365,7 @@ struct SpRmsnormFunction : torch::autograd::Function<SpRmsnormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [dx, d_weight, d_shift, d_scale] = sp_rmsnorm_backward(
+    auto [dx, d_weight, d_shift, d_scale] = DETDIT_OP(sp_rmsnorm_backward)(
         contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]), saved_sp(ctx), s[4],
         ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef());
     return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
@@ -354,7 +376,7 @@ struct SpGateResidualFunction : torch::autograd::Function<SpGateResidualFunction
   static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const Tensor& gate,
                         const SpPlanPtr& sp, int64_t comm) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    Tensor out = sp_gate_residual(residual, y, gate, sp, comm);
+    Tensor out = DETDIT_OP(sp_gate_residual)(residual, y, gate, sp, comm);
     ctx->save_for_backward({y, gate});
     ctx->saved_data["sp"] = sp;
     ctx->saved_data["comm"] = comm;
@@ -363,8 +385,8 @@ struct SpGateResidualFunction : torch::autograd::Function<SpGateResidualFunction
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [d_residual, d_y, d_gate] = sp_gate_residual_backward(contiguous_grad(grads[0]), s[0], s[1], saved_sp(ctx),
-                                                               ctx->saved_data["comm"].toInt());
+    auto [d_residual, d_y, d_gate] = DETDIT_OP(sp_gate_residual_backward)(
+        contiguous_grad(grads[0]), s[0], s[1], saved_sp(ctx), ctx->saved_data["comm"].toInt());
     return {d_residual, d_y, d_gate, Tensor(), Tensor()};
   }
 };
@@ -375,7 +397,8 @@ struct SpGateResidualRmsnormFunction : torch::autograd::Function<SpGateResidualR
                                const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
                                const SpPlanPtr& sp, int64_t comm, double eps, const std::string& numerics) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [h, out, rstd] = sp_gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics);
+    auto [h, out, rstd] =
+        DETDIT_OP(sp_gate_residual_rmsnorm)(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics);
     ctx->save_for_backward({y, gate, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h, rstd});
     ctx->saved_data["sp"] = sp;
     ctx->saved_data["comm"] = comm;
@@ -388,10 +411,10 @@ struct SpGateResidualRmsnormFunction : torch::autograd::Function<SpGateResidualR
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     auto s = ctx->get_saved_variables();
-    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = sp_gate_residual_rmsnorm_backward(
-        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]),
-        saved_optional(s[4]), saved_sp(ctx), s[5], s[6], ctx->saved_data["comm"].toInt(),
-        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef());
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = DETDIT_OP(sp_gate_residual_rmsnorm_backward)(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], s[1], s[2], saved_optional(s[3]), saved_optional(s[4]),
+        saved_sp(ctx), s[5], s[6], ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef());
     return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };

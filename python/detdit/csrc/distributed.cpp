@@ -158,6 +158,18 @@ std::shared_ptr<detdit::Communicator> communicator(int64_t handle) {
 
 }  // namespace
 
+SpPlanHolder::SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)), id_(new_plan_id()) {}
+
+SpPlanHolder::Flat SpPlanHolder::flatten() const {
+  return {Field("id", std::to_string(id_)),
+          Field("world", std::to_string(world())),
+          Field("rank", std::to_string(rank())),
+          Field("local_begin", std::to_string(local_begin())),
+          Field("local_end", std::to_string(local_end())),
+          Field("local_seq_len", std::to_string(local_seq_len())),
+          Field("max_send", std::to_string(max_send()))};
+}
+
 SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
   const IndexPlan& index = required_plan(plan, "sp_plan")->plan;
   detdit::Stream stream = nullptr;

@@ -28,15 +28,26 @@
 
 namespace detdit_torch {
 
+// The SpPlan torch class; under torch.compile a graph input like the
+// IndexPlan (plan.h): `__obj_flatten__` gives its never-reused id and sizes.
 struct SpPlanHolder : torch::CustomClassHolder {
   detdit::SpPlan sp;
-  explicit SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)) {}
+  explicit SpPlanHolder(detdit::SpPlan s);
   int64_t world() const { return sp.world(); }
   int64_t rank() const { return sp.rank(); }
   int64_t local_begin() const { return sp.local_begin(); }
   int64_t local_end() const { return sp.local_end(); }
   int64_t local_seq_len() const { return sp.local_seq_len(); }
   int64_t max_send() const { return sp.max_send(); }
+
+  using Field = PlanHolder::Field;
+  using Flat = std::tuple<Field, Field, Field, Field, Field, Field, Field>;
+  // (("id", ...), ("world", ...), ("rank", ...), ("local_begin", ...),
+  // ("local_end", ...), ("local_seq_len", ...), ("max_send", ...)), as strings.
+  Flat flatten() const;
+
+ private:
+  int64_t id_;
 };
 using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;
 

@@ -357,6 +357,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, 
                                numerics, output_mask);
 }
 
+std::tuple<Tensor, Tensor> rmsnorm_plan(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                        const OptTensor& scale, const PlanPtr& plan, double eps,
+                                        const std::string& numerics) {
+  return rmsnorm(x, weight, shift, scale, OptPlan(plan), eps, numerics);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_plan(const Tensor& grad, const Tensor& x,
+                                                                 const Tensor& weight, const OptTensor& shift,
+                                                                 const OptTensor& scale, const PlanPtr& plan,
+                                                                 const Tensor& rstd, double eps,
+                                                                 const std::string& numerics,
+                                                                 std::array<bool, 4> output_mask) {
+  return rmsnorm_backward(grad, x, weight, shift, scale, OptPlan(plan), rstd, eps, numerics, output_mask);
+}
+
 // ---------------------------------------------------------------------------
 // gate_residual (and sp_gate_residual through the _with forms)
 

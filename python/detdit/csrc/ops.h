@@ -100,6 +100,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward(const Tensor& grad, 
                                                             const Tensor& rstd, double eps,
                                                             const std::string& numerics,
                                                             std::array<bool, 4> output_mask);
+// The `.plan` overloads: rmsnorm and rmsnorm_backward with a plan that is
+// not optional. torch.compile passes a traced plan only to an argument whose
+// type is the plan class itself (an optional one is not recognised), so the
+// modulated norm is called through these (detdit.rmsnorm).
+std::tuple<Tensor, Tensor> rmsnorm_plan(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                        const OptTensor& scale, const PlanPtr& plan, double eps,
+                                        const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_plan(const Tensor& grad, const Tensor& x,
+                                                                 const Tensor& weight, const OptTensor& shift,
+                                                                 const OptTensor& scale, const PlanPtr& plan,
+                                                                 const Tensor& rstd, double eps,
+                                                                 const std::string& numerics,
+                                                                 std::array<bool, 4> output_mask);
 
 // gate_residual (and sp_gate_residual): out like residual. Backward:
 // (d_residual, d_y like y, d_gate in gate's dtype).

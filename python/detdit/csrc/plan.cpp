@@ -2,13 +2,42 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <atomic>
 
 namespace detdit_torch {
+
+// Never reused, so a compiled graph that guards on an id can only run with the
+// plan it was traced with: a CUDA graph captures the plan's device tables by
+// address (docs/python.md, torch.compile).
+int64_t new_plan_id() {
+  static std::atomic<int64_t> next_id{1};
+  return next_id++;
+}
+
+PlanHolder::PlanHolder(IndexPlan p) : plan(std::move(p)), id_(new_plan_id()) {}
 
 Tensor PlanHolder::row_index() const {
   Tensor rows = at::empty({plan.seq_len()}, at::TensorOptions().dtype(at::kInt));
   std::copy_n(plan.host_tables().row_of_seq, plan.seq_len(), rows.data_ptr<int32_t>());
   return rows;
+}
+
+std::string PlanHolder::repr() const {
+  return "IndexPlan(seq_len=" + std::to_string(seq_len()) + ", batch=" + std::to_string(batch()) +
+         ", num_rows=" + std::to_string(num_rows()) + ", device=" + device() + ")";
+}
+
+PlanHolder::Flat PlanHolder::flatten() const {
+  // Strings, because dynamo guards a string by its value even under
+  // dynamic=True, where it would turn an int into an unguarded symbol.
+  return {Field("id", std::to_string(id_)),
+          Field("seq_len", std::to_string(seq_len())),
+          Field("batch", std::to_string(batch())),
+          Field("num_rows", std::to_string(num_rows())),
+          Field("positions", std::to_string(positions())),
+          Field("num_chunks", std::to_string(num_chunks())),
+          Field("num_segments", std::to_string(num_segments())),
+          Field("device", device())};
 }
 
 const IndexPlan& PlanHolder::single_batch(detdit::Stream stream) {

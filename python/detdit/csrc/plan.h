@@ -2,11 +2,18 @@
 // detdit::IndexPlan built once per step by `detdit::plan` (timestep indices
 // and token tags) or `detdit::plan_from_rows` (a row index) and passed to
 // every indexed op. Its methods are those registered in registration.cpp.
+//
+// Under torch.compile a plan is a graph input that is never traced into:
+// `__obj_flatten__` gives what dynamo guards on and what the fake plan of
+// detdit/_compile.py is built from (contract there): the plan's id, unique
+// in the process and never reused, and its sizes, all as strings.
 #pragma once
 
 #include <torch/custom_class.h>
 
 #include <mutex>
+#include <string>
+#include <tuple>
 
 #include "tensors.h"
 
@@ -15,7 +22,7 @@ namespace detdit_torch {
 struct PlanHolder : torch::CustomClassHolder {
   IndexPlan plan;
 
-  explicit PlanHolder(IndexPlan p) : plan(std::move(p)) {}
+  explicit PlanHolder(IndexPlan p);
 
   int64_t seq_len() const { return plan.seq_len(); }
   int64_t batch() const { return plan.batch(); }
@@ -26,6 +33,14 @@ struct PlanHolder : torch::CustomClassHolder {
   std::string device() const { return plan.device().to_string(); }
   // The validated (S,) table row of every sequence position, int32 on the CPU.
   Tensor row_index() const;
+  // "IndexPlan(seq_len=S, batch=B, num_rows=R, device=D)".
+  std::string repr() const;
+
+  using Field = std::tuple<std::string, std::string>;
+  using Flat = std::tuple<Field, Field, Field, Field, Field, Field, Field, Field>;
+  // (("id", ...), ("seq_len", ...), ("batch", ...), ("num_rows", ...),
+  // ("positions", ...), ("num_chunks", ...), ("num_segments", ...), ("device", ...)).
+  Flat flatten() const;
 
   // The same index with batch 1, for the backward of ops whose output has no
   // batch dim (adaln_row_gather, adaln_modulation: (6, S, H)): autograd hands
@@ -37,10 +52,14 @@ struct PlanHolder : torch::CustomClassHolder {
  private:
   std::mutex mutex_;
   IndexPlan single_batch_;
+  int64_t id_;
 };
 
 using PlanPtr = c10::intrusive_ptr<PlanHolder>;
 using OptPlan = Optional<PlanPtr>;
+
+// A new id for a plan object (IndexPlan, SpPlan): counts up from 1, never reused.
+int64_t new_plan_id();
 
 // The plan of an optional argument; an empty IndexPlan for None.
 const IndexPlan& plan_of(const OptPlan& plan);

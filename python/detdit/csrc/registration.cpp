@@ -9,7 +9,11 @@
 // dispatches on the tensors' device, and CUDA work runs on torch's current
 // stream. The Autograd kernel is the op's Function (autograd.h). The plan
 // constructors have one kernel for every key (they take no differentiable
-// input).
+// input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
+// not optional (ops.h says why); rmsnorm.plan's Autograd kernel is rmsnorm's
+// Function. The classes' __obj_flatten__ (plan.h) and, from torch 2.4, the
+// Python module of the fake kernels (detdit._compile, which torch imports
+// when it needs one) serve torch.compile.
 #include <Python.h>
 
 #include <torch/library.h>
@@ -46,6 +50,13 @@ void def_op(torch::Library& m, const char* schema, Forward* forward, const char*
   m.impl(name.c_str(), c10::DispatchKey::Autograd, autograd_kernel<Function>(forward));
 }
 
+// rmsnorm.plan's Autograd kernel: rmsnorm's, with the plan as the optional one.
+std::tuple<Tensor, Tensor> rmsnorm_plan_autograd(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                                 const OptTensor& scale, const PlanPtr& plan, double eps,
+                                                 const std::string& numerics) {
+  return autograd_kernel<RmsnormFunction>(&rmsnorm)(x, weight, shift, scale, OptPlan(plan), eps, numerics);
+}
+
 }  // namespace
 }  // namespace detdit_torch
 
@@ -54,6 +65,9 @@ void def_op(torch::Library& m, const char* schema, Forward* forward, const char*
 
 TORCH_LIBRARY(detdit, m) {
   using namespace detdit_torch;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  m.set_python_module("detdit._compile");
+#endif
   m.class_<PlanHolder>("IndexPlan")
       .def("seq_len", &PlanHolder::seq_len)
       .def("batch", &PlanHolder::batch)
@@ -62,14 +76,18 @@ TORCH_LIBRARY(detdit, m) {
       .def("num_chunks", &PlanHolder::num_chunks)
       .def("num_segments", &PlanHolder::num_segments)
       .def("device", &PlanHolder::device)
-      .def("row_index", &PlanHolder::row_index);
+      .def("row_index", &PlanHolder::row_index)
+      .def("__repr__", &PlanHolder::repr)
+      .def("__str__", &PlanHolder::repr)
+      .def("__obj_flatten__", &PlanHolder::flatten);
   m.class_<SpPlanHolder>("SpPlan")
       .def("world", &SpPlanHolder::world)
       .def("rank", &SpPlanHolder::rank)
       .def("local_begin", &SpPlanHolder::local_begin)
       .def("local_end", &SpPlanHolder::local_end)
       .def("local_seq_len", &SpPlanHolder::local_seq_len)
-      .def("max_send", &SpPlanHolder::max_send);
+      .def("max_send", &SpPlanHolder::max_send)
+      .def("__obj_flatten__", &SpPlanHolder::flatten);
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
         &make_plan);
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN, &make_plan_from_rows);
@@ -113,6 +131,15 @@ TORCH_LIBRARY(detdit, m) {
       "rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
       "? plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)",
       &rmsnorm_backward);
+  m.def("rmsnorm.plan(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+        " plan, float eps, str numerics) -> (Tensor, Tensor)");
+  m.def("rmsnorm_backward.plan(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+        " plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) {
+    m.impl("rmsnorm.plan", key, &rmsnorm_plan);
+    m.impl("rmsnorm_backward.plan", key, &rmsnorm_backward_plan);
+  }
+  m.impl("rmsnorm.plan", c10::DispatchKey::Autograd, &rmsnorm_plan_autograd);
   def_op<GateResidualFunction>(
       m, "gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_PLAN " plan) -> Tensor", &gate_residual,
       "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_PLAN

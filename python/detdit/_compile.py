@@ -1,0 +1,435 @@
+"""torch.compile support for the detdit ops: fake kernels, fake plans, and the autograd of
+ops traced with a fake plan. Imported by ``detdit`` (and by torch, which the C++ library
+names as the ops' fake-kernel module from torch 2.4); on a torch without
+``torch.library.register_fake`` (torch < 2.4) it registers nothing (``REASON`` says why).
+
+Contract:
+- Every ``torch.ops.detdit`` op but the plan constructors (``plan``, ``plan_from_rows``,
+  ``sp_plan``: they validate data on the host, so a plan is built outside a compiled region)
+  has a fake kernel: each output's shape, dtype and device as the kernel allocates it
+  (ops.cpp, distributed.cpp: contiguous, ``at::empty``), ``None`` where the output mask (or
+  an absent table) leaves the kernel's output undefined. Plan-sized dims come from the plan.
+- A plan, ``IndexPlan`` or ``SpPlan``, is a graph input that tracing sees as a fake plan:
+  :class:`FakeIndexPlan` / :class:`FakeSpPlan`, built from the C++ ``__obj_flatten__``
+  (plan.h: a never-reused id and the sizes). Dynamo guards on those values, so a compiled
+  graph runs with the plan it was traced with and no other: a CUDA graph (``mode=
+  "reduce-overhead"``) replays the plan's device tables by address.
+- torch runs an op whose plan argument is a fake plan in Python, where the C++ autograd
+  Functions (autograd.h) cannot go; for those ops (every op with a plan, the ``.plan``
+  overload of rmsnorm; ``TRACED_AUTOGRAD``) :func:`autograd_function` makes the same Functions
+  in Python, registered at AutogradCPU and AutogradCUDA: the same backward op, given the
+  same arguments and output mask, so a compiled graph runs the kernels eager autograd runs, with the same bits. Ops
+  without a plan keep their C++ Function, which calls its ops through the dispatcher and
+  so is traced as it is.
+"""
+import torch
+
+__all__ = ["FakeIndexPlan", "FakeSpPlan", "FAKE_KERNELS", "TRACED_AUTOGRAD", "autograd_function", "REASON"]
+
+_ops = torch.ops.detdit
+
+# The C++ Functions' refusal of a double backward (autograd.h, check_first_order).
+_FIRST_ORDER_ONLY = ("detdit ops support first-order gradients only: backward with create_graph=True "
+                     "(double backward) is not implemented")
+
+
+class FakeIndexPlan:
+    """What tracing sees of an ``IndexPlan``: its sizes, from ``__obj_flatten__`` (strings)."""
+
+    def __init__(self, id, seq_len, batch, num_rows, positions, num_chunks, num_segments, device):
+        self._id, self._device = int(id), device
+        self._seq_len, self._batch, self._num_rows = int(seq_len), int(batch), int(num_rows)
+        self._positions, self._num_chunks, self._num_segments = int(positions), int(num_chunks), int(num_segments)
+
+    @classmethod
+    def __obj_unflatten__(cls, flat):
+        return cls(**dict(flat))
+
+    def seq_len(self):
+        return self._seq_len
+
+    def batch(self):
+        return self._batch
+
+    def num_rows(self):
+        return self._num_rows
+
+    def positions(self):
+        return self._positions
+
+    def num_chunks(self):
+        return self._num_chunks
+
+    def num_segments(self):
+        return self._num_segments
+
+    def device(self):
+        return self._device
+
+    def row_index(self):
+        return torch.empty(self._seq_len, dtype=torch.int32)
+
+    def __repr__(self):
+        return (f"FakeIndexPlan(seq_len={self._seq_len}, batch={self._batch}, num_rows={self._num_rows}, "
+                f"device={self._device})")
+
+
+class FakeSpPlan:
+    """What tracing sees of an ``SpPlan``: its sizes, from ``__obj_flatten__`` (strings)."""
+
+    def __init__(self, id, world, rank, local_begin, local_end, local_seq_len, max_send):
+        self._id, self._world, self._rank = int(id), int(world), int(rank)
+        self._local_begin, self._local_end = int(local_begin), int(local_end)
+        self._local_seq_len, self._max_send = int(local_seq_len), int(max_send)
+
+    @classmethod
+    def __obj_unflatten__(cls, flat):
+        return cls(**dict(flat))
+
+    def world(self):
+        return self._world
+
+    def rank(self):
+        return self._rank
+
+    def local_begin(self):
+        return self._local_begin
+
+    def local_end(self):
+        return self._local_end
+
+    def local_seq_len(self):
+        return self._local_seq_len
+
+    def max_send(self):
+        return self._max_send
+
+
+# ---------------------------------------------------------------------------
+# Output allocation, as tensors.cpp does it
+
+def _dim(t, i):
+    """dim_or_zero: size of dim i of t, 0 when t is absent or lacks it."""
+    if t is None:
+        return 0
+    i = i + t.dim() if i < 0 else i
+    return t.size(i) if 0 <= i < t.dim() else 0
+
+
+def _rows(t):
+    """leading_rows: the product of every dim but the last (0 below 2-D)."""
+    if t is None or t.dim() < 2:
+        return 0
+    rows = 1
+    for size in t.shape[:-1]:
+        rows = rows * size
+    return rows
+
+
+def _matrix(t):
+    return (_dim(t, 0), _dim(t, 1))
+
+
+def _empty(like, shape, dtype):
+    return torch.empty(shape, dtype=dtype, device=like.device if like is not None else "cpu")
+
+
+def _maybe(wanted, like, shape, dtype):
+    return _empty(like, shape, dtype) if wanted else None
+
+
+def _like(t, wanted=True):
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device) if wanted and t is not None else None
+
+
+def _table_grad(wanted, table, like):
+    return _empty(like, _matrix(table), table.dtype) if wanted and table is not None else None
+
+
+def _hidden_of(width, parts, name, layout):
+    # the kernel reports an uneven width before anything is allocated (ops.cpp, hidden_of)
+    if width % parts != 0:
+        raise ValueError(f"{name} must be {layout}: its width {width} is not a multiple of {parts}")
+    return width // parts
+
+
+def _sizes(plan):
+    """The plan whose sizes a fake kernel reads: a real plan itself, else the fake plan that a
+    traced plan (torch's FakeScriptObject) wraps."""
+    return plan if isinstance(plan, torch.ScriptObject) else plan.wrapped_obj
+
+
+# ---------------------------------------------------------------------------
+# The fake kernels, in the order of ops.h and distributed.h
+
+def _timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range=True):
+    if num_channels < 1:
+        raise ValueError(f"num_channels must be a positive even number, got {num_channels}")
+    return _empty(timesteps, (_dim(timesteps, 0), num_channels), torch.float32)
+
+
+def _timestep_sinusoid_backward(grad_features, timesteps, max_period, numerics, check_range=True):
+    return _empty(timesteps, (_dim(timesteps, 0),), timesteps.dtype)
+
+
+def _linear(x, weight, bias, activation, numerics):
+    shape = (_dim(x, 0), _dim(weight, 0))
+    return _empty(x, shape, x.dtype), _empty(x, shape if activation == "silu" else (0,), torch.float32)
+
+
+def _linear_backward(grad, x, weight, pre, activation, numerics, output_mask):
+    return (_maybe(output_mask[0], x, _matrix(x), x.dtype), _maybe(output_mask[1], x, _matrix(weight), weight.dtype),
+            _maybe(output_mask[2], x, (_dim(weight, 0),), weight.dtype))
+
+
+def _timestep_mlp(features, w1, b1, w2, b2, numerics):
+    rows, hidden = _dim(features, 0), _dim(w1, 0)
+    return (_empty(features, (rows, _dim(w2, 0)), torch.float32), _empty(features, (rows, hidden), torch.float32),
+            _empty(features, (rows, hidden), torch.float32))
+
+
+def _timestep_mlp_backward(grad_temb, features, w1, w2, pre, hidden, numerics, output_mask):
+    f32 = torch.float32
+    return (_maybe(output_mask[0], features, _matrix(features), f32), _maybe(output_mask[1], features, _matrix(w1), f32),
+            _maybe(output_mask[2], features, (_dim(w1, 0),), f32), _maybe(output_mask[3], features, _matrix(w2), f32),
+            _maybe(output_mask[4], features, (_dim(w2, 0),), f32))
+
+
+def _adaln_projection_with(shards, temb, weight):
+    return (_empty(temb, (_dim(temb, 0), shards * _dim(weight, 0)), weight.dtype),
+            _empty(temb, _matrix(temb), weight.dtype))
+
+
+def _adaln_projection(temb, weight, bias, numerics):
+    return _adaln_projection_with(1, temb, weight)
+
+
+def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask):
+    return (_maybe(output_mask[0], temb, _matrix(temb), torch.float32),
+            _maybe(output_mask[1], temb, _matrix(weight), weight.dtype),
+            _maybe(output_mask[2], temb, (_dim(weight, 0),), weight.dtype))
+
+
+def _adaln_row_gather(rows, plan):
+    hidden = _hidden_of(_dim(rows, 1), 6, "rows", "(R, 6H)")
+    return _empty(rows, (6, _sizes(plan).seq_len(), hidden), rows.dtype)
+
+
+def _adaln_row_gather_backward(grad, plan):
+    return _empty(grad, (_sizes(plan).num_rows(), 6 * _dim(grad, -1)), grad.dtype)
+
+
+def _rmsnorm(x, weight, shift, scale, plan, eps, numerics):
+    return _like(x), _empty(x, (_rows(x),), torch.float32)
+
+
+def _rmsnorm_backward(grad, x, weight, shift, scale, plan, rstd, eps, numerics, output_mask):
+    return (_like(x, output_mask[0]), _maybe(output_mask[1], x, (_dim(weight, 0),), weight.dtype),
+            _table_grad(output_mask[2], shift, x), _table_grad(output_mask[3], scale, x))
+
+
+def _gate_residual(residual, y, gate, plan):
+    return _like(residual)
+
+
+def _gate_residual_backward(grad, y, gate, plan, output_mask):
+    return (_like(y, output_mask[0]), _like(y, output_mask[1]),
+            _maybe(output_mask[2], y, _matrix(gate), gate.dtype))
+
+
+def _gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, plan, eps, numerics):
+    return _like(residual), _like(residual), _empty(residual, (_rows(residual),), torch.float32)
+
+
+def _gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale, plan, h, rstd, eps, numerics,
+                                    output_mask):
+    # no d_out: the gate_residual backward of d_h alone; neither: nothing (ops.cpp)
+    if d_out is None:
+        if d_h is None:
+            return (None,) * 6
+        return (*_gate_residual_backward(d_h, y, gate, plan, output_mask[:3]), None, None, None)
+    return (_like(h, output_mask[0]), _like(h, output_mask[1]), _maybe(output_mask[2], h, _matrix(gate), gate.dtype),
+            _maybe(output_mask[3], h, (_dim(weight, 0),), weight.dtype), _table_grad(output_mask[4], shift, h),
+            _table_grad(output_mask[5], scale, h))
+
+
+def _final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps, numerics):
+    return (_like(x), _empty(x, (_dim(temb, 0), _dim(weight, 0)), weight.dtype),
+            _empty(x, _matrix(temb), weight.dtype), _empty(x, (_rows(x),), torch.float32))
+
+
+def _final_adaln_out_backward(grad, x, norm_weight, temb, weight, table, act, rstd, plan, eps, numerics, output_mask):
+    return (_like(x, output_mask[0]), _maybe(output_mask[1], x, (_dim(norm_weight, 0),), norm_weight.dtype),
+            _maybe(output_mask[2], x, _matrix(temb), torch.float32), _maybe(output_mask[3], x, _matrix(weight), weight.dtype),
+            _maybe(output_mask[4], x, (_dim(weight, 0),), weight.dtype))
+
+
+def _adaln_modulation(temb, weight, bias, plan, numerics):
+    outputs = _dim(weight, 0)
+    hidden = _hidden_of(outputs, 18, "weight", "(18H, D)")
+    return (_empty(temb, (6, _sizes(plan).seq_len(), hidden), weight.dtype),
+            _empty(temb, (_dim(temb, 0), outputs), weight.dtype), _empty(temb, _matrix(temb), weight.dtype))
+
+
+def _adaln_modulation_backward(grad, temb, weight, act, plan, numerics, output_mask):
+    return _adaln_projection_backward(grad, temb, weight, act, numerics, output_mask)
+
+
+def _tp_adaln_projection(temb, weight, bias, comm, numerics):
+    from .distributed import _world_of
+    return _adaln_projection_with(_world_of(comm), temb, weight)
+
+
+def _tp_adaln_projection_backward(grad_table, temb, weight, act, comm, numerics, output_mask):
+    return _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask)
+
+
+def _sp_rmsnorm(x, weight, shift, scale, sp, comm, eps, numerics):
+    return _rmsnorm(x, weight, shift, scale, None, eps, numerics)
+
+
+def _sp_rmsnorm_backward(grad, x, weight, shift, scale, sp, rstd, comm, eps, numerics):
+    # every gradient on every rank (distributed.h)
+    return _rmsnorm_backward(grad, x, weight, shift, scale, None, rstd, eps, numerics, (True,) * 4)
+
+
+def _sp_gate_residual(residual, y, gate, sp, comm):
+    return _like(residual)
+
+
+def _sp_gate_residual_backward(grad, y, gate, sp, comm):
+    return _gate_residual_backward(grad, y, gate, None, (True,) * 3)
+
+
+def _sp_gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics):
+    return _gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, None, eps, numerics)
+
+
+def _sp_gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale, sp, h, rstd, comm, eps, numerics):
+    return _gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale, None, h, rstd, eps, numerics,
+                                           (True,) * 6)
+
+
+FAKE_KERNELS = {
+    "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
+    "linear": _linear, "linear_backward": _linear_backward,
+    "timestep_mlp": _timestep_mlp, "timestep_mlp_backward": _timestep_mlp_backward,
+    "adaln_projection": _adaln_projection, "adaln_projection_backward": _adaln_projection_backward,
+    "adaln_row_gather": _adaln_row_gather, "adaln_row_gather_backward": _adaln_row_gather_backward,
+    "rmsnorm": _rmsnorm, "rmsnorm_backward": _rmsnorm_backward,
+    "rmsnorm.plan": _rmsnorm, "rmsnorm_backward.plan": _rmsnorm_backward,
+    "gate_residual": _gate_residual, "gate_residual_backward": _gate_residual_backward,
+    "gate_residual_rmsnorm": _gate_residual_rmsnorm, "gate_residual_rmsnorm_backward": _gate_residual_rmsnorm_backward,
+    "final_adaln_out": _final_adaln_out, "final_adaln_out_backward": _final_adaln_out_backward,
+    "adaln_modulation": _adaln_modulation, "adaln_modulation_backward": _adaln_modulation_backward,
+    "tp_adaln_projection": _tp_adaln_projection, "tp_adaln_projection_backward": _tp_adaln_projection_backward,
+    "sp_rmsnorm": _sp_rmsnorm, "sp_rmsnorm_backward": _sp_rmsnorm_backward,
+    "sp_gate_residual": _sp_gate_residual, "sp_gate_residual_backward": _sp_gate_residual_backward,
+    "sp_gate_residual_rmsnorm": _sp_gate_residual_rmsnorm,
+    "sp_gate_residual_rmsnorm_backward": _sp_gate_residual_rmsnorm_backward,
+}
+
+
+# ---------------------------------------------------------------------------
+# The autograd of ops traced with a fake plan: autograd.h's Functions, in Python
+
+def _contiguous(grad):
+    return grad.contiguous() if grad is not None else None
+
+
+# Per op: how many leading arguments get a gradient, the outputs marked non-differentiable,
+# whether absent gradients are materialised as zeros, and the backward call of
+# (arguments, outputs, grads, mask) -> that many gradients. Each is autograd.h's.
+TRACED_AUTOGRAD = {
+    "adaln_row_gather": (1, (), True, lambda a, o, g, m: (_ops.adaln_row_gather_backward.default(
+        _contiguous(g[0]), a[1]),)),
+    "rmsnorm.plan": (4, (1,), True, lambda a, o, g, m: _ops.rmsnorm_backward.plan(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], m)),
+    "gate_residual": (3, (), True, lambda a, o, g, m: _ops.gate_residual_backward.default(
+        _contiguous(g[0]), a[1], a[2], a[3], m)),
+    # h and out may each get a gradient or none: not materialised (GateResidualRmsnormFunction)
+    "gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: _ops.gate_residual_rmsnorm_backward.default(
+        _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], m)),
+    "final_adaln_out": (5, (1, 2, 3), True, lambda a, o, g, m: _ops.final_adaln_out_backward.default(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], o[1], o[2], o[3], a[5], a[6], a[7], m)),
+    "adaln_modulation": (3, (1, 2), True, lambda a, o, g, m: _ops.adaln_modulation_backward.default(
+        _contiguous(g[0]), a[0], a[1], o[2], a[3], a[4], m)),
+    "sp_rmsnorm": (4, (1,), True, lambda a, o, g, m: _ops.sp_rmsnorm_backward.default(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], a[7])),
+    "sp_gate_residual": (3, (), True, lambda a, o, g, m: _ops.sp_gate_residual_backward.default(
+        _contiguous(g[0]), a[1], a[2], a[3], a[4])),
+    "sp_gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: _ops.sp_gate_residual_rmsnorm_backward.default(
+        _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], a[9])),
+}
+
+
+def _overload(name):
+    op, _, overload = name.partition(".")
+    return getattr(getattr(_ops, op), overload or "default")
+
+
+def _below_autograd(op, args):
+    """op(*args) with the autograd keys skipped, as at::AutoDispatchBelowAutograd: torch 2.x
+    binds the guard as a context manager, torch 1.x as an object that holds it while alive
+    (the tests run these Functions there too)."""
+    guard = torch._C._AutoDispatchBelowAutograd()
+    if hasattr(guard, "__enter__"):
+        with guard:
+            return op(*args)
+    result = op(*args)
+    del guard
+    return result
+
+
+def autograd_function(name):
+    """The torch.autograd.Function of the op overload `name` (a key of TRACED_AUTOGRAD): its
+    forward runs the op below autograd and saves every argument and output; its backward
+    makes the backward call autograd.h's Function makes, with the mask of the leading
+    arguments that need a gradient."""
+    num_grads, non_differentiable, materialize, backward_call = TRACED_AUTOGRAD[name]
+    op = _overload(name)
+
+    def forward(ctx, *args):
+        result = _below_autograd(op, args)
+        outs = result if isinstance(result, tuple) else (result,)
+        is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        ctx.save_for_backward(*[a if t else None for a, t in zip(args, is_tensor)], *outs)
+        ctx.others = [None if t else a for a, t in zip(args, is_tensor)]
+        ctx.mark_non_differentiable(*[outs[i] for i in non_differentiable])
+        ctx.set_materialize_grads(materialize)
+        return result
+
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_FIRST_ORDER_ONLY)
+        saved, others = ctx.saved_tensors, ctx.others
+        args = [s if o is None else o for s, o in zip(saved, others)]
+        outs = saved[len(others):]
+        grads_in = backward_call(args, outs, grads, list(ctx.needs_input_grad[:num_grads]))
+        return (*grads_in, *([None] * (len(args) - num_grads)))
+
+    return type(f"Traced{name.replace('.', '_')}Function", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def _register_autograd():
+    for name in TRACED_AUTOGRAD:
+        apply = autograd_function(name).apply
+        for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA):
+            _overload(name).py_impl(key)(apply)
+
+
+def _register():
+    from torch._library.fake_class_registry import register_fake_class
+    for name, kernel in FAKE_KERNELS.items():
+        torch.library.register_fake(f"detdit::{name}", kernel)
+    register_fake_class("detdit::IndexPlan", FakeIndexPlan)
+    register_fake_class("detdit::SpPlan", FakeSpPlan)
+    _register_autograd()
+
+
+#: None when this torch has what the registrations need; else what it lacks.
+REASON = None if hasattr(torch.library, "register_fake") else (
+    f"torch {torch.__version__} has no torch.library.register_fake (torch >= 2.4): detdit ops are not traceable")
+if REASON is None:
+    _register()

@@ -1,0 +1,383 @@
+"""detdit under torch.compile (detdit/_compile.py, docs/python.md):
+- the plan's str()/repr() and __obj_flatten__ (the id dynamo guards on, never reused);
+- every op's fake kernel gives the kernel's output metadata (shape, dtype, device, strides,
+  which outputs are None), run directly with real tensors: any torch;
+- the Python autograd of ops traced with a fake plan equals the C++ Functions bitwise
+  (outputs, every gradient, which gradients are None): any torch;
+- torch >= 2.4: torch.library.opcheck passes on every op (CPU, and CUDA when present); an H3
+  block with the conditioning chain and final_adaln_out compiles with fullgraph=True into one
+  graph with no break, and its outputs and every gradient are bitwise equal to eager; the
+  same under dynamic=True at two sequence lengths; CUDA: replayed as CUDA graphs
+  (mode="reduce-overhead"), with no cudagraph skipped, to the same bits.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import detdit
+import detdit.distributed
+from conftest import assert_bitwise_equal, normal, packing, requires_cuda
+from detdit import _compile
+
+ops = torch.ops.detdit
+BATCH, SEQ, TIMESTEPS, HIDDEN, DIM = 2, 40, 2, 64, 16
+BF = torch.bfloat16
+
+requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_compile.REASON))
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """A one-rank gloo group in this process: the sp_/tp_ ops' communicator."""
+    if dist.is_initialized():
+        pytest.skip("a torch.distributed group is already initialised in this process")
+    with socket.socket() as s:  # a free loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield detdit.distributed.Communicator()
+    dist.destroy_process_group()
+
+
+def inputs(device):
+    """Representative inputs of every op on `device` (tensors do not require grad)."""
+    def g(shape, seed, dtype=torch.float32, scale=1.0):
+        return normal(shape, seed, dtype, scale).to(device)
+
+    ti, tags = packing(SEQ, TIMESTEPS, 300)
+    return dict(
+        plan=detdit.plan(ti.to(device), tags.to(device), TIMESTEPS, BATCH),
+        tplan=detdit.plan_from_rows(ti.to(device), TIMESTEPS, BATCH),
+        t=torch.tensor([0.1, 0.7], device=device),
+        x=g((BATCH, SEQ, HIDDEN), 301, BF, 2.0), y=g((BATCH, SEQ, HIDDEN), 302, BF),
+        grad=g((BATCH, SEQ, HIDDEN), 303, BF), w=(1 + normal((HIDDEN,), 304, scale=0.05)).to(BF).to(device),
+        table=g((3 * TIMESTEPS, HIDDEN), 305, BF, 0.3), table2=g((3 * TIMESTEPS, HIDDEN), 306, BF, 0.3),
+        temb=g((TIMESTEPS, DIM), 307, scale=2.0), pw=g((18 * HIDDEN, DIM), 308, BF, 0.15),
+        pb=g((18 * HIDDEN,), 309, BF, 0.02), fw=g((2 * HIDDEN, DIM), 310, BF, 0.15), fb=g((2 * HIDDEN,), 311, BF, 0.02),
+        lx=g((3, 40), 312, BF), lw=g((24, 40), 313, BF, 0.1), lb=g((24,), 314, BF), lg=g((3, 24), 315, BF),
+        f=g((TIMESTEPS, 256), 316), w1=g((32, 256), 317, scale=0.1), b1=g((32,), 318, scale=0.02),
+        w2=g((DIM, 32), 319, scale=0.1), b2=g((DIM,), 320, scale=0.02), rows=g((3 * TIMESTEPS, 6 * HIDDEN), 321, BF),
+        gather_grad=g((6, SEQ, HIDDEN), 322, BF), table_grad=g((TIMESTEPS, 18 * HIDDEN), 323, BF),
+        f_grad=g((TIMESTEPS, 256), 324), temb_grad=g((TIMESTEPS, DIM), 325))
+
+
+def op_cases(device, comm=None):
+    """(case name, op overload, args) for every op: forward ops, and backward ops on their
+    forward's saved tensors with several output masks. The sp_/tp_ ops need `comm` (CPU)."""
+    i = inputs(device)
+    x, y, w, grad, plan, eps, p = i["x"], i["y"], i["w"], i["grad"], i["plan"], 1e-5, "portable"
+    T, T2 = i["table"], i["table2"]
+    _, pre = ops.linear.default(i["lx"], i["lw"], i["lb"], "silu", p)
+    _, mlp_pre, mlp_hidden = ops.timestep_mlp.default(i["f"], i["w1"], i["b1"], i["w2"], i["b2"], p)
+    _, act = ops.adaln_projection.default(i["temb"], i["pw"], i["pb"], p)
+    _, rstd = ops.rmsnorm.plan(x, w, T, T2, plan, eps, p)
+    _, plain_rstd = ops.rmsnorm.default(x, w, None, None, None, eps, p)
+    h, _, h_rstd = ops.gate_residual_rmsnorm.default(x, y, T, w, T2, T, plan, eps, p)
+    _, f_table, f_act, f_rstd = ops.final_adaln_out.default(x, w, i["temb"], i["fw"], i["fb"], i["tplan"], eps, p)
+    _, _, m_act = ops.adaln_modulation.default(i["temb"], i["pw"], i["pb"], plan, p)
+    cases = [
+        ("timestep_sinusoid", ops.timestep_sinusoid.default, (i["t"], 256, 10000.0, p, True)),
+        ("timestep_sinusoid_backward", ops.timestep_sinusoid_backward.default, (i["f_grad"], i["t"], 10000.0, p, True)),
+        ("linear", ops.linear.default, (i["lx"], i["lw"], i["lb"], "silu", p)),
+        ("linear_none", ops.linear.default, (i["lx"], i["lw"], None, "none", p)),
+        ("linear_backward", ops.linear_backward.default, (i["lg"], i["lx"], i["lw"], pre, "silu", p, [True] * 3)),
+        ("linear_backward_weight", ops.linear_backward.default,
+         (i["lg"], i["lx"], i["lw"], pre, "silu", p, [False, True, False])),
+        ("timestep_mlp", ops.timestep_mlp.default, (i["f"], i["w1"], i["b1"], i["w2"], i["b2"], p)),
+        ("timestep_mlp_backward", ops.timestep_mlp_backward.default,
+         (i["temb_grad"], i["f"], i["w1"], i["w2"], mlp_pre, mlp_hidden, p, [True] * 5)),
+        ("adaln_projection", ops.adaln_projection.default, (i["temb"], i["pw"], i["pb"], p)),
+        ("adaln_projection_backward", ops.adaln_projection_backward.default,
+         (i["table_grad"], i["temb"], i["pw"], act, p, [True] * 3)),
+        ("adaln_row_gather", ops.adaln_row_gather.default, (i["rows"], plan)),
+        ("adaln_row_gather_backward", ops.adaln_row_gather_backward.default, (i["gather_grad"], plan)),
+        ("rmsnorm", ops.rmsnorm.default, (x, w, None, None, None, eps, p)),
+        ("rmsnorm_plan", ops.rmsnorm.plan, (x, w, T, T2, plan, eps, p)),
+        ("rmsnorm_backward", ops.rmsnorm_backward.default,
+         (grad, x, w, None, None, None, plain_rstd, eps, p, [True, True, False, False])),
+        ("rmsnorm_backward_plan", ops.rmsnorm_backward.plan, (grad, x, w, T, T2, plan, rstd, eps, p, [True] * 4)),
+        ("rmsnorm_backward_plan_some", ops.rmsnorm_backward.plan,
+         (grad, x, w, T, T2, plan, rstd, eps, p, [False, True, False, True])),
+        ("gate_residual", ops.gate_residual.default, (x, y, T, plan)),
+        ("gate_residual_backward", ops.gate_residual_backward.default, (grad, y, T, plan, [True] * 3)),
+        ("gate_residual_backward_some", ops.gate_residual_backward.default, (grad, y, T, plan, [True, False, False])),
+        ("gate_residual_rmsnorm", ops.gate_residual_rmsnorm.default, (x, y, T, w, T2, T, plan, eps, p)),
+        ("gate_residual_rmsnorm_backward", ops.gate_residual_rmsnorm_backward.default,
+         (grad, y, y, T, w, T2, T, plan, h, h_rstd, eps, p, [True] * 6)),
+        ("gate_residual_rmsnorm_backward_no_d_h", ops.gate_residual_rmsnorm_backward.default,
+         (grad, None, y, T, w, T2, T, plan, h, h_rstd, eps, p, [True] * 6)),
+        ("gate_residual_rmsnorm_backward_no_d_out", ops.gate_residual_rmsnorm_backward.default,
+         (None, grad, y, T, w, T2, T, plan, h, h_rstd, eps, p, [True] * 6)),
+        ("final_adaln_out", ops.final_adaln_out.default, (x, w, i["temb"], i["fw"], i["fb"], i["tplan"], eps, p)),
+        ("final_adaln_out_backward", ops.final_adaln_out_backward.default,
+         (grad, x, w, i["temb"], i["fw"], f_table, f_act, f_rstd, i["tplan"], eps, p, [True] * 5)),
+        ("adaln_modulation", ops.adaln_modulation.default, (i["temb"], i["pw"], i["pb"], plan, p)),
+        ("adaln_modulation_backward", ops.adaln_modulation_backward.default,
+         (i["gather_grad"], i["temb"], i["pw"], m_act, plan, p, [True] * 3)),
+    ]
+    if comm is not None:
+        sp, c = detdit.distributed.SpRegion(plan, comm).sp, comm.handle
+        _, sp_rstd = ops.sp_rmsnorm.default(x, w, T, T2, sp, c, eps, p)
+        sp_h, _, sp_h_rstd = ops.sp_gate_residual_rmsnorm.default(x, y, T, w, T2, T, sp, c, eps, p)
+        _, tp_act = ops.tp_adaln_projection.default(i["temb"], i["pw"], i["pb"], c, p)
+        cases += [
+            ("tp_adaln_projection", ops.tp_adaln_projection.default, (i["temb"], i["pw"], i["pb"], c, p)),
+            ("tp_adaln_projection_backward", ops.tp_adaln_projection_backward.default,
+             (i["table_grad"], i["temb"], i["pw"], tp_act, c, p, [True] * 3)),
+            ("sp_rmsnorm", ops.sp_rmsnorm.default, (x, w, T, T2, sp, c, eps, p)),
+            ("sp_rmsnorm_backward", ops.sp_rmsnorm_backward.default, (grad, x, w, T, T2, sp, sp_rstd, c, eps, p)),
+            ("sp_gate_residual", ops.sp_gate_residual.default, (x, y, T, sp, c)),
+            ("sp_gate_residual_backward", ops.sp_gate_residual_backward.default, (grad, y, T, sp, c)),
+            ("sp_gate_residual_rmsnorm", ops.sp_gate_residual_rmsnorm.default, (x, y, T, w, T2, T, sp, c, eps, p)),
+            ("sp_gate_residual_rmsnorm_backward", ops.sp_gate_residual_rmsnorm_backward.default,
+             (grad, y, y, T, w, T2, T, sp, sp_h, sp_h_rstd, c, eps, p)),
+        ]
+    return cases
+
+
+def fake_kernel_of(op):
+    name = op._schema.name.split("::")[1] + ("" if op._overloadname == "default" else "." + op._overloadname)
+    return _compile.FAKE_KERNELS[name]
+
+
+def flat(result):
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def test_every_op_has_a_fake_kernel():
+    names = {s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
+             for s in torch._C._jit_get_all_schemas() if s.name.startswith("detdit::")}
+    constructors = {"plan", "plan_from_rows", "sp_plan"}  # validate on the host: built outside a compiled region
+    assert names - constructors == set(_compile.FAKE_KERNELS), names ^ set(_compile.FAKE_KERNELS)
+
+
+def test_plan_str_repr_and_flatten():
+    ti, tags = packing(SEQ, TIMESTEPS, 330)
+    plan, other = detdit.plan(ti, tags, TIMESTEPS, BATCH), detdit.plan(ti, tags, TIMESTEPS, BATCH)
+    text = f"IndexPlan(seq_len={SEQ}, batch={BATCH}, num_rows={3 * TIMESTEPS}, device=cpu)"
+    assert str(plan) == text
+    if torch.__version__ >= "2.4":  # torch 1.13's ScriptObject does not forward repr() to the class
+        assert repr(plan) == text
+    flat_plan = dict(plan.__obj_flatten__())
+    assert flat_plan["seq_len"] == str(SEQ) and flat_plan["batch"] == str(BATCH) and flat_plan["device"] == "cpu"
+    assert flat_plan["id"] != dict(other.__obj_flatten__())["id"], "two plans share the id dynamo guards on"
+    fake = _compile.FakeIndexPlan.__obj_unflatten__(plan.__obj_flatten__())
+    for method in ("seq_len", "batch", "num_rows", "positions", "num_chunks", "num_segments", "device"):
+        assert getattr(fake, method)() == getattr(plan, method)(), method
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fake_kernels_give_the_kernels_output_metadata(device, comm):
+    for name, op, args in op_cases(device, comm if device == "cpu" else None):
+        real, fake = flat(op(*args)), flat(fake_kernel_of(op)(*args))
+        assert len(real) == len(fake), name
+        for k, (r, f) in enumerate(zip(real, fake)):
+            if r is None or f is None:
+                assert r is None and f is None, f"{name} output {k}: kernel {r is None}, fake {f is None} for None"
+                continue
+            assert (r.shape, r.dtype, r.device, r.stride()) == (f.shape, f.dtype, f.device, f.stride()), \
+                f"{name} output {k}: kernel {(r.shape, r.dtype, r.device, r.stride())}, " \
+                f"fake {(f.shape, f.dtype, f.device, f.stride())}"
+
+
+def traced_autograd_cases(device, comm):
+    i = inputs(device)
+    x, y, w, T, T2, plan, eps, p = i["x"], i["y"], i["w"], i["table"], i["table2"], i["plan"], 1e-5, "portable"
+    cases = [
+        ("adaln_row_gather", (i["rows"], plan)),
+        ("rmsnorm.plan", (x, w, T, T2, plan, eps, p)),
+        ("gate_residual", (x, y, T, plan)),
+        ("gate_residual_rmsnorm", (x, y, T, w, T2, T, plan, eps, p)),
+        ("final_adaln_out", (x, w, i["temb"], i["fw"], i["fb"], i["tplan"], eps, p)),
+        ("adaln_modulation", (i["temb"], i["pw"], i["pb"], plan, p)),
+    ]
+    if comm is not None:
+        sp, c = detdit.distributed.SpRegion(plan, comm).sp, comm.handle
+        cases += [("sp_rmsnorm", (x, w, T, T2, sp, c, eps, p)), ("sp_gate_residual", (x, y, T, sp, c)),
+                  ("sp_gate_residual_rmsnorm", (x, y, T, w, T2, T, sp, c, eps, p))]
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_traced_autograd_equals_the_cpp_functions(device, comm):
+    """Each Function of TRACED_AUTOGRAD against the op's C++ Autograd kernel: the same outputs,
+    every gradient and which gradients are None, bitwise; the fused ops with a gradient
+    reaching h and out, out only and h only, and some inputs not requiring grad."""
+    assert set(_compile.TRACED_AUTOGRAD) == {name for name, _ in traced_autograd_cases("cpu", comm)}
+    for name, args in traced_autograd_cases(device, comm if device == "cpu" else None):
+        num_grads = _compile.TRACED_AUTOGRAD[name][0]
+        fused = "gate_residual_rmsnorm" in name
+        for reach in ((0, 1), (1,), (0,)) if fused else ((0,),):
+            for frozen in (None, 0) if num_grads > 1 else (None,):
+                results = []
+                for run in (_compile._overload(name), _compile.autograd_function(name).apply):
+                    leaves = [a.detach().clone().requires_grad_(k < num_grads and k != frozen and a.is_floating_point())
+                              if isinstance(a, torch.Tensor) else a for k, a in enumerate(args)]
+                    outs = flat(run(*leaves))
+                    torch.autograd.backward([outs[k] for k in reach],
+                                            [normal(tuple(outs[k].shape), 340 + k, outs[k].dtype).to(device)
+                                             for k in reach])
+                    grads = [a.grad if isinstance(a, torch.Tensor) else None for a in leaves[:num_grads]]
+                    results.append((outs, grads))
+                (cpp_outs, cpp_grads), (py_outs, py_grads) = results
+                what = f"{name} (gradient into outputs {reach}, input {frozen} frozen)"
+                for k, (a, b) in enumerate(zip(py_outs, cpp_outs)):
+                    assert_bitwise_equal(a, b, f"{what}: output {k}")
+                    assert a.requires_grad == b.requires_grad, f"{what}: output {k} differentiable on one side only"
+                for k, (a, b) in enumerate(zip(py_grads, cpp_grads)):
+                    assert (a is None) == (b is None), f"{what}: gradient {k} is None on one side only"
+                    if a is not None:
+                        assert_bitwise_equal(a, b, f"{what}: gradient {k}")
+
+
+def test_traced_autograd_refuses_double_backward():
+    i = inputs("cpu")
+    x = i["x"].clone().requires_grad_(True)
+    out = _compile.autograd_function("gate_residual").apply(x, i["y"], i["table"], i["plan"])
+    with pytest.raises(RuntimeError, match="first-order gradients only"):
+        torch.autograd.grad(out.float().sum(), x, create_graph=True)
+
+
+# ---------------------------------------------------------------------------
+# torch >= 2.4: opcheck and torch.compile
+
+
+@requires_compile
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_every_op(device, comm):
+    for name, op, args in op_cases(device, comm if device == "cpu" else None):
+        is_backward = "backward" in name
+        args = [a.detach().clone().requires_grad_(not is_backward and a.is_floating_point())
+                if isinstance(a, torch.Tensor) else a for a in args]
+        torch.library.opcheck(op, args)
+
+
+def block_model(device):
+    model = detdit.nn.H3Conditioning(num_blocks=1, hidden_size=HIDDEN, time_embed_hidden_dim=32, time_embed_dim=DIM)
+    with torch.no_grad():
+        for k, param in enumerate(model.parameters()):
+            param.copy_(normal(tuple(param.shape), 400 + k, param.dtype, scale=0.1))
+        for norm in (model.transformer_blocks[0].norm1, model.transformer_blocks[0].norm2, model.norm_out.norm):
+            norm.weight.add_(1)
+    return model.to(device)
+
+
+def fresh_block(device):
+    """Dynamo's caches cleared, then (model, region, stand-in weights) on device."""
+    torch._dynamo.reset()
+    model = block_model(device)
+    return (model, *block_region(model))
+
+
+def block_region(model):
+    """The H3 block region: temb from t, norm1 -> attention -> gate + norm2 (fused) -> FFN ->
+    gate, then norm_out. The attention and FFN stand-ins are detdit.linear (row-wise, so they
+    too are the same kernels compiled or not)."""
+    wa = normal((HIDDEN, HIDDEN), 450, BF, scale=0.1).to(next(model.parameters()).device).requires_grad_(True)
+    wf = normal((HIDDEN, HIDDEN), 451, BF, scale=0.1).to(wa.device).requires_grad_(True)
+
+    def region(x, t, plan, tplan):
+        temb = model.temb(t)
+
+        def attn(n):
+            return detdit.linear(n.reshape(-1, HIDDEN), wa).view(n.shape)
+
+        def ffn(n):
+            return detdit.linear(n.reshape(-1, HIDDEN), wf, activation="silu").view(n.shape)
+
+        x = model.transformer_blocks[0](x, temb, plan, attn, ffn)
+        return model.norm_out(x, temb, tplan)
+
+    return region, [wa, wf]
+
+
+def region_inputs(device, seq, seed):
+    """(x, t, plan, tplan) of the block region at sequence length seq; x and t require grad."""
+    ti, tags = packing(seq, TIMESTEPS, seed)
+    plan = detdit.plan(ti.to(device), tags.to(device), TIMESTEPS, BATCH)
+    tplan = detdit.plan_from_rows(ti.to(device), TIMESTEPS, BATCH)
+    x = normal((BATCH, seq, HIDDEN), seed + 1, BF, scale=2.0).to(device).requires_grad_(True)
+    return x, torch.tensor([0.25, 0.8], device=device, requires_grad=True), plan, tplan
+
+
+def run_region(fn, model, weights, device, seq, seed):
+    """fn's output and every gradient (x, t, the stand-ins' weights, the model's parameters)
+    for a fixed output gradient."""
+    x, t, plan, tplan = region_inputs(device, seq, seed)
+    for param in [*model.parameters(), *weights]:
+        param.grad = None
+    out = fn(x, t, plan, tplan)
+    out.backward(normal(tuple(out.shape), seed + 2, out.dtype).to(device))
+    return [out.detach().clone(), x.grad, t.grad] + [param.grad for param in [*weights, *model.parameters()]]
+
+
+RESULT_NAMES = ["out", "dx", "dt", "d_attn_weight", "d_ffn_weight"]
+
+
+def assert_same_results(got, want, what, model):
+    names = RESULT_NAMES + [name for name, _ in model.named_parameters()]
+    assert len(got) == len(want)
+    for name, a, b in zip(names, got, want):
+        assert (a is None) == (b is None), f"{what}: {name} is None on one side only"
+        if a is not None:  # the token refiner's norm is no part of the block: no gradient
+            assert_bitwise_equal(a, b, f"{what}: {name}")
+
+
+@requires_compile
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_block_is_one_graph_and_equals_eager(device):
+    model, region, weights = fresh_block(device)
+    explained = torch._dynamo.explain(region)(*region_inputs(device, SEQ, 460))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, str(explained)
+    traced = {str(op) for graph_ops in explained.ops_per_graph for op in graph_ops if "detdit" in str(op)}
+    for op in ("timestep_sinusoid", "timestep_mlp", "adaln_projection", "rmsnorm.plan", "gate_residual_rmsnorm",
+               "linear", "gate_residual.default", "final_adaln_out"):
+        assert any(op in name for name in traced), f"detdit op {op} is not a node of the graph: {sorted(traced)}"
+
+    torch._dynamo.reset()
+    compiled = torch.compile(region, fullgraph=True)
+    eager = run_region(region, model, weights, device, SEQ, 470)
+    assert_same_results(run_region(compiled, model, weights, device, SEQ, 470), eager, "compiled vs eager", model)
+
+
+@requires_compile
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_shapes_two_sequence_lengths(device):
+    model, region, weights = fresh_block(device)
+    compiled = torch.compile(region, fullgraph=True, dynamic=True)
+    for seq, seed in ((SEQ, 480), (SEQ + 24, 490)):
+        eager = run_region(region, model, weights, device, seq, seed)
+        assert_same_results(run_region(compiled, model, weights, device, seq, seed), eager,
+                            f"dynamic=True at S={seq}", model)
+
+
+@requires_compile
+@requires_cuda
+def test_cuda_graph_replays_equal_eager():
+    from torch._dynamo.utils import counters
+    device = "cuda"
+    model, region, weights = fresh_block(device)
+    counters.clear()
+    model.time_proj.check_range = False  # no host read of t: capturable
+    compiled = torch.compile(region, mode="reduce-overhead", fullgraph=True)
+    x0, t0, plan, tplan = region_inputs(device, SEQ, 500)  # one plan: a CUDA graph reads its tables by address
+    grad = normal((BATCH, SEQ, HIDDEN), 502, BF).to(device)
+
+    def step(fn):
+        for param in [*model.parameters(), *weights]:
+            param.grad = None
+        x, t = x0.detach().clone().requires_grad_(True), t0.detach().clone().requires_grad_(True)
+        out = fn(x, t, plan, tplan)
+        out.backward(grad)
+        return [out.detach().clone(), x.grad.clone(), t.grad.clone()] + [
+            None if param.grad is None else param.grad.clone() for param in [*weights, *model.parameters()]]
+
+    eager = step(region)
+    for replay in range(3):  # warm-up, recording, then replays
+        torch.compiler.cudagraph_mark_step_begin()
+        assert_same_results(step(compiled), eager, f"reduce-overhead call {replay}", model)
+    assert counters["inductor"]["cudagraph_skips"] == 0, f"cudagraphs were skipped: {dict(counters['inductor'])}"
