@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/backends.h"
+#include "common/fnv1a.h"
 #include "common/validate.h"
 
 namespace detdit {
@@ -20,6 +21,7 @@ namespace detdit {
 struct IndexPlan::Impl {
   int64_t seq_len = 0, batch = 0, num_rows = 0, positions = 0, num_chunks = 0, num_segments = 0;
   int64_t max_chunk_segments = 0;
+  uint64_t fingerprint = 0;
   Device device;
   std::vector<int32_t> row_of_seq, chunk_segment_begin, segment_row, segment_pos_begin, segment_positions,
       row_segment_begin, row_segments;
@@ -235,6 +237,8 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->positions = positions;
   impl->num_chunks = num_chunks;
   impl->device = device;
+  const int64_t sizes[] = {seq_len, batch, num_rows};
+  impl->fingerprint = fnv1a_words(row_of_seq.data(), row_of_seq.size() * sizeof(int32_t), fnv1a(sizes, sizeof sizes));
 
   // When 256 divides S, no chunk straddles two batch items and batch item b's
   // chunks are item 0's with positions + b*S and segments + b*G0: the chunks
@@ -443,6 +447,7 @@ int64_t IndexPlan::positions() const { return impl_ ? impl_->positions : 0; }
 int64_t IndexPlan::num_chunks() const { return impl_ ? impl_->num_chunks : 0; }
 int64_t IndexPlan::num_segments() const { return impl_ ? impl_->num_segments : 0; }
 int64_t IndexPlan::max_chunk_segments() const { return impl_ ? impl_->max_chunk_segments : 0; }
+uint64_t IndexPlan::fingerprint() const { return impl_ ? impl_->fingerprint : 0; }
 Device IndexPlan::device() const { return impl_ ? impl_->device : Device::cpu(); }
 // An empty plan has empty tables (all null) rather than a null dereference.
 const PlanTables& IndexPlan::host_tables() const {

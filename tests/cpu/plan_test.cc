@@ -204,6 +204,28 @@ TEST(IndexPlan, Int32IndexGivesTheSamePlan) {
   EXPECT_EQ(plan.device(), Device::cpu());
 }
 
+// The fingerprint is a function of (S, B, R, rows) alone: one index read
+// as int32 or int64, or as timesteps and tags, gives one fingerprint; one
+// changed entry, another R or another B gives another.
+TEST(IndexPlan, FingerprintTellsPlansApart) {
+  std::vector<int64_t> rows = {2, 0, 5, 1, 4, 0, 3}, ti = {0, 0, 1, 0, 1, 0, 1}, tags = {2, 0, 2, 1, 1, 0, 0};
+  std::vector<int32_t> rows32(rows.begin(), rows.end());
+  auto fingerprint = [](const Status& built, const IndexPlan& plan) {
+    EXPECT_TRUE(built.ok()) << built.to_string();
+    return plan.fingerprint();
+  };
+  IndexPlan a, b;
+  const uint64_t base = fingerprint(IndexPlan::from_row_index(index_view(rows), 6, 2, &a), a);
+  EXPECT_EQ(fingerprint(IndexPlan::from_row_index(TensorView::contiguous(rows32.data(), DType::kI32, {7}), 6, 2, &b), b),
+            base);
+  EXPECT_EQ(fingerprint(IndexPlan::from_timesteps_and_tags(index_view(ti), index_view(tags), 2, 2, &b), b), base);
+  EXPECT_NE(fingerprint(IndexPlan::from_row_index(index_view(rows), 7, 2, &b), b), base) << "R";
+  EXPECT_NE(fingerprint(IndexPlan::from_row_index(index_view(rows), 6, 3, &b), b), base) << "B";
+  rows[6] = 2;
+  EXPECT_NE(fingerprint(IndexPlan::from_row_index(index_view(rows), 6, 2, &b), b), base) << "one entry";
+  EXPECT_EQ(IndexPlan().fingerprint(), 0u);
+}
+
 TEST(IndexPlan, BadRowIndexNamesTheFirstBadPositionAndValue) {
   for (int64_t bad : {int64_t{-1}, int64_t{5}, int64_t{6}, int64_t{1} << 40}) {
     std::vector<int64_t> rows = {0, 1, 4, bad, 2, -7};
