@@ -548,6 +548,43 @@ TEST(Cli, VerifyParallelUnderMpirunTwoRanks) {
   EXPECT_EQ(output.find("detdit verify: PASS"), output.rfind("detdit verify: PASS")) << output;
 }
 
+// Ranks started with different command lines (an MPMD launch: one app
+// context per rank) exit 2 together, each saying why, within a minute; 6 of
+// these used to hang (a rank waiting in a collective its peer never entered).
+TEST(Cli, RanksWithDifferentCommandLinesFailTogether) {
+#if !defined(DETDIT_WITH_MPI)
+  GTEST_SKIP() << "detdit was built without MPI";
+#endif
+  if (!have_mpirun()) GTEST_SKIP() << "mpirun is not on PATH";
+  const std::string weights = " --weights '" + small_weights() + "'";
+  const std::string verify = "verify --comm mpi --device cpu --quick" + weights;
+  const std::string bench = "bench --comm mpi --device cpu --quick --warmup 0 --format json" + weights;
+  const std::pair<std::string, std::string> pairs[] = {
+      {verify + " --ops sp_region", verify + " --ops tp_adaln_projection"},
+      {verify, verify + " --list"},
+      {verify, verify + " --help"},
+      {verify, bench},
+      {bench + " --repeats 2", bench + " --repeats 3"},
+      {verify + " --seed 1", verify + " --seed 2"},
+  };
+  const std::string out = temp_dir("mpmd") + "/output.txt";
+  for (const auto& [first, second] : pairs) {
+    const std::string app = std::string("'") + DETDIT_CLI_PATH + "' ";
+    const std::string command = std::string("XDG_CACHE_HOME='") + temp_dir("cache") +
+                                "' timeout -k 5 60 mpirun --oversubscribe --allow-run-as-root --mca btl self,vader "
+                                "--mca btl_vader_single_copy_mechanism none -np 1 " + app + first + " : -np 1 " + app +
+                                second + " > '" + out + "' 2>&1";
+    const int status = std::system(command.c_str());
+    const std::string output = read_file(out);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    EXPECT_EQ(code, 2) << "(124: timed out) " << command << "\n" << output;
+    for (const char* rank : {"rank 0 of 2", "rank 1 of 2"})
+      EXPECT_NE(output.find(std::string("detdit: ") + rank + ": ValueError: rank 1 was started with another command line"),
+                std::string::npos)
+          << command << "\n" << output;
+  }
+}
+
 TEST(Cli, BenchParallelCpuJson) {
   Result r = detdit("bench --device cpu --ops sp_region,tp_adaln_projection --repeats 2 --warmup 0 --format json "
                     "--weights '" + small_weights() + "'");
