@@ -30,7 +30,8 @@ Status check_like(const TensorView& t, const char* name, const TensorView& ref, 
 // dtype in `allowed` (rows < 0: any row count).
 Status check_table(const TensorView& t, const char* name, int64_t rows, int64_t hidden, const TensorView& ref,
                    const char* ref_name, std::initializer_list<DType> allowed);
-// A gradient output: (rows, hidden) fp32 or `dtype`, unit column stride, on `ref`'s device.
+// A gradient output: (rows, hidden) fp32 or `dtype`, unit column stride, on
+// `ref`'s device, rows that overlap no other row (row stride >= hidden).
 Status check_table_grad(const TensorView& t, const char* name, int64_t rows, int64_t hidden, DType dtype,
                         const TensorView& ref, const char* ref_name);
 // Each present output overlaps no input and no other output (absent views pass).
