@@ -260,6 +260,30 @@ TEST(Cli, WeightsTheOpsCannotRunOnAreInputErrors) {
   }
 }
 
+// verify's report and figure go through a temporary renamed into place, and
+// a destination that is not a regular file is refused before the run: a FIFO
+// as --out used to block the finished run forever (ofstream waits for a
+// reader). A report that was there is replaced whole; no temporary is left.
+TEST(Cli, VerifyWritesItsReportAtomically) {
+  const std::string dir = temp_dir("verify_out");
+  const std::string fifo = dir + "/report.json";
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const std::string verify = "verify --quick --device cpu --ops timestep_sinusoid --weights '" + small_weights() + "'";
+  for (const char* option : {" --out '", " --figure '"}) {
+    Result r = detdit(verify + option + fifo + "'", /*timeout_s=*/30);
+    EXPECT_EQ(r.code, 2) << option << "\n" << r.output;
+    EXPECT_NE(r.output.find(fifo + ": exists and is not a regular file (a FIFO)"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("timestep_sinusoid"), std::string::npos) << "the run went ahead:\n" << r.output;
+  }
+  ASSERT_EQ(std::remove(fifo.c_str()), 0);
+  std::ofstream(fifo) << "an older report";
+  Result r = detdit(verify + " --out '" + fifo + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(read_file(fifo))["kind"], "detdit_verify_report");
+  EXPECT_EQ(directory_entries(dir), std::vector<std::string>{"report.json"});
+}
+
 // Input that used to throw out of the CLI (exit 134, SIGABRT) is an input
 // error (exit 2) with a message; nothing is left behind.
 TEST(Cli, BadInputIsAnErrorNotAnAbort) {
