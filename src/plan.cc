@@ -14,6 +14,7 @@
 
 #include "common/backends.h"
 #include "common/fnv1a.h"
+#include "common/out_of_memory.h"
 #include "common/validate.h"
 
 namespace detdit {
@@ -402,42 +403,42 @@ Status build_from_timesteps_and_tags(const TensorView& timestep_indices, const T
   return build(std::move(rows), num_rows, batch, timestep_indices.device, stream, plan);
 }
 
-// Runs a public builder, turning std::bad_alloc into a RuntimeError: no
-// exception leaves the library. The tables take at most
-// 4 * (S + 4*B*S + R + C + 3) bytes (S rows, B*S positions, at most B*S
-// segments in three tables, R + 1 row starts, C + 1 chunk starts). The sizes
-// are doubles: they may be unvalidated arguments (no overflow in the message).
-template <typename Build>
-Status out_of_memory_is_an_error(double seq_len, double num_rows, double batch, Build build) {
-  try {
-    return build();
-  } catch (const std::bad_alloc&) {
-    const double positions = seq_len * batch;
-    const double bytes = 4.0 * (seq_len + 4.0 * positions + num_rows + positions / kReductionChunk + 3.0);
-    char message[256];
-    std::snprintf(message, sizeof message,
-                  "out of memory building the index plan (S = %.0f, B = %.0f, R = %.0f): its tables take up to "
-                  "%.0f MB, 4 bytes per table row among them",
-                  seq_len, batch, num_rows, bytes / 1e6);
-    return Status::runtime_error(message);
-  }
+// The RuntimeError of a builder that ran out of memory (out_of_memory_is_an_error):
+// the tables take at most 4 * (S + 4*B*S + R + C + 3) bytes (S rows, B*S
+// positions, at most B*S segments in three tables, R + 1 row starts, C + 1
+// chunk starts). The sizes are doubles: they may be unvalidated arguments (no
+// overflow in the message).
+std::string out_of_memory_message(double seq_len, double num_rows, double batch) {
+  const double positions = seq_len * batch;
+  const double bytes = 4.0 * (seq_len + 4.0 * positions + num_rows + positions / kReductionChunk + 3.0);
+  char message[256];
+  std::snprintf(message, sizeof message,
+                "out of memory building the index plan (S = %.0f, B = %.0f, R = %.0f): its tables take up to "
+                "%.0f MB, 4 bytes per table row among them",
+                seq_len, batch, num_rows, bytes / 1e6);
+  return message;
 }
 
 }  // namespace
 
 Status IndexPlan::from_row_index(const TensorView& row_index, int64_t num_rows, int64_t batch, IndexPlan* plan,
                                  Stream stream) {
-  return out_of_memory_is_an_error(static_cast<double>(row_index.shape[0]), static_cast<double>(num_rows),
-                                   static_cast<double>(batch),
-                                   [&] { return build_from_row_index(row_index, num_rows, batch, plan, stream); });
+  return out_of_memory_is_an_error(
+      [&] {
+        return out_of_memory_message(static_cast<double>(row_index.shape[0]), static_cast<double>(num_rows),
+                                     static_cast<double>(batch));
+      },
+      [&] { return build_from_row_index(row_index, num_rows, batch, plan, stream); });
 }
 
 Status IndexPlan::from_timesteps_and_tags(const TensorView& timestep_indices, const TensorView& token_tags,
                                           int64_t num_timesteps, int64_t batch, IndexPlan* plan, Stream stream) {
-  return out_of_memory_is_an_error(static_cast<double>(timestep_indices.shape[0]),
-                                   static_cast<double>(num_timesteps) * kNumModalities, static_cast<double>(batch), [&] {
-    return build_from_timesteps_and_tags(timestep_indices, token_tags, num_timesteps, batch, plan, stream);
-  });
+  return out_of_memory_is_an_error(
+      [&] {
+        return out_of_memory_message(static_cast<double>(timestep_indices.shape[0]),
+                                     static_cast<double>(num_timesteps) * kNumModalities, static_cast<double>(batch));
+      },
+      [&] { return build_from_timesteps_and_tags(timestep_indices, token_tags, num_timesteps, batch, plan, stream); });
 }
 
 int64_t IndexPlan::seq_len() const { return impl_ ? impl_->seq_len : 0; }

@@ -3,7 +3,6 @@
 // byte for byte with a reference builder written from their definition
 // (plan.h); the build time at H3 lengths is printed, not asserted.
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,8 +14,8 @@
 #include <vector>
 
 #include "common/cases.h"
+#include "common/child_process.h"
 #include "common/test_util.h"
-#include "cpu/child_process.h"
 #include "detdit/plan.h"
 
 namespace detdit {
@@ -390,25 +389,6 @@ TEST(IndexPlan, BuildTimeAtLongSequences) {
     }
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-#define DETDIT_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DETDIT_UNDER_ASAN 1
-#endif
-#endif
-
-// The bytes of address space this process maps now (/proc/self/statm).
-uint64_t mapped_bytes() {
-  std::FILE* f = std::fopen("/proc/self/statm", "r");
-  unsigned long long pages = 0;
-  if (f != nullptr) {
-    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
-    std::fclose(f);
-  }
-  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-}
-
 // Builds a plan of one position over num_rows rows in a child whose address
 // space may grow by `headroom` bytes. Exit 0: built; 1: a RuntimeError that
 // says it ran out of memory; 2: another Status. An exception escaping the
@@ -416,9 +396,7 @@ uint64_t mapped_bytes() {
 testing::ChildOutcome build_under_memory_limit(int64_t num_rows, uint64_t headroom) {
   return testing::run_in_child(
       [=] {
-        const uint64_t limit = mapped_bytes() + headroom;
-        const rlimit address_space = {limit, limit};
-        if (::setrlimit(RLIMIT_AS, &address_space) != 0) return 3;
+        if (!testing::limit_address_space(headroom)) return 3;
         std::vector<int64_t> rows = {num_rows - 1};
         IndexPlan plan;
         const Status s = IndexPlan::from_row_index(index_view(rows), num_rows, 1, &plan);
