@@ -227,9 +227,12 @@ Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream)
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
   const RmsnormParams norm{norm_inputs(p.in, p.table, hidden), p.out, p.rstd};
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(norm));
+  // Every output against every input of both halves (table and act are
+  // outputs here, the norm's shift/scale a view of table).
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
-      {{&p.in.temb, "temb"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
-      {{&p.out, "out"}, {&p.rstd, "rstd"}}));
+      {{&p.in.x, "x"}, {&p.in.norm_weight, "norm_weight"}, {&p.in.temb, "temb"}, {&p.in.weight, "weight"},
+       {&p.in.bias, "bias"}},
+      {{&p.table, "table"}, {&p.act, "act"}, {&p.out, "out"}, {&p.rstd, "rstd"}}));
   DETDIT_RETURN_IF_ERROR(projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics, stream));
   return backend::rmsnorm_forward(p.in.x.device, norm, stream);
 }
@@ -253,7 +256,8 @@ Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Strea
                                    rowwise::table_half(d_table, hidden, 1)};
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
-      {{&p.in.temb, "temb"}, {&p.in.weight, "weight"}, {&p.table, "table"}, {&p.act, "act"}},
+      {{&p.in.x, "x"}, {&p.in.norm_weight, "norm_weight"}, {&p.in.temb, "temb"}, {&p.in.weight, "weight"},
+       {&p.table, "table"}, {&p.act, "act"}, {&p.rstd, "rstd"}, {&p.grad, "grad"}},
       {{&p.dx, "dx"}, {&p.d_norm_weight, "d_norm_weight"}, {&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
        {&p.d_bias, "d_bias"}}));
   DETDIT_RETURN_IF_ERROR(rowwise::run_rmsnorm_backward(norm, stream));

@@ -76,7 +76,10 @@ Status validate_projection_forward(const TensorView& temb, const TensorView& wei
   DETDIT_RETURN_IF_ERROR(check::numerics_on(numerics, temb.device));
   DETDIT_RETURN_IF_ERROR(check_weight(weight, temb));
   const int64_t rows = temb.shape[0], in_features = temb.shape[1], out_features = weight.shape[0];
-  if (bias.present() && bias.dtype != weight.dtype)
+  // Every AdaLN projection of H3 has a bias (adaln.h): an absent one is a
+  // caller's mistake, not a zero bias.
+  DETDIT_RETURN_IF_ERROR(check::present(bias, "bias"));
+  if (bias.dtype != weight.dtype)
     return Status::type_error(std::string("weight/bias must share a dtype (bfloat16 or float32), got ") +
                               dtype_name(weight.dtype) + "/" + dtype_name(bias.dtype));
   DETDIT_RETURN_IF_ERROR(check_like_weight(bias, "bias", weight, {out_features}, "(N,)", false));
@@ -207,7 +210,6 @@ Status adaln_table_chunk(const TensorView& table, int64_t hidden, int chunk, Ten
 Status adaln_projection_forward(const AdalnProjectionParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(params.in.temb, params.in.weight, params.in.bias, params.table,
                                                      params.act, params.in.numerics));
-  DETDIT_RETURN_IF_ERROR(check::present(params.in.bias, "bias"));
   DETDIT_RETURN_IF_ERROR(check_table_rows(params.in.weight));
   return projection_forward(params.in.temb, params.in.weight, params.in.bias, params.table, params.act, params.in.numerics,
                             stream);

@@ -50,7 +50,10 @@ Status validate_forward(const GateResidualRmsnormParams& p) {
                                          {{&p.h, "h"}, {&p.out, "out"}, {&p.rstd, "rstd"}});
 }
 
-// g: the gradient of h (d_residual, or scratch when the caller does not keep it).
+}  // namespace
+
+namespace rowwise {
+
 RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
   return RmsnormBackwardParams{norm_inputs(p.in, p.h), p.rstd,    p.d_out,  g, p.d_weight,
                                p.d_shift,                p.d_scale};
@@ -60,25 +63,25 @@ GateResidualBackwardParams gate_backward(const GateResidualRmsnormBackwardParams
   return GateResidualBackwardParams{gate_inputs(p.in), g, TensorView(), p.d_y, p.d_gate};
 }
 
-Status validate_backward(const GateResidualRmsnormBackwardParams& p) {
+Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p) {
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.h, "h", &p.in.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_out, "d_out", p.h, "h"));
-  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_h, "d_h", p.h, "h"));
-  if (p.d_residual.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_residual, "d_residual", p.h, "h"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm_backward(p, p.d_residual)));
+  DETDIT_RETURN_IF_ERROR(check_rows(p.h, "h", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_like(p.d_out, "d_out", p.h, "h"));
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(check_like(p.d_h, "d_h", p.h, "h"));
+  if (p.d_residual.present()) DETDIT_RETURN_IF_ERROR(check_like(p.d_residual, "d_residual", p.h, "h"));
+  DETDIT_RETURN_IF_ERROR(validate_rmsnorm_backward(norm_backward(p, p.d_residual)));
   GateResidualBackwardParams gate = gate_backward(p, p.d_out);
   gate.d_residual = p.d_residual;
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_backward(gate));
+  DETDIT_RETURN_IF_ERROR(validate_gate_residual_backward(gate));
   const GateResidualRmsnormInputs& in = p.in;
-  return rowwise::check_outputs_disjoint(
+  return check_outputs_disjoint(
       {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"},
        {&p.h, "h"}, {&p.rstd, "rstd"}, {&p.d_out, "d_out"}, {&p.d_h, "d_h"}},
       {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}, {&p.d_weight, "d_weight"},
        {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
 }
 
-}  // namespace
+}  // namespace rowwise
 
 Status gate_residual_rmsnorm_forward(const GateResidualRmsnormParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_forward(params));
@@ -86,7 +89,7 @@ Status gate_residual_rmsnorm_forward(const GateResidualRmsnormParams& params, St
 }
 
 Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(validate_backward(params));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_rmsnorm_backward(params));
   const GateResidualRmsnormBackwardParams& p = params;
   const Device device = p.h.device;
   // Scratch first, so a failed allocation writes nothing: the partials of both
@@ -95,8 +98,8 @@ Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p
   // kernel keeps g in shared memory).
   rowwise::RmsnormPartials norm_partials;
   rowwise::GatePartials gate_partials;
-  DETDIT_RETURN_IF_ERROR(rowwise::allocate_rmsnorm_partials(norm_backward(p, p.d_residual), stream, &norm_partials));
-  DETDIT_RETURN_IF_ERROR(rowwise::allocate_gate_partials(gate_backward(p, p.d_out), stream, &gate_partials));
+  DETDIT_RETURN_IF_ERROR(rowwise::allocate_rmsnorm_partials(rowwise::norm_backward(p, p.d_residual), stream, &norm_partials));
+  DETDIT_RETURN_IF_ERROR(rowwise::allocate_gate_partials(rowwise::gate_backward(p, p.d_out), stream, &gate_partials));
   bool launched = false;
   if (device.is_cuda())
     DETDIT_RETURN_IF_ERROR(cuda::gate_residual_rmsnorm_backward_single_pass(p, norm_partials.weight, norm_partials.table,
@@ -112,13 +115,13 @@ Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p
     if (g.present()) DETDIT_RETURN_IF_ERROR(backend::gate_residual_rmsnorm_backward_rows(device, p, g, stream));
     const ChunkSelection every_chunk;
     if (norm_partials.weight.present() || norm_partials.table.present())
-      DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_partials(device, norm_backward(p, g), every_chunk, ExtraRows{},
+      DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_partials(device, rowwise::norm_backward(p, g), every_chunk, ExtraRows{},
                                                                 norm_partials.weight, norm_partials.table, stream));
     if (gate_partials.gate.present())
-      DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, gate_backward(p, g), every_chunk,
+      DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, rowwise::gate_backward(p, g), every_chunk,
                                                                       ExtraRows{}, gate_partials.gate, stream));
   }
-  DETDIT_RETURN_IF_ERROR(rowwise::fold_rmsnorm_partials(norm_backward(p, g), norm_partials.weight,
+  DETDIT_RETURN_IF_ERROR(rowwise::fold_rmsnorm_partials(rowwise::norm_backward(p, g), norm_partials.weight,
                                                         norm_partials.table, stream));
   if (!p.d_gate.present()) return Status();
   return backend::fold_segment_partials(device, p.in.plan, gate_partials.gate, p.d_gate, stream);

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "common/backends.h"
+#include "common/fnv1a.h"
+#include "common/out_of_memory.h"
 #include "common/validate.h"
 
 namespace detdit {
@@ -20,6 +22,7 @@ namespace detdit {
 struct IndexPlan::Impl {
   int64_t seq_len = 0, batch = 0, num_rows = 0, positions = 0, num_chunks = 0, num_segments = 0;
   int64_t max_chunk_segments = 0;
+  uint64_t fingerprint = 0;
   Device device;
   std::vector<int32_t> row_of_seq, chunk_segment_begin, segment_row, segment_pos_begin, segment_positions,
       row_segment_begin, row_segments;
@@ -235,6 +238,8 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->positions = positions;
   impl->num_chunks = num_chunks;
   impl->device = device;
+  const int64_t sizes[] = {seq_len, batch, num_rows};
+  impl->fingerprint = fnv1a_words(row_of_seq.data(), row_of_seq.size() * sizeof(int32_t), fnv1a(sizes, sizeof sizes));
 
   // When 256 divides S, no chunk straddles two batch items and batch item b's
   // chunks are item 0's with positions + b*S and segments + b*G0: the chunks
@@ -398,42 +403,42 @@ Status build_from_timesteps_and_tags(const TensorView& timestep_indices, const T
   return build(std::move(rows), num_rows, batch, timestep_indices.device, stream, plan);
 }
 
-// Runs a public builder, turning std::bad_alloc into a RuntimeError: no
-// exception leaves the library. The tables take at most
-// 4 * (S + 4*B*S + R + C + 3) bytes (S rows, B*S positions, at most B*S
-// segments in three tables, R + 1 row starts, C + 1 chunk starts). The sizes
-// are doubles: they may be unvalidated arguments (no overflow in the message).
-template <typename Build>
-Status out_of_memory_is_an_error(double seq_len, double num_rows, double batch, Build build) {
-  try {
-    return build();
-  } catch (const std::bad_alloc&) {
-    const double positions = seq_len * batch;
-    const double bytes = 4.0 * (seq_len + 4.0 * positions + num_rows + positions / kReductionChunk + 3.0);
-    char message[256];
-    std::snprintf(message, sizeof message,
-                  "out of memory building the index plan (S = %.0f, B = %.0f, R = %.0f): its tables take up to "
-                  "%.0f MB, 4 bytes per table row among them",
-                  seq_len, batch, num_rows, bytes / 1e6);
-    return Status::runtime_error(message);
-  }
+// The RuntimeError of a builder that ran out of memory (out_of_memory_is_an_error):
+// the tables take at most 4 * (S + 4*B*S + R + C + 3) bytes (S rows, B*S
+// positions, at most B*S segments in three tables, R + 1 row starts, C + 1
+// chunk starts). The sizes are doubles: they may be unvalidated arguments (no
+// overflow in the message).
+std::string out_of_memory_message(double seq_len, double num_rows, double batch) {
+  const double positions = seq_len * batch;
+  const double bytes = 4.0 * (seq_len + 4.0 * positions + num_rows + positions / kReductionChunk + 3.0);
+  char message[256];
+  std::snprintf(message, sizeof message,
+                "out of memory building the index plan (S = %.0f, B = %.0f, R = %.0f): its tables take up to "
+                "%.0f MB, 4 bytes per table row among them",
+                seq_len, batch, num_rows, bytes / 1e6);
+  return message;
 }
 
 }  // namespace
 
 Status IndexPlan::from_row_index(const TensorView& row_index, int64_t num_rows, int64_t batch, IndexPlan* plan,
                                  Stream stream) {
-  return out_of_memory_is_an_error(static_cast<double>(row_index.shape[0]), static_cast<double>(num_rows),
-                                   static_cast<double>(batch),
-                                   [&] { return build_from_row_index(row_index, num_rows, batch, plan, stream); });
+  return out_of_memory_is_an_error(
+      [&] {
+        return out_of_memory_message(static_cast<double>(row_index.shape[0]), static_cast<double>(num_rows),
+                                     static_cast<double>(batch));
+      },
+      [&] { return build_from_row_index(row_index, num_rows, batch, plan, stream); });
 }
 
 Status IndexPlan::from_timesteps_and_tags(const TensorView& timestep_indices, const TensorView& token_tags,
                                           int64_t num_timesteps, int64_t batch, IndexPlan* plan, Stream stream) {
-  return out_of_memory_is_an_error(static_cast<double>(timestep_indices.shape[0]),
-                                   static_cast<double>(num_timesteps) * kNumModalities, static_cast<double>(batch), [&] {
-    return build_from_timesteps_and_tags(timestep_indices, token_tags, num_timesteps, batch, plan, stream);
-  });
+  return out_of_memory_is_an_error(
+      [&] {
+        return out_of_memory_message(static_cast<double>(timestep_indices.shape[0]),
+                                     static_cast<double>(num_timesteps) * kNumModalities, static_cast<double>(batch));
+      },
+      [&] { return build_from_timesteps_and_tags(timestep_indices, token_tags, num_timesteps, batch, plan, stream); });
 }
 
 int64_t IndexPlan::seq_len() const { return impl_ ? impl_->seq_len : 0; }
@@ -443,6 +448,7 @@ int64_t IndexPlan::positions() const { return impl_ ? impl_->positions : 0; }
 int64_t IndexPlan::num_chunks() const { return impl_ ? impl_->num_chunks : 0; }
 int64_t IndexPlan::num_segments() const { return impl_ ? impl_->num_segments : 0; }
 int64_t IndexPlan::max_chunk_segments() const { return impl_ ? impl_->max_chunk_segments : 0; }
+uint64_t IndexPlan::fingerprint() const { return impl_ ? impl_->fingerprint : 0; }
 Device IndexPlan::device() const { return impl_ ? impl_->device : Device::cpu(); }
 // An empty plan has empty tables (all null) rather than a null dereference.
 const PlanTables& IndexPlan::host_tables() const {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/backends.h"
+#include "common/out_of_memory.h"
 #include "common/scratch.h"
 #include "common/storage.h"
 #include "common/validate.h"
@@ -37,7 +38,7 @@ Status check_timestep_tensor(const TensorView& t) {
 }
 
 // Every value finite and in [0, 1]; a CUDA tensor is read on the host once.
-Status check_timestep_values(const TensorView& t, Stream stream) {
+Status check_timestep_values_unguarded(const TensorView& t, Stream stream) {
   std::vector<char> raw(t.nbytes());
   if (t.device.is_cuda()) {
     DETDIT_RETURN_IF_ERROR(cuda::copy_to_host(t.data, raw.data(), raw.size(), t.device, stream));
@@ -60,6 +61,15 @@ Status check_timestep_values(const TensorView& t, Stream stream) {
     }
     return Status();
   });
+}
+
+// The host copy of the values may not fit: a RuntimeError, not an exception.
+Status check_timestep_values(const TensorView& t, Stream stream) {
+  return out_of_memory_is_an_error(
+      [&] {
+        return "out of memory: the " + std::to_string(t.nbytes()) + "-byte host copy of timesteps for their range check";
+      },
+      [&] { return check_timestep_values_unguarded(t, stream); });
 }
 
 Status check_max_period(float max_period) {

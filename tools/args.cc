@@ -73,12 +73,20 @@ bool Args::parse(int argc, char** argv, int first) {
           error_ = "option " + name + " takes no value";
           return false;
         }
-      } else if (!inline_value) {
-        if (i + 1 >= argc) {
-          error_ = "option " + name + " needs a value " + s->value_name;
+      } else {
+        if (!inline_value) {
+          if (i + 1 >= argc) {
+            error_ = "option " + name + " needs a value " + s->value_name;
+            return false;
+          }
+          value = argv[++i];
+        }
+        // An empty value is a mistake (an unset shell variable), never "the
+        // default": --weights "" used to run on the synthetic default.
+        if (value.empty()) {
+          error_ = "option " + name + " needs a non-empty value " + s->value_name + ", got ''";
           return false;
         }
-        value = argv[++i];
       }
       s->given = true;
       s->value = value;
@@ -149,6 +157,21 @@ std::set<std::string> Args::get_set(const std::string& name) const {
   return items;
 }
 
+namespace {
+
+// Only decimal digits, after an optional '-' where `sign_allowed`: strtoll
+// and strtoull also skip leading blanks and take a sign, so " -1" read as an
+// unsigned number was 2^64 - 1.
+bool is_decimal(const std::string& text, bool sign_allowed) {
+  const std::size_t first = sign_allowed && !text.empty() && text[0] == '-' ? 1 : 0;
+  if (text.size() == first) return false;
+  for (std::size_t i = first; i < text.size(); ++i)
+    if (text[i] < '0' || text[i] > '9') return false;
+  return true;
+}
+
+}  // namespace
+
 bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value) {
   if (!has(name)) {
     *value = fallback;
@@ -158,7 +181,7 @@ bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_
   char* end = nullptr;
   errno = 0;
   long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno != 0 || v < lo || v > hi) {
+  if (!is_decimal(text, true) || *end != '\0' || errno != 0 || v < lo || v > hi) {
     error_ = name + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
              text + "'";
     return false;
@@ -176,7 +199,7 @@ bool Args::get_uint64(const std::string& name, uint64_t fallback, uint64_t* valu
   char* end = nullptr;
   errno = 0;
   unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (text.empty() || text[0] == '-' || *end != '\0' || errno != 0) {
+  if (!is_decimal(text, false) || *end != '\0' || errno != 0) {
     error_ = name + " must be a non-negative integer, got '" + text + "'";
     return false;
   }

@@ -1,7 +1,7 @@
 // A small command-line parser for the detdit CLI: long options with a value
-// ("--out DIR" or "--out=DIR"), flags ("--quick"), positionals, and a --help
-// text generated from the declarations. Parsing errors are usage errors
-// (exit code 2) with a message naming the option.
+// ("--out DIR" or "--out=DIR"; the value may not be empty), flags ("--quick"),
+// positionals, and a --help text generated from the declarations. Parsing
+// errors are usage errors (exit code 2) with a message naming the option.
 #pragma once
 
 #include <cstdint>
@@ -34,7 +34,8 @@ class Args {
   std::string get(const std::string& name, const std::string& fallback = "") const;
   // The non-empty items of a comma-separated value ("a,,b" -> {a, b}); empty when not given.
   std::set<std::string> get_set(const std::string& name) const;
-  // Integer values; false (with error()) when the text is not an integer in [lo, hi].
+  // Integer values; false (with error()) when the text is not decimal digits
+  // (get_int: after an optional '-') of a value in [lo, hi] (get_uint64: < 2^64).
   bool get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value);
   bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);
 

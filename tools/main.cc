@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cli.h"
+#include "parallel_common.h"
 
 namespace detdit {
 namespace cli {
@@ -29,6 +30,9 @@ namespace {
 
 int dispatch(int argc, char** argv) {
   using namespace detdit::cli;
+  // Before any command can exit: under mpirun every rank takes part.
+  const int mismatch = agree_on_command_line(argc, argv);
+  if (mismatch >= 0) return mismatch;
   if (argc < 2) {
     std::fputs(kUsage, stderr);
     return 2;

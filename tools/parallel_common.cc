@@ -3,9 +3,11 @@
 #include "parallel_common.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
+#include "common/fnv1a.h"
 #include "cpu/parallel.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
@@ -369,6 +371,27 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
   // variable in ncclCommInitRank. A value the user set wins.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   return create_nccl_communicator_mpi(*device, comm, options);
+}
+
+int agree_on_command_line(int argc, char** argv) {
+  if (!launched_by_mpi()) return -1;
+  std::unique_ptr<Communicator> mpi;
+  if (!create_mpi_communicator(&mpi).ok()) return -1;  // no MPI: no collective can wait either
+  uint64_t hash = kFnv1aOffset;
+  for (int i = 1; i < argc; ++i) hash = fnv1a(argv[i], std::strlen(argv[i]) + 1, hash);  // NUL-separated
+  std::vector<char> all;
+  Status status = gather_host_bytes(*mpi, &hash, sizeof hash, &all);
+  for (int r = 1; status.ok() && r < mpi->world_size(); ++r) {
+    uint64_t theirs = 0, first = 0;
+    std::memcpy(&first, all.data(), sizeof first);
+    std::memcpy(&theirs, all.data() + r * sizeof theirs, sizeof theirs);
+    if (theirs != first)
+      status = Status::value_error("rank " + std::to_string(r) + " was started with another command line than rank 0; "
+                                   "under mpirun every rank must run the same detdit command with the same options");
+  }
+  if (status.ok()) return -1;
+  std::fprintf(stderr, "detdit: rank %d of %d: %s\n", mpi->rank(), mpi->world_size(), status.to_string().c_str());
+  return 2;
 }
 
 Status all_ranks_ok(Communicator& comm, const Status& local) {

@@ -143,6 +143,16 @@ Status prepare_tp_run(const TpProblem& problem, const TpWeights& weights, const 
 // multicast stays off). *device is where this rank's tensors live.
 Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* device, NcclOptions options = {});
 
+// Under mpirun (launched_by_mpi()) every process must run the same command
+// line: the collectives of a command follow from its options, so ranks
+// started differently (another --ops or --repeats, --help or --list on one,
+// verify on one and bench on another) would wait forever in a collective
+// their peers never enter. Called first, before any command can exit, on
+// every rank: the ranks exchange a hash of argv[1..argc) over MPI. Returns
+// -1 (go on) when they are equal or this is no multi-process MPI run (or
+// detdit has no MPI); else 2 (a usage error, on every rank, each saying so).
+int agree_on_command_line(int argc, char** argv);
+
 // A barrier that also agrees on success: every rank learns whether any rank's
 // `local` failed (that rank's own error, else a RuntimeError naming the first
 // failing rank). Unlike Communicator::agree it always communicates (a NCCL

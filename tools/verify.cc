@@ -8,13 +8,13 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "args.h"
 #include "cli.h"
 #include "environment.h"
+#include "io/files.h"
 #include "io/manifest.h"
 #include "parallel_common.h"
 
@@ -251,10 +251,14 @@ int run_verify(int argc, char** argv) {
 
   const bool terminal = leader && ::isatty(STDERR_FILENO) != 0;
   Weights weights;
-  // Under MPI rank 0 resolves (and on first use generates) the cached default
+  // The leader's destinations first: one that is not a regular file (a FIFO
+  // would block the write) is refused before the run, not after it. Then
+  // under MPI rank 0 resolves (and on first use generates) the cached default
   // first, so the ranks never write the cache at the same time.
-  Status status = leader ? resolve_weights(args.get("--weights"), blocks, seed, /*announce=*/true, &weights)
-                         : Status::ok_status();
+  Status status = Status::ok_status();
+  for (const char* option : {"--out", "--figure"})
+    if (leader && status.ok() && args.has(option)) status = io::check_replaceable(args.get(option));
+  if (leader && status.ok()) status = resolve_weights(args.get("--weights"), blocks, seed, /*announce=*/true, &weights);
   if (world != nullptr) {
     status = all_ranks_ok(*world, status);
     if (status.ok() && !leader) {
@@ -394,10 +398,10 @@ int run_verify(int argc, char** argv) {
   report["cases"] = json_cases;
 
   if (args.has("--out")) {
-    std::ofstream out(args.get("--out"));
-    out << report.dump(2) << "\n";
-    if (!out) {
-      std::fprintf(stderr, "detdit: %s: cannot write the report\n", args.get("--out").c_str());
+    // A temporary renamed into place: a failed write leaves the previous report or none.
+    Status s = io::write_file_atomically(args.get("--out"), report.dump(2) + "\n");
+    if (!s.ok()) {
+      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
       return 2;
     }
   }

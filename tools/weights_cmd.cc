@@ -90,9 +90,11 @@ int run_synth(int argc, char** argv) {
   return 0;
 }
 
-// Lines "<hex>  <name>" (sha256sum format; "*name" too; hex may be a prefix of
-// at least 8 digits, as the reference manifest prints them). <name> is a
-// tensor of the file, or the file's own name for a whole-file digest.
+// Lines "<hex>  <name>" (sha256sum format; "*name" too; hex in either case, as
+// sha256sum reads it, and may be a prefix of at least 8 digits, as the
+// reference manifest prints them). <name> is a tensor of the file, or the
+// file's own name for a whole-file digest. A list without one such line is an
+// input error: checking nothing must not read as "OK".
 int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, std::vector<std::string>* differences,
                  int* checked) {
   std::string text;
@@ -100,7 +102,7 @@ int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, 
   if (!read.ok()) return input_error(read);
   std::istringstream in(text);
   std::string line;
-  int line_number = 0;
+  int line_number = 0, listed = 0;
   const std::string base = file.path().substr(file.path().find_last_of('/') + 1);
   while (std::getline(in, line)) {
     ++line_number;
@@ -110,12 +112,16 @@ int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, 
     fields >> hex >> name;
     if (!name.empty() && name[0] == '*') name.erase(0, 1);
     bool hex_ok = hex.size() >= 8 && hex.size() <= 64;
-    for (char ch : hex) hex_ok = hex_ok && ((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'));
+    for (char& ch : hex) {
+      if (ch >= 'A' && ch <= 'F') ch = static_cast<char>(ch - 'A' + 'a');
+      hex_ok = hex_ok && ((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'));
+    }
     if (!hex_ok || name.empty()) {
       std::fprintf(stderr, "detdit: %s:%d: expected '<sha256 hex>  <tensor or file name>', got '%s'\n",
                    sums_path.c_str(), line_number, line.c_str());
       return 2;
     }
+    ++listed;
     std::string actual;
     if (name == base) {
       actual = io::sha256_hex(file.file_bytes(), file.file_size());
@@ -129,6 +135,11 @@ int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, 
     if (actual.compare(0, hex.size(), hex) != 0) {
       differences->push_back("sha256: " + name + " is " + actual + ", expected " + hex);
     }
+  }
+  if (listed == 0) {
+    std::fprintf(stderr, "detdit: %s: holds no checksum line ('<sha256 hex>  <tensor or file name>')\n",
+                 sums_path.c_str());
+    return 2;
   }
   return -1;
 }

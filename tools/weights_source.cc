@@ -22,6 +22,35 @@ std::string weights_file_path(const std::string& dir_or_file) {
   return dir_or_file;
 }
 
+namespace {
+
+// What the ops that verify and bench run need of the dimensions, checked when
+// the weights are loaded: weights the ops must refuse are bad input (exit 2),
+// not failed checks (exit 1).
+Status check_op_dimensions(const std::string& path, const io::ManifestConfig& c) {
+  struct Need {
+    const char* name;
+    int64_t value, multiple;
+    const char* why;
+  };
+  const Need needs[] = {
+      {"H (norm_out.norm.weight)", c.hidden, 4, "rmsnorm reads its rows as 4-element vectors"},
+      {"D (time_embedder.linear_2 outputs)", c.time_embed_dim, 8,
+       "the bf16 AdaLN projections read 16-byte vectors of D"},
+      {"time_embed_hidden (time_embedder.linear_1 outputs)", c.time_embed_hidden, 4,
+       "the fp32 time_embedder.linear_2 reads 16-byte vectors of it"},
+      {"F (time_embedder.linear_1 inputs)", c.freq_dim, 4, "the fp32 time_embedder.linear_1 reads 16-byte vectors of F"},
+  };
+  for (const Need& n : needs) {
+    if (n.value % n.multiple != 0)
+      return Status::value_error(path + ": " + n.name + " = " + std::to_string(n.value) + " must be a multiple of " +
+                                 std::to_string(n.multiple) + " (" + n.why + ")");
+  }
+  return Status::ok_status();
+}
+
+}  // namespace
+
 Status load_weights(const std::string& dir_or_file, Weights* weights) {
   Weights w;
   w.path = weights_file_path(dir_or_file);
@@ -30,6 +59,7 @@ Status load_weights(const std::string& dir_or_file, Weights* weights) {
   if (w.config.blocks == 0) {
     return Status::value_error(w.path + ": has no transformer_blocks.0.adaln_proj.linear.weight");
   }
+  DETDIT_RETURN_IF_ERROR(check_op_dimensions(w.path, w.config));
   std::vector<std::string> differences, extras;
   io::compare_to_manifest(w.file, w.config, &differences, &extras);
   if (!differences.empty()) {

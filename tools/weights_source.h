@@ -27,8 +27,10 @@ struct Weights {
 // DIR may be a directory holding h3_conditioning.safetensors or the file.
 std::string weights_file_path(const std::string& dir_or_file);
 
-// Opens the file, reads its dimensions and checks it against the manifest of
-// those dimensions (every difference listed in a ValueError naming the file).
+// Opens the file, reads its dimensions, checks that the ops can run on them
+// (H, D, time_embed_hidden and F multiples of their vector widths) and checks
+// the file against the manifest of those dimensions (every difference listed
+// in a ValueError naming the file).
 Status load_weights(const std::string& dir_or_file, Weights* weights);
 
 // The cache directory of the synthetic default (not created).

@@ -60,7 +60,8 @@ class Communicator {
   // Collective validation handshake: returns `local` on a rank whose local
   // validation failed, and on every other rank an error of the same kind that
   // names the first failing rank and quotes its message. Then, if the ranks'
-  // `signature`s (a description of what the call will gather) differ, a
+  // `signature`s (a description of what decides the call's collectives and
+  // its replicated results; only its 64-bit hash is exchanged) differ, a
   // ValueError on every rank. OK only if every rank passed `local` OK with the
   // same signature.
   virtual Status agree(const Status& local, const std::string& signature) = 0;

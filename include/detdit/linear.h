@@ -4,8 +4,11 @@
 //
 // Shapes: x (T, K), weight (N, K), bias (N,), out (T, N). T is the number of
 // distinct timesteps (typically 1..8). x, weight and bias share one dtype,
-// fp32 or bf16; all are contiguous and 16-byte aligned; K is a multiple of the
-// 16-byte vector width (4 for fp32, 8 for bf16); T >= 1.
+// fp32 or bf16; all are contiguous; x and weight are 16-byte aligned (their
+// rows are read as 16-byte vectors); K is a multiple of the 16-byte vector
+// width (4 for fp32, 8 for bf16); T >= 1. bias, out and the backward's
+// tensors (but weight) are read and written one element at a time (also by
+// the CUDA kernels), so they need no 16-byte alignment.
 //
 // Determinism (docs/numerics.md, "linear"): out[t, n] depends only on x[t, :],
 // weight[n, :] and bias[n]: bitwise invariant to T, to the other rows and to

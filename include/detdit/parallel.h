@@ -5,9 +5,12 @@
 // happens inside a collective. docs/parallel.md explains the plan with a
 // worked example and the rows and bytes each rank moves.
 //
-// Errors are collective: each op validates its arguments, then every rank
-// learns (Communicator::agree) whether any rank failed, before the first data
-// collective. A failing call fails on every rank and writes no output.
+// Errors are collective: each op validates its arguments and allocates its
+// scratch, then every rank learns (Communicator::agree) whether any rank
+// failed and whether every rank makes the same call (the index plan's
+// fingerprint, the shapes and profile, the gathered outputs), before the
+// first data collective. A failing call fails on every rank and writes no
+// output.
 #pragma once
 
 #include <cstdint>
@@ -71,11 +74,12 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
 //     -1 - (owner*max_send + slot) (backends.h ChunkSelection).
 //
 // Forward: the WS1 op on the local rows with the local index index[lo:hi)
-// (no communication). Backward: row-local gradients (dx, d_y, d_residual)
-// locally; ONE all-gather of the straddling rows (skipped when no rank sends
-// any); each chunk's partials computed by its owner; ONE all-gather of the
-// partials (padded to the most any rank owns), put in global chunk/segment
-// order; every rank folds. Every output and gradient is byte-equal to WS1,
+// (no communication). Backward: the agreement (above); ONE all-gather of the
+// straddling rows (skipped when no rank sends any); each chunk's partials
+// computed by its owner; ONE all-gather of the partials (padded to the most
+// any rank owns), put in global chunk/segment order; then the outputs: the
+// row-local gradients (dx, d_y, d_residual) and the folds every rank runs.
+// Every output and gradient is byte-equal to WS1,
 // and the replicated gradients (d_weight, d_shift, d_scale, d_gate) are
 // identical on every rank. On CUDA the plan's tables live on the device and
 // no op synchronises the host.
@@ -130,7 +134,8 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
 // The fused region (gate_residual_rmsnorm.h) on the local rows: the forward is
 // the WS1 op with the local index; the backward is the sp_rmsnorm backward of
 // d_out, the sum with d_h, then the sp_gate_residual backward of that sum, so
-// every output equals WS1's byte for byte.
+// every output equals WS1's byte for byte. Both halves are validated,
+// allocated and agreed as one call before either exchanges anything.
 Status sp_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params,
                                         Stream stream = nullptr);
 Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,

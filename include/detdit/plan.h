@@ -73,6 +73,12 @@ class IndexPlan {
   int64_t num_chunks() const;    // C = ceil(P / 256)
   int64_t num_segments() const;  // G
   int64_t max_chunk_segments() const;  // the most segments of any one chunk
+  // FNV-1a (64-bit) of S, B, R and the table row of every position, computed
+  // once at build: plans of one index, R and B have one fingerprint in every
+  // process, plans that differ in any of them (almost surely) differ. The
+  // parallel ops agree on it across ranks (parallel.h), so ranks holding
+  // different indexes fail instead of computing different "replicated" results.
+  uint64_t fingerprint() const;
   Device device() const;
   // Host tables (always present) and device tables (the plan's device; equal
   // to host_tables() for a CPU plan).

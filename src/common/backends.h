@@ -10,8 +10,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
+
+#include "common/out_of_memory.h"
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
@@ -135,12 +138,22 @@ DETDIT_CUDA_ONLY_OPS(DETDIT_DECLARE_BACKEND_OP)
 #undef DETDIT_DECLARE_BACKEND_OP
 
 // backend::name(device, args...): cuda::name(args...) on a CUDA device, else
-// cpu::name(args...). The one place where an op picks its backend.
-#define DETDIT_DISPATCH_BACKEND_OP(name, ...)                              \
-  template <typename... Args>                                              \
-  Status name(const Device& device, Args&&... args) {                      \
-    if (device.is_cuda()) return cuda::name(std::forward<Args>(args)...);  \
-    return cpu::name(std::forward<Args>(args)...);                         \
+// cpu::name(args...). The one place where an op picks its backend, and so the
+// narrowest one that covers every host allocation of the backends (their
+// std::vector working memory, also inside cpu::parallel_for's workers, which
+// hand exceptions to the caller): std::bad_alloc becomes a RuntimeError.
+#define DETDIT_DISPATCH_BACKEND_OP(name, ...)                                                          \
+  template <typename... Args>                                                                          \
+  Status name(const Device& device, Args&&... args) {                                                  \
+    return out_of_memory_is_an_error(                                                                  \
+        [&] {                                                                                          \
+          return std::string("out of memory: the ") + (device.is_cuda() ? "CUDA" : "CPU") +             \
+                 " backend of " #name " could not allocate its host working memory";                   \
+        },                                                                                             \
+        [&] {                                                                                          \
+          if (device.is_cuda()) return cuda::name(std::forward<Args>(args)...);                        \
+          return cpu::name(std::forward<Args>(args)...);                                               \
+        });                                                                                            \
   }
 namespace backend {
 DETDIT_BACKEND_OPS(DETDIT_DISPATCH_BACKEND_OP)

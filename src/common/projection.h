@@ -24,7 +24,7 @@ namespace detdit {
 
 // temb (T, D) fp32, T >= 1; weight (N, D) bf16 or fp32, contiguous, 16-byte
 // aligned, D a multiple of the 16-byte vector width; bias (N,) weight's dtype
-// or absent; table (T, N) weight's dtype; act (T, D) weight's dtype or absent;
+// (required); table (T, N) weight's dtype; act (T, D) weight's dtype or absent;
 // one device; numerics valid on it; outputs overlap no input.
 Status validate_projection_forward(const TensorView& temb, const TensorView& weight, const TensorView& bias,
                                    const TensorView& table, const TensorView& act, Numerics numerics);

@@ -102,6 +102,10 @@ Status same_device(const TensorView& t, const char* name, const TensorView& othe
 }
 
 Status numerics_on(Numerics numerics, const Device& device) {
+  // An enum holds any int a caller casts into it; only the two profiles exist.
+  if (numerics != Numerics::kPortable && numerics != Numerics::kTorch)
+    return Status::value_error("numerics must be Numerics::kPortable or Numerics::kTorch, got Numerics(" +
+                               std::to_string(static_cast<int>(numerics)) + ")");
   if (numerics == Numerics::kTorch && !device.is_cuda())
     return Status::value_error(
         "numerics=torch exists on CUDA only (it replays PyTorch's CUDA kernels); use numerics=portable "

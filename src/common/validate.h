@@ -37,7 +37,7 @@ Status unit_column_stride(const TensorView& t, const char* name);
 Status aligned(const TensorView& t, const char* name, std::size_t bytes, const char* why);
 // ValueError "<name> is on cuda:1, <other> is on cuda:0".
 Status same_device(const TensorView& t, const char* name, const TensorView& other, const char* other_name);
-// ValueError when the profile is torch and the device is the CPU.
+// ValueError when the profile is neither portable nor torch, or torch on the CPU.
 Status numerics_on(Numerics numerics, const Device& device);
 // ValueError when the plan is missing or on another device than t.
 Status plan_on(const IndexPlan& plan, const char* name, const TensorView& t, const char* t_name);

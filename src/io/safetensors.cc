@@ -16,6 +16,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "common/out_of_memory.h"
 #include "io/files.h"
 
 namespace detdit {
@@ -32,18 +33,10 @@ Status malformed(const std::string& file, const std::string& problem) {
   return Status::value_error(file + ": " + problem);
 }
 
-// Runs `body`, turning std::bad_alloc into a RuntimeError naming the file: no
-// exception leaves the reader or the writer. Their allocations are bounded by
-// the input (a header of at most 100 MiB needs a DOM of a few hundred MB; the
-// writer's buffer is one tensor), yet may exceed the memory at hand.
-template <typename Body>
-Status out_of_memory_is_an_error(const std::string& file, Body body) {
-  try {
-    return body();
-  } catch (const std::bad_alloc&) {
-    return Status::runtime_error(file + ": out of memory");
-  }
-}
+// The reader's and the writer's allocations are bounded by the input (a
+// header of at most 100 MiB needs a DOM of a few hundred MB; the writer's
+// buffer is one tensor), yet may exceed the memory at hand: each runs through
+// out_of_memory_is_an_error (src/common/out_of_memory.h), naming the file.
 
 bool host_is_little_endian() {
   const uint16_t probe = 1;
@@ -397,7 +390,8 @@ int64_t TensorEntry::numel() const {
 }
 
 Status SafetensorsFile::parse(const uint8_t* bytes, uint64_t size, const std::string& name, SafetensorsFile* file) {
-  return out_of_memory_is_an_error(name, [&] { return parse_unguarded(bytes, size, name, file); });
+  return out_of_memory_is_an_error([&] { return name + ": out of memory"; },
+                                   [&] { return parse_unguarded(bytes, size, name, file); });
 }
 
 Status SafetensorsFile::parse_unguarded(const uint8_t* bytes, uint64_t size, const std::string& name,
@@ -462,7 +456,7 @@ Status SafetensorsFile::open(const std::string& path, SafetensorsFile* file) {
   int err = errno;
   ::close(fd);  // the mapping keeps the file referenced
   if (mapped == MAP_FAILED) return Status::runtime_error(path + ": cannot mmap: " + std::strerror(err));
-  return out_of_memory_is_an_error(path, [&] {
+  return out_of_memory_is_an_error([&] { return path + ": out of memory"; }, [&] {
     // (A failed allocation of the control block unmaps through the deleter.)
     std::shared_ptr<const void> mapping(mapped, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
     SafetensorsFile parsed;
@@ -502,7 +496,8 @@ Status SafetensorsFile::view(const std::string& name, TensorView* view) const {
 Status write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                          const std::map<std::string, std::string>& metadata,
                          const std::function<Status()>& before_rename) {
-  return out_of_memory_is_an_error(path, [&] { return write_unguarded(path, tensors, metadata, before_rename); });
+  return out_of_memory_is_an_error([&] { return path + ": out of memory"; },
+                                   [&] { return write_unguarded(path, tensors, metadata, before_rename); });
 }
 
 }  // namespace io

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "common/fnv1a.h"
 #include "common/storage.h"
 #include "cpu/parallel.h"
 #include "io/files.h"
@@ -25,14 +26,6 @@ uint64_t splitmix64_mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-uint64_t fnv1a64(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 struct Distribution {
   double mean;
@@ -74,7 +67,7 @@ void store(DType dtype, uint8_t* out, int64_t i, double value) {
 
 void fill_normal(DType dtype, int64_t numel, uint64_t seed, const std::string& stream_name, double mean, double std,
                  uint8_t* out) {
-  const uint64_t key = splitmix64_mix(splitmix64_mix(seed + kGolden) ^ fnv1a64(stream_name));
+  const uint64_t key = splitmix64_mix(splitmix64_mix(seed + kGolden) ^ fnv1a(stream_name));
   const int64_t pairs = (numel + 1) / 2;
   const int64_t tasks = (pairs + kPairsPerTask - 1) / kPairsPerTask;
   cpu::parallel_for(0, tasks, [&](int64_t task) {

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/fnv1a.h"
+
 namespace detdit {
 namespace comm_detail {
 namespace {
@@ -65,9 +67,7 @@ Status check_call_headers(const CallHeader* headers, int world, const Status& lo
 AgreeRecord make_record(const Status& local, const std::string& signature) {
   AgreeRecord record;
   record.kind = static_cast<int32_t>(local.kind());
-  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a: the same on every process
-  for (unsigned char c : signature) hash = (hash ^ c) * 0x100000001b3ull;
-  record.signature = hash;
+  record.signature = fnv1a(signature);  // the same on every process
   const std::string& m = local.message();
   std::memcpy(record.message, m.data(), std::min(m.size(), kAgreeMessageBytes - 1));
   return record;
@@ -86,7 +86,8 @@ Status resolve_agreement(const AgreeRecord* records, int world, const Status& lo
       return Status::value_error(
           "the ranks' calls differ: rank " + std::to_string(r) + "'s call does not match rank 0's (this rank: " +
           (signature.empty() ? std::string("no signature") : signature) +
-          "); every rank must ask for the same gathered outputs with the same replicated shapes");
+          "); every rank must make the same call: the same index plan, replicated shapes, profile and gathered "
+          "outputs");
   return Status();
 }
 

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/out_of_memory.h"
 #include "detdit/comm.h"
 #include "parallel/call_check.h"
 #include "parallel/comm_copy.h"
@@ -78,8 +79,11 @@ namespace {
 
 class InProcessCommunicator final : public Communicator {
  public:
+  // The per-call copies of the peers' slots are allocated here, once: a call
+  // allocates nothing, so none can fail between its two barriers.
   InProcessCommunicator(std::shared_ptr<InProcessGroup::State> state, int rank)
-      : state_(std::move(state)), rank_(rank) {}
+      : state_(std::move(state)), rank_(rank), headers_(state_->world), records_(state_->world),
+        done_events_(state_->world) {}
   ~InProcessCommunicator() override {
     state_->depart(rank_);
     if (ready_event_) cuda::comm_event_destroy(ready_event_);
@@ -107,20 +111,18 @@ class InProcessCommunicator final : public Communicator {
 
     // Slots are read only between the two barriers (a peer rewrites its slot
     // once it has passed the second one).
-    std::vector<CallHeader> headers(world);
-    std::vector<void*> done_events(world);
     for (int r = 0; r < world; ++r) {
-      headers[r] = state_->slots[r].header;
-      done_events[r] = state_->slots[r].done_event;
+      headers_[r] = state_->slots[r].header;
+      done_events_[r] = state_->slots[r].done_event;
     }
-    Status verdict = comm_detail::check_call_headers(headers.data(), world, local);
+    Status verdict = comm_detail::check_call_headers(headers_.data(), world, local);
     if (verdict.ok() && bytes > 0) verdict = pull(bytes, static_cast<char*>(recv), stream);
     // Always the second barrier, also on error: a peer may still read the slots.
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
     DETDIT_RETURN_IF_ERROR(verdict);
     if (on_cuda && bytes > 0) {
       for (int r = 0; r < world; ++r)
-        if (r != rank_) DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, done_events[r]));
+        if (r != rank_) DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, done_events_[r]));
     }
     return Status();
   }
@@ -131,15 +133,13 @@ class InProcessCommunicator final : public Communicator {
     mine.header = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
     mine.record = comm_detail::make_record(local, signature);
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
-    std::vector<CallHeader> headers(world);
-    std::vector<AgreeRecord> records(world);
     for (int r = 0; r < world; ++r) {
-      headers[r] = state_->slots[r].header;
-      records[r] = state_->slots[r].record;
+      headers_[r] = state_->slots[r].header;
+      records_[r] = state_->slots[r].record;
     }
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
-    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world, Status()));
-    return comm_detail::resolve_agreement(records.data(), world, local, signature);
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world, Status()));
+    return comm_detail::resolve_agreement(records_.data(), world, local, signature);
   }
 
  private:
@@ -168,6 +168,9 @@ class InProcessCommunicator final : public Communicator {
 
   std::shared_ptr<State> state_;
   int rank_;
+  std::vector<CallHeader> headers_;
+  std::vector<AgreeRecord> records_;
+  std::vector<void*> done_events_;
   uint64_t sequence_ = 0;
   void* ready_event_ = nullptr;
   void* done_event_ = nullptr;
@@ -177,13 +180,17 @@ class InProcessCommunicator final : public Communicator {
 
 Status InProcessGroup::create(int world, Device device, std::shared_ptr<InProcessGroup>* group) {
   if (world < 1) return Status::value_error("world must be >= 1, got " + std::to_string(world));
-  auto state = std::make_shared<State>();
-  state->world = world;
-  state->device = device;
-  state->taken.assign(static_cast<std::size_t>(world), false);
-  state->slots.resize(static_cast<std::size_t>(world));
-  *group = std::make_shared<InProcessGroup>(std::move(state));
-  return Status();
+  return out_of_memory_is_an_error(
+      [&] { return "out of memory creating an in-process group of " + std::to_string(world) + " ranks"; },
+      [&] {
+        auto state = std::make_shared<State>();
+        state->world = world;
+        state->device = device;
+        state->taken.assign(static_cast<std::size_t>(world), false);
+        state->slots.resize(static_cast<std::size_t>(world));
+        *group = std::make_shared<InProcessGroup>(std::move(state));
+        return Status();
+      });
 }
 
 Status InProcessGroup::communicator(int rank, std::unique_ptr<Communicator>* comm) {
@@ -193,21 +200,33 @@ Status InProcessGroup::communicator(int rank, std::unique_ptr<Communicator>* com
                                ", world=" + std::to_string(state_->world));
   if (state_->taken[rank])
     return Status::value_error("the communicator of rank " + std::to_string(rank) + " was already created");
+  DETDIT_RETURN_IF_ERROR(out_of_memory_is_an_error(
+      [&] { return "out of memory creating the communicator of rank " + std::to_string(rank); },
+      [&] {
+        *comm = std::make_unique<InProcessCommunicator>(state_, rank);
+        return Status();
+      }));
   state_->taken[rank] = true;
-  *comm = std::make_unique<InProcessCommunicator>(state_, rank);
   return Status();
 }
 
 Status InProcessGroup::run(int world, const std::function<Status(Communicator&)>& fn, Device device) {
   std::shared_ptr<InProcessGroup> group;
   DETDIT_RETURN_IF_ERROR(create(world, device, &group));
-  std::vector<std::unique_ptr<Communicator>> comms(static_cast<std::size_t>(world));
-  for (int r = 0; r < world; ++r) DETDIT_RETURN_IF_ERROR(group->communicator(r, &comms[r]));
-  std::vector<Status> results(static_cast<std::size_t>(world));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<Status> results;
   std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(world));
+  DETDIT_RETURN_IF_ERROR(out_of_memory_is_an_error(
+      [&] { return "out of memory starting an in-process group of " + std::to_string(world) + " ranks"; },
+      [&] {
+        comms.resize(static_cast<std::size_t>(world));
+        results.resize(static_cast<std::size_t>(world));
+        threads.reserve(static_cast<std::size_t>(world));
+        return Status();
+      }));
+  for (int r = 0; r < world; ++r) DETDIT_RETURN_IF_ERROR(group->communicator(r, &comms[r]));
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
+    auto rank_body = [&, r] {
       try {
         results[r] = fn(*comms[r]);
       } catch (const std::exception& e) {
@@ -217,7 +236,18 @@ Status InProcessGroup::run(int world, const std::function<Status(Communicator&)>
       }
       // Leaving the group wakes any peer still waiting for this rank.
       comms[r].reset();
-    });
+    };
+    try {
+      threads.emplace_back(rank_body);
+    } catch (const std::exception& e) {  // std::system_error (no thread), std::bad_alloc (its state)
+      // No thread for rank r: ranks r.. leave the group, so the started
+      // ranks fail their collectives instead of waiting for them.
+      for (int q = r; q < world; ++q) {
+        results[q] = Status::runtime_error(std::string("could not start the thread of the rank: ") + e.what());
+        comms[q].reset();
+      }
+      break;
+    }
   }
   for (auto& t : threads) t.join();
   // Every failing rank is reported: the first one's kind, all messages (a rank

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/out_of_memory.h"
 #include "detdit/comm.h"
 #include "parallel/call_check.h"
 
@@ -47,7 +48,11 @@ void finalize_at_exit() {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, int rank, int world) : comm_(comm), rank_(rank), world_(world) {}
+  // The gathered headers and records are allocated here, once: a call
+  // allocates nothing, so none can fail on one rank while its peers wait.
+  MpiCommunicator(MPI_Comm comm, int rank, int world)
+      : comm_(comm), rank_(rank), world_(world), headers_(static_cast<std::size_t>(world)),
+        records_(static_cast<std::size_t>(world)) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
@@ -63,22 +68,19 @@ class MpiCommunicator final : public Communicator {
       local = Status::value_error("the MPI all_gather moves at most 2^31 - 1 bytes per rank, got " +
                                   std::to_string(bytes));
     CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
-    std::vector<CallHeader> headers(static_cast<std::size_t>(world_));
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers.data()));
-    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world_, local));
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, local));
     if (bytes == 0) return Status();
     return gather_bytes(send, bytes, recv);
   }
 
   Status agree(const Status& local, const std::string& signature) override {
     CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
-    std::vector<CallHeader> headers(static_cast<std::size_t>(world_));
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers.data()));
-    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers.data(), world_, Status()));
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, Status()));
     AgreeRecord record = comm_detail::make_record(local, signature);
-    std::vector<AgreeRecord> records(static_cast<std::size_t>(world_));
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&record, sizeof(AgreeRecord), records.data()));
-    return comm_detail::resolve_agreement(records.data(), world_, local, signature);
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&record, sizeof(AgreeRecord), records_.data()));
+    return comm_detail::resolve_agreement(records_.data(), world_, local, signature);
   }
 
  private:
@@ -91,6 +93,8 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   int rank_, world_;
+  std::vector<CallHeader> headers_;
+  std::vector<AgreeRecord> records_;
   uint64_t sequence_ = 0;
 };
 
@@ -113,8 +117,12 @@ Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* 
   if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_rank", code);
   code = MPI_Comm_size(handle, &world);
   if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_size", code);
-  *comm = std::make_unique<MpiCommunicator>(handle, rank, world);
-  return Status();
+  return out_of_memory_is_an_error(
+      [&] { return "out of memory creating the MPI communicator of " + std::to_string(world) + " ranks"; },
+      [&] {
+        *comm = std::make_unique<MpiCommunicator>(handle, rank, world);
+        return Status();
+      });
 }
 
 #else

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/out_of_memory.h"
 #include "detdit/comm.h"
 #include "parallel/call_check.h"
 
@@ -80,10 +81,10 @@ class NcclCommunicator final : public Communicator {
     Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world_);
     CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
     if (options_.check_calls) {
-      std::vector<char> gathered;
+      const char* gathered = nullptr;
       DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), stream, &gathered));
-      DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(
-          reinterpret_cast<const CallHeader*>(gathered.data()), world_, local));
+      DETDIT_RETURN_IF_ERROR(
+          comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered), world_, local));
     } else {
       DETDIT_RETURN_IF_ERROR(local);
     }
@@ -96,20 +97,21 @@ class NcclCommunicator final : public Communicator {
     if (!options_.check_calls) return local;
     DETDIT_CUDA_TRY(cudaSetDevice(device_.index));
     CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
-    std::vector<char> gathered;
+    const char* gathered = nullptr;
     DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), nullptr, &gathered));
     DETDIT_RETURN_IF_ERROR(
-        comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered.data()), world_, Status()));
+        comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered), world_, Status()));
     AgreeRecord record = comm_detail::make_record(local, signature);
     DETDIT_RETURN_IF_ERROR(exchange(&record, sizeof(AgreeRecord), nullptr, &gathered));
-    return comm_detail::resolve_agreement(reinterpret_cast<const AgreeRecord*>(gathered.data()), world_, local,
-                                          signature);
+    return comm_detail::resolve_agreement(reinterpret_cast<const AgreeRecord*>(gathered), world_, local, signature);
   }
 
  private:
   // All-gathers `bytes` (<= kCheckBytes) host bytes through the device and
-  // reads the result on the host (synchronises `stream`).
-  Status exchange(const void* host_send, std::size_t bytes, Stream stream, std::vector<char>* gathered) {
+  // reads the result on the host (synchronises `stream`). *gathered points at
+  // the world records in the pinned buffer, valid until the next exchange: a
+  // call allocates nothing, so none can fail on one rank while its peers wait.
+  Status exchange(const void* host_send, std::size_t bytes, Stream stream, const char** gathered) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     char* host = static_cast<char*>(host_check_);
     char* device = static_cast<char*>(device_check_);
@@ -119,7 +121,7 @@ class NcclCommunicator final : public Communicator {
     DETDIT_CUDA_TRY(cudaMemcpyAsync(host + kCheckBytes, device + kCheckBytes, bytes * world_,
                                     cudaMemcpyDeviceToHost, s));
     DETDIT_CUDA_TRY(cudaStreamSynchronize(s));
-    gathered->assign(host + kCheckBytes, host + kCheckBytes + bytes * world_);
+    *gathered = host + kCheckBytes;
     return Status();
   }
 
@@ -136,6 +138,26 @@ class NcclCommunicator final : public Communicator {
 Status check_device(const Device& device) {
   if (!device.is_cuda())
     return Status::value_error("a NCCL communicator needs a CUDA device, got " + device.to_string());
+  return Status();
+}
+
+// The communicator of a NCCL handle (destroyed with it when `owned`, also
+// when this fails).
+Status wrap(ncclComm_t handle, bool owned, int rank, int world, const Device& device, const NcclOptions& options,
+            std::unique_ptr<Communicator>* comm) {
+  std::unique_ptr<NcclCommunicator> made;
+  const Status created = out_of_memory_is_an_error(
+      [&] { return "out of memory creating the NCCL communicator of rank " + std::to_string(rank); },
+      [&] {
+        made = std::make_unique<NcclCommunicator>(handle, owned, rank, world, device, options);
+        return Status();
+      });
+  if (!created.ok()) {
+    if (owned) ncclCommDestroy(handle);
+    return created;
+  }
+  DETDIT_RETURN_IF_ERROR(made->init());
+  *comm = std::move(made);
   return Status();
 }
 
@@ -156,10 +178,7 @@ Status create_nccl_communicator(void* nccl_comm, Device device, std::unique_ptr<
   int rank = 0, world = 0;
   DETDIT_NCCL_TRY(ncclCommUserRank(handle, &rank));
   DETDIT_NCCL_TRY(ncclCommCount(handle, &world));
-  auto made = std::make_unique<NcclCommunicator>(handle, false, rank, world, device, options);
-  DETDIT_RETURN_IF_ERROR(made->init());
-  *comm = std::move(made);
-  return Status();
+  return wrap(handle, false, rank, world, device, options, comm);
 }
 
 Status create_nccl_communicator_from_id(const NcclUniqueId& id, int world, int rank, Device device,
@@ -173,10 +192,7 @@ Status create_nccl_communicator_from_id(const NcclUniqueId& id, int world, int r
   std::memcpy(&raw, id.bytes, sizeof(raw));
   ncclComm_t handle = nullptr;
   DETDIT_NCCL_TRY(ncclCommInitRank(&handle, world, raw, rank));
-  auto made = std::make_unique<NcclCommunicator>(handle, true, rank, world, device, options);
-  DETDIT_RETURN_IF_ERROR(made->init());
-  *comm = std::move(made);
-  return Status();
+  return wrap(handle, true, rank, world, device, options, comm);
 }
 
 #if defined(DETDIT_WITH_MPI)
@@ -185,10 +201,16 @@ Status create_nccl_communicator_mpi(Device device, std::unique_ptr<Communicator>
   std::unique_ptr<Communicator> mpi;
   DETDIT_RETURN_IF_ERROR(create_mpi_communicator(&mpi));
   NcclUniqueId id{};
-  Status made = mpi->rank() == 0 ? nccl_unique_id(&id) : Status();
+  // Broadcast = rank-ordered all-gather, keep rank 0's block; its buffer
+  // before the agreement, which covers a failed allocation too.
+  std::vector<char> all;
+  Status made = out_of_memory_is_an_error([] { return std::string("out of memory receiving the NCCL unique id"); },
+                                          [&] {
+                                            all.resize(kNcclUniqueIdBytes * static_cast<std::size_t>(mpi->world_size()));
+                                            return Status();
+                                          });
+  if (made.ok() && mpi->rank() == 0) made = nccl_unique_id(&id);
   DETDIT_RETURN_IF_ERROR(mpi->agree(made));
-  // Broadcast = rank-ordered all-gather, keep rank 0's block.
-  std::vector<char> all(kNcclUniqueIdBytes * static_cast<std::size_t>(mpi->world_size()));
   DETDIT_RETURN_IF_ERROR(mpi->all_gather(id.bytes, kNcclUniqueIdBytes, all.data(), DType::kI32, nullptr));
   std::memcpy(id.bytes, all.data(), kNcclUniqueIdBytes);
   return create_nccl_communicator_from_id(id, mpi->world_size(), mpi->rank(), device, comm, options);

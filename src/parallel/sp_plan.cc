@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/backends.h"
+#include "common/out_of_memory.h"
 #include "parallel/sp_plan_impl.h"
 
 namespace detdit {
@@ -25,10 +26,8 @@ void append_run(std::vector<SpRun>* runs, int32_t rank, int64_t src, int64_t dst
   runs->push_back(SpRun{rank, src, dst, 1});
 }
 
-}  // namespace
-
-Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, Stream stream) {
-  if (!plan.valid()) return Status::value_error("plan is required, got an empty IndexPlan");
+// The tables of `impl` (contract in parallel.h, steps in docs/parallel.md 3).
+Status build(const IndexPlan& plan, int world, int rank, SpPlan::Impl* impl, Stream stream) {
   if (world < 1 || rank < 0 || rank >= world)
     return Status::value_error("need 0 <= rank < world, got rank=" + std::to_string(rank) +
                                ", world=" + std::to_string(world));
@@ -37,7 +36,6 @@ Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, St
     return Status::value_error("every rank needs a row: seq_len=" + std::to_string(seq_len) +
                                ", world=" + std::to_string(world) + ", batch=" + std::to_string(batch));
 
-  auto impl = std::make_shared<Impl>();
   impl->world = world;
   impl->rank = rank;
   impl->seq_len = seq_len;
@@ -58,7 +56,7 @@ Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, St
   std::vector<int32_t> chunk_owner(static_cast<std::size_t>(num_chunks));
   for (int64_t c = 0; c < num_chunks; ++c) chunk_owner[c] = owner_of_seq[(c * kReductionChunk) % seq_len];
 
-  impl->traffic.assign(static_cast<std::size_t>(world), RankTraffic{});
+  impl->traffic.assign(static_cast<std::size_t>(world), SpPlan::RankTraffic{});
   // Partials of every rank in its block order (its chunks ascending).
   std::vector<int64_t> next_chunk(static_cast<std::size_t>(world), 0), next_segment(static_cast<std::size_t>(world), 0);
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -122,8 +120,26 @@ Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, St
     impl->owned_chunks_on_device = copies[0];
     impl->position_row_on_device = copies[1];
   }
-  sp->impl_ = std::move(impl);
   return Status();
+}
+
+}  // namespace
+
+// The tables are O(B*S) host vectors: running out of memory is a RuntimeError.
+Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, Stream stream) {
+  if (!plan.valid()) return Status::value_error("plan is required, got an empty IndexPlan");
+  return out_of_memory_is_an_error(
+      [&] {
+        return "out of memory building the SpPlan (S = " + std::to_string(plan.seq_len()) +
+               ", B = " + std::to_string(plan.batch()) + ", world = " + std::to_string(world) +
+               "): its host tables take about 24 bytes per position";
+      },
+      [&]() -> Status {
+        auto impl = std::make_shared<Impl>();
+        DETDIT_RETURN_IF_ERROR(build(plan, world, rank, impl.get(), stream));
+        sp->impl_ = std::move(impl);
+        return Status();
+      });
 }
 
 int SpPlan::world() const { return impl_ ? impl_->world : 0; }

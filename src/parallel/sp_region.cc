@@ -4,22 +4,29 @@
 //
 // Forward = the public WS1 op on the local rows with the local plan.
 // Backward =
-//   1. validate locally, then agree across ranks (every rank fails together);
-//   2. row-local gradients with the backends' *_rows halves (local plan);
-//   3. ONE all-gather of the straddling rows: each rank packs its sent rows
+//   1. validate locally and allocate every scratch buffer, then agree across
+//      ranks on the outcome and on the call signature (the index plan's
+//      fingerprint, the shapes and profile, which outputs are gathered): a bad
+//      argument, a failed allocation or a different call on any rank fails
+//      every rank here, before anything moves or is written;
+//   2. ONE all-gather of the straddling rows: each rank packs its sent rows
 //      (x, grad, rstd / grad, y) into a fixed send block of max_send rows; the
 //      gathered blocks are unpacked per field into (world*max_send, ...) rows,
 //      row owner*max_send + slot, as position_row expects;
-//   4. the chunk owner computes its chunks' partials with the *_partials halves
+//   3. the chunk owner computes its chunks' partials with the *_partials halves
 //      (global plan, ChunkSelection of its chunks, ExtraRows) straight into
 //      its send block, padded to the most chunks/segments any rank owns;
-//   5. ONE all-gather of the partials, copied into global chunk/segment order;
-//   6. every rank folds with the WS1 folds (rmsnorm: the same
-//      rowwise::fold_rmsnorm_partials as the WS1 backward).
+//   4. ONE all-gather of the partials, copied into global chunk/segment order;
+//   5. the outputs, after the last collective: row-local gradients with the
+//      backends' *_rows halves (local plan), then every rank folds with the
+//      WS1 folds (rmsnorm: the same rowwise::fold_rmsnorm_partials as the WS1
+//      backward).
 // Every bit is decided by the WS1 backends; this file only moves bytes.
-#include <algorithm>
+#include <cstdio>
 #include <initializer_list>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/backends.h"
@@ -80,49 +87,56 @@ Status check_local_rows(const SpPlan& sp, const TensorView& t, const char* name)
 
 // ---------------------------------------------------------------- exchanges
 
-// One field of the row exchange: own local rows of `row_bytes` each.
-struct RowField {
-  const void* rows;
-  std::size_t row_bytes;
+// Step 2's buffers: the send block (field f's max_send rows at offset[f]),
+// the world gathered blocks and each field's (world*max_send) unpacked rows.
+// Empty when no rank sends a row (every rank knows max_send).
+struct RowExchange {
+  std::vector<std::size_t> row_bytes, offset;
+  std::size_t block = 0;
+  std::shared_ptr<void> memory;
 };
 
-// Step 3: every rank's straddling rows, unpacked per field into
-// (world*max_send) rows; extra[f] points at field f's rows (nullptr when no
-// rank sends anything, then no collective runs: every rank knows max_send).
-Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& device, DType dtype,
-                     const std::vector<RowField>& fields, Stream stream, std::vector<void*>* extra,
-                     std::shared_ptr<void>* owner) {
-  extra->assign(fields.size(), nullptr);
+Status allocate_rows(const SpPlan::Impl& sp, const Device& device, std::vector<std::size_t> row_bytes, Stream stream,
+                     RowExchange* x) {
   if (sp.max_send == 0) return Status();
   const std::size_t world = static_cast<std::size_t>(sp.world);
   const std::size_t max_send = static_cast<std::size_t>(sp.max_send);
-  // Send block: field f at offset[f], max_send rows each.
-  std::vector<std::size_t> offset(fields.size());
-  std::size_t block = 0;
-  for (std::size_t f = 0; f < fields.size(); ++f) {
-    offset[f] = block;
-    block += aligned_size(max_send * fields[f].row_bytes);
-  }
+  x->row_bytes = std::move(row_bytes);
   std::size_t unpacked = 0;
-  for (const RowField& field : fields) unpacked += aligned_size(world * max_send * field.row_bytes);
-  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, block + world * block + unpacked, stream, owner));
-  char* send = static_cast<char*>(owner->get());
-  char* gathered = send + block;
-  char* out = gathered + world * block;
+  for (std::size_t bytes : x->row_bytes) {
+    x->offset.push_back(x->block);
+    x->block += aligned_size(max_send * bytes);
+    unpacked += aligned_size(world * max_send * bytes);
+  }
+  return allocate_scratch(device, x->block + world * x->block + unpacked, stream, &x->memory);
+}
 
-  for (std::size_t f = 0; f < fields.size(); ++f) {
-    const std::size_t rb = fields[f].row_bytes;
+// Every rank's straddling rows of each field (rows[f]: this rank's local
+// rows), unpacked; extra[f] points at field f's rows (nullptr when no rank
+// sends anything, then no collective runs).
+Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& device, DType dtype,
+                     const std::vector<const void*>& rows, const RowExchange& x, Stream stream,
+                     std::vector<void*>* extra) {
+  extra->assign(rows.size(), nullptr);
+  if (sp.max_send == 0) return Status();
+  const std::size_t world = static_cast<std::size_t>(sp.world);
+  const std::size_t max_send = static_cast<std::size_t>(sp.max_send);
+  char* send = static_cast<char*>(x.memory.get());
+  char* gathered = send + x.block;
+  char* out = gathered + world * x.block;
+  for (std::size_t f = 0; f < rows.size(); ++f) {
+    const std::size_t rb = x.row_bytes[f];
     for (const SpRun& run : sp.send_runs)
-      DETDIT_RETURN_IF_ERROR(parallel_copy::copy(device, send + offset[f] + run.dst * rb,
-                                                 static_cast<const char*>(fields[f].rows) + run.src * rb,
-                                                 run.count * rb, stream));
+      DETDIT_RETURN_IF_ERROR(parallel_copy::copy(device, send + x.offset[f] + run.dst * rb,
+                                                 static_cast<const char*>(rows[f]) + run.src * rb, run.count * rb,
+                                                 stream));
   }
   // Slots past a rank's send count are never read (position_row never names them).
-  DETDIT_RETURN_IF_ERROR(comm.all_gather(send, block, gathered, dtype, stream));
-  for (std::size_t f = 0; f < fields.size(); ++f) {
-    const std::size_t width = max_send * fields[f].row_bytes;
+  DETDIT_RETURN_IF_ERROR(comm.all_gather(send, x.block, gathered, dtype, stream));
+  for (std::size_t f = 0; f < rows.size(); ++f) {
+    const std::size_t width = max_send * x.row_bytes[f];
     DETDIT_RETURN_IF_ERROR(
-        parallel_copy::copy_2d(device, out, width, gathered + offset[f], block, width, world, stream));
+        parallel_copy::copy_2d(device, out, width, gathered + x.offset[f], x.block, width, world, stream));
     (*extra)[f] = out;
     out += aligned_size(world * width);
   }
@@ -178,10 +192,22 @@ Status exchange_partials(Communicator& comm, const Device& device,
   return Status();
 }
 
-// What decides this rank's collectives: every rank must agree on it.
-std::string call_signature(const char* op, const TensorView& rows, std::initializer_list<bool> gathered) {
-  std::string signature = std::string(op) + "(" + dtype_name(rows.dtype) +
-                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) + ", gathers";
+// What decides this rank's collectives and the bits of the replicated
+// gradients: every rank must agree on it. The index enters through the
+// plan's fingerprint: ranks holding different indexes of one length would
+// exchange blocks of equal sizes and fold different "replicated" results.
+std::string call_signature(const char* op, const SpPlan& sp, const TensorView& rows, Numerics numerics,
+                           bool modulated, std::initializer_list<bool> gathered) {
+  char index[96] = "no plan";
+  if (sp.valid()) {
+    const IndexPlan& plan = sp.global_plan();
+    std::snprintf(index, sizeof index, "index %016llx S=%lld B=%lld R=%lld world=%d",
+                  static_cast<unsigned long long>(plan.fingerprint()), static_cast<long long>(plan.seq_len()),
+                  static_cast<long long>(plan.batch()), static_cast<long long>(plan.num_rows()), sp.world());
+  }
+  std::string signature = std::string(op) + "(" + index + ", " + dtype_name(rows.dtype) +
+                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) + ", " +
+                          numerics_name(numerics) + (modulated ? ", modulated" : ", plain") + ", gathers";
   for (bool g : gathered) signature += g ? " 1" : " 0";
   return signature + ")";
 }
@@ -225,144 +251,206 @@ Status sp_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsn
 
 // ---------------------------------------------------------------- backward
 
-Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(check_comm(comm, sp));
-  const bool modulated = params.in.shift.present() || params.in.scale.present();
-  RmsnormBackwardParams local = params;
-  local.in.plan = sp.local_plan();
-  Status valid = check_global_plan(sp, params.in.plan, modulated);
-  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
-  if (valid.ok()) valid = rowwise::validate_rmsnorm_backward(local);
-  const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
-  DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, call_signature("sp_rmsnorm_backward", params.in.x, {params.d_weight.present(), tables})));
+namespace {
 
-  const Device device = params.in.x.device;
-  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, local, stream));
-  if (!params.d_weight.present() && !tables) return Status();
+// One rank's rmsnorm backward between validation and the agreement: the
+// local and global forms of the call and every scratch buffer, allocated
+// before the agreement so that a failed allocation is agreed like a bad
+// argument (no rank is left in a collective its peers never enter).
+struct NormBackward {
+  RmsnormBackwardParams local, global;  // the rows half on the local plan; partials and folds on the global one
+  bool tables = false;                  // d_shift / d_scale gathered
+  RowExchange rows;
+  PartialFamily weight{}, table{};
+  std::vector<PartialFamily*> families;
+  std::size_t block = 0;
+  std::shared_ptr<void> partials;
+  bool gathers() const { return local.d_weight.present() || tables; }
+};
 
+Status prepare_norm(const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream, NormBackward* n) {
   const SpPlan::Impl& plan = sp.impl();
+  n->local = n->global = params;
+  n->local.in.plan = plan.local;
+  n->global.in.plan = plan.global;
+  n->tables = params.in.shift.present() && (params.d_shift.present() || params.d_scale.present());
+  if (!n->gathers()) return Status();
+  const Device device = params.in.x.device;
   const int64_t hidden = params.in.x.shape[params.in.x.rank - 1];
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.in.x.dtype);
-  std::vector<void*> extra_rows;
-  std::shared_ptr<void> rows_memory;
-  DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan, device, params.in.x.dtype,
-                                       {{params.in.x.data, row_bytes}, {params.grad.data, row_bytes},
-                                        {params.rstd.data, sizeof(float)}},
-                                       stream, &extra_rows, &rows_memory));
-  const int64_t received = sp.world() * plan.max_send;
-  ExtraRows extra;
-  if (plan.max_send > 0) {
-    extra.x = TensorView::contiguous(extra_rows[0], params.in.x.dtype, {received, hidden}, device);
-    extra.grad = TensorView::contiguous(extra_rows[1], params.in.x.dtype, {received, hidden}, device);
-    extra.rstd = TensorView::contiguous(extra_rows[2], DType::kF32, {received}, device);
-  }
+  DETDIT_RETURN_IF_ERROR(allocate_rows(plan, device, {row_bytes, row_bytes, sizeof(float)}, stream, &n->rows));
+  n->weight = PartialFamily{plan.max_chunks, plan.global.num_chunks(), hidden, &plan.chunk_runs};
+  n->table = PartialFamily{plan.max_segments, plan.global.num_segments(), 2 * hidden, &plan.segment_runs};
+  if (params.d_weight.present()) n->families.push_back(&n->weight);
+  if (n->tables) n->families.push_back(&n->table);
+  return allocate_partials(plan, device, n->families, stream, &n->block, &n->partials);
+}
 
-  PartialFamily weight{plan.max_chunks, plan.global.num_chunks(), hidden, &plan.chunk_runs};
-  PartialFamily table{plan.max_segments, plan.global.num_segments(), 2 * hidden, &plan.segment_runs};
-  std::vector<PartialFamily*> families;
-  if (params.d_weight.present()) families.push_back(&weight);
-  if (tables) families.push_back(&table);
-  std::size_t block = 0;
-  std::shared_ptr<void> partials_memory;
-  DETDIT_RETURN_IF_ERROR(allocate_partials(plan, device, families, stream, &block, &partials_memory));
-
-  RmsnormBackwardParams global = params;
-  global.in.plan = plan.global;
-  const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
-  if (mine.chunks > 0) {
-    TensorView weight_partials, table_partials;
-    if (params.d_weight.present())
-      weight_partials = TensorView::contiguous(weight.send, DType::kF32, {mine.chunks, hidden}, device);
-    if (tables) table_partials = TensorView::contiguous(table.send, DType::kF32, {mine.segments, 2 * hidden}, device);
-    const ChunkSelection sel = owned_selection(plan);
+// Steps 2-5 of an agreed rmsnorm backward.
+Status run_norm(Communicator& comm, const SpPlan& sp, NormBackward& n, Stream stream) {
+  const Device device = n.local.in.x.device;
+  if (n.gathers()) {
+    const SpPlan::Impl& plan = sp.impl();
+    const RmsnormBackwardParams& p = n.global;
+    const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
+    std::vector<void*> extra_rows;
     DETDIT_RETURN_IF_ERROR(
-        backend::rmsnorm_backward_partials(device, global, sel, extra, weight_partials, table_partials, stream));
+        exchange_rows(comm, plan, device, p.in.x.dtype, {p.in.x.data, p.grad.data, p.rstd.data}, n.rows, stream,
+                      &extra_rows));
+    const int64_t received = sp.world() * plan.max_send;
+    ExtraRows extra;
+    if (plan.max_send > 0) {
+      extra.x = TensorView::contiguous(extra_rows[0], p.in.x.dtype, {received, hidden}, device);
+      extra.grad = TensorView::contiguous(extra_rows[1], p.in.x.dtype, {received, hidden}, device);
+      extra.rstd = TensorView::contiguous(extra_rows[2], DType::kF32, {received}, device);
+    }
+    const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
+    if (mine.chunks > 0) {
+      TensorView weight_partials, table_partials;
+      if (p.d_weight.present())
+        weight_partials = TensorView::contiguous(n.weight.send, DType::kF32, {mine.chunks, hidden}, device);
+      if (n.tables)
+        table_partials = TensorView::contiguous(n.table.send, DType::kF32, {mine.segments, 2 * hidden}, device);
+      DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_partials(device, p, owned_selection(plan), extra,
+                                                                weight_partials, table_partials, stream));
+    }
+    DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, n.families, n.block, stream));
   }
-  DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, families, block, stream));
-
+  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, n.local, stream));
+  if (!n.gathers()) return Status();
+  const int64_t hidden = n.global.in.x.shape[n.global.in.x.rank - 1];
   TensorView weight_all, table_all;  // (C, H) chunk and (G, 2H) segment partials in global order
-  if (params.d_weight.present())
-    weight_all = TensorView::contiguous(weight.global, DType::kF32, {weight.total, hidden}, device);
-  if (tables) table_all = TensorView::contiguous(table.global, DType::kF32, {table.total, 2 * hidden}, device);
-  return rowwise::fold_rmsnorm_partials(global, weight_all, table_all, stream);
+  if (n.global.d_weight.present())
+    weight_all = TensorView::contiguous(n.weight.global, DType::kF32, {n.weight.total, hidden}, device);
+  if (n.tables) table_all = TensorView::contiguous(n.table.global, DType::kF32, {n.table.total, 2 * hidden}, device);
+  return rowwise::fold_rmsnorm_partials(n.global, weight_all, table_all, stream);
+}
+
+// One rank's gate_residual backward between validation and the agreement (as NormBackward).
+struct GateBackward {
+  GateResidualBackwardParams local, global;
+  RowExchange rows;
+  PartialFamily gate{};
+  std::size_t block = 0;
+  std::shared_ptr<void> partials;
+};
+
+Status prepare_gate(const SpPlan& sp, const GateResidualBackwardParams& params, Stream stream, GateBackward* g) {
+  const SpPlan::Impl& plan = sp.impl();
+  g->local = g->global = params;
+  g->local.in.plan = plan.local;
+  g->global.in.plan = plan.global;
+  if (!params.d_gate.present()) return Status();
+  const Device device = params.grad.device;
+  const int64_t hidden = params.grad.shape[params.grad.rank - 1];
+  const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.grad.dtype);
+  DETDIT_RETURN_IF_ERROR(allocate_rows(plan, device, {row_bytes, row_bytes}, stream, &g->rows));
+  g->gate = PartialFamily{plan.max_segments, plan.global.num_segments(), hidden, &plan.segment_runs};
+  return allocate_partials(plan, device, {&g->gate}, stream, &g->block, &g->partials);
+}
+
+// Steps 2-5 of an agreed gate_residual backward.
+Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream stream) {
+  const GateResidualBackwardParams& p = g.global;
+  const Device device = p.grad.device;
+  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
+  if (p.d_gate.present()) {
+    const SpPlan::Impl& plan = sp.impl();
+    std::vector<void*> extra_rows;
+    DETDIT_RETURN_IF_ERROR(
+        exchange_rows(comm, plan, device, p.grad.dtype, {p.grad.data, p.in.y.data}, g.rows, stream, &extra_rows));
+    const int64_t received = sp.world() * plan.max_send;
+    ExtraRows extra;
+    if (plan.max_send > 0) {
+      extra.grad = TensorView::contiguous(extra_rows[0], p.grad.dtype, {received, hidden}, device);
+      extra.y = TensorView::contiguous(extra_rows[1], p.grad.dtype, {received, hidden}, device);
+    }
+    const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
+    if (mine.chunks > 0) {
+      const TensorView partials = TensorView::contiguous(g.gate.send, DType::kF32, {mine.segments, hidden}, device);
+      DETDIT_RETURN_IF_ERROR(
+          backend::gate_residual_backward_partials(device, p, owned_selection(plan), extra, partials, stream));
+    }
+    DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, {&g.gate}, g.block, stream));
+  }
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, g.local, stream));
+  if (!p.d_gate.present()) return Status();
+  const TensorView all = TensorView::contiguous(g.gate.global, DType::kF32, {g.gate.total, hidden}, device);
+  return backend::fold_segment_partials(device, p.in.plan, all, p.d_gate, stream);
+}
+
+}  // namespace
+
+Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
+  const bool modulated = params.in.shift.present() || params.in.scale.present();
+  NormBackward norm;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, modulated);
+  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
+  if (valid.ok()) {
+    RmsnormBackwardParams local = params;
+    local.in.plan = sp.local_plan();
+    valid = rowwise::validate_rmsnorm_backward(local);
+  }
+  if (valid.ok()) valid = prepare_norm(sp, params, stream, &norm);
+  const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_rmsnorm_backward", sp, params.in.x, params.in.numerics,
+                                                          modulated, {params.d_weight.present(), tables})));
+  return run_norm(comm, sp, norm, stream);
 }
 
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream) {
-  DETDIT_RETURN_IF_ERROR(check_comm(comm, sp));
-  GateResidualBackwardParams local = params;
-  local.in.plan = sp.local_plan();
-  Status valid = check_global_plan(sp, params.in.plan, true);
+  GateBackward gate;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
   if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
-  if (valid.ok()) valid = rowwise::validate_gate_residual_backward(local);
-  DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, call_signature("sp_gate_residual_backward", params.grad, {params.d_gate.present()})));
-
-  const Device device = params.grad.device;
-  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, local, stream));
-  if (!params.d_gate.present()) return Status();
-
-  const SpPlan::Impl& plan = sp.impl();
-  const int64_t hidden = params.grad.shape[params.grad.rank - 1];
-  const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.grad.dtype);
-  std::vector<void*> extra_rows;
-  std::shared_ptr<void> rows_memory;
-  DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan, device, params.grad.dtype,
-                                       {{params.grad.data, row_bytes}, {params.in.y.data, row_bytes}}, stream,
-                                       &extra_rows, &rows_memory));
-  const int64_t received = sp.world() * plan.max_send;
-  ExtraRows extra;
-  if (plan.max_send > 0) {
-    extra.grad = TensorView::contiguous(extra_rows[0], params.grad.dtype, {received, hidden}, device);
-    extra.y = TensorView::contiguous(extra_rows[1], params.grad.dtype, {received, hidden}, device);
+  if (valid.ok()) {
+    GateResidualBackwardParams local = params;
+    local.in.plan = sp.local_plan();
+    valid = rowwise::validate_gate_residual_backward(local);
   }
-
-  PartialFamily gate{plan.max_segments, plan.global.num_segments(), hidden, &plan.segment_runs};
-  std::size_t block = 0;
-  std::shared_ptr<void> partials_memory;
-  DETDIT_RETURN_IF_ERROR(allocate_partials(plan, device, {&gate}, stream, &block, &partials_memory));
-  const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
-  if (mine.chunks > 0) {
-    GateResidualBackwardParams global = params;
-    global.in.plan = plan.global;
-    const TensorView partials = TensorView::contiguous(gate.send, DType::kF32, {mine.segments, hidden}, device);
-    const ChunkSelection sel = owned_selection(plan);
-    DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(device, global, sel, extra, partials, stream));
-  }
-  DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, {&gate}, block, stream));
-  const TensorView all = TensorView::contiguous(gate.global, DType::kF32, {gate.total, hidden}, device);
-  return backend::fold_segment_partials(device, plan.global, all, params.d_gate, stream);
+  if (valid.ok()) valid = prepare_gate(sp, params, stream, &gate);
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_gate_residual_backward", sp, params.grad,
+                                                          Numerics::kPortable, true, {params.d_gate.present()})));
+  return run_gate(comm, sp, gate, stream);
 }
 
+// Both halves validated, allocated and agreed as one call (one agreement), so
+// neither half can fail on one rank after the other has written its outputs.
 Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
                                          const GateResidualRmsnormBackwardParams& params, Stream stream) {
   const GateResidualRmsnormBackwardParams& p = params;
-  const GateResidualRmsnormInputs& in = p.in;
-  // g, the gradient of h: d_residual when kept, else scratch (allocated
-  // before the first collective, like the halves' own scratch).
+  const bool modulated = p.in.shift.present() || p.in.scale.present();
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, p.in.plan, true);
+  if (valid.ok()) valid = check_local_rows(sp, p.h, "h");
+  if (valid.ok()) {
+    GateResidualRmsnormBackwardParams local = p;
+    local.in.plan = sp.local_plan();
+    valid = rowwise::validate_gate_residual_rmsnorm_backward(local);
+  }
+  // g, the gradient of h: d_residual when kept, else scratch when d_y or d_gate need it.
   TensorView g = p.d_residual;
-  std::shared_ptr<void> owner;
-  if (!g.present() && p.h.present() && (p.d_y.present() || p.d_gate.present())) {
+  std::shared_ptr<void> g_memory;
+  if (valid.ok() && !g.present() && (p.d_y.present() || p.d_gate.present())) {
     g = p.h;
-    DETDIT_RETURN_IF_ERROR(allocate_scratch(p.h.device, p.h.nbytes(), stream, &owner));
-    g.data = owner.get();
+    valid = allocate_scratch(p.h.device, p.h.nbytes(), stream, &g_memory);
+    g.data = g_memory.get();
   }
-  const RmsnormBackwardParams norm{{p.h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics},
-                                   p.rstd,
-                                   p.d_out,
-                                   g,
-                                   p.d_weight,
-                                   p.d_shift,
-                                   p.d_scale};
-  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, norm, stream));
+  NormBackward norm;
+  GateBackward gate;
+  if (valid.ok()) valid = prepare_norm(sp, rowwise::norm_backward(p, g), stream, &norm);
+  if (valid.ok() && g.present()) valid = prepare_gate(sp, rowwise::gate_backward(p, g), stream, &gate);
+  const bool tables = modulated && (p.d_shift.present() || p.d_scale.present());
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_gate_residual_rmsnorm_backward", sp, p.h,
+                                                          p.in.numerics, modulated,
+                                                          {p.d_weight.present(), tables, p.d_gate.present()})));
+  DETDIT_RETURN_IF_ERROR(run_norm(comm, sp, norm, stream));
   if (!g.present()) return Status();
-  if (p.d_h.present()) {
-    DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_h, "d_h", p.h, "h"));
-    DETDIT_RETURN_IF_ERROR(backend::add(g.device, g, p.d_h, g, stream));
-  }
-  return sp_gate_residual_backward(comm, sp, {{in.residual, in.y, in.gate, in.plan}, g, TensorView(), p.d_y, p.d_gate},
-                                   stream);
+  // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to T
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(g.device, g, p.d_h, g, stream));
+  return run_gate(comm, sp, gate, stream);
 }
 
 }  // namespace detdit

@@ -65,12 +65,13 @@ Status columns_to_f32(const TensorView& grad_table, int64_t begin, int64_t colum
   return Status();
 }
 
-// What decides this rank's collectives: every rank must agree on it.
+// What decides this rank's collectives and the bits of the replicated
+// results (the profile decides act's): every rank must agree on it.
 std::string call_signature(const char* op, const TensorView& temb, const TensorView& table, DType dtype,
-                           bool gathers_d_temb) {
+                           Numerics numerics, bool gathers_d_temb) {
   auto dim = [](const TensorView& t, int d) { return std::to_string(t.rank > d ? t.shape[d] : 0); };
   return std::string(op) + "(T=" + dim(temb, 0) + ", D=" + dim(temb, 1) + ", N=" + dim(table, 1) + ", " +
-         dtype_name(dtype) + ", gathers d_temb " + (gathers_d_temb ? "1" : "0") + ")";
+         dtype_name(dtype) + ", " + numerics_name(numerics) + ", gathers d_temb " + (gathers_d_temb ? "1" : "0") + ")";
 }
 
 }  // namespace
@@ -114,15 +115,17 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   for (auto [in, name] : {std::pair<const TensorView*, const char*>{&p.in.temb, "temb"}, {&p.in.weight, "weight"},
                           {&p.in.bias, "bias"}, {&p.act, "act"}})
     if (valid.ok()) valid = check::no_alias(p.table, "table", *in, name);
-  DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, call_signature("tp_adaln_projection_forward", p.in.temb, p.table, p.table.dtype, false)));
-
   // local columns (T, n) -> gathered (tp, T, n) -> table (T, N), rank r's block at column r*n.
+  // The scratch before the agreement: a failed allocation fails every rank.
   const Device device = p.in.temb.device;
-  const int64_t rows = p.table.shape[0], columns = end - begin;
+  const int64_t rows = valid.ok() ? p.table.shape[0] : 0, columns = end - begin;
   const std::size_t element = dtype_size(p.table.dtype), block = static_cast<std::size_t>(rows * columns) * element;
   std::shared_ptr<void> memory;
-  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, block * (1 + world), stream, &memory));
+  if (valid.ok()) valid = allocate_scratch(device, block * (1 + world), stream, &memory);
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, call_signature("tp_adaln_projection_forward", p.in.temb, p.table, p.table.dtype,
+                                       p.in.numerics, false)));
+
   char* local = static_cast<char*>(memory.get());
   char* gathered = local + block;
   const TensorView local_table = TensorView::contiguous(local, p.table.dtype, {rows, columns}, device);
@@ -150,20 +153,22 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   for (auto [out, name] : {std::pair<const TensorView*, const char*>{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
                            {&p.d_bias, "d_bias"}})
     if (valid.ok()) valid = check::no_alias(*out, name, p.grad_table, "grad_table");
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.in.temb, p.grad_table,
-                                                          p.in.weight.dtype, p.d_temb.present())));
-
+  // [g (T, n) fp32 | partials (chunks, T, D) | gathered (tp*chunks, T, D) | d_act (T, D)], allocated
+  // before the agreement: a failed allocation fails every rank.
   const Device device = p.in.temb.device;
-  const int64_t rows = p.in.temb.shape[0], in_features = p.in.temb.shape[1], columns = end - begin;
-  const int64_t chunks = columns / kLinearChunkRows, all_chunks = chunks * world;
-  // [g (T, n) fp32 | partials (chunks, T, D) | gathered (tp*chunks, T, D) | d_act (T, D)]
+  const int64_t rows = valid.ok() ? p.in.temb.shape[0] : 0, in_features = valid.ok() ? p.in.temb.shape[1] : 0;
+  const int64_t columns = end - begin, chunks = columns / kLinearChunkRows, all_chunks = chunks * world;
   const std::size_t g_bytes = static_cast<std::size_t>(rows * columns) * sizeof(float);
   const std::size_t block = static_cast<std::size_t>(chunks * rows * in_features) * sizeof(float);
   const std::size_t act_bytes = static_cast<std::size_t>(rows * in_features) * sizeof(float);
   auto round_up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   std::shared_ptr<void> memory;
-  DETDIT_RETURN_IF_ERROR(allocate_scratch(
-      device, round_up(g_bytes) + round_up(block) + round_up(block * world) + act_bytes, stream, &memory));
+  if (valid.ok())
+    valid = allocate_scratch(device, round_up(g_bytes) + round_up(block) + round_up(block * world) + act_bytes,
+                             stream, &memory);
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.in.temb, p.grad_table,
+                                                          p.in.weight.dtype, p.in.numerics, p.d_temb.present())));
+
   char* base = static_cast<char*>(memory.get());
   float* g = reinterpret_cast<float*>(base);
   char* partials = base + round_up(g_bytes);
@@ -172,21 +177,24 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   DETDIT_RETURN_IF_ERROR(columns_to_f32(p.grad_table, begin, columns, g, stream));
   const TensorView grad = TensorView::contiguous(g, DType::kF32, {rows, columns}, device);
 
+  // The exchange first, every output after it.
+  LinearBackwardInputParams fold;
+  if (p.d_temb.present()) {
+    LinearBackwardInputParams input;
+    input.grad = grad;
+    input.weight = p.in.weight;
+    input.partials = TensorView::contiguous(partials, DType::kF32, {chunks, rows, in_features}, device);
+    DETDIT_RETURN_IF_ERROR(linear_backward_input_partials(input, stream));
+    // Rank r's chunks are WS1 chunks [r*chunks, (r+1)*chunks): the rank-ordered
+    // gather is the global chunk order.
+    DETDIT_RETURN_IF_ERROR(comm.all_gather(partials, block, gathered, DType::kF32, stream));
+    fold.partials = TensorView::contiguous(gathered, DType::kF32, {all_chunks, rows, in_features}, device);
+    fold.d_x = TensorView::contiguous(d_act, DType::kF32, {rows, in_features}, device);
+    DETDIT_RETURN_IF_ERROR(linear_fold_partials(fold, stream));
+  }
   if (p.d_weight.present() || p.d_bias.present())
     DETDIT_RETURN_IF_ERROR(linear_backward_weight(LinearBackwardWeightParams{grad, p.act, p.d_weight, p.d_bias}, stream));
   if (!p.d_temb.present()) return Status();
-  LinearBackwardInputParams input;
-  input.grad = grad;
-  input.weight = p.in.weight;
-  input.partials = TensorView::contiguous(partials, DType::kF32, {chunks, rows, in_features}, device);
-  DETDIT_RETURN_IF_ERROR(linear_backward_input_partials(input, stream));
-  // Rank r's chunks are WS1 chunks [r*chunks, (r+1)*chunks): the rank-ordered
-  // gather is the global chunk order.
-  DETDIT_RETURN_IF_ERROR(comm.all_gather(partials, block, gathered, DType::kF32, stream));
-  LinearBackwardInputParams fold;
-  fold.partials = TensorView::contiguous(gathered, DType::kF32, {all_chunks, rows, in_features}, device);
-  fold.d_x = TensorView::contiguous(d_act, DType::kF32, {rows, in_features}, device);
-  DETDIT_RETURN_IF_ERROR(linear_fold_partials(fold, stream));
   SiluBackwardParams silu;
   silu.grad = fold.d_x;
   silu.pre = p.in.temb;

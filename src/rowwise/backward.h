@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
@@ -51,6 +52,12 @@ Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePar
 // gate_residual_backward after validate_gate_residual_backward: the scratch,
 // rows and partials, the fold.
 Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);
+
+// The halves of gate_residual_rmsnorm's backward (its WS1 and SP forms):
+// the rmsnorm backward of d_out with dx into g, and the gate_residual
+// backward of g (g: the gradient of h, d_residual or scratch).
+RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g);
+GateResidualBackwardParams gate_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g);
 
 // d_weight = fold of the chunk partials (C, H); d_shift / d_scale = folds of
 // the [shift | scale] column halves of the segment partials (G, 2H) over

@@ -54,12 +54,6 @@ Status check_table(const TensorView& t, const char* name, int64_t rows, int64_t 
   return check::unit_column_stride(t, name);
 }
 
-Status check_table_grad(const TensorView& t, const char* name, int64_t rows, int64_t hidden, DType dtype,
-                        const TensorView& ref, const char* ref_name) {
-  if (dtype == DType::kF32) return check_table(t, name, rows, hidden, ref, ref_name, {DType::kF32});
-  return check_table(t, name, rows, hidden, ref, ref_name, {DType::kF32, dtype});
-}
-
 namespace {
 
 // Byte range [lo, hi) spanned by a view (its first to its last element).
@@ -96,6 +90,20 @@ bool views_overlap(const TensorView& a, const TensorView& b) {
 }
 
 }  // namespace
+
+Status check_table_grad(const TensorView& t, const char* name, int64_t rows, int64_t hidden, DType dtype,
+                        const TensorView& ref, const char* ref_name) {
+  DETDIT_RETURN_IF_ERROR(
+      check_table(t, name, rows, hidden, ref, ref_name,
+                  dtype == DType::kF32 ? std::initializer_list<DType>{DType::kF32} : std::initializer_list<DType>{DType::kF32, dtype}));
+  // Rows that share memory (a row stride below H) would be written over each
+  // other; with one row stride, two neighbouring rows overlap iff any do.
+  if (rows > 1 && views_overlap(t.narrow(0, 0, 1), t.narrow(0, 1, 1)))
+    return Status::value_error(std::string(name) + " must not overlap itself: its row stride " +
+                               std::to_string(t.strides[0]) + " is below H = " + std::to_string(hidden) +
+                               ", got " + t.describe());
+  return Status();
+}
 
 Status check_outputs_disjoint(std::initializer_list<Named> inputs, std::initializer_list<Named> outputs) {
   for (const Named& out : outputs) {

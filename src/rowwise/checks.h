@@ -1,8 +1,8 @@
 // Validation shared by the row-wise ops (adaln_row_gather, rmsnorm,
-// gate_residual, final_adaln_out, adaln_modulation) and the sequence-parallel
-// region (src/parallel/sp_region.cc). Every function returns a Status naming
-// the argument, what was expected and what was got; the ops run them all
-// before writing anything.
+// gate_residual, gate_residual_rmsnorm, final_adaln_out, adaln_modulation) and the
+// sequence-parallel region (src/parallel/sp_region.cc). Every function returns a Status
+// naming the argument, what was expected and what was got; the ops run them
+// all before writing anything.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -29,7 +30,8 @@ Status check_like(const TensorView& t, const char* name, const TensorView& ref, 
 // dtype in `allowed` (rows < 0: any row count).
 Status check_table(const TensorView& t, const char* name, int64_t rows, int64_t hidden, const TensorView& ref,
                    const char* ref_name, std::initializer_list<DType> allowed);
-// A gradient output: (rows, hidden) fp32 or `dtype`, unit column stride, on `ref`'s device.
+// A gradient output: (rows, hidden) fp32 or `dtype`, unit column stride, on
+// `ref`'s device, rows that overlap no other row (row stride >= hidden).
 Status check_table_grad(const TensorView& t, const char* name, int64_t rows, int64_t hidden, DType dtype,
                         const TensorView& ref, const char* ref_name);
 // Each present output overlaps no input and no other output (absent views pass).
@@ -49,6 +51,10 @@ Status validate_adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p)
 // local plan; both by gate_residual_rmsnorm on its halves).
 Status validate_gate_residual_forward(const GateResidualParams& p);
 Status validate_gate_residual_backward(const GateResidualBackwardParams& p);
+// The fused backward's: both halves, the fused op's own names first, every
+// output against every input and output (also run by
+// sp_gate_residual_rmsnorm_backward on the local rows with the local plan).
+Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p);
 
 }  // namespace rowwise
 }  // namespace detdit

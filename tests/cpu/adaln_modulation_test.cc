@@ -147,5 +147,15 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
   }
 }
 
+// The projection's bias is required (adaln_projection refused an absent one,
+// adaln_modulation took it as zero).
+TEST(AdalnModulation, ForwardRefusesAnAbsentBias) {
+  Modulation k(testing::make_index_case(Packing::kBlock, 16, 2, 2));
+  AdalnModulationParams f = k.forward_params();
+  f.in.bias = TensorView();
+  EXPECT_TRUE(testing::refused(adaln_modulation_forward(f), ErrorKind::kValue, "bias is required"));
+  EXPECT_TRUE(testing::still_canary(k.outputs()));
+}
+
 }  // namespace
 }  // namespace detdit

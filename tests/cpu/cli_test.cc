@@ -101,7 +101,10 @@ TEST(Cli, UsageErrorsExit2) {
   for (const char* command :
        {"", "frobnicate", "verify --bogus", "verify --device tpu", "verify --ops no_such_op", "verify --seed -3",
         "weights", "weights frob", "weights synth", "weights synth --out /tmp/x --blocks -1", "weights inspect",
-        "weights verify", "report", "bench --format xml", "bench --out ''", "bench --out=", "verify --quick --quick"}) {
+        "weights verify", "report", "bench --format xml", "bench --out ''", "bench --out=", "verify --quick --quick",
+        // an empty value is not the default; numbers are decimal digits only
+        "verify --weights ''", "verify --weights=", "bench --weights ''", "verify --out=", "verify --seed ' -1'",
+        "verify --seed ' 5'", "verify --seed +5", "bench --repeats ' 3'", "weights synth --out /tmp/x --blocks +1"}) {
     Result r = detdit(command);
     EXPECT_EQ(r.code, 2) << "'" << command << "'\n" << r.output;
     EXPECT_NE(r.output.find("detdit"), std::string::npos) << command;
@@ -171,6 +174,35 @@ TEST(Cli, WeightsSynthVerifyInspect) {
   EXPECT_NE(r.output.find("transformer_blocks.{i}.adaln_proj.linear.weight"), std::string::npos) << r.output;
 }
 
+// --sha256 lists: what is not a regular file is refused, a list without a
+// checksum line is an input error (it used to report "0 checksums checked ...
+// OK"), and uppercase digests are read as sha256sum reads them.
+TEST(Cli, Sha256ListsCheckSomethingOrAreRefused) {
+  const std::string dir = small_weights();
+  const std::string verify = "weights verify '" + dir + "'" + kSmallDims + " --sha256 ";
+  const std::string empty = temp_dir("sums_empty") + "/SUMS", comments = temp_dir("sums_comments") + "/SUMS";
+  std::ofstream(empty).close();
+  std::ofstream(comments) << "# nothing listed\n\n";
+  for (const std::string& sums : {::testing::TempDir(), std::string("/dev/zero"), empty, comments}) {
+    Result r = detdit(verify + "'" + sums + "'");
+    EXPECT_EQ(r.code, 2) << sums << "\n" << r.output;
+    EXPECT_EQ(r.output.find("OK"), std::string::npos) << sums << "\n" << r.output;
+  }
+  // The digests (each line's first field) in uppercase, the names unchanged.
+  std::string upper = read_file(dir + "/SHA256SUMS");
+  bool in_digest = true;
+  for (char& c : upper) {
+    if (c == ' ') in_digest = false;
+    if (c == '\n') in_digest = true;
+    if (in_digest && c >= 'a' && c <= 'f') c = static_cast<char>(c - 'a' + 'A');
+  }
+  const std::string upper_sums = temp_dir("sums_upper") + "/SUMS";
+  std::ofstream(upper_sums) << upper;
+  Result r = detdit(verify + "'" + upper_sums + "'");
+  EXPECT_EQ(r.code, 0) << upper << "\n" << r.output;
+  EXPECT_NE(r.output.find("12 checksums checked"), std::string::npos) << r.output;
+}
+
 // Every file detdit reads must be a regular file: a FIFO is refused at once
 // (opening one for reading waits for a writer), as a weights file, inside a
 // weights directory, as a checksum list and as a report.
@@ -188,6 +220,70 @@ TEST(Cli, FifosAreRefusedNotWaitedFor) {
     EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
     EXPECT_NE(r.output.find(fifo + ": not a regular file (a FIFO)"), std::string::npos) << command << "\n" << r.output;
   }
+}
+
+// A weights file of the manifest's names and shapes for `config`, all zeros.
+void write_zero_weights(const io::ManifestConfig& config, const std::string& path) {
+  std::vector<io::TensorToWrite> tensors;
+  for (const io::ManifestEntry& e : io::manifest_entries(config)) {
+    tensors.push_back({e.name, e.dtype, e.shape, [](uint8_t* out, uint64_t bytes) {
+                         std::memset(out, 0, bytes);
+                         return Status::ok_status();
+                       }});
+  }
+  DETDIT_EXPECT_OK(io::write_safetensors(path, tensors, {}));
+}
+
+// Weights whose dimensions the ops refuse are bad input (exit 2) naming the
+// dimension; they used to run and fail checks (exit 1).
+TEST(Cli, WeightsTheOpsCannotRunOnAreInputErrors) {
+  struct Bad {
+    const char* what;
+    int64_t hidden, time_embed_hidden, time_embed_dim, freq_dim;
+    const char* message;
+  };
+  for (const Bad& bad : {Bad{"H = 5", 5, 64, 32, 16, "H (norm_out.norm.weight) = 5 must be a multiple of 4"},
+                         Bad{"H = 0", 0, 64, 32, 16, "the model's dimensions must be positive"},
+                         Bad{"D = 6", 64, 64, 6, 16, "D (time_embedder.linear_2 outputs) = 6 must be a multiple of 8"},
+                         Bad{"Ht = 6", 64, 6, 32, 16, "time_embed_hidden (time_embedder.linear_1 outputs) = 6"},
+                         Bad{"F = 6", 64, 64, 32, 6, "F (time_embedder.linear_1 inputs) = 6 must be a multiple of 4"}}) {
+    io::ManifestConfig config;
+    config.hidden = bad.hidden;
+    config.time_embed_hidden = bad.time_embed_hidden;
+    config.time_embed_dim = bad.time_embed_dim;
+    config.freq_dim = bad.freq_dim;
+    const std::string path = temp_dir("bad_dims") + "/" + io::kWeightsFileName;
+    write_zero_weights(config, path);
+    for (const char* command : {"verify --quick --device cpu", "bench --quick --device cpu --ops timestep_mlp"}) {
+      Result r = detdit(std::string(command) + " --weights '" + path + "'");
+      EXPECT_EQ(r.code, 2) << bad.what << ": " << command << "\n" << r.output;
+      EXPECT_NE(r.output.find(bad.message), std::string::npos) << bad.what << ": " << command << "\n" << r.output;
+    }
+  }
+}
+
+// verify's report and figure go through a temporary renamed into place, and
+// a destination that is not a regular file is refused before the run: a FIFO
+// as --out used to block the finished run forever (ofstream waits for a
+// reader). A report that was there is replaced whole; no temporary is left.
+TEST(Cli, VerifyWritesItsReportAtomically) {
+  const std::string dir = temp_dir("verify_out");
+  const std::string fifo = dir + "/report.json";
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const std::string verify = "verify --quick --device cpu --ops timestep_sinusoid --weights '" + small_weights() + "'";
+  for (const char* option : {" --out '", " --figure '"}) {
+    Result r = detdit(verify + option + fifo + "'", /*timeout_s=*/30);
+    EXPECT_EQ(r.code, 2) << option << "\n" << r.output;
+    EXPECT_NE(r.output.find(fifo + ": exists and is not a regular file (a FIFO)"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("timestep_sinusoid"), std::string::npos) << "the run went ahead:\n" << r.output;
+  }
+  ASSERT_EQ(std::remove(fifo.c_str()), 0);
+  std::ofstream(fifo) << "an older report";
+  Result r = detdit(verify + " --out '" + fifo + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(read_file(fifo))["kind"], "detdit_verify_report");
+  EXPECT_EQ(directory_entries(dir), std::vector<std::string>{"report.json"});
 }
 
 // Input that used to throw out of the CLI (exit 134, SIGABRT) is an input
@@ -214,15 +310,8 @@ TEST(Cli, BadInputIsAnErrorNotAnAbort) {
   config.time_embed_hidden = 0;
   config.time_embed_dim = 32;
   config.freq_dim = int64_t{1} << 40;
-  std::vector<io::TensorToWrite> tensors;
-  for (const io::ManifestEntry& e : io::manifest_entries(config)) {
-    tensors.push_back({e.name, e.dtype, e.shape, [](uint8_t* out, uint64_t bytes) {
-                         std::memset(out, 0, bytes);
-                         return Status::ok_status();
-                       }});
-  }
   const std::string zero = temp_dir("zero_dim") + "/" + io::kWeightsFileName;
-  DETDIT_ASSERT_OK(io::write_safetensors(zero, tensors, {}));
+  write_zero_weights(config, zero);
   r = detdit("verify --quick --device cpu --weights '" + zero + "'");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("time_embedder.linear_1.weight"), std::string::npos) << r.output;
@@ -573,6 +662,43 @@ TEST(Cli, VerifyParallelUnderMpirunTwoRanks) {
   EXPECT_NE(output.find("ranks over mpi"), std::string::npos) << output;
   // Rank 0 alone prints the table: one verdict line.
   EXPECT_EQ(output.find("detdit verify: PASS"), output.rfind("detdit verify: PASS")) << output;
+}
+
+// Ranks started with different command lines (an MPMD launch: one app
+// context per rank) exit 2 together, each saying why, within a minute; 6 of
+// these used to hang (a rank waiting in a collective its peer never entered).
+TEST(Cli, RanksWithDifferentCommandLinesFailTogether) {
+#if !defined(DETDIT_WITH_MPI)
+  GTEST_SKIP() << "detdit was built without MPI";
+#endif
+  if (!have_mpirun()) GTEST_SKIP() << "mpirun is not on PATH";
+  const std::string weights = " --weights '" + small_weights() + "'";
+  const std::string verify = "verify --comm mpi --device cpu --quick" + weights;
+  const std::string bench = "bench --comm mpi --device cpu --quick --warmup 0 --format json" + weights;
+  const std::pair<std::string, std::string> pairs[] = {
+      {verify + " --ops sp_region", verify + " --ops tp_adaln_projection"},
+      {verify, verify + " --list"},
+      {verify, verify + " --help"},
+      {verify, bench},
+      {bench + " --repeats 2", bench + " --repeats 3"},
+      {verify + " --seed 1", verify + " --seed 2"},
+  };
+  const std::string out = temp_dir("mpmd") + "/output.txt";
+  for (const auto& [first, second] : pairs) {
+    const std::string app = std::string("'") + DETDIT_CLI_PATH + "' ";
+    const std::string command = std::string("XDG_CACHE_HOME='") + temp_dir("cache") +
+                                "' timeout -k 5 60 mpirun --oversubscribe --allow-run-as-root --mca btl self,vader "
+                                "--mca btl_vader_single_copy_mechanism none -np 1 " + app + first + " : -np 1 " + app +
+                                second + " > '" + out + "' 2>&1";
+    const int status = std::system(command.c_str());
+    const std::string output = read_file(out);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    EXPECT_EQ(code, 2) << "(124: timed out) " << command << "\n" << output;
+    for (const char* rank : {"rank 0 of 2", "rank 1 of 2"})
+      EXPECT_NE(output.find(std::string("detdit: ") + rank + ": ValueError: rank 1 was started with another command line"),
+                std::string::npos)
+          << command << "\n" << output;
+  }
 }
 
 TEST(Cli, BenchParallelCpuJson) {

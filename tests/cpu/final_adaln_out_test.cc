@@ -7,6 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "common/cases.h"
@@ -203,6 +206,59 @@ TEST(FinalAdalnOut, BadInputsGetClearErrorsAndWriteNothing) {
        [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams* b) { f->in.norm_weight.dtype = b->in.norm_weight.dtype = DType::kF16; }},
   };
   testing::expect_bad_params_refused<Final>(cases, final_adaln_out_forward, final_adaln_out_backward, c);
+}
+
+// The projection's bias is required (adaln_projection refused an absent one,
+// final_adaln_out took it as zero).
+TEST(FinalAdalnOut, ForwardRefusesAnAbsentBias) {
+  Final k(testing::make_index_case(Packing::kBlock, 16, 2, 2));
+  FinalAdalnOutParams f = k.forward_params();
+  f.in.bias = TensorView();
+  EXPECT_TRUE(testing::refused(final_adaln_out_forward(f), ErrorKind::kValue, "bias is required"));
+  EXPECT_TRUE(testing::still_canary(k.outputs()));
+}
+
+// An output placed over an input of the other half is refused before
+// anything is written: table and act over x (forward), d_weight over x,
+// d_bias over grad, d_temb over rstd (backward) used to be accepted. The
+// input is copied into an arena that holds the output too, so even an op that
+// wrote would stay inside the arena; the arena must come back unchanged.
+TEST(FinalAdalnOut, OutputsOverlappingInputsAreRefused) {
+  const IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  struct Case {
+    const char* message;
+    std::function<std::pair<TensorView*, TensorView*>(FinalAdalnOutParams*, FinalAdalnOutBackwardParams*)> pick;
+    bool forward;
+  };
+  const Case cases[] = {
+      {"table must not overlap x", [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams*) {
+         return std::make_pair(&f->in.x, &f->table); }, true},
+      {"act must not overlap x", [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams*) {
+         return std::make_pair(&f->in.x, &f->act); }, true},
+      {"table must not overlap norm_weight", [](FinalAdalnOutParams* f, FinalAdalnOutBackwardParams*) {
+         return std::make_pair(&f->in.norm_weight, &f->table); }, true},
+      {"d_weight must not overlap x", [](FinalAdalnOutParams*, FinalAdalnOutBackwardParams* b) {
+         return std::make_pair(&b->in.x, &b->d_weight); }, false},
+      {"d_bias must not overlap grad", [](FinalAdalnOutParams*, FinalAdalnOutBackwardParams* b) {
+         return std::make_pair(&b->grad, &b->d_bias); }, false},
+      {"d_temb must not overlap rstd", [](FinalAdalnOutParams*, FinalAdalnOutBackwardParams* b) {
+         return std::make_pair(&b->rstd, &b->d_temb); }, false},
+  };
+  for (const Case& overlap : cases) {
+    SCOPED_TRACE(overlap.message);
+    Final k(c);
+    FinalAdalnOutParams f = k.forward_params();
+    FinalAdalnOutBackwardParams b = k.backward_params();
+    const auto [input, output] = overlap.pick(&f, &b);
+    HostTensor arena(DType::kF32, {int64_t{1} << 14});  // 64 KB: more than any of these tensors
+    std::memcpy(arena.data(), input->data, input->nbytes());
+    input->data = output->data = arena.data();
+    const HostTensor before = arena;
+    const Status s = overlap.forward ? final_adaln_out_forward(f) : final_adaln_out_backward(b);
+    EXPECT_TRUE(testing::refused(s, ErrorKind::kValue, overlap.message));
+    EXPECT_BITWISE_EQ(before, arena);
+    EXPECT_TRUE(testing::still_canary(k.outputs()));
+  }
 }
 
 }  // namespace

@@ -178,5 +178,21 @@ TEST(GateResidual, BadInputsGetClearErrorsAndWriteNothing) {
   EXPECT_TRUE(testing::all_bytes_are(k.d_gate, kCanary));
 }
 
+// A d_gate whose rows share memory (row stride 0 or 1 < H) is refused,
+// nothing written (it was accepted).
+TEST(GateResidual, GateGradientWithOverlappingRowsIsRefused) {
+  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  for (int64_t stride : {0, 1, 15}) {
+    SCOPED_TRACE("row stride " + std::to_string(stride));
+    Gate k(c, 16, DType::kF32, DType::kF32);
+    GateResidualBackwardParams b = k.backward_params();
+    b.d_gate = TensorView::strided(b.d_gate.data, DType::kF32, {c.num_rows(), 16}, {stride, 1});
+    EXPECT_TRUE(testing::refused(gate_residual_backward(b), ErrorKind::kValue,
+                                 "d_gate must not overlap itself: its row stride " + std::to_string(stride) +
+                                     " is below H = 16"));
+    EXPECT_TRUE(testing::still_canary(k.outputs()));
+  }
+}
+
 }  // namespace
 }  // namespace detdit

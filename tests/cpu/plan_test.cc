@@ -3,7 +3,6 @@
 // byte for byte with a reference builder written from their definition
 // (plan.h); the build time at H3 lengths is printed, not asserted.
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,8 +14,8 @@
 #include <vector>
 
 #include "common/cases.h"
+#include "common/child_process.h"
 #include "common/test_util.h"
-#include "cpu/child_process.h"
 #include "detdit/plan.h"
 
 namespace detdit {
@@ -204,6 +203,28 @@ TEST(IndexPlan, Int32IndexGivesTheSamePlan) {
   EXPECT_EQ(plan.device(), Device::cpu());
 }
 
+// The fingerprint is a function of (S, B, R, rows) alone: one index read
+// as int32 or int64, or as timesteps and tags, gives one fingerprint; one
+// changed entry, another R or another B gives another.
+TEST(IndexPlan, FingerprintTellsPlansApart) {
+  std::vector<int64_t> rows = {2, 0, 5, 1, 4, 0, 3}, ti = {0, 0, 1, 0, 1, 0, 1}, tags = {2, 0, 2, 1, 1, 0, 0};
+  std::vector<int32_t> rows32(rows.begin(), rows.end());
+  auto fingerprint = [](const Status& built, const IndexPlan& plan) {
+    EXPECT_TRUE(built.ok()) << built.to_string();
+    return plan.fingerprint();
+  };
+  IndexPlan a, b;
+  const uint64_t base = fingerprint(IndexPlan::from_row_index(index_view(rows), 6, 2, &a), a);
+  EXPECT_EQ(fingerprint(IndexPlan::from_row_index(TensorView::contiguous(rows32.data(), DType::kI32, {7}), 6, 2, &b), b),
+            base);
+  EXPECT_EQ(fingerprint(IndexPlan::from_timesteps_and_tags(index_view(ti), index_view(tags), 2, 2, &b), b), base);
+  EXPECT_NE(fingerprint(IndexPlan::from_row_index(index_view(rows), 7, 2, &b), b), base) << "R";
+  EXPECT_NE(fingerprint(IndexPlan::from_row_index(index_view(rows), 6, 3, &b), b), base) << "B";
+  rows[6] = 2;
+  EXPECT_NE(fingerprint(IndexPlan::from_row_index(index_view(rows), 6, 2, &b), b), base) << "one entry";
+  EXPECT_EQ(IndexPlan().fingerprint(), 0u);
+}
+
 TEST(IndexPlan, BadRowIndexNamesTheFirstBadPositionAndValue) {
   for (int64_t bad : {int64_t{-1}, int64_t{5}, int64_t{6}, int64_t{1} << 40}) {
     std::vector<int64_t> rows = {0, 1, 4, bad, 2, -7};
@@ -368,25 +389,6 @@ TEST(IndexPlan, BuildTimeAtLongSequences) {
     }
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-#define DETDIT_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DETDIT_UNDER_ASAN 1
-#endif
-#endif
-
-// The bytes of address space this process maps now (/proc/self/statm).
-uint64_t mapped_bytes() {
-  std::FILE* f = std::fopen("/proc/self/statm", "r");
-  unsigned long long pages = 0;
-  if (f != nullptr) {
-    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
-    std::fclose(f);
-  }
-  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-}
-
 // Builds a plan of one position over num_rows rows in a child whose address
 // space may grow by `headroom` bytes. Exit 0: built; 1: a RuntimeError that
 // says it ran out of memory; 2: another Status. An exception escaping the
@@ -394,9 +396,7 @@ uint64_t mapped_bytes() {
 testing::ChildOutcome build_under_memory_limit(int64_t num_rows, uint64_t headroom) {
   return testing::run_in_child(
       [=] {
-        const uint64_t limit = mapped_bytes() + headroom;
-        const rlimit address_space = {limit, limit};
-        if (::setrlimit(RLIMIT_AS, &address_space) != 0) return 3;
+        if (!testing::limit_address_space(headroom)) return 3;
         std::vector<int64_t> rows = {num_rows - 1};
         IndexPlan plan;
         const Status s = IndexPlan::from_row_index(index_view(rows), num_rows, 1, &plan);

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "common/child_process.h"
 #include "common/test_util.h"
-#include "cpu/child_process.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
 

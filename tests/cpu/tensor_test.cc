@@ -12,11 +12,15 @@
 #include "common/rowwise_fixture.h"
 #include "common/test_util.h"
 #include "common/validate.h"
+#include "detdit/linear.h"
+#include "detdit/rmsnorm.h"
 #include "detdit/timestep.h"
 
 namespace detdit {
 namespace {
 
+using testing::HostTensor;
+using testing::kCanary;
 using testing::refused;
 
 constexpr int64_t k2e32 = int64_t{1} << 32;
@@ -87,6 +91,71 @@ TEST(TensorView, OpsRefuseANullDataPointer) {
   p.features = TensorView::contiguous(features.data(), DType::kF32, {4, 8});
   EXPECT_TRUE(refused(timestep_sinusoid_forward(p), ErrorKind::kValue, "timesteps is (4,) float32 on cpu with a null"));
   EXPECT_TRUE(std::all_of(features.begin(), features.end(), [](float v) { return v == 0.0f; })) << "features written";
+}
+
+// A negative dimension is no wildcard: the shape checks derive the expected
+// dims from other arguments (out must be (T, N) with N = weight.shape[0]), so
+// a (-1, K) weight used to make out's check match anything; linear returned
+// OK and wrote nothing, timestep_mlp_backward wrote d_w2, then failed. The
+// presence check (check::present) refuses the negative dimension first.
+TEST(TensorView, NegativeDimensionsAreNoWildcard) {
+  HostTensor x(DType::kF32, {2, 8}), weight(DType::kF32, {4, 8}), out(DType::kF32, {2, 4});
+  out.fill_bytes(kCanary);
+  LinearParams linear;
+  linear.x = x.view();
+  linear.weight = TensorView::strided(weight.data(), DType::kF32, {-1, 8}, {8, 1});
+  linear.out = out.view();
+  EXPECT_TRUE(refused(linear_forward(linear), ErrorKind::kValue, "weight has a negative dimension: shape (-1, 8)"));
+  EXPECT_TRUE(testing::still_canary({&out}));
+
+  const int64_t t = 2, k = 8, h = 8, d = 4;
+  HostTensor features(DType::kF32, {t, k}), w1(DType::kF32, {h, k}), w2(DType::kF32, {d, h}), pre(DType::kF32, {t, h}),
+      hidden(DType::kF32, {t, h}), grad(DType::kF32, {t, d}), d_w2(DType::kF32, {d, h}), d_b2(DType::kF32, {d}),
+      d_w1(DType::kF32, {h, k});
+  for (HostTensor* o : {&d_w2, &d_b2, &d_w1}) o->fill_bytes(kCanary);
+  TimestepMlpBackwardParams mlp;
+  mlp.in.features = features.view();
+  mlp.in.w1 = w1.view();
+  mlp.in.w2 = TensorView::strided(w2.data(), DType::kF32, {-1, h}, {h, 1});
+  mlp.pre = pre.view();
+  mlp.hidden = hidden.view();
+  mlp.grad_temb = grad.view();
+  mlp.d_w2 = d_w2.view();
+  mlp.d_b2 = d_b2.view();
+  mlp.d_w1 = d_w1.view();
+  EXPECT_TRUE(refused(timestep_mlp_backward(mlp), ErrorKind::kValue, "w2 has a negative dimension: shape (-1, 8)"));
+  EXPECT_TRUE(testing::still_canary({&d_w2, &d_b2, &d_w1}));
+}
+
+// A Numerics value outside the enum (a cast from an int) is refused by name,
+// on every op that takes one, before anything is written.
+TEST(TensorView, AProfileOutsideTheEnumIsRefused) {
+  const Numerics bad = static_cast<Numerics>(7);
+  const char* const message = "numerics must be Numerics::kPortable or Numerics::kTorch, got Numerics(7)";
+  HostTensor x(DType::kF32, {2, 8}), weight(DType::kF32, {4, 8}), out(DType::kF32, {2, 4});
+  out.fill_bytes(kCanary);
+  LinearParams linear;
+  linear.x = x.view();
+  linear.weight = weight.view();
+  linear.out = out.view();
+  linear.numerics = bad;
+  EXPECT_TRUE(refused(linear_forward(linear), ErrorKind::kValue, message));
+  HostTensor rows(DType::kF32, {3, 8}), norm_weight(DType::kF32, {8}), normed(DType::kF32, {3, 8});
+  normed.fill_bytes(kCanary);
+  RmsnormParams norm;
+  norm.in.x = rows.view();
+  norm.in.weight = norm_weight.view();
+  norm.in.numerics = bad;
+  norm.out = normed.view();
+  EXPECT_TRUE(refused(rmsnorm_forward(norm), ErrorKind::kValue, message));
+  HostTensor timesteps(DType::kF32, {2}), features(DType::kF32, {2, 8});
+  features.fill_bytes(kCanary);
+  TimestepSinusoidParams sinusoid;
+  sinusoid.in.timesteps = timesteps.view();
+  sinusoid.in.numerics = bad;
+  sinusoid.features = features.view();
+  EXPECT_TRUE(refused(timestep_sinusoid_forward(sinusoid), ErrorKind::kValue, message));
+  EXPECT_TRUE(testing::still_canary({&out, &normed, &features}));
 }
 
 }  // namespace

@@ -151,13 +151,13 @@ void expect_every_rank_refused(int world, ErrorKind kind, const std::string& nee
   }
 }
 
-::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test) {
+::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test, int timeout_s) {
 #if defined(DETDIT_MPIEXEC)
   // --oversubscribe: more ranks than the 2 cores of CI; --allow-run-as-root: CI
   // runs as root. The shared-memory transport is enough on one host, without
   // its cross-memory-attach copies (ptrace-restricted in containers). A hung
-  // rank fails the test after 300 s instead of stalling the suite.
-  const std::string command = std::string("timeout 300 ") + DETDIT_MPIEXEC +
+  // rank fails the test after timeout_s instead of stalling the suite.
+  const std::string command = "timeout -k 5 " + std::to_string(timeout_s) + " " + DETDIT_MPIEXEC +
                               " --oversubscribe --allow-run-as-root --mca btl self,vader" +
                               " --mca btl_vader_single_copy_mechanism none" +
                               " -np " + std::to_string(ranks) + " " + self_path() +
@@ -178,6 +178,7 @@ void expect_every_rank_refused(int world, ErrorKind kind, const std::string& nee
 #else
   (void)ranks;
   (void)worker_test;
+  (void)timeout_s;
   return ::testing::AssertionFailure() << "built without MPI";
 #endif
 }

@@ -70,7 +70,8 @@ void expect_every_rank_refused(int world, ErrorKind kind, const std::string& nee
 // Runs `worker_test` (e.g. "DISABLED_MpiWorker.AllGather") of this binary on
 // `ranks` MPI processes and succeeds only if mpirun exits 0 and every rank
 // reports that exactly one test passed. The output is attached on failure.
-::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test);
+// A run past timeout_s is killed and fails (a hung rank is a failure).
+::testing::AssertionResult run_under_mpi(int ranks, const std::string& worker_test, int timeout_s = 300);
 
 }  // namespace testing
 }  // namespace detdit

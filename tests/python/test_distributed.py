@@ -172,12 +172,37 @@ def _tp_checks(rank, world, timesteps, dim):
                          f"rank {rank}/{world}: table after the failed calls")
 
 
+def _sp_mismatch_checks(rank, world):
+    """Ranks holding different indexes of one length (rank 1 relabels the timesteps): the
+    backward fails on every rank (it used to succeed with a different d_shift per rank)."""
+    import detdit
+    import detdit.distributed
+    from conftest import normal, packing
+
+    batch, seq, timesteps, hidden = 2, 300, 2, 64
+    ti, tags = packing(seq, timesteps, 300)
+    if rank == 1:
+        ti = timesteps - 1 - ti
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    region = detdit.distributed.SpRegion(plan, detdit.distributed.Communicator())
+    local = region.local_slice
+    x = normal((batch, seq, hidden), 301, torch.bfloat16)[:, local].contiguous().requires_grad_(True)
+    w = (1 + normal((hidden,), 302, scale=0.05)).bfloat16()
+    shift = normal((3 * timesteps, hidden), 303, torch.bfloat16, scale=0.3).requires_grad_(True)
+    scale = normal((3 * timesteps, hidden), 304, torch.bfloat16, scale=0.3).requires_grad_(True)
+    out = region.rmsnorm(x, w, shift, scale)
+    with pytest.raises(ValueError, match="ranks disagree on the call"):  # the signatures hold the plan fingerprints
+        out.backward(normal((batch, seq, hidden), 307, torch.bfloat16)[:, local].contiguous())
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
         _sp_checks(rank, world)
     if "sp_fused" in checks:
         _sp_fused_checks(rank, world)
+    if "sp_mismatch" in checks:
+        _sp_mismatch_checks(rank, world)
     if "tp" in checks:
         _tp_checks(rank, world, 4, 64)  # N/tp = 1152, 768, 576: whole 64-row chunks
     if "tp_unaligned" in checks:
@@ -197,6 +222,10 @@ def test_sp_region_and_tp_projection_byte_equal_to_one_process(world, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_sp_gate_residual_rmsnorm_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp_fused",))
+
+
+def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):
+    _spawn(_worker, 2, tmp_path, ("sp_mismatch",))
 
 
 # Regression: tp_adaln_projection_backward once placed d_act past its scratch when the

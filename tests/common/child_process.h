@@ -9,15 +9,28 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
+
+// RLIMIT_AS cannot bound an AddressSanitizer process (its shadow memory is
+// address space): the memory-limit tests skip under it.
+#if defined(__SANITIZE_ADDRESS__)
+#define DETDIT_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DETDIT_UNDER_ASAN 1
+#endif
+#endif
 
 namespace detdit {
 namespace testing {
@@ -73,6 +86,25 @@ inline ChildOutcome run_in_child(const std::function<int()>& body, double timeou
   if (WIFEXITED(status)) outcome.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
   return outcome;
+}
+
+// The bytes of address space this process maps now (/proc/self/statm).
+inline uint64_t mapped_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  unsigned long long pages = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// In a child: lets the address space grow by `headroom` bytes past what it
+// maps now. False when the limit cannot be set.
+inline bool limit_address_space(uint64_t headroom) {
+  const uint64_t limit = mapped_bytes() + headroom;
+  const rlimit address_space = {limit, limit};
+  return ::setrlimit(RLIMIT_AS, &address_space) == 0;
 }
 
 }  // namespace testing
