@@ -97,6 +97,16 @@ TEST(Cli, HelpForEveryCommand) {
   }
 }
 
+// VERSION is the one source of the version (CMakeLists.txt reads it).
+TEST(Cli, VersionIsTheVersionFile) {
+  std::string version = read_file(std::string(DETDIT_SOURCE_DIR) + "/VERSION");
+  version = version.substr(0, version.find('\n'));
+  ASSERT_FALSE(version.empty());
+  Result r = detdit("--version");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "detdit " + version + "\n");
+}
+
 TEST(Cli, UsageErrorsExit2) {
   for (const char* command :
        {"", "frobnicate", "verify --bogus", "verify --device tpu", "verify --ops no_such_op", "verify --seed -3",
