@@ -5,7 +5,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/bootstrap.sh
+# CUDA on (the default; it builds when nvcc is present): scripts/verify.sh may
+# have configured the build directory without it on a machine without a GPU.
+DETDIT_CMAKE_ARGS="-DDETDIT_ENABLE_CUDA=ON ${DETDIT_CMAKE_ARGS:-}" bash scripts/bootstrap.sh
 build_dir="${DETDIT_BUILD_DIR:-build}"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" --timeout 1200
 
