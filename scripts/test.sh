@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds detdit and runs every test suite (CPU; CUDA tests skip with a reason
-# on a machine without a GPU), then the sanitizer job. The README's test
-# command; .ci/run calls it.
+# on a machine without a GPU) and the docs' examples, then the pre-C++11 ABI
+# job and the sanitizer job. The README's test command; .ci/run calls it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,7 +18,8 @@ ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" --timeout 1200
 build_abs="$(cd "$build_dir" && pwd)"
 echo "detdit: building the PyTorch extension against $build_abs/libdetdit.a"
 DETDIT_BUILD_DIR="$build_abs" /usr/bin/python3 python/setup.py -q build_ext --inplace
-DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python -q -rxs
+# tests/docs runs every code example of README.md and docs/*.md (a pip install among them).
+DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python tests/docs -q -rxs
 
 # ---- The pre-C++11 libstdc++ ABI (old-ABI torch; python/setup.py) -----------
 # The library passes std::string through its API, so for an old-ABI torch
