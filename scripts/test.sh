@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds detdit and runs every test suite (CPU; CUDA tests skip with a reason
-# on a machine without a GPU), then the sanitizer job. The README's test
-# command; .ci/run calls it.
+# on a machine without a GPU) and the docs' examples, then the pre-C++11 ABI
+# job and the sanitizer job. The README's test command; .ci/run calls it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/bootstrap.sh
+# CUDA on (the default; it builds when nvcc is present): scripts/verify.sh may
+# have configured the build directory without it on a machine without a GPU.
+DETDIT_CMAKE_ARGS="-DDETDIT_ENABLE_CUDA=ON ${DETDIT_CMAKE_ARGS:-}" bash scripts/bootstrap.sh
 build_dir="${DETDIT_BUILD_DIR:-build}"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" --timeout 1200
 
@@ -16,7 +18,45 @@ ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" --timeout 1200
 build_abs="$(cd "$build_dir" && pwd)"
 echo "detdit: building the PyTorch extension against $build_abs/libdetdit.a"
 DETDIT_BUILD_DIR="$build_abs" /usr/bin/python3 python/setup.py -q build_ext --inplace
-DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python -q -rxs
+# tests/docs runs every code example of README.md and docs/*.md (a pip install among them).
+DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python tests/docs -q -rxs
+
+# ---- The pre-C++11 libstdc++ ABI (old-ABI torch; python/setup.py) -----------
+# The library passes std::string through its API, so for an old-ABI torch
+# setup.py builds it with -DDETDIT_CXX11_ABI=0. This builds it so (CPU only)
+# with the CLI and the cpu suite and runs the suite. Debian's libgtest is built
+# with the new ABI, so GoogleTest's own sources (/usr/src/googletest, from
+# libgtest-dev) are built with the old one first.
+abi_start=$SECONDS
+abi_dir="${build_dir}-abi0"
+gtest_dir="${build_dir}-abi0-googletest"
+gtest_prefix="$(mkdir -p "$gtest_dir" && cd "$gtest_dir" && pwd)/install"
+if [ ! -f "$gtest_prefix/lib/cmake/GTest/GTestConfig.cmake" ]; then
+  cmake -S /usr/src/googletest -B "$gtest_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
+    -DCMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI=0 -DCMAKE_INSTALL_PREFIX="$gtest_prefix" >/dev/null
+  cmake --build "$gtest_dir" --target install >/dev/null
+fi
+if [ ! -f "$abi_dir/build.ninja" ]; then
+  cmake -S . -B "$abi_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_ENABLE_CUDA=OFF -DDETDIT_CXX11_ABI=0 \
+    -DCMAKE_PREFIX_PATH="$gtest_prefix"
+fi
+cmake --build "$abi_dir" -j "$(nproc)" --target detdit_cpu_tests
+# The define reached every object: a new-ABI library defines hundreds of
+# symbols tagged [abi:cxx11] (std::string returns), this one none.
+if nm --defined-only "$abi_dir/libdetdit.a" | grep -q cxx11; then
+  echo "detdit: $abi_dir/libdetdit.a defines new-ABI (cxx11) symbols despite -DDETDIT_CXX11_ABI=0" >&2
+  exit 1
+fi
+echo "detdit: the cpu suite built with the pre-C++11 ABI ($abi_dir)"
+ctest --test-dir "$abi_dir" -L cpu --output-on-failure -j "$(nproc)" --timeout 1200
+# setup.py refuses to link that library into this torch (new ABI), naming the mismatch.
+if DETDIT_BUILD_DIR="$abi_dir" /usr/bin/python3 python/setup.py -q build_ext --inplace >"$abi_dir/setup.log" 2>&1 ||
+   ! grep -q "uses the pre-C++11 libstdc++ ABI but this torch" "$abi_dir/setup.log"; then
+  echo "detdit: setup.py did not refuse the pre-C++11 library under a new-ABI torch:" >&2
+  cat "$abi_dir/setup.log" >&2
+  exit 1
+fi
+echo "detdit: pre-C++11 ABI job passed in $((SECONDS - abi_start)) s"
 
 # ---- Sanitizers: the CPU library, CLI and tests under ASan + UBSan -----------
 # A second build (CUDA off) with every UBSan finding fatal, running the cpu and

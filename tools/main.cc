@@ -20,7 +20,7 @@ const char* const kUsage =
     "  report    draw the SVG figure of a verify report\n"
     "  weights   synth | verify | inspect | manifest: the H3 conditioning weights\n"
     "\n"
-    "detdit <command> --help describes each command's options.\n"
+    "detdit <command> --help describes each command's options; detdit --version prints the version.\n"
     "Exit codes: 0 every check passes, 1 a check fails, 2 usage or input error.\n";
 
 }  // namespace cli
@@ -40,6 +40,10 @@ int dispatch(int argc, char** argv) {
   const std::string command = argv[1];
   if (command == "--help" || command == "-h" || command == "help") {
     std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (command == "--version") {
+    std::printf("detdit %s\n", DETDIT_VERSION);
     return 0;
   }
   if (command == "verify") return run_verify(argc - 1, argv + 1);

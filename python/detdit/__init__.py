@@ -16,6 +16,7 @@ import torch
 
 from . import _C  # noqa: F401  (loading it registers torch.ops.detdit and torch.classes.detdit)
 from . import _compile  # noqa: F401  (fake kernels, fake plans: torch.compile support, docs/python.md)
+from ._version import __version__  # noqa: F401  (written by setup.py from the repository's VERSION)
 
 __all__ = [
     "IndexPlan", "plan", "plan_from_rows", "timestep_sinusoid", "linear", "timestep_mlp",
@@ -150,4 +151,4 @@ def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
                                  _profile(numerics))[0]
 
 
-from . import nn  # noqa: E402,F401  (after the ops it wraps)
+from . import nn, safetensors  # noqa: E402,F401  (after the ops nn wraps)

@@ -3,8 +3,16 @@ to load H3 conditioning weights into detdit.nn modules without another dependenc
 
     model.load_state_dict(detdit.safetensors.load_file("h3_conditioning.safetensors"))
 
+load_file memory-maps the file instead of reading it: its tensors are views of a private
+(copy-on-write) mapping, so a page of the file is read when a tensor's bytes are first used,
+and writing to a tensor changes this process's copy only, never the file. Keep the file as it
+is while its tensors live: truncating or rewriting it in place makes a later read fail with
+SIGBUS (detdit's writers replace a file by renaming a new one over it, which is safe).
+
 Malformed files raise ValueError naming the file and the problem."""
 import json
+import mmap
+import os
 import struct
 
 import torch
@@ -15,25 +23,30 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def load_file(path):
-    """{name: tensor} (CPU, owning its memory) from a safetensors file."""
+    """{name: tensor} (CPU) from a safetensors file, each tensor a view of the mapped file."""
     with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < 8:
-        raise ValueError(f"{path}: truncated file ({len(data)} bytes, no header length)")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if 8 + header_len > len(data):
-        raise ValueError(f"{path}: header length {header_len} runs past the end of the file ({len(data)} bytes)")
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{path}: truncated file ({size} bytes, no header length)")
+        # ACCESS_COPY (MAP_PRIVATE): writable, so torch.frombuffer takes it without a warning,
+        # and writes stay in this process. The mapping outlives the file descriptor.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (header_len,) = struct.unpack("<Q", mapped[:8])
+    if 8 + header_len > size:
+        raise ValueError(f"{path}: header length {header_len} runs past the end of the file ({size} bytes)")
     try:
-        header = json.loads(data[8:8 + header_len])
+        header = json.loads(mapped[8:8 + header_len])
     except ValueError as e:
         raise ValueError(f"{path}: malformed JSON header: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header must be a JSON object")
-    body = memoryview(data)[8 + header_len:]
+    data_start, data_size = 8 + header_len, size - 8 - header_len
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict):
+            raise ValueError(f"{path}: tensor {name} must be a JSON object, got {info!r}")
         dtype = _DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise ValueError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}; supported: {sorted(_DTYPES)}")
@@ -41,12 +54,18 @@ def load_file(path):
         numel = 1
         for d in shape:
             numel *= d
-        size = numel * torch.tensor([], dtype=dtype).element_size()
-        if not (0 <= begin <= end <= len(body)) or end - begin != size:
+        element_size = torch.tensor([], dtype=dtype).element_size()
+        nbytes = numel * element_size
+        if not (0 <= begin <= end <= data_size) or end - begin != nbytes:
             raise ValueError(f"{path}: tensor {name} has byte range [{begin}, {end}) for shape {shape} {info['dtype']} "
-                             f"({size} bytes) in a {len(body)}-byte data section")
-        raw = bytearray(body[begin:end])
-        flat = torch.frombuffer(raw, dtype=dtype) if size else torch.empty(0, dtype=dtype)
+                             f"({nbytes} bytes) in a {data_size}-byte data section")
+        offset = data_start + begin
+        if numel == 0:
+            flat = torch.empty(0, dtype=dtype)
+        elif offset % element_size == 0:  # the mapping is page-aligned, so the view is aligned to its dtype
+            flat = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=offset)
+        else:  # a misaligned tensor (the format only promises 8-byte header padding) is copied to aligned memory
+            flat = torch.frombuffer(bytearray(mapped[offset:offset + nbytes]), dtype=dtype)
         tensors[name] = flat.reshape(shape)
     return tensors
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 
 #include "common/fnv1a.h"
 #include "common/storage.h"
@@ -129,7 +130,12 @@ Status write_synthetic_weights(const std::string& dir, const SynthOptions& optio
     const uint64_t seed = options.seed;
     t.fill = [e, seed, &digests, &digests_mutex](uint8_t* out, uint64_t bytes) {
       DETDIT_RETURN_IF_ERROR(synth_tensor(e, seed, out, bytes));
-      std::string digest = sha256_hex(out, bytes);
+      std::string digest;
+      try {
+        digest = sha256_hex(out, bytes);
+      } catch (const std::runtime_error& error) {  // libcrypto cannot run: a Status, as the writer promises
+        return Status::runtime_error("synth: tensor \"" + e.name + "\": " + error.what());
+      }
       std::lock_guard<std::mutex> lock(digests_mutex);
       digests[e.name] = digest;
       return Status::ok_status();

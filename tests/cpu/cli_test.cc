@@ -97,6 +97,16 @@ TEST(Cli, HelpForEveryCommand) {
   }
 }
 
+// VERSION is the one source of the version (CMakeLists.txt reads it).
+TEST(Cli, VersionIsTheVersionFile) {
+  std::string version = read_file(std::string(DETDIT_SOURCE_DIR) + "/VERSION");
+  version = version.substr(0, version.find('\n'));
+  ASSERT_FALSE(version.empty());
+  Result r = detdit("--version");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "detdit " + version + "\n");
+}
+
 TEST(Cli, UsageErrorsExit2) {
   for (const char* command :
        {"", "frobnicate", "verify --bogus", "verify --device tpu", "verify --ops no_such_op", "verify --seed -3",
@@ -134,8 +144,14 @@ TEST(Cli, WeightsSynthVerifyInspect) {
   EXPECT_NE(r.output.find("DIFFERS shape: norm_out.norm.weight is [64], expected [5376]"), std::string::npos)
       << r.output;
 
-  // A wrong checksum (a whole-file digest line) is a difference.
+  // The whole-file digest of coreutils' sha256sum, an independent implementation, is accepted.
   const std::string sums = temp_dir("sums") + "/SUMS";
+  ASSERT_EQ(std::system(("cd '" + dir + "' && sha256sum h3_conditioning.safetensors > '" + sums + "'").c_str()), 0);
+  r = detdit("weights verify '" + dir + "'" + kSmallDims + " --sha256 '" + sums + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("1 checksums checked"), std::string::npos) << r.output;
+
+  // A wrong checksum (a whole-file digest line) is a difference.
   std::ofstream(sums) << "0123456789abcdef  h3_conditioning.safetensors\n";
   r = detdit("weights verify '" + dir + "'" + kSmallDims + " --sha256 '" + sums + "'");
   EXPECT_EQ(r.code, 1) << r.output;
