@@ -209,8 +209,9 @@ Status exchange_partials(Communicator& comm, const Device& device,
 // gradients: every rank must agree on it. The index enters through the
 // plan's fingerprint: ranks holding different indexes of one length would
 // exchange blocks of equal sizes and fold different "replicated" results.
-std::string call_signature(const char* op, const SpPlan& sp, const TensorView& rows, Numerics numerics,
-                           bool modulated, std::initializer_list<bool> gathered) {
+// `norm`: the norm's profile and modulation (norm_call), empty for the gate alone.
+std::string call_signature(const char* op, const SpPlan& sp, const TensorView& rows, const std::string& norm,
+                           std::initializer_list<bool> gathered) {
   char index[96] = "no plan";
   if (sp.valid()) {
     const IndexPlan& plan = sp.global_plan();
@@ -219,10 +220,14 @@ std::string call_signature(const char* op, const SpPlan& sp, const TensorView& r
                   static_cast<long long>(plan.batch()), static_cast<long long>(plan.num_rows()), sp.world());
   }
   std::string signature = std::string(op) + "(" + index + ", " + dtype_name(rows.dtype) +
-                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) + ", " +
-                          numerics_name(numerics) + (modulated ? ", modulated" : ", plain") + ", gathers";
+                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) +
+                          (norm.empty() ? "" : ", " + norm) + ", gathers";
   for (bool g : gathered) signature += g ? " 1" : " 0";
   return signature + ")";
+}
+
+std::string norm_call(Numerics numerics, bool modulated) {
+  return std::string(numerics_name(numerics)) + (modulated ? ", modulated" : ", plain");
 }
 
 ChunkSelection owned_selection(const SpPlan::Impl& sp) {
@@ -400,8 +405,9 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
   Status valid = validate_backward(comm, sp, params, modulated, params.in.x, "x", rowwise::validate_rmsnorm_backward);
   if (valid.ok()) valid = prepare_norm(sp, params, stream, &norm);
   const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_rmsnorm_backward", sp, params.in.x, params.in.numerics,
-                                                          modulated, {params.d_weight.present(), tables})));
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_rmsnorm_backward", sp, params.in.x,
+                                                          norm_call(params.in.numerics, modulated),
+                                                          {params.d_weight.present(), tables})));
   return run_norm(comm, sp, norm, stream);
 }
 
@@ -411,8 +417,8 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
   Status valid =
       validate_backward(comm, sp, params, true, params.grad, "grad", rowwise::validate_gate_residual_backward);
   if (valid.ok()) valid = prepare_gate(sp, params, stream, &gate);
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_gate_residual_backward", sp, params.grad,
-                                                          Numerics::kPortable, true, {params.d_gate.present()})));
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, call_signature("sp_gate_residual_backward", sp, params.grad, "", {params.d_gate.present()})));
   return run_gate(comm, sp, gate, stream);
 }
 
@@ -437,7 +443,7 @@ Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
   if (valid.ok() && g.present()) valid = prepare_gate(sp, rowwise::gate_backward(p, g), stream, &gate);
   const bool tables = modulated && (p.d_shift.present() || p.d_scale.present());
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_gate_residual_rmsnorm_backward", sp, p.h,
-                                                          p.in.numerics, modulated,
+                                                          norm_call(p.in.numerics, modulated),
                                                           {p.d_weight.present(), tables, p.d_gate.present()})));
   DETDIT_RETURN_IF_ERROR(run_norm(comm, sp, norm, stream));
   if (!g.present()) return Status();
