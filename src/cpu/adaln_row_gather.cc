@@ -12,6 +12,7 @@
 #include "common/storage.h"
 #include "cpu/parallel.h"
 #include "cpu/reduction.h"
+#include "cpu/unaligned.h"
 
 namespace detdit {
 namespace cpu {
@@ -24,16 +25,15 @@ void gather_backward_partials(const AdalnRowGatherBackwardParams& p, const Tenso
   const int64_t hidden = p.grad.shape[p.grad.rank - 1];
   const int64_t positions = p.plan.positions();
   const PlanTables& tables = p.plan.host_tables();
-  const T* grad = static_cast<const T*>(p.grad.data);
   parallel_for(0, p.plan.num_segments(), [&](int64_t g) {
     float* acc = row_ptr<float>(partials, g);  // (6H,)
     for (int64_t j = 0; j < kAdalnChunks * hidden; ++j) acc[j] = 0.0f;
     for (int32_t q = tables.segment_pos_begin[g]; q < tables.segment_pos_begin[g + 1]; ++q) {
       const int64_t pos = tables.segment_positions[q];
       for (int c = 0; c < kAdalnChunks; ++c) {
-        const T* src = grad + (c * positions + pos) * hidden;  // grad[c, pos, :]
+        const int64_t src = (c * positions + pos) * hidden;  // grad[c, pos, :], at any byte address
         float* dst = acc + c * hidden;
-        for (int64_t h = 0; h < hidden; ++h) dst[h] = num::add32(dst[h], to_float(src[h]));
+        for (int64_t h = 0; h < hidden; ++h) dst[h] = num::add32(dst[h], to_float(load<T>(p.grad.data, src + h)));
       }
     }
   });

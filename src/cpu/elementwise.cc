@@ -7,6 +7,7 @@
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cpu/parallel.h"
+#include "cpu/unaligned.h"
 
 namespace detdit {
 
@@ -15,11 +16,13 @@ namespace cpu {
 Status add(const TensorView& a, const TensorView& b, const TensorView& out, Stream) {
   dispatch_float_dtype(out.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T* lhs = a.ptr<const T>();
-    const T* rhs = b.ptr<const T>();
-    T* sum = out.ptr<T>();
-    // in place (out == a or b) is safe: element i is read before it is written
-    parallel_for(0, out.numel(), [&](int64_t i) { sum[i] = from_float<T>(num::add32(to_float(lhs[i]), to_float(rhs[i]))); });
+    // in place (out == a or b) is safe: element i is read before it is written;
+    // the operands may sit at any byte address (cpu::load / cpu::store)
+    const void *lhs = a.data, *rhs = b.data;
+    void* sum = out.data;
+    parallel_for(0, out.numel(), [lhs, rhs, sum](int64_t i) {
+      store(sum, i, from_float<T>(num::add32(to_float(load<T>(lhs, i)), to_float(load<T>(rhs, i)))));
+    });
   });
   return Status();
 }

@@ -2,7 +2,9 @@
 // (backward). residual, y, out, grad, d_residual, d_y are contiguous (M, H)
 // rows, M = B*S; position p uses gate row plan.row_of_seq[p % S]. The backward
 // is rows (d_residual, d_y) + segment partials of d_gate + fold, the split the
-// sequence-parallel region runs on a chunk subset.
+// sequence-parallel region runs on a chunk subset. No tensor of the op has an
+// alignment rule: every element moves through cpu::load / cpu::store
+// (src/cpu/unaligned.h), never a typed access at a misaligned address.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include "common/storage.h"
 #include "cpu/parallel.h"
 #include "cpu/reduction.h"
+#include "cpu/unaligned.h"
 
 namespace detdit {
 namespace cpu {
@@ -26,12 +29,18 @@ void forward(const GateResidualParams& p) {
   const int32_t* row_of_seq = p.in.plan.host_tables().row_of_seq;
   const int64_t seq_len = p.in.plan.seq_len();
   parallel_for(0, rows, [&](int64_t m) {
-    const T* res = static_cast<const T*>(p.in.residual.data) + m * hidden;  // (H,) row m
-    const T* y = static_cast<const T*>(p.in.y.data) + m * hidden;
-    const T* gate = row_ptr<T>(p.in.gate, rowwise::table_row(row_of_seq, m, seq_len));
-    T* out = static_cast<T*>(p.out.data) + m * hidden;
-    for (int64_t i = 0; i < hidden; ++i)
-      out[i] = from_float<T>(rowwise::gated_sum<T>(to_float(res[i]), to_float(gate[i]), to_float(y[i])));
+    // Everything the loop reads in locals of the block: a cpu::store may alias
+    // any memory (the captures included), and reloading them every iteration
+    // would keep the loop from vectorising.
+    const int64_t n = hidden, row = m * n;  // (H,) row m of residual, y and out
+    const int64_t gate = rowwise::table_row(row_of_seq, m, seq_len) * p.in.gate.strides[0];
+    const void *residual = p.in.residual.data, *y = p.in.y.data, *gate_table = p.in.gate.data;
+    void* out = p.out.data;
+    for (int64_t i = 0; i < n; ++i)
+      store(out, row + i,
+            from_float<T>(rowwise::gated_sum<T>(to_float(load<T>(residual, row + i)),
+                                                to_float(load<T>(gate_table, gate + i)),
+                                                to_float(load<T>(y, row + i)))));
   });
 }
 
@@ -44,10 +53,13 @@ void backward_rows(const GateResidualBackwardParams& p) {
   const int32_t* row_of_seq = p.in.plan.host_tables().row_of_seq;
   const int64_t seq_len = p.in.plan.seq_len();
   parallel_for(0, rows, [&](int64_t m) {
-    const T* grad = static_cast<const T*>(p.grad.data) + m * hidden;  // (H,) row m
-    const T* gate = row_ptr<T>(p.in.gate, rowwise::table_row(row_of_seq, m, seq_len));
-    T* d_y = static_cast<T*>(p.d_y.data) + m * hidden;
-    for (int64_t i = 0; i < hidden; ++i) d_y[i] = from_float<T>(rowwise::gated_grad(to_float(grad[i]), to_float(gate[i])));
+    const int64_t n = hidden, row = m * n;  // (H,) row m of grad and d_y; locals, as in the forward
+    const int64_t gate = rowwise::table_row(row_of_seq, m, seq_len) * p.in.gate.strides[0];
+    const void *grad = p.grad.data, *gate_table = p.in.gate.data;
+    void* d_y = p.d_y.data;
+    for (int64_t i = 0; i < n; ++i)
+      store(d_y, row + i,
+            from_float<T>(rowwise::gated_grad(to_float(load<T>(grad, row + i)), to_float(load<T>(gate_table, gate + i)))));
   });
 }
 
@@ -66,9 +78,12 @@ void backward_partials(const GateResidualBackwardParams& p, const ChunkSelection
       for (int64_t i = 0; i < hidden; ++i) acc[i] = 0.0f;
       for (int32_t q = tables.segment_pos_begin[g]; q < tables.segment_pos_begin[g + 1]; ++q) {
         const DataRow d = data_row(sel, tables.segment_positions[q]);
-        const T* grad = static_cast<const T*>((d.extra ? extra.grad : p.grad).data) + d.row * hidden;
-        const T* y = static_cast<const T*>((d.extra ? extra.y : p.in.y).data) + d.row * hidden;
-        for (int64_t i = 0; i < hidden; ++i) acc[i] = rowwise::gate_grad_step(to_float(grad[i]), to_float(y[i]), acc[i]);
+        // the position's rows and the bound in locals (unaligned.h; the step calls fmaf)
+        const int64_t n = hidden, offset = d.row * n * static_cast<int64_t>(sizeof(T));
+        const char* grad = static_cast<const char*>((d.extra ? extra.grad : p.grad).data) + offset;
+        const char* y = static_cast<const char*>((d.extra ? extra.y : p.in.y).data) + offset;
+        for (int64_t i = 0; i < n; ++i)
+          acc[i] = rowwise::gate_grad_step(to_float(load<T>(grad, i)), to_float(load<T>(y, i)), acc[i]);
       }
     }
   });

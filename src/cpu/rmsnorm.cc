@@ -2,12 +2,15 @@
 // docs/numerics.md 5.6 (forward), 6.7 (backward) and 7 (the row tree).
 //
 // x, grad, out, dx are contiguous (M, H) rows, M = B*S; position p = row p
-// uses table row plan.row_of_seq[p % S]. The backward is split into the
-// row-local half (dx) and the partials half of the canonical reduction
-// (d_weight chunk partials, [d_shift | d_scale] segment partials); the public
-// rmsnorm_backward is literally rows + partials(every chunk) + folds
-// (src/rowwise/backward.h), the same code the sequence-parallel region runs on
-// a chunk subset.
+// uses table row plan.row_of_seq[p % S]. x, weight and out are aligned to
+// their 4-element vectors (validation); every other tensor may sit at any
+// byte address and is read and written through cpu::load / cpu::store
+// (src/cpu/unaligned.h: the same moves, without a misaligned typed access).
+// The backward is split into the row-local half (dx) and the partials half of
+// the canonical reduction (d_weight chunk partials, [d_shift | d_scale]
+// segment partials); the public rmsnorm_backward is literally rows +
+// partials(every chunk) + folds (src/rowwise/backward.h), the same code the
+// sequence-parallel region runs on a chunk subset.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -19,6 +22,7 @@
 #include "common/storage.h"
 #include "cpu/parallel.h"
 #include "cpu/reduction.h"
+#include "cpu/unaligned.h"
 
 namespace detdit {
 namespace cpu {
@@ -34,11 +38,18 @@ float row_rstd(const T* x, int64_t hidden, float eps) {
   return num::portable_rsqrt(num::add32(ms, eps));
 }
 
-// d_n_i = g_i (plain) or rn(g_i * t1_i) (modulated; t1 from table row `row`).
+// d_n_i = g_i (plain: scale_row null) or rn(g_i * t1_i) (modulated; t1 from
+// the scale row at scale_row).
 template <typename T>
-float grad_normalised(const RmsnormBackwardParams& p, int64_t row, int64_t i, float g) {
-  if (!is_modulated(p.in.shift)) return g;
-  return rowwise::modulated_grad<T>(g, to_float(row_ptr<T>(p.in.scale, row)[i]));
+float grad_normalised(const void* scale_row, int64_t i, float g) {
+  if (scale_row == nullptr) return g;
+  return rowwise::modulated_grad<T>(g, to_float(load<T>(scale_row, i)));
+}
+
+// The scale row of position p's table row, or null for a plain norm.
+const void* scale_row(const RmsnormBackwardParams& p, const int32_t* row_of_seq, int64_t pos, int64_t seq_len) {
+  if (!is_modulated(p.in.shift)) return nullptr;
+  return row_address(p.in.scale, rowwise::table_row(row_of_seq, pos, seq_len));
 }
 
 template <typename T>
@@ -51,16 +62,18 @@ void forward(const RmsnormParams& p) {
   const int32_t* row_of_seq = is_modulated(p.in.shift) ? p.in.plan.host_tables().row_of_seq : nullptr;
   const int64_t seq_len = p.in.plan.valid() ? p.in.plan.seq_len() : 1;
   parallel_for(0, rows, [&](int64_t m) {
-    const T* xr = x + m * hidden;  // (H,) row m
-    T* outr = out + m * hidden;
-    const float rstd = row_rstd(xr, hidden, p.in.eps);
-    if (p.rstd.present()) static_cast<float*>(p.rstd.data)[m] = rstd;
+    const int64_t h = hidden;  // bounds and bases in locals (unaligned.h)
+    const T* xr = x + m * h;   // (H,) row m
+    T* outr = out + m * h;
+    const float rstd = row_rstd(xr, h, p.in.eps);
+    if (p.rstd.present()) store(p.rstd.data, m, rstd);
     const int64_t table_row = row_of_seq ? rowwise::table_row(row_of_seq, m, seq_len) : 0;
-    const T* shift = row_of_seq ? row_ptr<T>(p.in.shift, table_row) : nullptr;
-    const T* scale = row_of_seq ? row_ptr<T>(p.in.scale, table_row) : nullptr;
-    for (int64_t i = 0; i < hidden; ++i) {
+    const void* shift = row_of_seq ? row_address(p.in.shift, table_row) : nullptr;
+    const void* scale = row_of_seq ? row_address(p.in.scale, table_row) : nullptr;
+    for (int64_t i = 0; i < h; ++i) {
       const float n = rowwise::normalised<T>(to_float(w[i]), rstd, to_float(xr[i]));
-      outr[i] = from_float<T>(row_of_seq ? rowwise::modulated<T>(n, to_float(scale[i]), to_float(shift[i])) : n);
+      outr[i] = from_float<T>(
+          row_of_seq ? rowwise::modulated<T>(n, to_float(load<T>(scale, i)), to_float(load<T>(shift, i))) : n);
     }
   });
 }
@@ -71,47 +84,44 @@ void backward_rows(const RmsnormBackwardParams& p) {
   const int64_t rows = p.in.x.numel() / hidden;
   const T* x = static_cast<const T*>(p.in.x.data);
   const T* w = static_cast<const T*>(p.in.weight.data);
-  const T* grad = static_cast<const T*>(p.grad.data);
-  const float* rstd_all = static_cast<const float*>(p.rstd.data);
-  T* dx = static_cast<T*>(p.dx.data);
   const int32_t* row_of_seq = is_modulated(p.in.shift) ? p.in.plan.host_tables().row_of_seq : nullptr;
   const int64_t seq_len = p.in.plan.valid() ? p.in.plan.seq_len() : 1;
   parallel_for(0, rows, [&](int64_t m) {
-    const T* xr = x + m * hidden;  // (H,) row m
-    const T* gr = grad + m * hidden;
-    T* dxr = dx + m * hidden;
-    const int64_t table_row = row_of_seq ? rowwise::table_row(row_of_seq, m, seq_len) : 0;
-    const float rstd = rstd_all[m];
-    std::vector<float> d_n(static_cast<std::size_t>(hidden));
-    for (int64_t i = 0; i < hidden; ++i) d_n[i] = grad_normalised<T>(p, table_row, i, to_float(gr[i]));
-    const float dot = row_tree_sum(hidden, [&](int64_t i, float* a, float* b) {
+    const int64_t h = hidden;  // bounds and bases in locals (unaligned.h)
+    const T* xr = x + m * h;   // (H,) row m; grad and dx row m start at element m * h
+    const void* grad = static_cast<const char*>(p.grad.data) + m * h * static_cast<int64_t>(sizeof(T));
+    void* dx = static_cast<char*>(p.dx.data) + m * h * static_cast<int64_t>(sizeof(T));
+    const void* scale = scale_row(p, row_of_seq, m, seq_len);
+    const float rstd = load<float>(p.rstd.data, m);
+    std::vector<float> d_n_row(static_cast<std::size_t>(h));
+    float* d_n = d_n_row.data();
+    for (int64_t i = 0; i < h; ++i) d_n[i] = grad_normalised<T>(scale, i, to_float(load<T>(grad, i)));
+    const float dot = row_tree_sum(h, [&](int64_t i, float* a, float* b) {
       *a = rowwise::dot_term(to_float(w[i]), d_n[i]);
       *b = to_float(xr[i]);
     });
-    const float coef = rowwise::dx_coefficient(rstd, dot, hidden);
-    for (int64_t i = 0; i < hidden; ++i)
-      dxr[i] = from_float<T>(rowwise::dx_value(rstd, to_float(w[i]), d_n[i], to_float(xr[i]), coef));
+    const float coef = rowwise::dx_coefficient(rstd, dot, h);
+    for (int64_t i = 0; i < h; ++i)
+      store(dx, i, from_float<T>(rowwise::dx_value(rstd, to_float(w[i]), d_n[i], to_float(xr[i]), coef)));
   });
 }
 
-// The operands of one position for the partials: its x, grad and rstd rows,
-// own or received (ExtraRows).
-template <typename T>
+// The operands of one position for the partials: its x and grad rows (the
+// element index of the row's start in `x` / `grad`) and rstd, own or
+// received (ExtraRows).
 struct PositionRows {
-  const T* x;
-  const T* grad;
+  const void* x;
+  const void* grad;
+  int64_t first;
   float rstd;
 };
-template <typename T>
-PositionRows<T> position_rows(const RmsnormBackwardParams& p, const ExtraRows& extra, const ChunkSelection& sel,
-                              int64_t hidden, int64_t pos) {
+PositionRows position_rows(const RmsnormBackwardParams& p, const ExtraRows& extra, const ChunkSelection& sel,
+                           int64_t hidden, int64_t pos) {
   const DataRow d = data_row(sel, pos);
   const TensorView& x = d.extra ? extra.x : p.in.x;
   const TensorView& grad = d.extra ? extra.grad : p.grad;
   const TensorView& rstd = d.extra ? extra.rstd : p.rstd;
-  return PositionRows<T>{static_cast<const T*>(x.data) + d.row * hidden,
-                         static_cast<const T*>(grad.data) + d.row * hidden,
-                         static_cast<const float*>(rstd.data)[d.row]};
+  return PositionRows{x.data, grad.data, d.row * hidden, load<float>(rstd.data, d.row)};
 }
 
 template <typename T>
@@ -134,11 +144,11 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
       for (int64_t i = 0; i < hidden; ++i) acc[i] = 0.0f;
       const int64_t end = std::min(positions, (c + 1) * kReductionChunk);
       for (int64_t pos = c * kReductionChunk; pos < end; ++pos) {
-        const PositionRows<T> in = position_rows<T>(p, extra, sel, hidden, pos);
-        const int64_t table_row = modulated ? rowwise::table_row(row_of_seq, pos, seq_len) : 0;
+        const PositionRows in = position_rows(p, extra, sel, hidden, pos);
+        const void* scale = scale_row(p, row_of_seq, pos, seq_len);
         for (int64_t i = 0; i < hidden; ++i) {
-          const float d_n = grad_normalised<T>(p, table_row, i, to_float(in.grad[i]));
-          acc[i] = rowwise::weight_grad_step(d_n, to_float(in.x[i]), in.rstd, acc[i]);
+          const float d_n = grad_normalised<T>(scale, i, to_float(load<T>(in.grad, in.first + i)));
+          acc[i] = rowwise::weight_grad_step(d_n, to_float(load<T>(in.x, in.first + i)), in.rstd, acc[i]);
         }
       }
     }
@@ -150,11 +160,11 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
         float* acc = row_ptr<float>(table_partials, out_row);  // (2H,)
         for (int64_t j = 0; j < 2 * hidden; ++j) acc[j] = 0.0f;
         for (int32_t q = tables.segment_pos_begin[g]; q < tables.segment_pos_begin[g + 1]; ++q) {
-          const PositionRows<T> in = position_rows<T>(p, extra, sel, hidden, tables.segment_positions[q]);
+          const PositionRows in = position_rows(p, extra, sel, hidden, tables.segment_positions[q]);
           for (int64_t i = 0; i < hidden; ++i) {
-            const float g_i = to_float(in.grad[i]);
+            const float g_i = to_float(load<T>(in.grad, in.first + i));
             acc[i] = num::add32(acc[i], g_i);
-            const float n = rowwise::normalised<T>(to_float(w[i]), in.rstd, to_float(in.x[i]));
+            const float n = rowwise::normalised<T>(to_float(w[i]), in.rstd, to_float(load<T>(in.x, in.first + i)));
             acc[hidden + i] = rowwise::scale_grad_step(g_i, n, acc[hidden + i]);
           }
         }

@@ -7,6 +7,7 @@
 
 #include "common/storage.h"
 #include "cpu/parallel.h"
+#include "cpu/unaligned.h"
 
 namespace detdit {
 
@@ -22,12 +23,12 @@ Status allocate_scratch(const Device&, std::size_t bytes, Stream, std::shared_pt
   return Status();
 }
 
+// src is a caller's tensor (a bf16 grad_table) at any byte address; dst is scratch.
 Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream) {
   float* out = dst.ptr<float>();
   dispatch_float_dtype(src.dtype, [&](auto tag) {
     using In = decltype(tag);
-    const In* in = src.ptr<In>();
-    parallel_for(0, src.numel(), [&](int64_t i) { out[i] = to_float(in[i]); });
+    parallel_for(0, src.numel(), [&](int64_t i) { out[i] = to_float(load<In>(src.data, i)); });
   });
   return Status();
 }

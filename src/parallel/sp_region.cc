@@ -85,6 +85,19 @@ Status check_local_rows(const SpPlan& sp, const TensorView& t, const char* name)
                              std::to_string(sp.local_end()) + ") of every batch item), got " + t.describe());
 }
 
+// The start of every backward's agreed validation: the communicator and plan
+// of the call and the rank's rows, then the WS1 validator of the local call.
+template <typename Params, typename Validate>
+Status validate_backward(const Communicator& comm, const SpPlan& sp, const Params& params, bool plan_required,
+                         const TensorView& rows, const char* name, Validate validate) {
+  DETDIT_RETURN_IF_ERROR(check_comm(comm, sp));
+  DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, plan_required));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, rows, name));
+  Params local = params;
+  local.in.plan = sp.local_plan();
+  return validate(local);
+}
+
 // ---------------------------------------------------------------- exchanges
 
 // Step 2's buffers: the send block (field f's max_send rows at offset[f]),
@@ -196,8 +209,9 @@ Status exchange_partials(Communicator& comm, const Device& device,
 // gradients: every rank must agree on it. The index enters through the
 // plan's fingerprint: ranks holding different indexes of one length would
 // exchange blocks of equal sizes and fold different "replicated" results.
-std::string call_signature(const char* op, const SpPlan& sp, const TensorView& rows, Numerics numerics,
-                           bool modulated, std::initializer_list<bool> gathered) {
+// `norm`: the norm's profile and modulation (norm_call), empty for the gate alone.
+std::string call_signature(const char* op, const SpPlan& sp, const TensorView& rows, const std::string& norm,
+                           std::initializer_list<bool> gathered) {
   char index[96] = "no plan";
   if (sp.valid()) {
     const IndexPlan& plan = sp.global_plan();
@@ -206,10 +220,14 @@ std::string call_signature(const char* op, const SpPlan& sp, const TensorView& r
                   static_cast<long long>(plan.batch()), static_cast<long long>(plan.num_rows()), sp.world());
   }
   std::string signature = std::string(op) + "(" + index + ", " + dtype_name(rows.dtype) +
-                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) + ", " +
-                          numerics_name(numerics) + (modulated ? ", modulated" : ", plain") + ", gathers";
+                          ", H=" + std::to_string(rows.rank > 0 ? rows.shape[rows.rank - 1] : 0) +
+                          (norm.empty() ? "" : ", " + norm) + ", gathers";
   for (bool g : gathered) signature += g ? " 1" : " 0";
   return signature + ")";
+}
+
+std::string norm_call(Numerics numerics, bool modulated) {
+  return std::string(numerics_name(numerics)) + (modulated ? ", modulated" : ", plain");
 }
 
 ChunkSelection owned_selection(const SpPlan::Impl& sp) {
@@ -384,35 +402,23 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
 Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
   const bool modulated = params.in.shift.present() || params.in.scale.present();
   NormBackward norm;
-  Status valid = check_comm(comm, sp);
-  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, modulated);
-  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
-  if (valid.ok()) {
-    RmsnormBackwardParams local = params;
-    local.in.plan = sp.local_plan();
-    valid = rowwise::validate_rmsnorm_backward(local);
-  }
+  Status valid = validate_backward(comm, sp, params, modulated, params.in.x, "x", rowwise::validate_rmsnorm_backward);
   if (valid.ok()) valid = prepare_norm(sp, params, stream, &norm);
   const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_rmsnorm_backward", sp, params.in.x, params.in.numerics,
-                                                          modulated, {params.d_weight.present(), tables})));
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_rmsnorm_backward", sp, params.in.x,
+                                                          norm_call(params.in.numerics, modulated),
+                                                          {params.d_weight.present(), tables})));
   return run_norm(comm, sp, norm, stream);
 }
 
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream) {
   GateBackward gate;
-  Status valid = check_comm(comm, sp);
-  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
-  if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
-  if (valid.ok()) {
-    GateResidualBackwardParams local = params;
-    local.in.plan = sp.local_plan();
-    valid = rowwise::validate_gate_residual_backward(local);
-  }
+  Status valid =
+      validate_backward(comm, sp, params, true, params.grad, "grad", rowwise::validate_gate_residual_backward);
   if (valid.ok()) valid = prepare_gate(sp, params, stream, &gate);
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_gate_residual_backward", sp, params.grad,
-                                                          Numerics::kPortable, true, {params.d_gate.present()})));
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, call_signature("sp_gate_residual_backward", sp, params.grad, "", {params.d_gate.present()})));
   return run_gate(comm, sp, gate, stream);
 }
 
@@ -422,14 +428,7 @@ Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
                                          const GateResidualRmsnormBackwardParams& params, Stream stream) {
   const GateResidualRmsnormBackwardParams& p = params;
   const bool modulated = p.in.shift.present() || p.in.scale.present();
-  Status valid = check_comm(comm, sp);
-  if (valid.ok()) valid = check_global_plan(sp, p.in.plan, true);
-  if (valid.ok()) valid = check_local_rows(sp, p.h, "h");
-  if (valid.ok()) {
-    GateResidualRmsnormBackwardParams local = p;
-    local.in.plan = sp.local_plan();
-    valid = rowwise::validate_gate_residual_rmsnorm_backward(local);
-  }
+  Status valid = validate_backward(comm, sp, p, true, p.h, "h", rowwise::validate_gate_residual_rmsnorm_backward);
   // g, the gradient of h: d_residual when kept, else scratch when d_y or d_gate need it.
   TensorView g = p.d_residual;
   std::shared_ptr<void> g_memory;
@@ -444,7 +443,7 @@ Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
   if (valid.ok() && g.present()) valid = prepare_gate(sp, rowwise::gate_backward(p, g), stream, &gate);
   const bool tables = modulated && (p.d_shift.present() || p.d_scale.present());
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_gate_residual_rmsnorm_backward", sp, p.h,
-                                                          p.in.numerics, modulated,
+                                                          norm_call(p.in.numerics, modulated),
                                                           {p.d_weight.present(), tables, p.d_gate.present()})));
   DETDIT_RETURN_IF_ERROR(run_norm(comm, sp, norm, stream));
   if (!g.present()) return Status();

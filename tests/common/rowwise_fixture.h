@@ -96,5 +96,22 @@ void expect_bad_params_refused(const std::vector<BadParams<Forward, Backward>>& 
   }
 }
 
+// A (R, H) gradient output re-strided so that its rows overlap (row stride 0,
+// 1 and H - 1) must make `call` fail with "<name> must not overlap itself",
+// and `untouched()` must still hold (no output written).
+inline void expect_overlapping_rows_refused(const TensorView& t, const char* name,
+                                            const std::function<Status(const TensorView&)>& call,
+                                            const std::function<::testing::AssertionResult()>& untouched) {
+  const int64_t hidden = t.shape[1];
+  for (int64_t stride : {int64_t{0}, int64_t{1}, hidden - 1}) {
+    SCOPED_TRACE(std::string(name) + " row stride " + std::to_string(stride));
+    const TensorView overlapping = TensorView::strided(t.data, t.dtype, {t.shape[0], hidden}, {stride, 1}, t.device);
+    EXPECT_TRUE(refused(call(overlapping), ErrorKind::kValue,
+                        std::string(name) + " must not overlap itself: its row stride " + std::to_string(stride) +
+                            " is below H = " + std::to_string(hidden)));
+    EXPECT_TRUE(untouched());
+  }
+}
+
 }  // namespace testing
 }  // namespace detdit
