@@ -58,10 +58,15 @@ def plan_from_rows(row_index, num_rows, batch=1):
     return _ops.plan_from_rows.default(row_index, num_rows, batch)
 
 
+# What a plan is: a built plan, or (torch >= 2.4, under torch.compile) the FakeScriptObject
+# that tracing makes of one (detdit/_compile.py).
+_PLAN_TYPES = (torch.ScriptObject,) + _compile.FAKE_PLAN_TYPES
+
+
 def _require_plan(index_plan, op):
     if index_plan is None:
         raise ValueError(f"{op} needs an IndexPlan (detdit.plan(...)), got None")
-    if not isinstance(index_plan, torch.ScriptObject):
+    if not isinstance(index_plan, _PLAN_TYPES):
         raise TypeError(f"{op}: plan must be a detdit IndexPlan (detdit.plan(...)), got {type(index_plan).__name__}")
     return index_plan
 

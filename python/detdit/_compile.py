@@ -24,7 +24,7 @@ Contract:
 """
 import torch
 
-__all__ = ["FakeIndexPlan", "FakeSpPlan", "FAKE_KERNELS", "TRACED_AUTOGRAD", "autograd_function", "REASON"]
+__all__ = ["FakeIndexPlan", "FakeSpPlan", "FAKE_PLAN_TYPES", "FAKE_KERNELS", "TRACED_AUTOGRAD", "autograd_function", "REASON"]
 
 _ops = torch.ops.detdit
 
@@ -37,7 +37,8 @@ class FakeIndexPlan:
     """What tracing sees of an ``IndexPlan``: its sizes, from ``__obj_flatten__`` (strings)."""
 
     def __init__(self, id, seq_len, batch, num_rows, positions, num_chunks, num_segments, device):
-        self._id, self._device = int(id), device
+        # every __obj_flatten__ key is an attribute: dynamo reads each one (OutputGraph)
+        self.id, self._device = int(id), device
         self._seq_len, self._batch, self._num_rows = int(seq_len), int(batch), int(num_rows)
         self._positions, self._num_chunks, self._num_segments = int(positions), int(num_chunks), int(num_segments)
 
@@ -78,7 +79,7 @@ class FakeSpPlan:
     """What tracing sees of an ``SpPlan``: its sizes, from ``__obj_flatten__`` (strings)."""
 
     def __init__(self, id, world, rank, local_begin, local_end, local_seq_len, max_send):
-        self._id, self._world, self._rank = int(id), int(world), int(rank)
+        self.id, self._world, self._rank = int(id), int(world), int(rank)
         self._local_begin, self._local_end = int(local_begin), int(local_end)
         self._local_seq_len, self._max_send = int(local_seq_len), int(max_send)
 
@@ -431,5 +432,10 @@ def _register():
 #: None when this torch has what the registrations need; else what it lacks.
 REASON = None if hasattr(torch.library, "register_fake") else (
     f"torch {torch.__version__} has no torch.library.register_fake (torch >= 2.4): detdit ops are not traceable")
+# The type tracing gives a plan argument (a FakeScriptObject wraps a FakeIndexPlan/FakeSpPlan);
+# the wrappers in detdit/__init__.py accept it beside torch.ScriptObject. Empty without tracing.
+FAKE_PLAN_TYPES = ()
 if REASON is None:
+    from torch._library.fake_class_registry import FakeScriptObject
+    FAKE_PLAN_TYPES = (FakeScriptObject,)
     _register()

@@ -30,22 +30,6 @@ requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_c
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
-def failed_on_h200(reason):
-    """Known failures, measured on one H200 with torch 2.11.0+cu130 on 2026-12-01 (docs/python.md);
-    strict, so a fix must remove the mark."""
-    return pytest.mark.xfail(strict=True, reason="failed on torch 2.11 (H200, 2026-12-01): " + reason)
-
-
-# torch's SchemaCheckMode calls len() on every argument; the plan class has no __len__.
-OPCHECK_FAILS = failed_on_h200("opcheck test_schema: '__len__' is not implemented for "
-                               "__torch__.torch.classes.detdit.IndexPlan")
-# dynamo reads every __obj_flatten__ key as an attribute of the fake plan; FakeIndexPlan keeps the id as _id.
-FLATTEN_FAILS = failed_on_h200("dynamo: AttributeError: 'FakeIndexPlan' object has no attribute 'id'")
-# detdit._require_plan's isinstance(plan, torch.ScriptObject) is False for dynamo's FakeScriptObject.
-FAKE_PLAN_REFUSED = failed_on_h200("TypeError: gate_residual_rmsnorm: plan must be a detdit IndexPlan "
-                                   "(detdit.plan(...)), got FakeScriptObject")
-
-
 @pytest.fixture(scope="module")
 def comm():
     """A one-rank gloo group in this process: the sp_/tp_ ops' communicator."""
@@ -186,6 +170,21 @@ def test_plan_str_repr_and_flatten():
         assert getattr(fake, method)() == getattr(plan, method)(), method
 
 
+def test_fake_plans_have_every_flattened_key_and_plans_have_no_len():
+    # dynamo reads every __obj_flatten__ key as an attribute of the fake plan (OutputGraph);
+    # torch's schema check (opcheck) probes each argument with len(), expecting TypeError.
+    ti, tags = packing(SEQ, TIMESTEPS, 331)
+    plan = detdit.plan(ti, tags, TIMESTEPS, BATCH)
+    sp_plan = ops.sp_plan(plan, 2, 1)
+    for real, fake_class in ((plan, _compile.FakeIndexPlan), (sp_plan, _compile.FakeSpPlan)):
+        fake = fake_class.__obj_unflatten__(real.__obj_flatten__())
+        for key, value in real.__obj_flatten__():
+            assert hasattr(fake, key), f"{fake_class.__name__} has no attribute {key}"
+        assert fake.id == int(dict(real.__obj_flatten__())["id"])
+        with pytest.raises(TypeError, match="has no len"):
+            len(real)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fake_kernels_give_the_kernels_output_metadata(device, comm):
     for name, op, args in op_cases(device, comm if device == "cpu" else None):
@@ -262,7 +261,6 @@ def test_traced_autograd_refuses_double_backward():
 # torch >= 2.4: opcheck and torch.compile
 
 
-@OPCHECK_FAILS
 @requires_compile
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_every_op(device, comm):
@@ -344,7 +342,6 @@ def assert_same_results(got, want, what, model):
             assert_bitwise_equal(a, b, f"{what}: {name}")
 
 
-@FLATTEN_FAILS
 @requires_compile
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_block_is_one_graph_and_equals_eager(device):
@@ -362,7 +359,6 @@ def test_compiled_block_is_one_graph_and_equals_eager(device):
     assert_same_results(run_region(compiled, model, weights, device, SEQ, 470), eager, "compiled vs eager", model)
 
 
-@FAKE_PLAN_REFUSED
 @requires_compile
 @pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_shapes_two_sequence_lengths(device):
@@ -374,7 +370,6 @@ def test_dynamic_shapes_two_sequence_lengths(device):
                             f"dynamic=True at S={seq}", model)
 
 
-@FAKE_PLAN_REFUSED
 @requires_compile
 @requires_cuda
 def test_cuda_graph_replays_equal_eager():

@@ -57,6 +57,16 @@ std::tuple<Tensor, Tensor> rmsnorm_plan_autograd(const Tensor& x, const Tensor& 
   return autograd_kernel<RmsnormFunction>(&rmsnorm)(x, weight, shift, scale, OptPlan(plan), eps, numerics);
 }
 
+// A plan is no sequence: len() raises TypeError, as for any Python object
+// without a length. Without the method, torch's ScriptObject answers len()
+// with NotImplementedError, which code that probes for a sequence (torch's
+// schema check in opcheck: try len(), catch TypeError) does not expect.
+template <typename Holder>
+int64_t plan_has_no_len(const c10::intrusive_ptr<Holder>&) {
+  TORCH_CHECK_TYPE(false, "a detdit plan has no len()");
+  return 0;
+}
+
 }  // namespace
 }  // namespace detdit_torch
 
@@ -79,7 +89,8 @@ TORCH_LIBRARY(detdit, m) {
       .def("row_index", &PlanHolder::row_index)
       .def("__repr__", &PlanHolder::repr)
       .def("__str__", &PlanHolder::repr)
-      .def("__obj_flatten__", &PlanHolder::flatten);
+      .def("__obj_flatten__", &PlanHolder::flatten)
+      .def("__len__", &plan_has_no_len<PlanHolder>);
   m.class_<SpPlanHolder>("SpPlan")
       .def("world", &SpPlanHolder::world)
       .def("rank", &SpPlanHolder::rank)
@@ -87,7 +98,8 @@ TORCH_LIBRARY(detdit, m) {
       .def("local_end", &SpPlanHolder::local_end)
       .def("local_seq_len", &SpPlanHolder::local_seq_len)
       .def("max_send", &SpPlanHolder::max_send)
-      .def("__obj_flatten__", &SpPlanHolder::flatten);
+      .def("__obj_flatten__", &SpPlanHolder::flatten)
+      .def("__len__", &plan_has_no_len<SpPlanHolder>);
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
         &make_plan);
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN, &make_plan_from_rows);
