@@ -163,23 +163,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto call = [&]() {
     if (gate) {
       detdit::GateResidualParams p;
-      p.residual = views[0];
-      p.y = views[1];
-      p.gate = views[2];
-      p.plan = plan;
+      p.in.residual = views[0];
+      p.in.y = views[1];
+      p.in.gate = views[2];
+      p.in.plan = plan;
       p.out = views[3];
       return detdit::gate_residual_forward(p);
     }
     detdit::RmsnormParams p;
-    p.x = views[0];
-    p.weight = views[1];
-    p.shift = views[2];
-    p.scale = views[3];
-    p.plan = plan;
+    p.in.x = views[0];
+    p.in.weight = views[1];
+    p.in.shift = views[2];
+    p.in.scale = views[3];
+    p.in.plan = plan;
     p.out = views[4];
     p.rstd = views[5];
-    p.eps = eps;
-    p.numerics = numerics;
+    p.in.eps = eps;
+    p.in.numerics = numerics;
     return detdit::rmsnorm_forward(p);
   };
   buffers.fill(inputs);
