@@ -113,16 +113,13 @@ TensorView table_half(const TensorView& table, int64_t hidden, int half) {
 }
 
 // A (T, N) fp32 scratch gradient of the table, allocated after the arguments
-// that size it are known to be well formed (so allocation never follows a bad shape).
+// that size it have passed the projection's own checks (contiguous, so their
+// memory backs T and N: an expanded temb or weight never sizes the scratch).
 Status table_grad_scratch(const TensorView& temb, const TensorView& weight, Stream stream,
                           std::shared_ptr<void>* owner, TensorView* view) {
-  DETDIT_RETURN_IF_ERROR(check::present(temb, "temb"));
-  DETDIT_RETURN_IF_ERROR(check::rank(temb, "temb", 2, "(T, D)"));
-  DETDIT_RETURN_IF_ERROR(check::present(weight, "weight"));
-  DETDIT_RETURN_IF_ERROR(check::rank(weight, "weight", 2, "(N, D)"));
-  if (temb.shape[0] < 1 || weight.shape[0] < 1)
-    return Status::value_error("temb and weight must be non-empty, got temb " + temb.describe() + " and weight " +
-                               weight.describe());
+  DETDIT_RETURN_IF_ERROR(validate_projection_operands(temb, weight));
+  if (weight.shape[0] < 1)
+    return Status::value_error("weight must be non-empty, got " + weight.describe());
   return scratch_tensor(temb.device, DType::kF32, {temb.shape[0], weight.shape[0]}, stream, owner, view);
 }
 

@@ -70,6 +70,11 @@ int64_t chunk_count(int64_t out_features) { return (out_features + kLinearChunkR
 
 }  // namespace
 
+Status validate_projection_operands(const TensorView& temb, const TensorView& weight) {
+  DETDIT_RETURN_IF_ERROR(check_temb(temb));
+  return check_weight(weight, temb);
+}
+
 Status validate_projection_forward(const TensorView& temb, const TensorView& weight, const TensorView& bias,
                                    const TensorView& table, const TensorView& act, Numerics numerics) {
   DETDIT_RETURN_IF_ERROR(check_temb(temb));

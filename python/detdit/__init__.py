@@ -8,10 +8,12 @@ pure function of the inputs: the same bits run to run, for any batch composition
 PyTorch's CUDA math functions (CUDA tensors only). docs/numerics.md is the contract.
 
 Indexed ops take an :class:`IndexPlan` built once per step by :func:`plan` or
-:func:`plan_from_rows` and reused by every block. Errors raise TypeError (dtype),
-ValueError (shape, device, layout, range), IndexError (index entries) or RuntimeError
-(environment) with the library's message.
+:func:`plan_from_rows` and reused by every block. Errors raise TypeError (an argument
+of the wrong type, a dtype), ValueError (shape, device, layout, range), IndexError (index
+entries) or RuntimeError (environment) with the library's message.
 """
+import numbers
+
 import torch
 
 from . import _C  # noqa: F401  (loading it registers torch.ops.detdit and torch.classes.detdit)
@@ -43,18 +45,43 @@ _ops = torch.ops.detdit
 IndexPlan = torch.classes.detdit.IndexPlan
 
 
+# The kinds of argument _check tells apart: (the types that pass, what the message says is
+# expected). Under torch.compile a size or a scale may arrive as a symbolic int or float.
+_SYM_INT = (torch.SymInt,) if hasattr(torch, "SymInt") else ()
+_SYM_FLOAT = (torch.SymFloat,) if hasattr(torch, "SymFloat") else ()
+_TENSOR = ((torch.Tensor,), "a torch.Tensor")
+_OPTIONAL_TENSOR = ((torch.Tensor, type(None)), "a torch.Tensor or None")
+_INT = ((int,) + _SYM_INT, "an int")
+_REAL = ((numbers.Real,) + _SYM_INT + _SYM_FLOAT, "a real number")
+_STR = ((str,), "a str")
+_BOOL = ((bool,), "a bool")
+
+
+def _check(op, **args):
+    """The TypeError naming op's argument, what it takes and what it got, for the first of
+    ``name=(value, kind)`` whose value is not of its kind: torch.ops would report it as a
+    RuntimeError (or, for a missing tensor, as one about a device), float() would turn a string
+    into a ValueError. bool is an int subclass, but a bool passes only where the kind is _BOOL."""
+    for name, (value, (types, expected)) in args.items():
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise TypeError(f"{op}: {name} must be {expected}, got {type(value).__name__}")
+
+
 def plan(timestep_indices, token_tags, num_timesteps, batch=1):
     """The plan of a packed sequence: row ``ti*3 + tag`` of a ``(3T, 6H)`` table per position.
 
     timestep_indices, token_tags: ``(S,)`` int32 or int64 (same dtype and device); the plan
     lives on their device. ``batch`` items share the index.
     """
+    _check("plan", timestep_indices=(timestep_indices, _TENSOR), token_tags=(token_tags, _TENSOR),
+           num_timesteps=(num_timesteps, _INT), batch=(batch, _INT))
     return _ops.plan.default(timestep_indices, token_tags, num_timesteps, batch)
 
 
 def plan_from_rows(row_index, num_rows, batch=1):
     """The plan of an ``(S,)`` row index into a table of ``num_rows`` rows (e.g. the timestep
     index of final_adaln_out, ``num_rows = T``)."""
+    _check("plan_from_rows", row_index=(row_index, _TENSOR), num_rows=(num_rows, _INT), batch=(batch, _INT))
     return _ops.plan_from_rows.default(row_index, num_rows, batch)
 
 
@@ -84,21 +111,28 @@ def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, num
 
     ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
     the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
+    _check("timestep_sinusoid", t=(t, _TENSOR), num_channels=(num_channels, _INT), max_period=(max_period, _REAL),
+           check_range=(check_range, _BOOL))
     return _ops.timestep_sinusoid.default(t, num_channels, float(max_period), _profile(numerics), check_range)
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):
     """``x W^T + b`` (``activation="silu"``: then SiLU), row-wise deterministic; out in x's dtype."""
+    _check("linear", x=(x, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _OPTIONAL_TENSOR),
+           activation=(activation, _STR))
     return _ops.linear.default(x, weight, bias, activation, _profile(numerics))[0]
 
 
 def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
     """``W2 silu(W1 f + b1) + b2``, all float32 (diffusers' TimestepEmbedding)."""
+    _check("timestep_mlp", features=(features, _TENSOR), w1=(w1, _TENSOR), b1=(b1, _TENSOR), w2=(w2, _TENSOR),
+           b2=(b2, _TENSOR))
     return _ops.timestep_mlp.default(features, w1, b1, w2, b2, _profile(numerics))[0]
 
 
 def adaln_projection(temb, weight, bias, numerics="portable"):
     """``table = linear(bf16(silu(temb)))``: ``(T, 18H)`` in the weight's dtype (temb float32)."""
+    _check("adaln_projection", temb=(temb, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _TENSOR))
     return _ops.adaln_projection.default(temb, weight, bias, _profile(numerics))[0]
 
 
@@ -106,6 +140,15 @@ def adaln_table_chunks(table, hidden):
     """The six ``(3T, H)`` modulation views of a ``(T, 18H)`` table (row ``ti*3 + tag``),
     diffusers' ``view(-1, 6H).chunk(6, -1)``: shift_msa, scale_msa, gate_msa, shift_mlp,
     scale_mlp, gate_mlp."""
+    _check("adaln_table_chunks", table=(table, _TENSOR), hidden=(hidden, _INT))
+    width = NUM_MODALITIES * ADALN_CHUNKS * hidden
+    # the views need exactly this layout; torch's view would report anything else as a RuntimeError
+    if hidden < 1 or table.dim() != 2 or table.shape[1] != width:
+        raise ValueError(f"adaln_table_chunks: table must be (T, 18 * hidden) = (T, {width}) with hidden >= 1, "
+                         f"got {tuple(table.shape)} with hidden = {hidden}")
+    if not table.is_contiguous():
+        raise ValueError(f"adaln_table_chunks: table must be contiguous (its chunks are views of it), got strides "
+                         f"{table.stride()}")
     return table.view(-1, ADALN_CHUNKS * hidden).chunk(ADALN_CHUNKS, -1)
 
 
@@ -113,20 +156,26 @@ def adaln_row_gather(rows, index_plan):
     """``(R, 6H)`` rows -> ``(6, S, H)``: the six modulation vectors of every position's row
     (a byte copy, equal to six index_selects). Its gradient arrives as ``(6, S, H)`` (summed
     over the batch by whatever broadcast it) and is reduced with the plan's index, batch 1."""
+    _check("adaln_row_gather", rows=(rows, _TENSOR))
     return _ops.adaln_row_gather.default(rows, _require_plan(index_plan, "adaln_row_gather"))
 
 
 def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable"):
     """RMSNorm of ``(M, H)`` / ``(B, S, H)`` rows times weight; with shift and scale ``(R, H)``
     (and the plan of the positions), ``n * (1 + scale[i]) + shift[i]`` as diffusers rounds it."""
+    _check("rmsnorm", x=(x, _TENSOR), weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR),
+           scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL))
     # with a plan, the overload whose plan is not optional: torch.compile can pass a traced
     # plan only there (csrc/ops.h)
-    op = _ops.rmsnorm.default if plan is None else _ops.rmsnorm.plan
-    return op(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
+    if plan is None:
+        return _ops.rmsnorm.default(x, weight, shift, scale, None, float(eps), _profile(numerics))[0]
+    return _ops.rmsnorm.plan(x, weight, shift, scale, _require_plan(plan, "rmsnorm"), float(eps),
+                             _profile(numerics))[0]
 
 
 def gate_residual(residual, y, gate, plan):
     """``residual + gate[i] * y`` with ``gate`` ``(R, H)`` indexed by the plan."""
+    _check("gate_residual", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR))
     return _ops.gate_residual.default(residual, y, gate, _require_plan(plan, "gate_residual"))
 
 
@@ -136,6 +185,9 @@ def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, pla
     ``out = rmsnorm(h, weight, shift, scale)``; returns ``(h, out)``. Forward and every
     gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`, including the
     gradient that reaches ``h`` from the rest of the network (the next residual branch)."""
+    _check("gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR),
+           weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR),
+           eps=(eps, _REAL))
     h, out, _ = _ops.gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale,
                                            _require_plan(plan, "gate_residual_rmsnorm"), float(eps),
                                            _profile(numerics))
@@ -145,6 +197,8 @@ def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, pla
 def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, numerics="portable"):
     """H3's norm_out: ``shift, scale = linear(bf16(silu(temb))).chunk(2)`` (shift first), then
     the modulated RMSNorm of x indexed by the timestep index (a plan with ``num_rows = T``)."""
+    _check("final_adaln_out", x=(x, _TENSOR), norm_weight=(norm_weight, _TENSOR), temb=(temb, _TENSOR),
+           weight=(weight, _TENSOR), bias=(bias, _TENSOR), eps=(eps, _REAL))
     return _ops.final_adaln_out.default(x, norm_weight, temb, weight, bias, _require_plan(plan, "final_adaln_out"),
                                 float(eps), _profile(numerics))[0]
 
@@ -152,6 +206,7 @@ def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, n
 def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
     """Fused projection + gather: ``(6, S, H)``; the table gradient stays float32 from the
     gather backward into the projection backward."""
+    _check("adaln_modulation", temb=(temb, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _TENSOR))
     return _ops.adaln_modulation.default(temb, weight, bias, _require_plan(plan, "adaln_modulation"),
                                  _profile(numerics))[0]
 

@@ -22,6 +22,11 @@
 
 namespace detdit {
 
+// temb (T, D) fp32, T >= 1, contiguous; weight (N, D) as below: the checks of
+// the two operands that size a (T, N) temporary, for a caller that takes one
+// before the full validation below (which runs the same checks).
+Status validate_projection_operands(const TensorView& temb, const TensorView& weight);
+
 // temb (T, D) fp32, T >= 1; weight (N, D) bf16 or fp32, contiguous, 16-byte
 // aligned, D a multiple of the 16-byte vector width; bias (N,) weight's dtype
 // (required); table (T, N) weight's dtype; act (T, D) weight's dtype or absent;

@@ -157,5 +157,16 @@ TEST(AdalnModulation, ForwardRefusesAnAbsentBias) {
   EXPECT_TRUE(testing::still_canary(k.outputs()));
 }
 
+// A broadcast temb (rows of stride 0: a shape its memory does not back) is
+// refused before the (T, 18H) FP32 table-gradient scratch is sized from it,
+// with the layout error, not an out-of-memory RuntimeError.
+TEST(AdalnModulation, BackwardRefusesABroadcastTembBeforeSizingItsScratch) {
+  Modulation k(testing::make_index_case(Packing::kBlock, 16, 2, 2));
+  AdalnModulationBackwardParams b = k.backward_params();
+  b.in.temb = TensorView::strided(b.in.temb.data, DType::kF32, {int64_t{1} << 36, kEmbed}, {0, 1});
+  EXPECT_TRUE(testing::refused(adaln_modulation_backward(b), ErrorKind::kValue, "temb must be contiguous"));
+  EXPECT_TRUE(testing::still_canary(k.outputs()));
+}
+
 }  // namespace
 }  // namespace detdit

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -177,7 +178,7 @@ SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
   if (index.device().is_cuda()) stream = c10::cuda::getCurrentCUDAStream(index.device().index).stream();
 #endif
   detdit::SpPlan sp;
-  check_ok(detdit::SpPlan::create(index, static_cast<int>(world), static_cast<int>(rank), &sp, stream));
+  check_ok(detdit::SpPlan::create(index, to_int(world, "world"), to_int(rank, "rank"), &sp, stream));
   return c10::make_intrusive<SpPlanHolder>(std::move(sp));
 }
 
@@ -285,6 +286,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
 // ---------------------------------------------------------------------------
 // The Python module's functions
 
+namespace {
+
+// "cpu", "cuda" or "cuda:N" (N decimal digits that fit an int) into *device;
+// false for anything else. No exception: none may cross the CPython frame of
+// the caller (std::stoi would throw on "cuda:x" and abort the interpreter).
+bool parse_device(const std::string& where, detdit::Device* device) {
+  if (where == "cpu") {
+    *device = detdit::Device::cpu();
+    return true;
+  }
+  if (where == "cuda") {
+    *device = detdit::Device::cuda(0);
+    return true;
+  }
+  const std::string prefix = "cuda:";
+  if (where.size() <= prefix.size() || where.compare(0, prefix.size(), prefix) != 0) return false;
+  int64_t ordinal = 0;
+  for (std::size_t i = prefix.size(); i < where.size(); ++i) {
+    const char c = where[i];
+    if (c < '0' || c > '9') return false;
+    ordinal = ordinal * 10 + (c - '0');
+    if (ordinal > std::numeric_limits<int>::max()) return false;
+  }
+  *device = detdit::Device::cuda(static_cast<int>(ordinal));
+  return true;
+}
+
+}  // namespace
+
 // Python: _C._register_communicator(gather, rank, world, device) -> handle.
 PyObject* register_communicator(PyObject*, PyObject* args) {
   PyObject* gather;
@@ -299,12 +329,9 @@ PyObject* register_communicator(PyObject*, PyObject* args) {
     PyErr_Format(PyExc_ValueError, "need 0 <= rank < world, got rank=%d, world=%d", rank, world);
     return nullptr;
   }
-  const std::string where(device);
-  detdit::Device dev = detdit::Device::cpu();
-  if (where.rfind("cuda", 0) == 0) {
-    dev = detdit::Device::cuda(where.size() > 5 ? std::stoi(where.substr(5)) : 0);
-  } else if (where != "cpu") {
-    PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda:N', got '%s'", device);
+  detdit::Device dev;
+  if (!parse_device(device, &dev)) {
+    PyErr_Format(PyExc_ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got '%s'", device);
     return nullptr;
   }
   std::lock_guard<std::mutex> lock(communicators_mutex);

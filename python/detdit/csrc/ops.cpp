@@ -2,8 +2,11 @@
 // per op: its <op>_inputs helper (the inputs struct that the forward and the
 // backward Params share as `in`), then the forward and backward kernels.
 //
-// Each kernel allocates its outputs, then fills the Params with the inputs'
-// views before the outputs', so that a bad input is reported before an
+// Each kernel first checks the layout of the inputs its outputs are sized
+// from (require_contiguous, tensors.h), so that no output is allocated from a
+// shape detdit would refuse; a table gradient is sized from the plan, which
+// pins its rows. Then it allocates its outputs and fills the Params with the
+// inputs' views before the outputs', so that a bad input is reported before an
 // output derived from it. The backward passes an empty tensor for an input
 // that only feeds the forward (a bias, the residual): an absent view.
 #include "ops.h"
@@ -29,8 +32,9 @@ detdit::TimestepSinusoidInputs timestep_sinusoid_inputs(const Tensor& timesteps,
 
 Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
                          const std::string& numerics, bool check_range) {
-  if (num_channels < 1)
+  if (num_channels < 1 || num_channels % 2 != 0)
     C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
+  require_contiguous(timesteps, "timesteps");
   DeviceScope scope(timesteps);
   Tensor features = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0), num_channels}, at::kFloat);
   detdit::TimestepSinusoidParams p;
@@ -42,6 +46,7 @@ Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double m
 
 Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
                                   const std::string& numerics, bool check_range) {
+  require_contiguous(timesteps, "timesteps");
   DeviceScope scope(timesteps);
   Tensor d_timesteps = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0)}, timesteps.scalar_type());
   detdit::TimestepSinusoidBackwardParams p;
@@ -60,6 +65,8 @@ std::tuple<Tensor, Tensor> linear(const Tensor& x, const Tensor& weight, const O
                                   const std::string& activation, const std::string& numerics) {
   DeviceScope scope(x);
   const detdit::Activation act = parse_activation(activation);
+  require_contiguous(x, "x");
+  require_contiguous(weight, "weight");
   const int64_t rows = dim_or_zero(x, 0), outputs = dim_or_zero(weight, 0);
   Tensor out = empty_like_shape(x, {rows, outputs}, x.scalar_type());
   Tensor pre = act == detdit::Activation::kSilu ? empty_like_shape(x, {rows, outputs}, at::kFloat)
@@ -82,7 +89,10 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
   DeviceScope scope(x);
   const detdit::Activation act = parse_activation(activation);
   const Numerics profile = parse_numerics(numerics);
-  Tensor g = grad.defined() ? grad.to(at::kFloat).contiguous() : grad;
+  require_contiguous(grad, "grad");
+  require_contiguous(x, "x");
+  require_contiguous(weight, "weight");
+  Tensor g = grad.defined() ? grad.to(at::kFloat) : grad;
   if (act == detdit::Activation::kSilu) {
     Tensor d_pre = empty_like_shape(x, matrix_shape(g), at::kFloat);
     detdit::SiluBackwardParams s;
@@ -133,6 +143,9 @@ detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tens
 
 std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
                                                 const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  require_contiguous(features, "features");
+  require_contiguous(w1, "w1");
+  require_contiguous(w2, "w2");
   DeviceScope scope(features);
   const int64_t rows = dim_or_zero(features, 0), hidden_dim = dim_or_zero(w1, 0);
   Tensor temb = empty_like_shape(features, {rows, dim_or_zero(w2, 0)}, at::kFloat);
@@ -150,6 +163,9 @@ std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Te
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
+  require_contiguous(features, "features");
+  require_contiguous(w1, "w1");
+  require_contiguous(w2, "w2");
   DeviceScope scope(features);
   Tensor d_features = maybe_empty(output_mask[0], features, matrix_shape(features), at::kFloat);
   Tensor d_w1 = maybe_empty(output_mask[1], features, matrix_shape(w1), at::kFloat);
@@ -188,6 +204,8 @@ detdit::AdalnProjectionInputs adaln_projection_inputs(const Tensor& temb, const 
 std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t shards,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                  const std::string& numerics) {
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
   DeviceScope scope(temb);
   Tensor table =
       empty_like_shape(temb, {dim_or_zero(temb, 0), shards * dim_or_zero(weight, 0)}, weight.scalar_type());
@@ -203,6 +221,8 @@ std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProject
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
     const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
     const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask) {
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
   DeviceScope scope(temb);
   Tensor d_temb = maybe_empty(output_mask[0], temb, matrix_shape(temb), at::kFloat);
   Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
@@ -258,6 +278,7 @@ const IndexPlan& gather_backward_plan(PlanHolder& holder, const Tensor& grad, de
 Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan) {
   DeviceScope scope(rows);
   const IndexPlan& index = required_plan(plan, "adaln_row_gather")->plan;
+  require_unit_column_stride(rows, "rows");
   const int64_t hidden = hidden_of(dim_or_zero(rows, 1), detdit::kAdalnChunks, "rows", "(R, 6H)");
   Tensor out = empty_like_shape(rows, {detdit::kAdalnChunks, index.seq_len(), hidden}, rows.scalar_type());
   detdit::AdalnRowGatherParams p;
@@ -271,6 +292,7 @@ Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan) {
 Tensor adaln_row_gather_backward(const Tensor& grad, const PlanPtr& plan) {
   DeviceScope scope(grad);
   PlanPtr holder = required_plan(plan, "adaln_row_gather_backward");
+  require_contiguous(grad, "grad");
   Tensor d_rows = empty_like_shape(
       grad, {holder->plan.num_rows(), detdit::kAdalnChunks * dim_or_zero(grad, -1)}, grad.scalar_type());
   detdit::AdalnRowGatherBackwardParams p;
@@ -299,16 +321,21 @@ detdit::RmsnormInputs rmsnorm_inputs(const Tensor& x, const Tensor& weight, cons
   return in;
 }
 
-// A table gradient (d_shift, d_scale) in the table's dtype, when wanted and
-// the table is given.
-Tensor table_grad(bool wanted, const OptTensor& table, const Tensor& like) {
-  return wanted && table.has_value() ? empty_like_shape(like, matrix_shape(*table), table->scalar_type()) : Tensor();
+// A table gradient (d_shift, d_scale, d_gate) in the table's dtype, when
+// wanted and the table is given: (R, H) with R the plan's rows and H the
+// rows' of `like`, the shape detdit requires of the table (never the table's
+// own dims, which a broadcast view may make any size).
+Tensor table_grad(bool wanted, const OptTensor& table, const IndexPlan& plan, const Tensor& like) {
+  return wanted && table.has_value() && table->defined()
+             ? empty_like_shape(like, {plan.num_rows(), dim_or_zero(like, -1)}, table->scalar_type())
+             : Tensor();
 }
 }  // namespace
 
 std::tuple<Tensor, Tensor> rmsnorm_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
                                         const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
                                         const IndexPlan& plan, double eps, const std::string& numerics) {
+  require_contiguous(x, "x");
   DeviceScope scope(x);
   Tensor out = output_like(x);
   Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
@@ -324,11 +351,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_with(
     const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
     const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
     const std::string& numerics, std::array<bool, 4> output_mask) {
+  require_contiguous(x, "x");
+  require_contiguous(weight, "weight");
   DeviceScope scope(x);
   Tensor dx = output_like(x, output_mask[0]);
   Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  Tensor d_shift = table_grad(output_mask[2], shift, x);
-  Tensor d_scale = table_grad(output_mask[3], scale, x);
+  Tensor d_shift = table_grad(output_mask[2], shift, plan, x);
+  Tensor d_scale = table_grad(output_mask[3], scale, plan, x);
   detdit::RmsnormBackwardParams p;
   p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
   p.rstd = view(rstd, "rstd");
@@ -389,6 +418,7 @@ detdit::GateResidualInputs gate_residual_inputs(const Tensor& residual, const Te
 
 Tensor gate_residual_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
                           const Tensor& gate, const IndexPlan& plan) {
+  require_contiguous(residual, "residual");
   DeviceScope scope(residual);
   Tensor out = output_like(residual);
   detdit::GateResidualParams p;
@@ -402,10 +432,11 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_with(const Call<detdit
                                                                const Tensor& grad, const Tensor& y,
                                                                const Tensor& gate, const IndexPlan& plan,
                                                                std::array<bool, 3> output_mask) {
+  require_contiguous(y, "y");
   DeviceScope scope(y);
   Tensor d_residual = output_like(y, output_mask[0]);
   Tensor d_y = output_like(y, output_mask[1]);
-  Tensor d_gate = maybe_empty(output_mask[2], y, matrix_shape(gate), gate.scalar_type());
+  Tensor d_gate = table_grad(output_mask[2], gate, plan, y);
   detdit::GateResidualBackwardParams p;
   p.grad = view(grad, "grad");  // before the inputs: a bad grad has always been reported first
   p.in = gate_residual_inputs(Tensor(), y, gate, plan);
@@ -456,6 +487,7 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_with(const Call<detdit:
                                                               const OptTensor& shift, const OptTensor& scale,
                                                               const IndexPlan& plan, double eps,
                                                               const std::string& numerics) {
+  require_contiguous(residual, "residual");
   DeviceScope scope(residual);
   Tensor h = output_like(residual);
   Tensor out = output_like(residual);
@@ -480,13 +512,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
         gate_residual_backward_with(gate_call, *d_h, y, gate, plan, {output_mask[0], output_mask[1], output_mask[2]});
     return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor()};
   }
+  require_contiguous(h, "h");
+  require_contiguous(weight, "weight");
   DeviceScope scope(h);
   Tensor d_residual = output_like(h, output_mask[0]);
   Tensor d_y = output_like(h, output_mask[1]);
-  Tensor d_gate = maybe_empty(output_mask[2], h, matrix_shape(gate), gate.scalar_type());
+  Tensor d_gate = table_grad(output_mask[2], gate, plan, h);
   Tensor d_weight = maybe_empty(output_mask[3], h, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  Tensor d_shift = table_grad(output_mask[4], shift, h);
-  Tensor d_scale = table_grad(output_mask[5], scale, h);
+  Tensor d_shift = table_grad(output_mask[4], shift, plan, h);
+  Tensor d_scale = table_grad(output_mask[5], scale, plan, h);
   detdit::GateResidualRmsnormBackwardParams p;
   p.in = gate_residual_rmsnorm_inputs(Tensor(), y, gate, weight, shift, scale, plan, eps, numerics);
   p.h = view(h, "h");
@@ -545,8 +579,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out(const Tensor& x, cons
                                                            const Tensor& temb, const Tensor& weight,
                                                            const Tensor& bias, const PlanPtr& plan, double eps,
                                                            const std::string& numerics) {
-  DeviceScope scope(x);
   const IndexPlan& index = required_plan(plan, "final_adaln_out")->plan;
+  require_contiguous(x, "x");
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(x);
   Tensor out = output_like(x);
   Tensor table = empty_like_shape(x, {dim_or_zero(temb, 0), dim_or_zero(weight, 0)}, weight.scalar_type());
   Tensor act = empty_like_shape(x, matrix_shape(temb), weight.scalar_type());
@@ -565,8 +602,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward(
     const Tensor& grad, const Tensor& x, const Tensor& norm_weight, const Tensor& temb, const Tensor& weight,
     const Tensor& table, const Tensor& act, const Tensor& rstd, const PlanPtr& plan, double eps,
     const std::string& numerics, std::array<bool, 5> output_mask) {
-  DeviceScope scope(x);
   const IndexPlan& index = required_plan(plan, "final_adaln_out_backward")->plan;
+  require_contiguous(x, "x");
+  require_contiguous(norm_weight, "norm_weight");
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(x);
   Tensor dx = output_like(x, output_mask[0]);
   Tensor d_norm_weight = maybe_empty(output_mask[1], x, {dim_or_zero(norm_weight, 0)}, norm_weight.scalar_type());
   Tensor d_temb = maybe_empty(output_mask[2], x, matrix_shape(temb), at::kFloat);
@@ -605,8 +646,10 @@ detdit::AdalnModulationInputs adaln_modulation_inputs(const Tensor& temb, const 
 
 std::tuple<Tensor, Tensor, Tensor> adaln_modulation(const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                     const PlanPtr& plan, const std::string& numerics) {
-  DeviceScope scope(temb);
   const IndexPlan& index = required_plan(plan, "adaln_modulation")->plan;
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(temb);
   const int64_t outputs = dim_or_zero(weight, 0);
   const int64_t hidden = hidden_of(outputs, detdit::kNumModalities * detdit::kAdalnChunks, "weight", "(18H, D)");
   Tensor out = empty_like_shape(temb, {detdit::kAdalnChunks, index.seq_len(), hidden}, weight.scalar_type());
@@ -625,8 +668,10 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad,
                                                              const Tensor& weight, const Tensor& act,
                                                              const PlanPtr& plan, const std::string& numerics,
                                                              std::array<bool, 3> output_mask) {
-  DeviceScope scope(temb);
   PlanPtr holder = required_plan(plan, "adaln_modulation_backward");
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(temb);
   Tensor d_temb = maybe_empty(output_mask[0], temb, matrix_shape(temb), at::kFloat);
   Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());

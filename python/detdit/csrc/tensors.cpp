@@ -2,6 +2,7 @@
 // exception mapping (the contract is in tensors.h).
 #include "tensors.h"
 
+#include <limits>
 #include <string>
 
 namespace detdit_torch {
@@ -76,6 +77,27 @@ detdit::Activation parse_activation(const std::string& activation) {
   if (activation == "none") return detdit::Activation::kNone;
   if (activation == "silu") return detdit::Activation::kSilu;
   C10_THROW_ERROR(ValueError, "activation must be 'none' or 'silu', got '" + activation + "'");
+}
+
+void require_contiguous(const Tensor& t, const char* name) {
+  if (!t.defined()) return;
+  const TensorView v = view(t, name);
+  if (!v.is_contiguous())
+    C10_THROW_ERROR(ValueError, std::string(name) + " must be contiguous, got a strided view " + v.describe());
+}
+
+void require_unit_column_stride(const Tensor& t, const char* name) {
+  if (!t.defined()) return;
+  const TensorView v = view(t, name);
+  if (v.strides[v.rank - 1] != 1 && v.shape[v.rank - 1] > 1)
+    C10_THROW_ERROR(ValueError, std::string(name) + " must have unit column stride, got stride " +
+                                    std::to_string(v.strides[v.rank - 1]));
+}
+
+int to_int(int64_t value, const char* name) {
+  if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max())
+    C10_THROW_ERROR(ValueError, std::string(name) + " must fit in a 32-bit int, got " + std::to_string(value));
+  return static_cast<int>(value);
 }
 
 int64_t dim_or_zero(const Tensor& t, int64_t i) {

@@ -11,10 +11,17 @@
 // - A non-ok Status raises kType -> TypeError, kValue -> ValueError,
 //   kIndex -> IndexError, anything else -> RuntimeError, with the library's
 //   message unchanged.
-// - Outputs are allocated from the inputs' shapes before detdit validates the
-//   inputs, so every shape helper here gives 0 for a dim an input lacks: a
-//   malformed input gets an empty output and detdit's error about the input,
-//   never a torch error.
+// - An output is sized only from dims detdit pins to memory: an input of the
+//   layout detdit requires of it (require_contiguous, require_unit_column_stride:
+//   detdit's checks and messages, run before the output is allocated), a
+//   built plan, or a size argument already range-checked. A strided or
+//   expanded view, whose shape its memory does not back, never sizes an
+//   allocation; the rest of detdit's validation runs in the call, before
+//   anything is written. Every shape helper here gives 0 for a dim an input
+//   lacks: a malformed input gets an empty output and detdit's error about the
+//   input, never a torch error.
+// - to_int: an int64 argument that detdit takes as an int is range-checked
+//   (ValueError naming it), never truncated.
 // - DeviceScope: on CUDA, the tensor's device is current for the call and the
 //   call runs on torch's current stream of that device.
 #pragma once
@@ -63,6 +70,15 @@ TensorView view(const OptTensor& t, const char* name);
 
 Numerics parse_numerics(const std::string& numerics);
 detdit::Activation parse_activation(const std::string& activation);
+
+// The layout checks detdit runs on an input whose dims size an output (see
+// the contract), with detdit's messages; an undefined tensor passes (detdit
+// reports it).
+void require_contiguous(const Tensor& t, const char* name);
+void require_unit_column_stride(const Tensor& t, const char* name);
+
+// value as an int, or a ValueError naming the argument when it does not fit.
+int to_int(int64_t value, const char* name);
 
 // Size of dim i of t (negative i from the end), or 0 when t lacks that dim.
 int64_t dim_or_zero(const Tensor& t, int64_t i);
