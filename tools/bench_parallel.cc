@@ -293,9 +293,12 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
           return prepare_tp_work(pr, weights, ctx.device, stream, comm, backward, work);
         };
         auto describe = [&, backward](int world, ParallelBenchResult* r) {
-          const double columns = static_cast<double>(pr.out_features / world);
+          // Every rank sends a block of rank 0's size (the most columns and chunks any rank owns).
+          int64_t begin = 0, end = 0;
+          if (!tp_column_shard(pr.out_features, world, 0, &begin, &end).ok()) return;  // `valid` holds only splits
+          const double columns = static_cast<double>(end - begin);
           double bytes = static_cast<double>(timesteps) * columns * element;
-          if (backward) bytes += columns / 64 * static_cast<double>(timesteps * pr.in_features) * 4;
+          if (backward) bytes += std::ceil(columns / 64) * static_cast<double>(timesteps * pr.in_features) * 4;
           r->metrics.push_back({"bytes_sent_per_rank", {bytes}});
         };
         time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, backward ? "fwd+bwd" : "fwd", timed,

@@ -20,14 +20,15 @@
 //   the CPU only world size 3, where rows move, without the naive contrast:
 //   each H3 world at this S costs tens of seconds and 8 GB on 2 cores);
 //   S = 131072 with --comm mpi on CUDA without --quick. Both packings.
-//   TP T = 1..4; every world size whose N/tp is a whole number of 64-column
-//   chunks (an informational row quotes the refusal of the others); on the
-//   CPU with --quick T = 1 and 4 at world sizes 1, 3 and 8.
+//   TP T = 1..4; every world size up to the number of 64-column chunks of N
+//   (an informational row quotes the refusal of a larger one); on the CPU
+//   with --quick T = 1 and 4 at world sizes 1, 3 and 8.
 // Informational rows (the naive-SP contrast, world sizes 2, 4, 8): each rank
 // runs the WS1 backward on its own rows, then d_weight, d_scale and d_gate are
 // summed in rank order (FP32) and compared with WS1's bits: the fraction of
 // elements that differ is what the sp_region's plan prevents.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -389,7 +390,7 @@ Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckR
     WorldRow check;
     check.row.check = "tp=" + std::to_string(world);
     if (!split.ok()) {
-      // Not a valid split of N: what the op says (it refuses before any work).
+      // More ranks than N has 64-column chunks: what the op says (it refuses before any work).
       check.row.check += " (info)";
       check.row.informational = true;
       check.row.detail = split.message();
@@ -397,11 +398,12 @@ Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckR
       rows->push_back(check.row);
       continue;
     }
+    // Every rank sends a block of rank 0's size (the most columns and chunks any rank owns).
     const double columns = static_cast<double>(end - begin);
     check.row.metrics.push_back({"bytes_sent_per_rank_forward", {static_cast<double>(timesteps) * columns * element}});
     check.row.metrics.push_back(
         {"bytes_sent_per_rank_backward",
-         {columns / 64 * static_cast<double>(timesteps) * static_cast<double>(pr.in_features) * 4}});
+         {std::ceil(columns / 64) * static_cast<double>(timesteps) * static_cast<double>(pr.in_features) * 4}});
     run_ranks(
         ctx, world,
         [&](Communicator& comm, CheckRow* rank_row) -> Status {

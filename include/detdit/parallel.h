@@ -29,26 +29,33 @@
 namespace detdit {
 
 // ---------------------------------------------------------------------------
-// tp_adaln_projection: rank r of tp owns the contiguous output columns
-// [r*N/tp, (r+1)*N/tp) of the (T, N) table, i.e. those rows of the projection
-// weight and bias. N/tp must be a multiple of kLinearChunkRows (64), so a
-// shard owns whole d_x chunks.
+// tp_adaln_projection: the N output columns of the (T, N) table are cut into
+// C = ceil(N / 64) chunks of kLinearChunkRows (64) columns (the WS1 d_x chunks;
+// the last one is short when 64 does not divide N). Rank r of tp owns the
+// contiguous chunks [c_r, c_r + n_r) with n_r = C/tp + (r < C%tp ? 1 : 0) and
+// c_r = r*(C/tp) + min(r, C%tp): the counts differ by at most one, the first
+// C%tp ranks own one more. Its columns [64*c_r, min(64*(c_r + n_r), N)) are
+// those rows of the projection weight and bias. Any tp from 1 to C works;
+// tp > C (a rank without a chunk) is refused.
 //
 // Forward:  act = R_W(silu(temb)) (replicated), local = linear(act, W_shard,
-//   b_shard) (exactly the WS1 columns), all-gather, reorder into the (T, N)
-//   WS1 table on every rank.
+//   b_shard) (exactly the WS1 columns), all-gather (each rank's block padded
+//   to rank 0's size), copy every rank's columns into the (T, N) WS1 table on
+//   every rank.
 // Backward: g = fp32(grad_table[:, shard]); dW, db of the shard locally (the
 //   WS1 rows); d_x chunk partials of the shard (exactly WS1 chunks
-//   [begin/64, end/64)), all-gathered in chunk order and folded the WS1 way on
-//   every rank; d_temb = SiLU VJP. grad_table must be the same on every rank.
+//   [c_r, c_r + n_r)), all-gathered (padded blocks), put in global chunk order
+//   and folded the WS1 way on every rank; d_temb = SiLU VJP. grad_table must
+//   be the same on every rank.
 //
 // The Params are the WS1 ones (adaln.h) with weight, bias, d_weight and d_bias
-// being this rank's (N/tp, D) / (N/tp,) shard and table / grad_table the full
-// (T, N). N = table.shape[1] (grad_table.shape[1]) is a multiple of 18.
+// being this rank's (end - begin, D) / (end - begin,) shard (tp_column_shard)
+// and table / grad_table the full (T, N). N = table.shape[1]
+// (grad_table.shape[1]) is a multiple of 18.
 
-// [*begin, *end): the columns of `rank` in a `world`-way split of `columns`.
-// ValueError "tp=5 does not split N=96768 into 64-column chunks; valid tp: 1,
-// 2, 3, 4, 6, 7, 8, ..." when N/tp is not a whole number of 64-column chunks.
+// [*begin, *end): the columns of `rank` in a `world`-way split of `columns`
+// (above). ValueError "tp=9 is more ranks than the 5 64-column chunks of N=288:
+// every rank needs a chunk; valid tp: 1 to 5" when world > C.
 Status tp_column_shard(int64_t columns, int world, int rank, int64_t* begin, int64_t* end);
 
 Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionParams& params,

@@ -1,9 +1,13 @@
 // tp_adaln_projection: the AdaLN projection with its output columns split
 // over tp ranks (contract in include/detdit/parallel.h). Every bit comes from
 // the WS1 pieces: a column of linear depends only on act and its own weight
-// row, and a 64-aligned shard owns whole d_x chunks, so gathering the local
-// columns and the local chunk partials in rank order reproduces the WS1 table
-// and the WS1 fold exactly.
+// row, and a rank owns whole 64-column d_x chunks (a contiguous run of them,
+// the runs in rank order), so gathering the local columns and the local chunk
+// partials in rank order reproduces the WS1 table and the WS1 fold exactly.
+// Ranks may own different numbers of chunks: each sends a block padded to the
+// most any rank owns (rank 0's) through the equal-size all-gather, and the
+// receiver copies the real bytes out in rank order; the padding is never read.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -65,6 +69,16 @@ Status columns_to_f32(const TensorView& grad_table, int64_t begin, int64_t colum
   return Status();
 }
 
+// The 64-column d_x chunks of `columns` columns (the last one may be short).
+int64_t chunk_count(int64_t columns) { return (columns + kLinearChunkRows - 1) / kLinearChunkRows; }
+
+// The columns of rank 0, the most any rank owns: the size of every rank's
+// block in the gathers. Called once this rank's split is known to be valid.
+int64_t widest_shard(int64_t columns, int world) {
+  int64_t begin = 0, end = 0;
+  return tp_column_shard(columns, world, 0, &begin, &end).ok() ? end - begin : 0;
+}
+
 // What decides this rank's collectives and the bits of the replicated
 // results (the profile decides act's): every rank must agree on it.
 std::string call_signature(const char* op, const TensorView& temb, const TensorView& table, DType dtype,
@@ -81,25 +95,20 @@ Status tp_column_shard(int64_t columns, int world, int rank, int64_t* begin, int
     return Status::value_error("need 0 <= rank < tp, got rank=" + std::to_string(rank) +
                                ", tp=" + std::to_string(world));
   if (columns < 1) return Status::value_error("N must be >= 1, got " + std::to_string(columns));
-  if (columns % (world * kLinearChunkRows) != 0) {
-    std::string valid;
-    const int64_t chunks = columns % kLinearChunkRows == 0 ? columns / kLinearChunkRows : 0;
-    int listed = 0;
-    for (int64_t tp = 1; tp <= chunks; ++tp) {
-      if (chunks % tp != 0) continue;
-      if (listed == 10) {
-        valid += ", ...";
-        break;
-      }
-      valid += (listed++ ? ", " : "") + std::to_string(tp);
-    }
-    return Status::value_error("tp=" + std::to_string(world) + " does not split N=" + std::to_string(columns) +
-                               " into 64-column chunks; valid tp: " +
-                               (valid.empty() ? std::string("none (N is not a multiple of 64)") : valid));
-  }
-  const int64_t per_rank = columns / world;
-  *begin = rank * per_rank;
-  *end = *begin + per_rank;
+  // The WS1 chunks: C = ceil(N / 64), the last one short when 64 does not divide N.
+  const int64_t chunks = chunk_count(columns);
+  // A rank without a chunk would hold a (0, D) shard: refused rather than
+  // carried through every validator and the gather as a special case.
+  if (world > chunks)
+    return Status::value_error("tp=" + std::to_string(world) + " is more ranks than the " + std::to_string(chunks) +
+                               " 64-column chunks of N=" + std::to_string(columns) +
+                               ": every rank needs a chunk; valid tp: 1 to " + std::to_string(chunks));
+  // C / tp chunks each, one more for each of the first C % tp ranks: the
+  // counts differ by at most one and rank 0 owns the most.
+  const int64_t base = chunks / world, extra = chunks % world;
+  const int64_t first = rank * base + std::min<int64_t>(rank, extra), count = base + (rank < extra ? 1 : 0);
+  *begin = first * kLinearChunkRows;
+  *end = std::min((first + count) * kLinearChunkRows, columns);
   return Status();
 }
 
@@ -115,11 +124,14 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   for (auto [in, name] : {std::pair<const TensorView*, const char*>{&p.in.temb, "temb"}, {&p.in.weight, "weight"},
                           {&p.in.bias, "bias"}, {&p.act, "act"}})
     if (valid.ok()) valid = check::no_alias(p.table, "table", *in, name);
-  // local columns (T, n) -> gathered (tp, T, n) -> table (T, N), rank r's block at column r*n.
-  // The scratch before the agreement: a failed allocation fails every rank.
+  // local columns (T, n_r) at the start of a block of T * n_0 elements (rank 0
+  // owns the most) -> gathered (tp blocks) -> table (T, N), rank r's columns
+  // at begin_r. The scratch before the agreement: a failed allocation fails
+  // every rank.
   const Device device = p.in.temb.device;
   const int64_t rows = valid.ok() ? p.table.shape[0] : 0, columns = end - begin;
-  const std::size_t element = dtype_size(p.table.dtype), block = static_cast<std::size_t>(rows * columns) * element;
+  const int64_t widest = valid.ok() ? widest_shard(p.table.shape[1], world) : 0;
+  const std::size_t element = dtype_size(p.table.dtype), block = static_cast<std::size_t>(rows * widest) * element;
   std::shared_ptr<void> memory;
   if (valid.ok()) valid = allocate_scratch(device, block * (1 + world), stream, &memory);
   DETDIT_RETURN_IF_ERROR(
@@ -131,11 +143,15 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   const TensorView local_table = TensorView::contiguous(local, p.table.dtype, {rows, columns}, device);
   DETDIT_RETURN_IF_ERROR(projection_forward(p.in.temb, p.in.weight, p.in.bias, local_table, p.act, p.in.numerics, stream));
   DETDIT_RETURN_IF_ERROR(comm.all_gather(local, block, gathered, p.table.dtype, stream));
-  const std::size_t row_bytes = static_cast<std::size_t>(columns) * element;
-  for (int r = 0; r < world; ++r)
-    DETDIT_RETURN_IF_ERROR(parallel_copy::copy_2d(device, static_cast<char*>(p.table.data) + r * row_bytes,
-                                                  world * row_bytes, gathered + r * block, row_bytes, row_bytes,
+  const std::size_t table_pitch = static_cast<std::size_t>(p.table.shape[1]) * element;
+  for (int r = 0; r < world; ++r) {
+    int64_t rank_begin = 0, rank_end = 0;
+    DETDIT_RETURN_IF_ERROR(tp_column_shard(p.table.shape[1], world, r, &rank_begin, &rank_end));
+    const std::size_t row_bytes = static_cast<std::size_t>(rank_end - rank_begin) * element;
+    DETDIT_RETURN_IF_ERROR(parallel_copy::copy_2d(device, static_cast<char*>(p.table.data) + rank_begin * element,
+                                                  table_pitch, gathered + r * block, row_bytes, row_bytes,
                                                   static_cast<std::size_t>(rows), stream));
+  }
   return Status();
 }
 
@@ -153,18 +169,26 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   for (auto [out, name] : {std::pair<const TensorView*, const char*>{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
                            {&p.d_bias, "d_bias"}})
     if (valid.ok()) valid = check::no_alias(*out, name, p.grad_table, "grad_table");
-  // [g (T, n) fp32 | partials (chunks, T, D) | gathered (tp*chunks, T, D) | d_act (T, D)], allocated
+  // [g (T, n) fp32 | partials: a block of rank 0's chunk count (T, D) | gathered (tp blocks) |
+  // ordered (C, T, D), only when some rank owns fewer chunks than rank 0 | d_act (T, D)], allocated
   // before the agreement: a failed allocation fails every rank.
   const Device device = p.in.temb.device;
   const int64_t rows = valid.ok() ? p.in.temb.shape[0] : 0, in_features = valid.ok() ? p.in.temb.shape[1] : 0;
-  const int64_t columns = end - begin, chunks = columns / kLinearChunkRows, all_chunks = chunks * world;
+  const int64_t columns = end - begin, chunks = chunk_count(columns);
+  const int64_t widest_chunks = valid.ok() ? chunk_count(widest_shard(p.grad_table.shape[1], world)) : 0;
+  const int64_t all_chunks = valid.ok() ? chunk_count(p.grad_table.shape[1]) : 0;
+  const bool padded = all_chunks != widest_chunks * world;
   const std::size_t g_bytes = static_cast<std::size_t>(rows * columns) * sizeof(float);
-  const std::size_t block = static_cast<std::size_t>(chunks * rows * in_features) * sizeof(float);
+  const std::size_t chunk_bytes = static_cast<std::size_t>(rows * in_features) * sizeof(float);
+  const std::size_t block = static_cast<std::size_t>(widest_chunks) * chunk_bytes;
+  const std::size_t ordered_bytes = padded ? static_cast<std::size_t>(all_chunks) * chunk_bytes : 0;
   const std::size_t act_bytes = static_cast<std::size_t>(rows * in_features) * sizeof(float);
   auto round_up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   std::shared_ptr<void> memory;
   if (valid.ok())
-    valid = allocate_scratch(device, round_up(g_bytes) + round_up(block) + round_up(block * world) + act_bytes,
+    valid = allocate_scratch(device,
+                             round_up(g_bytes) + round_up(block) + round_up(block * world) + round_up(ordered_bytes) +
+                                 act_bytes,
                              stream, &memory);
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.in.temb, p.grad_table,
                                                           p.in.weight.dtype, p.in.numerics, p.d_temb.present())));
@@ -173,7 +197,8 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   float* g = reinterpret_cast<float*>(base);
   char* partials = base + round_up(g_bytes);
   char* gathered = partials + round_up(block);
-  float* d_act = reinterpret_cast<float*>(gathered + round_up(block * world));
+  char* ordered = gathered + round_up(block * world);
+  float* d_act = reinterpret_cast<float*>(ordered + round_up(ordered_bytes));
   DETDIT_RETURN_IF_ERROR(columns_to_f32(p.grad_table, begin, columns, g, stream));
   const TensorView grad = TensorView::contiguous(g, DType::kF32, {rows, columns}, device);
 
@@ -185,10 +210,21 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
     input.weight = p.in.weight;
     input.partials = TensorView::contiguous(partials, DType::kF32, {chunks, rows, in_features}, device);
     DETDIT_RETURN_IF_ERROR(linear_backward_input_partials(input, stream));
-    // Rank r's chunks are WS1 chunks [r*chunks, (r+1)*chunks): the rank-ordered
-    // gather is the global chunk order.
+    // Rank r's chunks are WS1 chunks [begin_r/64, ceil(end_r/64)), the ranks'
+    // runs in rank order: copied out of the padded blocks in rank order they
+    // are the global chunk order (without padding the gathered blocks already
+    // are). The fold is then the WS1 fold, ascending over all C chunks.
     DETDIT_RETURN_IF_ERROR(comm.all_gather(partials, block, gathered, DType::kF32, stream));
-    fold.partials = TensorView::contiguous(gathered, DType::kF32, {all_chunks, rows, in_features}, device);
+    if (!padded) ordered = gathered;
+    else
+      for (int r = 0; r < world; ++r) {
+        int64_t rank_begin = 0, rank_end = 0;
+        DETDIT_RETURN_IF_ERROR(tp_column_shard(p.grad_table.shape[1], world, r, &rank_begin, &rank_end));
+        DETDIT_RETURN_IF_ERROR(parallel_copy::copy(
+            device, ordered + static_cast<std::size_t>(rank_begin / kLinearChunkRows) * chunk_bytes,
+            gathered + r * block, static_cast<std::size_t>(chunk_count(rank_end - rank_begin)) * chunk_bytes, stream));
+      }
+    fold.partials = TensorView::contiguous(ordered, DType::kF32, {all_chunks, rows, in_features}, device);
     fold.d_x = TensorView::contiguous(d_act, DType::kF32, {rows, in_features}, device);
     DETDIT_RETURN_IF_ERROR(linear_fold_partials(fold, stream));
   }

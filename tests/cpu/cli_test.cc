@@ -618,7 +618,8 @@ void expect_parallel_cases(const nlohmann::json& report, const std::vector<int>&
 
 TEST(Cli, VerifyParallelQuickInProcess) {
   // Small weights: H = 64, N = 18H = 1152 = 18 chunks of 64: tp 1 and 3 split
-  // it, 8 does not (an informational row quotes the refusal).
+  // it evenly, 8 unevenly (3, 3, 2, 2, 2, 2, 2, 2 chunks); no TP row is
+  // informational (only more ranks than chunks would be refused).
   const std::string out = temp_dir("verify_parallel");
   Result r = detdit("verify --quick --device cpu --ops sp_region,tp_adaln_projection --weights '" + small_weights() +
                     "' --out '" + out + "/report.json'");
@@ -627,19 +628,19 @@ TEST(Cli, VerifyParallelQuickInProcess) {
   EXPECT_EQ(report["verdict"], "PASS");
   EXPECT_EQ(report["options"]["comm"], "in_process");
   // --quick on the CPU: S = 4097 x 2 packings; T = 1 and 4.
-  expect_parallel_cases(report, {1, 2, 3, 8}, {1, 3}, 2, 2);
-  int refusals = 0;
+  expect_parallel_cases(report, {1, 2, 3, 8}, {1, 3, 8}, 2, 2);
   for (const auto& c : report["cases"]) {
+    if (c["op"] != "tp_adaln_projection") continue;
+    std::map<std::string, nlohmann::json> metrics;
     for (const auto& row : c["checks"]) {
-      if (row["check"] == "tp=8 (info)") {
-        ++refusals;
-        EXPECT_NE(row["detail"].get<std::string>().find("tp=8 does not split N=1152 into 64-column chunks"),
-                  std::string::npos)
-            << row.dump();
-      }
+      EXPECT_FALSE(row.value("informational", false)) << row.dump();
+      metrics[row["check"].get<std::string>()] = row["metrics"];
     }
+    // Every rank sends a block of rank 0's size: 3 chunks at tp = 8 (not N/8 =
+    // 2.25 chunks), half of tp = 3's 6.
+    for (const char* metric : {"bytes_sent_per_rank_forward", "bytes_sent_per_rank_backward"})
+      EXPECT_EQ(2 * metrics["tp=8"][metric].get<double>(), metrics["tp=3"][metric].get<double>()) << metric;
   }
-  EXPECT_EQ(refusals, 2);
   EXPECT_NE(r.output.find("naive rank-order sum differs from WS1"), std::string::npos) << r.output;
 }
 
@@ -738,8 +739,8 @@ TEST(Cli, BenchParallelCpuJson) {
       EXPECT_EQ(row["rank_median_us"].size(), row["world"].get<std::size_t>()) << row.dump();
     }
   }
-  // WS1 first, then 2, 4, 8 (TP: only the world sizes that split N = 1152: 2).
-  const std::vector<int> sp = {0, 2, 4, 8}, tp = {0, 2};
+  // WS1 first, then 2, 4, 8 (TP too: N = 1152 has 18 chunks, 4 and 8 split it unevenly).
+  const std::vector<int> sp = {0, 2, 4, 8}, tp = {0, 2, 4, 8};
   EXPECT_EQ(worlds["sp_region S=4097 block fwd+bwd"], sp);
   EXPECT_EQ(worlds["sp_region S=4097 interleaved fwd+bwd"], sp);
   EXPECT_EQ(worlds["tp_adaln_projection T=4 fwd"], tp);

@@ -1,12 +1,17 @@
 // tp_adaln_projection: every rank's table, d_temb and dW/db shard byte-equal
 // to WS1 (adaln_projection on the full weight, same device) for T = 1..4, bf16
-// and fp32, every valid tp of N = 18*256 = 4608 (K = 136) and one H3-shaped
-// case (N = 96768, D = 2688); in-process and over MPI; fail-closed validation.
+// and fp32, tp = 1..9 at N = 18*256 = 4608 (K = 136), uneven splits (C % tp
+// != 0, a short last chunk), one chunk per rank, and the H3 shape (N = 96768,
+// D = 2688) at tp = 5 and 7; in-process and over MPI; the layout (whole
+// 64-column chunks, the remainder on the first ranks); fail-closed validation
+// (tp > C refused on every rank).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cases.h"
@@ -119,6 +124,17 @@ void expect_shard_equal(const TpProblem& pr, const TpRankResult& r) {
                                            r.d_bias.data(), static_cast<std::size_t>(r.d_bias.numel()), pr.dtype));
 }
 
+// Rank r's [begin, end) as the contract states it (parallel.h), computed here
+// independently of tp_column_shard: ranks in order, each owning C/tp chunks
+// plus one for the first C%tp ranks, the last chunk cut at N.
+std::pair<int64_t, int64_t> expected_shard(int64_t columns, int world, int rank) {
+  const int64_t chunks = (columns + 63) / 64;
+  int64_t begin = 0;
+  for (int q = 0; q < rank; ++q) begin += 64 * (chunks / world + (q < chunks % world ? 1 : 0));
+  const int64_t count = chunks / world + (rank < chunks % world ? 1 : 0);
+  return {begin, std::min(begin + 64 * count, columns)};
+}
+
 // WS1 on `device` is pr's reference (build() computed it on the CPU; the
 // CUDA test recomputes it on the GPU first).
 void expect_tp_equal_to_ws1(const TpProblem& pr, int world, Device device = Device::cpu()) {
@@ -136,16 +152,46 @@ void expect_tp_equal_to_ws1(const TpProblem& pr, int world, Device device = Devi
     expect_shard_equal(pr, results[r]);
     EXPECT_EQ(results[r].begin, covered);
     covered = results[r].end;
+    const auto [begin, end] = expected_shard(pr.out_features, world, r);
+    EXPECT_EQ(results[r].begin, begin);
+    EXPECT_EQ(results[r].end, end);
   }
   EXPECT_EQ(covered, pr.out_features);  // the shards tile N
 }
 
-TEST(TpAdalnProjection, SmallNEveryValidTpBf16AndFp32) {
+TEST(TpAdalnProjection, SmallNTp1To9Bf16AndFp32) {
+  // N = 4608 = 72 chunks: tp = 5 and 7 leave 2 over (ranks 0 and 1 own one
+  // more), the others split evenly.
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (int64_t rows = 1; rows <= 4; ++rows) {
       TpProblem pr;
       build(&pr, rows, 18 * 256, 136, dtype);
-      for (int world : {1, 2, 3, 4, 6, 8}) expect_tp_equal_to_ws1(pr, world);
+      for (int world = 1; world <= 9; ++world) expect_tp_equal_to_ws1(pr, world);
+    }
+  }
+}
+
+TEST(TpAdalnProjection, UnevenSplitsWithAShortLastChunk) {
+  // N = 18 * 100 = 1800 = 28 chunks of 64 and one of 8 (C = 29): 29 % tp is
+  // 2, 1, 4, 5, 1 for tp = 3, 4, 5, 6, 7, and the last rank's last chunk is
+  // the short one (its own partial, as in WS1).
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (int64_t rows : {1, 3, 4}) {
+      TpProblem pr;
+      build(&pr, rows, 18 * 100, 136, dtype);
+      for (int world : {1, 2, 3, 4, 5, 6, 7}) expect_tp_equal_to_ws1(pr, world);
+    }
+  }
+}
+
+TEST(TpAdalnProjection, OneChunkPerRank) {
+  // tp = C: N = 288 (C = 5, the last chunk 32 columns) at tp = 5 and N = 576
+  // (C = 9, all whole) at tp = 9; N = 288 at tp = 4 gives rank 0 two chunks.
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (auto [columns, worlds] : {std::pair<int64_t, std::vector<int>>{18 * 16, {4, 5}}, {18 * 32, {9}}}) {
+      TpProblem pr;
+      build(&pr, 2, columns, 16, dtype);
+      for (int world : worlds) expect_tp_equal_to_ws1(pr, world);
     }
   }
 }
@@ -161,12 +207,13 @@ TEST(TpAdalnProjection, ScratchPiecesNotMultiplesOf256Bytes) {
   }
 }
 
-TEST(TpAdalnProjection, H3ShapeTp7) {
-  // N = 18 * 5376 = 96768, D = 2688, bf16 (the 520 MB H3 weight), T = 1; tp = 7
-  // is one of H3's valid odd splits.
+TEST(TpAdalnProjection, H3ShapeTp5And7) {
+  // N = 18 * 5376 = 96768 = 1512 chunks, D = 2688, bf16 (the 520 MB H3
+  // weight), T = 1; tp = 7 splits it evenly (216 chunks each), tp = 5 does not
+  // (303, 303, 302, 302, 302).
   TpProblem pr;
   build(&pr, 1, 18 * 5376, 2688, DType::kBF16);
-  expect_tp_equal_to_ws1(pr, 7);
+  for (int world : {5, 7}) expect_tp_equal_to_ws1(pr, world);
 }
 
 // Replaces pr's CPU WS1 results with WS1 computed on the GPU (the reference
@@ -200,7 +247,7 @@ TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
       TpProblem pr;
       build(&pr, rows, 18 * 256, 136, dtype);
       ws1_on_gpu(&pr);
-      for (int world : {1, 2, 3, 8}) expect_tp_equal_to_ws1(pr, world, Device::cuda(0));
+      for (int world : {1, 2, 3, 5, 7, 8}) expect_tp_equal_to_ws1(pr, world, Device::cuda(0));  // 5, 7: uneven
     }
   }
 }
@@ -223,17 +270,94 @@ TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
 #endif
 }
 
-TEST(TpAdalnProjection, ShardsMustBe64Aligned) {
-  int64_t begin = 0, end = 0;
-  Status s = tp_column_shard(96768, 5, 0, &begin, &end);
+TEST(TpAdalnProjection, ShardsAreWholeChunksRemainderOnTheFirstRanks) {
+  // Spelled out: H3 at tp = 5 (1512 = 5*302 + 2) and N = 1800 at tp = 7
+  // (29 = 7*4 + 1, the last chunk 8 columns).
+  const struct {
+    int64_t columns;
+    int world, rank;
+    int64_t begin, end;
+  } spelled[] = {{96768, 5, 0, 0, 303 * 64},          {96768, 5, 1, 303 * 64, 606 * 64},
+                 {96768, 5, 2, 606 * 64, 908 * 64},   {96768, 5, 4, 1210 * 64, 96768},
+                 {96768, 7, 6, 6 * 13824, 96768},     {1800, 7, 0, 0, 320},
+                 {1800, 7, 1, 320, 576},              {1800, 7, 6, 1600, 1800},
+                 {288, 5, 4, 256, 288},               {18, 1, 0, 0, 18}};
+  for (const auto& c : spelled) {
+    SCOPED_TRACE("N=" + std::to_string(c.columns) + " tp=" + std::to_string(c.world) + " rank " +
+                 std::to_string(c.rank));
+    int64_t begin = -1, end = -1;
+    DETDIT_ASSERT_OK(tp_column_shard(c.columns, c.world, c.rank, &begin, &end));
+    EXPECT_EQ(begin, c.begin);
+    EXPECT_EQ(end, c.end);
+  }
+  // Every tp from 1 to C: the shards tile N in rank order, start on a chunk,
+  // and hold C/tp or C/tp + 1 chunks, the larger ones first.
+  for (int64_t columns : {18, 288, 576, 1800, 4608}) {
+    const int64_t chunks = (columns + 63) / 64;
+    for (int world = 1; world <= chunks; ++world) {
+      SCOPED_TRACE("N=" + std::to_string(columns) + " tp=" + std::to_string(world));
+      int64_t covered = 0, previous = chunks;
+      for (int rank = 0; rank < world; ++rank) {
+        int64_t begin = -1, end = -1;
+        DETDIT_ASSERT_OK(tp_column_shard(columns, world, rank, &begin, &end));
+        EXPECT_EQ(begin, covered);
+        EXPECT_EQ(begin % 64, 0);
+        const int64_t count = (end - begin + 63) / 64;
+        EXPECT_TRUE(count == chunks / world || count == chunks / world + 1) << count;
+        EXPECT_LE(count, previous);
+        previous = count;
+        covered = end;
+      }
+      EXPECT_EQ(covered, columns);
+    }
+  }
+}
+
+TEST(TpAdalnProjection, MoreRanksThanChunksRefused) {
+  int64_t begin = -1, end = -1;
+  Status s = tp_column_shard(288, 6, 0, &begin, &end);
   EXPECT_TRUE(testing::refused(s, ErrorKind::kValue,
-                               "tp=5 does not split N=96768 into 64-column chunks; valid tp: 1, 2, 3, 4, 6, 7, 8, 9"));
-  EXPECT_EQ(tp_column_shard(96768, 16, 0, &begin, &end).kind(), ErrorKind::kValue);
+                               "tp=6 is more ranks than the 5 64-column chunks of N=288: every rank needs a chunk; "
+                               "valid tp: 1 to 5"));
+  EXPECT_EQ(begin, -1);
+  EXPECT_EQ(tp_column_shard(96768, 1513, 0, &begin, &end).kind(), ErrorKind::kValue);
+  DETDIT_EXPECT_OK(tp_column_shard(96768, 1512, 1511, &begin, &end));
+  EXPECT_EQ(begin, 1511 * 64);
+  EXPECT_EQ(end, 96768);
   s = tp_column_shard(4608, 4, 4, &begin, &end);
   EXPECT_NE(s.message().find("need 0 <= rank < tp, got rank=4, tp=4"), std::string::npos) << s.message();
-  DETDIT_EXPECT_OK(tp_column_shard(96768, 7, 6, &begin, &end));
-  EXPECT_EQ(begin, 6 * 13824);
-  EXPECT_EQ(end, 96768);
+}
+
+TEST(TpAdalnProjection, MoreRanksThanChunksFailEveryRankAndWriteNothing) {
+  // N = 288 has 5 chunks: at tp = 6 (and N = 18, one chunk, at tp = 2) some
+  // rank would own none. Every rank refuses, forward and backward, whatever it
+  // passes as its shard (here each the same 48 rows), none hangs.
+  for (auto [columns, world] : {std::pair<int64_t, int>{18 * 16, 6}, {18, 2}}) {
+    TpProblem pr;
+    build(&pr, 2, columns, 16, DType::kBF16);
+    const std::string needle = "tp=" + std::to_string(world) + " is more ranks than the";
+    const int64_t rows = std::min<int64_t>(48, columns);
+    testing::expect_every_rank_refused(world, ErrorKind::kValue, needle, [&](Communicator& comm, bool* untouched) {
+      HostTensor table(pr.dtype, {pr.rows, pr.out_features}), act(pr.dtype, {pr.rows, pr.in_features});
+      table.fill_bytes(kCanary);
+      act.fill_bytes(kCanary);
+      const Status result = tp_adaln_projection_forward(
+          comm, AdalnProjectionParams{{pr.temb.view(), shard(pr.weight, 0, rows), shard(pr.bias, 0, rows)},
+                                      table.view(), act.view()});
+      *untouched = testing::still_canary({&table, &act});
+      return result;
+    });
+    testing::expect_every_rank_refused(world, ErrorKind::kValue, needle, [&](Communicator& comm, bool* untouched) {
+      HostTensor d_temb(DType::kF32, {pr.rows, pr.in_features}), d_weight(pr.dtype, {rows, pr.in_features}),
+          d_bias(pr.dtype, {rows});
+      for (HostTensor* t : {&d_temb, &d_weight, &d_bias}) t->fill_bytes(kCanary);
+      const Status result = tp_adaln_projection_backward(
+          comm, AdalnProjectionBackwardParams{{pr.temb.view(), shard(pr.weight, 0, rows), {}}, pr.act.view(),
+                                              pr.grad_table.view(), d_temb.view(), d_weight.view(), d_bias.view()});
+      *untouched = testing::still_canary({&d_temb, &d_weight, &d_bias});
+      return result;
+    });
+  }
 }
 
 TEST(TpAdalnProjection, InvalidArgumentsFailEveryRankAndWriteNothing) {
@@ -245,21 +369,26 @@ TEST(TpAdalnProjection, InvalidArgumentsFailEveryRankAndWriteNothing) {
     ErrorKind kind;
     const char* needle;
   };
+  // tp = 5 splits N = 4608 unevenly (rank 0 owns [0, 960)): rank 4 passing
+  // rank 0's 960 rows instead of its 896 fails every rank.
   for (const Bad& bad : {Bad{"full weight on rank 1", 2, ErrorKind::kValue, "owns W rows [2304, 4608)"},
-                         Bad{"tp=5", 5, ErrorKind::kValue, "tp=5 does not split N=4608"},
+                         Bad{"rank 0's shard size on rank 4 of 5", 5, ErrorKind::kValue,
+                             "rank 4 of tp=5 owns W rows [3712, 4608) = 896 rows"},
                          Bad{"bf16 temb on rank 0", 3, ErrorKind::kType, "temb must be float32"}}) {
     SCOPED_TRACE(bad.what);
     HostTensor bf16_temb(DType::kBF16, {pr.rows, pr.in_features});
     testing::expect_every_rank_refused(bad.world, bad.kind, bad.needle, [&](Communicator& comm, bool* untouched) {
-      const int64_t per_rank = pr.out_features / comm.world_size();
-      const int64_t begin = comm.rank() * per_rank;
+      const auto [begin, end] = expected_shard(pr.out_features, comm.world_size(), comm.rank());
       HostTensor table(pr.dtype, {pr.rows, pr.out_features}), act(pr.dtype, {pr.rows, pr.in_features});
       table.fill_bytes(kCanary);
       act.fill_bytes(kCanary);
-      AdalnProjectionParams p{{pr.temb.view(), shard(pr.weight, begin, begin + per_rank),
-                               shard(pr.bias, begin, begin + per_rank)},
+      AdalnProjectionParams p{{pr.temb.view(), shard(pr.weight, begin, end), shard(pr.bias, begin, end)},
                               table.view(),
                               act.view()};
+      if (std::string(bad.what) == "rank 0's shard size on rank 4 of 5" && comm.rank() == 4) {
+        p.in.weight = shard(pr.weight, 0, 960);
+        p.in.bias = shard(pr.bias, 0, 960);
+      }
       if (std::string(bad.what) == "full weight on rank 1" && comm.rank() == 1) {
         p.in.weight = pr.weight.view();
         p.in.bias = pr.bias.view();
@@ -349,10 +478,7 @@ TEST(TpAdalnProjectionMpiNccl, OneGpuPerProcessMatchesWs1OnEachGpu) {
 #if defined(DETDIT_WITH_MPI) && defined(DETDIT_WITH_NCCL)
   const int gpus = testing::cuda_device_count();
   if (gpus < 2) GTEST_SKIP() << "needs 2 or more GPUs, found " << gpus;
-  for (int ranks : {2, gpus}) {
-    if (4608 % (ranks * 64) != 0) continue;  // tp must split N = 4608 into 64-column chunks
-    EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiNcclTpWorker.OneGpuPerRank"));
-  }
+  for (int ranks : {2, gpus}) EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiNcclTpWorker.OneGpuPerRank"));
 #else
   GTEST_SKIP() << "built without MPI or NCCL";
 #endif
@@ -360,7 +486,8 @@ TEST(TpAdalnProjectionMpiNccl, OneGpuPerProcessMatchesWs1OnEachGpu) {
 
 TEST(TpAdalnProjectionMpi, RanksAsProcessesMatchWs1) {
 #if defined(DETDIT_WITH_MPI)
-  for (int ranks : {2, 3, 4}) EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiTpWorker.SmallN"));
+  // tp = 5: 72 chunks split 15, 15, 14, 14, 14 (padded blocks over MPI).
+  for (int ranks : {2, 3, 4, 5}) EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiTpWorker.SmallN"));
 #else
   GTEST_SKIP() << "built without MPI";
 #endif
