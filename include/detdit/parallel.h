@@ -1,8 +1,8 @@
 // detdit/parallel.h: tensor parallelism (tp_adaln_projection) and sequence
 // parallelism (the sp_region: rmsnorm, modulation, gate_residual), byte-equal
-// to one device (WS1) for every world size. The only collective is the
-// Communicator's rank-ordered all-gather (detdit/comm.h); no reduction ever
-// happens inside a collective. docs/parallel.md explains the plan with a
+// to one device (WS1) for every world size. The only collectives are the
+// Communicator's rank-ordered all-gather and broadcast (detdit/comm.h),
+// byte copies; no reduction ever happens inside a collective. docs/parallel.md explains the plan with a
 // worked example and the rows and bytes each rank moves.
 //
 // Errors are collective: each op validates its arguments and allocates its

@@ -10,8 +10,8 @@
 
 namespace detdit {
 
-// A run of `count` consecutive rows (or chunk / segment partials) copied from
-// row `src` to row `dst`; `rank` names the source rank's block where needed.
+// A run of `count` consecutive rows copied from row `src` to row `dst` of the
+// send block of rank `rank`.
 struct SpRun {
   int32_t rank = 0;
   int64_t src = 0, dst = 0, count = 0;
