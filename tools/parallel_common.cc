@@ -255,14 +255,16 @@ double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t h
   const double activation = 2.0 * static_cast<double>(hidden);  // one bf16 row
   const double h = static_cast<double>(hidden);
   const double send = static_cast<double>(sp.max_send());
+  // One broadcast of the chain's FP32 running sums per link.
+  const double links = static_cast<double>(sp.chain_links());
+  const double rows = static_cast<double>(sp.global_plan().num_rows());
   switch (variant) {
-    case SpVariant::kPlainRmsnorm:  // rows x, grad, rstd; d_weight chunk partials
-      return send * (2 * activation + 4) + static_cast<double>(sp.max_chunks()) * h * 4;
-    case SpVariant::kModulatedRmsnorm:  // + d_shift | d_scale segment partials
-      return send * (2 * activation + 4) + static_cast<double>(sp.max_chunks()) * h * 4 +
-             static_cast<double>(sp.max_segments()) * 2 * h * 4;
-    case SpVariant::kGateResidual:  // rows grad, y; d_gate segment partials
-      return send * 2 * activation + static_cast<double>(sp.max_segments()) * h * 4;
+    case SpVariant::kPlainRmsnorm:  // rows x, grad, rstd; d_weight sums (H)
+      return send * (2 * activation + 4) + links * h * 4;
+    case SpVariant::kModulatedRmsnorm:  // + d_shift | d_scale sums (R, 2H)
+      return send * (2 * activation + 4) + links * (h + rows * 2 * h) * 4;
+    case SpVariant::kGateResidual:  // rows grad, y; d_gate sums (R, H)
+      return send * 2 * activation + links * rows * h * 4;
   }
   return 0;
 }

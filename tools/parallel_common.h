@@ -100,8 +100,10 @@ struct SpRun {
 Status prepare_sp_run(const SpProblem& problem, const SpIndex& index, SpVariant variant, const Device& device,
                       Stream stream, const SpPlan* sp, Communicator* comm, SpRun* run);
 
-// Bytes each rank sends in the variant's backward: the padded row block
-// (max_send rows of x, grad, rstd or grad, y) plus the padded partial blocks.
+// Bytes each rank moves in the variant's backward: the padded row block
+// (max_send rows of x, grad, rstd or grad, y) it sends, plus one payload of
+// the fold chain's FP32 running sums per link (each rank receives every
+// broadcast; a link's owner sends it).
 double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t hidden);
 
 // ---- tp_adaln_projection -----------------------------------------------------

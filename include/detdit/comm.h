@@ -1,16 +1,18 @@
 // detdit/comm.h: the communicator of the parallel ops (tp_adaln_projection,
 // the sp_region).
 //
-// A Communicator connects `world_size()` ranks. Its only data collective is a
-// rank-ordered all-gather, a byte copy: after all_gather, on every rank,
-// recv[r*bytes, (r+1)*bytes) holds rank r's send[0, bytes). No collective ever
-// does arithmetic (no reductions anywhere), so the bits of every parallel
-// result are decided by detdit's kernels alone.
+// A Communicator connects `world_size()` ranks. Its two data collectives are
+// byte copies: a rank-ordered all-gather (after all_gather, on every rank,
+// recv[r*bytes, (r+1)*bytes) holds rank r's send[0, bytes)) and a broadcast
+// (after broadcast, every rank's buffer[0, bytes) holds the root's). No
+// collective ever does arithmetic (no reductions anywhere), so the bits of
+// every parallel result are decided by detdit's kernels alone.
 //
 // Every call is checked across ranks: before the payload moves, the ranks
-// exchange a small fixed-size header {call sequence number, bytes, dtype}. If
-// any two ranks disagree (different sizes or dtypes, or one rank skipped a
-// call) every rank returns the same ValueError naming both calls; nothing is
+// exchange a small fixed-size header {call sequence number, op, bytes, dtype,
+// root}. If any two ranks disagree (different ops, sizes, dtypes or roots, or
+// one rank skipped a call) every rank returns the same ValueError naming both
+// calls; nothing is
 // copied, nothing hangs. agree(local) is the validation handshake of the ops:
 // every rank learns whether any rank's local validation failed (and that
 // rank's message), so an op fails on every rank before its first data
@@ -22,7 +24,7 @@
 //     stream-ordered device-to-device copies, no host synchronisation);
 //   MPI: CPU ranks as processes (create_mpi_communicator), and the bootstrap of
 //     multi-process NCCL runs (create_nccl_communicator_mpi);
-//   NCCL: GPU ranks (ncclAllGather of bytes only), from a caller's ncclComm_t or
+//   NCCL: GPU ranks (ncclAllGather and ncclBroadcast of bytes only), from a caller's ncclComm_t or
 //     from a unique id.
 // A build without MPI or NCCL returns a RuntimeError from their factories.
 #pragma once
@@ -56,6 +58,12 @@ class Communicator {
   // ordered on `stream` (the host is not synchronised, except by the NCCL
   // communicator's call check, see NcclOptions).
   virtual Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) = 0;
+
+  // Broadcast of `bytes` bytes from rank `root` (0 <= root < world_size()):
+  // afterwards buffer[0, bytes) on every rank holds the root's buffer[0,
+  // bytes); the root's buffer is only read. bytes, dtype and root are checked
+  // across ranks like all_gather's; ordered on `stream` the same way.
+  virtual Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream stream) = 0;
 
   // Collective validation handshake: returns `local` on a rank whose local
   // validation failed, and on every other rank an error of the same kind that

@@ -1,8 +1,8 @@
 // detdit/parallel.h: tensor parallelism (tp_adaln_projection) and sequence
 // parallelism (the sp_region: rmsnorm, modulation, gate_residual), byte-equal
-// to one device (WS1) for every world size. The only collective is the
-// Communicator's rank-ordered all-gather (detdit/comm.h); no reduction ever
-// happens inside a collective. docs/parallel.md explains the plan with a
+// to one device (WS1) for every world size. The only collectives are the
+// Communicator's rank-ordered all-gather and broadcast (detdit/comm.h),
+// byte copies; no reduction ever happens inside a collective. docs/parallel.md explains the plan with a
 // worked example and the rows and bytes each rank moves.
 //
 // Errors are collective: each op validates its arguments and allocates its
@@ -83,9 +83,12 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
 // Forward: the WS1 op on the local rows with the local index index[lo:hi)
 // (no communication). Backward: the agreement (above); ONE all-gather of the
 // straddling rows (skipped when no rank sends any); each chunk's partials
-// computed by its owner; ONE all-gather of the partials (padded to the most
-// any rank owns), put in global chunk/segment order; then the outputs: the
-// row-local gradients (dx, d_y, d_residual) and the folds every rank runs.
+// computed by its owner; the folds as a chain along the global chunk order:
+// each link (a run of consecutive chunks of one owner) continues the running
+// sums of the link before it on its owner, which broadcasts them (one
+// broadcast of the R x width sums per link, the last one gives every rank the
+// result); then the outputs: the row-local gradients (dx, d_y, d_residual)
+// and the replicated ones, rounded from the final sums.
 // Every output and gradient is byte-equal to WS1,
 // and the replicated gradients (d_weight, d_shift, d_scale, d_gate) are
 // identical on every rank. On CUDA the plan's tables live on the device and
@@ -121,6 +124,9 @@ class SpPlan {
   int64_t max_send() const;      // rows per send block (max send_rows)
   int64_t max_chunks() const;    // max chunks per rank
   int64_t max_segments() const;  // max segments per rank
+  // Links of the folds' chain (runs of consecutive chunks with one owner;
+  // about B * world): the backward's broadcasts per replicated family.
+  int64_t chain_links() const;
 
   struct Impl;
   const Impl& impl() const { return *impl_; }

@@ -14,8 +14,9 @@ Every rank's outputs and gradients are byte-equal to one process (docs/parallel.
   ``d_scale``, ``d_gate``) are already the full sums, identical on every rank: do not
   all-reduce them again.
 
-The only collective is a rank-ordered all-gather of bytes through ``torch.distributed``
-(gloo on the CPU, NCCL on GPUs); detdit never reduces inside a collective. Every call is
+The only collectives are a rank-ordered all-gather and a broadcast of bytes through
+``torch.distributed`` (gloo on the CPU, NCCL on GPUs); detdit never reduces inside a
+collective. Every call is
 checked across ranks, and a validation error on one rank fails the call on every rank.
 """
 import torch
@@ -38,6 +39,14 @@ def _world_of(handle):
     return _WORLDS[handle]
 
 
+def _global_rank(group, rank):
+    # torch.distributed.broadcast names its source by global rank.
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+    return get(group, rank)
+
+
 class Communicator:
     """detdit's view of a torch.distributed process group (default: the world group).
 
@@ -55,9 +64,15 @@ class Communicator:
         self.device = str(device)
         world = self.world
 
-        def gather(send, recv):
-            # send: (bytes,) uint8; recv: (world * bytes,) uint8, rank-ordered.
-            if nccl and not send.is_cuda:  # call headers live on the host; NCCL moves device memory
+        def gather(send, recv, root=None):
+            # root None: all-gather, send (bytes,) uint8 into recv (world * bytes,), rank-ordered.
+            # root r: broadcast rank r's recv (bytes,) into every rank's recv (send is recv).
+            if root is not None:
+                staged = recv.to(self.device) if nccl and not recv.is_cuda else recv
+                dist.broadcast(staged, src=_global_rank(group, root), group=group)
+                if staged is not recv:
+                    recv.copy_(staged.cpu())
+            elif nccl and not send.is_cuda:  # call headers live on the host; NCCL moves device memory
                 staged = send.to(self.device)
                 parts = [torch.empty_like(staged) for _ in range(world)]
                 dist.all_gather(parts, staged, group=group)

@@ -93,6 +93,17 @@ struct ExtraRows {
   X(fold_segment_partials, const IndexPlan&, const TensorView&, const TensorView&, Stream)               \
   /* (partials, out): out[:] = rounded ascending fold over chunks of partials (C, W) fp32; out (W,) */   \
   X(fold_chunk_partials, const TensorView&, const TensorView&, Stream)                                   \
+  /* The folds continued from running sums (the SP region's chain over the ranks, one link of */         \
+  /* consecutive chunks at a time): the same ascending chains, starting from running instead of +0.0. */ \
+  /* (plan, partials, first, running, out): out[r, j] = R(chain from running[r, j] over row r's */        \
+  /* segments g in [first, first + partials rows), ascending, partial row g - first); running (R, W) */   \
+  /* fp32 or absent (+0.0, then this is fold_segment_partials of those segments); out (R, W) may be */    \
+  /* running (in place) */                                                                               \
+  X(continue_segment_fold, const IndexPlan&, const TensorView&, int64_t, const TensorView&,              \
+    const TensorView&, Stream)                                                                           \
+  /* (partials, running, out): out[j] = R(chain from running[j] over the rows of partials (C, W)); */    \
+  /* running (W,) fp32 or absent (+0.0); out (W,) may be running */                                      \
+  X(continue_chunk_fold, const TensorView&, const TensorView&, const TensorView&, Stream)               \
   /* The composite ops' residual-stream arithmetic (docs/numerics.md 5.10) and device-local copies, */   \
   /* on validated contiguous tensors of one device, never synchronising the host: */                    \
   /* add(a, b, out): out[i] = R_T(rn(a[i] + b[i])), T = the tensors' dtype; out may be a or b */         \

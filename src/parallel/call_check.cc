@@ -10,11 +10,19 @@ namespace detdit {
 namespace comm_detail {
 namespace {
 
+const char* op_name(int32_t op) {
+  switch (static_cast<CallOp>(op)) {
+    case CallOp::kAgree: return "agree";
+    case CallOp::kBroadcast: return "broadcast";
+    default: return "all_gather";
+  }
+}
+
 std::string describe(const CallHeader& h, int rank) {
-  std::string op = h.op == static_cast<int32_t>(CallOp::kAgree) ? "agree" : "all_gather";
-  std::string what = "rank " + std::to_string(rank) + " called " + op + " #" + std::to_string(h.sequence);
-  if (h.op == static_cast<int32_t>(CallOp::kAllGather))
+  std::string what = "rank " + std::to_string(rank) + " called " + op_name(h.op) + " #" + std::to_string(h.sequence);
+  if (h.op != static_cast<int32_t>(CallOp::kAgree))
     what += " with " + std::to_string(h.bytes) + " bytes of " + dtype_name(static_cast<DType>(h.dtype));
+  if (h.op == static_cast<int32_t>(CallOp::kBroadcast)) what += " from root " + std::to_string(h.root);
   return what;
 }
 
@@ -36,13 +44,27 @@ Status check_local_all_gather(const void* send, std::size_t bytes, const void* r
   return Status();
 }
 
-CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dtype, bool local_error) {
+Status check_local_broadcast(const void* buffer, std::size_t bytes, int root, DType dtype, int world) {
+  if (root < 0 || root >= world)
+    return Status::value_error("broadcast root must be in [0, " + std::to_string(world) + "), got " +
+                               std::to_string(root));
+  const std::size_t element = dtype_size(dtype);
+  if (element == 0 || bytes % element != 0)
+    return Status::value_error("broadcast bytes must be a multiple of the " + std::string(dtype_name(dtype)) +
+                               " element size " + std::to_string(element) + ", got " + std::to_string(bytes));
+  if (bytes > 0 && buffer == nullptr)
+    return Status::value_error("broadcast buffer is null for " + std::to_string(bytes) + " bytes");
+  return Status();
+}
+
+CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dtype, bool local_error, int root) {
   CallHeader h;
   h.sequence = sequence;
   h.bytes = bytes;
   h.op = static_cast<int32_t>(op);
   h.dtype = static_cast<int32_t>(dtype);
   h.local_error = local_error ? 1 : 0;
+  h.root = root;
   return h;
 }
 
@@ -50,7 +72,7 @@ Status check_call_headers(const CallHeader* headers, int world, const Status& lo
   for (int r = 1; r < world; ++r) {
     const CallHeader& a = headers[0];
     const CallHeader& b = headers[r];
-    if (a.sequence != b.sequence || a.op != b.op || a.bytes != b.bytes || a.dtype != b.dtype)
+    if (a.sequence != b.sequence || a.op != b.op || a.bytes != b.bytes || a.dtype != b.dtype || a.root != b.root)
       return Status::value_error("collective calls do not match across ranks: " + describe(a, 0) + ", " +
                                  describe(b, r) + "; every rank must make the same calls with the same sizes");
   }
@@ -59,7 +81,7 @@ Status check_call_headers(const CallHeader* headers, int world, const Status& lo
   for (int r = 0; r < world; ++r)
     if (headers[r].local_error) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
   if (!bad.empty())
-    return Status::value_error("all_gather #" + std::to_string(headers[0].sequence) +
+    return Status::value_error(std::string(op_name(headers[0].op)) + " #" + std::to_string(headers[0].sequence) +
                                " was called with invalid arguments on rank(s) " + bad + "; nothing was copied");
   return Status();
 }

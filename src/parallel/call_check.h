@@ -17,7 +17,7 @@
 namespace detdit {
 namespace comm_detail {
 
-enum class CallOp : int32_t { kAllGather = 1, kAgree = 2 };
+enum class CallOp : int32_t { kAllGather = 1, kAgree = 2, kBroadcast = 3 };
 
 struct CallHeader {
   uint64_t sequence = 0;   // this rank's collective call count, from 0
@@ -25,7 +25,7 @@ struct CallHeader {
   int32_t op = 0;          // CallOp
   int32_t dtype = 0;       // DType of the elements
   int32_t local_error = 0; // 1: this rank's arguments are invalid (it still takes part)
-  int32_t padding = 0;
+  int32_t root = 0;        // broadcast: the rank whose buffer is copied (0 for the other ops)
 };
 static_assert(sizeof(CallHeader) == 32, "CallHeader is exchanged as raw bytes");
 
@@ -40,7 +40,10 @@ static_assert(sizeof(AgreeRecord) == 256, "AgreeRecord is exchanged as raw bytes
 
 // Local validity of one rank's all_gather arguments (ValueError/TypeError).
 Status check_local_all_gather(const void* send, std::size_t bytes, const void* recv, DType dtype, int world);
-CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dtype, bool local_error);
+// Local validity of one rank's broadcast arguments (ValueError).
+Status check_local_broadcast(const void* buffer, std::size_t bytes, int root, DType dtype, int world);
+CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dtype, bool local_error,
+                       int root = 0);
 // The verdict on the gathered headers of `world` ranks: ValueError naming the
 // first two disagreeing calls, or naming the ranks with invalid arguments
 // (`local` is returned unchanged on a rank whose own arguments were invalid).

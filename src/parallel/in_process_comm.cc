@@ -7,7 +7,9 @@
 // on CUDA its stream waits for the peer's event, then copies device to device
 // and records a done event). After the second barrier a CUDA rank's stream
 // waits for every peer's done event, so its send buffer is not overwritten
-// while a peer still reads it. The host never waits for the device.
+// while a peer still reads it. A broadcast is the same two barriers: every
+// rank but the root pulls the root's buffer, and only the root's stream waits
+// for the peers' done events. The host never waits for the device.
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -127,6 +129,34 @@ class InProcessCommunicator final : public Communicator {
     return Status();
   }
 
+  Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream stream) override {
+    const int world = state_->world;
+    Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world);
+    const bool on_cuda = state_->device.is_cuda();
+    if (local.ok() && on_cuda) local = ensure_events();
+    if (local.ok() && on_cuda) local = cuda::comm_event_record(ready_event_, stream);
+    State::Slot& mine = state_->slots[rank_];
+    mine.header = comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root);
+    mine.send = buffer;
+    mine.ready_event = ready_event_;
+    mine.done_event = done_event_;
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+    for (int r = 0; r < world; ++r) {
+      headers_[r] = state_->slots[r].header;
+      done_events_[r] = state_->slots[r].done_event;
+    }
+    Status verdict = comm_detail::check_call_headers(headers_.data(), world, local);
+    // The headers agree, so root is valid and the same on every rank.
+    if (verdict.ok() && bytes > 0 && rank_ != root) verdict = pull_from(root, bytes, static_cast<char*>(buffer), stream);
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+    DETDIT_RETURN_IF_ERROR(verdict);
+    if (on_cuda && bytes > 0 && rank_ == root) {
+      for (int r = 0; r < world; ++r)
+        if (r != rank_) DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, done_events_[r]));
+    }
+    return Status();
+  }
+
   Status agree(const Status& local, const std::string& signature) override {
     const int world = state_->world;
     State::Slot& mine = state_->slots[rank_];
@@ -164,6 +194,18 @@ class InProcessCommunicator final : public Communicator {
     }
     if (state_->device.is_cuda()) DETDIT_RETURN_IF_ERROR(cuda::comm_event_record(done_event_, stream));
     return Status();
+  }
+
+  // buffer[0, bytes) = rank root's buffer.
+  Status pull_from(int root, std::size_t bytes, char* buffer, Stream stream) {
+    const State::Slot& peer = state_->slots[root];
+    if (!state_->device.is_cuda()) {
+      std::memcpy(buffer, peer.send, bytes);
+      return Status();
+    }
+    DETDIT_RETURN_IF_ERROR(cuda::comm_stream_wait(stream, peer.ready_event));
+    DETDIT_RETURN_IF_ERROR(cuda::comm_copy_async(buffer, peer.send, bytes, stream));
+    return cuda::comm_event_record(done_event_, stream);
   }
 
   std::shared_ptr<State> state_;

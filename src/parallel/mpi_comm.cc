@@ -1,6 +1,7 @@
 // The MPI communicator: CPU ranks as processes. Payloads move with
-// MPI_Allgather of MPI_BYTE (a copy; MPI never reduces here). Every call first
-// all-gathers the 32-byte CallHeader and checks it on every rank.
+// MPI_Allgather and MPI_Bcast of MPI_BYTE (copies; MPI never reduces here).
+// Every call first all-gathers the 32-byte CallHeader and checks it on every
+// rank.
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -72,6 +73,19 @@ class MpiCommunicator final : public Communicator {
     DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, local));
     if (bytes == 0) return Status();
     return gather_bytes(send, bytes, recv);
+  }
+
+  Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream) override {
+    Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world_);
+    if (local.ok() && bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+      local = Status::value_error("the MPI broadcast moves at most 2^31 - 1 bytes, got " + std::to_string(bytes));
+    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root);
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
+    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, local));
+    if (bytes == 0) return Status();
+    int code = MPI_Bcast(buffer, static_cast<int>(bytes), MPI_BYTE, root, comm_);
+    if (code != MPI_SUCCESS) return mpi_error("MPI_Bcast", code);
+    return Status();
   }
 
   Status agree(const Status& local, const std::string& signature) override {

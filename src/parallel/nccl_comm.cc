@@ -1,5 +1,5 @@
-// The NCCL communicator: GPU ranks. Payloads move with ncclAllGather of
-// ncclUint8 (a copy; NCCL's reductions are never called). With
+// The NCCL communicator: GPU ranks. Payloads move with ncclAllGather and
+// ncclBroadcast of ncclUint8 (copies; NCCL's reductions are never called). With
 // NcclOptions::check_calls the 32-byte CallHeader is all-gathered first and
 // read on the host (one stream synchronisation per call) so that mismatched
 // calls fail on every rank instead of hanging or corrupting.
@@ -90,6 +90,24 @@ class NcclCommunicator final : public Communicator {
     }
     if (bytes == 0) return Status();
     DETDIT_NCCL_TRY(ncclAllGather(send, recv, bytes, ncclUint8, comm_, static_cast<cudaStream_t>(stream)));
+    return Status();
+  }
+
+  Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream stream) override {
+    DETDIT_CUDA_TRY(cudaSetDevice(device_.index));
+    Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world_);
+    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root);
+    if (options_.check_calls) {
+      const char* gathered = nullptr;
+      DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), stream, &gathered));
+      DETDIT_RETURN_IF_ERROR(
+          comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered), world_, local));
+    } else {
+      DETDIT_RETURN_IF_ERROR(local);
+    }
+    if (bytes == 0) return Status();
+    // In place: the root's buffer is the source, every other rank's the destination.
+    DETDIT_NCCL_TRY(ncclBroadcast(buffer, buffer, bytes, ncclUint8, root, comm_, static_cast<cudaStream_t>(stream)));
     return Status();
   }
 

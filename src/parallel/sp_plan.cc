@@ -26,6 +26,19 @@ void append_run(std::vector<SpRun>* runs, int32_t rank, int64_t src, int64_t dst
   runs->push_back(SpRun{rank, src, dst, 1});
 }
 
+// Appends chunk c (owner q, `segments` segments from global segment
+// `segment_begin`) to the chain: it extends the last link when q owns that
+// one too, else starts a link at q's next chunk and segment partial rows.
+void append_link(std::vector<SpLink>* links, int32_t q, int64_t c, int64_t segment_begin, int64_t segments,
+                 int64_t chunk_src, int64_t segment_src) {
+  if (!links->empty() && links->back().rank == q) {
+    ++links->back().chunks;
+    links->back().segments += segments;
+    return;
+  }
+  links->push_back(SpLink{q, c, 1, chunk_src, segment_begin, segments, segment_src});
+}
+
 // The tables of `impl` (contract in parallel.h, steps in docs/parallel.md 3).
 Status build(const IndexPlan& plan, int world, int rank, SpPlan::Impl* impl, Stream stream) {
   if (world < 1 || rank < 0 || rank >= world)
@@ -57,13 +70,14 @@ Status build(const IndexPlan& plan, int world, int rank, SpPlan::Impl* impl, Str
   for (int64_t c = 0; c < num_chunks; ++c) chunk_owner[c] = owner_of_seq[(c * kReductionChunk) % seq_len];
 
   impl->traffic.assign(static_cast<std::size_t>(world), SpPlan::RankTraffic{});
-  // Partials of every rank in its block order (its chunks ascending).
+  // Partials of every rank in its own order (its chunks ascending), cut into the chain's links.
   std::vector<int64_t> next_chunk(static_cast<std::size_t>(world), 0), next_segment(static_cast<std::size_t>(world), 0);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int32_t q = chunk_owner[c];
     const int64_t segment_begin = tables.chunk_segment_begin[c], segments = tables.chunk_segment_begin[c + 1] - segment_begin;
-    append_run(&impl->chunk_runs, q, next_chunk[q]++, c);
-    for (int64_t g = 0; g < segments; ++g) append_run(&impl->segment_runs, q, next_segment[q]++, segment_begin + g);
+    append_link(&impl->links, q, c, segment_begin, segments, next_chunk[q], next_segment[q]);
+    ++next_chunk[q];
+    next_segment[q] += segments;
     if (q == rank) impl->owned_chunks.push_back(static_cast<int32_t>(c));
   }
   // Rows that move: position p of a chunk owned by another rank. Its owner
@@ -155,5 +169,6 @@ const std::vector<SpPlan::RankTraffic>& SpPlan::traffic() const { return impl_->
 int64_t SpPlan::max_send() const { return impl_ ? impl_->max_send : 0; }
 int64_t SpPlan::max_chunks() const { return impl_ ? impl_->max_chunks : 0; }
 int64_t SpPlan::max_segments() const { return impl_ ? impl_->max_segments : 0; }
+int64_t SpPlan::chain_links() const { return impl_ ? static_cast<int64_t>(impl_->links.size()) : 0; }
 
 }  // namespace detdit

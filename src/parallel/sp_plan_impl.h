@@ -10,11 +10,21 @@
 
 namespace detdit {
 
-// A run of `count` consecutive rows (or chunk / segment partials) copied from
-// row `src` to row `dst`; `rank` names the source rank's block where needed.
+// A run of `count` consecutive rows copied from row `src` to row `dst` of the
+// send block of rank `rank`.
 struct SpRun {
   int32_t rank = 0;
   int64_t src = 0, dst = 0, count = 0;
+};
+
+// Chunks [chunk_begin, chunk_begin + chunks) of the global order, owned by
+// `rank`: their chunk partials are rows [chunk_src, chunk_src + chunks) of the
+// owner's, their segments [segment_begin, segment_begin + segments) are rows
+// [segment_src, segment_src + segments) of the owner's segment partials.
+struct SpLink {
+  int32_t rank = 0;
+  int64_t chunk_begin = 0, chunks = 0, chunk_src = 0;
+  int64_t segment_begin = 0, segments = 0, segment_src = 0;
 };
 
 struct SpPlan::Impl {
@@ -26,9 +36,10 @@ struct SpPlan::Impl {
 
   // This rank's own rows into its send block: src = local row, dst = slot.
   std::vector<SpRun> send_runs;
-  // Partials of every rank into global order: src = row in rank's block,
-  // dst = global chunk (chunk_runs) or global segment (segment_runs).
-  std::vector<SpRun> chunk_runs, segment_runs;
+  // The links of the folds' chain, in global chunk order: each a run of
+  // consecutive chunks of one owner, with where its partials sit in the
+  // owner's partials (its chunks and their segments, ascending).
+  std::vector<SpLink> links;
 
   // Host tables, and their copies where the backend computes (device for a
   // CUDA plan, the same pointers for a CPU plan).

@@ -14,13 +14,16 @@
 //      gathered blocks are unpacked per field into (world*max_send, ...) rows,
 //      row owner*max_send + slot, as position_row expects;
 //   3. the chunk owner computes its chunks' partials with the *_partials halves
-//      (global plan, ChunkSelection of its chunks, ExtraRows) straight into
-//      its send block, padded to the most chunks/segments any rank owns;
-//   4. ONE all-gather of the partials, copied into global chunk/segment order;
+//      (global plan, ChunkSelection of its chunks, ExtraRows), kept local;
+//   4. the chain: the WS1 folds (ascending chunks; row r's segments
+//      ascending) run link by link along the global chunk order, each link
+//      (consecutive chunks of one owner) on its owner, from the running FP32
+//      sums the link before it broadcast (the first from +0.0, as WS1); one
+//      broadcast of the R x width sums (plus d_weight's H) per link, so the
+//      bytes do not grow with S or the packing;
 //   5. the outputs, after the last collective: row-local gradients with the
-//      backends' *_rows halves (local plan), then every rank folds with the
-//      WS1 folds (rmsnorm: the same rowwise::fold_rmsnorm_partials as the WS1
-//      backward).
+//      backends' *_rows halves (local plan), then every rank rounds the final
+//      sums once to the output dtype, as the WS1 folds do.
 // Every bit is decided by the WS1 backends; this file only moves bytes.
 #include <cstdio>
 #include <initializer_list>
@@ -156,53 +159,94 @@ Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& d
   return Status();
 }
 
-// One family of partials: each rank's rows of `width` fp32 (its chunks or
-// segments, padded to max_rows), `total` rows in global order after the
-// exchange.
-struct PartialFamily {
-  int64_t max_rows, total, width;
-  const std::vector<SpRun>* runs;
-  float* send = nullptr;    // this rank's rows, written by the partials half
-  float* global = nullptr;  // (total, width) in global order, after exchange_partials
+// Steps 3-4's buffers: this rank's partials of its own chunks (its chunks
+// and their segments ascending, written by the partials half) and the
+// running sums of the chain, [weight (H) | table (R, table_width)] FP32, the
+// payload of every broadcast.
+struct ChainFold {
+  int64_t hidden = 0, rows = 0, table_width = 0;  // table_width 0: no table family
+  bool weight = false;
+  float* weight_partials = nullptr;  // (own chunks, H)
+  float* table_partials = nullptr;   // (own segments, table_width)
+  float* sums = nullptr;
+  std::shared_ptr<void> memory;
+  bool table() const { return table_width > 0; }
+  int64_t sum_floats() const { return (weight ? hidden : 0) + rows * table_width; }
+  TensorView weight_sums(const Device& device) const {
+    return weight ? TensorView::contiguous(sums, DType::kF32, {hidden}, device) : TensorView();
+  }
+  TensorView table_sums(const Device& device) const {
+    if (!table()) return TensorView();
+    return TensorView::contiguous(sums + (weight ? hidden : 0), DType::kF32, {rows, table_width}, device);
+  }
 };
 
-// Step 4's buffers: one send block holding every family.
-Status allocate_partials(const SpPlan::Impl& sp, const Device& device, std::vector<PartialFamily*> families,
-                         Stream stream, std::size_t* block, std::shared_ptr<void>* owner) {
-  *block = 0;
-  std::size_t total = 0;
-  for (const PartialFamily* f : families) {
-    *block += aligned_size(static_cast<std::size_t>(f->max_rows * f->width) * sizeof(float));
-    total += aligned_size(static_cast<std::size_t>(f->total * f->width) * sizeof(float));
-  }
-  DETDIT_RETURN_IF_ERROR(allocate_scratch(device, *block * (1 + sp.world) + total, stream, owner));
-  char* base = static_cast<char*>(owner->get());
-  char* global = base + *block * (1 + sp.world);
-  std::size_t offset = 0;
-  for (PartialFamily* f : families) {
-    f->send = reinterpret_cast<float*>(base + offset);
-    f->global = reinterpret_cast<float*>(global);
-    offset += aligned_size(static_cast<std::size_t>(f->max_rows * f->width) * sizeof(float));
-    global += aligned_size(static_cast<std::size_t>(f->total * f->width) * sizeof(float));
+Status allocate_chain(const SpPlan::Impl& sp, const Device& device, int64_t hidden, bool weight, int64_t table_width,
+                      Stream stream, ChainFold* f) {
+  const SpPlan::RankTraffic& mine = sp.traffic[sp.rank];
+  f->hidden = hidden;
+  f->rows = sp.global.num_rows();
+  f->table_width = table_width;
+  f->weight = weight;
+  const std::size_t weight_bytes = weight ? static_cast<std::size_t>(mine.chunks * hidden) * sizeof(float) : 0;
+  const std::size_t table_bytes = static_cast<std::size_t>(mine.segments * table_width) * sizeof(float);
+  const std::size_t sum_bytes = static_cast<std::size_t>(f->sum_floats()) * sizeof(float);
+  DETDIT_RETURN_IF_ERROR(allocate_scratch(
+      device, aligned_size(weight_bytes) + aligned_size(table_bytes) + aligned_size(sum_bytes), stream, &f->memory));
+  char* base = static_cast<char*>(f->memory.get());
+  f->weight_partials = reinterpret_cast<float*>(base);
+  f->table_partials = reinterpret_cast<float*>(base + aligned_size(weight_bytes));
+  f->sums = reinterpret_cast<float*>(base + aligned_size(weight_bytes) + aligned_size(table_bytes));
+  return Status();
+}
+
+// Step 4, the chain: the global chunk order is cut into links (runs of
+// consecutive chunks of one owner). For each link in order, its owner
+// continues the running sums with its partials of the link's chunks (the
+// WS1 folds' next steps: ascending chunks, row r's segments ascending), then
+// broadcasts them. The first link (rank 0's, holding chunk 0) starts from
+// +0.0 exactly as the WS1 fold does; every later one from the sums broadcast
+// after the link before it. After the last broadcast every rank holds the
+// WS1 folds' final FP32 sums.
+Status run_chain(Communicator& comm, const SpPlan::Impl& sp, const Device& device, const ChainFold& f,
+                 Stream stream) {
+  const TensorView weight_sums = f.weight_sums(device), table_sums = f.table_sums(device);
+  const std::size_t bytes = static_cast<std::size_t>(f.sum_floats()) * sizeof(float);
+  for (std::size_t k = 0; k < sp.links.size(); ++k) {
+    const SpLink& link = sp.links[k];
+    if (link.rank == sp.rank) {
+      const bool first = k == 0;
+      if (f.weight) {
+        const TensorView partials = TensorView::contiguous(f.weight_partials + link.chunk_src * f.hidden, DType::kF32,
+                                                           {link.chunks, f.hidden}, device);
+        DETDIT_RETURN_IF_ERROR(
+            backend::continue_chunk_fold(device, partials, first ? TensorView() : weight_sums, weight_sums, stream));
+      }
+      if (f.table()) {
+        const TensorView partials = TensorView::contiguous(f.table_partials + link.segment_src * f.table_width,
+                                                           DType::kF32, {link.segments, f.table_width}, device);
+        DETDIT_RETURN_IF_ERROR(backend::continue_segment_fold(device, sp.global, partials, link.segment_begin,
+                                                              first ? TensorView() : table_sums, table_sums, stream));
+      }
+    }
+    DETDIT_RETURN_IF_ERROR(comm.broadcast(f.sums, bytes, link.rank, DType::kF32, stream));
   }
   return Status();
 }
 
-// Step 5: gather every rank's block, copy each run into global order.
-Status exchange_partials(Communicator& comm, const Device& device,
-                         const std::vector<PartialFamily*>& families, std::size_t block, Stream stream) {
-  char* send = reinterpret_cast<char*>(families.front()->send);
-  char* gathered = send + block;
-  DETDIT_RETURN_IF_ERROR(comm.all_gather(send, block, gathered, DType::kF32, stream));
-  for (const PartialFamily* f : families) {
-    const std::size_t row_bytes = static_cast<std::size_t>(f->width) * sizeof(float);
-    const std::size_t in_block = reinterpret_cast<char*>(f->send) - send;
-    for (const SpRun& run : *f->runs)
-      DETDIT_RETURN_IF_ERROR(parallel_copy::copy(device, reinterpret_cast<char*>(f->global) + run.dst * row_bytes,
-                                                 gathered + run.rank * block + in_block + run.src * row_bytes,
-                                                 run.count * row_bytes, stream));
-  }
-  return Status();
+// Step 5's rounding: out = R(sums), columns [column, column + out's width)
+// of the table sums (no partials left to add).
+Status round_table(const SpPlan::Impl& sp, const Device& device, const ChainFold& f, int64_t column,
+                   const TensorView& out, Stream stream) {
+  const int64_t width = out.shape[1];
+  const TensorView none = TensorView::contiguous(f.sums, DType::kF32, {0, width}, device);
+  return backend::continue_segment_fold(device, sp.global, none, 0, f.table_sums(device).narrow(1, column, width),
+                                        out, stream);
+}
+
+Status round_weight(const Device& device, const ChainFold& f, const TensorView& out, Stream stream) {
+  const TensorView none = TensorView::contiguous(f.sums, DType::kF32, {0, f.hidden}, device);
+  return backend::continue_chunk_fold(device, none, f.weight_sums(device), out, stream);
 }
 
 // What decides this rank's collectives and the bits of the replicated
@@ -279,10 +323,7 @@ struct NormBackward {
   RmsnormBackwardParams local, global;  // the rows half on the local plan; partials and folds on the global one
   bool tables = false;                  // d_shift / d_scale gathered
   RowExchange rows;
-  PartialFamily weight{}, table{};
-  std::vector<PartialFamily*> families;
-  std::size_t block = 0;
-  std::shared_ptr<void> partials;
+  ChainFold chain;  // d_weight: H; [d_shift | d_scale]: (R, 2H)
   bool gathers() const { return local.d_weight.present() || tables; }
 };
 
@@ -297,18 +338,15 @@ Status prepare_norm(const SpPlan& sp, const RmsnormBackwardParams& params, Strea
   const int64_t hidden = params.in.x.shape[params.in.x.rank - 1];
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.in.x.dtype);
   DETDIT_RETURN_IF_ERROR(allocate_rows(plan, device, {row_bytes, row_bytes, sizeof(float)}, stream, &n->rows));
-  n->weight = PartialFamily{plan.max_chunks, plan.global.num_chunks(), hidden, &plan.chunk_runs};
-  n->table = PartialFamily{plan.max_segments, plan.global.num_segments(), 2 * hidden, &plan.segment_runs};
-  if (params.d_weight.present()) n->families.push_back(&n->weight);
-  if (n->tables) n->families.push_back(&n->table);
-  return allocate_partials(plan, device, n->families, stream, &n->block, &n->partials);
+  return allocate_chain(plan, device, hidden, params.d_weight.present(), n->tables ? 2 * hidden : 0, stream,
+                        &n->chain);
 }
 
 // Steps 2-5 of an agreed rmsnorm backward.
 Status run_norm(Communicator& comm, const SpPlan& sp, NormBackward& n, Stream stream) {
   const Device device = n.local.in.x.device;
+  const SpPlan::Impl& plan = sp.impl();
   if (n.gathers()) {
-    const SpPlan::Impl& plan = sp.impl();
     const RmsnormBackwardParams& p = n.global;
     const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
     std::vector<void*> extra_rows;
@@ -326,31 +364,32 @@ Status run_norm(Communicator& comm, const SpPlan& sp, NormBackward& n, Stream st
     if (mine.chunks > 0) {
       TensorView weight_partials, table_partials;
       if (p.d_weight.present())
-        weight_partials = TensorView::contiguous(n.weight.send, DType::kF32, {mine.chunks, hidden}, device);
+        weight_partials = TensorView::contiguous(n.chain.weight_partials, DType::kF32, {mine.chunks, hidden}, device);
       if (n.tables)
-        table_partials = TensorView::contiguous(n.table.send, DType::kF32, {mine.segments, 2 * hidden}, device);
+        table_partials =
+            TensorView::contiguous(n.chain.table_partials, DType::kF32, {mine.segments, 2 * hidden}, device);
       DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_partials(device, p, owned_selection(plan), extra,
                                                                 weight_partials, table_partials, stream));
     }
-    DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, n.families, n.block, stream));
+    DETDIT_RETURN_IF_ERROR(run_chain(comm, plan, device, n.chain, stream));
   }
   DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, n.local, stream));
   if (!n.gathers()) return Status();
-  const int64_t hidden = n.global.in.x.shape[n.global.in.x.rank - 1];
-  TensorView weight_all, table_all;  // (C, H) chunk and (G, 2H) segment partials in global order
-  if (n.global.d_weight.present())
-    weight_all = TensorView::contiguous(n.weight.global, DType::kF32, {n.weight.total, hidden}, device);
-  if (n.tables) table_all = TensorView::contiguous(n.table.global, DType::kF32, {n.table.total, 2 * hidden}, device);
-  return rowwise::fold_rmsnorm_partials(n.global, weight_all, table_all, stream);
+  const RmsnormBackwardParams& p = n.global;
+  if (p.d_weight.present()) DETDIT_RETURN_IF_ERROR(round_weight(device, n.chain, p.d_weight, stream));
+  if (!n.tables) return Status();
+  // d_shift from columns [0, H), d_scale from [H, 2H) of the (R, 2H) sums.
+  if (p.d_shift.present()) DETDIT_RETURN_IF_ERROR(round_table(plan, device, n.chain, 0, p.d_shift, stream));
+  if (p.d_scale.present())
+    DETDIT_RETURN_IF_ERROR(round_table(plan, device, n.chain, n.chain.hidden, p.d_scale, stream));
+  return Status();
 }
 
 // One rank's gate_residual backward between validation and the agreement (as NormBackward).
 struct GateBackward {
   GateResidualBackwardParams local, global;
   RowExchange rows;
-  PartialFamily gate{};
-  std::size_t block = 0;
-  std::shared_ptr<void> partials;
+  ChainFold chain;  // d_gate: (R, H)
 };
 
 Status prepare_gate(const SpPlan& sp, const GateResidualBackwardParams& params, Stream stream, GateBackward* g) {
@@ -363,8 +402,7 @@ Status prepare_gate(const SpPlan& sp, const GateResidualBackwardParams& params, 
   const int64_t hidden = params.grad.shape[params.grad.rank - 1];
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.grad.dtype);
   DETDIT_RETURN_IF_ERROR(allocate_rows(plan, device, {row_bytes, row_bytes}, stream, &g->rows));
-  g->gate = PartialFamily{plan.max_segments, plan.global.num_segments(), hidden, &plan.segment_runs};
-  return allocate_partials(plan, device, {&g->gate}, stream, &g->block, &g->partials);
+  return allocate_chain(plan, device, hidden, false, hidden, stream, &g->chain);
 }
 
 // Steps 2-5 of an agreed gate_residual backward.
@@ -372,8 +410,8 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
   const GateResidualBackwardParams& p = g.global;
   const Device device = p.grad.device;
   const int64_t hidden = p.grad.shape[p.grad.rank - 1];
+  const SpPlan::Impl& plan = sp.impl();
   if (p.d_gate.present()) {
-    const SpPlan::Impl& plan = sp.impl();
     std::vector<void*> extra_rows;
     DETDIT_RETURN_IF_ERROR(
         exchange_rows(comm, plan, device, p.grad.dtype, {p.grad.data, p.in.y.data}, g.rows, stream, &extra_rows));
@@ -385,16 +423,16 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
     }
     const SpPlan::RankTraffic& mine = plan.traffic[plan.rank];
     if (mine.chunks > 0) {
-      const TensorView partials = TensorView::contiguous(g.gate.send, DType::kF32, {mine.segments, hidden}, device);
+      const TensorView partials =
+          TensorView::contiguous(g.chain.table_partials, DType::kF32, {mine.segments, hidden}, device);
       DETDIT_RETURN_IF_ERROR(
           backend::gate_residual_backward_partials(device, p, owned_selection(plan), extra, partials, stream));
     }
-    DETDIT_RETURN_IF_ERROR(exchange_partials(comm, device, {&g.gate}, g.block, stream));
+    DETDIT_RETURN_IF_ERROR(run_chain(comm, plan, device, g.chain, stream));
   }
   DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, g.local, stream));
   if (!p.d_gate.present()) return Status();
-  const TensorView all = TensorView::contiguous(g.gate.global, DType::kF32, {g.gate.total, hidden}, device);
-  return backend::fold_segment_partials(device, p.in.plan, all, p.d_gate, stream);
+  return round_table(plan, device, g.chain, 0, p.d_gate, stream);
 }
 
 }  // namespace

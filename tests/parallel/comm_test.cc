@@ -1,11 +1,13 @@
-// Communicators: the rank-ordered all-gather is an exact byte copy for every
-// world size, and mismatched or invalid calls fail on every rank (no hang, no
-// copy). In-process on the CPU and on one GPU; MPI across processes.
+// Communicators: the rank-ordered all-gather and the broadcast are exact byte
+// copies for every world size and root, and mismatched or invalid calls fail
+// on every rank (no hang, no copy). In-process on the CPU and on one GPU; MPI
+// across processes.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -50,6 +52,17 @@ Status gather_and_check(Communicator& comm, std::size_t bytes) {
   DETDIT_RETURN_IF_ERROR(comm.all_gather(send.data(), bytes, recv.data(), DType::kF32, nullptr));
   if (recv != expected_gather(world, bytes))
     return Status::runtime_error("rank " + std::to_string(comm.rank()) + " gathered the wrong bytes");
+  return Status();
+}
+
+// Broadcast from `root`: every rank starts with its own payload, and every
+// rank ends with root's (the root's buffer unchanged).
+Status broadcast_and_check(Communicator& comm, std::size_t bytes, int root) {
+  std::vector<uint8_t> buffer = payload(comm.rank(), bytes);
+  DETDIT_RETURN_IF_ERROR(comm.broadcast(buffer.data(), bytes, root, DType::kF32, nullptr));
+  if (buffer != payload(root, bytes))
+    return Status::runtime_error("rank " + std::to_string(comm.rank()) + " got the wrong bytes from root " +
+                                 std::to_string(root));
   return Status();
 }
 
@@ -126,6 +139,100 @@ TEST(InProcessComm, ARankThatSkipsACallMakesTheOthersFailInsteadOfHanging) {
   });
   EXPECT_EQ(run.kind(), ErrorKind::kRuntime) << run.to_string();
   EXPECT_NE(run.message().find("left the group"), std::string::npos) << run.message();
+}
+
+TEST(InProcessComm, BroadcastCopiesTheRootsBytesForEveryWorldSizeAndRoot) {
+  for (int world = 1; world <= 8; ++world) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+      for (int root = 0; root < world; ++root)
+        for (std::size_t bytes : {std::size_t{4}, std::size_t{0}, std::size_t{12 * 1024 + 8}})
+          DETDIT_RETURN_IF_ERROR(broadcast_and_check(comm, bytes, root));
+      // Interleaved with all-gathers: one call sequence.
+      DETDIT_RETURN_IF_ERROR(gather_and_check(comm, 64));
+      return broadcast_and_check(comm, 64, world - 1);
+    }));
+  }
+}
+
+// A broadcast call that differs on one rank (root, bytes, dtype, or an
+// all_gather in its place) is the same ValueError on every rank and moves
+// nothing; no rank hangs.
+TEST(InProcessComm, MismatchedBroadcastsFailOnEveryRankWithoutCopying) {
+  struct Case {
+    const char* what;
+    std::function<Status(Communicator&, std::vector<uint8_t>&)> call;
+    const char* needle;
+  };
+  const int world = 4;
+  const std::vector<Case> cases = {
+      {"root", [](Communicator& c, std::vector<uint8_t>& b) {
+         return c.broadcast(b.data(), 16, c.rank() == 2 ? 1 : 0, DType::kF32, nullptr);
+       }, "rank 2 called broadcast #0 with 16 bytes of float32 from root 1"},
+      {"bytes", [](Communicator& c, std::vector<uint8_t>& b) {
+         return c.broadcast(b.data(), c.rank() == 3 ? 8 : 16, 0, DType::kF32, nullptr);
+       }, "rank 3 called broadcast #0 with 8 bytes"},
+      {"dtype", [](Communicator& c, std::vector<uint8_t>& b) {
+         return c.broadcast(b.data(), 16, 0, c.rank() == 1 ? DType::kBF16 : DType::kF32, nullptr);
+       }, "bfloat16"},
+      {"op", [](Communicator& c, std::vector<uint8_t>& b) {
+         std::vector<uint8_t> recv(16 * 4);
+         if (c.rank() == 1) return c.all_gather(b.data(), 16, recv.data(), DType::kF32, nullptr);
+         return c.broadcast(b.data(), 16, 0, DType::kF32, nullptr);
+       }, "rank 1 called all_gather #0"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<Status> results(world);
+    std::vector<bool> untouched(world, false);
+    Status run = InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+      std::vector<uint8_t> buffer = payload(comm.rank(), 16);
+      results[comm.rank()] = c.call(comm, buffer);
+      untouched[comm.rank()] = buffer == payload(comm.rank(), 16);
+      return results[comm.rank()];
+    });
+    EXPECT_EQ(run.kind(), ErrorKind::kValue) << run.to_string();
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << "rank " << r << ": " << results[r].to_string();
+      EXPECT_NE(results[r].message().find(c.needle), std::string::npos) << results[r].message();
+      EXPECT_TRUE(untouched[r]) << "rank " << r << " buffer was written";
+    }
+  }
+}
+
+TEST(InProcessComm, InvalidBroadcastArgumentsFailEveryRank) {
+  const int world = 3;
+  // The same out-of-range root on every rank: each rank's own error.
+  std::vector<Status> results(world);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    std::vector<uint8_t> buffer(8);
+    results[comm.rank()] = comm.broadcast(buffer.data(), 8, 3, DType::kF32, nullptr);
+    return results[comm.rank()];
+  });
+  for (int r = 0; r < world; ++r)
+    EXPECT_NE(results[r].message().find("broadcast root must be in [0, 3), got 3"), std::string::npos)
+        << results[r].message();
+  // A null buffer on rank 1: it still takes part, the others fail naming it.
+  std::vector<bool> untouched(world, false);
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    std::vector<uint8_t> buffer = payload(comm.rank(), 8);
+    results[comm.rank()] = comm.broadcast(comm.rank() == 1 ? nullptr : buffer.data(), 8, 0, DType::kF32, nullptr);
+    untouched[comm.rank()] = buffer == payload(comm.rank(), 8);
+    return results[comm.rank()];
+  });
+  EXPECT_NE(results[1].message().find("broadcast buffer is null"), std::string::npos) << results[1].message();
+  for (int r : {0, 2})
+    EXPECT_NE(results[r].message().find("broadcast #0 was called with invalid arguments on rank(s) 1"),
+              std::string::npos)
+        << results[r].message();
+  for (int r = 0; r < world; ++r) EXPECT_TRUE(untouched[r]) << "rank " << r;
+  // Bytes that are not whole elements.
+  (void)InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+    std::vector<uint8_t> buffer(8);
+    results[comm.rank()] = comm.broadcast(buffer.data(), 6, 0, DType::kF32, nullptr);
+    return results[comm.rank()];
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(results[r].kind(), ErrorKind::kValue) << results[r].to_string();
 }
 
 TEST(InProcessComm, AgreeReportsTheFirstFailingRankOnEveryRank) {
@@ -207,6 +314,36 @@ TEST(InProcessCommCuda, AllGatherOnOneGpuIsRankOrdered) {
 #endif
 }
 
+TEST(InProcessCommCuda, BroadcastOnOneGpuCopiesTheRoot) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_CUDA)
+  for (int world : {1, 2, 3, 8}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) -> Status {
+      const std::size_t bytes = 64 * 1024 + 12;
+      cudaSetDevice(0);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      void* buffer = nullptr;
+      cudaMalloc(&buffer, bytes);
+      Status s = Status();
+      std::vector<uint8_t> got(bytes);
+      for (int root = 0; root < world && s.ok(); ++root) {
+        std::vector<uint8_t> host = payload(comm.rank(), bytes);
+        cudaMemcpyAsync(buffer, host.data(), bytes, cudaMemcpyHostToDevice, stream);
+        s = comm.broadcast(buffer, bytes, root, DType::kBF16, stream);
+        cudaMemcpyAsync(got.data(), buffer, bytes, cudaMemcpyDeviceToHost, stream);
+        cudaStreamSynchronize(stream);
+        if (s.ok() && got != payload(root, bytes)) s = Status::runtime_error("wrong bytes on the GPU");
+      }
+      cudaFree(buffer);
+      cudaStreamDestroy(stream);
+      return s;
+    }, Device::cuda(0)));
+  }
+#endif
+}
+
 TEST(NcclComm, WorldSizeOneAllGatherIsACopy) {
   DETDIT_SKIP_WITHOUT_CUDA();
 #if defined(DETDIT_WITH_NCCL)
@@ -222,6 +359,10 @@ TEST(NcclComm, WorldSizeOneAllGatherIsACopy) {
   cudaMemcpy(got.data(), recv, bytes, cudaMemcpyDeviceToHost);
   EXPECT_EQ(got, host);
   EXPECT_EQ(comm->all_gather(send, 6, recv, DType::kF32, nullptr).kind(), ErrorKind::kValue);
+  DETDIT_EXPECT_OK(comm->broadcast(recv, bytes, 0, DType::kF32, nullptr));
+  cudaMemcpy(got.data(), recv, bytes, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(got, host);
+  EXPECT_EQ(comm->broadcast(recv, bytes, 1, DType::kF32, nullptr).kind(), ErrorKind::kValue);
   cudaFree(send);
   cudaFree(recv);
 #else
@@ -245,6 +386,16 @@ TEST(DISABLED_MpiWorker, AllGather) {
   // agree: rank 0 rejects, everyone hears it.
   Status a = comm->agree(comm->rank() == 0 ? Status::value_error("bad shape on rank 0") : Status());
   EXPECT_NE(a.message().find("bad shape on rank 0"), std::string::npos) << a.message();
+  // Broadcasts from every root, then a mismatched root fails on every rank
+  // without writing (rank 1 names root 1, the others root 0).
+  for (int root = 0; root < comm->world_size(); ++root)
+    for (std::size_t bytes : {std::size_t{4}, std::size_t{100000}, std::size_t{0}})
+      DETDIT_EXPECT_OK(broadcast_and_check(*comm, bytes, root));
+  std::vector<uint8_t> buffer = payload(comm->rank(), 16);
+  Status b = comm->broadcast(buffer.data(), 16, comm->rank() == 1 ? 1 : 0, DType::kF32, nullptr);
+  EXPECT_EQ(b.kind(), ErrorKind::kValue) << b.to_string();
+  EXPECT_NE(b.message().find("from root 1"), std::string::npos) << b.message();
+  EXPECT_EQ(buffer, payload(comm->rank(), 16));
   // And the communicator still works afterwards.
   DETDIT_EXPECT_OK(gather_and_check(*comm, 256));
 }

@@ -283,6 +283,81 @@ TEST(SpRegion, ChunkAlignedShardsMoveNoRows) {
   }
 }
 
+// Forwards every call to `inner` and counts the payload bytes of each kind.
+class CountingCommunicator final : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Device device() const override { return inner_.device(); }
+  const char* backend_id() const override { return inner_.backend_id(); }
+  using Communicator::agree;
+  Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) override {
+    ++gathers;
+    gathered_bytes += bytes;
+    return inner_.all_gather(send, bytes, recv, dtype, stream);
+  }
+  Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream stream) override {
+    ++broadcasts;
+    broadcast_bytes += bytes;
+    return inner_.broadcast(buffer, bytes, root, dtype, stream);
+  }
+  Status agree(const Status& local, const std::string& signature) override { return inner_.agree(local, signature); }
+  int64_t gathers = 0, broadcasts = 0;
+  std::size_t gathered_bytes = 0, broadcast_bytes = 0;
+
+ private:
+  Communicator& inner_;
+};
+
+// The fold chain's bytes do not grow with S or depend on the packing: per
+// backward, one broadcast of the FP32 running sums per link (H + 2RH for the
+// modulated norm, RH for the gate), B * world links once every rank owns a
+// chunk start in every batch item; the only all-gather is the straddling
+// rows'. Counted on every rank of the region (norm + gate backward), which
+// also matches WS1 byte for byte.
+TEST(SpRegion, FoldChainBytesDoNotDependOnSeqLenOrPacking) {
+  const int64_t batch = 2, timesteps = 3, hidden = 4, rows = 3 * timesteps;
+  const std::size_t per_link = static_cast<std::size_t>((hidden + 2 * rows * hidden) + rows * hidden) * sizeof(float);
+  for (int world : {2, 8}) {
+    for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+      for (int64_t seq_len : {4097, 32768, 131072}) {
+        SCOPED_TRACE("world " + std::to_string(world) + " S " + std::to_string(seq_len) +
+                     (packing == Packing::kBlock ? " block" : " interleaved"));
+        Problem pr;
+        build_problem(SpCase{packing, seq_len, timesteps, batch, hidden, DType::kBF16, DType::kF32}, &pr);
+        std::vector<RankResult> results(static_cast<std::size_t>(world));
+        std::vector<int64_t> broadcasts(world), gathers(world);
+        std::vector<std::size_t> broadcast_bytes(world), gathered_bytes(world);
+        DETDIT_ASSERT_OK(InProcessGroup::run(world, [&](Communicator& comm) {
+          CountingCommunicator counted(comm);
+          Status s = run_rank(counted, pr, &results[comm.rank()]);
+          broadcasts[comm.rank()] = counted.broadcasts;
+          broadcast_bytes[comm.rank()] = counted.broadcast_bytes;
+          gathers[comm.rank()] = counted.gathers;
+          gathered_bytes[comm.rank()] = counted.gathered_bytes;
+          return s;
+        }));
+        SpPlan sp;
+        DETDIT_ASSERT_OK(SpPlan::create(pr.plan, world, 0, &sp));
+        EXPECT_EQ(sp.chain_links(), batch * world);
+        const std::size_t row_block = [&] {  // the two row blocks (norm: x, grad, rstd; gate: grad, y), 256-aligned
+          auto aligned = [](std::size_t b) { return (b + 255) / 256 * 256; };
+          const std::size_t m = static_cast<std::size_t>(sp.max_send()), row = hidden * 2;
+          return 2 * aligned(m * row) + aligned(m * 4) + 2 * aligned(m * row);
+        }();
+        for (int r = 0; r < world; ++r) {
+          expect_equal_to_ws1(pr, results[r], r);
+          EXPECT_EQ(broadcasts[r], 2 * batch * world) << "rank " << r << ": one broadcast per link, norm and gate";
+          EXPECT_EQ(broadcast_bytes[r], static_cast<std::size_t>(batch * world) * per_link) << "rank " << r;
+          EXPECT_EQ(gathers[r], sp.max_send() > 0 ? 2 : 0) << "rank " << r << ": only the straddling rows";
+          EXPECT_EQ(gathered_bytes[r], sp.max_send() > 0 ? row_block : 0) << "rank " << r;
+        }
+      }
+    }
+  }
+}
+
 // rmsnorm backward over host rows x / rstd / grad with the problem's weight,
 // shift and scale and `plan`, into the table gradients (no dx).
 RmsnormBackwardParams host_norm_backward(const Problem& pr, const IndexPlan& plan, const HostTensor& x,

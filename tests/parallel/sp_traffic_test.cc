@@ -75,7 +75,7 @@ ReferenceTraffic reference_traffic(const IndexCase& c, int world) {
 }
 
 struct TrafficRow {
-  int64_t max_send = 0, total_sent = 0, max_chunks = 0, max_segments = 0;
+  int64_t max_send = 0, total_sent = 0, max_chunks = 0, max_segments = 0, links = 0, rows = 0;
   ReferenceTraffic reference;
 };
 
@@ -149,17 +149,22 @@ TrafficRow traffic(const IndexCase& c, int world) {
   row.max_send = sp.max_send();
   row.max_chunks = sp.max_chunks();
   row.max_segments = sp.max_segments();
+  row.links = sp.chain_links();
+  row.rows = c.num_rows();
   for (const SpPlan::RankTraffic& t : sp.traffic()) row.total_sent += t.send_rows;
   row.reference = reference_traffic(c, world);
   return row;
 }
 
-// Bytes each rank contributes to the two all-gathers of the modulated
-// rmsnorm backward (bf16, H = 5376): rows (x, grad: 2 bytes/elem; rstd 4
-// bytes) and partials (d_weight: H fp32 per chunk; [d_shift|d_scale]: 2H fp32
-// per segment).
+// Bytes per rank of the modulated rmsnorm backward (bf16, H = 5376): the
+// row all-gather (x, grad: 2 bytes/elem; rstd 4 bytes) and the fold chain
+// (one broadcast of the FP32 running sums, d_weight H + [d_shift|d_scale]
+// (R, 2H), per link), next to the partial all-gather the chain replaced
+// (d_weight: H fp32 per chunk; [d_shift|d_scale]: 2H fp32 per segment, padded
+// to the most any rank owns).
 double row_megabytes(int64_t rows) { return rows * (2.0 * kH3Hidden * 2 + 4) / 1e6; }
-double partial_megabytes(const TrafficRow& r) {
+double chain_megabytes(const TrafficRow& r) { return r.links * (1.0 + 2.0 * r.rows) * kH3Hidden * 4 / 1e6; }
+double gathered_partial_megabytes(const TrafficRow& r) {
   return (r.max_chunks * kH3Hidden * 4.0 + r.max_segments * 2.0 * kH3Hidden * 4) / 1e6;
 }
 double reference_partial_megabytes(const TrafficRow& r) {
@@ -170,18 +175,20 @@ void print_table(const char* title, const std::vector<int64_t>& seq_lens) {
   std::printf("\n%s (B = 2, T = 3, rmsnorm backward bytes at bf16 H = %lld)\n", title,
               static_cast<long long>(kH3Hidden));
   std::printf("| S | packing | world | max_send (rows/rank) | rows moved (all ranks) | reference max_send | "
-              "rows MB/rank | partials MB/rank | reference rows MB/rank | reference partials MB/rank |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+              "rows MB/rank | chain links | chain MB/rank | partial all-gather MB/rank (replaced) | "
+              "reference rows MB/rank | reference partials MB/rank |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int64_t seq_len : seq_lens) {
     for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
       const IndexCase c = testing::make_index_case(packing, seq_len, 3, 2);
       for (int world = 2; world <= 8; ++world) {
         const TrafficRow r = traffic(c, world);
         const char* name = packing == Packing::kBlock ? "block" : "interleaved";
-        std::printf("| %lld | %s | %d | %lld | %lld | %lld | %.2f | %.2f | %.2f | %.2f |\n",
+        std::printf("| %lld | %s | %d | %lld | %lld | %lld | %.2f | %lld | %.2f | %.2f | %.2f | %.2f |\n",
                     static_cast<long long>(seq_len), name, world, static_cast<long long>(r.max_send),
                     static_cast<long long>(r.total_sent), static_cast<long long>(r.reference.max_send),
-                    row_megabytes(r.max_send), partial_megabytes(r), row_megabytes(r.reference.max_send),
+                    row_megabytes(r.max_send), static_cast<long long>(r.links), chain_megabytes(r),
+                    gathered_partial_megabytes(r), row_megabytes(r.reference.max_send),
                     reference_partial_megabytes(r));
         ::testing::Test::RecordProperty(std::string("max_send_S") + std::to_string(seq_len) + "_" + name + "_sp" +
                                             std::to_string(world),

@@ -21,12 +21,14 @@ namespace detdit_torch {
 namespace {
 
 // Ranks over a torch.distributed group. The transport is a Python callable
-// gather(send, recv) that all-gathers the uint8 tensor `send` into `recv`
-// (world * send.numel() bytes, rank-ordered); it is the only thing that moves
-// bytes, and it never reduces. On top of it, as comm.h requires, every
-// all_gather first exchanges a fixed-size header {call number, bytes, dtype}
-// so that mismatched calls fail with the same ValueError on every rank, and
-// agree() exchanges each rank's validation Status.
+// move(send, recv, root=None): without root it all-gathers the uint8 tensor
+// `send` into `recv` (world * send.numel() bytes, rank-ordered); with root it
+// broadcasts rank root's `recv` into every rank's `recv` (send is recv). It is
+// the only thing that moves bytes, and it never reduces. On top of it, as
+// comm.h requires, every all_gather and broadcast first exchanges a
+// fixed-size header {call number, op, bytes, dtype, root} so that mismatched
+// calls fail with the same ValueError on every rank, and agree() exchanges
+// each rank's validation Status.
 class TorchDistCommunicator : public detdit::Communicator {
  public:
   TorchDistCommunicator(PyObject* gather, int rank, int world, detdit::Device device)
@@ -47,22 +49,19 @@ class TorchDistCommunicator : public detdit::Communicator {
   const char* backend_id() const override { return "torch.distributed"; }
 
   Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, detdit::Stream) override {
-    const Header mine{call_++, static_cast<int64_t>(bytes), static_cast<int64_t>(dtype)};
-    std::vector<Header> all(static_cast<std::size_t>(world_));
-    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Header), all.data(), /*host=*/true));
-    for (int r = 0; r < world_; ++r) {
-      const Header& h = all[static_cast<std::size_t>(r)];
-      if (h.call != all[0].call || h.bytes != all[0].bytes || h.dtype != all[0].dtype)
-        return Status::value_error("mismatched all_gather calls across ranks: rank 0 sent call " +
-                                   std::to_string(all[0].call) + " with " + std::to_string(all[0].bytes) + " bytes of " +
-                                   detdit::dtype_name(static_cast<DType>(all[0].dtype)) + ", rank " + std::to_string(r) +
-                                   " call " + std::to_string(h.call) + " with " + std::to_string(h.bytes) + " bytes of " +
-                                   detdit::dtype_name(static_cast<DType>(h.dtype)));
-    }
-    if (bytes % detdit::dtype_size(dtype) != 0)
-      return Status::value_error("all_gather of " + std::to_string(bytes) + " bytes is not a whole number of " +
-                                 detdit::dtype_name(dtype) + " elements");
-    return transport(send, bytes, recv, device_.kind == detdit::DeviceKind::kCpu);
+    DETDIT_RETURN_IF_ERROR(check_call(kAllGather, bytes, dtype, 0, Status()));
+    return transport(send, bytes, recv, device_.kind == detdit::DeviceKind::kCpu, -1);
+  }
+
+  Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, detdit::Stream) override {
+    Status local;
+    if (root < 0 || root >= world_)
+      local = Status::value_error("broadcast root must be in [0, " + std::to_string(world_) + "), got " +
+                                  std::to_string(root));
+    else if (bytes > 0 && buffer == nullptr)
+      local = Status::value_error("broadcast buffer is null for " + std::to_string(bytes) + " bytes");
+    DETDIT_RETURN_IF_ERROR(check_call(kBroadcast, bytes, dtype, root, local));
+    return transport(buffer, bytes, buffer, device_.kind == detdit::DeviceKind::kCpu, root);
   }
 
   // Both forms of comm.h's validation handshake are defined without
@@ -76,7 +75,7 @@ class TorchDistCommunicator : public detdit::Communicator {
     std::strncpy(mine.message, local.message().c_str(), sizeof(mine.message) - 1);
     std::strncpy(mine.signature, signature.c_str(), sizeof(mine.signature) - 1);
     std::vector<Verdict> all(static_cast<std::size_t>(world_));
-    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Verdict), all.data(), /*host=*/true));
+    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Verdict), all.data(), /*host=*/true, -1));
     if (!local.ok()) return local;
     for (int r = 0; r < world_; ++r) {
       const Verdict& v = all[static_cast<std::size_t>(r)];
@@ -93,9 +92,44 @@ class TorchDistCommunicator : public detdit::Communicator {
   }
 
  private:
+  enum Op : int64_t { kAllGather = 1, kBroadcast = 3 };
   struct Header {
-    int64_t call, bytes, dtype;
+    int64_t call, op, bytes, dtype, root, local_error;
   };
+
+  // The header exchange: every rank gets the same verdict (a ValueError
+  // naming rank 0's call and the first different one, or naming the ranks
+  // whose `local` arguments were invalid: `local` itself on those), then the
+  // checks that depend only on agreed values.
+  Status check_call(Op op, std::size_t bytes, DType dtype, int root, const Status& local) {
+    const Header mine{call_++, op, static_cast<int64_t>(bytes), static_cast<int64_t>(dtype), root,
+                      local.ok() ? 0 : 1};
+    std::vector<Header> all(static_cast<std::size_t>(world_));
+    DETDIT_RETURN_IF_ERROR(transport(&mine, sizeof(Header), all.data(), /*host=*/true, -1));
+    auto describe = [](const Header& h) {
+      return "call " + std::to_string(h.call) + (h.op == kBroadcast ? " (broadcast from root " +
+                                                                          std::to_string(h.root) + ")"
+                                                                    : std::string(" (all_gather)")) +
+             " with " + std::to_string(h.bytes) + " bytes of " + detdit::dtype_name(static_cast<DType>(h.dtype));
+    };
+    for (int r = 0; r < world_; ++r) {
+      const Header& h = all[static_cast<std::size_t>(r)];
+      if (h.call != all[0].call || h.op != all[0].op || h.bytes != all[0].bytes || h.dtype != all[0].dtype ||
+          h.root != all[0].root)
+        return Status::value_error("mismatched collective calls across ranks: rank 0 sent " + describe(all[0]) +
+                                   ", rank " + std::to_string(r) + " " + describe(h));
+    }
+    if (!local.ok()) return local;
+    std::string bad;
+    for (int r = 0; r < world_; ++r)
+      if (all[static_cast<std::size_t>(r)].local_error) bad += (bad.empty() ? "" : ", ") + std::to_string(r);
+    if (!bad.empty())
+      return Status::value_error(describe(all[0]) + " had invalid arguments on rank(s) " + bad + "; nothing was moved");
+    if (bytes % detdit::dtype_size(dtype) != 0)
+      return Status::value_error("a collective of " + std::to_string(bytes) + " bytes is not a whole number of " +
+                                 detdit::dtype_name(dtype) + " elements");
+    return Status();
+  }
   struct Verdict {
     int32_t kind;
     uint64_t signature_hash;  // of the whole signature; the text below may be cut
@@ -103,22 +137,29 @@ class TorchDistCommunicator : public detdit::Communicator {
     char signature[512];
   };
 
-  // Calls gather(send, recv) under the GIL; a Python exception becomes a RuntimeError.
-  Status transport(const void* send, std::size_t bytes, void* recv, bool host) {
+  // Calls move(send, recv) (root < 0: all-gather; recv is world * bytes) or
+  // move(recv, recv, root) (broadcast; recv is bytes) under the GIL; a Python
+  // exception becomes a RuntimeError.
+  Status transport(const void* send, std::size_t bytes, void* recv, bool host, int root) {
     if (bytes == 0) return Status();
     const at::Device where = host ? at::Device(at::kCPU) : at::Device(at::kCUDA, device_.index);
     const auto options = at::TensorOptions().dtype(at::kByte).device(where);
+    const int64_t received = static_cast<int64_t>(bytes) * (root < 0 ? world_ : 1);
     Tensor send_t = at::from_blob(const_cast<void*>(send), {static_cast<int64_t>(bytes)}, options);
-    Tensor recv_t = at::from_blob(recv, {static_cast<int64_t>(bytes) * world_}, options);
+    Tensor recv_t = at::from_blob(recv, {received}, options);
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject* py_send = THPVariable_Wrap(send_t);
     PyObject* py_recv = THPVariable_Wrap(recv_t);
-    PyObject* result = PyObject_CallFunctionObjArgs(gather_, py_send, py_recv, nullptr);
+    PyObject* py_root = root < 0 ? nullptr : PyLong_FromLong(root);
+    PyObject* result = nullptr;
+    if (root < 0 || py_root != nullptr)
+      result = PyObject_CallFunctionObjArgs(gather_, py_send, py_recv, py_root, nullptr);
     Py_XDECREF(py_send);
     Py_XDECREF(py_recv);
+    Py_XDECREF(py_root);
     Status status;
     if (result == nullptr) {
-      std::string message = "the torch.distributed all-gather failed";
+      std::string message = root < 0 ? "the torch.distributed all-gather failed" : "the torch.distributed broadcast failed";
       PyObject *type, *value, *traceback;
       PyErr_Fetch(&type, &value, &traceback);
       if (value != nullptr) {
