@@ -196,13 +196,12 @@ def _timestep_mlp_backward(grad_temb, features, w1, w2, pre, hidden, numerics, o
             _maybe(output_mask[4], features, (_dim(w2, 0),), f32))
 
 
-def _adaln_projection_with(shards, temb, weight):
-    return (_empty(temb, (_dim(temb, 0), shards * _dim(weight, 0)), weight.dtype),
-            _empty(temb, _matrix(temb), weight.dtype))
+def _adaln_projection_with(columns, temb, weight):
+    return (_empty(temb, (_dim(temb, 0), columns), weight.dtype), _empty(temb, _matrix(temb), weight.dtype))
 
 
 def _adaln_projection(temb, weight, bias, numerics):
-    return _adaln_projection_with(1, temb, weight)
+    return _adaln_projection_with(_dim(weight, 0), temb, weight)
 
 
 def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask):
@@ -276,9 +275,10 @@ def _adaln_modulation_backward(grad, temb, weight, act, plan, numerics, output_m
     return _adaln_projection_backward(grad, temb, weight, act, numerics, output_mask)
 
 
-def _tp_adaln_projection(temb, weight, bias, comm, numerics):
+def _tp_adaln_projection(temb, weight, bias, comm, numerics, out_features=None):
     from .distributed import _world_of
-    return _adaln_projection_with(_world_of(comm), temb, weight)
+    columns = _world_of(comm) * _dim(weight, 0) if out_features is None else out_features
+    return _adaln_projection_with(columns, temb, weight)
 
 
 def _tp_adaln_projection_backward(grad_table, temb, weight, act, comm, numerics, output_mask):

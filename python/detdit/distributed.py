@@ -2,10 +2,11 @@
 
 Every rank's outputs and gradients are byte-equal to one process (docs/parallel.md):
 
-- ``tp_adaln_projection(temb, weight_shard, bias_shard, comm)``: rank r owns the output
-  columns ``[r*N/tp, (r+1)*N/tp)`` of the ``(T, N)`` table (those rows of the projection's
-  weight and bias; ``N/tp`` a multiple of 64). Every rank gets the full table; backward
-  gives the shard's ``dW``/``db`` and the full, replicated ``d_temb``.
+- ``tp_adaln_projection(temb, weight_shard, bias_shard, comm, out_features=N)``: rank r owns
+  whole 64-column chunks of the ``(T, N)`` table, ``C // tp`` of the ``C = ceil(N / 64)``
+  chunks plus one for each of the first ``C % tp`` ranks (``shard_rows(N, tp, r)``: those
+  rows of the projection's weight and bias). Every rank gets the full table; backward gives
+  the shard's ``dW``/``db`` and the full, replicated ``d_temb``.
 - ``SpRegion(plan, comm)``: rank r holds positions ``[r*S//sp, (r+1)*S//sp)`` of every batch
   item (``region.local_slice``); the plan (full ``(S,)`` index), the tables and the norm
   weight are replicated. ``region.rmsnorm``, ``region.gate_residual`` and the two fused,
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from . import _C, H3_NORM_EPS, _profile
 
-__all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection"]
+__all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection", "shard_rows"]
 
 _ops = torch.ops.detdit
 
@@ -91,10 +92,22 @@ class Communicator:
             _C._release_communicator(handle)
 
 
-def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable"):
-    """The ``(T, N)`` AdaLN table from this rank's ``(N/tp, D)`` weight rows and ``(N/tp,)``
-    bias (rank r: rows ``[r*N/tp, (r+1)*N/tp)``); byte-equal to ``detdit.adaln_projection``."""
-    return _ops.tp_adaln_projection.default(temb, weight_shard, bias_shard, comm.handle, _profile(numerics))[0]
+def shard_rows(out_features, world, rank):
+    """The ``slice`` of the ``out_features`` weight rows (table columns) that rank ``rank`` of
+    a ``world``-way tp_adaln_projection owns: whole 64-row chunks, ``C // world`` of the
+    ``C = ceil(out_features / 64)`` chunks and one more for each of the first ``C % world``
+    ranks; the last rank's last chunk may be short. ValueError when ``world`` exceeds ``C``."""
+    return slice(*_C._tp_column_shard(out_features, world, rank))
+
+
+def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable", out_features=None):
+    """The ``(T, N)`` AdaLN table from this rank's weight rows ``shard_rows(N, tp, rank)`` and
+    their bias; byte-equal to ``detdit.adaln_projection``. ``out_features`` is N; it may be left
+    out when every rank owns the same number of rows (N = tp * the shard's rows)."""
+    if out_features is not None and (isinstance(out_features, bool) or not isinstance(out_features, int)):
+        raise TypeError(f"tp_adaln_projection: out_features must be an int or None, got {type(out_features).__name__}")
+    return _ops.tp_adaln_projection.default(temb, weight_shard, bias_shard, comm.handle, _profile(numerics),
+                                            out_features)[0]
 
 
 class SpRegion:

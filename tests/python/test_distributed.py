@@ -195,6 +195,73 @@ def _sp_mismatch_checks(rank, world):
         out.backward(normal((batch, seq, hidden), 307, torch.bfloat16)[:, local].contiguous())
 
 
+def _tp_uneven_checks(rank, world):
+    """tp_adaln_projection at a world size that does not split N's 64-column chunks evenly
+    (N = 1152: 18 chunks; tp = 4 owns 5, 5, 4, 4) and at an N that is no multiple of 64
+    (N = 720: 12 chunks, the last one short): byte-equal to one process."""
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal
+
+    comm = detdit.distributed.Communicator()
+    for n, timesteps, dim in ((1152, 3, 16), (720, 2, 24)):
+        temb = normal((timesteps, dim), 340, scale=2.0)
+        w = normal((n, dim), 341, torch.bfloat16, scale=0.15)
+        b = normal((n,), 342, torch.bfloat16, scale=0.02)
+        g = normal((timesteps, n), 343, torch.bfloat16)
+        rows = detdit.distributed.shard_rows(n, world, rank)
+        leaves = [t.clone().requires_grad_(True) for t in (temb, w, b)]
+        ws1 = detdit.adaln_projection(*leaves)
+        ws1.backward(g)
+        shard = [temb.clone().requires_grad_(True), w[rows].clone().requires_grad_(True),
+                 b[rows].clone().requires_grad_(True)]
+        tp = detdit.distributed.tp_adaln_projection(*shard, comm, out_features=n)
+        tp.backward(g)
+        what = f"rank {rank}/{world}, N={n}, rows {rows.start}:{rows.stop}"
+        assert_bitwise_equal(tp, ws1, f"{what}: table")
+        assert_bitwise_equal(shard[0].grad, leaves[0].grad, f"{what}: d_temb")
+        assert_bitwise_equal(shard[1].grad, leaves[1].grad[rows], f"{what}: d_weight shard")
+        assert_bitwise_equal(shard[2].grad, leaves[2].grad[rows], f"{what}: d_bias shard")
+    # a shard that is not this rank's share of out_features fails on every rank, sized from nothing
+    with pytest.raises(ValueError, match="shard of the out_features"):
+        detdit.distributed.tp_adaln_projection(temb, w[:64], b[:64], comm, out_features=2**40)
+
+
+def _local_error_checks(rank, world):
+    """A binding check that fails on one rank only (a non-contiguous input, found before
+    anything is allocated): every rank raises, the others naming that rank; none waits."""
+    import detdit
+    import detdit.distributed
+    from conftest import normal, packing
+
+    comm = detdit.distributed.Communicator()
+    n, dim = 18 * 64, 16
+    temb = normal((2, dim), 350, scale=2.0)
+    w, b = normal((n, dim), 351, torch.bfloat16, scale=0.15), normal((n,), 352, torch.bfloat16)
+    rows = detdit.distributed.shard_rows(n, world, rank)
+    bad_temb = normal((dim, 2), 353).t() if rank == 1 else temb  # (2, dim), not contiguous
+    with pytest.raises(ValueError, match="temb must be contiguous" if rank == 1 else "rank 1 failed"):
+        detdit.distributed.tp_adaln_projection(bad_temb, w[rows], b[rows], comm)
+
+    batch, seq, timesteps, hidden = 2, 300, 2, 64
+    ti, tags = packing(seq, timesteps, 354)
+    region = detdit.distributed.SpRegion(detdit.plan(ti, tags, timesteps, batch), comm)
+    local = region.local_slice
+    x = normal((batch, seq, hidden), 355, torch.bfloat16)[:, local].contiguous()
+    weight = (1 + normal((hidden,), 356, scale=0.05)).bfloat16()
+    shift = normal((3 * timesteps, hidden), 357, torch.bfloat16, scale=0.3)
+    scale = normal((3 * timesteps, hidden), 358, torch.bfloat16, scale=0.3)
+    _, rstd = torch.ops.detdit.sp_rmsnorm.default(x, weight, shift, scale, region.sp, comm.handle, 1e-5, "portable")
+    grad = normal((batch, hidden, x.shape[1]), 359, torch.bfloat16).transpose(1, 2)  # not contiguous
+    grad = grad if rank == 1 else grad.contiguous()
+    with pytest.raises(ValueError, match="grad must be contiguous" if rank == 1 else "rank 1 failed"):
+        torch.ops.detdit.sp_rmsnorm_backward.default(grad, x, weight, shift, scale, region.sp, rstd, comm.handle,
+                                                     1e-5, "portable")
+    # and the communicator still works afterwards, on every rank
+    table = detdit.distributed.tp_adaln_projection(temb, w[rows], b[rows], comm)
+    assert torch.equal(table.view(torch.int16), detdit.adaln_projection(temb, w, b).view(torch.int16))
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
@@ -207,6 +274,10 @@ def _worker(rank, world, init_file, checks):
         _tp_checks(rank, world, 4, 64)  # N/tp = 1152, 768, 576: whole 64-row chunks
     if "tp_unaligned" in checks:
         _tp_checks(rank, world, 3, 40)
+    if "tp_uneven" in checks:
+        _tp_uneven_checks(rank, world)
+    if "local_error" in checks:
+        _local_error_checks(rank, world)
     dist.destroy_process_group()
 
 
@@ -233,3 +304,12 @@ def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):
 # bytes; heap corruption, glibc aborted). The case above is 256-byte aligned.
 def test_tp_adaln_projection_unaligned_partials(tmp_path):
     _spawn(_worker, 2, tmp_path, ("tp_unaligned",))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_tp_adaln_projection_uneven_split_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("tp_uneven",))
+
+
+def test_a_binding_check_failing_on_one_rank_fails_every_rank(tmp_path):
+    _spawn(_worker, 2, tmp_path, ("local_error",))

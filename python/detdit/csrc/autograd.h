@@ -328,9 +328,9 @@ struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFuncti
 
 struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                               int64_t comm, const std::string& numerics) {
+                               int64_t comm, const std::string& numerics, Optional<int64_t> out_features) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [table, act] = DETDIT_OP(tp_adaln_projection)(temb, weight, bias, comm, numerics);
+    auto [table, act] = DETDIT_OP(tp_adaln_projection)(temb, weight, bias, comm, numerics, out_features);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["numerics"] = numerics;
@@ -344,7 +344,7 @@ struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFu
     auto [d_temb, d_weight, d_bias] = DETDIT_OP(tp_adaln_projection_backward)(
         contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["comm"].toInt(),
         ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
-    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor()};
   }
 };
 

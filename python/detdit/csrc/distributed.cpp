@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -198,6 +199,56 @@ std::shared_ptr<detdit::Communicator> communicator(int64_t handle) {
   return found->second;
 }
 
+// The Status of an error the binding raised itself.
+Status status_of(const c10::Error& e) {
+  const std::string message = e.what_without_backtrace();
+  if (dynamic_cast<const c10::TypeError*>(&e)) return Status::type_error(message);
+  if (dynamic_cast<const c10::ValueError*>(&e)) return Status::value_error(message);
+  if (dynamic_cast<const c10::IndexError*>(&e)) return Status::index_error(message);
+  return Status::runtime_error(message);
+}
+
+// The binding's own work before a collective op reaches the library (the
+// checks that size its outputs, their allocation) can fail on one rank alone
+// while the others already wait in the library's first collective, its
+// agreement on every rank's validation (comm.h). So a collective op runs
+// through on_every_rank, its library call setting *entered first: a failure
+// before that joins the agreement with its error (the other ranks then raise
+// "rank r failed: ..." of the same kind instead of waiting) and is raised
+// here; once the library is entered, its agreement has decided and errors
+// pass as they are.
+template <typename Op>
+auto on_every_rank(detdit::Communicator& group, Op&& op) -> decltype(op(static_cast<bool*>(nullptr))) {
+  bool entered = false;
+  try {
+    return op(&entered);
+  } catch (const c10::Error& e) {
+    if (!entered) group.agree(status_of(e), std::string());
+    throw;
+  } catch (const std::bad_alloc&) {
+    if (!entered) group.agree(Status::runtime_error("out of memory before the collective call"), std::string());
+    throw;
+  }
+}
+
+// The full table's width: out_features, checked against this rank's shard
+// before anything is sized from it, or world * the shard's rows (an even split).
+int64_t tp_columns(const detdit::Communicator& group, const Tensor& weight, Optional<int64_t> out_features) {
+  const int64_t rows = dim_or_zero(weight, 0);
+  if (!out_features.has_value()) return group.world_size() * rows;
+  const int64_t columns = *out_features;
+  int64_t begin = 0, end = 0;
+  const Status split = detdit::tp_column_shard(columns, group.world_size(), group.rank(), &begin, &end);
+  if (!split.ok()) C10_THROW_ERROR(ValueError, "out_features: " + split.message());
+  if (end - begin != rows)
+    C10_THROW_ERROR(ValueError, "weight must be rank " + std::to_string(group.rank()) + "'s (" +
+                                    std::to_string(end - begin) + ", D) shard of the out_features=" +
+                                    std::to_string(columns) + " columns split over tp=" +
+                                    std::to_string(group.world_size()) + " (rows [" + std::to_string(begin) +
+                                    ", " + std::to_string(end) + ")), got " + std::to_string(rows) + " rows");
+  return columns;
+}
+
 }  // namespace
 
 SpPlanHolder::SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)), id_(new_plan_id()) {}
@@ -227,12 +278,16 @@ SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
 // tp_adaln_projection
 
 std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                               int64_t comm, const std::string& numerics) {
+                                               int64_t comm, const std::string& numerics,
+                                               Optional<int64_t> out_features) {
   auto group = communicator(comm);
-  auto call = [&](const detdit::AdalnProjectionParams& p, detdit::Stream stream) {
-    return detdit::tp_adaln_projection_forward(*group, p, stream);
-  };
-  return adaln_projection_with(call, group->world_size(), temb, weight, bias, numerics);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::AdalnProjectionParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::tp_adaln_projection_forward(*group, p, stream);
+    };
+    return adaln_projection_with(call, tp_columns(*group, weight, out_features), temb, weight, bias, numerics);
+  });
 }
 
 std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
@@ -240,13 +295,16 @@ std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& gr
                                                                 int64_t comm, const std::string& numerics,
                                                                 std::array<bool, 3> output_mask) {
   auto group = communicator(comm);
-  auto call = [&](const detdit::AdalnProjectionBackwardParams& p, detdit::Stream stream) {
-    return detdit::tp_adaln_projection_backward(*group, p, stream);
-  };
-  // every rank takes part in the collectives, so d_temb is always computed
-  auto [d_temb, d_weight, d_bias] = adaln_projection_backward_with(call, grad_table, temb, weight, act, numerics,
-                                                                   {true, output_mask[1], output_mask[2]});
-  return {output_mask[0] ? d_temb : Tensor(), d_weight, d_bias};
+  return on_every_rank(*group, [&](bool* entered) -> std::tuple<Tensor, Tensor, Tensor> {
+    auto call = [&](const detdit::AdalnProjectionBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::tp_adaln_projection_backward(*group, p, stream);
+    };
+    // every rank takes part in the collectives, so d_temb is always computed
+    auto [d_temb, d_weight, d_bias] = adaln_projection_backward_with(call, grad_table, temb, weight, act, numerics,
+                                                                     {true, output_mask[1], output_mask[2]});
+    return {output_mask[0] ? d_temb : Tensor(), d_weight, d_bias};
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -267,11 +325,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& gra
                                                                const Tensor& rstd, int64_t comm, double eps,
                                                                const std::string& numerics) {
   auto group = communicator(comm);
-  auto call = [&](const detdit::RmsnormBackwardParams& p, detdit::Stream stream) {
-    return detdit::sp_rmsnorm_backward(*group, sp->sp, p, stream);
-  };
-  return rmsnorm_backward_with(call, grad, x, weight, shift, scale, sp->sp.global_plan(), rstd, eps, numerics,
-                               {true, true, true, true});
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::RmsnormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_rmsnorm_backward(*group, sp->sp, p, stream);
+    };
+    return rmsnorm_backward_with(call, grad, x, weight, shift, scale, sp->sp.global_plan(), rstd, eps, numerics,
+                                 {true, true, true, true});
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -287,10 +348,13 @@ Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& g
 std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
                                                              const SpPlanPtr& sp, int64_t comm) {
   auto group = communicator(comm);
-  auto call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
-    return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
-  };
-  return gate_residual_backward_with(call, grad, y, gate, sp->sp.global_plan(), {true, true, true});
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    return gate_residual_backward_with(call, grad, y, gate, sp->sp.global_plan(), {true, true, true});
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -313,15 +377,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
     int64_t comm, double eps, const std::string& numerics) {
   auto group = communicator(comm);
-  auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
-    return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
-  };
-  auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
-    return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
-  };
-  return gate_residual_rmsnorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
-                                             sp->sp.global_plan(), h, rstd, eps, numerics,
-                                             {true, true, true, true, true, true});
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
+    };
+    auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    return gate_residual_rmsnorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
+                                               sp->sp.global_plan(), h, rstd, eps, numerics,
+                                               {true, true, true, true, true, true});
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -395,6 +463,20 @@ PyObject* release_communicator(PyObject*, PyObject* args) {
     }
   }
   Py_RETURN_NONE;
+}
+
+// Python: _C._tp_column_shard(columns, world, rank) -> (begin, end), detdit::tp_column_shard.
+PyObject* tp_column_shard(PyObject*, PyObject* args) {
+  long long columns;
+  int world, rank;
+  if (!PyArg_ParseTuple(args, "Lii", &columns, &world, &rank)) return nullptr;
+  int64_t begin = 0, end = 0;
+  const Status status = detdit::tp_column_shard(columns, world, rank, &begin, &end);
+  if (!status.ok()) {
+    PyErr_SetString(PyExc_ValueError, status.message().c_str());
+    return nullptr;
+  }
+  return Py_BuildValue("(LL)", static_cast<long long>(begin), static_cast<long long>(end));
 }
 
 }  // namespace detdit_torch

@@ -55,9 +55,13 @@ using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;
 SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank);
 
 // tp_adaln_projection: (table (T, N) full, act (T, D)); weight/bias are this
-// rank's shard. Backward: (d_temb fp32 replicated, d_weight, d_bias of the shard).
+// rank's shard, rows [begin, end) of tp_column_shard(N, world, rank)
+// (detdit/parallel.h). N = out_features, or world * the shard's rows when
+// absent (an even split). Backward: (d_temb fp32 replicated, d_weight, d_bias
+// of the shard).
 std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                               int64_t comm, const std::string& numerics);
+                                               int64_t comm, const std::string& numerics,
+                                               Optional<int64_t> out_features);
 std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                                 const Tensor& weight, const Tensor& act,
                                                                 int64_t comm, const std::string& numerics,
@@ -101,5 +105,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
 PyObject* register_communicator(PyObject*, PyObject* args);
 // Python: _C._release_communicator(handle). Ops that captured it keep it alive.
 PyObject* release_communicator(PyObject*, PyObject* args);
+// Python: _C._tp_column_shard(columns, world, rank) -> (begin, end): the
+// columns rank owns in a world-way tp_adaln_projection (detdit/parallel.h).
+PyObject* tp_column_shard(PyObject*, PyObject* args);
 
 }  // namespace detdit_torch

@@ -201,14 +201,13 @@ detdit::AdalnProjectionInputs adaln_projection_inputs(const Tensor& temb, const 
 }
 }  // namespace
 
-std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t shards,
+std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                  const std::string& numerics) {
   require_contiguous(temb, "temb");
   require_contiguous(weight, "weight");
   DeviceScope scope(temb);
-  Tensor table =
-      empty_like_shape(temb, {dim_or_zero(temb, 0), shards * dim_or_zero(weight, 0)}, weight.scalar_type());
+  Tensor table = empty_like_shape(temb, {dim_or_zero(temb, 0), columns}, weight.scalar_type());
   Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
   detdit::AdalnProjectionParams p;
   p.in = adaln_projection_inputs(temb, weight, bias, numerics);
@@ -240,7 +239,7 @@ std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
 
 std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                             const std::string& numerics) {
-  return adaln_projection_with(detdit::adaln_projection_forward, 1, temb, weight, bias, numerics);
+  return adaln_projection_with(detdit::adaln_projection_forward, dim_or_zero(weight, 0), temb, weight, bias, numerics);
 }
 
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,

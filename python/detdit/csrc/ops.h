@@ -58,11 +58,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask);
 
-// adaln_projection: (table (T, shards * N), act (T, D)) in weight's dtype, for
-// an (N, D) weight: tp's table holds every rank's shard (shards = the world
-// size), else shards = 1. Backward: (d_temb fp32, d_weight, d_bias in
-// weight's dtype).
-std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t shards,
+// adaln_projection: (table (T, columns), act (T, D)) in weight's dtype, for
+// an (N, D) weight: columns = N, or for tp the full table's width, every
+// rank's shard. Backward: (d_temb fp32, d_weight, d_bias in weight's dtype).
+std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                  const std::string& numerics);
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(

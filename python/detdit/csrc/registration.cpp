@@ -187,7 +187,8 @@ TORCH_LIBRARY(detdit, m) {
   // detdit.distributed: `comm` is a handle from _C._register_communicator.
   m.def("sp_plan(" DETDIT_PLAN " plan, int world, int rank) -> " DETDIT_SP_PLAN, &make_sp_plan);
   def_op<TpAdalnProjectionFunction>(
-      m, "tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics) -> (Tensor, Tensor)",
+      m, "tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics, "
+      "int? out_features=None) -> (Tensor, Tensor)",
       &tp_adaln_projection,
       "tp_adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, int comm, "
       "str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
@@ -223,6 +224,8 @@ static PyMethodDef detdit_methods[] = {
     {"_register_communicator", detdit_torch::register_communicator, METH_VARARGS,
      "_register_communicator(gather, rank, world, device) -> handle"},
     {"_release_communicator", detdit_torch::release_communicator, METH_VARARGS, "_release_communicator(handle)"},
+    {"_tp_column_shard", detdit_torch::tp_column_shard, METH_VARARGS,
+     "_tp_column_shard(columns, world, rank) -> (begin, end)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMODINIT_FUNC PyInit__C(void) {
