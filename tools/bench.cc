@@ -183,7 +183,7 @@ int run_bench(int argc, char** argv) {
   args.flag("--quick", "fewer repeats, smaller copy baseline");
   args.option("--comm", "inprocess|mpi",
               "parallel ops (sp_region, tp_adaln_projection): in-process ranks on one device (a simulation),\n"
-              "                        or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
+              "or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
               "inprocess");
   args.flag("--list", "list the registered cases and exit");
   int code = parse_or_exit_code(&args, argc, argv, 1);

@@ -179,7 +179,7 @@ int run_verify(int argc, char** argv) {
   args.option("--ops", "LIST", "comma-separated ops to run (e.g. rmsnorm,gate_residual)", "all");
   args.option("--comm", "inprocess|mpi",
               "parallel ranks as threads of this process, or one per process under mpirun (then only the\n"
-              "                        sp_region and tp_adaln_projection cases run; NCCL on --device cuda)",
+              "sp_region and tp_adaln_projection cases run; NCCL on --device cuda)",
               "inprocess");
   args.option("--out", "FILE", "write the JSON report here");
   args.option("--figure", "FILE", "write the SVG figure here (as detdit report does)");
