@@ -4,8 +4,6 @@
 // errors (bad options, unreadable weights).
 #include "verify.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -17,6 +15,7 @@
 #include "io/files.h"
 #include "io/manifest.h"
 #include "parallel_common.h"
+#include "progress.h"
 
 namespace detdit {
 namespace cli {
@@ -249,7 +248,6 @@ int run_verify(int argc, char** argv) {
     }
   }
 
-  const bool terminal = leader && ::isatty(STDERR_FILENO) != 0;
   Weights weights;
   // The leader's destinations first: one that is not a regular file (a FIFO
   // would block the write) is refused before the run, not after it. Then
@@ -287,12 +285,10 @@ int run_verify(int argc, char** argv) {
   }
   std::vector<CaseResult> results;
   const double start = now_seconds();
-  for (std::size_t i = 0; i < selected.size(); ++i) {
-    const VerifyCase* c = selected[i];
-    if (terminal) {
-      std::fprintf(stderr, "\r\033[K[%zu/%zu] %s / %s ...", i + 1, selected.size(), c->op, c->name);
-      std::fflush(stderr);
-    }
+  Progress progress("detdit verify", selected.size(), leader);
+  for (const VerifyCase* c : selected) {
+    const std::string name = std::string(c->op) + " / " + c->name;
+    progress.started(name);
     CaseResult r;
     r.c = c;
     const double t0 = now_seconds();
@@ -322,9 +318,16 @@ int run_verify(int argc, char** argv) {
       }
       r.seconds = r.rows.empty() ? r.seconds : std::max(r.seconds, r.rows.front().seconds);
     }
+    int64_t case_checks = 0, case_passed = 0;
+    for (const CheckRow& row : r.rows) {
+      case_checks += row.informational ? 0 : 1;
+      case_passed += !row.informational && row.pass ? 1 : 0;
+    }
+    progress.finished(name, std::to_string(case_passed) + "/" + std::to_string(case_checks) + " checks " +
+                                (case_passed == case_checks ? "ok" : "FAIL"));
     results.push_back(std::move(r));
   }
-  if (terminal) std::fprintf(stderr, "\r\033[K");
+  progress.clear();
   const double total_seconds = now_seconds() - start;
 
   int64_t checks = 0, passed = 0;
