@@ -343,8 +343,7 @@ int run_bench(int argc, char** argv) {
     nlohmann::ordered_json out;
     out["kind"] = "detdit_bench_report";
     out["format_version"] = 2;
-    out["git"] = {{"commit", env.commit}, {"dirty", env.dirty}};
-    out["environment"] = {{"device", env.device_name}, {"compiler", env.compiler}, {"cuda_runtime", env.cuda_runtime}};
+    record_environment(env, &out);
     out["options"] = {{"repeats", repeats}, {"warmup", warmup}, {"quick", quick}, {"seed", seed}};
     out["copy_gbps"] = copy_bandwidth / 1e9;
     out["cases"] = nlohmann::ordered_json::array();

@@ -87,19 +87,37 @@ class Svg {
 
 double number(const Json& v, double fallback = NAN) { return v.is_number() ? v.get<double>() : fallback; }
 
-}  // namespace
-
-Status write_report_svg(const Json& report, const std::string& path) {
-  if (!report.is_object() || !report.contains("cases") || !report["cases"].is_array()) {
-    return Status::value_error(path + ": the report has no \"cases\" list (is it a detdit verify report?)");
+// What the figure needs of a report; the messages are about the report (the
+// caller names it), never about the figure's path.
+Status check_drawable(const Json& report) {
+  if (!report.is_object()) return Status::value_error("the report is not a JSON object");
+  const Json kind = report.value("kind", Json());
+  if (!kind.is_string() || (kind != "detdit_verify_report" && kind != "detdit_torch_compare")) {
+    const std::string got = kind.is_null() ? "no \"kind\"" : "kind " + kind.dump();
+    const std::string hint = kind == "detdit_bench_report" ? ": a detdit bench report, which has no checks to draw" : "";
+    return Status::value_error("expected a detdit verify report (kind \"detdit_verify_report\", written by "
+                               "detdit verify --out) or a torch comparison (\"detdit_torch_compare\"), got " +
+                               got + hint);
+  }
+  if (!report.contains("cases") || !report["cases"].is_array()) {
+    return Status::value_error("the report has no \"cases\" list");
   }
   const Json& cases = report["cases"];
   for (const Json& c : cases) {
     if (!c.is_object() || !c.contains("checks") || !c["checks"].is_array() || !c.value("op", Json()).is_string() ||
         !c.value("case", Json()).is_string()) {
-      return Status::value_error(path + ": a case lacks op, case or a checks list");
+      return Status::value_error("a case of the report lacks op, case or a checks list");
     }
   }
+  return Status::ok_status();
+}
+
+}  // namespace
+
+Status write_report_svg(const Json& report, const std::string& path) {
+  Status drawable = check_drawable(report);
+  if (!drawable.ok()) return Status::value_error("the report to draw as " + path + ": " + drawable.message());
+  const Json& cases = report["cases"];
   const double row_height = 24, top = 60;
   Svg svg;
   double y = top;
@@ -255,7 +273,11 @@ int run_report(int argc, char** argv) {
     std::fprintf(stderr, "detdit: %s: not valid JSON: %s\n", in_path.c_str(), e.what());
     return 2;
   }
-  Status status;
+  Status status = check_drawable(report);
+  if (!status.ok()) {
+    std::fprintf(stderr, "detdit: %s: %s\n", in_path.c_str(), status.to_string().c_str());
+    return 2;
+  }
   try {
     status = write_report_svg(report, out_path);
   } catch (const Json::exception& e) {

@@ -396,15 +396,13 @@ int run_verify(int argc, char** argv) {
   const Environment env = collect_environment(device);
   Json report;
   report["kind"] = "detdit_verify_report";
-  report["format_version"] = 1;
+  // 2: "git" is the commit built (no run-time "build_commit"), "detdit_version" added.
+  report["format_version"] = 2;
   report["verdict"] = pass ? "PASS" : "FAIL";
   report["checks_total"] = checks;
   report["checks_passed"] = passed;
   report["seconds"] = total_seconds;
-  report["git"] = {{"commit", env.commit}, {"dirty", env.dirty}, {"build_commit", env.build_commit}};
-  report["environment"] = {{"device", env.device_name},     {"compiler", env.compiler},
-                           {"cuda_runtime", env.cuda_runtime}, {"cuda_driver", env.cuda_driver},
-                           {"host", env.host}};
+  record_environment(env, &report);
   report["options"] = {{"quick", context.quick},
                        {"device", device.to_string()},
                        {"weights", args.get("--weights", "synthetic default")},
