@@ -83,7 +83,10 @@ void Args::option(const std::string& name, const std::string& value_name, const 
     opt->disable_flag_override();
     parser_->flags.insert(name);
   } else {
-    opt = parser_->app.add_option(name, parser_->values[name], text)->type_name(value_name);
+    // Twice is refused after parsing (parse()), with its own message.
+    opt = parser_->app.add_option(name, parser_->values[name], text)
+              ->type_name(value_name)
+              ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     // An empty value is a mistake (an unset shell variable), never "the
     // default": --weights "" used to run on the synthetic default.
     opt->check(CLI::Validator(
