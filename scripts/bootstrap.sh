@@ -15,7 +15,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-packages=(cmake ninja-build g++ git libgtest-dev nlohmann-json3-dev libssl-dev libopenmpi-dev openmpi-bin)
+packages=(cmake ninja-build g++ git libgtest-dev nlohmann-json3-dev libcli11-dev libssl-dev libopenmpi-dev openmpi-bin)
 # the PyTorch extension (python/, built against Debian's CPU torch) and its pytest suite;
 # venv and wheel for the documented pip install, which tests/docs runs
 packages+=(python3-torch libtorch-dev python3-dev python3-setuptools python3-pytest python3-venv python3-wheel)

@@ -9,7 +9,29 @@ cd "$root"
 # have configured the build directory without it on a machine without a GPU.
 DETDIT_CMAKE_ARGS="-DDETDIT_ENABLE_CUDA=ON ${DETDIT_CMAKE_ARGS:-}" bash scripts/bootstrap.sh
 build_dir="${DETDIT_BUILD_DIR:-build}"
+
+# ctest lists a skipped test as "***Skipped" without the reason; GoogleTest's
+# output in ctest's log has it (the lines after "file:line: Skipped").
+# Prints one line per skipped test of the last ctest run in build directory $1.
+print_skip_reasons() {
+  local log="$1/Testing/Temporary/LastTest.log"
+  [ -f "$log" ] || return 0
+  awk '
+    / Testing: / { name = $0; sub(/^[0-9]+\/[0-9]+ Testing: /, "", name); reading = 0; reason = "" }
+    reading && /^\[  SKIPPED \]/ { reading = 0; skipped[name] = reason }
+    reading { line = $0; gsub(/^[ \t]+|[ \t]+$/, "", line); if (line != "") reason = reason (reason == "" ? "" : " ") line; next }
+    /: Skipped$/ { reading = 1; reason = "" }
+    END {
+      n = 0
+      for (t in skipped) order[++n] = t
+      for (i = 2; i <= n; i++) { t = order[i]; for (j = i - 1; j >= 1 && order[j] > t; j--) order[j + 1] = order[j]; order[j + 1] = t }
+      if (n > 0) printf "detdit: %d tests skipped (reasons from their output):\n", n
+      for (i = 1; i <= n; i++) printf "  %s: %s\n", order[i], skipped[order[i]] == "" ? "(no reason given)" : skipped[order[i]]
+    }' "$log"
+}
+
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" --timeout 1200
+print_skip_reasons "$build_dir"
 
 # ---- Python: the PyTorch extension (python/, docs/python.md) ----------------
 # Builds detdit._C with /usr/bin/python3 and Debian's python3-torch (installed by
@@ -49,6 +71,7 @@ if nm --defined-only "$abi_dir/libdetdit.a" | grep -q cxx11; then
 fi
 echo "detdit: the cpu suite built with the pre-C++11 ABI ($abi_dir)"
 ctest --test-dir "$abi_dir" -L cpu --output-on-failure -j "$(nproc)" --timeout 1200
+print_skip_reasons "$abi_dir"
 # setup.py refuses to link that library into this torch (new ABI), naming the mismatch.
 if DETDIT_BUILD_DIR="$abi_dir" /usr/bin/python3 python/setup.py -q build_ext --inplace >"$abi_dir/setup.log" 2>&1 ||
    ! grep -q "uses the pre-C++11 libstdc++ ABI but this torch" "$abi_dir/setup.log"; then
@@ -76,6 +99,8 @@ cmake --build "$asan_dir" -j "$(nproc)"
 echo "detdit: the cpu and parallel suites under AddressSanitizer + UndefinedBehaviorSanitizer ($asan_dir)"
 export UBSAN_OPTIONS="print_stacktrace=1" LSAN_OPTIONS="suppressions=$root/tests/sanitizer/lsan.supp"
 ctest --test-dir "$asan_dir" -L 'cpu|parallel' -E Mpi --output-on-failure -j "$(nproc)" --timeout 1200
+print_skip_reasons "$asan_dir"
 ASAN_OPTIONS="fast_unwind_on_malloc=0" \
   ctest --test-dir "$asan_dir" -L 'cpu|parallel' -R Mpi --output-on-failure -j "$(nproc)" --timeout 1200
+print_skip_reasons "$asan_dir"
 echo "detdit: sanitizer job passed in $((SECONDS - sanitizer_start)) s"

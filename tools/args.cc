@@ -1,163 +1,45 @@
+// Args on CLI11 (Debian libcli11-dev, header-only). CLI11 splits the command
+// line ("--out DIR", "--out=DIR", positionals, unknown options, --help); the
+// rules of detdit's command lines are added here: values are kept as text
+// and read by get_int/get_uint64 (decimal digits only, CLI11's number
+// conversion takes " 5" and "+5"), an empty value is refused, and no option
+// may be given twice (CLI11 would keep the last).
 #include "args.h"
 
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <sstream>
+#include <vector>
 
 namespace detdit {
 namespace cli {
 
-Args::Args(std::string usage, std::string summary) : usage_(std::move(usage)), summary_(std::move(summary)) {}
-
-void Args::option(const std::string& name, const std::string& value_name, const std::string& help,
-                  const std::string& default_text) {
-  Spec s;
-  s.name = name;
-  s.value_name = value_name;
-  s.help = help;
-  s.default_text = default_text;
-  specs_.push_back(s);
-}
-
-void Args::positional(const std::string& name, const std::string& help, bool required) {
-  Spec s;
-  s.name = name;
-  s.help = help;
-  s.positional = true;
-  s.required = required;
-  specs_.push_back(s);
-}
-
-Args::Spec* Args::find(const std::string& name) {
-  for (Spec& s : specs_) {
-    if (s.name == name) return &s;
-  }
-  return nullptr;
-}
-
-const Args::Spec* Args::find(const std::string& name) const {
-  for (const Spec& s : specs_) {
-    if (s.name == name) return &s;
-  }
-  return nullptr;
-}
-
-bool Args::parse(int argc, char** argv, int first) {
-  for (int i = first; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      help_ = true;
-      return false;
-    }
-    if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
-      std::string name = arg, value;
-      bool inline_value = false;
-      std::size_t eq = arg.find('=');
-      if (eq != std::string::npos) {
-        name = arg.substr(0, eq);
-        value = arg.substr(eq + 1);
-        inline_value = true;
-      }
-      Spec* s = find(name);
-      if (s == nullptr || s->positional) {
-        error_ = "unknown option " + name;
-        return false;
-      }
-      if (s->given) {
-        error_ = "option " + name + " given twice";
-        return false;
-      }
-      if (s->value_name.empty()) {
-        if (inline_value) {
-          error_ = "option " + name + " takes no value";
-          return false;
-        }
-      } else {
-        if (!inline_value) {
-          if (i + 1 >= argc) {
-            error_ = "option " + name + " needs a value " + s->value_name;
-            return false;
-          }
-          value = argv[++i];
-        }
-        // An empty value is a mistake (an unset shell variable), never "the
-        // default": --weights "" used to run on the synthetic default.
-        if (value.empty()) {
-          error_ = "option " + name + " needs a non-empty value " + s->value_name + ", got ''";
-          return false;
-        }
-      }
-      s->given = true;
-      s->value = value;
-      continue;
-    }
-    Spec* next = nullptr;
-    for (Spec& s : specs_) {
-      if (s.positional && !s.given) {
-        next = &s;
-        break;
-      }
-    }
-    if (next == nullptr) {
-      error_ = "unexpected argument '" + arg + "'";
-      return false;
-    }
-    next->given = true;
-    next->value = arg;
-  }
-  for (const Spec& s : specs_) {
-    if (s.positional && s.required && !s.given) {
-      error_ = "missing argument " + s.name;
-      return false;
-    }
-  }
-  return true;
-}
-
-std::string Args::help_text() const {
-  std::string text = "usage: " + usage_ + "\n\n" + summary_ + "\n";
-  bool any_positional = false;
-  for (const Spec& s : specs_) any_positional = any_positional || s.positional;
-  if (any_positional) {
-    text += "\narguments:\n";
-    for (const Spec& s : specs_) {
-      if (s.positional) text += "  " + s.name + std::string(s.name.size() < 22 ? 22 - s.name.size() : 1, ' ') + s.help + "\n";
-    }
-  }
-  text += "\noptions:\n";
-  for (const Spec& s : specs_) {
-    if (s.positional) continue;
-    std::string head = s.name + (s.value_name.empty() ? "" : " " + s.value_name);
-    text += "  " + head + std::string(head.size() < 22 ? 22 - head.size() : 1, ' ') + s.help;
-    if (!s.default_text.empty()) text += " (default: " + s.default_text + ")";
-    text += "\n";
-  }
-  text += "  --help                this text\n";
-  return text;
-}
-
-bool Args::has(const std::string& name) const {
-  const Spec* s = find(name);
-  return s != nullptr && s->given;
-}
-
-std::string Args::get(const std::string& name, const std::string& fallback) const {
-  const Spec* s = find(name);
-  return s != nullptr && s->given ? s->value : fallback;
-}
-
-std::set<std::string> Args::get_set(const std::string& name) const {
-  std::set<std::string> items;
-  std::stringstream in(get(name));
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) items.insert(item);
-  }
-  return items;
-}
-
 namespace {
+
+// The help layout of every detdit command: the usage line first, then the
+// summary, the arguments and the options, each option with its value name
+// and nothing CLI11 would add (TEXT, REQUIRED, "=default": the defaults are
+// stated in words in the option's help, since several depend on other options).
+class HelpFormatter : public CLI::Formatter {
+ public:
+  explicit HelpFormatter(std::string usage) : usage_(std::move(usage)) {
+    column_width(24);
+    label("Positionals", "arguments");
+  }
+  std::string make_help(const CLI::App* app, std::string, CLI::AppFormatMode mode) const override {
+    return "usage: " + usage_ + "\n\n" + app->get_description() + "\n" + make_positionals(app) +
+           make_groups(app, mode);
+  }
+  std::string make_option_opts(const CLI::Option* opt) const override {
+    return opt->get_positional() || opt->get_type_name().empty() ? "" : " " + opt->get_type_name();
+  }
+
+ private:
+  std::string usage_;
+};
 
 // Only decimal digits, after an optional '-' where `sign_allowed`: strtoll
 // and strtoull also skip leading blanks and take a sign, so " -1" read as an
@@ -171,6 +53,115 @@ bool is_decimal(const std::string& text, bool sign_allowed) {
 }
 
 }  // namespace
+
+struct Args::Parser {
+  CLI::App app;
+  // Node-based, so the references CLI11 writes through stay valid.
+  std::map<std::string, std::string> values;
+  std::map<std::string, CLI::Option*> options;  // declared name -> option
+  std::vector<std::string> order;               // declaration order, for the twice-given check
+  std::set<std::string> flags;                  // the options that take no value
+};
+
+Args::Args(std::string usage, std::string summary) : parser_(new Parser) {
+  CLI::App& app = parser_->app;
+  app.description(std::move(summary));
+  app.formatter(std::make_shared<HelpFormatter>(std::move(usage)));
+  app.option_defaults()->group("options");
+  app.set_help_flag("-h,--help", "this text");
+}
+
+Args::~Args() = default;
+
+void Args::option(const std::string& name, const std::string& value_name, const std::string& help,
+                  const std::string& default_text) {
+  const std::string text = default_text.empty() ? help : help + " (default: " + default_text + ")";
+  CLI::Option* opt = nullptr;
+  if (value_name.empty()) {
+    opt = parser_->app.add_flag(name, text);
+    // "--quick=false" would be read as the flag's value; a flag takes none.
+    opt->disable_flag_override();
+    parser_->flags.insert(name);
+  } else {
+    // Twice is refused after parsing (parse()), with its own message.
+    opt = parser_->app.add_option(name, parser_->values[name], text)
+              ->type_name(value_name)
+              ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    // An empty value is a mistake (an unset shell variable), never "the
+    // default": --weights "" used to run on the synthetic default.
+    opt->check(CLI::Validator(
+        [value_name](std::string& value) {
+          return value.empty() ? "needs a non-empty value " + value_name + ", got ''" : std::string();
+        },
+        ""));
+  }
+  parser_->options[name] = opt;
+  parser_->order.push_back(name);
+}
+
+void Args::positional(const std::string& name, const std::string& help, bool required) {
+  CLI::Option* opt = parser_->app.add_option(name, parser_->values[name], help)->required(required);
+  parser_->options[name] = opt;
+}
+
+bool Args::parse(int argc, char** argv, int first) {
+  // "--name=value" is checked here, for messages that say what is wrong:
+  // CLI11 reads "--quick=1" as a flag override and "--out=" as a missing value.
+  for (int i = first; i < argc && std::string(argv[i]) != "--"; ++i) {
+    const std::string arg = argv[i];
+    const std::size_t eq = arg.find('=');
+    if (arg.compare(0, 2, "--") != 0 || eq == std::string::npos) continue;
+    auto it = parser_->options.find(arg.substr(0, eq));
+    if (it == parser_->options.end() || it->second->get_positional()) continue;
+    if (parser_->flags.count(it->first)) {
+      error_ = "option " + it->first + " takes no value";
+      return false;
+    }
+    if (eq + 1 == arg.size()) {
+      error_ = it->first + ": needs a non-empty value " + it->second->get_type_name() + ", got ''";
+      return false;
+    }
+  }
+  std::vector<std::string> arguments;  // CLI11 takes them last first
+  for (int i = argc - 1; i >= first; --i) arguments.push_back(argv[i]);
+  try {
+    parser_->app.parse(arguments);
+  } catch (const CLI::CallForHelp&) {
+    help_ = true;
+    return false;
+  } catch (const CLI::ParseError& e) {
+    error_ = e.what();
+    return false;
+  }
+  for (const std::string& name : parser_->order) {
+    if (parser_->options.at(name)->count() > 1) {
+      error_ = "option " + name + " given twice";
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string Args::help_text() const { return parser_->app.help(); }
+
+bool Args::has(const std::string& name) const {
+  auto it = parser_->options.find(name);
+  return it != parser_->options.end() && it->second->count() > 0;
+}
+
+std::string Args::get(const std::string& name, const std::string& fallback) const {
+  return has(name) ? parser_->values.at(name) : fallback;
+}
+
+std::set<std::string> Args::get_set(const std::string& name) const {
+  std::set<std::string> items;
+  std::stringstream in(get(name));
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) items.insert(item);
+  }
+  return items;
+}
 
 bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value) {
   if (!has(name)) {

@@ -1,13 +1,15 @@
-// A small command-line parser for the detdit CLI: long options with a value
-// ("--out DIR" or "--out=DIR"; the value may not be empty), flags ("--quick"),
-// positionals, and a --help text generated from the declarations. Parsing
-// errors are usage errors (exit code 2) with a message naming the option.
+// The detdit CLI's command-line declarations, parsed by CLI11: long options
+// with a value ("--out DIR" or "--out=DIR"; the value may not be empty), flags
+// ("--quick"), positionals, and a --help text generated from the
+// declarations. Every option may be given once. Parsing errors are usage
+// errors (exit code 2) with a message naming the option. CLI11 stays out of
+// this header (it is large; only args.cc includes it).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <string>
-#include <vector>
 
 namespace detdit {
 namespace cli {
@@ -16,8 +18,12 @@ class Args {
  public:
   // usage: "detdit weights synth --out DIR [options]"; summary: one paragraph.
   Args(std::string usage, std::string summary);
+  ~Args();
+  Args(const Args&) = delete;
+  Args& operator=(const Args&) = delete;
 
-  // Declarations (before parse). `value_name` empty means a flag.
+  // Declarations (before parse). `value_name` empty means a flag;
+  // `default_text` is what the help says happens when the option is not given.
   void option(const std::string& name, const std::string& value_name, const std::string& help,
               const std::string& default_text = "");
   void flag(const std::string& name, const std::string& help) { option(name, "", help); }
@@ -40,16 +46,9 @@ class Args {
   bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);
 
  private:
-  struct Spec {
-    std::string name, value_name, help, default_text;
-    bool positional = false, required = false;
-    bool given = false;
-    std::string value;
-  };
-  Spec* find(const std::string& name);
-  const Spec* find(const std::string& name) const;
-  std::string usage_, summary_, error_;
-  std::vector<Spec> specs_;
+  struct Parser;  // the CLI11 app and the values it parsed into
+  std::unique_ptr<Parser> parser_;
+  std::string error_;
   bool help_ = false;
 };
 

@@ -10,7 +10,6 @@
 #include "bench.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -24,6 +23,7 @@
 #include "environment.h"
 #include "io/files.h"
 #include "parallel_common.h"
+#include "progress.h"
 
 namespace detdit {
 namespace cli {
@@ -183,7 +183,7 @@ int run_bench(int argc, char** argv) {
   args.flag("--quick", "fewer repeats, smaller copy baseline");
   args.option("--comm", "inprocess|mpi",
               "parallel ops (sp_region, tp_adaln_projection): in-process ranks on one device (a simulation),\n"
-              "                        or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
+              "or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
               "inprocess");
   args.flag("--list", "list the registered cases and exit");
   int code = parse_or_exit_code(&args, argc, argv, 1);
@@ -298,26 +298,24 @@ int run_bench(int argc, char** argv) {
       if ((ops.empty() || ops.count(c.op)) && (names.empty() || names.count(c.name))) selected.push_back(std::move(c));
   }
   std::vector<BenchResult> results;
-  for (std::size_t i = 0; i < selected.size(); ++i) {
-    const cases::OpCase& c = selected[i];
+  // Progress on stderr (the report waits for the last case): a large case
+  // takes seconds, most of it the CPU reference.
+  Progress progress("detdit bench", selected.size() + (parallel ? parallel_bench_count(context, parallel_ops, names) : 0),
+                    leader);
+  for (const cases::OpCase& c : selected) {
     const std::size_t before = results.size();
-    const auto start = std::chrono::steady_clock::now();
+    progress.started(c.full_name());
     Status s = bench_op_case(c, context, static_cast<int>(warmup), static_cast<int>(repeats), &results);
     if (!s.ok()) {
       results.resize(before);
       results.push_back(BenchResult{c.op, c.name, "", 0, 0, "", 0, 0, s.to_string()});
     }
-    // Progress on stderr (the report waits for the last case): a large case
-    // takes seconds, most of it the CPU reference.
-    if (leader) {
-      std::fprintf(stderr, "detdit bench: [%zu/%zu] %s: %.1f s\n", i + 1, selected.size(), c.full_name().c_str(),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
+    progress.finished(c.full_name(), s.ok() ? "" : "error");
   }
   std::vector<ParallelBenchResult> parallel_results;
   if (parallel) {
     Status s = run_parallel_bench(context, world.get(), static_cast<int>(warmup), static_cast<int>(repeats),
-                                  parallel_ops, names, &parallel_results);
+                                  parallel_ops, names, &progress, &parallel_results);
     if (!s.ok()) {
       ParallelBenchResult failed;
       failed.op = "parallel";
@@ -325,6 +323,7 @@ int run_bench(int argc, char** argv) {
       parallel_results.push_back(failed);
     }
   }
+  progress.clear();
 
   bool all_right = true;
   for (const BenchResult& r : results) all_right = all_right && r.error.empty() && r.wrong == 0 && r.compared > 0;
@@ -344,8 +343,7 @@ int run_bench(int argc, char** argv) {
     nlohmann::ordered_json out;
     out["kind"] = "detdit_bench_report";
     out["format_version"] = 2;
-    out["git"] = {{"commit", env.commit}, {"dirty", env.dirty}};
-    out["environment"] = {{"device", env.device_name}, {"compiler", env.compiler}, {"cuda_runtime", env.cuda_runtime}};
+    record_environment(env, &out);
     out["options"] = {{"repeats", repeats}, {"warmup", warmup}, {"quick", quick}, {"seed", seed}};
     out["copy_gbps"] = copy_bandwidth / 1e9;
     out["cases"] = nlohmann::ordered_json::array();

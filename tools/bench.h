@@ -21,6 +21,7 @@
 #include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
+#include "progress.h"
 #include "weights_source.h"
 
 namespace detdit {
@@ -70,9 +71,12 @@ struct ParallelTarget {
 
 bool is_parallel_op(const std::string& op);  // sp_region, tp_adaln_projection
 // mpi: this process's rank of a --comm mpi run (nullptr: in-process ranks on
-// context.device). ops / names filter (empty: all).
+// context.device). ops / names filter (empty: all). Each (op, case, phase)
+// timed is reported to `progress`; parallel_bench_count says how many there are.
+std::size_t parallel_bench_count(const BenchContext& context, const std::set<std::string>& ops,
+                                 const std::set<std::string>& names);
 Status run_parallel_bench(const BenchContext& context, Communicator* mpi, int warmup, int repeats,
-                          const std::set<std::string>& ops, const std::set<std::string>& names,
+                          const std::set<std::string>& ops, const std::set<std::string>& names, Progress* progress,
                           std::vector<ParallelBenchResult>* results);
 std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResult>& results);
 

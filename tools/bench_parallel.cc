@@ -231,21 +231,44 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
 
 bool wanted(const std::set<std::string>& filter, const std::string& item) { return filter.empty() || filter.count(item); }
 
+// The sizes timed: sp_region's sequence lengths, tp_adaln_projection's timestep counts.
+std::vector<int64_t> sp_lengths(const BenchContext& ctx) {
+  if (!ctx.device.is_cuda()) return {4097};
+  return ctx.quick ? std::vector<int64_t>{32768} : std::vector<int64_t>{32768, 131072};
+}
+std::vector<int64_t> tp_timestep_counts(const BenchContext& ctx) {
+  return ctx.device.is_cuda() && !ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{4};
+}
+
+std::string sp_case_name(int64_t seq_len, Packing packing) {
+  return "S=" + std::to_string(seq_len) + " " + packing_name(packing);
+}
+
 }  // namespace
 
 bool is_parallel_op(const std::string& op) { return op == "sp_region" || op == "tp_adaln_projection"; }
 
+std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::string>& ops,
+                                 const std::set<std::string>& names) {
+  std::size_t count = 0;
+  if (wanted(ops, "sp_region")) {
+    for (int64_t seq_len : sp_lengths(ctx))
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) count += wanted(names, sp_case_name(seq_len, packing));
+  }
+  if (wanted(ops, "tp_adaln_projection")) {
+    for (int64_t timesteps : tp_timestep_counts(ctx)) count += wanted(names, "T=" + std::to_string(timesteps)) ? 2 : 0;
+  }
+  return count;
+}
+
 Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats,
                           const std::set<std::string>& ops, const std::set<std::string>& names,
-                          std::vector<ParallelBenchResult>* results) {
-  const bool cuda = ctx.device.is_cuda();
+                          Progress* progress, std::vector<ParallelBenchResult>* results) {
   const std::vector<int> worlds = mpi != nullptr ? std::vector<int>{mpi->world_size()} : std::vector<int>{2, 4, 8};
   if (wanted(ops, "sp_region")) {
-    std::vector<int64_t> lengths = {4097};
-    if (cuda) lengths = ctx.quick ? std::vector<int64_t>{32768} : std::vector<int64_t>{32768, 131072};
-    for (int64_t seq_len : lengths) {
+    for (int64_t seq_len : sp_lengths(ctx)) {
       for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
-        const std::string name = "S=" + std::to_string(seq_len) + " " + packing_name(packing);
+        const std::string name = sp_case_name(seq_len, packing);
         if (!wanted(names, name)) continue;
         SpProblem pr;
         DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
@@ -266,13 +289,14 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
           r->metrics.push_back({"bytes_sent_per_rank", {sp_backward_bytes_per_rank(sp, SpVariant::kModulatedRmsnorm, pr.hidden) +
                                                         sp_backward_bytes_per_rank(sp, SpVariant::kGateResidual, pr.hidden)}});
         };
+        progress->started("sp_region " + name + " fwd+bwd");
         time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, describe, results);
+        progress->finished("sp_region " + name + " fwd+bwd");
       }
     }
   }
   if (wanted(ops, "tp_adaln_projection")) {
-    const std::vector<int64_t> counts = cuda && !ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{4};
-    for (int64_t timesteps : counts) {
+    for (int64_t timesteps : tp_timestep_counts(ctx)) {
       const std::string name = "T=" + std::to_string(timesteps);
       if (!wanted(names, name)) continue;
       TpProblem pr;
@@ -301,8 +325,10 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
           if (backward) bytes += std::ceil(columns / 64) * static_cast<double>(timesteps * pr.in_features) * 4;
           r->metrics.push_back({"bytes_sent_per_rank", {bytes}});
         };
-        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, backward ? "fwd+bwd" : "fwd", timed,
-                    valid, describe, results);
+        const std::string phase = backward ? "fwd+bwd" : "fwd";
+        progress->started("tp_adaln_projection " + name + " " + phase);
+        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, phase, timed, valid, describe, results);
+        progress->finished("tp_adaln_projection " + name + " " + phase);
       }
     }
   }

@@ -3,36 +3,18 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <thread>
+
+#include "build_commit.h"  // generated: DETDIT_BUILD_COMMIT, DETDIT_BUILD_DIRTY
 
 #ifdef DETDIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
-#ifndef DETDIT_SOURCE_DIR
-#define DETDIT_SOURCE_DIR "."
-#endif
-#ifndef DETDIT_BUILD_COMMIT
-#define DETDIT_BUILD_COMMIT "unknown"
-#endif
-
 namespace detdit {
 namespace cli {
 namespace {
-
-// The first line of a command's stdout ("" when it fails).
-std::string command_output(const std::string& command, bool* any_output = nullptr) {
-  std::FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return "";
-  std::string out;
-  char buffer[256];
-  while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) out += buffer;
-  int rc = ::pclose(pipe);
-  if (any_output != nullptr) *any_output = !out.empty();
-  if (rc != 0) return "";
-  std::size_t newline = out.find('\n');
-  return newline == std::string::npos ? out : out.substr(0, newline);
-}
 
 std::string version_string(int v) {
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
@@ -55,13 +37,8 @@ int cuda_device_count() {
 
 Environment collect_environment(const Device& device) {
   Environment env;
-  const std::string git = std::string("git -C '") + DETDIT_SOURCE_DIR + "' ";
-  env.commit = command_output(git + "rev-parse HEAD 2>/dev/null");
-  if (env.commit.empty()) env.commit = "unknown";
-  bool any = false;
-  command_output(git + "status --porcelain --untracked-files=no 2>/dev/null", &any);
-  env.dirty = any;
-  env.build_commit = DETDIT_BUILD_COMMIT;
+  env.commit = DETDIT_BUILD_COMMIT;
+  env.dirty = DETDIT_BUILD_DIRTY != 0;
 #if defined(__clang__)
   env.compiler = "Clang " __clang_version__;
 #elif defined(__GNUC__)
@@ -90,6 +67,16 @@ Environment collect_environment(const Device& device) {
   char host[256] = {0};
   if (::gethostname(host, sizeof host - 1) == 0) env.host = host;
   return env;
+}
+
+void record_environment(const Environment& env, nlohmann::ordered_json* report) {
+  (*report)["detdit_version"] = DETDIT_VERSION;
+  (*report)["git"] = {{"commit", env.commit}, {"dirty", env.dirty}};
+  (*report)["environment"] = {{"host", env.host},
+                              {"device", env.device_name},
+                              {"compiler", env.compiler},
+                              {"cuda_runtime", env.cuda_runtime},
+                              {"cuda_driver", env.cuda_driver}};
 }
 
 }  // namespace cli

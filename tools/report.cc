@@ -2,14 +2,18 @@
 // shape (scripts/torch_compare.py writes one: a "title" and a "time_label"
 // replace the verify wording), as an SVG figure written by detdit itself,
 // three panels top to bottom:
-//   1. byte-equality matrix: one row per case, one cell per check, green when
+//   1. byte-equality matrix: one row per case (more lines when its cells do
+//      not fit), one cell per check labelled with its whole name, green when
 //      every bitwise comparison matched (label "b passed/run"), blue when the
-//      check is accuracy-only and passed, red when it failed;
+//      check is accuracy-only and passed, red when it failed, grey when informational;
 //   2. time per case (bars, seconds);
-//   3. error vs FP64 per check on a log axis (dot) with its bound (tick);
-//      exact zeros are drawn at 1e-9 and labelled "exact" (the reference's
-//      plotting convention).
-// A footer records the verdict, device, compiler, commit and dirty flag.
+//   3. per case, each check's error vs FP64 divided by its bound on one log
+//      axis (the bound is 1; exact zeros and ratios below 1e-6 at the left
+//      edge), the error in its own unit and the bound written beside it.
+// A footer records the verdict, device (and the CUDA runtime and driver for a
+// run on a CUDA device), compiler, commit, dirty flag and host. Everything
+// fits the figure's width: labels are sized from the text, and cut with
+// "..." only where a whole name cannot fit.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -33,9 +37,10 @@ constexpr const char* kOrange = "#eb6834";
 constexpr const char* kGrey = "#8c8c8c";  // informational rows (a measurement, not a check)
 constexpr double kWidth = 1100;
 constexpr double kLabelWidth = 380;  // case labels left of every panel
-constexpr std::size_t kLabelChars = 60;
-constexpr double kExactError = 1e-9; // where exact zeros are drawn
-constexpr int kLogMin = -10, kLogMax = 2;
+constexpr double kMargin = 20;       // left and right of everything
+// Panel 3's axis: error / bound, from 1e-6 (exact zeros and anything smaller
+// drawn there) to 10.
+constexpr int kLogMin = -6, kLogMax = 1;
 
 std::string escape(const std::string& text) {
   std::string out;
@@ -51,8 +56,15 @@ std::string escape(const std::string& text) {
   return out;
 }
 
-std::string truncate(const std::string& text, std::size_t chars) {
-  return text.size() <= chars ? text : text.substr(0, chars - 1) + "~";
+// Text widths without a font engine: DejaVu Sans (the first font named)
+// averages under 0.62 em per character over names like these (digits 0.64,
+// lowercase 0.59), so a box of text_width() holds its text.
+double text_width(const std::string& text, double font_size) { return 0.62 * font_size * text.size(); }
+
+// `text` cut with "..." to fit `width` pixels at `font_size`; whole when it fits.
+std::string fit(const std::string& text, double width, double font_size) {
+  const std::size_t chars = static_cast<std::size_t>(width / (0.62 * font_size) + 1e-9);  // 0.62 * n fits n
+  return text.size() <= chars ? text : text.substr(0, chars > 3 ? chars - 3 : 0) + "...";
 }
 
 std::string fmt(const char* format, double v) {
@@ -87,43 +99,66 @@ class Svg {
 
 double number(const Json& v, double fallback = NAN) { return v.is_number() ? v.get<double>() : fallback; }
 
-}  // namespace
-
-Status write_report_svg(const Json& report, const std::string& path) {
-  if (!report.is_object() || !report.contains("cases") || !report["cases"].is_array()) {
-    return Status::value_error(path + ": the report has no \"cases\" list (is it a detdit verify report?)");
+// What the figure needs of a report; the messages are about the report (the
+// caller names it), never about the figure's path.
+Status check_drawable(const Json& report) {
+  if (!report.is_object()) return Status::value_error("the report is not a JSON object");
+  const Json kind = report.value("kind", Json());
+  if (!kind.is_string() || (kind != "detdit_verify_report" && kind != "detdit_torch_compare")) {
+    const std::string got = kind.is_null() ? "no \"kind\"" : "kind " + kind.dump();
+    const std::string hint = kind == "detdit_bench_report" ? ": a detdit bench report, which has no checks to draw" : "";
+    return Status::value_error("expected a detdit verify report (kind \"detdit_verify_report\", written by "
+                               "detdit verify --out) or a torch comparison (\"detdit_torch_compare\"), got " +
+                               got + hint);
+  }
+  if (!report.contains("cases") || !report["cases"].is_array()) {
+    return Status::value_error("the report has no \"cases\" list");
   }
   const Json& cases = report["cases"];
   for (const Json& c : cases) {
     if (!c.is_object() || !c.contains("checks") || !c["checks"].is_array() || !c.value("op", Json()).is_string() ||
         !c.value("case", Json()).is_string()) {
-      return Status::value_error(path + ": a case lacks op, case or a checks list");
+      return Status::value_error("a case of the report lacks op, case or a checks list");
     }
   }
+  return Status::ok_status();
+}
+
+}  // namespace
+
+Status write_report_svg(const Json& report, const std::string& path) {
+  Status drawable = check_drawable(report);
+  if (!drawable.ok()) return Status::value_error("the report to draw as " + path + ": " + drawable.message());
+  const Json& cases = report["cases"];
   const double row_height = 24, top = 60;
   Svg svg;
   double y = top;
 
-  // Panel 1: byte-equality matrix.
-  std::size_t max_checks = 1;
-  for (const Json& c : cases) max_checks = std::max(max_checks, c["checks"].size());
-  const double cell_width = std::min(160.0, (kWidth - kLabelWidth - 20) / max_checks);
-  svg.text(20, y, "Checks: byte equality (b passed/run) and accuracy", 15, "start", "bold");
+  // Panel 1: byte-equality matrix. Each cell is as wide as its label (the
+  // check's name whole, after "b passed/run"); a case whose cells do not fit
+  // one line continues on the next.
+  svg.text(kMargin, y, "Checks: byte equality (b passed/run) and accuracy", 15, "start", "bold");
   y += 12;
+  const double cell_font = 9, cell_pad = 8, matrix_right = kWidth - kMargin;
   for (const Json& c : cases) {
-    svg.text(kLabelWidth - 8, y + 16, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), kLabelChars),
+    svg.text(kLabelWidth - 8, y + 16, fit(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(),
+                                          kLabelWidth - 8 - kMargin, 11),
              11, "end");
     double x = kLabelWidth;
     for (const Json& row : c["checks"]) {
       const bool pass = row.value("pass", false);
       const int64_t run = row.value("bitwise_run", int64_t(0)), ok = row.value("bitwise_passed", int64_t(0));
       const bool info = row.value("informational", false);
-      svg.rect(x + 1, y + 2, cell_width - 2, row_height - 4, !pass ? kRed : info ? kGrey : run > 0 ? kGreen : kBlue);
       std::string label = row.value("check", std::string("?"));
       if (run > 0) label = "b" + std::to_string(ok) + "/" + std::to_string(run) + " " + label;
-      svg.text(x + 4, y + 16, truncate(label, static_cast<std::size_t>(cell_width / 5.6)), 9, "start", "normal",
-               "#fff");
-      x += cell_width;
+      const double width = std::min(text_width(label, cell_font) + cell_pad, matrix_right - kLabelWidth);
+      if (x > kLabelWidth && x + width > matrix_right) {
+        x = kLabelWidth;
+        y += row_height;
+      }
+      svg.rect(x + 1, y + 2, width - 2, row_height - 4, !pass ? kRed : info ? kGrey : run > 0 ? kGreen : kBlue);
+      svg.text(x + cell_pad / 2, y + 16, fit(label, width - cell_pad, cell_font), cell_font, "start", "normal", "#fff");
+      x += width;
     }
     y += row_height;
   }
@@ -142,12 +177,13 @@ Status write_report_svg(const Json& report, const std::string& path) {
   double max_seconds = 1e-3;
   for (const Json& c : cases) max_seconds = std::max(max_seconds, number(c.value("seconds", Json()), 0));
   const double bar_span = kWidth - kLabelWidth - 90;
-  svg.text(20, y, "Time per case (" + report.value("time_label", std::string("seconds, wall clock")) + ")", 15, "start",
+  svg.text(kMargin, y, "Time per case (" + report.value("time_label", std::string("seconds, wall clock")) + ")", 15, "start",
            "bold");
   y += 12;
   for (const Json& c : cases) {
     const double seconds = number(c.value("seconds", Json()), 0);
-    svg.text(kLabelWidth - 8, y + 15, truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(), kLabelChars),
+    svg.text(kLabelWidth - 8, y + 15, fit(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(),
+                                          kLabelWidth - 8 - kMargin, 11),
              11, "end");
     svg.rect(kLabelWidth, y + 4, std::max(1.0, bar_span * seconds / max_seconds), row_height - 8, kBlue);
     svg.text(kLabelWidth + bar_span * seconds / max_seconds + 6, y + 15, fmt("%.3g s", seconds), 10);
@@ -155,43 +191,55 @@ Status write_report_svg(const Json& report, const std::string& path) {
   }
   y += 40;
 
-  // Panel 3: error vs FP64 on a log axis.
-  svg.text(20, y, "Max error vs FP64 (log axis; tick = the check's bound; exact = drawn at 1e-9)", 15, "start",
+  // Panel 3: each measured error as a fraction of its check's bound, on one
+  // log axis: the checks measure in different units (absolute, relative,
+  // units of a bf16 rounding, fractions of outputs), so only error / bound
+  // is comparable; the bound is the line at 1. The error in its own unit is
+  // written right of the axis. A line per case, then one per check.
+  svg.text(kMargin, y, "Max error vs FP64 / the check's bound (log axis; a check passes left of 1)", 15, "start",
            "bold");
   y += 24;
-  const double axis_left = kLabelWidth + 80, axis_right = kWidth - 40;
-  auto x_of = [&](double v) {
-    const double lg = std::log10(std::max(v, std::pow(10.0, kLogMin)));
+  const double axis_left = kLabelWidth, axis_right = kWidth - 340, value_left = axis_right + 14;
+  auto x_of = [&](double ratio) {
+    const double lg = std::log10(std::max(ratio, std::pow(10.0, kLogMin)));
     const double t = (std::min(lg, double(kLogMax)) - kLogMin) / (kLogMax - kLogMin);
     return axis_left + t * (axis_right - axis_left);
   };
   for (int e = kLogMin; e <= kLogMax; ++e) {
-    svg.text(x_of(std::pow(10.0, e)), y, "1e" + std::to_string(e), 10, "middle");
+    svg.text(x_of(std::pow(10.0, e)), y, e == kLogMin ? "<= 1e-6" : e == 0 ? "1 (bound)" : "1e" + std::to_string(e),
+             10, "middle");
   }
+  svg.text(value_left, y, "error (unit) / bound", 10);
   y += 6;
   const double error_top = y;
   int error_rows = 0;
   for (const Json& c : cases) {
+    bool case_shown = false;
     for (const Json& row : c["checks"]) {
       const double err = number(row.value("max_error_vs_fp64", Json()));
       if (std::isnan(err)) continue;
+      if (!case_shown) {
+        svg.text(kMargin, y + 15, fit(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(),
+                                      axis_left - 8 - kMargin, 10),
+                 10, "start", "bold");
+        y += row_height * 0.8;
+        case_shown = true;
+      }
       ++error_rows;
       const double bound = number(row.value("bound", Json()));
       const bool pass = row.value("pass", false);
-      svg.text(axis_left - 8, y + 15,
-               truncate(c["op"].get<std::string>() + " / " + c["case"].get<std::string>() + " / " +
-                            row.value("check", std::string("?")),
-                        62),
-               10, "end");
+      const std::string unit = row.value("error_unit", std::string(""));
+      svg.text(axis_left - 8, y + 15, fit(row.value("check", std::string("?")), axis_left - 20 - kMargin, 10), 10,
+               "end");
       svg.line(axis_left, y + row_height / 2, axis_right, y + row_height / 2, "#eee");
-      if (!std::isnan(bound)) svg.line(x_of(bound), y + 3, x_of(bound), y + row_height - 3, kOrange, 2);
-      const double drawn = err == 0 ? kExactError : err;
-      svg.circle(x_of(drawn), y + row_height / 2, 5, pass ? kGreen : kRed);
-      // Labels right of the dot, or left of it in the right third of the axis.
-      const bool left = x_of(drawn) > axis_left + 0.66 * (axis_right - axis_left);
-      svg.text(x_of(drawn) + (left ? -8 : 8), y + 15,
-               err == 0 ? "exact" : fmt("%.2e ", err) + row.value("error_unit", std::string("")), 10,
-               left ? "end" : "start");
+      std::string value = err == 0 ? "exact (0)" : fmt("%.2e", err) + (unit.empty() ? "" : " " + unit);
+      if (!std::isnan(bound) && bound > 0) {
+        svg.circle(x_of(err / bound), y + row_height / 2, 5, pass ? kGreen : kRed);
+        value += " / " + fmt("%.2e", bound);
+      } else {
+        value += " (no bound)";
+      }
+      svg.text(value_left, y + 15, fit(value, kWidth - kMargin - value_left, 10), 10);
       y += row_height;
     }
   }
@@ -199,21 +247,31 @@ Status write_report_svg(const Json& report, const std::string& path) {
     svg.text(axis_left, y + 15, "(no check in this report measures an error against FP64)", 11);
     y += row_height;
   }
-  for (int e = kLogMin; e <= kLogMax; ++e) svg.line(x_of(std::pow(10.0, e)), error_top, x_of(std::pow(10.0, e)), y, "#ccc", 1, true);
+  for (int e = kLogMin; e <= kLogMax; ++e) {
+    svg.line(x_of(std::pow(10.0, e)), error_top, x_of(std::pow(10.0, e)), y, e == 0 ? kOrange : "#ccc", e == 0 ? 2 : 1,
+             e != 0);
+  }
   y += 30;
 
   // Footer.
   const Json env = report.value("environment", Json::object());
   const Json git = report.value("git", Json::object());
   const std::string title = report.value("title", std::string("detdit verify report"));
+  // The CUDA versions only for a run on a CUDA device: a CPU run of a CUDA
+  // build used neither.
+  const std::string device = env.value("device", std::string("?"));
+  const bool on_cuda = device.rfind("cuda", 0) == 0;
   std::string footer = title + ": " + report.value("verdict", std::string("?")) + ", " +
                        std::to_string(report.value("checks_passed", 0)) + "/" +
-                       std::to_string(report.value("checks_total", 0)) + " checks | device " +
-                       env.value("device", std::string("?")) + " | " + env.value("compiler", std::string("?")) +
-                       " | CUDA " + env.value("cuda_runtime", std::string("?")) + " | commit " +
-                       git.value("commit", std::string("?")).substr(0, 12) +
-                       (git.value("dirty", false) ? " (dirty)" : "");
-  svg.text(20, y, footer, 11, "start", "normal", "#555");
+                       std::to_string(report.value("checks_total", 0)) + " checks | device " + device;
+  if (on_cuda) {
+    footer += " | CUDA runtime " + env.value("cuda_runtime", std::string("?")) + ", driver " +
+              env.value("cuda_driver", std::string("?"));
+  }
+  footer += " | " + env.value("compiler", std::string("?")) + " | commit " +
+            git.value("commit", std::string("?")).substr(0, 12) + (git.value("dirty", false) ? " (dirty)" : "");
+  if (env.contains("host")) footer += " | host " + env.value("host", std::string("?"));
+  svg.text(kMargin, y, fit(footer, kWidth - 2 * kMargin, 11), 11, "start", "normal", "#555");
   y += 20;
 
   // Through a temporary and a rename: a figure is complete or absent, and a
@@ -255,7 +313,11 @@ int run_report(int argc, char** argv) {
     std::fprintf(stderr, "detdit: %s: not valid JSON: %s\n", in_path.c_str(), e.what());
     return 2;
   }
-  Status status;
+  Status status = check_drawable(report);
+  if (!status.ok()) {
+    std::fprintf(stderr, "detdit: %s: %s\n", in_path.c_str(), status.to_string().c_str());
+    return 2;
+  }
   try {
     status = write_report_svg(report, out_path);
   } catch (const Json::exception& e) {

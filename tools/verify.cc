@@ -4,8 +4,6 @@
 // errors (bad options, unreadable weights).
 #include "verify.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -17,6 +15,7 @@
 #include "io/files.h"
 #include "io/manifest.h"
 #include "parallel_common.h"
+#include "progress.h"
 
 namespace detdit {
 namespace cli {
@@ -54,44 +53,95 @@ struct CaseResult {
   double seconds = 0;
 };
 
+// The table fits kTableWidth columns: a line per case (op / case, its time
+// and the unit of its errors), then a line per check; informational and
+// failure details after the table, wrapped. Check names longer than their
+// column are cut with "..." (the JSON report keeps every name whole).
+constexpr std::size_t kTableWidth = 120;
+
+std::string cut(const std::string& text, std::size_t width) {
+  return text.size() <= width ? text : text.substr(0, width - 3) + "...";
+}
+
+// `head` then `text` in lines of at most kTableWidth, continuation lines indented.
+void print_wrapped(const std::string& head, const std::string& text) {
+  std::string line = head;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    const std::size_t room = kTableWidth > line.size() ? kTableWidth - line.size() : 1;
+    std::size_t take = std::min(room, text.size() - at);
+    if (at + take < text.size()) {
+      const std::size_t space = text.rfind(' ', at + take);
+      if (space != std::string::npos && space > at) take = space - at;
+    }
+    line += text.substr(at, take);
+    std::printf("%s\n", line.c_str());
+    at += take;
+    while (at < text.size() && text[at] == ' ') ++at;
+    line = "      ";
+  }
+  if (text.empty()) std::printf("%s\n", line.c_str());
+}
+
 void print_table(const std::vector<CaseResult>& results) {
   struct Line {
-    std::string op, name, check, bitwise, error, bound, seconds, result;
+    std::string check, bitwise, error, bound, seconds, result;
   };
-  std::vector<Line> lines;
-  lines.push_back({"op", "case", "check", "bitwise", "max err", "bound", "s", "result"});
-  for (const CaseResult& r : results) {
-    for (const CheckRow& row : r.rows) {
+  const Line header{"check", "bitwise", "max err", "bound", "s", "result"};
+  std::vector<std::vector<Line>> lines(results.size());
+  std::size_t w[6] = {0};
+  auto widen = [&w](const Line& l) {
+    const std::string* f[6] = {&l.check, &l.bitwise, &l.error, &l.bound, &l.seconds, &l.result};
+    for (int i = 0; i < 6; ++i) w[i] = std::max(w[i], f[i]->size());
+  };
+  widen(header);
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    for (const CheckRow& row : results[i].rows) {
       char seconds[32];
       std::snprintf(seconds, sizeof seconds, "%.2f", row.seconds);
-      lines.push_back({r.c->op, r.c->name, row.check,
-                       row.bitwise_run ? std::to_string(row.bitwise_passed) + "/" + std::to_string(row.bitwise_run)
-                                       : "-",
-                       format_error(row.max_error) + (std::isnan(row.max_error) ? "" : " " + row.error_unit),
-                       format_error(row.bound), seconds, !row.pass ? "FAIL" : row.informational ? "info" : "ok"});
+      lines[i].push_back({row.check,
+                          row.bitwise_run ? std::to_string(row.bitwise_passed) + "/" + std::to_string(row.bitwise_run)
+                                          : "-",
+                          format_error(row.max_error), format_error(row.bound), seconds,
+                          !row.pass ? "FAIL" : row.informational ? "info" : "ok"});
+      widen(lines[i].back());
     }
   }
-  size_t w[8] = {0};
-  for (const Line& l : lines) {
-    const std::string* f[8] = {&l.op, &l.name, &l.check, &l.bitwise, &l.error, &l.bound, &l.seconds, &l.result};
-    for (int i = 0; i < 8; ++i) w[i] = std::max(w[i], f[i]->size());
-  }
-  for (const Line& l : lines) {
-    std::printf("%-*s  %-*s  %-*s  %*s  %*s  %*s  %*s  %s\n", int(w[0]), l.op.c_str(), int(w[1]), l.name.c_str(),
-                int(w[2]), l.check.c_str(), int(w[3]), l.bitwise.c_str(), int(w[4]), l.error.c_str(), int(w[5]),
-                l.bound.c_str(), int(w[6]), l.seconds.c_str(), l.result.c_str());
+  // Indent 2, five gaps of 2 between the six columns.
+  const std::size_t others = 2 + w[1] + w[2] + w[3] + w[4] + w[5] + 5 * 2;
+  w[0] = std::min(w[0], kTableWidth > others + 16 ? kTableWidth - others : std::size_t{16});
+  auto print_line = [&w](const Line& l) {
+    std::printf("  %-*s  %*s  %*s  %*s  %*s  %s\n", int(w[0]), cut(l.check, w[0]).c_str(), int(w[1]),
+                l.bitwise.c_str(), int(w[2]), l.error.c_str(), int(w[3]), l.bound.c_str(), int(w[4]),
+                l.seconds.c_str(), l.result.c_str());
+  };
+  print_line(header);
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const CaseResult& r = results[i];
+    std::vector<std::string> units;
+    for (const CheckRow& row : r.rows) {
+      if (!row.error_unit.empty() && std::find(units.begin(), units.end(), row.error_unit) == units.end())
+        units.push_back(row.error_unit);
+    }
+    std::string head = std::string(r.c->op) + " / " + r.c->name;
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, " (%.2f s", r.seconds);
+    head += seconds;
+    for (std::size_t u = 0; u < units.size(); ++u) head += (u == 0 ? "; max err unit: " : ", ") + units[u];
+    std::printf("%s\n", cut(head + ")", kTableWidth).c_str());
+    for (const Line& l : lines[i]) print_line(l);
   }
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
       if (row.pass && row.informational && !row.detail.empty()) {
-        std::printf("info %s / %s / %s: %s\n", r.c->op, r.c->name, row.check.c_str(), row.detail.c_str());
+        print_wrapped("info " + std::string(r.c->op) + " / " + r.c->name + " / " + row.check + ": ", row.detail);
       }
     }
   }
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
       if (!row.pass && !row.detail.empty()) {
-        std::printf("FAIL %s / %s / %s: %s\n", r.c->op, r.c->name, row.check.c_str(), row.detail.c_str());
+        print_wrapped("FAIL " + std::string(r.c->op) + " / " + r.c->name + " / " + row.check + ": ", row.detail);
       }
     }
   }
@@ -179,7 +229,7 @@ int run_verify(int argc, char** argv) {
   args.option("--ops", "LIST", "comma-separated ops to run (e.g. rmsnorm,gate_residual)", "all");
   args.option("--comm", "inprocess|mpi",
               "parallel ranks as threads of this process, or one per process under mpirun (then only the\n"
-              "                        sp_region and tp_adaln_projection cases run; NCCL on --device cuda)",
+              "sp_region and tp_adaln_projection cases run; NCCL on --device cuda)",
               "inprocess");
   args.option("--out", "FILE", "write the JSON report here");
   args.option("--figure", "FILE", "write the SVG figure here (as detdit report does)");
@@ -249,7 +299,6 @@ int run_verify(int argc, char** argv) {
     }
   }
 
-  const bool terminal = leader && ::isatty(STDERR_FILENO) != 0;
   Weights weights;
   // The leader's destinations first: one that is not a regular file (a FIFO
   // would block the write) is refused before the run, not after it. Then
@@ -287,12 +336,10 @@ int run_verify(int argc, char** argv) {
   }
   std::vector<CaseResult> results;
   const double start = now_seconds();
-  for (std::size_t i = 0; i < selected.size(); ++i) {
-    const VerifyCase* c = selected[i];
-    if (terminal) {
-      std::fprintf(stderr, "\r\033[K[%zu/%zu] %s / %s ...", i + 1, selected.size(), c->op, c->name);
-      std::fflush(stderr);
-    }
+  Progress progress("detdit verify", selected.size(), leader);
+  for (const VerifyCase* c : selected) {
+    const std::string name = std::string(c->op) + " / " + c->name;
+    progress.started(name);
     CaseResult r;
     r.c = c;
     const double t0 = now_seconds();
@@ -322,9 +369,16 @@ int run_verify(int argc, char** argv) {
       }
       r.seconds = r.rows.empty() ? r.seconds : std::max(r.seconds, r.rows.front().seconds);
     }
+    int64_t case_checks = 0, case_passed = 0;
+    for (const CheckRow& row : r.rows) {
+      case_checks += row.informational ? 0 : 1;
+      case_passed += !row.informational && row.pass ? 1 : 0;
+    }
+    progress.finished(name, std::to_string(case_passed) + "/" + std::to_string(case_checks) + " checks " +
+                                (case_passed == case_checks ? "ok" : "FAIL"));
     results.push_back(std::move(r));
   }
-  if (terminal) std::fprintf(stderr, "\r\033[K");
+  progress.clear();
   const double total_seconds = now_seconds() - start;
 
   int64_t checks = 0, passed = 0;
@@ -342,15 +396,13 @@ int run_verify(int argc, char** argv) {
   const Environment env = collect_environment(device);
   Json report;
   report["kind"] = "detdit_verify_report";
-  report["format_version"] = 1;
+  // 2: "git" is the commit built (no run-time "build_commit"), "detdit_version" added.
+  report["format_version"] = 2;
   report["verdict"] = pass ? "PASS" : "FAIL";
   report["checks_total"] = checks;
   report["checks_passed"] = passed;
   report["seconds"] = total_seconds;
-  report["git"] = {{"commit", env.commit}, {"dirty", env.dirty}, {"build_commit", env.build_commit}};
-  report["environment"] = {{"device", env.device_name},     {"compiler", env.compiler},
-                           {"cuda_runtime", env.cuda_runtime}, {"cuda_driver", env.cuda_driver},
-                           {"host", env.host}};
+  record_environment(env, &report);
   report["options"] = {{"quick", context.quick},
                        {"device", device.to_string()},
                        {"weights", args.get("--weights", "synthetic default")},

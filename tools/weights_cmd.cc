@@ -27,9 +27,10 @@ const char* const kWeightsUsage =
     "detdit weights <command> --help describes each command.\n";
 
 // Dimension overrides shared by synth and verify: other AdaLN DiTs, and small
-// configurations for tests.
-void declare_dimensions(Args* args) {
-  args->option("--blocks", "N", "transformer blocks", "1");
+// configurations for tests. `blocks_default` is what --blocks is when not
+// given: synth writes 1 block, verify expects the file's own count.
+void declare_dimensions(Args* args, const std::string& blocks_default) {
+  args->option("--blocks", "N", "transformer blocks", blocks_default);
   args->option("--hidden", "H", "hidden size H", "5376");
   args->option("--time-embed-hidden", "N", "time_embedder.linear_1 outputs", "5376");
   args->option("--time-dim", "D", "time-embed dim D", "2688");
@@ -62,7 +63,7 @@ int run_synth(int argc, char** argv) {
   args.option("--out", "DIR", "output directory (created if missing)");
   args.option("--seed", "N", "generator seed", "0");
   args.option("--only", "PATTERN", "write only the tensors whose name contains PATTERN");
-  declare_dimensions(&args);
+  declare_dimensions(&args, "1");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
   io::SynthOptions options;
@@ -152,7 +153,7 @@ int run_verify_weights(int argc, char** argv) {
             "The expected block count defaults to the number of blocks in the file (at least 1).");
   args.positional("DIR", "weights directory or safetensors file");
   args.option("--sha256", "FILE", "checksum lines '<hex>  <tensor name or file name>'");
-  declare_dimensions(&args);
+  declare_dimensions(&args, "the number of blocks in the file, at least 1");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
   io::SafetensorsFile file;

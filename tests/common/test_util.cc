@@ -26,11 +26,16 @@ bool cuda_available(std::string* reason) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err == cudaErrorNoDevice || (err == cudaSuccess && count == 0)) {
-    *reason = "this machine has no CUDA GPU";
+    *reason = "this machine has no CUDA GPU (cudaGetDeviceCount: " +
+              std::string(err == cudaSuccess ? "0 devices" : cudaGetErrorString(err)) + ")";
     return false;
   }
+  // What a machine without a GPU answers (no driver is loaded); also a GPU
+  // whose driver is older than this CUDA runtime, hence the runtime's words.
   if (err == cudaErrorInsufficientDriver) {
-    *reason = "no NVIDIA driver is loaded (no GPU on this machine, or its driver is missing)";
+    *reason = std::string("no NVIDIA driver is loaded: no GPU on this machine, or its driver is missing or older "
+                          "than this CUDA runtime (cudaGetDeviceCount: ") +
+              cudaGetErrorString(err) + ")";
     return false;
   }
   if (err != cudaSuccess) {

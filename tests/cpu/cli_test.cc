@@ -502,6 +502,73 @@ TEST(Cli, VerifyFailingCheckExits1) {
   EXPECT_NE(r.output.find("detdit verify: FAIL"), std::string::npos) << r.output;
 }
 
+// What the outputs promise (issue 16): the verify table fits 120 columns, a
+// progress line per finished case on stderr (not a terminal here), every
+// JSON report says where it ran and what was built, help texts state the real
+// defaults, and report refuses another kind of report by naming it.
+TEST(Cli, OutputsFitAndSayWhereTheyRan) {
+  const std::string out = temp_dir("outputs");
+  Result r = detdit("verify --quick --device cpu --weights '" + small_weights() + "' --out '" + out +
+                    "/report.json' --figure '" + out + "/figure.svg'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::istringstream table(r.stdout_text);
+  for (std::string line; std::getline(table, line);) EXPECT_LE(line.size(), 120u) << line;
+  const nlohmann::json report = nlohmann::json::parse(read_file(out + "/report.json"));
+  const std::size_t cases = report["cases"].size();
+  ASSERT_GT(cases, 0u);
+  for (std::size_t i = 1; i <= cases; ++i) {
+    const std::string progress = "detdit verify: [" + std::to_string(i) + "/" + std::to_string(cases) + "] ";
+    EXPECT_NE(r.output.find(progress), std::string::npos) << progress << "\n" << r.output;
+  }
+  EXPECT_NE(r.output.find(" s elapsed)"), std::string::npos) << r.output;
+
+  std::string version = read_file(std::string(DETDIT_SOURCE_DIR) + "/VERSION");
+  version = version.substr(0, version.find('\n'));
+  r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --warmup 0 --format json --weights '" +
+             small_weights() + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json bench = nlohmann::json::parse(r.stdout_text);
+  EXPECT_NE(r.output.find("detdit bench: [2/2] timestep_mlp"), std::string::npos) << r.output;
+  for (const nlohmann::json* json : {&report, &bench}) {
+    EXPECT_EQ((*json)["detdit_version"], version);
+    const std::string commit = (*json)["git"]["commit"];
+    EXPECT_TRUE(commit == "unknown" || (commit.size() == 40 && commit.find_first_not_of("0123456789abcdef") ==
+                                                                   std::string::npos))
+        << commit;
+    for (const char* key : {"host", "device", "compiler", "cuda_runtime", "cuda_driver"})
+      EXPECT_TRUE((*json)["environment"][key].is_string() && !(*json)["environment"][key].get<std::string>().empty())
+          << key << ": " << json->dump();
+    EXPECT_EQ((*json)["environment"]["device"].get<std::string>().rfind("cpu", 0), 0u);
+  }
+  EXPECT_EQ(report["format_version"], 2);
+
+  // A CPU run's figure: whole check names, no CUDA in the footer.
+  const std::string svg = read_file(out + "/figure.svg");
+  EXPECT_NE(svg.find(">b7/7 row invariance T=1 vs T=7</text>"), std::string::npos) << svg;
+  EXPECT_EQ(svg.find("~</text>"), std::string::npos);
+  EXPECT_EQ(svg.find("CUDA"), std::string::npos);
+
+  // report given a bench report names it and its kind, not the figure.
+  std::ofstream(out + "/bench.json") << bench.dump();
+  r = detdit("report '" + out + "/bench.json' --out '" + out + "/bench.svg'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(out + "/bench.json: ValueError: expected a detdit verify report"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("\"detdit_bench_report\": a detdit bench report"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("bench.svg"), std::string::npos) << r.output;
+
+  r = detdit("weights verify --help");
+  EXPECT_NE(r.output.find("(default: the number of blocks in the file, at least 1)"), std::string::npos) << r.output;
+  for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
+           {"verify --quick=1", "option --quick takes no value"},
+           {"verify --out a.json --out b.json", "option --out given twice"},
+           {"verify --weights=", "--weights: needs a non-empty value DIR, got ''"}}) {
+    r = detdit(command);
+    EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
+    EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
+  }
+}
+
 TEST(Cli, BenchQuickJson) {
   Result r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 2 --warmup 0 --format json --weights '" +
                     small_weights() + "'");
