@@ -100,24 +100,11 @@ class InProcessCommunicator final : public Communicator {
 
   Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) override {
     const int world = state_->world;
-    Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world);
     const bool on_cuda = state_->device.is_cuda();
-    if (local.ok() && on_cuda) local = ensure_events();
-    if (local.ok() && on_cuda) local = cuda::comm_event_record(ready_event_, stream);
-    State::Slot& mine = state_->slots[rank_];
-    mine.header = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
-    mine.send = send;
-    mine.ready_event = ready_event_;
-    mine.done_event = done_event_;
-    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
-
-    // Slots are read only between the two barriers (a peer rewrites its slot
-    // once it has passed the second one).
-    for (int r = 0; r < world; ++r) {
-      headers_[r] = state_->slots[r].header;
-      done_events_[r] = state_->slots[r].done_event;
-    }
-    Status verdict = comm_detail::check_call_headers(headers_.data(), world, local);
+    Status verdict;
+    DETDIT_RETURN_IF_ERROR(begin_call(CallOp::kAllGather, send, bytes, dtype, 0,
+                                      comm_detail::check_local_all_gather(send, bytes, recv, dtype, world), stream,
+                                      &verdict));
     if (verdict.ok() && bytes > 0) verdict = pull(bytes, static_cast<char*>(recv), stream);
     // Always the second barrier, also on error: a peer may still read the slots.
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
@@ -131,21 +118,11 @@ class InProcessCommunicator final : public Communicator {
 
   Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream stream) override {
     const int world = state_->world;
-    Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world);
     const bool on_cuda = state_->device.is_cuda();
-    if (local.ok() && on_cuda) local = ensure_events();
-    if (local.ok() && on_cuda) local = cuda::comm_event_record(ready_event_, stream);
-    State::Slot& mine = state_->slots[rank_];
-    mine.header = comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root);
-    mine.send = buffer;
-    mine.ready_event = ready_event_;
-    mine.done_event = done_event_;
-    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
-    for (int r = 0; r < world; ++r) {
-      headers_[r] = state_->slots[r].header;
-      done_events_[r] = state_->slots[r].done_event;
-    }
-    Status verdict = comm_detail::check_call_headers(headers_.data(), world, local);
+    Status verdict;
+    DETDIT_RETURN_IF_ERROR(begin_call(CallOp::kBroadcast, buffer, bytes, dtype, root,
+                                      comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world), stream,
+                                      &verdict));
     // The headers agree, so root is valid and the same on every rank.
     if (verdict.ok() && bytes > 0 && rank_ != root) verdict = pull_from(root, bytes, static_cast<char*>(buffer), stream);
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
@@ -178,6 +155,32 @@ class InProcessCommunicator final : public Communicator {
   Status ensure_events() {
     if (!ready_event_) DETDIT_RETURN_IF_ERROR(cuda::comm_event_create(state_->device, &ready_event_));
     if (!done_event_) DETDIT_RETURN_IF_ERROR(cuda::comm_event_create(state_->device, &done_event_));
+    return Status();
+  }
+
+  // The first half of a collective: publish this rank's header (and, on a
+  // CUDA device, the event its data is ready at) and send buffer, pass the
+  // first barrier, read every rank's header and done event, and compare the
+  // headers: *verdict is the call's outcome on every rank. Slots are read
+  // only between the two barriers (a peer rewrites its slot once it has
+  // passed the second one), so the caller always passes the second.
+  Status begin_call(CallOp op, const void* send, std::size_t bytes, DType dtype, int root, Status local,
+                    Stream stream, Status* verdict) {
+    const int world = state_->world;
+    const bool on_cuda = state_->device.is_cuda();
+    if (local.ok() && on_cuda) local = ensure_events();
+    if (local.ok() && on_cuda) local = cuda::comm_event_record(ready_event_, stream);
+    State::Slot& mine = state_->slots[rank_];
+    mine.header = comm_detail::make_header(sequence_++, op, bytes, dtype, !local.ok(), root);
+    mine.send = send;
+    mine.ready_event = ready_event_;
+    mine.done_event = done_event_;
+    DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
+    for (int r = 0; r < world; ++r) {
+      headers_[r] = state_->slots[r].header;
+      done_events_[r] = state_->slots[r].done_event;
+    }
+    *verdict = comm_detail::check_call_headers(headers_.data(), world, local);
     return Status();
   }
 

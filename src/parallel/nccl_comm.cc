@@ -78,16 +78,9 @@ class NcclCommunicator final : public Communicator {
 
   Status all_gather(const void* send, std::size_t bytes, void* recv, DType dtype, Stream stream) override {
     DETDIT_CUDA_TRY(cudaSetDevice(device_.index));
-    Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world_);
-    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
-    if (options_.check_calls) {
-      const char* gathered = nullptr;
-      DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), stream, &gathered));
-      DETDIT_RETURN_IF_ERROR(
-          comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered), world_, local));
-    } else {
-      DETDIT_RETURN_IF_ERROR(local);
-    }
+    const Status local = comm_detail::check_local_all_gather(send, bytes, recv, dtype, world_);
+    DETDIT_RETURN_IF_ERROR(check_call(
+        comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok()), local, stream));
     if (bytes == 0) return Status();
     DETDIT_NCCL_TRY(ncclAllGather(send, recv, bytes, ncclUint8, comm_, static_cast<cudaStream_t>(stream)));
     return Status();
@@ -95,16 +88,9 @@ class NcclCommunicator final : public Communicator {
 
   Status broadcast(void* buffer, std::size_t bytes, int root, DType dtype, Stream stream) override {
     DETDIT_CUDA_TRY(cudaSetDevice(device_.index));
-    Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world_);
-    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root);
-    if (options_.check_calls) {
-      const char* gathered = nullptr;
-      DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), stream, &gathered));
-      DETDIT_RETURN_IF_ERROR(
-          comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered), world_, local));
-    } else {
-      DETDIT_RETURN_IF_ERROR(local);
-    }
+    const Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world_);
+    DETDIT_RETURN_IF_ERROR(check_call(
+        comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root), local, stream));
     if (bytes == 0) return Status();
     // In place: the root's buffer is the source, every other rank's the destination.
     DETDIT_NCCL_TRY(ncclBroadcast(buffer, buffer, bytes, ncclUint8, root, comm_, static_cast<cudaStream_t>(stream)));
@@ -129,6 +115,16 @@ class NcclCommunicator final : public Communicator {
   // reads the result on the host (synchronises `stream`). *gathered points at
   // the world records in the pinned buffer, valid until the next exchange: a
   // call allocates nothing, so none can fail on one rank while its peers wait.
+  // The call check of every collective (comm.h): with check_calls the
+  // headers are exchanged and compared on every rank, else only this rank's
+  // own arguments count.
+  Status check_call(const CallHeader& mine, const Status& local, Stream stream) {
+    if (!options_.check_calls) return local;
+    const char* gathered = nullptr;
+    DETDIT_RETURN_IF_ERROR(exchange(&mine, sizeof(CallHeader), stream, &gathered));
+    return comm_detail::check_call_headers(reinterpret_cast<const CallHeader*>(gathered), world_, local);
+  }
+
   Status exchange(const void* host_send, std::size_t bytes, Stream stream, const char** gathered) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     char* host = static_cast<char*>(host_check_);
