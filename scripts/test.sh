@@ -62,7 +62,7 @@ if [ ! -f "$abi_dir/build.ninja" ]; then
   cmake -S . -B "$abi_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_ENABLE_CUDA=OFF -DDETDIT_CXX11_ABI=0 \
     -DCMAKE_PREFIX_PATH="$gtest_prefix"
 fi
-cmake --build "$abi_dir" -j "$(nproc)" --target detdit_cpu_tests
+cmake --build "$abi_dir" -j "$(nproc)" --target detdit_cpu_suite
 # The define reached every object: a new-ABI library defines hundreds of
 # symbols tagged [abi:cxx11] (std::string returns), this one none.
 if nm --defined-only "$abi_dir/libdetdit.a" | grep -q cxx11; then
