@@ -110,6 +110,35 @@ def test_backward_ops_refuse_before_allocating(case, index):
         call()
 
 
+def mismatch_cases():
+    """(the error, the call) for an output sized from two real inputs whose shared dim differs:
+    the output would take terabytes (a matrix product's (T, N) from 2**20 rows each, a table
+    gradient's (R, H) from a plan of 2**28 rows); the mismatch is refused before it is sized."""
+    big = 2 ** 20
+    plan = detdit.plan_from_rows(torch.zeros(4, dtype=torch.int64), 2 ** 28)  # S = 4, R = 2**28
+    x, w = normal((1, 4, 64), 110, bf16), torch.ones(64, dtype=bf16)
+    small_table = torch.zeros(3, 64, dtype=bf16)
+    return [
+        (r"weight must be \(N, K\) = \(\*, 8\)", lambda: detdit.linear(torch.zeros(big, 8), torch.zeros(big, 16))),
+        (r"weight must be \(N, D\) with temb's D = \(\*, 8\)",
+         lambda: detdit.adaln_projection(torch.zeros(big, 8), torch.zeros(big, 16, dtype=bf16),
+                                         torch.zeros(big, dtype=bf16))),
+        (r"w1 must be \(H, K\) = \(\*, 8\)",
+         lambda: detdit.timestep_mlp(torch.zeros(big, 8), torch.zeros(big, 16), torch.zeros(big), torch.zeros(8, big),
+                                     torch.zeros(8))),
+        (r"shift must be \(R, H\) = \(268435456, 64\)",
+         lambda: ops.rmsnorm_backward.plan(x, x, w, small_table, small_table, plan, torch.ones(4), 1e-5, "portable",
+                                           [True, True, True, True])),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_outputs_of_two_inputs_are_sized_only_once_their_shared_dims_agree(index):
+    message, call = mismatch_cases()[index]
+    with pytest.raises(ValueError, match="^" + message):
+        call()
+
+
 # ---------------------------------------------------------------------------
 # item 10: TypeError for an argument of the wrong type; ValueError naming the argument
 

@@ -219,14 +219,16 @@ Status status_of(const c10::Error& e) {
 // pass as they are.
 template <typename Op>
 auto on_every_rank(detdit::Communicator& group, Op&& op) -> decltype(op(static_cast<bool*>(nullptr))) {
+  // On this rank the agreement returns its own error, which is raised as it was.
   bool entered = false;
   try {
     return op(&entered);
   } catch (const c10::Error& e) {
-    if (!entered) group.agree(status_of(e), std::string());
+    if (!entered) static_cast<void>(group.agree(status_of(e), std::string()));
     throw;
   } catch (const std::bad_alloc&) {
-    if (!entered) group.agree(Status::runtime_error("out of memory before the collective call"), std::string());
+    if (!entered)
+      static_cast<void>(group.agree(Status::runtime_error("out of memory before the collective call"), std::string()));
     throw;
   }
 }

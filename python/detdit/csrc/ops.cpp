@@ -67,6 +67,7 @@ std::tuple<Tensor, Tensor> linear(const Tensor& x, const Tensor& weight, const O
   const detdit::Activation act = parse_activation(activation);
   require_contiguous(x, "x");
   require_contiguous(weight, "weight");
+  if (x.dim() == 2) require_dims(weight, "weight", {-1, x.size(1)}, "(N, K)");
   const int64_t rows = dim_or_zero(x, 0), outputs = dim_or_zero(weight, 0);
   Tensor out = empty_like_shape(x, {rows, outputs}, x.scalar_type());
   Tensor pre = act == detdit::Activation::kSilu ? empty_like_shape(x, {rows, outputs}, at::kFloat)
@@ -146,6 +147,8 @@ std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Te
   require_contiguous(features, "features");
   require_contiguous(w1, "w1");
   require_contiguous(w2, "w2");
+  if (features.dim() == 2) require_dims(w1, "w1", {-1, features.size(1)}, "(H, K)");
+  if (w1.dim() == 2) require_dims(w2, "w2", {-1, w1.size(0)}, "(D, H)");
   DeviceScope scope(features);
   const int64_t rows = dim_or_zero(features, 0), hidden_dim = dim_or_zero(w1, 0);
   Tensor temb = empty_like_shape(features, {rows, dim_or_zero(w2, 0)}, at::kFloat);
@@ -199,13 +202,21 @@ detdit::AdalnProjectionInputs adaln_projection_inputs(const Tensor& temb, const 
   in.numerics = parse_numerics(numerics);
   return in;
 }
+
+// temb (T, D) and weight (N, D) size the (T, N) table (and act (T, D)): their
+// layout and shared D before anything is allocated (also for final_adaln_out
+// and adaln_modulation, whose tables are such a projection).
+void require_projection_operands(const Tensor& temb, const Tensor& weight) {
+  require_contiguous(temb, "temb");
+  require_contiguous(weight, "weight");
+  if (temb.defined() && temb.dim() == 2) require_dims(weight, "weight", {-1, temb.size(1)}, "(N, D) with temb's D");
+}
 }  // namespace
 
 std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                  const std::string& numerics) {
-  require_contiguous(temb, "temb");
-  require_contiguous(weight, "weight");
+  require_projection_operands(temb, weight);
   DeviceScope scope(temb);
   Tensor table = empty_like_shape(temb, {dim_or_zero(temb, 0), columns}, weight.scalar_type());
   Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
@@ -278,6 +289,7 @@ Tensor adaln_row_gather(const Tensor& rows, const PlanPtr& plan) {
   DeviceScope scope(rows);
   const IndexPlan& index = required_plan(plan, "adaln_row_gather")->plan;
   require_unit_column_stride(rows, "rows");
+  require_dims(rows, "rows", {index.num_rows(), -1}, "(R, 6H) with R = plan.num_rows()");
   const int64_t hidden = hidden_of(dim_or_zero(rows, 1), detdit::kAdalnChunks, "rows", "(R, 6H)");
   Tensor out = empty_like_shape(rows, {detdit::kAdalnChunks, index.seq_len(), hidden}, rows.scalar_type());
   detdit::AdalnRowGatherParams p;
@@ -324,10 +336,10 @@ detdit::RmsnormInputs rmsnorm_inputs(const Tensor& x, const Tensor& weight, cons
 // wanted and the table is given: (R, H) with R the plan's rows and H the
 // rows' of `like`, the shape detdit requires of the table (never the table's
 // own dims, which a broadcast view may make any size).
-Tensor table_grad(bool wanted, const OptTensor& table, const IndexPlan& plan, const Tensor& like) {
-  return wanted && table.has_value() && table->defined()
-             ? empty_like_shape(like, {plan.num_rows(), dim_or_zero(like, -1)}, table->scalar_type())
-             : Tensor();
+Tensor table_grad(bool wanted, const OptTensor& table, const char* name, const IndexPlan& plan, const Tensor& like) {
+  if (!wanted || !table.has_value() || !table->defined()) return Tensor();
+  require_dims(*table, name, {plan.num_rows(), dim_or_zero(like, -1)}, "(R, H)");
+  return empty_like_shape(like, {plan.num_rows(), dim_or_zero(like, -1)}, table->scalar_type());
 }
 }  // namespace
 
@@ -355,8 +367,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_with(
   DeviceScope scope(x);
   Tensor dx = output_like(x, output_mask[0]);
   Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  Tensor d_shift = table_grad(output_mask[2], shift, plan, x);
-  Tensor d_scale = table_grad(output_mask[3], scale, plan, x);
+  Tensor d_shift = table_grad(output_mask[2], shift, "shift", plan, x);
+  Tensor d_scale = table_grad(output_mask[3], scale, "scale", plan, x);
   detdit::RmsnormBackwardParams p;
   p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
   p.rstd = view(rstd, "rstd");
@@ -435,7 +447,7 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_with(const Call<detdit
   DeviceScope scope(y);
   Tensor d_residual = output_like(y, output_mask[0]);
   Tensor d_y = output_like(y, output_mask[1]);
-  Tensor d_gate = table_grad(output_mask[2], gate, plan, y);
+  Tensor d_gate = table_grad(output_mask[2], gate, "gate", plan, y);
   detdit::GateResidualBackwardParams p;
   p.grad = view(grad, "grad");  // before the inputs: a bad grad has always been reported first
   p.in = gate_residual_inputs(Tensor(), y, gate, plan);
@@ -516,10 +528,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
   DeviceScope scope(h);
   Tensor d_residual = output_like(h, output_mask[0]);
   Tensor d_y = output_like(h, output_mask[1]);
-  Tensor d_gate = table_grad(output_mask[2], gate, plan, h);
+  Tensor d_gate = table_grad(output_mask[2], gate, "gate", plan, h);
   Tensor d_weight = maybe_empty(output_mask[3], h, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  Tensor d_shift = table_grad(output_mask[4], shift, plan, h);
-  Tensor d_scale = table_grad(output_mask[5], scale, plan, h);
+  Tensor d_shift = table_grad(output_mask[4], shift, "shift", plan, h);
+  Tensor d_scale = table_grad(output_mask[5], scale, "scale", plan, h);
   detdit::GateResidualRmsnormBackwardParams p;
   p.in = gate_residual_rmsnorm_inputs(Tensor(), y, gate, weight, shift, scale, plan, eps, numerics);
   p.h = view(h, "h");
@@ -580,8 +592,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out(const Tensor& x, cons
                                                            const std::string& numerics) {
   const IndexPlan& index = required_plan(plan, "final_adaln_out")->plan;
   require_contiguous(x, "x");
-  require_contiguous(temb, "temb");
-  require_contiguous(weight, "weight");
+  require_projection_operands(temb, weight);
   DeviceScope scope(x);
   Tensor out = output_like(x);
   Tensor table = empty_like_shape(x, {dim_or_zero(temb, 0), dim_or_zero(weight, 0)}, weight.scalar_type());
@@ -646,8 +657,11 @@ detdit::AdalnModulationInputs adaln_modulation_inputs(const Tensor& temb, const 
 std::tuple<Tensor, Tensor, Tensor> adaln_modulation(const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                     const PlanPtr& plan, const std::string& numerics) {
   const IndexPlan& index = required_plan(plan, "adaln_modulation")->plan;
-  require_contiguous(temb, "temb");
-  require_contiguous(weight, "weight");
+  require_projection_operands(temb, weight);
+  // the plan indexes the (3T, 6H) rows of the table: out (6, S, H) is sized from it
+  if (temb.dim() == 2 && index.num_rows() != 3 * temb.size(0))
+    C10_THROW_ERROR(ValueError, "plan must have R = 3T = " + std::to_string(3 * temb.size(0)) +
+                                    " table rows, got R = " + std::to_string(index.num_rows()));
   DeviceScope scope(temb);
   const int64_t outputs = dim_or_zero(weight, 0);
   const int64_t hidden = hidden_of(outputs, detdit::kNumModalities * detdit::kAdalnChunks, "weight", "(18H, D)");

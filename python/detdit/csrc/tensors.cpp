@@ -94,6 +94,21 @@ void require_unit_column_stride(const Tensor& t, const char* name) {
                                     std::to_string(v.strides[v.rank - 1]));
 }
 
+void require_dims(const Tensor& t, const char* name, std::initializer_list<int64_t> dims, const char* layout) {
+  if (!t.defined()) return;
+  const TensorView v = view(t, name);
+  bool ok = v.rank == static_cast<int>(dims.size());
+  std::string expected;
+  int i = 0;
+  for (int64_t d : dims) {
+    if (ok && d >= 0 && v.shape[i] != d) ok = false;
+    expected += (i++ ? ", " : "") + (d < 0 ? std::string("*") : std::to_string(d));
+  }
+  if (ok) return;
+  if (dims.size() == 1) expected += ",";
+  C10_THROW_ERROR(ValueError, std::string(name) + " must be " + layout + " = (" + expected + "), got " + v.describe());
+}
+
 int to_int(int64_t value, const char* name) {
   if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max())
     C10_THROW_ERROR(ValueError, std::string(name) + " must fit in a 32-bit int, got " + std::to_string(value));

@@ -14,7 +14,10 @@
 // - An output is sized only from dims detdit pins to memory: an input of the
 //   layout detdit requires of it (require_contiguous, require_unit_column_stride:
 //   detdit's checks and messages, run before the output is allocated), a
-//   built plan, or a size argument already range-checked. A strided or
+//   built plan, or a size argument already range-checked; and an output sized
+//   from dims of two inputs (a matrix product's (T, N), a table gradient's
+//   (R, H)) only once the dims they share agree (require_dims: detdit's shape
+//   check and message, run first). A strided or
 //   expanded view, whose shape its memory does not back, never sizes an
 //   allocation; the rest of detdit's validation runs in the call, before
 //   anything is written. Every shape helper here gives 0 for a dim an input
@@ -76,6 +79,8 @@ detdit::Activation parse_activation(const std::string& activation);
 // reports it).
 void require_contiguous(const Tensor& t, const char* name);
 void require_unit_column_stride(const Tensor& t, const char* name);
+// t must be `layout` = dims (-1: any size), as detdit's shape checks say it.
+void require_dims(const Tensor& t, const char* name, std::initializer_list<int64_t> dims, const char* layout);
 
 // value as an int, or a ValueError naming the argument when it does not fit.
 int to_int(int64_t value, const char* name);
