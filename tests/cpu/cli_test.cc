@@ -751,7 +751,9 @@ TEST(Cli, VerifyParallelUnderMpirunTwoRanks) {
 // Ranks started with different command lines (an MPMD launch: one app
 // context per rank) exit 2 together, each saying why, within a minute; 6 of
 // these used to hang (a rank waiting in a collective its peer never entered).
-TEST(Cli, RanksWithDifferentCommandLinesFailTogether) {
+// The name says "Mpi": the sanitizer job (scripts/test.sh) runs the tests that
+// start MPI processes with the unwinder that finds Open MPI's frames.
+TEST(Cli, RanksWithDifferentCommandLinesUnderMpirunFailTogether) {
 #if !defined(DETDIT_WITH_MPI)
   GTEST_SKIP() << "detdit was built without MPI";
 #endif
