@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
@@ -22,7 +23,10 @@ namespace detdit {
 struct IndexPlan::Impl {
   int64_t seq_len = 0, batch = 0, num_rows = 0, positions = 0, num_chunks = 0, num_segments = 0;
   int64_t max_chunk_segments = 0;
-  uint64_t fingerprint = 0;
+  // Computed on first use (fingerprint()): only the parallel ops need it,
+  // and hashing every row is a fifth of a block-packed build.
+  mutable std::once_flag fingerprint_once;
+  mutable uint64_t fingerprint = 0;
   Device device;
   std::vector<int32_t> row_of_seq, chunk_segment_begin, segment_row, segment_pos_begin, segment_positions,
       row_segment_begin, row_segments;
@@ -238,8 +242,6 @@ Status build(std::vector<int32_t> row_of_seq, int64_t num_rows, int64_t batch, c
   impl->positions = positions;
   impl->num_chunks = num_chunks;
   impl->device = device;
-  const int64_t sizes[] = {seq_len, batch, num_rows};
-  impl->fingerprint = fnv1a_words(row_of_seq.data(), row_of_seq.size() * sizeof(int32_t), fnv1a(sizes, sizeof sizes));
 
   // When 256 divides S, no chunk straddles two batch items and batch item b's
   // chunks are item 0's with positions + b*S and segments + b*G0: the chunks
@@ -448,7 +450,16 @@ int64_t IndexPlan::positions() const { return impl_ ? impl_->positions : 0; }
 int64_t IndexPlan::num_chunks() const { return impl_ ? impl_->num_chunks : 0; }
 int64_t IndexPlan::num_segments() const { return impl_ ? impl_->num_segments : 0; }
 int64_t IndexPlan::max_chunk_segments() const { return impl_ ? impl_->max_chunk_segments : 0; }
-uint64_t IndexPlan::fingerprint() const { return impl_ ? impl_->fingerprint : 0; }
+uint64_t IndexPlan::fingerprint() const {
+  if (!impl_) return 0;
+  const Impl& impl = *impl_;
+  std::call_once(impl.fingerprint_once, [&impl] {
+    const int64_t sizes[] = {impl.seq_len, impl.batch, impl.num_rows};
+    impl.fingerprint = fnv1a_lanes(impl.row_of_seq.data(), impl.row_of_seq.size() * sizeof(int32_t),
+                                   fnv1a(sizes, sizeof sizes));
+  });
+  return impl.fingerprint;
+}
 Device IndexPlan::device() const { return impl_ ? impl_->device : Device::cpu(); }
 // An empty plan has empty tables (all null) rather than a null dereference.
 const PlanTables& IndexPlan::host_tables() const {

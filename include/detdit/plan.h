@@ -73,8 +73,9 @@ class IndexPlan {
   int64_t num_chunks() const;    // C = ceil(P / 256)
   int64_t num_segments() const;  // G
   int64_t max_chunk_segments() const;  // the most segments of any one chunk
-  // FNV-1a (64-bit) of S, B, R and the table row of every position, computed
-  // once at build: plans of one index, R and B have one fingerprint in every
+  // A 64-bit FNV-1a hash (four chains over the rows' 8-byte words, then their
+  // states) of S, B, R and the table row of every position, computed on first
+  // use, once per plan (thread-safe; the parallel ops ask for it): plans of one index, R and B have one fingerprint in every
   // process, plans that differ in any of them (almost surely) differ. The
   // parallel ops agree on it across ranks (parallel.h), so ranks holding
   // different indexes fail instead of computing different "replicated" results.
