@@ -23,7 +23,7 @@ checked across ranks, and a validation error on one rank fails the call on every
 import torch
 import torch.distributed as dist
 
-from . import _C, H3_NORM_EPS, _profile
+from . import _C, H3_NORM_EPS, _OPTIONAL_INT, _check, _profile
 
 __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection", "shard_rows"]
 
@@ -104,8 +104,7 @@ def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable
     """The ``(T, N)`` AdaLN table from this rank's weight rows ``shard_rows(N, tp, rank)`` and
     their bias; byte-equal to ``detdit.adaln_projection``. ``out_features`` is N; it may be left
     out when every rank owns the same number of rows (N = tp * the shard's rows)."""
-    if out_features is not None and (isinstance(out_features, bool) or not isinstance(out_features, int)):
-        raise TypeError(f"tp_adaln_projection: out_features must be an int or None, got {type(out_features).__name__}")
+    _check("tp_adaln_projection", out_features=(out_features, _OPTIONAL_INT))
     return _ops.tp_adaln_projection.default(temb, weight_shard, bias_shard, comm.handle, _profile(numerics),
                                             out_features)[0]
 
