@@ -7,6 +7,8 @@
 # gpu-out/ are copied there. The last lines printed are the summary.
 # `compare` (scripts/torch_compare.py) needs the extension: run after python.
 # NVLink multicast stays off for every process this starts.
+# DETDIT_STAGE_TIMEOUT=N caps every stage's time limit at N seconds, so a
+# chosen set of stages fits one device call.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=gpu-out
@@ -22,6 +24,7 @@ note() { echo "$*" | tee -a "$summary"; }
 run() {  # run NAME TIMEOUT_S COMMAND...: log to $out/NAME.log, record the exit code
   local name=$1 limit=$2
   shift 2
+  [ -n "${DETDIT_STAGE_TIMEOUT:-}" ] && [ "$DETDIT_STAGE_TIMEOUT" -lt "$limit" ] && limit=$DETDIT_STAGE_TIMEOUT
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?

@@ -14,6 +14,9 @@ Contract:
   (plan.h: a never-reused id and the sizes). Dynamo guards on those values, so a compiled
   graph runs with the plan it was traced with and no other: a CUDA graph (``mode=
   "reduce-overhead"``) replays the plan's device tables by address.
+- Every op declares no side effect: torch would take an op with a plan (a torch class)
+  argument for an effectful one and order it by tokens; a detdit op is a pure function of
+  its arguments (a plan never changes once built).
 - torch runs an op whose plan argument is a fake plan in Python, where the C++ autograd
   Functions (autograd.h) cannot go; for those ops (every op with a plan, the ``.plan``
   overload of rmsnorm; ``TRACED_AUTOGRAD``) :func:`autograd_function` makes the same Functions
@@ -392,13 +395,14 @@ def autograd_function(name):
 
     def forward(ctx, *args):
         result = _below_autograd(op, args)
-        outs = result if isinstance(result, tuple) else (result,)
+        # a tuple, or a list where torch's effect handling ran the op (see _register)
+        outs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
         is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.save_for_backward(*[a if t else None for a, t in zip(args, is_tensor)], *outs)
         ctx.others = [None if t else a for a, t in zip(args, is_tensor)]
         ctx.mark_non_differentiable(*[outs[i] for i in non_differentiable])
         ctx.set_materialize_grads(materialize)
-        return result
+        return outs if len(outs) > 1 else outs[0]
 
     def backward(ctx, *grads):
         if torch.is_grad_enabled():
@@ -422,8 +426,14 @@ def _register_autograd():
 
 def _register():
     from torch._library.fake_class_registry import register_fake_class
+    from torch._higher_order_ops import effects
     for name, kernel in FAKE_KERNELS.items():
         torch.library.register_fake(f"detdit::{name}", kernel)
+        # torch takes an op with a torch-class argument (a plan) for one with side effects and
+        # threads ordering tokens through the graph around it; a detdit op is a pure function
+        # of its arguments (a plan never changes once built), so it declares no effect
+        if hasattr(effects, "_register_effectful_op"):
+            effects._register_effectful_op(_overload(name), None)
     register_fake_class("detdit::IndexPlan", FakeIndexPlan)
     register_fake_class("detdit::SpPlan", FakeSpPlan)
     _register_autograd()

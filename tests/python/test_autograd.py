@@ -244,3 +244,31 @@ def test_linear_silu_grads_vs_fp64(dtype):
     check_normwise(out, out64, dtype, "silu(linear) forward")
     for leaf, ref, name in zip(leaves, r, ["d_x", "d_weight", "d_bias"]):
         check_normwise(leaf.grad, ref.grad, dtype, name)
+
+
+def test_strided_incoming_grads_give_the_contiguous_bits():
+    """Autograd may hand a backward an expanded or transposed gradient; every op's Function
+    makes it contiguous, so the gradients are the bits of the same values given contiguous."""
+    batch, seq, timesteps, hidden = 2, 40, 2, 64
+    ti, tags = packing(seq, timesteps, 90)
+    plan = detdit.plan(ti, tags, timesteps, batch=batch)
+    bf = torch.bfloat16
+    x, y = normal((batch, seq, hidden), 91, bf), normal((batch, seq, hidden), 92, bf)
+    w = (1 + normal((hidden,), 93, scale=0.05)).to(bf)
+    table = normal((3 * timesteps, hidden), 94, bf, scale=0.3)
+    lx, lw, lb = normal((3, 40), 95, bf), normal((24, 40), 96, bf, scale=0.1), normal((24,), 97, bf)
+    cases = {
+        "linear": (lambda a, b, c: detdit.linear(a, b, c, activation="silu"), (lx, lw, lb)),
+        "rmsnorm": (lambda a, b, c: detdit.rmsnorm(a, b, c, c, plan), (x, w, table)),
+        "gate_residual": (lambda a, b, c: detdit.gate_residual(a, b, c, plan), (x, y, table)),
+    }
+    for name, (op, args) in cases.items():
+        leaves = [t.clone().requires_grad_(True) for t in args]
+        out = op(*leaves)
+        grad = normal(tuple(out.shape), 98, out.dtype)
+        strided = grad.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert not strided.is_contiguous() and torch.equal(strided, grad)
+        contiguous_grads = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+        strided_grads = torch.autograd.grad(out, leaves, strided)
+        for a, b, i in zip(contiguous_grads, strided_grads, range(len(leaves))):
+            assert_bitwise_equal(b, a, f"{name} gradient {i} from a strided incoming gradient")

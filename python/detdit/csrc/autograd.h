@@ -143,7 +143,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_x, d_weight, d_bias] =
-        DETDIT_OP(linear_backward)(grads[0], s[0], s[1], s[2], ctx->saved_data["activation"].toStringRef(),
+        DETDIT_OP(linear_backward)(contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["activation"].toStringRef(),
                                    ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {d_x, d_weight, d_bias, Tensor(), Tensor()};
   }
