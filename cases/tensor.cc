@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <new>
 #include <random>
 #include <sstream>
@@ -26,6 +27,45 @@ std::shared_ptr<void> aligned_host_memory(std::size_t bytes) {
   return std::shared_ptr<void>(memory, [kAlignment](void* m) { ::operator delete(m, kAlignment); });
 }
 
+// memset and memcpy over the host's cores: at the H3 shapes the cases touch
+// tens of GB of freshly allocated memory, bound by page faults on one core.
+constexpr std::size_t kByteBlock = std::size_t(1) << 22;
+
+void parallel_bytes(std::size_t bytes, const std::function<void(std::size_t offset, std::size_t size)>& fn) {
+  const int64_t blocks = static_cast<int64_t>((bytes + kByteBlock - 1) / kByteBlock);
+  cpu::parallel_for(0, blocks, [&](int64_t b) {
+    const std::size_t offset = static_cast<std::size_t>(b) * kByteBlock;
+    fn(offset, std::min(kByteBlock, bytes - offset));
+  });
+}
+
+void fill_host_bytes(void* data, uint8_t value, std::size_t bytes) {
+  parallel_bytes(bytes, [&](std::size_t offset, std::size_t size) {
+    std::memset(static_cast<char*>(data) + offset, value, size);
+  });
+}
+
+void copy_host_bytes(void* dst, const void* src, std::size_t bytes) {
+  parallel_bytes(bytes, [&](std::size_t offset, std::size_t size) {
+    std::memcpy(static_cast<char*>(dst) + offset, static_cast<const char*>(src) + offset, size);
+  });
+}
+
+// A contiguous view of `shape` (any rank) on the host.
+TensorView contiguous_view(void* data, DType dtype, const std::vector<int64_t>& shape) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = static_cast<int>(shape.size());
+  int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = shape[d];
+    v.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return v;
+}
+
 int64_t element_count(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -45,14 +85,14 @@ HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype),
   nbytes_ = static_cast<std::size_t>(element_count(shape_)) * dtype_size(dtype_);
   memory_ = aligned_host_memory(nbytes_);
   data_ = memory_.get();
-  std::memset(data_, 0, nbytes_);
+  fill_host_bytes(data_, 0, nbytes_);
 }
 
 HostTensor::HostTensor(const HostTensor& other) : dtype_(other.dtype_), shape_(other.shape_), nbytes_(other.nbytes_) {
   if (other.memory_ == nullptr) return;  // a default (empty) tensor stays empty
   memory_ = aligned_host_memory(nbytes_);
   data_ = memory_.get();
-  if (nbytes_ > 0) std::memcpy(data_, other.data_, nbytes_);
+  copy_host_bytes(data_, other.data_, nbytes_);
 }
 
 HostTensor& HostTensor::operator=(const HostTensor& other) {
@@ -62,27 +102,13 @@ HostTensor& HostTensor::operator=(const HostTensor& other) {
 
 int64_t HostTensor::numel() const { return element_count(shape_); }
 
-TensorView HostTensor::view() const {
-  TensorView v;
-  v.data = data_;
-  v.dtype = dtype_;
-  v.rank = static_cast<int>(shape_.size());
-  int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.shape[d] = shape_[d];
-    v.strides[d] = stride;
-    stride *= shape_[d];
-  }
-  return v;
-}
+TensorView HostTensor::view() const { return contiguous_view(data_, dtype_, shape_); }
 
 TensorView HostTensor::view_as(std::initializer_list<int64_t> shape) const {
   return TensorView::contiguous(data_, dtype_, shape);
 }
 
-void HostTensor::fill_bytes(uint8_t value) {
-  if (nbytes_ > 0) std::memset(data_, value, nbytes_);
-}
+void HostTensor::fill_bytes(uint8_t value) { fill_host_bytes(data_, value, nbytes_); }
 
 double HostTensor::get(int64_t i) const {
   switch (dtype_) {
@@ -195,15 +221,40 @@ Status DeviceTensor::from_host(const HostTensor& host, const Device& device, Dev
 
 Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device& device, DeviceTensor* tensor,
                            Stream stream) {
-  HostTensor canary(dtype, std::move(shape));
-  canary.fill_bytes(kCanary);
-  return from_host(canary, device, tensor, stream);
+  if (!device.is_cuda()) {
+    HostTensor canary(dtype, std::move(shape));
+    canary.fill_bytes(kCanary);
+    DeviceTensor t;
+    t.shape_ = canary.shape();
+    t.view_ = canary.view();
+    t.memory_ = std::make_shared<HostTensor>(std::move(canary));
+    *tensor = std::move(t);
+    return Status();
+  }
+#if defined(DETDIT_WITH_CUDA)
+  // the canary written on the device: no host buffer, no transfer
+  DeviceTensor t;
+  t.shape_ = std::move(shape);
+  t.view_ = contiguous_view(nullptr, dtype, t.shape_);
+  t.view_.device = device;
+  void* memory = nullptr;
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaMalloc(&memory, std::max<std::size_t>(t.view_.nbytes(), 1)), "cudaMalloc"));
+  t.memory_ = std::shared_ptr<void>(memory, [](void* p) { cudaFree(p); });
+  t.view_.data = memory;
+  DETDIT_RETURN_IF_ERROR(t.fill_bytes(kCanary, stream));
+  *tensor = std::move(t);
+  return Status();
+#else
+  (void)stream;
+  return Status::runtime_error("a CUDA tensor needs a CUDA build of detdit");
+#endif
 }
 
 Status DeviceTensor::to_host(HostTensor* host, Stream stream) const {
   HostTensor copy(view_.dtype, shape_);
   if (!view_.device.is_cuda()) {
-    if (copy.nbytes() > 0) std::memcpy(copy.data(), view_.data, copy.nbytes());
+    copy_host_bytes(copy.data(), view_.data, copy.nbytes());
     *host = std::move(copy);
     return Status();
   }
@@ -226,7 +277,7 @@ Status DeviceTensor::to_host(HostTensor* host, Stream stream) const {
 Status DeviceTensor::fill_bytes(uint8_t value, Stream stream) {
   const std::size_t bytes = view_.nbytes();
   if (!view_.device.is_cuda()) {
-    if (bytes > 0) std::memset(view_.data, value, bytes);
+    fill_host_bytes(view_.data, value, bytes);
     return Status();
   }
 #if defined(DETDIT_WITH_CUDA)

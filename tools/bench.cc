@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -293,9 +294,23 @@ int run_bench(int argc, char** argv) {
   cases::CaseContext case_context_of_run = case_context(weights, quick, seed);
   case_context_of_run.small = quick || !context.device.is_cuda();
   std::vector<cases::OpCase> selected;
+  std::set<std::string> unmatched = names;  // --cases names that no case of this run has
   if (any_op_case) {
-    for (cases::OpCase& c : cases::op_cases("", cases::Suite::kBench, case_context_of_run))
-      if ((ops.empty() || ops.count(c.op)) && (names.empty() || names.count(c.name))) selected.push_back(std::move(c));
+    for (cases::OpCase& c : cases::op_cases("", cases::Suite::kBench, case_context_of_run)) {
+      if (!ops.empty() && !ops.count(c.op)) continue;
+      unmatched.erase(c.name);
+      if (names.empty() || names.count(c.name)) selected.push_back(std::move(c));
+    }
+  }
+  for (auto it = unmatched.begin(); it != unmatched.end();)
+    it = parallel && parallel_bench_count(context, parallel_ops.empty() ? ops : parallel_ops, {*it}) > 0
+             ? unmatched.erase(it)
+             : std::next(it);
+  if (!unmatched.empty()) {
+    if (leader)
+      std::fprintf(stderr, "detdit: --cases: no case named '%s' on --device %s%s (detdit bench --list shows them)\n",
+                   unmatched.begin()->c_str(), device_name.c_str(), ops.empty() ? "" : " for --ops");
+    return 2;
   }
   std::vector<BenchResult> results;
   // Progress on stderr (the report waits for the last case): a large case
