@@ -605,6 +605,14 @@ TEST(Cli, BenchQuickJson) {
   const nlohmann::json written = nlohmann::json::parse(read_file(dir + "/bench.json"));
   EXPECT_EQ(written["kind"], "detdit_bench_report");
   EXPECT_EQ(written["cases"].size(), 6u) << written.dump();
+  // A case name the run does not have is a usage error, not an empty report;
+  // sp_region's names count where sp_region runs.
+  r = detdit("bench --quick --device cpu --ops timestep_mlp --cases 'T=5' --weights '" + small_weights() + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("detdit: --cases: no case named 'T=5' on --device cpu"), std::string::npos) << r.output;
+  r = detdit("bench --quick --device cpu --ops sp_region --cases 'S=4097 block' --repeats 1 --warmup 0 --weights '" +
+             small_weights() + "'");
+  EXPECT_EQ(r.code, 0) << r.output;
 }
 
 // ---- parallel regions (tools/verify_parallel.cc, tools/bench_parallel.cc) ----
