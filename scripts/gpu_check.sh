@@ -7,8 +7,11 @@
 # gpu-out/ are copied there. The last lines printed are the summary.
 # `compare` (scripts/torch_compare.py) needs the extension: run after python.
 # NVLink multicast stays off for every process this starts.
-# DETDIT_STAGE_TIMEOUT=N caps every stage's time limit at N seconds, so a
-# chosen set of stages fits one device call.
+# DETDIT_STAGE_TIMEOUT=N caps every stage's time limit at N seconds, and
+# DETDIT_DEADLINE=N ends the run N seconds after it started (a stage gets what
+# is left; one that would get under 10 s is skipped and says so), so a chosen
+# set of stages fits one device call. The bench runs one op at a time, each
+# with its own report, so a stage cut short loses one op's numbers only.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=gpu-out
@@ -25,6 +28,14 @@ run() {  # run NAME TIMEOUT_S COMMAND...: log to $out/NAME.log, record the exit 
   local name=$1 limit=$2
   shift 2
   [ -n "${DETDIT_STAGE_TIMEOUT:-}" ] && [ "$DETDIT_STAGE_TIMEOUT" -lt "$limit" ] && limit=$DETDIT_STAGE_TIMEOUT
+  if [ -n "${DETDIT_DEADLINE:-}" ]; then
+    local left=$((DETDIT_DEADLINE - SECONDS))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 10 ]; then
+      note "$(printf '%-10s skipped: %ss left before DETDIT_DEADLINE' "$name" "$left")"
+      return 124
+    fi
+  fi
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -53,7 +64,9 @@ for stage in "${stages[@]}"; do
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rxs ;;
     bench)
-      run bench 400 "$build/detdit" bench --device cuda --format json --out "$out/bench.json"
+      for op in $("$build/detdit" bench --list | awk '{print $1}' | uniq); do
+        run "bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/bench_$op.json"
+      done
       [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
     compare)  # eager and torch.compile on the bench's row-wise cases, same process (docs/benchmarking.md)
       run compare 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
