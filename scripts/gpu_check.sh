@@ -10,7 +10,8 @@
 # DETDIT_STAGE_TIMEOUT=N caps every stage's time limit at N seconds, and
 # DETDIT_DEADLINE=N ends the run N seconds after it started (a stage gets what
 # is left; one that would get under 10 s is skipped and says so), so a chosen
-# set of stages fits one device call. The bench runs one op at a time, each
+# set of stages fits one device call. DETDIT_PYTESTS names the Python tests
+# the python stage runs (default: tests/python). The bench runs one op at a time, each
 # with its own report, so a stage cut short loses one op's numbers only.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -62,7 +63,7 @@ for stage in "${stages[@]}"; do
         --gtest_filter='SpHalvesCuda.*:FailureCuda.*:SiluCuda.*:InvarianceCuda.*:Cases/*CaseCuda.EqualsTheCpu/1_*:Cases/*CaseCuda.EqualsTheCpu/2_*' ;;
     python)
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
-        run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rxs ;;
+        run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest ${DETDIT_PYTESTS:-tests/python} -q -rxs ;;
     bench)
       for op in $("$build/detdit" bench --list | awk '{print $1}' | uniq); do
         run "bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/bench_$op.json"

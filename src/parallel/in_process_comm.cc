@@ -9,7 +9,9 @@
 // waits for every peer's done event, so its send buffer is not overwritten
 // while a peer still reads it. A broadcast is the same two barriers: every
 // rank but the root pulls the root's buffer, and only the root's stream waits
-// for the peers' done events. The host never waits for the device.
+// for the peers' done events. The host never waits for the device. The events
+// live as long as the group, since a peer may pass one to its stream after its
+// owner has returned.
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -47,6 +49,16 @@ struct InProcessGroup::State {
   int departed = -1;        // first rank that left the group, -1 while all are present
   std::vector<bool> taken;
   std::vector<Slot> slots;
+
+  // A rank's events go with the group, not with its communicator: a rank may
+  // return and destroy its communicator while a peer, just past the second
+  // barrier, has yet to pass that rank's done event to cudaStreamWaitEvent.
+  ~State() {
+    for (const Slot& slot : slots) {
+      if (slot.ready_event) cuda::comm_event_destroy(slot.ready_event);
+      if (slot.done_event) cuda::comm_event_destroy(slot.done_event);
+    }
+  }
 
   // Every rank arrives or the call fails: a rank that left can never arrive.
   Status barrier(int rank) {
@@ -86,11 +98,7 @@ class InProcessCommunicator final : public Communicator {
   InProcessCommunicator(std::shared_ptr<InProcessGroup::State> state, int rank)
       : state_(std::move(state)), rank_(rank), headers_(state_->world), records_(state_->world),
         done_events_(state_->world) {}
-  ~InProcessCommunicator() override {
-    state_->depart(rank_);
-    if (ready_event_) cuda::comm_event_destroy(ready_event_);
-    if (done_event_) cuda::comm_event_destroy(done_event_);
-  }
+  ~InProcessCommunicator() override { state_->depart(rank_); }  // its events are its slot's (State)
 
   int rank() const override { return rank_; }
   int world_size() const override { return state_->world; }
@@ -152,9 +160,14 @@ class InProcessCommunicator final : public Communicator {
  private:
   using State = InProcessGroup::State;
 
+  // Created once, kept in this rank's slot from their creation on, so the
+  // group destroys them (State) even if this call then fails.
   Status ensure_events() {
+    State::Slot& mine = state_->slots[rank_];
     if (!ready_event_) DETDIT_RETURN_IF_ERROR(cuda::comm_event_create(state_->device, &ready_event_));
+    mine.ready_event = ready_event_;
     if (!done_event_) DETDIT_RETURN_IF_ERROR(cuda::comm_event_create(state_->device, &done_event_));
+    mine.done_event = done_event_;
     return Status();
   }
 
@@ -172,9 +185,7 @@ class InProcessCommunicator final : public Communicator {
     if (local.ok() && on_cuda) local = cuda::comm_event_record(ready_event_, stream);
     State::Slot& mine = state_->slots[rank_];
     mine.header = comm_detail::make_header(sequence_++, op, bytes, dtype, !local.ok(), root);
-    mine.send = send;
-    mine.ready_event = ready_event_;
-    mine.done_event = done_event_;
+    mine.send = send;  // (CUDA: the slot holds this rank's events since ensure_events)
     DETDIT_RETURN_IF_ERROR(state_->barrier(rank_));
     for (int r = 0; r < world; ++r) {
       headers_[r] = state_->slots[r].header;
