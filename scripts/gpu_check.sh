@@ -11,7 +11,8 @@
 # DETDIT_DEADLINE=N ends the run N seconds after it started (a stage gets what
 # is left; one that would get under 10 s is skipped and says so), so a chosen
 # set of stages fits one device call. DETDIT_PYTESTS names the Python tests
-# the python stage runs (default: tests/python). The bench runs one op at a time, each
+# the python stage runs (default: tests/python), DETDIT_BENCH_OPS the bench's
+# ops in the order to run them (default: all, as `detdit bench --list` lists them). The bench runs one op at a time, each
 # with its own report, so a stage cut short loses one op's numbers only.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -65,7 +66,7 @@ for stage in "${stages[@]}"; do
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest ${DETDIT_PYTESTS:-tests/python} -q -rxs ;;
     bench)
-      for op in $("$build/detdit" bench --list | awk '{print $1}' | uniq); do
+      for op in ${DETDIT_BENCH_OPS:-$("$build/detdit" bench --list | awk '{print $1}' | uniq)}; do
         run "bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/bench_$op.json"
       done
       [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
