@@ -29,7 +29,9 @@ std::shared_ptr<void> aligned_host_memory(std::size_t bytes) {
 
 // memset and memcpy over the host's cores: at the H3 shapes the cases touch
 // tens of GB of freshly allocated memory, bound by page faults on one core.
-constexpr std::size_t kByteBlock = std::size_t(1) << 22;
+// Blocks of 32 MiB: a smaller tensor is one block, done by the calling thread
+// (no thread is started for it, which would cost more than it saves).
+constexpr std::size_t kByteBlock = std::size_t(32) << 20;
 
 void parallel_bytes(std::size_t bytes, const std::function<void(std::size_t offset, std::size_t size)>& fn) {
   const int64_t blocks = static_cast<int64_t>((bytes + kByteBlock - 1) / kByteBlock);
