@@ -111,10 +111,41 @@ RankStream::~RankStream() {
 #endif
 }
 
-Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm) {
+Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm, NcclOptions options) {
   NcclUniqueId id;
   DETDIT_RETURN_IF_ERROR(nccl_unique_id(&id));
-  return create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), comm);
+  return create_nccl_communicator_from_id(id, 1, 0, Device::cuda(0), comm, options);
+}
+
+Status replayed_as_cuda_graph(Stream stream, const std::function<Status()>& op) {
+#if defined(DETDIT_WITH_CUDA)
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  auto failed = [](const char* what, cudaError_t e) {
+    return Status::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+  };
+  cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  if (e != cudaSuccess) return failed("cudaStreamBeginCapture", e);
+  const Status called = op();
+  cudaGraph_t graph = nullptr;
+  e = cudaStreamEndCapture(s, &graph);  // always ends the capture, also after an error
+  if (!called.ok()) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    return Status::runtime_error("inside the capture: " + called.to_string());
+  }
+  if (e != cudaSuccess) return failed("the capture (a capture-unsafe call inside the op?)", e);
+  cudaGraphExec_t exec = nullptr;
+  e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (e != cudaSuccess) return failed("cudaGraphInstantiate", e);
+  for (int replay = 0; replay < 2 && e == cudaSuccess; ++replay) e = cudaGraphLaunch(exec, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  cudaGraphExecDestroy(exec);
+  return e == cudaSuccess ? Status() : failed("replaying the graph", e);
+#else
+  (void)stream;
+  (void)op;
+  return Status::runtime_error("a CUDA graph needs a CUDA build of detdit");
+#endif
 }
 
 int cuda_device_count() {

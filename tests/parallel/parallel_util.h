@@ -54,7 +54,17 @@ class RankStream {
 };
 
 // A world-size-one NCCL communicator on cuda:0 (the WS1-over-NCCL tests).
-Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm);
+Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm, NcclOptions options = {});
+
+// Runs `op` (work on `stream`, a stream of its own) as a CUDA graph: captured
+// in global mode, so any host synchronisation, legacy-stream work or other
+// capture-unsafe call inside it fails the capture, then replayed twice (the
+// second replay must leave the same bytes). A RuntimeError names what failed.
+Status replayed_as_cuda_graph(Stream stream, const std::function<Status()>& op);
+// `op` itself, or `op` through replayed_as_cuda_graph when `captured`.
+inline Status maybe_captured(bool captured, Stream stream, const std::function<Status()>& op) {
+  return captured ? replayed_as_cuda_graph(stream, op) : op();
+}
 
 // Number of CUDA devices (0 without CUDA), and make `index` current on this thread.
 int cuda_device_count();

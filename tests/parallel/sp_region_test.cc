@@ -170,7 +170,9 @@ struct RankResult : RegionOutputs {
 
 // The SP forward and backward of rmsnorm and gate_residual on this rank, on
 // the problem's device with the rank's own stream.
-Status run_rank(Communicator& comm, const Problem& pr, RankResult* r) {
+// One rank's region; `captured`: each op runs as a CUDA graph (captured, then
+// replayed; testing::replayed_as_cuda_graph).
+Status run_rank(Communicator& comm, const Problem& pr, RankResult* r, bool captured = false) {
   testing::RankStream stream(pr.device);
   testing::DeviceArena arena(pr.device, stream.get());
   SpPlan sp;
@@ -178,11 +180,20 @@ Status run_rank(Communicator& comm, const Problem& pr, RankResult* r) {
   r->lo = sp.local_begin();
   r->hi = sp.local_end();
   r->max_send = sp.max_send();
+  const Stream s = stream.get();
   const RegionOps rank_ops{
-      [&](const RmsnormParams& p) { return sp_rmsnorm_forward(sp, p, stream.get()); },
-      [&](const RmsnormBackwardParams& p) { return sp_rmsnorm_backward(comm, sp, p, stream.get()); },
-      [&](const GateResidualParams& p) { return sp_gate_residual_forward(sp, p, stream.get()); },
-      [&](const GateResidualBackwardParams& p) { return sp_gate_residual_backward(comm, sp, p, stream.get()); }};
+      [&](const RmsnormParams& p) {
+        return testing::maybe_captured(captured, s, [&] { return sp_rmsnorm_forward(sp, p, s); });
+      },
+      [&](const RmsnormBackwardParams& p) {
+        return testing::maybe_captured(captured, s, [&] { return sp_rmsnorm_backward(comm, sp, p, s); });
+      },
+      [&](const GateResidualParams& p) {
+        return testing::maybe_captured(captured, s, [&] { return sp_gate_residual_forward(sp, p, s); });
+      },
+      [&](const GateResidualBackwardParams& p) {
+        return testing::maybe_captured(captured, s, [&] { return sp_gate_residual_backward(comm, sp, p, s); });
+      }};
   return run_region(pr, r->lo, r->hi, rank_ops, &arena, r);
 }
 
@@ -242,6 +253,26 @@ TEST(SpRegionNccl, WorldSizeOneMatchesWs1) {
     build_problem(SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32}, &pr, Device::cuda(0));
     RankResult result;
     DETDIT_ASSERT_OK(run_rank(*comm, pr, &result));
+    expect_equal_to_ws1(pr, result, 0);
+  }
+#else
+  GTEST_SKIP() << "built without NCCL";
+#endif
+}
+
+TEST(SpRegionNccl, CapturedAsCudaGraphsMatchesWs1) {
+  // Without the call check (NcclOptions::check_calls = false) nothing in the
+  // region waits for the device on the host, so each op captures into a CUDA
+  // graph; its replays write WS1's bytes (outputs start as the canary).
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_NCCL)
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm, NcclOptions{false}));
+  for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+    Problem pr;
+    build_problem(SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32}, &pr, Device::cuda(0));
+    RankResult result;
+    DETDIT_ASSERT_OK(run_rank(*comm, pr, &result, /*captured=*/true));
     expect_equal_to_ws1(pr, result, 0);
   }
 #else

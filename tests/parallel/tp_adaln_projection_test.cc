@@ -86,7 +86,10 @@ struct TpRankResult {
 };
 
 // The forward and backward of this rank on `device` with its own stream.
-Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device, TpRankResult* r) {
+// `captured`: the forward and the backward each run as a CUDA graph (captured,
+// then replayed; testing::replayed_as_cuda_graph).
+Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device, TpRankResult* r,
+                   bool captured = false) {
   testing::RankStream stream(device);
   testing::DeviceArena arena(device, stream.get());
   DETDIT_RETURN_IF_ERROR(tp_column_shard(pr.out_features, comm.world_size(), comm.rank(), &r->begin, &r->end));
@@ -100,12 +103,14 @@ Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device
   const TensorView temb = arena.upload(pr.temb), weight = arena.upload(weight_rows);
   AdalnProjectionParams f{{temb, weight, arena.upload(bias_rows)}, arena.empty(pr.dtype, {pr.rows, pr.out_features}, kCanary),
                           arena.empty(pr.dtype, {pr.rows, pr.in_features}, kCanary)};
-  DETDIT_RETURN_IF_ERROR(tp_adaln_projection_forward(comm, f, stream.get()));
+  DETDIT_RETURN_IF_ERROR(
+      testing::maybe_captured(captured, stream.get(), [&] { return tp_adaln_projection_forward(comm, f, stream.get()); }));
   AdalnProjectionBackwardParams b{f.in, f.act, arena.upload(pr.grad_table),
                                   arena.empty(DType::kF32, {pr.rows, pr.in_features}, kCanary),
                                   arena.empty(pr.dtype, {columns, pr.in_features}, kCanary),
                                   arena.empty(pr.dtype, {columns}, kCanary)};
-  DETDIT_RETURN_IF_ERROR(tp_adaln_projection_backward(comm, b, stream.get()));
+  DETDIT_RETURN_IF_ERROR(
+      testing::maybe_captured(captured, stream.get(), [&] { return tp_adaln_projection_backward(comm, b, stream.get()); }));
   r->table = arena.download(f.table);
   r->act = arena.download(f.act);
   r->d_temb = arena.download(b.d_temb);
@@ -262,6 +267,27 @@ TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
   ws1_on_gpu(&pr);
   TpRankResult gpu_result;
   DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cuda(0), &gpu_result));
+  EXPECT_BITWISE_EQ(pr.table, gpu_result.table);
+  EXPECT_BITWISE_EQ(pr.d_temb, gpu_result.d_temb);
+  expect_shard_equal(pr, gpu_result);
+#else
+  GTEST_SKIP() << "built without NCCL";
+#endif
+}
+
+TEST(TpAdalnProjectionNccl, CapturedAsCudaGraphsMatchesWs1) {
+  // Without the call check nothing waits for the device on the host: the
+  // forward and the backward each capture into a CUDA graph, whose replays
+  // write WS1's bytes (the outputs start as the canary).
+  DETDIT_SKIP_WITHOUT_CUDA();
+#if defined(DETDIT_WITH_NCCL)
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm, NcclOptions{false}));
+  TpProblem pr;
+  build(&pr, 3, 18 * 256, 136, DType::kBF16);
+  ws1_on_gpu(&pr);
+  TpRankResult gpu_result;
+  DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cuda(0), &gpu_result, /*captured=*/true));
   EXPECT_BITWISE_EQ(pr.table, gpu_result.table);
   EXPECT_BITWISE_EQ(pr.d_temb, gpu_result.d_temb);
   expect_shard_equal(pr, gpu_result);
