@@ -32,7 +32,7 @@ namespace detdit_torch {
 // IndexPlan (plan.h): `__obj_flatten__` gives its never-reused id and sizes.
 struct SpPlanHolder : torch::CustomClassHolder {
   detdit::SpPlan sp;
-  explicit SpPlanHolder(detdit::SpPlan s);
+  SpPlanHolder(detdit::SpPlan s, PlanPtr source);
   int64_t world() const { return sp.world(); }
   int64_t rank() const { return sp.rank(); }
   int64_t local_begin() const { return sp.local_begin(); }
@@ -46,13 +46,22 @@ struct SpPlanHolder : torch::CustomClassHolder {
   // ("local_end", ...), ("local_seq_len", ...), ("max_send", ...)), as strings.
   Flat flatten() const;
 
+  // Pickled as the IndexPlan it was made from (plan.h) and (world, rank), and
+  // rebuilt by sp_plan; equal when those are.
+  using State = std::tuple<Tensor, int64_t, int64_t, std::string, int64_t, int64_t>;
+  State state() const;
+  bool equals(const SpPlanHolder& other) const;
+
  private:
+  PlanPtr source_;
   int64_t id_;
 };
 using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;
 
 // detdit::sp_plan: the SpPlan of rank `rank` of `world` for the replicated plan.
 SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank);
+// The SpPlan of a pickled state (SpPlanHolder::state), through sp_plan.
+SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state);
 
 // tp_adaln_projection: (table (T, N) full, act (T, D)); weight/bias are this
 // rank's shard, rows [begin, end) of tp_column_shard(N, world, rank)

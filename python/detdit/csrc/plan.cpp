@@ -22,6 +22,16 @@ Tensor PlanHolder::row_index() const {
   return rows;
 }
 
+PlanHolder::State PlanHolder::state() const { return State(row_index(), num_rows(), batch(), device()); }
+
+bool PlanHolder::equals(const PlanHolder& other) const {
+  if (seq_len() != other.seq_len() || batch() != other.batch() || num_rows() != other.num_rows() ||
+      device() != other.device())
+    return false;
+  const int32_t* mine = plan.host_tables().row_of_seq;
+  return std::equal(mine, mine + seq_len(), other.plan.host_tables().row_of_seq);
+}
+
 std::string PlanHolder::repr() const {
   return "IndexPlan(seq_len=" + std::to_string(seq_len()) + ", batch=" + std::to_string(batch()) +
          ", num_rows=" + std::to_string(num_rows()) + ", device=" + device() + ")";
@@ -75,6 +85,11 @@ PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t b
   IndexPlan plan;
   check_ok(IndexPlan::from_row_index(view(row_index, "row_index"), num_rows, batch, &plan, scope.stream()));
   return c10::make_intrusive<PlanHolder>(std::move(plan));
+}
+
+PlanPtr plan_from_state(const PlanHolder::State& state) {
+  const auto& [row_index, num_rows, batch, device] = state;
+  return make_plan_from_rows(row_index.to(c10::Device(device)), num_rows, batch);
 }
 
 }  // namespace detdit_torch

@@ -7,6 +7,13 @@
 // `__obj_flatten__` gives what dynamo guards on and what the fake plan of
 // detdit/_compile.py is built from (contract there): the plan's id, unique
 // in the process and never reused, and its sizes, all as strings.
+//
+// Pickling (what torch.compile's inductor does with a plan it holds as a graph
+// constant, and copy.deepcopy): the state is the plan's source, its (S,) row
+// index as int32 on the CPU, the row count, the batch and the device; a plan
+// is rebuilt from it by plan_from_rows, so an unpickled plan is validated like
+// any other and gets a new id. Two plans are equal (`==`) when they are the
+// same table: equal sizes, device and row index.
 #pragma once
 
 #include <torch/custom_class.h>
@@ -42,6 +49,11 @@ struct PlanHolder : torch::CustomClassHolder {
   // ("positions", ...), ("num_chunks", ...), ("num_segments", ...), ("device", ...)).
   Flat flatten() const;
 
+  // (row_index, num_rows, batch, device): the pickled state.
+  using State = std::tuple<Tensor, int64_t, int64_t, std::string>;
+  State state() const;
+  bool equals(const PlanHolder& other) const;
+
   // The same index with batch 1, for the backward of ops whose output has no
   // batch dim (adaln_row_gather, adaln_modulation: (6, S, H)): autograd hands
   // them a (6, S, H) grad, already summed over the batch by whatever broadcast
@@ -69,5 +81,7 @@ PlanPtr required_plan(const PlanPtr& plan, const char* op);
 // detdit::plan and detdit::plan_from_rows.
 PlanPtr make_plan(const Tensor& timestep_indices, const Tensor& token_tags, int64_t num_timesteps, int64_t batch);
 PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t batch);
+// The plan of a pickled state (PlanHolder::state), through plan_from_rows.
+PlanPtr plan_from_state(const PlanHolder::State& state);
 
 }  // namespace detdit_torch

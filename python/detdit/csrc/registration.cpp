@@ -90,7 +90,10 @@ TORCH_LIBRARY(detdit, m) {
       .def("__repr__", &PlanHolder::repr)
       .def("__str__", &PlanHolder::repr)
       .def("__obj_flatten__", &PlanHolder::flatten)
-      .def("__len__", &plan_has_no_len<PlanHolder>);
+      .def("__len__", &plan_has_no_len<PlanHolder>)
+      .def("__eq__", [](const PlanPtr& self, const PlanPtr& other) { return self->equals(*other); })
+      .def_pickle([](const PlanPtr& self) { return self->state(); },
+                  [](PlanHolder::State state) { return plan_from_state(state); });
   m.class_<SpPlanHolder>("SpPlan")
       .def("world", &SpPlanHolder::world)
       .def("rank", &SpPlanHolder::rank)
@@ -99,7 +102,10 @@ TORCH_LIBRARY(detdit, m) {
       .def("local_seq_len", &SpPlanHolder::local_seq_len)
       .def("max_send", &SpPlanHolder::max_send)
       .def("__obj_flatten__", &SpPlanHolder::flatten)
-      .def("__len__", &plan_has_no_len<SpPlanHolder>);
+      .def("__len__", &plan_has_no_len<SpPlanHolder>)
+      .def("__eq__", [](const SpPlanPtr& self, const SpPlanPtr& other) { return self->equals(*other); })
+      .def_pickle([](const SpPlanPtr& self) { return self->state(); },
+                  [](SpPlanHolder::State state) { return sp_plan_from_state(state); });
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
         &make_plan);
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN, &make_plan_from_rows);
