@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -175,6 +176,23 @@ bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_
   if (!is_decimal(text, true) || *end != '\0' || errno != 0 || v < lo || v > hi) {
     error_ = name + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
              text + "'";
+    return false;
+  }
+  *value = v;
+  return true;
+}
+
+bool Args::get_positive(const std::string& name, double fallback, double* value) {
+  if (!has(name)) {
+    *value = fallback;
+    return true;
+  }
+  const std::string text = get(name);
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || errno != 0 || !std::isfinite(v) || v <= 0) {
+    error_ = name + " must be a number > 0, got '" + text + "'";
     return false;
   }
   *value = v;

@@ -44,6 +44,8 @@ class Args {
   // (get_int: after an optional '-') of a value in [lo, hi] (get_uint64: < 2^64).
   bool get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value);
   bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);
+  // A finite decimal number > 0 (e.g. "360", "2.5").
+  bool get_positive(const std::string& name, double fallback, double* value);
 
  private:
   struct Parser;  // the CLI11 app and the values it parsed into

@@ -10,6 +10,7 @@
 #include "bench.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -126,8 +127,8 @@ double metric(const ParallelBenchResult& r, const std::string& name) {
 void print_parallel(const std::vector<ParallelBenchResult>& results, const std::vector<ParallelTarget>& targets,
                     const std::string& how, const Device& device, bool csv) {
   if (!csv) {
-    std::printf("\nparallel regions (%s); time = slowest rank's median; #wrong vs WS1 on the same device\n",
-                how.c_str());
+    std::printf("\nparallel regions (%s); time = slowest rank's median%s; #wrong vs WS1 on the same device\n",
+                how.c_str(), how.rfind("PREDICTION", 0) == 0 ? " + the link model's time" : "");
     std::printf("%-20s %-22s %-8s %-5s %12s %9s %14s %10s\n", "op", "case", "phase", "world", "median us",
                 "vs WS1", "bytes/rank", "#wrong");
   }
@@ -149,9 +150,11 @@ void print_parallel(const std::vector<ParallelBenchResult>& results, const std::
                   r.median_seconds * 1e6, std::isnan(bytes) ? "" : std::to_string(static_cast<long long>(bytes)).c_str(),
                   static_cast<long long>(r.wrong), static_cast<long long>(r.compared));
     } else {
-      std::printf("%-20s %-22s %-8s %-5s %12.1f %8.2fx %14.0f %10lld\n", r.op.c_str(), r.name.c_str(),
+      // A prediction's #wrong is n/a: its ranks never received their peers' values.
+      const std::string wrong = r.predicted ? "n/a" : std::to_string(static_cast<long long>(r.wrong));
+      std::printf("%-20s %-22s %-8s %-5s %12.1f %8.2fx %14.0f %10s\n", r.op.c_str(), r.name.c_str(),
                   r.phase.c_str(), world.c_str(), r.median_seconds * 1e6, r.ws1_median_seconds / r.median_seconds,
-                  std::isnan(bytes) ? 0.0 : bytes, static_cast<long long>(r.wrong));
+                  std::isnan(bytes) ? 0.0 : bytes, wrong.c_str());
     }
   }
   if (csv) return;
@@ -160,7 +163,8 @@ void print_parallel(const std::vector<ParallelBenchResult>& results, const std::
       std::printf("target %s: not measured in this run\n", t.target.c_str());
     } else {
       std::printf("target %s: %.2fx (%s)%s\n", t.target.c_str(), t.measured_speedup,
-                  t.measured_speedup >= t.required_speedup ? "met" : "NOT met", t.simulated ? " [simulation]" : "");
+                  t.measured_speedup >= t.required_speedup ? "met" : "NOT met",
+                  t.predicted ? " [prediction]" : t.simulated ? " [simulation]" : "");
     }
   }
 }
@@ -186,6 +190,13 @@ int run_bench(int argc, char** argv) {
               "parallel ops (sp_region, tp_adaln_projection): in-process ranks on one device (a simulation),\n"
               "or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
               "inprocess");
+  args.option("--predict-world", "LIST",
+              "predict the parallel regions at these world sizes (e.g. 2,4,8) instead of simulating them:\n"
+              "each rank's share timed alone on the device plus a link model; printed as a prediction",
+              "none");
+  args.option("--link-gbps", "X", "bus bandwidth of the prediction's link model, GB/s (docs/cli.md)",
+              "360, stated, not measured");
+  args.option("--link-latency-us", "X", "cost of one collective beside its bytes, us", "10, assumed");
   args.flag("--list", "list the registered cases and exit");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
@@ -221,6 +232,42 @@ int run_bench(int argc, char** argv) {
     std::fprintf(stderr, "detdit: --comm must be inprocess or mpi, got '%s'\n", comm_name.c_str());
     return 2;
   }
+  LinkModel link;
+  double link_gbps = 0, link_latency_us = 0;
+  if (!args.get_positive("--link-gbps", 360, &link_gbps) || !args.get_positive("--link-latency-us", 10, &link_latency_us)) {
+    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
+    return 2;
+  }
+  if (!args.has("--predict-world") && (args.has("--link-gbps") || args.has("--link-latency-us"))) {
+    std::fprintf(stderr, "detdit: --link-gbps and --link-latency-us are the model of --predict-world, which is not given\n");
+    return 2;
+  }
+  if (args.has("--predict-world")) {
+    if (comm_name == "mpi") {
+      std::fprintf(stderr, "detdit: --predict-world predicts from one device; with --comm mpi the world is measured\n");
+      return 2;
+    }
+    for (const std::string& item : args.get_set("--predict-world")) {
+      char* end = nullptr;
+      const long world = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || world < 2 || world > 1024 || item.find_first_not_of("0123456789") != std::string::npos) {
+        std::fprintf(stderr, "detdit: --predict-world must list world sizes in [2, 1024], got '%s'\n", item.c_str());
+        return 2;
+      }
+      link.worlds.push_back(static_cast<int>(world));
+    }
+    if (link.worlds.empty()) {
+      std::fprintf(stderr, "detdit: --predict-world needs at least one world size\n");
+      return 2;
+    }
+    std::sort(link.worlds.begin(), link.worlds.end());
+    link.bus_bytes_per_second = link_gbps * 1e9;
+    link.latency_seconds = link_latency_us * 1e-6;
+    link.source = args.has("--link-gbps") || args.has("--link-latency-us")
+                      ? "given on the command line"
+                      : "defaults: NCCL all-gather bus bandwidth published for 8 x H100 over NVLink4 by nccl-tests, "
+                        "an assumed latency; not measured on this machine";
+  }
   const int gpus = cuda_device_count();
   const std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
   if (device_name != "cpu" && device_name != "cuda") {
@@ -235,6 +282,7 @@ int run_bench(int argc, char** argv) {
   context.device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
   context.quick = quick;
   context.seed = seed;
+  if (!link.worlds.empty()) context.predict = &link;
   // --comm mpi: one rank per process on GPU local rank % count. The NCCL call check
   // (a host synchronisation per collective) is off for timing: every rank
   // runs the same calls.
@@ -343,14 +391,19 @@ int run_bench(int argc, char** argv) {
   bool all_right = true;
   for (const BenchResult& r : results) all_right = all_right && r.error.empty() && r.wrong == 0 && r.compared > 0;
   for (const ParallelBenchResult& r : parallel_results) {
-    all_right = all_right && r.error.empty() && r.wrong == 0 && (r.ws1 || r.compared > 0);
+    all_right = all_right && r.error.empty() && r.wrong == 0 && (r.ws1 || r.predicted || r.compared > 0);
   }
   if (!leader) return all_right ? 0 : 1;  // rank 0 reports for every rank
+  char link_text[96];
+  std::snprintf(link_text, sizeof link_text, "%.1f GB/s bus bandwidth, %.1f us per collective", link_gbps, link_latency_us);
   const std::string parallel_how =
       world != nullptr ? std::to_string(world->world_size()) + " processes, one " + context.device.to_string() +
                              " each, over " + world->backend_id()
-                       : "SIMULATION: in-process ranks sharing " + context.device.to_string() +
-                             " (they compete for it; not a multi-GPU measurement)";
+      : context.predict != nullptr
+          ? "PREDICTION, not a measurement: each rank's share timed alone on " + context.device.to_string() +
+                ", plus a link model (" + link_text + "; " + link.source + "); not checked against WS1"
+          : "SIMULATION: in-process ranks sharing " + context.device.to_string() +
+                " (they compete for it; not a multi-GPU measurement)";
   const std::vector<ParallelTarget> targets = parallel_targets(parallel_results);
   const Environment env = collect_environment(context.device);
   auto gbps = [](const BenchResult& r) { return r.bytes / r.median_seconds / 1e9; };
@@ -381,15 +434,18 @@ int run_bench(int argc, char** argv) {
     if (parallel) {
       nlohmann::ordered_json p;
       p["how"] = parallel_how;
-      p["comm"] = world != nullptr ? world->backend_id() : "in_process";
+      p["comm"] = world != nullptr ? world->backend_id() : context.predict != nullptr ? "prediction" : "in_process";
       p["world_size"] = world != nullptr ? world->world_size() : 1;
-      p["simulated"] = world == nullptr;
+      p["simulated"] = world == nullptr && context.predict == nullptr;
+      p["predicted"] = context.predict != nullptr;
+      if (context.predict != nullptr)
+        p["link_model"] = {{"bus_gbps", link_gbps}, {"latency_us", link_latency_us}, {"source", link.source}};
       p["nccl_check_calls"] = false;
       p["wrong_vs"] = "WS1 on the same device";
       p["results"] = nlohmann::ordered_json::array();
       for (const ParallelBenchResult& r : parallel_results) {
         nlohmann::ordered_json j = {{"op", r.op}, {"case", r.name}, {"phase", r.phase}, {"world", r.world},
-                                    {"ws1", r.ws1}};
+                                    {"ws1", r.ws1}, {"predicted", r.predicted}};
         if (!r.error.empty()) {
           j["error"] = r.error;
         } else {
@@ -414,7 +470,8 @@ int run_bench(int argc, char** argv) {
                                 {"measured_speedup", measured ? nlohmann::ordered_json(t.measured_speedup) : nullptr},
                                 {"met", measured ? nlohmann::ordered_json(t.measured_speedup >= t.required_speedup)
                                                  : nullptr},
-                                {"simulated", t.simulated}});
+                                {"simulated", t.simulated},
+                                {"predicted", t.predicted}});
       }
       out["parallel"] = p;
     }

@@ -27,12 +27,24 @@
 namespace detdit {
 namespace cli {
 
+// The link model of a prediction (--predict-world): a collective of `bytes`
+// per rank costs latency + (world - 1) * bytes / bus bandwidth (all_gather) or
+// latency + bytes / bus bandwidth (broadcast), nccl-tests' bus-bandwidth
+// convention, one after another in the order the region calls them.
+struct LinkModel {
+  std::vector<int> worlds;          // the world sizes predicted
+  double bus_bytes_per_second = 0;  // bus bandwidth
+  double latency_seconds = 0;       // per collective
+  std::string source;               // where the two figures come from
+};
+
 struct BenchContext {
   Device device;
   Stream stream = nullptr;
   bool quick = false;
   const Weights* weights = nullptr;
   uint64_t seed = 0;
+  const LinkModel* predict = nullptr;  // set: the parallel regions are predicted, not simulated
 };
 
 // Times one call on the context's device.
@@ -52,7 +64,8 @@ struct ParallelBenchResult {
   int world = 1;
   bool ws1 = false;             // the public single-device ops on the whole problem
   bool simulated = true;        // in-process ranks sharing one device
-  double median_seconds = 0;    // the slowest rank's median
+  bool predicted = false;       // each rank alone on the device + the link model (not checked: #wrong 0 of 0)
+  double median_seconds = 0;    // the slowest rank's median (predicted: plus the link model's time)
   std::vector<double> rank_medians;
   double ws1_median_seconds = 0;  // WS1 on the same device in the same run
   std::vector<std::pair<std::string, std::vector<double>>> metrics;  // rows / bytes each rank sends
@@ -67,6 +80,7 @@ struct ParallelTarget {
   double required_speedup = 0;
   double measured_speedup = std::numeric_limits<double>::quiet_NaN();
   bool simulated = true;
+  bool predicted = false;
 };
 
 bool is_parallel_op(const std::string& op);  // sp_region, tp_adaln_projection

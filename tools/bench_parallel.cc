@@ -19,6 +19,16 @@
 //     4, 8: a smoke test of the timing path, not a performance claim.
 // Targets (docs/design.md): SP8 >= 6x faster than WS1 at S = 131072; never
 // slower than WS1 at S = 32768 (every world size, both packings).
+//
+// --predict-world (context.predict): instead of the simulation, each rank of
+// each world size runs its share alone on the device, one rank after another,
+// through a communicator that moves nothing (PredictionComm): its real rows,
+// straddling rows and chunk partials, whatever values it would have received.
+// A world's prediction is its slowest rank's median plus the link model's time
+// for one step's collectives (LinkModel, bench.h). Not compared with WS1: the
+// received values are not there. The fold chain's serial order across ranks
+// is in the model's collectives, not in the compute (each rank's own fold
+// segment is timed, the wait for its predecessor's is not).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +39,49 @@
 namespace detdit {
 namespace cli {
 namespace {
+
+// A communicator of rank `rank` of `world` that moves nothing and logs each
+// collective: the prediction's rank runs alone (see the top of the file).
+class PredictionComm final : public Communicator {
+ public:
+  struct Call {
+    bool all_gather;
+    std::size_t bytes;  // per rank
+  };
+  PredictionComm(int world, int rank, Device device) : world_(world), rank_(rank), device_(device) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  Device device() const override { return device_; }
+  const char* backend_id() const override { return "prediction"; }
+  Status all_gather(const void*, std::size_t bytes, void*, DType, Stream) override {
+    calls.push_back({true, bytes});
+    return Status::ok_status();
+  }
+  Status broadcast(void*, std::size_t bytes, int, DType, Stream) override {
+    calls.push_back({false, bytes});
+    return Status::ok_status();
+  }
+  Status agree(const Status& local, const std::string&) override { return local; }
+
+  std::vector<Call> calls;
+
+ private:
+  int world_, rank_;
+  Device device_;
+};
+
+// The link model's time for `calls`, and the bytes a rank receives in them.
+double link_seconds(const LinkModel& link, int world, const std::vector<PredictionComm::Call>& calls,
+                    double* received_bytes) {
+  double seconds = 0;
+  *received_bytes = 0;
+  for (const PredictionComm::Call& call : calls) {
+    const double bytes = static_cast<double>(call.bytes) * (call.all_gather ? world - 1 : 1);
+    seconds += link.latency_seconds + bytes / link.bus_bytes_per_second;
+    *received_bytes += bytes;
+  }
+  return seconds;
+}
 
 // One timed thing of one rank: prepared runs and the step that times them.
 struct RankWork {
@@ -125,6 +178,45 @@ struct Timed {
   int64_t batch, length;
 };
 
+// r's prediction at r->world: every rank alone through a PredictionComm, then
+// the slowest rank's median plus the link time of one step's collectives.
+void predict_world(const BenchContext& ctx, int warmup, int repeats, const Timed& timed, const LinkModel& link,
+                   ParallelBenchResult* r) {
+  r->simulated = false;
+  r->predicted = true;
+  double slowest = 0, link_time = 0, received = 0, calls = 0;
+  for (int rank = 0; rank < r->world; ++rank) {
+    PredictionComm comm(r->world, rank, ctx.device);
+    RankStream stream(ctx.device);
+    RankWork work;
+    double median = 0;
+    Status s = timed.prepare(stream.get(), &comm, &work);
+    if (s.ok()) s = median_of_steps(ctx, stream.get(), warmup, repeats, work.step, &median);
+    if (s.ok()) {  // one more step: its collectives are the model's input
+      comm.calls.clear();
+      s = work.step();
+    }
+    if (!s.ok()) {
+      r->error = "rank " + std::to_string(rank) + ": " + s.to_string();
+      return;
+    }
+    double rank_received = 0;
+    const double rank_link = link_seconds(link, r->world, comm.calls, &rank_received);
+    r->rank_medians.push_back(median);
+    slowest = std::max(slowest, median);
+    if (rank_link > link_time) {
+      link_time = rank_link;
+      received = rank_received;
+      calls = static_cast<double>(comm.calls.size());
+    }
+  }
+  r->median_seconds = slowest + link_time;
+  r->metrics.push_back({"predicted_compute_us", {slowest * 1e6}});
+  r->metrics.push_back({"predicted_link_us", {link_time * 1e6}});
+  r->metrics.push_back({"collectives_per_step", {calls}});
+  r->metrics.push_back({"bytes_received_per_rank", {received}});
+}
+
 // Times WS1 and every world of `worlds` (in-process) or the MPI world, and
 // appends one result per world (WS1 first).
 void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats, const std::string& op,
@@ -179,6 +271,11 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
     r.world = world;
     r.ws1_median_seconds = ws1_seconds;
     describe(world, &r);
+    if (ctx.predict != nullptr && mpi == nullptr) {
+      predict_world(ctx, warmup, repeats, timed, *ctx.predict, &r);
+      results->push_back(r);
+      continue;
+    }
     std::vector<double> medians(static_cast<std::size_t>(world), 0.0);
     std::vector<int64_t> wrong(static_cast<std::size_t>(world), 0), compared(static_cast<std::size_t>(world), 0);
     auto rank_fn = [&](Communicator& comm) -> Status {
@@ -264,7 +361,9 @@ std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::st
 Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats,
                           const std::set<std::string>& ops, const std::set<std::string>& names,
                           Progress* progress, std::vector<ParallelBenchResult>* results) {
-  const std::vector<int> worlds = mpi != nullptr ? std::vector<int>{mpi->world_size()} : std::vector<int>{2, 4, 8};
+  const std::vector<int> worlds = mpi != nullptr               ? std::vector<int>{mpi->world_size()}
+                                  : ctx.predict != nullptr ? ctx.predict->worlds
+                                                           : std::vector<int>{2, 4, 8};
   if (wanted(ops, "sp_region")) {
     for (int64_t seq_len : sp_lengths(ctx)) {
       for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
@@ -346,6 +445,7 @@ std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResu
           r.error.empty()) {
         t.measured_speedup = r.ws1_median_seconds / r.median_seconds;
         t.simulated = r.simulated;
+        t.predicted = r.predicted;
       }
     }
     targets.push_back(t);
@@ -359,6 +459,7 @@ std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResu
       t.required_speedup = 1.0;
       t.measured_speedup = r.ws1_median_seconds / r.median_seconds;
       t.simulated = r.simulated;
+      t.predicted = r.predicted;
       targets.push_back(t);
     }
   }

@@ -827,6 +827,53 @@ TEST(Cli, BenchParallelCpuJson) {
   for (const auto& t : p["targets"]) EXPECT_TRUE(t["measured_speedup"].is_null()) << t.dump();
 }
 
+TEST(Cli, BenchPredictWorldIsAPredictionFromEachRankAloneAndTheLinkModel) {
+  Result r = detdit("bench --device cpu --ops sp_region,tp_adaln_projection --predict-world 2,4 --link-gbps 1 "
+                    "--link-latency-us 5 --repeats 1 --warmup 0 --format json --weights '" + small_weights() + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json p = nlohmann::json::parse(r.stdout_text)["parallel"];
+  EXPECT_EQ(p["predicted"], true);
+  EXPECT_EQ(p["simulated"], false);
+  EXPECT_EQ(p["comm"], "prediction");
+  EXPECT_EQ(p["how"].get<std::string>().rfind("PREDICTION, not a measurement", 0), 0u) << p["how"];
+  EXPECT_EQ(p["link_model"]["bus_gbps"], 1.0);
+  EXPECT_EQ(p["link_model"]["latency_us"], 5.0);
+  int predicted = 0;
+  for (const auto& row : p["results"]) {
+    ASSERT_FALSE(row.contains("error")) << row.dump();
+    if (row["ws1"].get<bool>()) continue;
+    ++predicted;
+    EXPECT_EQ(row["predicted"], true) << row.dump();
+    EXPECT_EQ(row["rank_median_us"].size(), row["world"].get<std::size_t>()) << row.dump();
+    // prediction = the slowest rank alone + (latency per collective + bytes / bandwidth)
+    const double calls = row["collectives_per_step"], bytes = row["bytes_received_per_rank"];
+    const double link_us = row["predicted_link_us"], compute_us = row["predicted_compute_us"];
+    EXPECT_GT(calls, 0) << row.dump();
+    EXPECT_NEAR(link_us, calls * 5.0 + bytes / 1e9 * 1e6, 1e-6 * link_us) << row.dump();
+    double slowest = 0;
+    for (double m : row["rank_median_us"]) slowest = std::max(slowest, m);
+    EXPECT_DOUBLE_EQ(compute_us, slowest) << row.dump();
+    EXPECT_NEAR(row["median_us"].get<double>(), compute_us + link_us, 1e-9 * (compute_us + link_us)) << row.dump();
+    if (row["op"] == "tp_adaln_projection" && row["phase"] == "fwd" && row["world"] == 2) {
+      // one all-gather of rank 0's block: ceil(18 / 2) = 9 chunks of 64 columns, T = 4, bf16,
+      // received from the one other rank
+      EXPECT_EQ(calls, 1) << row.dump();
+      EXPECT_EQ(bytes, 4.0 * 9 * 64 * 2) << row.dump();
+    }
+  }
+  EXPECT_EQ(predicted, 8);  // sp_region 2 packings, tp 2 phases; worlds 2 and 4
+  for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
+           {"bench --device cpu --ops sp_region --predict-world 1", "--predict-world must list world sizes in [2, 1024], got '1'"},
+           {"bench --device cpu --ops sp_region --predict-world 2x", "--predict-world must list world sizes in [2, 1024], got '2x'"},
+           {"bench --device cpu --ops sp_region --link-gbps 5", "--link-gbps and --link-latency-us are the model of --predict-world"},
+           {"bench --device cpu --ops sp_region --predict-world 2 --link-gbps 0", "--link-gbps must be a number > 0, got '0'"},
+           {"bench --device cpu --ops sp_region --predict-world 2 --comm mpi", "--predict-world predicts from one device"}}) {
+    r = detdit(command);
+    EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
+    EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
+  }
+}
+
 TEST(Cli, BenchParallelUnderMpirunTwoRanks) {
 #if !defined(DETDIT_WITH_MPI)
   GTEST_SKIP() << "detdit was built without MPI";
