@@ -191,10 +191,10 @@ int run_bench(int argc, char** argv) {
               "or one process per GPU under mpirun (NCCL; then only the parallel ops run)",
               "inprocess");
   args.option("--predict-world", "LIST",
-              "predict the parallel regions at these world sizes (e.g. 2,4,8) instead of simulating them:\n"
-              "each rank's share timed alone on the device plus a link model; printed as a prediction",
+              "predict the parallel regions at these world sizes (e.g. 2,4,8) instead of simulating\n"
+              "them: each rank's share timed alone on the device, plus a link model",
               "none");
-  args.option("--link-gbps", "X", "bus bandwidth of the prediction's link model, GB/s (docs/cli.md)",
+  args.option("--link-gbps", "X", "the link model's bus bandwidth, GB/s (docs/cli.md)",
               "360, stated, not measured");
   args.option("--link-latency-us", "X", "cost of one collective beside its bytes, us", "10, assumed");
   args.flag("--list", "list the registered cases and exit");
