@@ -257,22 +257,29 @@ TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
   }
 }
 
-TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
-  DETDIT_SKIP_WITHOUT_CUDA();
+// One rank over NCCL against WS1 on the GPU; `captured`: with the call check
+// off (NcclOptions::check_calls = false), the forward and backward as CUDA graphs.
+void expect_nccl_world_one_matches_ws1(bool captured) {
 #if defined(DETDIT_WITH_NCCL)
   std::unique_ptr<Communicator> comm;
-  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm));
+  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm, NcclOptions{!captured}));
   TpProblem pr;
   build(&pr, 3, 18 * 256, 136, DType::kBF16);
   ws1_on_gpu(&pr);
   TpRankResult gpu_result;
-  DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cuda(0), &gpu_result));
+  DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cuda(0), &gpu_result, captured));
   EXPECT_BITWISE_EQ(pr.table, gpu_result.table);
   EXPECT_BITWISE_EQ(pr.d_temb, gpu_result.d_temb);
   expect_shard_equal(pr, gpu_result);
 #else
+  (void)captured;
   GTEST_SKIP() << "built without NCCL";
 #endif
+}
+
+TEST(TpAdalnProjectionNccl, WorldSizeOneMatchesWs1) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  expect_nccl_world_one_matches_ws1(false);
 }
 
 TEST(TpAdalnProjectionNccl, CapturedAsCudaGraphsMatchesWs1) {
@@ -280,20 +287,7 @@ TEST(TpAdalnProjectionNccl, CapturedAsCudaGraphsMatchesWs1) {
   // forward and the backward each capture into a CUDA graph, whose replays
   // write WS1's bytes (the outputs start as the canary).
   DETDIT_SKIP_WITHOUT_CUDA();
-#if defined(DETDIT_WITH_NCCL)
-  std::unique_ptr<Communicator> comm;
-  DETDIT_ASSERT_OK(testing::one_rank_nccl_communicator(&comm, NcclOptions{false}));
-  TpProblem pr;
-  build(&pr, 3, 18 * 256, 136, DType::kBF16);
-  ws1_on_gpu(&pr);
-  TpRankResult gpu_result;
-  DETDIT_ASSERT_OK(run_tp_rank(*comm, pr, Device::cuda(0), &gpu_result, /*captured=*/true));
-  EXPECT_BITWISE_EQ(pr.table, gpu_result.table);
-  EXPECT_BITWISE_EQ(pr.d_temb, gpu_result.d_temb);
-  expect_shard_equal(pr, gpu_result);
-#else
-  GTEST_SKIP() << "built without NCCL";
-#endif
+  expect_nccl_world_one_matches_ws1(true);
 }
 
 TEST(TpAdalnProjection, ShardsAreWholeChunksRemainderOnTheFirstRanks) {
