@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
 # docs/gpu.md). Stages (pick with arguments, default all):
-#   build cuda parallel verify mpi parity sanitizer python bench compare
+#   build cuda parallel verify mpi parity sanitizer python bench compare ptx
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
 # gpu-out/ are copied there. The last lines printed are the summary.
@@ -74,6 +74,12 @@ for stage in "${stages[@]}"; do
       run compare 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
         --out "$out/compare.json" &&
         "$build/detdit" report "$out/compare.json" --out "$out/compare.svg" ;;
+    ptx)  # the portable profile from PTX alone: compute_80 PTX, compiled for this GPU by the driver at
+      # load; verify compares every output bitwise with the CPU, as the native build's verify does,
+      # so both builds give the CPU's bytes (docs/gpu.md)
+      run ptx_build 600 bash -c "cmake -S . -B '$build-ptx' -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DDETDIT_CUDA_ARCHITECTURES=80-virtual && cmake --build '$build-ptx' --target detdit_cli -j $(nproc)" &&
+        run ptx_verify 400 "$build-ptx/detdit" verify --device cuda --out "$out/verify_ptx.json" ;;
     *) note "unknown stage $stage" ;;
   esac
 done
