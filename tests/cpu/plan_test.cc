@@ -194,6 +194,50 @@ TEST(IndexPlan, AdalnPackingsAreByteIdenticalToTheReferenceBuilder) {
         }
 }
 
+// The builder bounds each chunk's rows by their AND and OR (an exact min/max
+// only where those bounds are loose) and sorts a chunk within 255 rows on
+// one-byte keys. Sequences of 256-position chunks that exercise those paths:
+// chunk A, then A with two rows swapped (the same AND, OR and sum of rows, a
+// different order), then A again; 20 distinct narrow chunks; a chunk of rows
+// 255 and 256 (loose AND/OR bounds [0, 511]); chunks spanning more than 255
+// rows. S is a multiple of 256 or not (then chunks of later items straddle
+// two items), B in {1, 2, 3}.
+TEST(IndexPlan, ChunkBoundsAndKeyWidthsAreByteIdenticalToTheReferenceBuilder) {
+  uint64_t state = 7;
+  auto next = [&state](int64_t bound) {  // LCG, high bits
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int64_t>((state >> 33) % static_cast<uint64_t>(bound));
+  };
+  auto random_chunk = [&next](int64_t lo, int64_t span) {
+    std::vector<int64_t> chunk(256);
+    for (int64_t& row : chunk) row = lo + next(span);
+    return chunk;
+  };
+  const int64_t num_rows = 700;
+  const std::vector<int64_t> a = random_chunk(0, 12);
+  std::vector<int64_t> a_swapped = a;
+  const auto differing = std::find_if(a_swapped.begin() + 1, a_swapped.end(), [&](int64_t row) { return row != a[0]; });
+  std::iter_swap(a_swapped.begin(), differing);
+  const std::vector<int64_t> crossing = [] {
+    std::vector<int64_t> chunk(256);
+    for (int64_t i = 0; i < 256; ++i) chunk[i] = i % 3 == 0 ? 255 : 256;
+    return chunk;
+  }();
+  const std::vector<int64_t> wide = random_chunk(100, 600);
+  std::vector<std::vector<int64_t>> chunks = {a, a_swapped, a, crossing, wide};
+  for (int k = 0; k < 20; ++k) chunks.push_back(random_chunk(20 * k, 24));
+  for (const auto& chunk : {a, wide, crossing, a_swapped, a, wide}) chunks.push_back(chunk);
+  std::vector<int64_t> sequence;
+  for (const auto& chunk : chunks) sequence.insert(sequence.end(), chunk.begin(), chunk.end());
+  for (int64_t tail : {0, 77})
+    for (int64_t batch : {1, 2, 3}) {
+      std::vector<int64_t> rows = sequence;
+      for (int64_t i = 0; i < tail; ++i) rows.push_back(a[i]);
+      SCOPED_TRACE("S=" + std::to_string(rows.size()) + " B=" + std::to_string(batch));
+      expect_tables_match_definition(testing::plan_from_rows(rows, num_rows, batch), rows, num_rows, batch);
+    }
+}
+
 TEST(IndexPlan, Int32IndexGivesTheSamePlan) {
   std::vector<int32_t> rows32 = {2, 0, 2, 1, 1, 0, 2};
   std::vector<int64_t> rows64(rows32.begin(), rows32.end());
@@ -392,6 +436,42 @@ TEST(IndexPlan, BuildTimeAtLongSequences) {
       for (int64_t s = 0; s < c.seq_len; ++s) rows[s] = c.row(s);
       expect_tables_match_definition(plan, rows, c.num_rows(), batch);
     }
+}
+
+// The packings of BuildTimeAtLongSequences are regular (interleaved: a
+// period of 5 chunks; block: one row per chunk). Here every chunk differs:
+// timestep and tag drawn at random per position (T = 4, R = 12), the cost of
+// sorting every chunk position by position. Printed, not asserted; the tables
+// are checked.
+TEST(IndexPlan, BuildTimeOfRandomRows) {
+  const std::pair<int64_t, int64_t> shapes[] = {{131072, 1}, {131072, 2}, {32768, 1}};  // (S, B)
+  for (const auto& [seq_len, batch] : shapes) {
+    uint64_t state = static_cast<uint64_t>(seq_len);
+    auto next = [&state](int64_t bound) {  // LCG, high bits
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<int64_t>((state >> 33) % static_cast<uint64_t>(bound));
+    };
+    std::vector<int64_t> timesteps(seq_len), tags(seq_len), rows(seq_len);
+    for (int64_t s = 0; s < seq_len; ++s) {
+      timesteps[s] = next(4);
+      tags[s] = next(3);
+      rows[s] = timesteps[s] * 3 + tags[s];
+    }
+    std::vector<double> us;
+    IndexPlan plan;
+    for (int run = 0; run < 9; ++run) {
+      IndexPlan built;
+      const auto start = std::chrono::steady_clock::now();
+      const Status status = IndexPlan::from_timesteps_and_tags(index_view(timesteps), index_view(tags), 4, batch, &built);
+      us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+      ASSERT_TRUE(status.ok()) << status.to_string();
+      plan = std::move(built);
+    }
+    std::sort(us.begin(), us.end());
+    std::printf("plan build, random_S%lld_T4_B%lld: median %.0f us (min %.0f, max %.0f, 9 runs)\n",
+                static_cast<long long>(seq_len), static_cast<long long>(batch), us[4], us[0], us[8]);
+    expect_tables_match_definition(plan, rows, 12, batch);
+  }
 }
 
 // Builds a plan of one position over num_rows rows in a child whose address
