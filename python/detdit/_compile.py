@@ -14,9 +14,11 @@ Contract:
   (plan.h: a never-reused id and the sizes). Dynamo guards on those values, so a compiled
   graph runs with the plan it was traced with and no other: a CUDA graph (``mode=
   "reduce-overhead"``) replays the plan's device tables by address.
-- Every op declares no side effect: torch would take an op with a plan (a torch class)
-  argument for an effectful one and order it by tokens; a detdit op is a pure function of
-  its arguments (a plan never changes once built).
+- Every op but the sp_ ops declares no side effect: torch would take an op with a plan (a
+  torch class) argument for an effectful one and order it by tokens; a detdit op is a pure
+  function of its arguments (a plan never changes once built). The sp_ ops run collectives
+  and keep torch's ordering; their outputs then come back as a list, which the traced
+  Functions accept.
 - torch runs an op whose plan argument is a fake plan in Python, where the C++ autograd
   Functions (autograd.h) cannot go; for those ops (every op with a plan, the ``.plan``
   overload of rmsnorm; ``TRACED_AUTOGRAD``) :func:`autograd_function` makes the same Functions
@@ -431,8 +433,10 @@ def _register():
         torch.library.register_fake(f"detdit::{name}", kernel)
         # torch takes an op with a torch-class argument (a plan) for one with side effects and
         # threads ordering tokens through the graph around it; a detdit op is a pure function
-        # of its arguments (a plan never changes once built), so it declares no effect
-        if hasattr(effects, "_register_effectful_op"):
+        # of its arguments (a plan never changes once built), so it declares no effect. Not
+        # the sp_ ops: they run collectives, which every rank must call in program order, and
+        # torch's default (ordered, for their SpPlan argument) keeps that order.
+        if hasattr(effects, "_register_effectful_op") and not name.startswith("sp_"):
             effects._register_effectful_op(_overload(name), None)
     register_fake_class("detdit::IndexPlan", FakeIndexPlan)
     register_fake_class("detdit::SpPlan", FakeSpPlan)

@@ -196,19 +196,28 @@ def test_plans_pickle_through_their_builder_and_compare_by_table(device):
             assert copied == real and str(copied) == str(real)
             assert dict(copied.__obj_flatten__())["id"] != dict(real.__obj_flatten__())["id"]
     same_table = detdit.plan_from_rows(ti * 3 + tags, 3 * TIMESTEPS, BATCH)
-    assert plan == same_table
-    assert not plan == detdit.plan_from_rows(ti * 3 + tags, 3 * TIMESTEPS, BATCH + 1)
-    assert not plan == detdit.plan_from_rows(ti * 3 + tags, 3 * TIMESTEPS + 1, BATCH)
-    assert not plan == detdit.plan(ti, (tags + 1) % 3, TIMESTEPS, BATCH)
-    assert not sp_plan == ops.sp_plan(plan, 2, 0) and not sp_plan == ops.sp_plan(plan, 3, 1)
-    assert sp_plan == ops.sp_plan(same_table, 2, 1)
+    assert plan == same_table and not plan != same_table
+    for other in (detdit.plan_from_rows(ti * 3 + tags, 3 * TIMESTEPS, BATCH + 1),
+                  detdit.plan_from_rows(ti * 3 + tags, 3 * TIMESTEPS + 1, BATCH),
+                  detdit.plan(ti, (tags + 1) % 3, TIMESTEPS, BATCH)):
+        assert plan != other and not plan == other
+    for other in (ops.sp_plan(plan, 2, 0), ops.sp_plan(plan, 3, 1)):
+        assert sp_plan != other and not sp_plan == other
+    assert sp_plan == ops.sp_plan(same_table, 2, 1) and not sp_plan != ops.sp_plan(same_table, 2, 1)
     # an unpickled state goes through the builder's validation like any other plan
-    rows, num_rows, batch, where = plan.__getstate__()[0]
+    (rows, num_rows, batch, where), plan_class = plan.__getstate__()
     bad = rows.clone()
     bad[SEQ // 2] = num_rows
-    unpickled = torch.ScriptObject.__new__(torch.ScriptObject)
-    with pytest.raises(IndexError, match=rf"row_index\[{SEQ // 2}\] = {num_rows} is outside"):
-        unpickled.__setstate__(((bad, num_rows, batch, where), plan.__getstate__()[1]))
+    sp_class = sp_plan.__getstate__()[1]
+    for state, error, message in (
+            (((bad, num_rows, batch, where), plan_class), IndexError, rf"row_index\[{SEQ // 2}\] = {num_rows} is outside"),
+            (((rows, 0, batch, where), plan_class), ValueError, "num_rows"),
+            (((rows, num_rows, 0, where), plan_class), ValueError, "batch"),
+            (((rows, num_rows, batch, "bogus"), plan_class), ValueError, "device must be a torch device.*got 'bogus'"),
+            (((rows, num_rows, batch, where, 2, 2), sp_class), ValueError, "rank")):
+        unpickled = torch.ScriptObject.__new__(torch.ScriptObject)
+        with pytest.raises(error, match=message):
+            unpickled.__setstate__(state)
 
 
 def test_fake_plans_have_every_flattened_key_and_plans_have_no_len():

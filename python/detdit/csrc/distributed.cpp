@@ -253,16 +253,15 @@ int64_t tp_columns(const detdit::Communicator& group, const Tensor& weight, Opti
 
 }  // namespace
 
-SpPlanHolder::SpPlanHolder(detdit::SpPlan s, PlanPtr source)
-    : sp(std::move(s)), source_(std::move(source)), id_(new_plan_id()) {}
+SpPlanHolder::SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)), id_(new_plan_id()) {}
 
 SpPlanHolder::State SpPlanHolder::state() const {
-  const auto [row_index, num_rows, batch, device] = source_->state();
+  const auto [row_index, num_rows, batch, device] = plan_state(sp.global_plan());
   return State(row_index, num_rows, batch, device, world(), rank());
 }
 
 bool SpPlanHolder::equals(const SpPlanHolder& other) const {
-  return world() == other.world() && rank() == other.rank() && source_->equals(*other.source_);
+  return world() == other.world() && rank() == other.rank() && same_table(sp.global_plan(), other.sp.global_plan());
 }
 
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state) {
@@ -288,7 +287,7 @@ SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
 #endif
   detdit::SpPlan sp;
   check_ok(detdit::SpPlan::create(index, to_int(world, "world"), to_int(rank, "rank"), &sp, stream));
-  return c10::make_intrusive<SpPlanHolder>(std::move(sp), plan);
+  return c10::make_intrusive<SpPlanHolder>(std::move(sp));
 }
 
 // ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ namespace detdit_torch {
 // IndexPlan (plan.h): `__obj_flatten__` gives its never-reused id and sizes.
 struct SpPlanHolder : torch::CustomClassHolder {
   detdit::SpPlan sp;
-  SpPlanHolder(detdit::SpPlan s, PlanPtr source);
+  explicit SpPlanHolder(detdit::SpPlan s);
   int64_t world() const { return sp.world(); }
   int64_t rank() const { return sp.rank(); }
   int64_t local_begin() const { return sp.local_begin(); }
@@ -46,14 +46,13 @@ struct SpPlanHolder : torch::CustomClassHolder {
   // ("local_end", ...), ("local_seq_len", ...), ("max_send", ...)), as strings.
   Flat flatten() const;
 
-  // Pickled as the IndexPlan it was made from (plan.h) and (world, rank), and
-  // rebuilt by sp_plan; equal when those are.
+  // Pickled as the IndexPlan it was made from (its global plan; plan.h) and
+  // (world, rank), and rebuilt by sp_plan; equal when those are.
   using State = std::tuple<Tensor, int64_t, int64_t, std::string, int64_t, int64_t>;
   State state() const;
   bool equals(const SpPlanHolder& other) const;
 
  private:
-  PlanPtr source_;
   int64_t id_;
 };
 using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 
 namespace detdit_torch {
 
@@ -16,21 +17,17 @@ int64_t new_plan_id() {
 
 PlanHolder::PlanHolder(IndexPlan p) : plan(std::move(p)), id_(new_plan_id()) {}
 
-Tensor PlanHolder::row_index() const {
+namespace {
+
+Tensor row_index_of(const IndexPlan& plan) {
   Tensor rows = at::empty({plan.seq_len()}, at::TensorOptions().dtype(at::kInt));
   std::copy_n(plan.host_tables().row_of_seq, plan.seq_len(), rows.data_ptr<int32_t>());
   return rows;
 }
 
-PlanHolder::State PlanHolder::state() const { return State(row_index(), num_rows(), batch(), device()); }
+}  // namespace
 
-bool PlanHolder::equals(const PlanHolder& other) const {
-  if (seq_len() != other.seq_len() || batch() != other.batch() || num_rows() != other.num_rows() ||
-      device() != other.device())
-    return false;
-  const int32_t* mine = plan.host_tables().row_of_seq;
-  return std::equal(mine, mine + seq_len(), other.plan.host_tables().row_of_seq);
-}
+Tensor PlanHolder::row_index() const { return row_index_of(plan); }
 
 std::string PlanHolder::repr() const {
   return "IndexPlan(seq_len=" + std::to_string(seq_len()) + ", batch=" + std::to_string(batch()) +
@@ -87,9 +84,28 @@ PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t b
   return c10::make_intrusive<PlanHolder>(std::move(plan));
 }
 
+PlanHolder::State plan_state(const IndexPlan& plan) {
+  return PlanHolder::State(row_index_of(plan), plan.num_rows(), plan.batch(), plan.device().to_string());
+}
+
 PlanPtr plan_from_state(const PlanHolder::State& state) {
   const auto& [row_index, num_rows, batch, device] = state;
-  return make_plan_from_rows(row_index.to(c10::Device(device)), num_rows, batch);
+  std::optional<c10::Device> where;
+  try {
+    where = c10::Device(device);
+  } catch (const c10::Error&) {
+    C10_THROW_ERROR(ValueError, "a pickled detdit plan's device must be a torch device such as 'cpu' or 'cuda:0', "
+                                "got '" + device + "'");
+  }
+  return make_plan_from_rows(row_index.to(*where), num_rows, batch);
+}
+
+bool same_table(const IndexPlan& a, const IndexPlan& b) {
+  if (a.seq_len() != b.seq_len() || a.batch() != b.batch() || a.num_rows() != b.num_rows() ||
+      a.device().to_string() != b.device().to_string())
+    return false;
+  const int32_t* rows = a.host_tables().row_of_seq;
+  return std::equal(rows, rows + a.seq_len(), b.host_tables().row_of_seq);
 }
 
 }  // namespace detdit_torch

@@ -49,10 +49,8 @@ struct PlanHolder : torch::CustomClassHolder {
   // ("positions", ...), ("num_chunks", ...), ("num_segments", ...), ("device", ...)).
   Flat flatten() const;
 
-  // (row_index, num_rows, batch, device): the pickled state.
+  // (row_index, num_rows, batch, device): the pickled state (plan_state).
   using State = std::tuple<Tensor, int64_t, int64_t, std::string>;
-  State state() const;
-  bool equals(const PlanHolder& other) const;
 
   // The same index with batch 1, for the backward of ops whose output has no
   // batch dim (adaln_row_gather, adaln_modulation: (6, S, H)): autograd hands
@@ -81,7 +79,11 @@ PlanPtr required_plan(const PlanPtr& plan, const char* op);
 // detdit::plan and detdit::plan_from_rows.
 PlanPtr make_plan(const Tensor& timestep_indices, const Tensor& token_tags, int64_t num_timesteps, int64_t batch);
 PlanPtr make_plan_from_rows(const Tensor& row_index, int64_t num_rows, int64_t batch);
-// The plan of a pickled state (PlanHolder::state), through plan_from_rows.
+// A plan's pickled state, and the plan of one, through plan_from_rows (a
+// device that is not a torch device string is a ValueError naming it).
+PlanHolder::State plan_state(const IndexPlan& plan);
 PlanPtr plan_from_state(const PlanHolder::State& state);
+// The same table: equal sizes, device and row index.
+bool same_table(const IndexPlan& a, const IndexPlan& b);
 
 }  // namespace detdit_torch

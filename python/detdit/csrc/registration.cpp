@@ -91,8 +91,9 @@ TORCH_LIBRARY(detdit, m) {
       .def("__str__", &PlanHolder::repr)
       .def("__obj_flatten__", &PlanHolder::flatten)
       .def("__len__", &plan_has_no_len<PlanHolder>)
-      .def("__eq__", [](const PlanPtr& self, const PlanPtr& other) { return self->equals(*other); })
-      .def_pickle([](const PlanPtr& self) { return self->state(); },
+      .def("__eq__", [](const PlanPtr& self, const PlanPtr& other) { return same_table(self->plan, other->plan); })
+      .def("__ne__", [](const PlanPtr& self, const PlanPtr& other) { return !same_table(self->plan, other->plan); })
+      .def_pickle([](const PlanPtr& self) { return plan_state(self->plan); },
                   [](PlanHolder::State state) { return plan_from_state(state); });
   m.class_<SpPlanHolder>("SpPlan")
       .def("world", &SpPlanHolder::world)
@@ -104,6 +105,7 @@ TORCH_LIBRARY(detdit, m) {
       .def("__obj_flatten__", &SpPlanHolder::flatten)
       .def("__len__", &plan_has_no_len<SpPlanHolder>)
       .def("__eq__", [](const SpPlanPtr& self, const SpPlanPtr& other) { return self->equals(*other); })
+      .def("__ne__", [](const SpPlanPtr& self, const SpPlanPtr& other) { return !self->equals(*other); })
       .def_pickle([](const SpPlanPtr& self) { return self->state(); },
                   [](SpPlanHolder::State state) { return sp_plan_from_state(state); });
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
