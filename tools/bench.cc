@@ -125,10 +125,11 @@ double metric(const ParallelBenchResult& r, const std::string& name) {
 }
 
 void print_parallel(const std::vector<ParallelBenchResult>& results, const std::vector<ParallelTarget>& targets,
-                    const std::string& how, const Device& device, bool csv) {
+                    const std::string& how, bool predicted, const Device& device, bool csv) {
   if (!csv) {
-    std::printf("\nparallel regions (%s); time = slowest rank's median%s; #wrong vs WS1 on the same device\n",
-                how.c_str(), how.rfind("PREDICTION", 0) == 0 ? " + the link model's time" : "");
+    std::printf("\nparallel regions (%s); time = slowest rank's median%s\n", how.c_str(),
+                predicted ? " + the link model's time; predictions are not checked (#wrong n/a)"
+                          : "; #wrong vs WS1 on the same device");
     std::printf("%-20s %-22s %-8s %-5s %12s %9s %14s %10s\n", "op", "case", "phase", "world", "median us",
                 "vs WS1", "bytes/rank", "#wrong");
   }
@@ -145,13 +146,15 @@ void print_parallel(const std::vector<ParallelBenchResult>& results, const std::
       continue;
     }
     const double bytes = metric(r, "bytes_sent_per_rank");
+    // A prediction's #wrong is n/a: its ranks never received their peers' values.
+    const std::string wrong = r.predicted ? "n/a" : std::to_string(static_cast<long long>(r.wrong));
+    const std::string compared = r.predicted ? "n/a" : std::to_string(static_cast<long long>(r.compared));
     if (csv) {
-      std::printf("%s,%s,%s,%.3f,%s,,,%lld,%lld,\n", r.op.c_str(), name.c_str(), device.to_string().c_str(),
-                  r.median_seconds * 1e6, std::isnan(bytes) ? "" : std::to_string(static_cast<long long>(bytes)).c_str(),
-                  static_cast<long long>(r.wrong), static_cast<long long>(r.compared));
+      std::printf("%s,%s,%s,%.3f,%s,,,%s,%s,\n", r.op.c_str(), (name + (r.predicted ? " predicted" : "")).c_str(),
+                  device.to_string().c_str(), r.median_seconds * 1e6,
+                  std::isnan(bytes) ? "" : std::to_string(static_cast<long long>(bytes)).c_str(), wrong.c_str(),
+                  compared.c_str());
     } else {
-      // A prediction's #wrong is n/a: its ranks never received their peers' values.
-      const std::string wrong = r.predicted ? "n/a" : std::to_string(static_cast<long long>(r.wrong));
       std::printf("%-20s %-22s %-8s %-5s %12.1f %8.2fx %14.0f %10s\n", r.op.c_str(), r.name.c_str(),
                   r.phase.c_str(), world.c_str(), r.median_seconds * 1e6, r.ws1_median_seconds / r.median_seconds,
                   std::isnan(bytes) ? 0.0 : bytes, wrong.c_str());
@@ -195,7 +198,7 @@ int run_bench(int argc, char** argv) {
               "them: each rank's share timed alone on the device, plus a link model",
               "none");
   args.option("--link-gbps", "X", "the link model's bus bandwidth, GB/s (docs/cli.md)",
-              "360, stated, not measured");
+              "360, assumed, not measured");
   args.option("--link-latency-us", "X", "cost of one collective beside its bytes, us", "10, assumed");
   args.flag("--list", "list the registered cases and exit");
   int code = parse_or_exit_code(&args, argc, argv, 1);
@@ -263,10 +266,11 @@ int run_bench(int argc, char** argv) {
     std::sort(link.worlds.begin(), link.worlds.end());
     link.bus_bytes_per_second = link_gbps * 1e9;
     link.latency_seconds = link_latency_us * 1e-6;
-    link.source = args.has("--link-gbps") || args.has("--link-latency-us")
-                      ? "given on the command line"
-                      : "defaults: NCCL all-gather bus bandwidth published for 8 x H100 over NVLink4 by nccl-tests, "
-                        "an assumed latency; not measured on this machine";
+    link.source = std::string(args.has("--link-gbps") ? "bandwidth given (--link-gbps)"
+                                                      : "bandwidth assumed (the order of NCCL all-gather bus bandwidth "
+                                                        "on 8 x H100 over NVLink4)") +
+                  (args.has("--link-latency-us") ? ", latency given (--link-latency-us)" : ", latency assumed") +
+                  "; neither measured on this machine";
   }
   const int gpus = cuda_device_count();
   const std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
@@ -308,6 +312,11 @@ int run_bench(int argc, char** argv) {
     if (is_parallel_op(op)) parallel_ops.insert(op);
   }
   const bool parallel = world != nullptr || !parallel_ops.empty() || (ops.empty() && context.device.is_cuda());
+  if (context.predict != nullptr && !parallel) {
+    std::fprintf(stderr, "detdit: --predict-world predicts the parallel regions, and none runs here (on --device cpu "
+                         "name them with --ops sp_region,tp_adaln_projection)\n");
+    return 2;
+  }
   if (!any_op_case && !parallel) {
     std::fprintf(stderr, "detdit: no bench case matches --device %s%s%s (detdit bench --list shows them)\n",
                  device_name.c_str(), ops.empty() ? "" : " --ops", names.empty() ? "" : " --cases");
@@ -395,7 +404,7 @@ int run_bench(int argc, char** argv) {
   }
   if (!leader) return all_right ? 0 : 1;  // rank 0 reports for every rank
   char link_text[96];
-  std::snprintf(link_text, sizeof link_text, "%.1f GB/s bus bandwidth, %.1f us per collective", link_gbps, link_latency_us);
+  std::snprintf(link_text, sizeof link_text, "%g GB/s bus bandwidth, %g us per collective", link_gbps, link_latency_us);
   const std::string parallel_how =
       world != nullptr ? std::to_string(world->world_size()) + " processes, one " + context.device.to_string() +
                              " each, over " + world->backend_id()
@@ -404,7 +413,12 @@ int run_bench(int argc, char** argv) {
                 ", plus a link model (" + link_text + "; " + link.source + "); not checked against WS1"
           : "SIMULATION: in-process ranks sharing " + context.device.to_string() +
                 " (they compete for it; not a multi-GPU measurement)";
-  const std::vector<ParallelTarget> targets = parallel_targets(parallel_results);
+  std::vector<ParallelTarget> targets = parallel_targets(parallel_results);
+  for (ParallelTarget& t : targets) {  // a target this run did not reach still says what kind of run it was
+    if (!std::isnan(t.measured_speedup)) continue;
+    t.simulated = world == nullptr && context.predict == nullptr;
+    t.predicted = world == nullptr && context.predict != nullptr;
+  }
   const Environment env = collect_environment(context.device);
   auto gbps = [](const BenchResult& r) { return r.bytes / r.median_seconds / 1e9; };
   if (format == "json" || !out_path.empty()) {
@@ -441,7 +455,7 @@ int run_bench(int argc, char** argv) {
       if (context.predict != nullptr)
         p["link_model"] = {{"bus_gbps", link_gbps}, {"latency_us", link_latency_us}, {"source", link.source}};
       p["nccl_check_calls"] = false;
-      p["wrong_vs"] = "WS1 on the same device";
+      p["wrong_vs"] = context.predict != nullptr ? nlohmann::ordered_json(nullptr) : "WS1 on the same device";
       p["results"] = nlohmann::ordered_json::array();
       for (const ParallelBenchResult& r : parallel_results) {
         nlohmann::ordered_json j = {{"op", r.op}, {"case", r.name}, {"phase", r.phase}, {"world", r.world},
@@ -457,8 +471,9 @@ int run_bench(int argc, char** argv) {
           for (const auto& [name, values] : r.metrics) {
             j[name] = values.size() == 1 ? nlohmann::ordered_json(values[0]) : nlohmann::ordered_json(values);
           }
-          j["wrong"] = r.wrong;
-          j["compared"] = r.compared;
+          // a prediction is not checked: null, not zero
+          j["wrong"] = r.predicted ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r.wrong);
+          j["compared"] = r.predicted ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r.compared);
         }
         p["results"].push_back(j);
       }
@@ -517,7 +532,7 @@ int run_bench(int argc, char** argv) {
                     static_cast<long long>(r.wrong));
       }
     }
-    if (parallel) print_parallel(parallel_results, targets, parallel_how, context.device, csv);
+    if (parallel) print_parallel(parallel_results, targets, parallel_how, context.predict != nullptr, context.device, csv);
   }
   return all_right ? 0 : 1;
 }

@@ -70,15 +70,17 @@ class PredictionComm final : public Communicator {
   Device device_;
 };
 
-// The link model's time for `calls`, and the bytes a rank receives in them.
+// The link model's time for `calls`, and the bytes it moves (for each call
+// the bus-bandwidth bytes of nccl-tests' convention: (world - 1) * bytes for an
+// all-gather, bytes for a broadcast, whichever rank is the root).
 double link_seconds(const LinkModel& link, int world, const std::vector<PredictionComm::Call>& calls,
-                    double* received_bytes) {
+                    double* link_bytes) {
   double seconds = 0;
-  *received_bytes = 0;
+  *link_bytes = 0;
   for (const PredictionComm::Call& call : calls) {
     const double bytes = static_cast<double>(call.bytes) * (call.all_gather ? world - 1 : 1);
     seconds += link.latency_seconds + bytes / link.bus_bytes_per_second;
-    *received_bytes += bytes;
+    *link_bytes += bytes;
   }
   return seconds;
 }
@@ -214,7 +216,7 @@ void predict_world(const BenchContext& ctx, int warmup, int repeats, const Timed
   r->metrics.push_back({"predicted_compute_us", {slowest * 1e6}});
   r->metrics.push_back({"predicted_link_us", {link_time * 1e6}});
   r->metrics.push_back({"collectives_per_step", {calls}});
-  r->metrics.push_back({"bytes_received_per_rank", {received}});
+  r->metrics.push_back({"link_bytes_per_rank", {received}});
 }
 
 // Times WS1 and every world of `worlds` (in-process) or the MPI world, and
@@ -402,10 +404,24 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
       DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
       TpWeights weights;
       DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, ctx.device, &weights));
+      // A world size that cannot split N (more ranks than 64-column chunks) is an error row.
       std::vector<int> valid;
+      std::vector<ParallelBenchResult> refused;
       for (int world : worlds) {
         int64_t begin = 0, end = 0;
-        if (tp_column_shard(pr.out_features, world, 0, &begin, &end).ok()) valid.push_back(world);
+        const Status split = tp_column_shard(pr.out_features, world, 0, &begin, &end);
+        if (split.ok()) {
+          valid.push_back(world);
+          continue;
+        }
+        ParallelBenchResult r;
+        r.op = "tp_adaln_projection";
+        r.name = name;
+        r.world = world;
+        r.simulated = ctx.predict == nullptr && mpi == nullptr;
+        r.predicted = ctx.predict != nullptr && mpi == nullptr;
+        r.error = split.to_string();
+        refused.push_back(r);
       }
       const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
       for (bool backward : {false, true}) {
@@ -427,6 +443,10 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
         const std::string phase = backward ? "fwd+bwd" : "fwd";
         progress->started("tp_adaln_projection " + name + " " + phase);
         time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, phase, timed, valid, describe, results);
+        for (ParallelBenchResult r : refused) {
+          r.phase = phase;
+          results->push_back(r);
+        }
         progress->finished("tp_adaln_projection " + name + " " + phase);
       }
     }

@@ -844,9 +844,10 @@ TEST(Cli, BenchPredictWorldIsAPredictionFromEachRankAloneAndTheLinkModel) {
     if (row["ws1"].get<bool>()) continue;
     ++predicted;
     EXPECT_EQ(row["predicted"], true) << row.dump();
+    EXPECT_TRUE(row["wrong"].is_null() && row["compared"].is_null()) << row.dump();  // not checked
     EXPECT_EQ(row["rank_median_us"].size(), row["world"].get<std::size_t>()) << row.dump();
     // prediction = the slowest rank alone + (latency per collective + bytes / bandwidth)
-    const double calls = row["collectives_per_step"], bytes = row["bytes_received_per_rank"];
+    const double calls = row["collectives_per_step"], bytes = row["link_bytes_per_rank"];
     const double link_us = row["predicted_link_us"], compute_us = row["predicted_compute_us"];
     EXPECT_GT(calls, 0) << row.dump();
     EXPECT_NEAR(link_us, calls * 5.0 + bytes / 1e9 * 1e6, 1e-6 * link_us) << row.dump();
@@ -862,12 +863,28 @@ TEST(Cli, BenchPredictWorldIsAPredictionFromEachRankAloneAndTheLinkModel) {
     }
   }
   EXPECT_EQ(predicted, 8);  // sp_region 2 packings, tp 2 phases; worlds 2 and 4
+  EXPECT_TRUE(p["wrong_vs"].is_null());
+  for (const auto& t : p["targets"]) EXPECT_TRUE(t["predicted"].get<bool>() && !t["simulated"].get<bool>()) << t.dump();
+  // A world size that cannot split N (18 chunks here) is an error row, and the run fails.
+  r = detdit("bench --device cpu --ops tp_adaln_projection --predict-world 2,64 --repeats 1 --warmup 0 --format json "
+             "--weights '" + small_weights() + "'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  int refused = 0;
+  const nlohmann::json refusing = nlohmann::json::parse(r.stdout_text);
+  for (const auto& row : refusing["parallel"]["results"]) {
+    if (!row.contains("error")) continue;
+    ++refused;
+    EXPECT_EQ(row["world"], 64) << row.dump();
+    EXPECT_NE(row["error"].get<std::string>().find("tp=64 is more ranks than the 18"), std::string::npos) << row.dump();
+  }
+  EXPECT_EQ(refused, 2);  // fwd and fwd+bwd
   for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
            {"bench --device cpu --ops sp_region --predict-world 1", "--predict-world must list world sizes in [2, 1024], got '1'"},
            {"bench --device cpu --ops sp_region --predict-world 2x", "--predict-world must list world sizes in [2, 1024], got '2x'"},
            {"bench --device cpu --ops sp_region --link-gbps 5", "--link-gbps and --link-latency-us are the model of --predict-world"},
            {"bench --device cpu --ops sp_region --predict-world 2 --link-gbps 0", "--link-gbps must be a number > 0, got '0'"},
-           {"bench --device cpu --ops sp_region --predict-world 2 --comm mpi", "--predict-world predicts from one device"}}) {
+           {"bench --device cpu --ops sp_region --predict-world 2 --comm mpi", "--predict-world predicts from one device"},
+           {"bench --device cpu --ops timestep_mlp --predict-world 2", "--predict-world predicts the parallel regions, and none runs here"}}) {
     r = detdit(command);
     EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
     EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
