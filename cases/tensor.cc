@@ -29,8 +29,10 @@ std::shared_ptr<void> aligned_host_memory(std::size_t bytes) {
 
 // memset and memcpy over the host's cores: at the H3 shapes the cases touch
 // tens of GB of freshly allocated memory, bound by page faults on one core.
-// Blocks of 32 MiB: a smaller tensor is one block, done by the calling thread
-// (no thread is started for it, which would cost more than it saves).
+// Blocks of 32 MiB: a smaller tensor is one block, done by the calling thread.
+// The out-of-memory tests (tests/cpu/out_of_memory_test.cc) rely on that: they
+// build inputs of 8-24 MB before limiting the address space, and a thread
+// started there left a cached stack that changed what the limit allowed.
 constexpr std::size_t kByteBlock = std::size_t(32) << 20;
 
 void parallel_bytes(std::size_t bytes, const std::function<void(std::size_t offset, std::size_t size)>& fn) {
@@ -235,6 +237,9 @@ Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device
   }
 #if defined(DETDIT_WITH_CUDA)
   // the canary written on the device: no host buffer, no transfer
+  if (shape.size() > static_cast<std::size_t>(kMaxRank))
+    return Status::value_error("a tensor has at most " + std::to_string(kMaxRank) + " dims, got " +
+                               std::to_string(shape.size()));
   DeviceTensor t;
   t.shape_ = std::move(shape);
   t.view_ = contiguous_view(nullptr, dtype, t.shape_);

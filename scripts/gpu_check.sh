@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
-# docs/gpu.md). Stages (pick with arguments, default all):
+# docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
+# a second tree):
 #   build cuda parallel verify mpi parity sanitizer python bench compare ptx
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
@@ -16,6 +17,12 @@
 # with its own report, so a stage cut short loses one op's numbers only.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+for limit in DETDIT_STAGE_TIMEOUT DETDIT_DEADLINE; do
+  if [ -n "${!limit:-}" ] && ! [[ ${!limit} =~ ^[1-9][0-9]*$ ]]; then
+    echo "gpu_check.sh: $limit must be a whole number of seconds > 0, got '${!limit}'" >&2
+    exit 2
+  fi
+done
 out=gpu-out
 mkdir -p "$out"
 build="${DETDIT_BUILD_DIR:-build-gpu}"
@@ -51,7 +58,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     build)
       run build 600 bash -c "cmake -S . -B '$build' -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_CUDA_ARCHITECTURES=90 &&
-        cmake --build '$build' -j $(nproc)" || { note "build failed"; exit 1; } ;;
+        cmake --build '$build' -j $(nproc)" || { note "build failed or skipped: nothing else can run"; exit 1; } ;;
     cuda) run cuda 500 ctest --test-dir "$build" -L cuda --output-on-failure -j 8 --timeout 400 ;;
     parallel) run parallel 400 ctest --test-dir "$build" -L parallel --output-on-failure -j 4 --timeout 300 ;;
     verify) run verify 300 "$build/detdit" verify --device cuda --out "$out/verify_cuda.json" ;;
@@ -66,7 +73,9 @@ for stage in "${stages[@]}"; do
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest ${DETDIT_PYTESTS:-tests/python} -q -rxs ;;
     bench)
-      for op in ${DETDIT_BENCH_OPS:-$("$build/detdit" bench --list | awk '{print $1}' | uniq)}; do
+      bench_ops=${DETDIT_BENCH_OPS:-$("$build/detdit" bench --list | awk '{print $1}' | uniq)}
+      [ -z "$bench_ops" ] && note "bench      no op to run: '$build/detdit bench --list' listed none"
+      for op in $bench_ops; do
         run "bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/bench_$op.json"
       done
       [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
