@@ -128,13 +128,14 @@ void print_parallel(const std::vector<ParallelBenchResult>& results, const std::
                     const std::string& how, bool predicted, const Device& device, bool csv) {
   if (!csv) {
     std::printf("\nparallel regions (%s); time = slowest rank's median%s\n", how.c_str(),
-                predicted ? " + the link model's time; predictions are not checked (#wrong n/a)"
+                predicted ? "; a world 'N p' is predicted: the slowest rank alone + the link model's time, not "
+                            "checked (#wrong n/a); #wrong of the others vs WS1 on the same device"
                           : "; #wrong vs WS1 on the same device");
     std::printf("%-20s %-22s %-8s %-5s %12s %9s %14s %10s\n", "op", "case", "phase", "world", "median us",
                 "vs WS1", "bytes/rank", "#wrong");
   }
   for (const ParallelBenchResult& r : results) {
-    const std::string world = r.ws1 ? "WS1" : std::to_string(r.world);
+    const std::string world = r.ws1 ? "WS1" : std::to_string(r.world) + (r.predicted ? " p" : "");
     const std::string name = r.name + " " + r.phase + " " + (r.ws1 ? "WS1" : "ws=" + world);
     if (!r.error.empty()) {
       if (csv) {
@@ -161,6 +162,12 @@ void print_parallel(const std::vector<ParallelBenchResult>& results, const std::
     }
   }
   if (csv) return;
+  for (const ParallelBenchResult& r : results) {  // a prediction of a measured world, against it
+    const double measured = metric(r, "measured_us"), error = metric(r, "prediction_error_percent");
+    if (r.predicted && !std::isnan(measured))
+      std::printf("prediction of %s %s %s at world %d: %.1f us, measured %.1f us (%+.1f %%)\n", r.op.c_str(),
+                  r.name.c_str(), r.phase.c_str(), r.world, r.median_seconds * 1e6, measured, error);
+  }
   for (const ParallelTarget& t : targets) {
     if (std::isnan(t.measured_speedup)) {
       std::printf("target %s: not measured in this run\n", t.target.c_str());
@@ -246,10 +253,6 @@ int run_bench(int argc, char** argv) {
     return 2;
   }
   if (args.has("--predict-world")) {
-    if (comm_name == "mpi") {
-      std::fprintf(stderr, "detdit: --predict-world predicts from one device; with --comm mpi the world is measured\n");
-      return 2;
-    }
     for (const std::string& item : args.get_set("--predict-world")) {
       char* end = nullptr;
       const long world = std::strtol(item.c_str(), &end, 10);
@@ -266,11 +269,16 @@ int run_bench(int argc, char** argv) {
     std::sort(link.worlds.begin(), link.worlds.end());
     link.bus_bytes_per_second = link_gbps * 1e9;
     link.latency_seconds = link_latency_us * 1e-6;
+    // Under --comm mpi the figures not given are measured on the MPI world (below).
+    const bool measured = comm_name == "mpi";
     link.source = std::string(args.has("--link-gbps") ? "bandwidth given (--link-gbps)"
-                                                      : "bandwidth assumed (the order of NCCL all-gather bus bandwidth "
-                                                        "on 8 x H100 over NVLink4)") +
-                  (args.has("--link-latency-us") ? ", latency given (--link-latency-us)" : ", latency assumed") +
-                  "; neither measured on this machine";
+                              : measured ? "bandwidth measured"
+                                         : "bandwidth assumed (the order of NCCL all-gather bus bandwidth "
+                                           "on 8 x H100 over NVLink4)") +
+                  (args.has("--link-latency-us") ? ", latency given (--link-latency-us)"
+                   : measured                     ? ", latency measured"
+                                                  : ", latency assumed");
+    if (!measured) link.source += "; neither measured on this machine";
   }
   const int gpus = cuda_device_count();
   const std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
@@ -298,6 +306,18 @@ int run_bench(int argc, char** argv) {
     if (!opened.ok()) {
       std::fprintf(stderr, "detdit: --comm mpi: %s\n", opened.to_string().c_str());
       return 2;
+    }
+    if (context.predict != nullptr && (!args.has("--link-gbps") || !args.has("--link-latency-us"))) {
+      LinkModel measured;
+      const Status s = measure_link(context, *world, 2, 5, &measured);
+      if (!s.ok()) {
+        std::fprintf(stderr, "detdit: measuring the link of --comm mpi: %s\n", s.to_string().c_str());
+        return 2;
+      }
+      if (!args.has("--link-gbps")) link.bus_bytes_per_second = measured.bus_bytes_per_second;
+      if (!args.has("--link-latency-us")) link.latency_seconds = measured.latency_seconds;
+      link.source += " over " + std::string(world->backend_id()) + " between " + std::to_string(world->world_size()) +
+                     " ranks";
     }
   }
   const bool leader = world == nullptr || world->rank() == 0;
@@ -404,15 +424,18 @@ int run_bench(int argc, char** argv) {
   }
   if (!leader) return all_right ? 0 : 1;  // rank 0 reports for every rank
   char link_text[96];
-  std::snprintf(link_text, sizeof link_text, "%g GB/s bus bandwidth, %g us per collective", link_gbps, link_latency_us);
+  std::snprintf(link_text, sizeof link_text, "%g GB/s bus bandwidth, %g us per collective",
+                link.bus_bytes_per_second / 1e9, link.latency_seconds * 1e6);
+  const std::string prediction_how =
+      "PREDICTION, not a measurement: each rank's share timed alone on " + context.device.to_string() +
+      ", plus a link model (" + link_text + "; " + link.source + "); not checked against WS1";
   const std::string parallel_how =
       world != nullptr ? std::to_string(world->world_size()) + " processes, one " + context.device.to_string() +
-                             " each, over " + world->backend_id()
-      : context.predict != nullptr
-          ? "PREDICTION, not a measurement: each rank's share timed alone on " + context.device.to_string() +
-                ", plus a link model (" + link_text + "; " + link.source + "); not checked against WS1"
-          : "SIMULATION: in-process ranks sharing " + context.device.to_string() +
-                " (they compete for it; not a multi-GPU measurement)";
+                             " each, over " + world->backend_id() +
+                             (context.predict != nullptr ? "; the other world sizes a " + prediction_how : "")
+      : context.predict != nullptr ? prediction_how
+                                   : "SIMULATION: in-process ranks sharing " + context.device.to_string() +
+                                         " (they compete for it; not a multi-GPU measurement)";
   std::vector<ParallelTarget> targets = parallel_targets(parallel_results);
   for (ParallelTarget& t : targets) {  // a target this run did not reach still says what kind of run it was
     if (!std::isnan(t.measured_speedup)) continue;
@@ -453,9 +476,12 @@ int run_bench(int argc, char** argv) {
       p["simulated"] = world == nullptr && context.predict == nullptr;
       p["predicted"] = context.predict != nullptr;
       if (context.predict != nullptr)
-        p["link_model"] = {{"bus_gbps", link_gbps}, {"latency_us", link_latency_us}, {"source", link.source}};
+        p["link_model"] = {{"bus_gbps", link.bus_bytes_per_second / 1e9},
+                           {"latency_us", link.latency_seconds * 1e6},
+                           {"source", link.source}};
       p["nccl_check_calls"] = false;
-      p["wrong_vs"] = context.predict != nullptr ? nlohmann::ordered_json(nullptr) : "WS1 on the same device";
+      p["wrong_vs"] = context.predict != nullptr && world == nullptr ? nlohmann::ordered_json(nullptr)
+                                                                      : "WS1 on the same device";
       p["results"] = nlohmann::ordered_json::array();
       for (const ParallelBenchResult& r : parallel_results) {
         nlohmann::ordered_json j = {{"op", r.op}, {"case", r.name}, {"phase", r.phase}, {"world", r.world},

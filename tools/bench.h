@@ -93,6 +93,9 @@ Status run_parallel_bench(const BenchContext& context, Communicator* mpi, int wa
                           const std::set<std::string>& ops, const std::set<std::string>& names, Progress* progress,
                           std::vector<ParallelBenchResult>* results);
 std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResult>& results);
+// The link model of `comm`'s world, measured on this rank's device (every
+// rank calls it): the latency and bus bandwidth of its all-gather.
+Status measure_link(const BenchContext& context, Communicator& comm, int warmup, int repeats, LinkModel* link);
 
 // Copy bandwidth of the device in bytes/s (read + write counted), measured now:
 // memcpy on the CPU, a device-to-device copy on CUDA; median of `repeats`.

@@ -20,8 +20,10 @@
 // Targets (docs/design.md): SP8 >= 6x faster than WS1 at S = 131072; never
 // slower than WS1 at S = 32768 (every world size, both packings).
 //
-// --predict-world (context.predict): instead of the simulation, each rank of
-// each world size runs its share alone on the device, one rank after another,
+// --predict-world (context.predict): instead of the simulation (in-process),
+// or beside the measured MPI world (--comm mpi, whose link is then measured,
+// measure_link), each rank of each world size runs its share alone on the
+// device, one rank after another,
 // through a communicator that moves nothing (PredictionComm): its real rows,
 // straddling rows and chunk partials, whatever values it would have received.
 // A world's prediction is its slowest rank's median plus the link model's time
@@ -219,12 +221,16 @@ void predict_world(const BenchContext& ctx, int warmup, int repeats, const Timed
   r->metrics.push_back({"link_bytes_per_rank", {received}});
 }
 
-// Times WS1 and every world of `worlds` (in-process) or the MPI world, and
-// appends one result per world (WS1 first).
+// Times WS1 and every world of `worlds` (in-process) or the MPI world, then
+// predicts every world of `predicted` (ctx.predict's model; each process of
+// an MPI world predicts alone on its device), and appends one result per
+// world (WS1 first). A prediction of a world that was also measured records
+// the measurement and its error.
 void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats, const std::string& op,
                  const std::string& name, const std::string& phase, const Timed& timed, const std::vector<int>& worlds,
-                 const std::function<void(int world, ParallelBenchResult*)>& describe,
+                 const std::vector<int>& predicted, const std::function<void(int world, ParallelBenchResult*)>& describe,
                  std::vector<ParallelBenchResult>* results) {
+  const std::size_t first = results->size();  // this configuration's rows start here
   ParallelBenchResult base;
   base.op = op;
   base.name = name;
@@ -273,11 +279,6 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
     r.world = world;
     r.ws1_median_seconds = ws1_seconds;
     describe(world, &r);
-    if (ctx.predict != nullptr && mpi == nullptr) {
-      predict_world(ctx, warmup, repeats, timed, *ctx.predict, &r);
-      results->push_back(r);
-      continue;
-    }
     std::vector<double> medians(static_cast<std::size_t>(world), 0.0);
     std::vector<int64_t> wrong(static_cast<std::size_t>(world), 0), compared(static_cast<std::size_t>(world), 0);
     auto rank_fn = [&](Communicator& comm) -> Status {
@@ -326,6 +327,21 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
     }
     results->push_back(r);
   }
+  const std::size_t measured_end = results->size();
+  for (int world : predicted) {
+    ParallelBenchResult r = base;
+    r.world = world;
+    r.ws1_median_seconds = ws1_seconds;
+    describe(world, &r);
+    predict_world(ctx, warmup, repeats, timed, *ctx.predict, &r);
+    for (std::size_t i = first; i < measured_end; ++i) {
+      const ParallelBenchResult& m = (*results)[i];
+      if (m.ws1 || m.world != world || !m.error.empty() || !r.error.empty()) continue;
+      r.metrics.push_back({"measured_us", {m.median_seconds * 1e6}});
+      r.metrics.push_back({"prediction_error_percent", {100.0 * (r.median_seconds - m.median_seconds) / m.median_seconds}});
+    }
+    results->push_back(r);
+  }
 }
 
 bool wanted(const std::set<std::string>& filter, const std::string& item) { return filter.empty() || filter.count(item); }
@@ -347,6 +363,42 @@ std::string sp_case_name(int64_t seq_len, Packing packing) {
 
 bool is_parallel_op(const std::string& op) { return op == "sp_region" || op == "tp_adaln_projection"; }
 
+Status measure_link(const BenchContext& ctx, Communicator& comm, int warmup, int repeats, LinkModel* link) {
+  // An all-gather of 8 bytes per rank is the latency; one of `large` bytes per
+  // rank, less the latency, gives the bus bandwidth: (world - 1) * large bytes
+  // over that time (nccl-tests' convention). Each the slowest rank's median.
+  const int world = comm.world_size();
+  const std::size_t large = ctx.device.is_cuda() ? std::size_t(32) << 20 : std::size_t(4) << 20;
+  RankStream stream(ctx.device);
+  cases::DeviceTensor send, recv;
+  DETDIT_RETURN_IF_ERROR(cases::DeviceTensor::empty(DType::kF32, {static_cast<int64_t>(large / 4)}, ctx.device, &send,
+                                                    stream.get()));
+  DETDIT_RETURN_IF_ERROR(cases::DeviceTensor::empty(DType::kF32, {static_cast<int64_t>(world * large / 4)}, ctx.device,
+                                                    &recv, stream.get()));
+  double seconds[2] = {0, 0};
+  const std::size_t sizes[2] = {8, large};
+  for (int k = 0; k < 2; ++k) {
+    Status s = median_of_steps(ctx, stream.get(), warmup, repeats, [&] {
+      return comm.all_gather(send.view().data, sizes[k], recv.view().data, DType::kF32, stream.get());
+    }, &seconds[k]);
+    // The slowest rank's median; a failed rank sends NaN, so none waits.
+    const double mine = s.ok() ? seconds[k] : std::nan("");
+    std::vector<char> all;
+    const Status gathered = gather_host_bytes(comm, &mine, sizeof mine, &all);
+    DETDIT_RETURN_IF_ERROR(s);
+    DETDIT_RETURN_IF_ERROR(gathered);
+    for (int q = 0; q < world; ++q) {
+      const double theirs = reinterpret_cast<const double*>(all.data())[q];
+      if (std::isnan(theirs)) return Status::runtime_error("measuring the link failed on rank " + std::to_string(q));
+      seconds[k] = std::max(seconds[k], theirs);
+    }
+  }
+  link->latency_seconds = seconds[0];
+  link->bus_bytes_per_second =
+      static_cast<double>(world - 1) * static_cast<double>(large) / std::max(seconds[1] - seconds[0], 1e-9);
+  return Status::ok_status();
+}
+
 std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::string>& ops,
                                  const std::set<std::string>& names) {
   std::size_t count = 0;
@@ -363,9 +415,11 @@ std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::st
 Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats,
                           const std::set<std::string>& ops, const std::set<std::string>& names,
                           Progress* progress, std::vector<ParallelBenchResult>* results) {
+  // Measured: the MPI world, or in-process 2, 4, 8 unless predicting; predicted: --predict-world's.
   const std::vector<int> worlds = mpi != nullptr               ? std::vector<int>{mpi->world_size()}
-                                  : ctx.predict != nullptr ? ctx.predict->worlds
+                                  : ctx.predict != nullptr ? std::vector<int>{}
                                                            : std::vector<int>{2, 4, 8};
+  const std::vector<int> predicted = ctx.predict != nullptr ? ctx.predict->worlds : std::vector<int>{};
   if (wanted(ops, "sp_region")) {
     for (int64_t seq_len : sp_lengths(ctx)) {
       for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
@@ -391,7 +445,8 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
                                                         sp_backward_bytes_per_rank(sp, SpVariant::kGateResidual, pr.hidden)}});
         };
         progress->started("sp_region " + name + " fwd+bwd");
-        time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, describe, results);
+        time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, predicted, describe,
+                    results);
         progress->finished("sp_region " + name + " fwd+bwd");
       }
     }
@@ -405,23 +460,25 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
       TpWeights weights;
       DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, ctx.device, &weights));
       // A world size that cannot split N (more ranks than 64-column chunks) is an error row.
-      std::vector<int> valid;
+      std::vector<int> valid, valid_predicted;
       std::vector<ParallelBenchResult> refused;
-      for (int world : worlds) {
-        int64_t begin = 0, end = 0;
-        const Status split = tp_column_shard(pr.out_features, world, 0, &begin, &end);
-        if (split.ok()) {
-          valid.push_back(world);
-          continue;
+      for (bool prediction : {false, true}) {
+        for (int world : prediction ? predicted : worlds) {
+          int64_t begin = 0, end = 0;
+          const Status split = tp_column_shard(pr.out_features, world, 0, &begin, &end);
+          if (split.ok()) {
+            (prediction ? valid_predicted : valid).push_back(world);
+            continue;
+          }
+          ParallelBenchResult r;
+          r.op = "tp_adaln_projection";
+          r.name = name;
+          r.world = world;
+          r.simulated = !prediction && mpi == nullptr;
+          r.predicted = prediction;
+          r.error = split.to_string();
+          refused.push_back(r);
         }
-        ParallelBenchResult r;
-        r.op = "tp_adaln_projection";
-        r.name = name;
-        r.world = world;
-        r.simulated = ctx.predict == nullptr && mpi == nullptr;
-        r.predicted = ctx.predict != nullptr && mpi == nullptr;
-        r.error = split.to_string();
-        refused.push_back(r);
       }
       const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
       for (bool backward : {false, true}) {
@@ -442,7 +499,8 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
         };
         const std::string phase = backward ? "fwd+bwd" : "fwd";
         progress->started("tp_adaln_projection " + name + " " + phase);
-        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, phase, timed, valid, describe, results);
+        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, phase, timed, valid, valid_predicted,
+                    describe, results);
         for (ParallelBenchResult r : refused) {
           r.phase = phase;
           results->push_back(r);
@@ -461,6 +519,7 @@ std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResu
     t.target = std::string("sp_region fwd+bwd S=131072 ") + packing + ": SP8 >= 6x faster than WS1";
     t.required_speedup = 6.0;
     for (const ParallelBenchResult& r : results) {
+      if (r.predicted && !std::isnan(t.measured_speedup) && !t.predicted) continue;  // a measurement wins
       if (r.op == "sp_region" && r.name == std::string("S=131072 ") + packing && r.world == 8 && !r.ws1 &&
           r.error.empty()) {
         t.measured_speedup = r.ws1_median_seconds / r.median_seconds;

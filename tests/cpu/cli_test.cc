@@ -883,12 +883,57 @@ TEST(Cli, BenchPredictWorldIsAPredictionFromEachRankAloneAndTheLinkModel) {
            {"bench --device cpu --ops sp_region --predict-world 2x", "--predict-world must list world sizes in [2, 1024], got '2x'"},
            {"bench --device cpu --ops sp_region --link-gbps 5", "--link-gbps and --link-latency-us are the model of --predict-world"},
            {"bench --device cpu --ops sp_region --predict-world 2 --link-gbps 0", "--link-gbps must be a number > 0, got '0'"},
-           {"bench --device cpu --ops sp_region --predict-world 2 --comm mpi", "--predict-world predicts from one device"},
            {"bench --device cpu --ops timestep_mlp --predict-world 2", "--predict-world predicts the parallel regions, and none runs here"}}) {
     r = detdit(command);
     EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
     EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
   }
+}
+
+TEST(Cli, BenchPredictWorldUnderMpirunMeasuresTheLinkAndComparesWithTheMeasuredWorld) {
+#if !defined(DETDIT_WITH_MPI)
+  GTEST_SKIP() << "detdit was built without MPI";
+#endif
+  if (!have_mpirun()) GTEST_SKIP() << "mpirun is not on PATH";
+  const std::string out = temp_dir("bench_predict_mpi");
+  const std::string command = std::string("XDG_CACHE_HOME='") + temp_dir("cache") + "' " + kMpirun + "'" +
+                              DETDIT_CLI_PATH + "' bench --comm mpi --device cpu --ops tp_adaln_projection " +
+                              "--predict-world 2,4 --repeats 2 --warmup 0 --format json --weights '" + small_weights() +
+                              "' > '" + out + "/bench.json' 2> '" + out + "/err.txt'";
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << read_file(out + "/err.txt");
+  const nlohmann::json p = nlohmann::json::parse(read_file(out + "/bench.json"))["parallel"];
+  EXPECT_EQ(p["comm"], "mpi");
+  EXPECT_EQ(p["predicted"], true);
+  EXPECT_NE(p["link_model"]["source"].get<std::string>().find("bandwidth measured, latency measured over mpi between 2 ranks"),
+            std::string::npos) << p["link_model"].dump();
+  EXPECT_GT(p["link_model"]["bus_gbps"].get<double>(), 0);
+  EXPECT_GT(p["link_model"]["latency_us"].get<double>(), 0);
+  std::map<std::string, double> measured;  // phase -> the measured world 2's median
+  int predictions = 0;
+  for (const auto& row : p["results"]) {
+    ASSERT_FALSE(row.contains("error")) << row.dump();
+    if (row["ws1"].get<bool>()) continue;
+    if (!row["predicted"].get<bool>()) {
+      EXPECT_EQ(row["world"], 2) << row.dump();
+      EXPECT_EQ(row["wrong"], 0) << row.dump();
+      EXPECT_GT(row["compared"].get<int64_t>(), 0) << row.dump();
+      measured[row["phase"]] = row["median_us"];
+      continue;
+    }
+    ++predictions;
+    EXPECT_TRUE(row["wrong"].is_null()) << row.dump();
+    // the prediction of the measured world carries the measurement and its error
+    if (row["world"] == 2) {
+      ASSERT_EQ(measured.count(row["phase"]), 1u) << row.dump();
+      const double m = measured[row["phase"]], predicted = row["median_us"];
+      EXPECT_DOUBLE_EQ(row["measured_us"].get<double>(), m) << row.dump();
+      EXPECT_NEAR(row["prediction_error_percent"].get<double>(), 100 * (predicted - m) / m, 1e-9) << row.dump();
+    } else {
+      EXPECT_FALSE(row.contains("measured_us")) << row.dump();
+    }
+  }
+  EXPECT_EQ(predictions, 4);  // fwd and fwd+bwd at worlds 2 and 4
 }
 
 TEST(Cli, BenchParallelUnderMpirunTwoRanks) {
