@@ -2,7 +2,7 @@
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
 # docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
 # a second tree):
-#   build cuda parallel verify mpi parity sanitizer python bench compare ptx
+#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
 # gpu-out/ are copied there. The last lines printed are the summary.
@@ -28,7 +28,7 @@ mkdir -p "$out"
 build="${DETDIT_BUILD_DIR:-build-gpu}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=("$@")
-[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer python bench compare)
+[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer python bench predict compare)
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 summary="$out/summary.txt"
 : >"$summary"
@@ -79,6 +79,12 @@ for stage in "${stages[@]}"; do
         run "bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/bench_$op.json"
       done
       [ "$gpus" -ge 2 ] && run mpi_bench 300 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda ;;
+    predict)  # SP/TP at 2, 4, 8 GPUs predicted from this one (docs/parallel.md); with several GPUs the
+      # link is measured and the prediction of the MPI world compared with its measurement
+      run predict 400 "$build/detdit" bench --device cuda --ops sp_region,tp_adaln_projection --predict-world 2,4,8 \
+        --out "$out/predict.json"
+      [ "$gpus" -ge 2 ] && run mpi_predict 400 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda \
+        --predict-world 2,4,8 --out "$out/predict_mpi.json" ;;
     compare)  # eager and torch.compile on the bench's row-wise cases, same process (docs/benchmarking.md)
       run compare 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
         --out "$out/compare.json" &&
