@@ -253,10 +253,10 @@ int run_bench(int argc, char** argv) {
     return 2;
   }
   if (args.has("--predict-world")) {
-    for (const std::string& item : args.get_set("--predict-world")) {
-      char* end = nullptr;
-      const long world = std::strtol(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0' || world < 2 || world > 1024 || item.find_first_not_of("0123456789") != std::string::npos) {
+    for (const std::string& item : args.get_set("--predict-world")) {  // non-empty items
+      const bool digits = item.size() <= 4 && item.find_first_not_of("0123456789") == std::string::npos;
+      const long world = digits ? std::strtol(item.c_str(), nullptr, 10) : 0;
+      if (world < 2 || world > 1024) {
         std::fprintf(stderr, "detdit: --predict-world must list world sizes in [2, 1024], got '%s'\n", item.c_str());
         return 2;
       }

@@ -115,6 +115,26 @@ Status median_of_steps(const BenchContext& ctx, Stream stream, int warmup, int r
   return Status::ok_status();
 }
 
+// Every rank's `median` over `comm` into *medians (rank order) and their
+// maximum into *slowest. Every rank takes part, a failed one (`local` not OK)
+// sending NaN, so none waits forever; the result is `local`'s error, the
+// exchange's, or "`what` failed on rank q" for the first rank that sent NaN.
+Status gather_medians(Communicator& comm, const Status& local, double median, const std::string& what,
+                      std::vector<double>* medians, double* slowest) {
+  const double mine = local.ok() ? median : std::nan("");
+  std::vector<char> all;
+  const Status gathered = gather_host_bytes(comm, &mine, sizeof mine, &all);
+  DETDIT_RETURN_IF_ERROR(local);
+  DETDIT_RETURN_IF_ERROR(gathered);
+  medians->clear();
+  for (int q = 0; q < comm.world_size(); ++q) {
+    medians->push_back(reinterpret_cast<const double*>(all.data())[q]);
+    if (std::isnan(medians->back())) return Status::runtime_error(what + " failed on rank " + std::to_string(q));
+  }
+  *slowest = *std::max_element(medians->begin(), medians->end());
+  return Status::ok_status();
+}
+
 // Elements of `outputs` that differ bitwise from WS1's (the rank's slice of
 // per-position outputs: rows [lo, hi) of each of `batch` items of `length`).
 Status count_wrong(const std::vector<SpOutput>& outputs, const std::vector<HostTensor>& ws1, int64_t batch,
@@ -255,18 +275,7 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
       }
     }
     double worst = median;
-    if (mpi != nullptr) {
-      // Every rank takes part, a failed one with NaN, so none waits forever.
-      const double mine = s.ok() ? median : std::nan("");
-      std::vector<char> all;
-      Status gathered = gather_host_bytes(*mpi, &mine, sizeof mine, &all);
-      for (int q = 0; gathered.ok() && q < mpi->world_size(); ++q) {
-        r.rank_medians.push_back(reinterpret_cast<const double*>(all.data())[q]);
-        if (std::isnan(r.rank_medians.back()) && s.ok()) s = Status::runtime_error("WS1 failed on rank " + std::to_string(q));
-        worst = std::max(worst, r.rank_medians.back());
-      }
-      if (s.ok()) s = gathered;
-    }
+    if (mpi != nullptr) s = gather_medians(*mpi, s, median, "WS1", &r.rank_medians, &worst);
     r.median_seconds = worst;
     r.ws1_median_seconds = worst;
     if (!s.ok()) r.error = s.to_string();
@@ -381,17 +390,8 @@ Status measure_link(const BenchContext& ctx, Communicator& comm, int warmup, int
     Status s = median_of_steps(ctx, stream.get(), warmup, repeats, [&] {
       return comm.all_gather(send.view().data, sizes[k], recv.view().data, DType::kF32, stream.get());
     }, &seconds[k]);
-    // The slowest rank's median; a failed rank sends NaN, so none waits.
-    const double mine = s.ok() ? seconds[k] : std::nan("");
-    std::vector<char> all;
-    const Status gathered = gather_host_bytes(comm, &mine, sizeof mine, &all);
-    DETDIT_RETURN_IF_ERROR(s);
-    DETDIT_RETURN_IF_ERROR(gathered);
-    for (int q = 0; q < world; ++q) {
-      const double theirs = reinterpret_cast<const double*>(all.data())[q];
-      if (std::isnan(theirs)) return Status::runtime_error("measuring the link failed on rank " + std::to_string(q));
-      seconds[k] = std::max(seconds[k], theirs);
-    }
+    std::vector<double> medians;
+    DETDIT_RETURN_IF_ERROR(gather_medians(comm, s, seconds[k], "measuring the link", &medians, &seconds[k]));
   }
   link->latency_seconds = seconds[0];
   link->bus_bytes_per_second =
