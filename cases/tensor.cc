@@ -81,6 +81,15 @@ Status cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status();
   return Status::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
 }
+
+// `bytes` (at least 1) on CUDA `device`, freed with its last owner.
+Status device_memory(const Device& device, std::size_t bytes, std::shared_ptr<void>* memory) {
+  void* raw = nullptr;
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaMalloc(&raw, std::max<std::size_t>(bytes, 1)), "cudaMalloc"));
+  *memory = std::shared_ptr<void>(raw, [](void* p) { cudaFree(p); });
+  return Status();
+}
 #endif
 
 }  // namespace
@@ -193,28 +202,31 @@ HostTensor random_tensor(DType dtype, std::vector<int64_t> shape, uint64_t seed,
   return t;
 }
 
+DeviceTensor DeviceTensor::on_host(HostTensor host) {
+  DeviceTensor t;
+  t.shape_ = host.shape();
+  auto owned = std::make_shared<HostTensor>(std::move(host));
+  t.view_ = owned->view();
+  t.memory_ = owned;
+  return t;
+}
+
 Status DeviceTensor::from_host(const HostTensor& host, const Device& device, DeviceTensor* tensor, Stream stream) {
+  if (!device.is_cuda()) {
+    *tensor = on_host(host);  // a copy
+    return Status();
+  }
+#if defined(DETDIT_WITH_CUDA)
   DeviceTensor t;
   t.shape_ = host.shape();
   t.view_ = host.view();
   t.view_.device = device;
-  if (!device.is_cuda()) {
-    auto copy = std::make_shared<HostTensor>(host);
-    t.view_.data = copy->data();
-    t.memory_ = copy;
-    *tensor = std::move(t);
-    return Status();
-  }
-#if defined(DETDIT_WITH_CUDA)
-  void* memory = nullptr;
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaMalloc(&memory, std::max<std::size_t>(host.nbytes(), 1)), "cudaMalloc"));
-  t.memory_ = std::shared_ptr<void>(memory, [](void* p) { cudaFree(p); });
+  DETDIT_RETURN_IF_ERROR(device_memory(device, host.nbytes(), &t.memory_));
+  t.view_.data = t.memory_.get();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  DETDIT_RETURN_IF_ERROR(cuda_status(
-      cudaMemcpyAsync(memory, host.data(), host.nbytes(), cudaMemcpyHostToDevice, s), "cudaMemcpyAsync to the device"));
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(t.view_.data, host.data(), host.nbytes(), cudaMemcpyHostToDevice, s),
+                                     "cudaMemcpyAsync to the device"));
   DETDIT_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
-  t.view_.data = memory;
   *tensor = std::move(t);
   return Status();
 #else
@@ -228,11 +240,7 @@ Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device
   if (!device.is_cuda()) {
     HostTensor canary(dtype, std::move(shape));
     canary.fill_bytes(kCanary);
-    DeviceTensor t;
-    t.shape_ = canary.shape();
-    t.view_ = canary.view();
-    t.memory_ = std::make_shared<HostTensor>(std::move(canary));
-    *tensor = std::move(t);
+    *tensor = on_host(std::move(canary));
     return Status();
   }
 #if defined(DETDIT_WITH_CUDA)
@@ -244,11 +252,8 @@ Status DeviceTensor::empty(DType dtype, std::vector<int64_t> shape, const Device
   t.shape_ = std::move(shape);
   t.view_ = contiguous_view(nullptr, dtype, t.shape_);
   t.view_.device = device;
-  void* memory = nullptr;
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device.index), "cudaSetDevice"));
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaMalloc(&memory, std::max<std::size_t>(t.view_.nbytes(), 1)), "cudaMalloc"));
-  t.memory_ = std::shared_ptr<void>(memory, [](void* p) { cudaFree(p); });
-  t.view_.data = memory;
+  DETDIT_RETURN_IF_ERROR(device_memory(device, t.view_.nbytes(), &t.memory_));
+  t.view_.data = t.memory_.get();
   DETDIT_RETURN_IF_ERROR(t.fill_bytes(kCanary, stream));
   *tensor = std::move(t);
   return Status();

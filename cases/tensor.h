@@ -106,6 +106,7 @@ class DeviceTensor {
   Status fill_bytes(uint8_t value, Stream stream = nullptr);
 
  private:
+  static DeviceTensor on_host(HostTensor host);  // a CPU tensor owning `host`'s memory
   std::shared_ptr<void> memory_;
   TensorView view_;
   std::vector<int64_t> shape_;
