@@ -1,7 +1,6 @@
 // The detdit binary end to end: --help of every command, exit codes 0/1/2,
 // weights synth/verify/inspect on a small configuration, a verify --quick run
 // whose JSON report is parsed and checked, and report drawing its SVG.
-#include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -20,6 +19,7 @@
 #include <string>
 
 #include "common/cases.h"
+#include "common/files.h"
 #include "common/test_util.h"
 #include "detdit/parallel.h"
 #include "io/manifest.h"
@@ -40,12 +40,7 @@ std::string temp_dir(const std::string& name) {
   return dir;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using testing::read_file;
 
 // Runs `detdit <arguments>` with the cache pointed at a private directory. A
 // run past `timeout_s` is killed (exit code 124, or 137 after SIGKILL), so a
@@ -76,14 +71,10 @@ std::string small_weights() {
   return dir;
 }
 
+// The names in `dir` (none when it cannot be read).
 std::vector<std::string> directory_entries(const std::string& dir) {
   std::vector<std::string> names;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return names;
-  while (const dirent* e = ::readdir(d)) {
-    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.push_back(e->d_name);
-  }
-  ::closedir(d);
+  testing::list_directory(dir, &names);
   return names;
 }
 

@@ -2,7 +2,6 @@
 // dtype, every malformed-file case the reader must refuse (with the file name
 // and the problem in the message, never a crash), hand-made edge cases, the
 // fuzz corpus replayed, and SHA-256 against the FIPS 180-2 test vectors.
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "common/child_process.h"
+#include "common/files.h"
 #include "common/test_util.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
@@ -372,14 +372,10 @@ TEST(Safetensors, WriterValidatesBeforeCreatingAnything) {
 // the input; inputs named valid-* must parse (they are the fuzzer's seeds).
 TEST(Safetensors, FuzzCorpusReplays) {
   const std::string dir = std::string(DETDIT_SOURCE_DIR) + "/tests/fuzz/corpus";
-  DIR* d = ::opendir(dir.c_str());
-  ASSERT_NE(d, nullptr) << dir;
-  int replayed = 0;
-  while (dirent* entry = ::readdir(d)) {
-    const std::string name = entry->d_name;
-    if (name == "." || name == "..") continue;
-    std::ifstream in(dir + "/" + name, std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> names;
+  ASSERT_TRUE(testing::list_directory(dir, &names)) << dir;
+  for (const std::string& name : names) {
+    const std::string bytes = testing::read_file(dir + "/" + name);
     SafetensorsFile file;
     Status s = SafetensorsFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), name, &file);
     if (name.rfind("valid-", 0) == 0) {
@@ -387,10 +383,8 @@ TEST(Safetensors, FuzzCorpusReplays) {
     } else if (!s.ok()) {
       EXPECT_EQ(s.message().rfind(name + ": ", 0), 0u) << s.message();
     }
-    ++replayed;
   }
-  ::closedir(d);
-  EXPECT_GE(replayed, 3) << "the corpus in " << dir << " is missing";
+  EXPECT_GE(names.size(), 3u) << "the corpus in " << dir << " is missing";
 }
 
 TEST(Sha256, FipsVectors) {

@@ -4,13 +4,12 @@
 // harness's checks (a violated check traps; tests/CMakeLists.txt):
 //   detdit_fuzz_replay_<target> CORPUS_DIR
 // Exits 1 when the directory cannot be read or holds no input.
-#include <dirent.h>
-
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
+#include <vector>
+
+#include "common/files.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
@@ -20,21 +19,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string dir = argv[1];
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) {
+  std::vector<std::string> names;
+  if (!detdit::testing::list_directory(dir, &names)) {
     std::fprintf(stderr, "cannot read the corpus directory %s\n", dir.c_str());
     return 1;
   }
-  int replayed = 0;
-  while (dirent* entry = ::readdir(d)) {
-    const std::string name = entry->d_name;
-    if (name == "." || name == "..") continue;
-    std::ifstream in(dir + "/" + name, std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const std::string& name : names) {
+    const std::string bytes = detdit::testing::read_file(dir + "/" + name);
     LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-    ++replayed;
   }
-  ::closedir(d);
-  std::printf("replayed %d inputs of %s\n", replayed, dir.c_str());
-  return replayed > 0 ? 0 : 1;
+  std::printf("replayed %zu inputs of %s\n", names.size(), dir.c_str());
+  return names.empty() ? 1 : 0;
 }
