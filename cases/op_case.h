@@ -116,6 +116,16 @@ struct AccuracyCheck {
   std::function<double(const std::map<std::string, HostTensor>& tensors)> error;
 };
 
+// A second route to a case's outputs that must give the same bytes (the fused
+// op as its separate ops composed): from host copies of a run's inputs and
+// outputs (download), `compute` recomputes every output of both phases on the
+// CPU into `expected` (compare_outputs then names each difference).
+struct EquivalentRoute {
+  std::string name;  // "= gate_residual then rmsnorm"
+  std::function<Status(const std::map<std::string, HostTensor>& tensors, std::map<std::string, HostTensor>* expected)>
+      compute;
+};
+
 struct OpCase {
   std::string op;    // the op's snake_case name
   std::string name;  // the situation, e.g. "bf16 H=5376 block_S4097_T3_B2"
@@ -126,6 +136,7 @@ struct OpCase {
   double bytes[2] = {0, 0};
   std::string byte_model[2];
   std::vector<AccuracyCheck> accuracy;
+  EquivalentRoute equivalent;  // may be empty
   // The same case for position p alone (S = B = 1; the driver copies slice p
   // of every per-position input into it), for the row-invariance check; may be empty.
   std::function<OpCase(int64_t position)> alone;

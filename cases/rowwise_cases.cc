@@ -18,6 +18,7 @@
 
 #include "cases/op_case.h"
 #include "cases/oracle.h"
+#include "common/backends.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
@@ -315,6 +316,45 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
     RegionShape alone = s;
     alone.index = single_position_case(s.index, p);
     return gate_residual_rmsnorm_case(alone, v);
+  };
+  // The separate ops as autograd composes them (numerics 6.10): gate_residual
+  // forward, rmsnorm forward; rmsnorm backward of d_out, dx + d_h rounded once
+  // to the dtype, gate_residual backward of that sum.
+  const IndexCase index = s.index;
+  c.equivalent.name = "= gate_residual then rmsnorm";
+  c.equivalent.compute = [index, modulated, d_h, H](const std::map<std::string, HostTensor>& got,
+                                                     std::map<std::string, HostTensor>* expected) {
+    IndexPlan plan;
+    DETDIT_RETURN_IF_ERROR(adaln_plan(index, Device::cpu(), &plan));
+    const TensorView table = got.at("table").view();
+    const TensorView gate = chunk_of(table, H, 2);
+    const TensorView shift = modulated ? chunk_of(table, H, 3) : TensorView();
+    const TensorView scale = modulated ? chunk_of(table, H, 4) : TensorView();
+    const HostTensor& h_got = got.at("h");
+    const DType dtype = h_got.dtype(), grad_dtype = got.at("d_gate").dtype();
+    const std::vector<int64_t> rows = h_got.shape(), table_grad = got.at("d_gate").shape();
+    std::map<std::string, HostTensor>& e = *expected;
+    e["h"] = HostTensor(dtype, rows);
+    e["out"] = HostTensor(dtype, rows);
+    e["rstd"] = HostTensor(DType::kF32, {rows[0]});
+    e["d_residual"] = HostTensor(dtype, rows);  // g, the gradient reaching h
+    e["d_y"] = HostTensor(dtype, rows);
+    e["d_gate"] = HostTensor(grad_dtype, table_grad);
+    e["d_weight"] = HostTensor(DType::kF32, {H});
+    if (modulated) {
+      e["d_shift"] = HostTensor(grad_dtype, table_grad);
+      e["d_scale"] = HostTensor(grad_dtype, table_grad);
+    }
+    const GateResidualInputs gate_in{got.at("residual").view(), got.at("y").view(), gate, plan};
+    DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate_in, e["h"].view()}));
+    const RmsnormInputs norm_in{e["h"].view(), got.at("weight").view(), shift, scale, plan};
+    DETDIT_RETURN_IF_ERROR(rmsnorm_forward({norm_in, e["out"].view(), e["rstd"].view()}));
+    const TensorView g = e["d_residual"].view();
+    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({norm_in, e["rstd"].view(), got.at("d_out").view(), g,
+                                             e["d_weight"].view(), modulated ? e["d_shift"].view() : TensorView(),
+                                             modulated ? e["d_scale"].view() : TensorView()}));
+    if (d_h) DETDIT_RETURN_IF_ERROR(cpu::add(g, got.at("d_h").view(), g, nullptr));
+    return gate_residual_backward({gate_in, g, TensorView(), e["d_y"].view(), e["d_gate"].view()});
   };
   return c;
 }
