@@ -5,7 +5,8 @@
 //   1. byte-equality matrix: one row per case (more lines when its cells do
 //      not fit), one cell per check labelled with its whole name, green when
 //      every bitwise comparison matched (label "b passed/run"), blue when the
-//      check is accuracy-only and passed, red when it failed, grey when informational;
+//      check is accuracy-only and passed, red when it failed, grey when informational,
+//      outlined white when skipped (verify --matrix: a cell not run, never a pass);
 //   2. time per case (bars, seconds);
 //   3. per case, each check's error vs FP64 divided by its bound on one log
 //      axis (the bound is 1; exact zeros and ratios below 1e-6 at the left
@@ -148,7 +149,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
     for (const Json& row : c["checks"]) {
       const bool pass = row.value("pass", false);
       const int64_t run = row.value("bitwise_run", int64_t(0)), ok = row.value("bitwise_passed", int64_t(0));
-      const bool info = row.value("informational", false);
+      const bool info = row.value("informational", false), skipped = row.value("skipped", false);
       std::string label = row.value("check", std::string("?"));
       if (run > 0) label = "b" + std::to_string(ok) + "/" + std::to_string(run) + " " + label;
       const double width = std::min(text_width(label, cell_font) + cell_pad, matrix_right - kLabelWidth);
@@ -156,8 +157,13 @@ Status write_report_svg(const Json& report, const std::string& path) {
         x = kLabelWidth;
         y += row_height;
       }
-      svg.rect(x + 1, y + 2, width - 2, row_height - 4, !pass ? kRed : info ? kGrey : run > 0 ? kGreen : kBlue);
-      svg.text(x + cell_pad / 2, y + 16, fit(label, width - cell_pad, cell_font), cell_font, "start", "normal", "#fff");
+      if (skipped) {
+        svg.rect(x + 1, y + 2, width - 2, row_height - 4, "#fff", kGrey);
+      } else {
+        svg.rect(x + 1, y + 2, width - 2, row_height - 4, !pass ? kRed : info ? kGrey : run > 0 ? kGreen : kBlue);
+      }
+      svg.text(x + cell_pad / 2, y + 16, fit(label, width - cell_pad, cell_font), cell_font, "start", "normal",
+               skipped ? kGrey : "#fff");
       x += width;
     }
     y += row_height;
@@ -171,6 +177,8 @@ Status write_report_svg(const Json& report, const std::string& path) {
   svg.text(kLabelWidth + 316, y + 10, "failed", 11);
   svg.rect(kLabelWidth + 380, y, 12, 12, kGrey);
   svg.text(kLabelWidth + 396, y + 10, "informational", 11);
+  svg.rect(kLabelWidth + 490, y, 12, 12, "#fff", kGrey);
+  svg.text(kLabelWidth + 506, y + 10, "skipped (not run)", 11);
   y += 40;
 
   // Panel 2: time per case.

@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <cctype>
+#include <cstdlib>
 #include <set>
+#include <sstream>
 
 #include "args.h"
 #include "cli.h"
@@ -48,7 +51,7 @@ std::string format_error(double v) {
 }
 
 struct CaseResult {
-  const VerifyCase* c;
+  std::string op, name;
   std::vector<CheckRow> rows;
   double seconds = 0;
 };
@@ -103,7 +106,7 @@ void print_table(const std::vector<CaseResult>& results) {
                           row.bitwise_run ? std::to_string(row.bitwise_passed) + "/" + std::to_string(row.bitwise_run)
                                           : "-",
                           format_error(row.max_error), format_error(row.bound), seconds,
-                          !row.pass ? "FAIL" : row.informational ? "info" : "ok"});
+                          row.skipped ? "skip" : !row.pass ? "FAIL" : row.informational ? "info" : "ok"});
       widen(lines[i].back());
     }
   }
@@ -123,7 +126,7 @@ void print_table(const std::vector<CaseResult>& results) {
       if (!row.error_unit.empty() && std::find(units.begin(), units.end(), row.error_unit) == units.end())
         units.push_back(row.error_unit);
     }
-    std::string head = std::string(r.c->op) + " / " + r.c->name;
+    std::string head = r.op + " / " + r.name;
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, " (%.2f s", r.seconds);
     head += seconds;
@@ -134,14 +137,24 @@ void print_table(const std::vector<CaseResult>& results) {
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
       if (row.pass && row.informational && !row.detail.empty()) {
-        print_wrapped("info " + std::string(r.c->op) + " / " + r.c->name + " / " + row.check + ": ", row.detail);
+        print_wrapped("info " + r.op + " / " + r.name + " / " + row.check + ": ", row.detail);
       }
     }
   }
+  // Skipped cells (verify --matrix): one line per case, its rows and their reason.
+  for (const CaseResult& r : results) {
+    std::string checks, reason;
+    for (const CheckRow& row : r.rows) {
+      if (!row.skipped) continue;
+      checks += (checks.empty() ? "" : ", ") + row.check;
+      reason = row.detail;
+    }
+    if (!checks.empty()) print_wrapped("skip " + r.op + " / " + r.name + " (" + checks + "): ", reason);
+  }
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
-      if (!row.pass && !row.detail.empty()) {
-        print_wrapped("FAIL " + std::string(r.c->op) + " / " + r.c->name + " / " + row.check + ": ", row.detail);
+      if (!row.pass && !row.skipped && !row.detail.empty()) {
+        print_wrapped("FAIL " + r.op + " / " + r.name + " / " + row.check + ": ", row.detail);
       }
     }
   }
@@ -213,10 +226,49 @@ Status merge_rank_rows(Communicator& comm, std::vector<CheckRow>* rows) {
   return Status::ok_status();
 }
 
+// The matrix's cells: every row of every group at its coordinates, with its
+// result ("pass", "fail", "skipped" or "info"), and what it does not enumerate.
+Json matrix_json(const std::vector<MatrixGroup>& groups, const Device& device, const MatrixOptions& options) {
+  auto coordinate = [](int64_t v) { return v < 0 ? Json(nullptr) : Json(v); };
+  Json cells = Json::array();
+  int64_t counts[4] = {0, 0, 0, 0};  // pass, fail, skipped, info
+  for (const MatrixGroup& g : groups) {
+    for (std::size_t i = 0; i < g.rows.size(); ++i) {
+      const CheckRow& row = g.rows[i];
+      const int result = row.skipped ? 2 : !row.pass ? 1 : row.informational ? 3 : 0;
+      ++counts[result];
+      cells.push_back({{"op", g.op},
+                       {"case", g.name},
+                       {"check", row.check},
+                       {"device", device.to_string()},
+                       {"profile", g.profile},
+                       {"world", i < g.worlds.size() ? Json(g.worlds[i]) : Json(nullptr)},
+                       {"packing", g.packing.empty() ? Json(nullptr) : Json(g.packing)},
+                       {"batch", coordinate(g.batch)},
+                       {"seq_len", coordinate(g.seq_len)},
+                       {"timesteps", coordinate(g.timesteps)},
+                       {"result", result == 0 ? "pass" : result == 1 ? "fail" : result == 2 ? "skipped" : "info"},
+                       {"bitwise_run", row.bitwise_run},
+                       {"bitwise_passed", row.bitwise_passed},
+                       {"seconds", row.seconds},
+                       {"detail", row.detail}});
+    }
+  }
+  Json notes = Json::array();
+  for (const MatrixNote& note : matrix_not_enumerated(device)) notes.push_back({{"what", note.what}, {"reason", note.reason}});
+  Json out = {{"coordinates", {"op", "device", "profile", "world", "packing", "batch", "seq_len", "timesteps"}},
+              {"counts", {{"pass", counts[0]}, {"fail", counts[1]}, {"skipped", counts[2]}, {"info", counts[3]}}},
+              {"budget_elements", options.budget},
+              {"cells", cells},
+              {"not_enumerated", notes}};
+  if (!options.corrupt.empty()) out["test_corrupted_op"] = options.corrupt;
+  return out;
+}
+
 }  // namespace
 
 int run_verify(int argc, char** argv) {
-  Args args("detdit verify [--quick] [--device cpu|cuda] [--weights DIR] [--out REPORT.json]",
+  Args args("detdit verify [--quick] [--device cpu|cuda] [--weights DIR] [--out REPORT.json] [--matrix]",
             "Runs the conditioning ops on the weights (default: the cached synthetic H3 weights, see\n"
             "docs/weights.md) and checks every bitwise claim (repeatability, row invariance, CPU = CUDA)\n"
             "and accuracy bar against an FP64 oracle. Prints a table and a verdict.\n"
@@ -234,6 +286,14 @@ int run_verify(int argc, char** argv) {
   args.option("--out", "FILE", "write the JSON report here");
   args.option("--figure", "FILE", "write the SVG figure here (as detdit report does)");
   args.flag("--list", "list the registered cases and exit");
+  args.flag("--matrix",
+            "instead of the cases: the byte-equality matrix (every op case, the sp_region's ops x both\n"
+            "packings x B = 1, 2 x --seq x --worlds, tp_adaln_projection x --worlds; docs/cli.md)");
+  args.option("--seq", "LIST", "--matrix: the sp_region's sequence lengths", "4097,32768,131072; --quick: 4097");
+  args.option("--worlds", "LIST", "--matrix: the world sizes", "1,2,...,8; --quick: 1,2,3,8");
+  args.option("--matrix-budget", "N",
+              "--matrix: list as skipped the cells whose largest tensor exceeds N elements (0: none)",
+              "CPU 44048384, CUDA 0");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
   int64_t blocks = 1;
@@ -260,6 +320,54 @@ int run_verify(int argc, char** argv) {
   if (comm_name != "inprocess" && comm_name != "mpi") {
     std::fprintf(stderr, "detdit: --comm must be inprocess or mpi, got '%s'\n", comm_name.c_str());
     return 2;
+  }
+  const bool matrix = args.has("--matrix");
+  MatrixOptions matrix_options;
+  if (matrix && comm_name != "inprocess") {
+    std::fprintf(stderr, "detdit: --matrix runs its ranks in-process (without --comm mpi)\n");
+    return 2;
+  }
+  for (const char* option : {"--seq", "--worlds", "--matrix-budget"}) {
+    if (!matrix && args.has(option)) {
+      std::fprintf(stderr, "detdit: %s applies to --matrix only\n", option);
+      return 2;
+    }
+  }
+  if (matrix) {
+    auto list = [&args](const char* option, const std::string& fallback, int64_t lo, int64_t hi,
+                        std::vector<int64_t>* values) {
+      const std::string text = args.get(option, fallback);
+      std::stringstream in(text);
+      std::string item;
+      while (std::getline(in, item, ',')) {
+        char* end = nullptr;
+        const long long v = item.empty() || !std::isdigit(static_cast<unsigned char>(item[0]))
+                                ? -1 : std::strtoll(item.c_str(), &end, 10);
+        if (v < lo || v > hi || end == nullptr || *end != '\0') {
+          std::fprintf(stderr, "detdit: %s: expected comma-separated integers in [%lld, %lld], got '%s'\n", option,
+                       static_cast<long long>(lo), static_cast<long long>(hi), text.c_str());
+          return false;
+        }
+        if (std::find(values->begin(), values->end(), v) == values->end()) values->push_back(v);
+      }
+      if (values->empty()) {
+        std::fprintf(stderr, "detdit: %s: needs at least one value\n", option);
+        return false;
+      }
+      return true;
+    };
+    const bool quick = args.has("--quick");
+    std::vector<int64_t> worlds;
+    int64_t budget = 0;
+    if (!list("--seq", quick ? "4097" : "4097,32768,131072", 1, int64_t{1} << 24, &matrix_options.seq_lens) ||
+        !list("--worlds", quick ? "1,2,3,8" : "1,2,3,4,5,6,7,8", 1, 64, &worlds) ||
+        !args.get_int("--matrix-budget", -1, 0, int64_t{1} << 50, &budget)) {
+      if (!args.error().empty()) std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
+      return 2;
+    }
+    for (int64_t w : worlds) matrix_options.worlds.push_back(static_cast<int>(w));
+    matrix_options.budget = static_cast<double>(budget);
+    if (const char* corrupt = std::getenv("DETDIT_TEST_CORRUPT_CELLS")) matrix_options.corrupt = corrupt;
   }
 
   const int gpus = cuda_device_count();
@@ -289,7 +397,7 @@ int run_verify(int argc, char** argv) {
   const bool leader = world == nullptr || world->rank() == 0;
 
   const std::set<std::string> wanted_ops = args.get_set("--ops");
-  for (const std::string& op : wanted_ops) {
+  for (const std::string& op : matrix ? std::set<std::string>() : wanted_ops) {
     bool known = false;
     for (const VerifyCase& c : cases) known = known || op == c.op;
     if (!known) {
@@ -328,8 +436,10 @@ int run_verify(int argc, char** argv) {
   context.weights = &weights;
   context.seed = seed;
   context.comm = world.get();
+  if (matrix && matrix_options.budget < 0) matrix_options.budget = device.is_cuda() ? 0 : 2.0 * 4097 * 5376;
   std::vector<const VerifyCase*> selected;
   for (const VerifyCase& c : cases) {
+    if (matrix) break;
     const bool on_device = device.is_cuda() ? c.cuda : c.cpu;
     const bool applies = (world == nullptr || c.comm) && (c.enabled == nullptr || c.enabled(context));
     if (on_device && applies && (wanted_ops.empty() || wanted_ops.count(c.op))) selected.push_back(&c);
@@ -341,7 +451,8 @@ int run_verify(int argc, char** argv) {
     const std::string name = std::string(c->op) + " / " + c->name;
     progress.started(name);
     CaseResult r;
-    r.c = c;
+    r.op = c->op;
+    r.name = c->name;
     const double t0 = now_seconds();
     Status s = c->run(context, &r.rows);
     r.seconds = now_seconds() - t0;
@@ -379,12 +490,22 @@ int run_verify(int argc, char** argv) {
     results.push_back(std::move(r));
   }
   progress.clear();
+  std::vector<MatrixGroup> groups;
+  if (matrix) {
+    Status s = run_matrix(context, matrix_options, wanted_ops, leader, &groups);
+    if (!s.ok()) {
+      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
+      return 2;
+    }
+    for (const MatrixGroup& g : groups) results.push_back({g.op, g.name, g.rows, g.seconds});
+  }
   const double total_seconds = now_seconds() - start;
 
-  int64_t checks = 0, passed = 0;
+  int64_t checks = 0, passed = 0, skipped = 0;
   for (const CaseResult& r : results) {
     for (const CheckRow& row : r.rows) {
-      if (row.informational) continue;
+      skipped += row.skipped ? 1 : 0;
+      if (row.informational || row.skipped) continue;
       ++checks;
       passed += row.pass ? 1 : 0;
     }
@@ -433,6 +554,7 @@ int run_verify(int argc, char** argv) {
                       {"pass", row.pass},
                       {"detail", row.detail}});
       if (row.informational) rows.back()["informational"] = true;
+      if (row.skipped) rows.back()["skipped"] = true;
       if (!row.metrics.empty()) {
         Json metrics = Json::object();
         for (const auto& [name, values] : row.metrics) {
@@ -441,13 +563,20 @@ int run_verify(int argc, char** argv) {
         rows.back()["metrics"] = metrics;
       }
     }
-    json_cases.push_back({{"op", r.c->op},
-                          {"case", r.c->name},
+    json_cases.push_back({{"op", r.op},
+                          {"case", r.name},
                           {"device", device.to_string()},
                           {"seconds", r.seconds},
                           {"checks", rows}});
   }
   report["cases"] = json_cases;
+  if (matrix) {
+    report["mode"] = "matrix";
+    report["options"]["seq"] = matrix_options.seq_lens;
+    report["options"]["worlds"] = matrix_options.worlds;
+    report["options"]["matrix_budget"] = matrix_options.budget;
+    report["matrix"] = matrix_json(groups, device, matrix_options);
+  }
 
   if (args.has("--out")) {
     // A temporary renamed into place: a failed write leaves the previous report or none.
@@ -463,6 +592,15 @@ int run_verify(int argc, char** argv) {
       std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
       return 2;
     }
+  }
+  if (matrix) {
+    for (const MatrixNote& note : matrix_not_enumerated(device))
+      print_wrapped("not in this matrix: " + note.what + ": ", note.reason);
+    std::printf("detdit verify --matrix: %s, %lld/%lld cells passed (%s, %.1f s); %lld cells skipped%s\n",
+                pass ? "PASS" : "FAIL", static_cast<long long>(passed), static_cast<long long>(checks),
+                device.to_string().c_str(), total_seconds, static_cast<long long>(skipped),
+                matrix_options.corrupt.empty() ? "" : "; DETDIT_TEST_CORRUPT_CELLS was set");
+    return pass ? 0 : 1;
   }
   if (checks == 0) {
     std::printf("detdit verify: FAIL, no checks ran (no case is registered for %s%s)\n", device.to_string().c_str(),

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +43,9 @@ struct CheckRow {
   // Informational rows (e.g. the naive-SP contrast) show a measurement; they
   // are not counted as checks unless their computation failed.
   bool informational = false;
+  // verify --matrix: a cell that was not run (detail says why); neither a
+  // check nor a pass.
+  bool skipped = false;
   // Named measurements recorded in the JSON report (e.g. rows and bytes each
   // rank moves): one value, or one per rank.
   std::vector<std::pair<std::string, std::vector<double>>> metrics;
@@ -112,6 +116,57 @@ cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t see
 Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vector<CheckRow>* rows);
 // verify_op_case for every verify-suite case of `op`.
 Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vector<CheckRow>* rows);
+
+// ---- the exactness matrix (verify_matrix.cc; verify_parallel.cc) ------------------
+
+// One sp_region problem of the matrix (packing, B in {1, 2}, S at the
+// weights' H), in-process on ctx.device: per variant ("rmsnorm", "modulated
+// rmsnorm", "gate_residual") a row "ws=N" per world (every rank equal to WS1
+// on the device), "naive ws=N (info)" per naive world (none for the plain
+// norm) and on CUDA "ws1 = cpu ws1" (the device's WS1 equal to the CPU's).
+// corrupt_variant (a test hook): flips one bit of that variant's WS1 output,
+// so its comparisons must fail.
+struct SpMatrixRows {
+  std::string variant;
+  std::vector<CheckRow> rows;
+  std::vector<int> worlds;  // each row's world size (1: the CPU comparison)
+};
+Status verify_sp_matrix(const VerifyContext& ctx, cases::Packing packing, int64_t batch, int64_t seq_len,
+                        const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
+                        const std::string& corrupt_variant, std::vector<SpMatrixRows>* out);
+// tp_adaln_projection at `timesteps` for each of `worlds`: rows "tp=N".
+Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds,
+                        std::vector<CheckRow>* rows);
+
+// verify --matrix: what the matrix runs (verify_matrix.cc).
+struct MatrixOptions {
+  std::vector<int64_t> seq_lens;  // S of the sp_region problems
+  std::vector<int> worlds;        // world sizes (sp_region, tp_adaln_projection)
+  // A cell whose largest tensor has more elements is listed as skipped; 0: none.
+  double budget = 0;
+  // Test hook (DETDIT_TEST_CORRUPT_CELLS): an sp_* op whose WS1 output gets one
+  // bit flipped, so its cells must fail.
+  std::string corrupt;
+};
+// A row of the matrix's table and figure: cells at shared coordinates
+// ("" / -1: the coordinate does not apply), one world size per row.
+struct MatrixGroup {
+  std::string op, name;
+  std::string profile = "portable", packing;
+  int64_t batch = -1, seq_len = -1, timesteps = -1;
+  std::vector<CheckRow> rows;
+  std::vector<int> worlds;  // per row
+  double seconds = 0;
+};
+// What the matrix of issue 17 has that this run does not enumerate, and why.
+struct MatrixNote {
+  std::string what, reason;
+};
+std::vector<MatrixNote> matrix_not_enumerated(const Device& device);
+// Plans every group, keeps those of `ops` (empty: all), runs each that fits
+// the budget and lists the others as skipped rows. An error: a bad --ops or hook.
+Status run_matrix(const VerifyContext& ctx, const MatrixOptions& options, const std::set<std::string>& ops,
+                  bool show_progress, std::vector<MatrixGroup>* groups);
 
 // Seconds since an arbitrary origin (steady clock).
 double now_seconds();

@@ -235,47 +235,52 @@ Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& 
   return Status::ok_status();
 }
 
-Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std::vector<CheckRow>* rows) {
+// What the plan of `world` ranks moves (every rank's plan knows every rank's numbers).
+Status sp_world_metrics(const SpIndex& index, int world, int64_t hidden, CheckRow* row) {
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, world, 0, &sp));
+  std::vector<double> send_rows;
+  double moved = 0;
+  for (const SpPlan::RankTraffic& t : sp.traffic()) {
+    send_rows.push_back(static_cast<double>(t.send_rows));
+    moved += static_cast<double>(t.send_rows);
+  }
+  row->metrics.push_back({"send_rows_per_rank", send_rows});
+  row->metrics.push_back({"rows_moved_all_ranks", {moved}});
+  row->metrics.push_back({"max_send_rows", {static_cast<double>(sp.max_send())}});
+  for (SpVariant v : kSpVariants) {
+    row->metrics.push_back({std::string("bytes_sent_per_rank_") + (v == SpVariant::kPlainRmsnorm       ? "rmsnorm_bwd"
+                                                                   : v == SpVariant::kModulatedRmsnorm ? "modulated_rmsnorm_bwd"
+                                                                                                       : "gate_residual_bwd"),
+                            {sp_backward_bytes_per_rank(sp, v, hidden)}});
+  }
+  return Status::ok_status();
+}
+
+// One variant's results on one sp problem: a row per world (every rank equal
+// to WS1 on the device), the naive contrast per naive world (none for the
+// plain norm: d_weight's contrast comes with the modulated one), and with
+// cpu_check the device's WS1 against the CPU's.
+struct SpVariantResult {
+  SpVariant variant = SpVariant::kPlainRmsnorm;
+  std::vector<WorldRow> worlds, naive;
+  std::vector<std::vector<std::pair<std::string, double>>> naive_fraction;
+  WorldRow cpu;
+};
+
+// `corrupt_variant`: a test hook (verify --matrix under DETDIT_TEST_CORRUPT_CELLS):
+// one bit of that variant's WS1 output is flipped after the run, so every
+// comparison with it must fail.
+Status run_sp_problem(const VerifyContext& ctx, const SpProblem& pr, const SpIndex& index, const std::vector<int>& worlds,
+                      const std::vector<int>& naive_worlds, bool cpu_check, const std::string& corrupt_variant,
+                      std::vector<SpVariantResult>* results) {
   const Device device = ctx.device;
-  SpProblem pr;
-  DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
-  SpIndex index;
-  DETDIT_RETURN_IF_ERROR(make_sp_index(pr, device, &index));
-  const std::vector<int> worlds = sp_world_sizes(ctx, seq_len);
-  std::vector<WorldRow> checks(worlds.size());
-  std::vector<int> naive_worlds;
-  for (int w : worlds) {
-    // The contrast on the CPU only at S = 4097 (at 32768 it costs a whole backward per world).
-    if (!device.is_cuda() && ctx.comm == nullptr && seq_len > 4097) continue;
-    if (w == 2 || w == 4 || w == 8 || (ctx.comm != nullptr && w > 1)) naive_worlds.push_back(w);
-  }
-  std::vector<WorldRow> naive(naive_worlds.size());
-  std::vector<std::vector<std::pair<std::string, double>>> naive_fraction(naive_worlds.size());
-
-  for (std::size_t i = 0; i < worlds.size(); ++i) {
-    CheckRow& row = checks[i].row;
-    row.check = "ws=" + std::to_string(worlds[i]);
-    // What the plan moves (every rank's plan knows every rank's numbers).
-    SpPlan sp;
-    DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, worlds[i], 0, &sp));
-    std::vector<double> send_rows;
-    double moved = 0;
-    for (const SpPlan::RankTraffic& t : sp.traffic()) {
-      send_rows.push_back(static_cast<double>(t.send_rows));
-      moved += static_cast<double>(t.send_rows);
-    }
-    row.metrics.push_back({"send_rows_per_rank", send_rows});
-    row.metrics.push_back({"rows_moved_all_ranks", {moved}});
-    row.metrics.push_back({"max_send_rows", {static_cast<double>(sp.max_send())}});
-    for (SpVariant v : kSpVariants) {
-      row.metrics.push_back({std::string("bytes_sent_per_rank_") + (v == SpVariant::kPlainRmsnorm       ? "rmsnorm_bwd"
-                                                                    : v == SpVariant::kModulatedRmsnorm ? "modulated_rmsnorm_bwd"
-                                                                                                        : "gate_residual_bwd"),
-                             {sp_backward_bytes_per_rank(sp, v, pr.hidden)}});
-    }
-  }
-
+  SpIndex cpu_index;
+  if (cpu_check) DETDIT_RETURN_IF_ERROR(make_sp_index(pr, Device::cpu(), &cpu_index));
   for (SpVariant variant : kSpVariants) {
+    SpVariantResult r;
+    r.variant = variant;
+    r.worlds.resize(worlds.size());
     // WS1 on this device (the default stream), brought to the host.
     std::vector<HostTensor> ws1;
     {
@@ -285,8 +290,30 @@ Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std
       DETDIT_RETURN_IF_ERROR(run.backward());
       DETDIT_RETURN_IF_ERROR(download(run.outputs, &ws1));
     }
+    if (!ws1.empty() && corrupt_variant == sp_variant_name(variant)) static_cast<unsigned char*>(ws1[0].data())[0] ^= 1;
     const std::string prefix = std::string(sp_variant_name(variant)) + " ";
+    if (cpu_check) {
+      const double start = now_seconds();
+      r.cpu.row.check = "ws1 = cpu ws1";
+      std::vector<HostTensor> reference;
+      SpRun run;
+      Status s = prepare_sp_run(pr, cpu_index, variant, Device::cpu(), nullptr, nullptr, nullptr, &run);
+      if (s.ok()) s = run.forward();
+      if (s.ok()) s = run.backward();
+      if (s.ok()) s = download(run.outputs, &reference);
+      record_error(s, &r.cpu);
+      for (std::size_t i = 0; s.ok() && i < reference.size() && i < ws1.size(); ++i) {
+        if (reference[i].nbytes() != ws1[i].nbytes()) {
+          record_error(Status::runtime_error(prefix + run.outputs[i].name + ": the CPU's WS1 has another size"), &r.cpu);
+          continue;
+        }
+        compare_bytes(reference[i].data(), ws1[i].data(), ws1[i].nbytes(), ws1[i].dtype(),
+                      prefix + run.outputs[i].name, &r.cpu.row);
+      }
+      r.cpu.row.seconds = now_seconds() - start;
+    }
     for (std::size_t i = 0; i < worlds.size(); ++i) {
+      r.worlds[i].row.check = "ws=" + std::to_string(worlds[i]);
       run_ranks(
           ctx, worlds[i],
           [&](Communicator& comm, CheckRow* rank_row) -> Status {
@@ -300,34 +327,83 @@ Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std
             return compare_outputs(run.outputs, ws1, Slice{pr.batch, pr.seq_len, sp.local_begin(), sp.local_end()},
                                    stream.get(), prefix, rank_row);
           },
-          &checks[i]);
+          &r.worlds[i]);
     }
-    if (variant == SpVariant::kPlainRmsnorm) continue;  // d_weight's contrast comes with the modulated norm
-    for (std::size_t i = 0; i < naive_worlds.size(); ++i) {
-      const double start = now_seconds();
-      record_error(naive_fractions(pr, index, device, variant, naive_worlds[i], ws1, &naive_fraction[i]), &naive[i]);
-      naive[i].row.seconds += now_seconds() - start;
+    if (variant != SpVariant::kPlainRmsnorm) {
+      r.naive.resize(naive_worlds.size());
+      r.naive_fraction.resize(naive_worlds.size());
+      for (std::size_t i = 0; i < naive_worlds.size(); ++i) {
+        const double start = now_seconds();
+        record_error(naive_fractions(pr, index, device, variant, naive_worlds[i], ws1, &r.naive_fraction[i]),
+                     &r.naive[i]);
+        r.naive[i].row.seconds += now_seconds() - start;
+      }
+    }
+    results->push_back(std::move(r));
+  }
+  return Status::ok_status();
+}
+
+// The naive row of `world` from its fractions (informational).
+void finish_naive(int world, const std::vector<std::pair<std::string, double>>& fractions, WorldRow* naive) {
+  CheckRow& row = naive->row;
+  row.check = "naive ws=" + std::to_string(world) + " (info)";
+  row.informational = true;
+  std::string text;
+  for (const auto& [name, fraction] : fractions) {
+    row.metrics.push_back({name + "_fraction_differing_naive", {fraction}});
+    text += (text.empty() ? "" : ", ") + name + " " + percent(fraction);
+  }
+  if (!naive->error) row.detail = "naive rank-order sum differs from WS1 in " + text + " of the elements (the sp_region: 0)";
+  finish(naive);
+}
+
+// Adds `part`'s comparisons, time, error and first detail to `into`.
+void absorb(const WorldRow& part, WorldRow* into) {
+  into->row.bitwise_run += part.row.bitwise_run;
+  into->row.bitwise_passed += part.row.bitwise_passed;
+  into->row.seconds += part.row.seconds;
+  into->error = into->error || part.error;
+  if (into->row.detail.empty()) into->row.detail = part.row.detail;
+}
+
+// The default verify's sp_region case: one row per world for all three
+// variants, one naive row per naive world for both contrasts.
+Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std::vector<CheckRow>* rows) {
+  SpProblem pr;
+  DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
+  SpIndex index;
+  DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
+  const std::vector<int> worlds = sp_world_sizes(ctx, seq_len);
+  std::vector<int> naive_worlds;
+  for (int w : worlds) {
+    // The contrast on the CPU only at S = 4097 (at 32768 it costs a whole backward per world).
+    if (!ctx.device.is_cuda() && ctx.comm == nullptr && seq_len > 4097) continue;
+    if (w == 2 || w == 4 || w == 8 || (ctx.comm != nullptr && w > 1)) naive_worlds.push_back(w);
+  }
+  std::vector<WorldRow> checks(worlds.size());
+  for (std::size_t i = 0; i < worlds.size(); ++i) {
+    checks[i].row.check = "ws=" + std::to_string(worlds[i]);
+    DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.hidden, &checks[i].row));
+  }
+  std::vector<SpVariantResult> results;
+  DETDIT_RETURN_IF_ERROR(run_sp_problem(ctx, pr, index, worlds, naive_worlds, false, "", &results));
+  std::vector<WorldRow> naive(naive_worlds.size());
+  std::vector<std::vector<std::pair<std::string, double>>> fractions(naive_worlds.size());
+  for (const SpVariantResult& r : results) {
+    for (std::size_t i = 0; i < worlds.size(); ++i) absorb(r.worlds[i], &checks[i]);
+    for (std::size_t i = 0; i < r.naive.size(); ++i) {
+      absorb(r.naive[i], &naive[i]);
+      fractions[i].insert(fractions[i].end(), r.naive_fraction[i].begin(), r.naive_fraction[i].end());
     }
   }
-
   for (WorldRow& w : checks) {
     finish(&w);
     rows->push_back(w.row);
   }
   for (std::size_t i = 0; i < naive_worlds.size(); ++i) {
-    CheckRow& row = naive[i].row;
-    row.check = "naive ws=" + std::to_string(naive_worlds[i]) + " (info)";
-    row.informational = true;
-    std::string fractions;
-    for (const auto& [name, fraction] : naive_fraction[i]) {
-      row.metrics.push_back({name + "_fraction_differing_naive", {fraction}});
-      fractions += (fractions.empty() ? "" : ", ") + name + " " + percent(fraction);
-    }
-    if (!naive[i].error) {
-      row.detail = "naive rank-order sum differs from WS1 in " + fractions + " of the elements (the sp_region: 0)";
-    }
-    finish(&naive[i]);
-    rows->push_back(row);
+    finish_naive(naive_worlds[i], fractions[i], &naive[i]);
+    rows->push_back(naive[i].row);
   }
   return Status::ok_status();
 }
@@ -361,7 +437,20 @@ DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 interleaved", false, true, sp
 
 // ---- tp_adaln_projection -----------------------------------------------------------
 
+std::vector<int> tp_world_sizes(const VerifyContext& ctx) {
+  if (ctx.comm != nullptr) return {ctx.comm->world_size()};
+  if (ctx.quick && !ctx.device.is_cuda()) return {1, 3, 8};
+  return {1, 2, 3, 4, 5, 6, 7, 8};
+}
+
 Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckRow>* rows) {
+  return verify_tp_worlds(ctx, timesteps, tp_world_sizes(ctx), rows);
+}
+
+}  // namespace
+
+Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds,
+                        std::vector<CheckRow>* rows) {
   const Device device = ctx.device;
   TpProblem pr;
   DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
@@ -374,14 +463,6 @@ Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckR
     DETDIT_RETURN_IF_ERROR(run.forward());
     DETDIT_RETURN_IF_ERROR(run.backward());
     DETDIT_RETURN_IF_ERROR(download(run.outputs, &ws1));
-  }
-  std::vector<int> worlds;
-  if (ctx.comm != nullptr) {
-    worlds = {ctx.comm->world_size()};
-  } else if (ctx.quick && !device.is_cuda()) {
-    worlds = {1, 3, 8};
-  } else {
-    worlds = {1, 2, 3, 4, 5, 6, 7, 8};
   }
   const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
   for (int world : worlds) {
@@ -422,6 +503,8 @@ Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckR
   return Status::ok_status();
 }
 
+namespace {
+
 // On the CPU --quick keeps T = 1 and 4 (each TP world costs a full H3 projection).
 bool tp_middle(const VerifyContext& ctx) { return !ctx.quick || ctx.device.is_cuda() || ctx.comm != nullptr; }
 
@@ -435,5 +518,50 @@ DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=3", true, true, tp_3, tp_m
 DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=4", true, true, tp_4, always);
 
 }  // namespace
+
+Status verify_sp_matrix(const VerifyContext& ctx, Packing packing, int64_t batch, int64_t seq_len,
+                        const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
+                        const std::string& corrupt_variant, std::vector<SpMatrixRows>* out) {
+  if (batch != 1 && batch != kSpBatch) return Status::value_error("the sp_region problems have B = 1 or 2");
+  SpProblem pr;
+  DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
+  if (batch == 1) {
+    // B = 1 is batch item 0 of the B = 2 problem.
+    for (HostTensor* t : {&pr.x, &pr.grad}) {
+      HostTensor first(t->dtype(), {1, seq_len, pr.hidden});
+      std::memcpy(first.data(), t->data(), first.nbytes());
+      *t = std::move(first);
+    }
+    pr.batch = 1;
+  }
+  SpIndex index;
+  DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
+  std::vector<SpVariantResult> results;
+  DETDIT_RETURN_IF_ERROR(
+      run_sp_problem(ctx, pr, index, worlds, naive_worlds, ctx.device.is_cuda(), corrupt_variant, &results));
+  for (SpVariantResult& r : results) {
+    SpMatrixRows m;
+    m.variant = sp_variant_name(r.variant);
+    for (std::size_t i = 0; i < worlds.size(); ++i) {
+      DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.hidden, &r.worlds[i].row));
+      finish(&r.worlds[i]);
+      m.rows.push_back(r.worlds[i].row);
+      m.worlds.push_back(worlds[i]);
+    }
+    for (std::size_t i = 0; i < r.naive.size(); ++i) {
+      finish_naive(naive_worlds[i], r.naive_fraction[i], &r.naive[i]);
+      m.rows.push_back(r.naive[i].row);
+      m.worlds.push_back(naive_worlds[i]);
+    }
+    if (!r.cpu.row.check.empty()) {
+      finish(&r.cpu);
+      m.rows.push_back(r.cpu.row);
+      m.worlds.push_back(1);
+    }
+    out->push_back(std::move(m));
+  }
+  return Status::ok_status();
+}
+
 }  // namespace cli
 }  // namespace detdit

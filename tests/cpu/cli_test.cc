@@ -105,7 +105,11 @@ TEST(Cli, UsageErrorsExit2) {
         "weights verify", "report", "bench --format xml", "bench --out ''", "bench --out=", "verify --quick --quick",
         // an empty value is not the default; numbers are decimal digits only
         "verify --weights ''", "verify --weights=", "bench --weights ''", "verify --out=", "verify --seed ' -1'",
-        "verify --seed ' 5'", "verify --seed +5", "bench --repeats ' 3'", "weights synth --out /tmp/x --blocks +1"}) {
+        "verify --seed ' 5'", "verify --seed +5", "bench --repeats ' 3'", "weights synth --out /tmp/x --blocks +1",
+        // the matrix's options only with --matrix, and lists of positive integers
+        "verify --seq 4097", "verify --worlds 1,2", "verify --matrix-budget 5", "verify --matrix --worlds 0",
+        "verify --matrix --seq 4097,x", "verify --matrix --seq ,", "verify --matrix --matrix-budget -1",
+        "verify --matrix --comm mpi"}) {
     Result r = detdit(command);
     EXPECT_EQ(r.code, 2) << "'" << command << "'\n" << r.output;
     EXPECT_NE(r.output.find("detdit"), std::string::npos) << command;
@@ -708,6 +712,131 @@ TEST(Cli, VerifyParallelQuickInProcess) {
       EXPECT_EQ(2 * metrics["tp=8"][metric].get<double>(), metrics["tp=3"][metric].get<double>()) << metric;
   }
   EXPECT_NE(r.output.find("naive rank-order sum differs from WS1"), std::string::npos) << r.output;
+}
+
+// ---- verify --matrix (tools/verify_matrix.cc) --------------------------------------
+
+// The matrix on the small weights (H = 64): S = 257 and 4097, a budget that
+// B = 2 at S = 4097 (524,416 elements) exceeds and B = 1 (262,208) does not.
+const char* const kMatrixSizes = " --seq 257,4097 --matrix-budget 300000";
+
+TEST(Cli, VerifyMatrixCellsSkipsAndFigure) {
+  const std::string out = temp_dir("verify_matrix");
+  Result r = detdit("verify --matrix --quick --device cpu --weights '" + small_weights() + "'" + kMatrixSizes +
+                    " --out '" + out + "/matrix.json' --figure '" + out + "/matrix.svg'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json report = nlohmann::json::parse(read_file(out + "/matrix.json"));
+  EXPECT_EQ(report["kind"], "detdit_verify_report");
+  EXPECT_EQ(report["mode"], "matrix");
+  EXPECT_EQ(report["verdict"], "PASS");
+  const std::string commit = report["git"]["commit"];
+  EXPECT_TRUE(commit == "unknown" || commit.size() == 40) << commit;
+  EXPECT_FALSE(report["environment"]["host"].get<std::string>().empty());
+  const nlohmann::json& m = report["matrix"];
+  std::map<std::string, int64_t> results;
+  std::set<std::string> ops;
+  // (op, packing, B, S) -> the world sizes of its "ws=N" cells.
+  std::map<std::string, std::vector<int>> sp_worlds;
+  for (const auto& cell : m["cells"]) {
+    for (const char* key : {"op", "device", "profile", "world", "packing", "batch", "seq_len", "result", "detail"})
+      ASSERT_TRUE(cell.contains(key)) << key << " " << cell.dump();
+    EXPECT_EQ(cell["device"], "cpu");
+    EXPECT_EQ(cell["profile"], "portable");
+    const std::string op = cell["op"], result = cell["result"], check = cell["check"];
+    ops.insert(op);
+    ++results[result];
+    if (result == "pass") {
+      EXPECT_EQ(cell["bitwise_passed"], cell["bitwise_run"]) << cell.dump();
+    }
+    if (result == "skipped") {
+      // Never counted as run: no comparison, the reason given.
+      EXPECT_EQ(cell["bitwise_run"], 0) << cell.dump();
+      EXPECT_NE(cell["detail"].get<std::string>().find("over this run's budget of 300,000"), std::string::npos);
+    }
+    if (op.rfind("sp_", 0) != 0 || check.rfind("ws=", 0) != 0) continue;
+    const int world = cell["world"], batch = cell["batch"], seq_len = cell["seq_len"];
+    EXPECT_EQ(check, "ws=" + std::to_string(world));
+    // Over the budget exactly when B x S x H > 300,000.
+    EXPECT_EQ(result, batch * seq_len * 64 > 300000 ? "skipped" : "pass") << cell.dump();
+    // Every rank compares each of the variant's tensors with WS1.
+    const int per_rank = op == "sp_rmsnorm_modulated" ? 6 : 4;
+    if (result == "pass") {
+      EXPECT_EQ(cell["bitwise_run"].get<int>(), per_rank * world) << cell.dump();
+    }
+    sp_worlds[op + " " + cell["packing"].get<std::string>() + " B" + std::to_string(batch) + " S" +
+              std::to_string(seq_len)]
+        .push_back(world);
+  }
+  // 3 ops x 2 packings x B in {1, 2} x S in {257, 4097}, each at --quick's worlds.
+  EXPECT_EQ(sp_worlds.size(), 24u);
+  for (const auto& [key, worlds] : sp_worlds) EXPECT_EQ(worlds, (std::vector<int>{1, 2, 3, 8})) << key;
+  for (const char* op : {"linear", "rmsnorm", "gate_residual", "gate_residual_rmsnorm", "adaln_row_gather",
+                         "timestep_sinusoid", "timestep_mlp", "sp_rmsnorm_plain", "sp_rmsnorm_modulated",
+                         "sp_gate_residual", "tp_adaln_projection"})
+    EXPECT_TRUE(ops.count(op)) << op;
+  EXPECT_EQ(m["counts"]["pass"], results["pass"]);
+  EXPECT_EQ(m["counts"]["skipped"], results["skipped"]);
+  EXPECT_EQ(results["fail"], 0);
+  EXPECT_GT(results["skipped"], 0);
+  EXPECT_GT(results["info"], 0);  // the naive-SP contrast
+  EXPECT_EQ(report["checks_total"], results["pass"]);
+  EXPECT_FALSE(m["not_enumerated"].empty());
+  EXPECT_NE(r.output.find("detdit verify --matrix: PASS, " + std::to_string(results["pass"]) + "/" +
+                          std::to_string(results["pass"]) + " cells passed (cpu"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(std::to_string(results["skipped"]) + " cells skipped"), std::string::npos);
+  EXPECT_NE(r.output.find("not in this matrix: profile torch"), std::string::npos) << r.output;
+  // The figure draws the skipped cells as such; detdit report draws the JSON too.
+  const std::string svg = read_file(out + "/matrix.svg");
+  EXPECT_NE(svg.find("skipped (not run)"), std::string::npos);
+  EXPECT_NE(svg.find("sp_rmsnorm_modulated / S=4097 B=2 interleaved"), std::string::npos);
+  r = detdit("report '" + out + "/matrix.json' --out '" + out + "/redrawn.svg'");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(read_file(out + "/redrawn.svg"), svg);
+}
+
+// The test hook flips one bit of an op's WS1 output: its cells must fail with
+// the mismatch (count, first index, both values in hex, ulp), the others pass.
+TEST(Cli, VerifyMatrixCorruptedCellsFail) {
+  const std::string out = temp_dir("verify_matrix_corrupt");
+  ::setenv("DETDIT_TEST_CORRUPT_CELLS", "sp_rmsnorm_modulated", 1);
+  Result r = detdit("verify --matrix --quick --device cpu --ops sp_rmsnorm_modulated,sp_gate_residual --seq 257 "
+                    "--weights '" + small_weights() + "' --out '" + out + "/matrix.json'");
+  ::unsetenv("DETDIT_TEST_CORRUPT_CELLS");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("detdit verify --matrix: FAIL"), std::string::npos) << r.output;
+  const nlohmann::json report = nlohmann::json::parse(read_file(out + "/matrix.json"));
+  EXPECT_EQ(report["verdict"], "FAIL");
+  EXPECT_EQ(report["matrix"]["test_corrupted_op"], "sp_rmsnorm_modulated");
+  int failed = 0, passed = 0;
+  for (const auto& cell : report["matrix"]["cells"]) {
+    const std::string op = cell["op"], result = cell["result"], check = cell["check"];
+    ASSERT_TRUE(op == "sp_rmsnorm_modulated" || op == "sp_gate_residual") << op;
+    if (result == "info") continue;
+    if (op == "sp_gate_residual") {
+      EXPECT_EQ(result, "pass") << cell.dump();
+      ++passed;
+      continue;
+    }
+    EXPECT_EQ(result, "fail") << cell.dump();
+    ++failed;
+    // Rank 0 holds element 0 of the output.
+    EXPECT_EQ(cell["bitwise_passed"].get<int>() + 1, cell["bitwise_run"].get<int>()) << cell.dump();
+    const std::string detail = cell["detail"];
+    for (const char* part : {"rank 0: modulated rmsnorm out: 1 of ", " elements differ; first at index 0: expected 0x",
+                             ", got 0x", " 1 ulp"})
+      EXPECT_NE(detail.find(part), std::string::npos) << part << " in " << detail;
+  }
+  EXPECT_EQ(failed, 2 * 2 * 4);  // 2 packings x B in {1, 2} x worlds 1, 2, 3, 8
+  EXPECT_EQ(passed, 2 * 2 * 4);
+  // A name the matrix does not have is a usage error, not a silent pass.
+  ::setenv("DETDIT_TEST_CORRUPT_CELLS", "no_such_op", 1);
+  r = detdit("verify --matrix --quick --device cpu --ops sp_gate_residual --seq 257 --weights '" + small_weights() + "'");
+  ::unsetenv("DETDIT_TEST_CORRUPT_CELLS");
+  EXPECT_EQ(r.code, 2) << r.output;
+  r = detdit("verify --matrix --quick --device cpu --ops no_such_op --weights '" + small_weights() + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
 }
 
 // mpirun from PATH (the binary itself was built with or without MPI; a build
