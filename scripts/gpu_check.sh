@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
 # docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
-# a second tree):
-#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx
+# a second tree, and matrix, issue 17's full byte-equality matrix):
+#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx matrix
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
 # gpu-out/ are copied there. The last lines printed are the summary.
@@ -95,6 +95,10 @@ for stage in "${stages[@]}"; do
       run ptx_build 600 bash -c "cmake -S . -B '$build-ptx' -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DDETDIT_CUDA_ARCHITECTURES=80-virtual && cmake --build '$build-ptx' --target detdit_cli -j $(nproc)" &&
         run ptx_verify 400 "$build-ptx/detdit" verify --device cuda --out "$out/verify_ptx.json" ;;
+    matrix)  # issue 17's byte-equality matrix on this GPU (detdit verify --matrix, docs/cli.md): every
+      # cell, the CPU comparison of each GPU result; the JSON and figure are for docs/evidence/
+      run matrix 3000 "$build/detdit" verify --matrix --device cuda --out "$out/verify_matrix_cuda.json" \
+        --figure "$out/verify_matrix_cuda.svg" ;;
     *) note "unknown stage $stage" ;;
   esac
 done
