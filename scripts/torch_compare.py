@@ -1,42 +1,85 @@
 #!/usr/bin/env python3
-"""detdit against PyTorch eager and torch.compile on the row-wise cases of `detdit bench`.
+"""detdit against PyTorch eager and torch.compile on the cases of `detdit bench`.
 
-The cases are the benchmark suite's (cases/rowwise_cases.cc, Suite::kBench): bf16,
-H = 5376, B = 2, T = 3 timesteps x 3 modalities, S in {4097, 32768, 131072}, block and
-interleaved packing (cases/index_case.cc's definitions, replayed below):
+Row-wise cases (cases/rowwise_cases.cc, Suite::kBench): bf16, H = 5376, B = 2, T = 3
+timesteps x 3 modalities, S in {4097, 32768, 131072}, block and interleaved packing
+(cases/index_case.cc's definitions, replayed below):
 
   gate_residual_rmsnorm  h = residual + gate[i] * y; out = rms_norm(h) * w * (1 + scale[i]) + shift[i]
                          (both h and out returned, gradients arriving at both: the H3 block region)
   rmsnorm                out = rms_norm(x) * w * (1 + scale[i]) + shift[i]
   gate_residual          out = residual + gate[i] * y
 
+Projection cases (cases/projection_cases.cc and cases/timestep_cases.cc, Suite::kBench),
+T in {1, 3, 4, 8, 16, 32}, bias present in every linear:
+
+  adaln_projection  table = F.linear(F.silu(temb).to(bf16), W, b): temb (T, 2688) fp32,
+                    W (96768, 2688) bf16, b (96768,) bf16, table (T, 96768) bf16
+                    (docs/numerics.md 5.4: SiLU in FP32, one cast to the weight's dtype,
+                    then the linear; 18 * 5376 = 96768 rows)
+  timestep_mlp      temb = F.linear(F.silu(F.linear(f, W1, b1)), W2, b2), all fp32:
+                    f (T, 256), W1 (5376, 256), W2 (2688, 5376) (numerics 5.3), with TF32
+                    off for these cases (torch.backends.cuda.matmul.allow_tf32 and
+                    torch.backends.cudnn.allow_tf32 False, restored after; recorded per case
+                    in the JSON's "settings")
+
+The incoming gradient of a bf16 output is bf16 (autograd hands a bf16 table a bf16
+gradient; the bench's FP32 grad_table is not reachable through autograd, numerics 8).
+--quick: S = 4097 only and T in {1, 4} (the bench's small set). --small (for a CPU run of
+the projection cases; the JSON's options record it): T in {1, 4} and the projections scaled
+down (adaln_projection D = 512, N = 18 * 512; timestep_mlp K = 256, H = 1024, D = 512); the
+row-wise cases are not changed by it.
+
 The input values are this script's own (normal, fixed seeds), not the bench's bytes.
-Candidates, all in one process on one GPU: detdit portable, detdit torch profile, PyTorch
-eager (the region as diffusers writes it), and torch.compile of that same eager function.
-Each is timed forward (autograd on, as in training) and forward + backward
-(torch.autograd.grad of every output with its incoming gradient, w.r.t. every input), by
-CUDA events, median of --repeats after --warmup, next to a device-to-device copy measured
-in the same process (read + write counted). Bytes floors: each B*S*H tensor read or
-written once (region forward: residual, y, h, out; forward + backward adds d_out, d_h,
-h, y, d_residual, d_y; the small tables, the weight and detdit's rstd are left out), stated
-per case in the JSON.
+Candidates, all in one process on one device: detdit portable, detdit torch profile, PyTorch
+eager (as diffusers writes it), and torch.compile of that same eager function. Each is timed
+forward (autograd on, as in training) and forward + backward (torch.autograd.grad of every
+output with its incoming gradient, w.r.t. every input, the weights and biases included),
+median of --repeats after --warmup, next to a copy measured in the same process (read + write
+counted). On CUDA the times are CUDA events and the copy is device to device (2 GiB); with
+--device cpu they are time.perf_counter around the (synchronous) calls and the copy is a CPU
+tensor copy (256 MiB).
+
+Bytes floors, stated per case in the JSON ("floor"):
+  row-wise: each B*S*H tensor read or written once (region forward: residual, y, h, out;
+    forward + backward adds d_out, d_h, h, y, d_residual, d_y; the small tables, the weight
+    and detdit's rstd are left out);
+  adaln_projection: forward = the weight's bytes (N * K * 2 for bf16); forward + backward =
+    three times them (W read forward; W read for d_temb and d_W written backward);
+  timestep_mlp: forward = both weights' bytes ((H * K + D * H) * 4); forward + backward =
+    three times them. Activations, biases and gradients of the T rows are left out.
 
 Equality: every output and gradient of a candidate's forward + backward is compared
 bitwise (integer views) with eager's and with detdit portable's, and with the same
 candidate's second run on the same inputs. A difference is reported as the count of
-differing elements, the first index, both values in hex and the ulp distance.
+differing elements, the first index, both values in hex and the ulp distance. For
+adaln_projection the detdit candidates also compare their `act` (the raw op's second
+output) with F.silu(temb).to(bf16).
 
-Exit status 1 when a promise of detdit fails: a detdit candidate is not the same bytes run
-to run, or the torch profile's forward outputs differ from eager's. Speed is reported,
-not judged.
+Promises (exit status 1 when one fails): a detdit candidate is the same bytes run to run;
+on the row-wise cases the torch profile's forward outputs equal eager's; on adaln_projection
+the torch profile's act equals F.silu(temb).to(bf16). The projections' table/temb are not
+promised equal to eager (detdit's lane order and butterfly, numerics 5.2, against cuBLAS).
+Speed is reported, not judged.
 
-    python3 scripts/torch_compare.py [--quick] [--out compare.json] [--ops gate_residual_rmsnorm]
+Skipped candidates (the torch profile with --device cpu: it is CUDA only; torch.compile
+where torch has none, torch < 2.0, or where it raised) appear in the JSON as skipped, with
+the reason, never as passing: their case has "skipped": true and one check row with
+"skipped": true and "pass": false, counted in "checks_skipped", not in checks_total.
+
+    python3 scripts/torch_compare.py [--quick] [--small] [--device cpu] [--out compare.json] [--ops gate_residual_rmsnorm]
     detdit report compare.json --out compare.svg      # the equality matrix and the times
 
-Needs torch with CUDA (torch.compile needs triton) and the detdit extension (docs/python.md).
+--out is rewritten after every case (verdict "INCOMPLETE" until the last), so a run stopped
+at a time limit keeps the cases it finished. The default --ops is every op above.
+
+Needs torch (CUDA unless --device cpu; torch.compile needs triton on CUDA) and the detdit
+extension (docs/python.md). The rmsnorm ops' eager form needs F.rms_norm (torch >= 2.4).
 """
 import argparse
+import contextlib
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -51,9 +94,27 @@ HIDDEN, BATCH, TIMESTEPS, EPS = 5376, 2, 3, 1e-5
 INTERLEAVED_TAGS = (0, 1, 0, 2, 0, 0, 1, 0, 2, 0)
 SEQ_LENS, QUICK_SEQ_LENS = (4097, 32768, 131072), (4097,)
 PACKINGS = ("block", "interleaved")
+PROJECTION_ROWS, QUICK_PROJECTION_ROWS = (1, 3, 4, 8, 16, 32), (1, 4)
 CANDIDATES = ("detdit portable", "detdit torch", "eager", "torch.compile")
-DEVICE = "cuda"
+DEVICE = "cuda"  # --device
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+TF32_FLAGS = ("torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32")
+
+
+def synchronize():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name():
+    if DEVICE == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        model = None
+    return f"CPU {model or platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 def index_case(packing, seq_len, num_timesteps=TIMESTEPS):
@@ -70,6 +131,7 @@ def index_case(packing, seq_len, num_timesteps=TIMESTEPS):
     return timesteps, tags
 
 
+# ---- the row-wise ops ------------------------------------------------------------------
 # Each op: its inputs (name, shape in (P, H, R) terms, mean, std), its outputs, the number of
 # B*S*H tensors the forward and the backward must move, and its two implementations.
 def region_eager(residual, y, gate, weight, shift, scale, rows):
@@ -98,41 +160,141 @@ def gate_residual_detdit(residual, y, gate, plan, numerics):
     return (detdit.gate_residual(residual, y, gate, plan),)
 
 
+# ---- the projection ops ----------------------------------------------------------------
+def adaln_projection_eager(temb, weight, bias):
+    return (F.linear(F.silu(temb).to(weight.dtype), weight, bias),)
+
+
+def adaln_projection_detdit(temb, weight, bias, numerics):
+    return (detdit.adaln_projection(temb, weight, bias, numerics),)
+
+
+def timestep_mlp_eager(features, w1, b1, w2, b2):
+    return (F.linear(F.silu(F.linear(features, w1, b1)), w2, b2),)
+
+
+def timestep_mlp_detdit(features, w1, b1, w2, b2, numerics):
+    return (detdit.timestep_mlp(features, w1, b1, w2, b2, numerics),)
+
+
 OPS = {
     "gate_residual_rmsnorm": dict(
+        kind="rowwise", needs_rms_norm=True,
         inputs=[("residual", "BSH", 0.0, 1.0), ("y", "BSH", 0.0, 3.0), ("gate", "RH", 0.0, 0.5),
                 ("weight", "H", 1.0, 0.5), ("shift", "RH", 0.0, 0.5), ("scale", "RH", 0.0, 0.5)],
         outputs=["h", "out"], grads_in=["d_h", "d_out"], floor_forward=4, floor_backward=6,
-        eager=region_eager, detdit=region_detdit),
+        floor="each B*S*H tensor once: forward residual, y, h, out; backward d_out, d_h, h, y, d_residual, d_y",
+        eager=region_eager, detdit=region_detdit,
+        eager_source="h = residual + gate[rows] * y; out = F.rms_norm(h, (H,), weight, eps) * (1 + scale[rows]) + shift[rows]"),
     "rmsnorm": dict(
+        kind="rowwise", needs_rms_norm=True,
         inputs=[("x", "BSH", 0.0, 3.0), ("weight", "H", 1.0, 0.5), ("shift", "RH", 0.0, 0.5),
                 ("scale", "RH", 0.0, 0.5)],
         outputs=["out"], grads_in=["d_out"], floor_forward=2, floor_backward=3,
-        eager=rmsnorm_eager, detdit=rmsnorm_detdit),
+        floor="each B*S*H tensor once: forward x, out; backward d_out, x, dx",
+        eager=rmsnorm_eager, detdit=rmsnorm_detdit,
+        eager_source="F.rms_norm(x, (H,), weight, eps) * (1 + scale[rows]) + shift[rows]"),
     "gate_residual": dict(
+        kind="rowwise",
         inputs=[("residual", "BSH", 0.0, 1.0), ("y", "BSH", 0.0, 3.0), ("gate", "RH", 0.0, 0.5)],
         outputs=["out"], grads_in=["d_out"], floor_forward=3, floor_backward=4,
-        eager=gate_residual_eager, detdit=gate_residual_detdit),
+        floor="each B*S*H tensor once: forward residual, y, out; backward d_out, y, d_residual, d_y",
+        eager=gate_residual_eager, detdit=gate_residual_detdit,
+        eager_source="residual + gate[rows] * y"),
+    # Inputs: (name, dims, dtype, mean, std); dims name the sizes of the case's shape.
+    "adaln_projection": dict(
+        kind="projection",
+        inputs=[("temb", ("T", "D"), torch.float32, 0.0, 3.0), ("weight", ("N", "D"), torch.bfloat16, 0.0, 0.02),
+                ("bias", ("N",), torch.bfloat16, 0.0, 1.0)],
+        outputs=["table"], grads_in=[("d_table", ("T", "N"), torch.bfloat16)], weights=["weight"],
+        shape=dict(D=2688, N=18 * HIDDEN), small_shape=dict(D=512, N=18 * 512),
+        name="bfloat16 T={T} D={D} N={N}", settings={},
+        floor="forward: the weight's bytes (N * K * 2, bf16); forward + backward: three times them "
+              "(W read forward; W read for d_temb and d_W written backward); temb, bias, act, table and "
+              "the T-row gradients left out",
+        eager=adaln_projection_eager, detdit=adaln_projection_detdit,
+        eager_source="F.linear(F.silu(temb).to(torch.bfloat16), weight, bias)"),
+    "timestep_mlp": dict(
+        kind="projection",
+        inputs=[("features", ("T", "K"), torch.float32, 0.0, 1.0), ("w1", ("H", "K"), torch.float32, 0.0, 0.05),
+                ("b1", ("H",), torch.float32, 0.0, 1.0), ("w2", ("D", "H"), torch.float32, 0.0, 0.02),
+                ("b2", ("D",), torch.float32, 0.0, 1.0)],
+        outputs=["temb"], grads_in=[("d_temb", ("T", "D"), torch.float32)], weights=["w1", "w2"],
+        shape=dict(K=256, H=HIDDEN, D=2688), small_shape=dict(K=256, H=1024, D=512),
+        name="T={T} K={K} H={H} D={D}", settings={flag: False for flag in TF32_FLAGS},
+        floor="forward: both weights' bytes ((H * K + D * H) * 4, fp32); forward + backward: three times "
+              "them (W1, W2 read forward; read for the input gradients and d_W1, d_W2 written backward); "
+              "features, biases, pre, hidden, temb and the T-row gradients left out",
+        eager=timestep_mlp_eager, detdit=timestep_mlp_detdit,
+        eager_source="F.linear(F.silu(F.linear(features, w1, b1)), w2, b2) (fp32, TF32 off)"),
 }
 
 
+def _flag(name):
+    """The module attribute a TF32_FLAGS name denotes: (object, attribute)."""
+    path, attribute = name.rsplit(".", 1)
+    obj = torch
+    for part in path.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj, attribute
+
+
+def backend_state():
+    """The matmul precision settings as torch reports them now (recorded per case)."""
+    state = {}
+    getters = [(name, lambda name=name: bool(getattr(*_flag(name)))) for name in TF32_FLAGS]
+    getters += [("torch.backends.cuda.matmul.fp32_precision", lambda: torch.backends.cuda.matmul.fp32_precision),
+                ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision)]
+    for name, getter in getters:
+        try:
+            state[name] = getter()
+        except (AttributeError, AssertionError):  # absent (torch 1.13's cuda.matmul asserts)
+            pass
+        except RuntimeError as error:  # torch >= 2.9 refuses some reads after a mix of the two APIs
+            state[name] = f"unreadable: {str(error).splitlines()[0][:200]}"
+    return state
+
+
+@contextlib.contextmanager
+def backend_settings(settings):
+    """Sets the TF32 flags a case asks for, restoring the previous values after."""
+    saved = {}
+    try:
+        for name, value in settings.items():
+            obj, attribute = _flag(name)
+            saved[name] = getattr(obj, attribute)
+            setattr(obj, attribute, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            obj, attribute = _flag(name)
+            setattr(obj, attribute, value)
+
+
 def median_us(fn, warmup, repeats):
+    """Median time of fn in microseconds: CUDA events on CUDA, perf_counter on the CPU."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     times = []
     for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
+        if DEVICE == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+        else:  # CPU ops return when they are done
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
     return statistics.median(times)
 
 
 def copy_gbps(warmup, repeats):
-    source = torch.empty(1 << 30, dtype=torch.int16, device=DEVICE)  # 2 GiB
+    """Copy bandwidth, read + write counted: 2 GiB device to device, or 256 MiB on the CPU."""
+    source = torch.empty(1 << 30 if DEVICE == "cuda" else 1 << 27, dtype=torch.int16, device=DEVICE)
     source.random_()
     target = torch.empty_like(source)
     us = median_us(lambda: target.copy_(source), warmup, repeats)
@@ -168,11 +330,34 @@ def compare(expected, actual):
 
 
 class Case:
-    """One op at one (S, packing): inputs, incoming gradients and the candidates' callables."""
+    """One op at one shape: inputs (leaves), incoming gradients and the candidates' callables.
+
+    Subclasses set op, spec, name, label, leaves, grads_in, tensor_names, floor_forward,
+    floor_both, functions, settings, shape and torch_equals_eager."""
+
+    def forward(self, candidate):
+        return self.functions[candidate](*self.leaves)
+
+    def forward_backward(self, candidate):
+        outputs = self.forward(candidate)
+        grads = torch.autograd.grad(outputs, self.leaves, self.grads_in)
+        return [o.detach() for o in outputs] + list(grads)
+
+    def extra_checks(self, candidate):
+        """Check rows beyond the five every case has (none by default)."""
+        del candidate
+        return []
+
+
+class RowwiseCase(Case):
+    """A row-wise op at one (S, packing)."""
 
     def __init__(self, op, seq_len, packing, compiled):
         self.op, self.seq_len, self.packing, self.spec = op, seq_len, packing, OPS[op]
         self.name = f"bf16 H{HIDDEN} {packing}_S{seq_len}_T{TIMESTEPS}_B{BATCH}"
+        self.label = f"{packing} S{seq_len}"
+        self.shape = {"B": BATCH, "S": seq_len, "H": HIDDEN, "T": TIMESTEPS, "packing": packing}
+        self.settings, self.torch_equals_eager = {}, True
         timesteps, tags = index_case(packing, seq_len)
         ti = torch.tensor(timesteps, dtype=torch.int64, device=DEVICE)
         tg = torch.tensor(tags, dtype=torch.int64, device=DEVICE)
@@ -198,13 +383,48 @@ class Case:
             "torch.compile": lambda *x: compiled[op](*x, self.rows),
         }
 
-    def forward(self, candidate):
-        return self.functions[candidate](*self.leaves)
 
-    def forward_backward(self, candidate):
-        outputs = self.forward(candidate)
-        grads = torch.autograd.grad(outputs, self.leaves, self.grads_in)
-        return [o.detach() for o in outputs] + list(grads)
+class ProjectionCase(Case):
+    """adaln_projection or timestep_mlp at T rows: the bench's shapes (or --small's)."""
+
+    def __init__(self, op, rows, small, compiled):
+        self.op, self.spec = op, OPS[op]
+        sizes = dict(self.spec["small_shape" if small else "shape"], T=rows)
+        self.shape, self.settings, self.torch_equals_eager = sizes, dict(self.spec["settings"]), False
+        self.name = self.spec["name"].format(**sizes)
+        self.label = f"T={rows}" + (" (small)" if small else "")
+        gen = torch.Generator(device=DEVICE).manual_seed(1400 + 100 * list(OPS).index(op) + rows)
+
+        def normal(dims, dtype, mean, std):
+            shape = tuple(sizes[d] for d in dims)
+            return (torch.randn(shape, device=DEVICE, generator=gen) * std + mean).to(dtype)
+
+        self.leaves = [normal(dims, dtype, mean, std).requires_grad_(True)
+                       for _, dims, dtype, mean, std in self.spec["inputs"]]
+        self.grads_in = [normal(dims, dtype, 0.0, 1.0) for _, dims, dtype in self.spec["grads_in"]]
+        self.tensor_names = self.spec["outputs"] + ["d_" + name for name, *_ in self.spec["inputs"]]
+        by_name = dict(zip((name for name, *_ in self.spec["inputs"]), self.leaves))
+        weight_bytes = sum(by_name[w].numel() * by_name[w].element_size() for w in self.spec["weights"])
+        self.floor_forward, self.floor_both = weight_bytes, 3 * weight_bytes
+        detdit_fn, eager = self.spec["detdit"], self.spec["eager"]
+        self.functions = {
+            "detdit portable": lambda *x: detdit_fn(*x, "portable"),
+            "detdit torch": lambda *x: detdit_fn(*x, "torch"),
+            "eager": eager,
+            "torch.compile": lambda *x: compiled[op](*x),
+        }
+
+    def extra_checks(self, candidate):
+        """adaln_projection: a detdit candidate's act against F.silu(temb).to(bf16)."""
+        if self.op != "adaln_projection" or not candidate.startswith("detdit"):
+            return []
+        temb, weight, bias = (t.detach() for t in self.leaves)
+        profile = candidate.split()[1]
+        with torch.no_grad():
+            act = torch.ops.detdit.adaln_projection(temb, weight, bias, profile)[1]
+            expected = F.silu(temb).to(weight.dtype)
+        return [check_row("act == F.silu(temb).to(bf16)", {"act": compare(expected, act)},
+                          candidate == "detdit torch")]
 
 
 def check_row(check, differences, promise):
@@ -219,32 +439,60 @@ def check_row(check, differences, promise):
             "tensors": {name: d for name, d in differences.items()}}
 
 
-def run_case(case, args, gbps, report, table):
+def skipped_row(reason):
+    """The one check row of a skipped candidate: not run, so neither a check nor a pass."""
+    return {"check": "skipped: " + reason, "bitwise_run": 0, "bitwise_passed": 0, "max_error_vs_fp64": None,
+            "bound": None, "pass": False, "skipped": True, "promise": False, "detail": reason}
+
+
+def run_case(case, args, gbps, skipped, report, table):
+    """Every candidate of one case: checked twice, then timed; rows into report and table.
+
+    skipped: candidate -> reason, for the whole run; a torch.compile that raises here is
+    added to it for this case."""
     spec, names = case.spec, case.tensor_names
-    n_out = len(spec["outputs"])
+    skipped = dict(skipped)
     results, references = {}, {}
     for candidate in CANDIDATES:
-        first = case.forward_backward(candidate)
+        if candidate in skipped:
+            continue
+        try:
+            first = case.forward_backward(candidate)
+        except Exception as error:  # noqa: BLE001 - only torch.compile's failure is a skip
+            if candidate != "torch.compile":
+                raise
+            skipped[candidate] = f"torch.compile raised {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            continue
         second = case.forward_backward(candidate)
         run_to_run = {name: compare(a, b) for name, a, b in zip(names, first, second)}
         del second
         if candidate in ("eager", "detdit portable"):
             references[candidate] = first
         results[candidate] = (first, run_to_run)
-        torch.cuda.synchronize()
+        synchronize()
     rows = []
+    common = {"op": case.op, "device": device_name(), "shape": case.shape, "settings": backend_state(),
+              "floor": spec["floor"], "eager_source": spec["eager_source"]}
     for candidate in CANDIDATES:
+        if candidate in skipped:
+            reason = skipped[candidate]
+            rows.append((candidate, None, [skipped_row(reason)]))
+            report["cases"].append(dict(common, case=f"{case.label}, {candidate}", candidate=candidate,
+                                        skipped=True, skip_reason=reason, seconds=None, timing=None,
+                                        checks=[skipped_row(reason)]))
+            continue
         first, run_to_run = results[candidate]
         vs = {ref: {name: compare(r, a) for name, r, a in zip(names, references[ref], first)}
               for ref in ("eager", "detdit portable")}
         is_detdit = candidate.startswith("detdit")
         outputs = lambda d: {k: v for k, v in d.items() if k in spec["outputs"]}  # noqa: E731
         grads = lambda d: {k: v for k, v in d.items() if k not in spec["outputs"]}  # noqa: E731
-        checks = [check_row("outputs == eager", outputs(vs["eager"]), candidate == "detdit torch"),
+        checks = [check_row("outputs == eager", outputs(vs["eager"]),
+                            candidate == "detdit torch" and case.torch_equals_eager),
                   check_row("grads == eager", grads(vs["eager"]), False),
                   check_row("outputs == detdit", outputs(vs["detdit portable"]), False),
                   check_row("grads == detdit", grads(vs["detdit portable"]), False),
-                  check_row("run to run", run_to_run, is_detdit)]
+                  check_row("run to run", run_to_run, is_detdit)] + case.extra_checks(candidate)
         fwd = median_us(lambda: case.forward(candidate), args.warmup, args.repeats)
         both = median_us(lambda: case.forward_backward(candidate), args.warmup, args.repeats)
         timing = {}
@@ -252,22 +500,27 @@ def run_case(case, args, gbps, report, table):
             timing[phase] = {"median_us": us, "bytes": floor, "gbps": floor / (us * 1e-6) / 1e9,
                              "percent_of_copy": 100 * floor / (us * 1e-6) / 1e9 / gbps}
         rows.append((candidate, timing, checks))
-        report["cases"].append({"op": case.op, "case": f"{case.packing} S{case.seq_len}, {candidate}", "candidate": candidate,
-                                "device": torch.cuda.get_device_name(), "seconds": both * 1e-6,
-                                "timing": timing, "checks": checks})
+        report["cases"].append(dict(common, case=f"{case.label}, {candidate}", candidate=candidate,
+                                    seconds=both * 1e-6, timing=timing, checks=checks))
     del results, references
     for phase in ("fwd", "fwd+bwd"):
-        times = {candidate: timing[phase]["median_us"] for candidate, timing, _ in rows}
+        times = {candidate: timing[phase]["median_us"] for candidate, timing, _ in rows if timing is not None}
         for mine in ("detdit portable", "detdit torch"):
             for other in ("eager", "torch.compile"):
-                report["speedups"].append({"op": case.op, "case": case.name, "phase": phase, "detdit": mine,
-                                           "vs": other, "detdit_us": times[mine], "other_us": times[other],
-                                           "speedup": times[other] / times[mine]})
+                if mine in times and other in times:
+                    report["speedups"].append({"op": case.op, "case": case.name, "phase": phase, "detdit": mine,
+                                               "vs": other, "detdit_us": times[mine], "other_us": times[other],
+                                               "speedup": times[other] / times[mine]})
     for candidate, timing, checks in rows:
-        cells = " | ".join(("equal" if c["pass"] else "DIFFER") for c in checks)
+        if timing is None:
+            table.append(f"| {case.op} | {case.name} | {candidate} | skipped: {skipped[candidate]} "
+                         "| | | | | | | | |")
+            continue
+        cells = " | ".join(("equal" if c["pass"] else "DIFFER") for c in checks[:5])
+        extra = "; ".join(f"{c['check']}: {'equal' if c['pass'] else 'DIFFER'}" for c in checks[5:])
         table.append(f"| {case.op} | {case.name} | {candidate} | {timing['fwd']['median_us']:.0f} | "
                      f"{timing['fwd']['percent_of_copy']:.0f} % | {timing['fwd+bwd']['median_us']:.0f} | "
-                     f"{timing['fwd+bwd']['percent_of_copy']:.0f} % | {cells} |")
+                     f"{timing['fwd+bwd']['percent_of_copy']:.0f} % | {cells} | {extra} |")
 
 
 def git_state():
@@ -280,53 +533,96 @@ def git_state():
     return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(status)}
 
 
+def cases_of(op, args, compiled):
+    """The cases of one op, made one at a time (each frees its tensors before the next)."""
+    if OPS[op]["kind"] == "rowwise":
+        for seq_len in QUICK_SEQ_LENS if args.quick else SEQ_LENS:
+            for packing in PACKINGS:
+                yield RowwiseCase(op, seq_len, packing, compiled)
+    else:
+        for rows in QUICK_PROJECTION_ROWS if args.quick or args.small else PROJECTION_ROWS:
+            yield ProjectionCase(op, rows, args.small, compiled)
+
+
 def main():
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="S = 4097 only")
+    parser.add_argument("--quick", action="store_true", help="S = 4097 only; T in {1, 4}")
+    parser.add_argument("--small", action="store_true",
+                        help="projection cases scaled down (T in {1, 4}, D = 512, N = 18 * 512; MLP H = 1024, "
+                             "D = 512) for a CPU run; row-wise cases unchanged")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ", ".join(OPS))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: perf_counter timing, a CPU copy, no torch profile")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile-mode", default="default", help="torch.compile's mode")
-    parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--out", help="write the JSON report here (rewritten after every case, verdict "
+                                      "INCOMPLETE until the last)")
     args = parser.parse_args()
     ops = args.ops.split(",")
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         parser.error(f"unknown op {unknown[0]!r}; expected one of {', '.join(OPS)}")
-    if not torch.cuda.is_available():
-        sys.exit("torch_compare: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if not hasattr(F, "rms_norm"):
+        needing = [op for op in ops if OPS[op].get("needs_rms_norm")]
+        if needing:
+            parser.error(f"{', '.join(needing)}: the eager form needs F.rms_norm (torch >= 2.4; this is torch "
+                         f"{torch.__version__})")
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("torch_compare: needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu runs on the CPU")
 
+    skipped = {}
+    if DEVICE == "cpu":
+        skipped["detdit torch"] = ("the torch profile is CUDA only (docs/numerics.md 4: a CPU tensor is a "
+                                   "ValueError)")
+    if not hasattr(torch, "compile"):
+        skipped["torch.compile"] = f"torch {torch.__version__} has no torch.compile (torch < 2.0)"
     started = time.time()
     gbps = copy_gbps(args.warmup, args.repeats)
-    compiled = {op: torch.compile(OPS[op]["eager"], mode=args.compile_mode) for op in ops}
+    compiled = {} if "torch.compile" in skipped else {
+        op: torch.compile(OPS[op]["eager"], mode=args.compile_mode) for op in ops}
     report = {"kind": "detdit_torch_compare", "format_version": 1,
               "title": "detdit vs PyTorch eager and torch.compile",
               "time_label": "forward + backward, median of the timed calls (seconds)",
               "git": git_state(),
-              "environment": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "cuda_runtime": torch.version.cuda or "none", "compiler": f"torch.compile mode={args.compile_mode}"},
-              "options": {"repeats": args.repeats, "warmup": args.warmup, "quick": args.quick, "ops": ops},
+              "environment": {"device": device_name(), "torch": torch.__version__,
+                              "cuda_runtime": torch.version.cuda or "none",
+                              "compiler": (f"torch.compile mode={args.compile_mode}" if "torch.compile" not in skipped
+                                           else "torch.compile skipped: " + skipped["torch.compile"]),
+                              "timer": "CUDA events" if DEVICE == "cuda" else "time.perf_counter (synchronous CPU calls)",
+                              "copy": "2 GiB device to device" if DEVICE == "cuda" else "256 MiB CPU tensor copy",
+                              "settings_at_start": backend_state()},
+              "options": {"repeats": args.repeats, "warmup": args.warmup, "quick": args.quick, "small": args.small,
+                          "device": DEVICE, "ops": ops},
+              "skipped_candidates": skipped,
               "copy_gbps": gbps, "cases": [], "speedups": []}
     table = ["| op | case | candidate | fwd us | fwd % copy | fwd+bwd us | fwd+bwd % copy | "
-             "outputs == eager | grads == eager | outputs == detdit | grads == detdit | run to run |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
+             "outputs == eager | grads == eager | outputs == detdit | grads == detdit | run to run | more |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- |"]
     for op in ops:
-        for seq_len in QUICK_SEQ_LENS if args.quick else SEQ_LENS:
-            for packing in PACKINGS:
-                case = Case(op, seq_len, packing, compiled)
-                run_case(case, args, gbps, report, table)
-                del case
+        for case in cases_of(op, args, compiled):
+            with backend_settings(case.settings):
+                run_case(case, args, gbps, skipped, report, table)
+            del case
+            if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    checks = [c for case in report["cases"] for c in case["checks"]]
+            if args.out:  # what is done so far survives a run stopped at a time limit
+                with open(args.out, "w") as f:
+                    json.dump(dict(report, verdict="INCOMPLETE", seconds=time.time() - started), f, indent=1)
+    rows = [c for case in report["cases"] for c in case["checks"]]
+    checks = [c for c in rows if not c.get("skipped")]
     failed = [(f"{case['op']} / {case['case']}", c["check"]) for case in report["cases"] for c in case["checks"]
               if not c["pass"] and c["promise"]]
     report.update(verdict="FAIL" if failed else "PASS", checks_total=len(checks),
-                  checks_passed=sum(c["pass"] for c in checks), seconds=time.time() - started)
+                  checks_passed=sum(c["pass"] for c in checks), checks_skipped=len(rows) - len(checks),
+                  seconds=time.time() - started)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; copy (read + write) {gbps:.0f} GB/s; "
+    print(f"torch {torch.__version__} on {device_name()}; copy (read + write) {gbps:.0f} GB/s; "
           f"commit {report['git']['commit'][:12]}{' (dirty)' if report['git']['dirty'] else ''}\n")
     print("\n".join(table))
     print("\n| op | case | phase | detdit | vs eager | vs torch.compile |\n| --- | --- | --- | --- | ---: | ---: |")
@@ -334,11 +630,13 @@ def main():
     for s in report["speedups"]:
         pairs.setdefault((s["op"], s["case"], s["phase"], s["detdit"]), {})[s["vs"]] = s["speedup"]
     for (op, name, phase, mine), vs in pairs.items():
-        print(f"| {op} | {name} | {phase} | {mine} | {vs['eager']:.2f}x | {vs['torch.compile']:.2f}x |")
+        cells = " | ".join(f"{vs[other]:.2f}x" if other in vs else "skipped" for other in ("eager", "torch.compile"))
+        print(f"| {op} | {name} | {phase} | {mine} | {cells} |")
     for name, check in failed:
         print(f"FAILED: {name}: {check}")
+    skipped_note = f", {report['checks_skipped']} skipped (not run)" if report["checks_skipped"] else ""
     print(f"torch_compare: {report['verdict']}, {len(failed)} promise(s) broken, "
-          f"{report['checks_passed']}/{len(checks)} comparisons equal")
+          f"{report['checks_passed']}/{len(checks)} comparisons equal{skipped_note}; {time.time() - started:.0f} s")
     sys.exit(1 if failed else 0)
 
 
