@@ -242,7 +242,7 @@ Json matrix_json(const std::vector<MatrixGroup>& groups, const Device& device, c
                        {"check", row.check},
                        {"device", device.to_string()},
                        {"profile", g.profile},
-                       {"world", i < g.worlds.size() ? Json(g.worlds[i]) : Json(nullptr)},
+                       {"world", i < g.worlds.size() && g.worlds[i] > 0 ? Json(g.worlds[i]) : Json(nullptr)},
                        {"packing", g.packing.empty() ? Json(nullptr) : Json(g.packing)},
                        {"batch", coordinate(g.batch)},
                        {"seq_len", coordinate(g.seq_len)},
