@@ -13,8 +13,10 @@
 # is left; one that would get under 10 s is skipped and says so), so a chosen
 # set of stages fits one device call. DETDIT_PYTESTS names the Python tests
 # the python stage runs (default: tests/python), DETDIT_BENCH_OPS the bench's
-# ops in the order to run them (default: all, as `detdit bench --list` lists them). The bench runs one op at a time, each
-# with its own report, so a stage cut short loses one op's numbers only.
+# ops in the order to run them (default: all, as `detdit bench --list` lists
+# them), DETDIT_COMPARE_OPS torch_compare.py's. The bench and the comparison run
+# one op at a time, each with its own report, so a stage cut short loses one
+# op's numbers only.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for limit in DETDIT_STAGE_TIMEOUT DETDIT_DEADLINE; do
@@ -85,10 +87,12 @@ for stage in "${stages[@]}"; do
         --out "$out/predict.json"
       [ "$gpus" -ge 2 ] && run mpi_predict 400 "${mpi[@]}" -np "$gpus" "$build/detdit" bench --comm mpi --device cuda \
         --predict-world 2,4,8 --out "$out/predict_mpi.json" ;;
-    compare)  # eager and torch.compile on the bench's row-wise cases, same process (docs/benchmarking.md)
-      run compare 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
-        --out "$out/compare.json" &&
-        "$build/detdit" report "$out/compare.json" --out "$out/compare.svg" ;;
+    compare)  # eager and torch.compile on the bench's cases, one process per op (docs/benchmarking.md)
+      for op in ${DETDIT_COMPARE_OPS:-gate_residual_rmsnorm rmsnorm gate_residual adaln_projection timestep_mlp}; do
+        run "compare_$op" 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
+          --ops "$op" --out "$out/compare_$op.json" &&
+          "$build/detdit" report "$out/compare_$op.json" --out "$out/compare_$op.svg"
+      done ;;
     ptx)  # the portable profile from PTX alone: compute_80 PTX, compiled for this GPU by the driver at
       # load; verify compares every output bitwise with the CPU, as the native build's verify does,
       # so both builds give the CPU's bytes (docs/gpu.md)
