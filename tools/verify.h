@@ -134,8 +134,9 @@ struct SpMatrixRows {
 Status verify_sp_matrix(const VerifyContext& ctx, cases::Packing packing, int64_t batch, int64_t seq_len,
                         const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
                         const std::string& corrupt_variant, std::vector<SpMatrixRows>* out);
-// tp_adaln_projection at `timesteps` for each of `worlds`: rows "tp=N".
-Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds,
+// tp_adaln_projection at `timesteps` for each of `worlds`: rows "tp=N"; with
+// cpu_check then "ws1 = cpu ws1" (the device's WS1 equal to the CPU's).
+Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds, bool cpu_check,
                         std::vector<CheckRow>* rows);
 
 // verify --matrix: what the matrix runs (verify_matrix.cc).

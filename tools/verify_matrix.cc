@@ -12,7 +12,8 @@
 //                 every rank equal to WS1 on the device; the naive-SP contrast
 //                 at worlds 2, 4, 8 (informational); on CUDA WS1 equal to the
 //                 CPU's;
-//   tp            tp_adaln_projection T = 1..4 (--quick 1, 4) x --worlds.
+//   tp            tp_adaln_projection T = 1..4 (--quick 1, 4) x --worlds, on
+//                 CUDA its WS1 against the CPU's.
 // What the matrix does not enumerate (e.g. the torch profile) it names, with
 // the reason, in the report's "matrix.not_enumerated".
 #include <algorithm>
@@ -199,13 +200,19 @@ void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector
       p.row_checks.push_back("tp=" + std::to_string(w));
       p.row_worlds.push_back(w);
     }
+    const bool cpu_check = ctx.device.is_cuda();
+    if (cpu_check) {
+      p.row_checks.push_back("ws1 = cpu ws1");
+      p.row_worlds.push_back(1);
+    }
     const VerifyContext* context = &ctx;
     const std::vector<int> worlds = options.worlds;
-    p.run = [context, worlds, t, head = p.head](std::vector<MatrixGroup>* out) {
+    p.run = [context, worlds, t, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
       MatrixGroup g = head;
-      DETDIT_RETURN_IF_ERROR(verify_tp_worlds(*context, t, worlds, &g.rows));
-      if (g.rows.size() != worlds.size()) return Status::runtime_error("tp: a row per world size expected");
+      DETDIT_RETURN_IF_ERROR(verify_tp_worlds(*context, t, worlds, cpu_check, &g.rows));
       g.worlds = worlds;
+      if (cpu_check) g.worlds.push_back(1);
+      if (g.rows.size() != g.worlds.size()) return Status::runtime_error("tp: a row per world size expected");
       out->push_back(std::move(g));
       return Status::ok_status();
     };
@@ -222,8 +229,6 @@ std::vector<MatrixNote> matrix_not_enumerated(const Device& device) {
                      "not implemented: the op-case library's cases and the sp_region / tp problems "
                      "(tools/parallel_common.cc) take no numerics profile; scripts/torch_parity.py and "
                      "scripts/torch_compare.py check it against PyTorch eager, outside this report"});
-    notes.push_back({"tp_adaln_projection ws1 = cpu ws1", "not implemented: TP compares every rank with WS1 on the "
-                                                          "device only (adaln_projection's op cases compare with the CPU)"});
   } else {
     notes.push_back({"profile torch", "CUDA only (the torch profile on the CPU is a ValueError)"});
     notes.push_back({"device cuda and the CPU comparison of each GPU result",

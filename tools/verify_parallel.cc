@@ -257,6 +257,34 @@ Status sp_world_metrics(const SpIndex& index, int world, int64_t hidden, CheckRo
   return Status::ok_status();
 }
 
+// Row "ws1 = cpu ws1": the device's WS1 (host copies `ws1`) against the same
+// problem's WS1 on the CPU, which prepare(&run) sets up: one comparison per output.
+template <typename Run, typename Prepare>
+WorldRow compare_with_cpu_ws1(const std::vector<HostTensor>& ws1, const std::string& prefix, Prepare&& prepare) {
+  WorldRow cpu;
+  cpu.row.check = "ws1 = cpu ws1";
+  const double start = now_seconds();
+  Run run;
+  std::vector<HostTensor> reference;
+  Status s = prepare(&run);
+  if (s.ok()) s = run.forward();
+  if (s.ok()) s = run.backward();
+  if (s.ok()) s = download(run.outputs, &reference);
+  if (s.ok() && reference.size() != ws1.size()) s = Status::runtime_error("the CPU's WS1 has other outputs");
+  record_error(s, &cpu);
+  for (std::size_t i = 0; s.ok() && i < reference.size(); ++i) {
+    const std::string what = prefix + run.outputs[i].name;
+    if (reference[i].nbytes() != ws1[i].nbytes()) {
+      record_error(Status::runtime_error(what + ": the CPU's WS1 has another size"), &cpu);
+      continue;
+    }
+    compare_bytes(reference[i].data(), ws1[i].data(), ws1[i].nbytes(), ws1[i].dtype(), what, &cpu.row);
+  }
+  cpu.row.seconds = now_seconds() - start;
+  finish(&cpu);
+  return cpu;
+}
+
 // One variant's results on one sp problem: a row per world (every rank equal
 // to WS1 on the device), the naive contrast per naive world (none for the
 // plain norm: d_weight's contrast comes with the modulated one), and with
@@ -293,24 +321,9 @@ Status run_sp_problem(const VerifyContext& ctx, const SpProblem& pr, const SpInd
     if (!ws1.empty() && corrupt_variant == sp_variant_name(variant)) static_cast<unsigned char*>(ws1[0].data())[0] ^= 1;
     const std::string prefix = std::string(sp_variant_name(variant)) + " ";
     if (cpu_check) {
-      const double start = now_seconds();
-      r.cpu.row.check = "ws1 = cpu ws1";
-      std::vector<HostTensor> reference;
-      SpRun run;
-      Status s = prepare_sp_run(pr, cpu_index, variant, Device::cpu(), nullptr, nullptr, nullptr, &run);
-      if (s.ok()) s = run.forward();
-      if (s.ok()) s = run.backward();
-      if (s.ok()) s = download(run.outputs, &reference);
-      record_error(s, &r.cpu);
-      for (std::size_t i = 0; s.ok() && i < reference.size() && i < ws1.size(); ++i) {
-        if (reference[i].nbytes() != ws1[i].nbytes()) {
-          record_error(Status::runtime_error(prefix + run.outputs[i].name + ": the CPU's WS1 has another size"), &r.cpu);
-          continue;
-        }
-        compare_bytes(reference[i].data(), ws1[i].data(), ws1[i].nbytes(), ws1[i].dtype(),
-                      prefix + run.outputs[i].name, &r.cpu.row);
-      }
-      r.cpu.row.seconds = now_seconds() - start;
+      r.cpu = compare_with_cpu_ws1<SpRun>(ws1, prefix, [&](SpRun* run) {
+        return prepare_sp_run(pr, cpu_index, variant, Device::cpu(), nullptr, nullptr, nullptr, run);
+      });
     }
     for (std::size_t i = 0; i < worlds.size(); ++i) {
       r.worlds[i].row.check = "ws=" + std::to_string(worlds[i]);
@@ -444,12 +457,12 @@ std::vector<int> tp_world_sizes(const VerifyContext& ctx) {
 }
 
 Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckRow>* rows) {
-  return verify_tp_worlds(ctx, timesteps, tp_world_sizes(ctx), rows);
+  return verify_tp_worlds(ctx, timesteps, tp_world_sizes(ctx), false, rows);
 }
 
 }  // namespace
 
-Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds,
+Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds, bool cpu_check,
                         std::vector<CheckRow>* rows) {
   const Device device = ctx.device;
   TpProblem pr;
@@ -499,6 +512,13 @@ Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::
         &check);
     finish(&check);
     rows->push_back(check.row);
+  }
+  if (cpu_check) {
+    TpWeights cpu_weights;
+    DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, Device::cpu(), &cpu_weights));
+    rows->push_back(compare_with_cpu_ws1<TpRun>(ws1, "", [&](TpRun* run) {
+                      return prepare_tp_run(pr, cpu_weights, Device::cpu(), nullptr, nullptr, run);
+                    }).row);
   }
   return Status::ok_status();
 }
