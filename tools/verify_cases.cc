@@ -4,6 +4,8 @@
 //   accuracy vs fp64          each of the case's FP64-oracle checks;
 //   forward repeatability     a second forward on fresh outputs gives the same bytes;
 //   backward repeatability    the same for the backward;
+//   <the equivalent route>    where the case has one (cases::EquivalentRoute):
+//                             every output recomputed by it on the CPU, equal;
 //   row invariance            probe positions alone equal the same positions
 //                             inside the batch (cases::compare_positions_alone);
 //   cuda = cpu reference      on CUDA: every output equal to the CPU's.
@@ -88,6 +90,15 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       std::map<std::string, HostTensor> again;
       DETDIT_RETURN_IF_ERROR(run_phases(c, ctx.device, phases, &again));
       add_reports(cases::compare_outputs(c, p, first, again), row);
+      return Status::ok_status();
+    }));
+  }
+  if (c.equivalent.compute) {  // the same outputs by a second route (e.g. the fused op's separate ops)
+    rows->push_back(timed_check(c.equivalent.name, [&](CheckRow* row) {
+      std::map<std::string, HostTensor> expected;
+      DETDIT_RETURN_IF_ERROR(c.equivalent.compute(first, &expected));
+      for (int phase = 0; phase < phases; ++phase)
+        add_reports(cases::compare_outputs(c, static_cast<cases::Phase>(phase), expected, first), row);
       return Status::ok_status();
     }));
   }
