@@ -23,7 +23,10 @@ Contract:
   Functions (autograd.h) cannot go; for those ops (every op with a plan, the ``.plan``
   overload of rmsnorm; ``TRACED_AUTOGRAD``) :func:`autograd_function` makes the same Functions
   in Python, registered at AutogradCPU and AutogradCUDA: the same backward op, given the
-  same arguments and output mask, so a compiled graph runs the kernels eager autograd runs, with the same bits. Ops
+  same arguments and output mask, so a compiled graph runs the kernels eager autograd runs,
+  with the same bits. They save a plan's handle (``plan.handle()``, a tensor) instead of the
+  plan and call the backward op's ``.handle`` overload, which resolves it to the live plan:
+  torch 2.11's AOTAutograd refuses a torch-class object saved for a compiled backward. Ops
   without a plan keep their C++ Function, which calls its ops through the dispatcher and
   so is traced as it is.
 """
@@ -75,6 +78,9 @@ class FakeIndexPlan:
     def row_index(self):
         return torch.empty(self._seq_len, dtype=torch.int32)
 
+    def handle(self):
+        return torch.empty((1,), dtype=torch.int64)
+
     def __repr__(self):
         return (f"FakeIndexPlan(seq_len={self._seq_len}, batch={self._batch}, num_rows={self._num_rows}, "
                 f"device={self._device})")
@@ -109,6 +115,9 @@ class FakeSpPlan:
 
     def max_send(self):
         return self._max_send
+
+    def handle(self):
+        return torch.empty((1,), dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------
@@ -316,6 +325,10 @@ def _sp_gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale
                                            (True,) * 6)
 
 
+def _adaln_row_gather_backward_handle(grad, plan_handle, num_rows):
+    return _empty(grad, (num_rows, 6 * _dim(grad, -1)), grad.dtype)
+
+
 FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
@@ -334,6 +347,13 @@ FAKE_KERNELS = {
     "sp_gate_residual_rmsnorm": _sp_gate_residual_rmsnorm,
     "sp_gate_residual_rmsnorm_backward": _sp_gate_residual_rmsnorm_backward,
 }
+# The `.handle` overloads of the backward ops (the plan's handle in its place, registration.cpp):
+# the same outputs, which no fake kernel reads from the plan but adaln_row_gather's (num_rows).
+FAKE_KERNELS.update({f"{name}.handle": FAKE_KERNELS[name] for name in (
+    "rmsnorm_backward", "gate_residual_backward", "gate_residual_rmsnorm_backward", "final_adaln_out_backward",
+    "adaln_modulation_backward", "sp_rmsnorm_backward", "sp_gate_residual_backward",
+    "sp_gate_residual_rmsnorm_backward")})
+FAKE_KERNELS["adaln_row_gather_backward.handle"] = _adaln_row_gather_backward_handle
 
 
 # ---------------------------------------------------------------------------
@@ -345,28 +365,36 @@ def _contiguous(grad):
 
 # Per op: how many leading arguments get a gradient, the outputs marked non-differentiable,
 # whether absent gradients are materialised as zeros, and the backward call of
-# (arguments, outputs, grads, mask) -> that many gradients. Each is autograd.h's.
+# (arguments, outputs, grads, mask, rows) -> that many gradients. Each is autograd.h's Function's
+# call, with the plan's handle where the plan was (the op's `.handle` overload: torch 2.11's
+# AOTAutograd refuses a plan saved for a compiled backward, and saves the handle, a tensor);
+# rows[i] is the row count of an IndexPlan argument i.
 TRACED_AUTOGRAD = {
-    "adaln_row_gather": (1, (), True, lambda a, o, g, m: (_ops.adaln_row_gather_backward.default(
-        _contiguous(g[0]), a[1]),)),
-    "rmsnorm.plan": (4, (1,), True, lambda a, o, g, m: _ops.rmsnorm_backward.plan(
+    "adaln_row_gather": (1, (), True, lambda a, o, g, m, r: (_ops.adaln_row_gather_backward.handle(
+        _contiguous(g[0]), a[1], r[1]),)),
+    "rmsnorm.plan": (4, (1,), True, lambda a, o, g, m, r: _ops.rmsnorm_backward.handle(
         _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], m)),
-    "gate_residual": (3, (), True, lambda a, o, g, m: _ops.gate_residual_backward.default(
+    "gate_residual": (3, (), True, lambda a, o, g, m, r: _ops.gate_residual_backward.handle(
         _contiguous(g[0]), a[1], a[2], a[3], m)),
     # h and out may each get a gradient or none: not materialised (GateResidualRmsnormFunction)
-    "gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: _ops.gate_residual_rmsnorm_backward.default(
+    "gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m, r: _ops.gate_residual_rmsnorm_backward.handle(
         _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], m)),
-    "final_adaln_out": (5, (1, 2, 3), True, lambda a, o, g, m: _ops.final_adaln_out_backward.default(
+    "final_adaln_out": (5, (1, 2, 3), True, lambda a, o, g, m, r: _ops.final_adaln_out_backward.handle(
         _contiguous(g[0]), a[0], a[1], a[2], a[3], o[1], o[2], o[3], a[5], a[6], a[7], m)),
-    "adaln_modulation": (3, (1, 2), True, lambda a, o, g, m: _ops.adaln_modulation_backward.default(
+    "adaln_modulation": (3, (1, 2), True, lambda a, o, g, m, r: _ops.adaln_modulation_backward.handle(
         _contiguous(g[0]), a[0], a[1], o[2], a[3], a[4], m)),
-    "sp_rmsnorm": (4, (1,), True, lambda a, o, g, m: _ops.sp_rmsnorm_backward.default(
+    "sp_rmsnorm": (4, (1,), True, lambda a, o, g, m, r: _ops.sp_rmsnorm_backward.handle(
         _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], a[7])),
-    "sp_gate_residual": (3, (), True, lambda a, o, g, m: _ops.sp_gate_residual_backward.default(
+    "sp_gate_residual": (3, (), True, lambda a, o, g, m, r: _ops.sp_gate_residual_backward.handle(
         _contiguous(g[0]), a[1], a[2], a[3], a[4])),
-    "sp_gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: _ops.sp_gate_residual_rmsnorm_backward.default(
+    "sp_gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m, r: _ops.sp_gate_residual_rmsnorm_backward.handle(
         _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], a[9])),
 }
+
+
+def _is_plan(arg):
+    """A plan argument: a torch-class object (eager) or the fake that tracing gives one."""
+    return isinstance(arg, (torch.ScriptObject, *FAKE_PLAN_TYPES))
 
 
 def _overload(name):
@@ -399,9 +427,13 @@ def autograd_function(name):
         result = _below_autograd(op, args)
         # a tuple, or a list where torch's effect handling ran the op (see _register)
         outs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-        is_tensor = [isinstance(a, torch.Tensor) for a in args]
-        ctx.save_for_backward(*[a if t else None for a, t in zip(args, is_tensor)], *outs)
-        ctx.others = [None if t else a for a, t in zip(args, is_tensor)]
+        # tensors and the plans' handles are saved (a plan itself never is: see TRACED_AUTOGRAD)
+        is_plan = [_is_plan(a) for a in args]
+        saved = [a.handle() if p else a if isinstance(a, torch.Tensor) else None for a, p in zip(args, is_plan)]
+        ctx.save_for_backward(*saved, *outs)
+        ctx.others = [None if s is not None else a for a, s in zip(args, saved)]
+        ctx.rows = [_sizes(a).num_rows() if p and hasattr(_sizes(a), "num_rows") else None
+                    for a, p in zip(args, is_plan)]
         ctx.mark_non_differentiable(*[outs[i] for i in non_differentiable])
         ctx.set_materialize_grads(materialize)
         return outs if len(outs) > 1 else outs[0]
@@ -412,7 +444,7 @@ def autograd_function(name):
         saved, others = ctx.saved_tensors, ctx.others
         args = [s if o is None else o for s, o in zip(saved, others)]
         outs = saved[len(others):]
-        grads_in = backward_call(args, outs, grads, list(ctx.needs_input_grad[:num_grads]))
+        grads_in = backward_call(args, outs, grads, list(ctx.needs_input_grad[:num_grads]), ctx.rows)
         return (*grads_in, *([None] * (len(args) - num_grads)))
 
     return type(f"Traced{name.replace('.', '_')}Function", (torch.autograd.Function,),

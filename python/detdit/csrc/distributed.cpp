@@ -254,6 +254,15 @@ int64_t tp_columns(const detdit::Communicator& group, const Tensor& weight, Opti
 }  // namespace
 
 SpPlanHolder::SpPlanHolder(detdit::SpPlan s) : sp(std::move(s)), id_(new_plan_id()) {}
+SpPlanHolder::~SpPlanHolder() { forget_plan_handle(id_); }
+
+Tensor sp_plan_handle(const SpPlanPtr& sp) { return make_plan_handle(sp, sp->id()); }
+
+SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op) {
+  SpPlanPtr sp = c10::dynamic_intrusive_pointer_cast<SpPlanHolder>(resolve_plan_handle(handle, op));
+  if (!sp) C10_THROW_ERROR(ValueError, std::string(op) + ": plan_handle names an IndexPlan, expected an SpPlan's handle");
+  return sp;
+}
 
 SpPlanHolder::State SpPlanHolder::state() const {
   const auto [row_index, num_rows, batch, device] = plan_state(sp.global_plan());

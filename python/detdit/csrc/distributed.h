@@ -33,6 +33,7 @@ namespace detdit_torch {
 struct SpPlanHolder : torch::CustomClassHolder {
   detdit::SpPlan sp;
   explicit SpPlanHolder(detdit::SpPlan s);
+  ~SpPlanHolder() override;
   int64_t world() const { return sp.world(); }
   int64_t rank() const { return sp.rank(); }
   int64_t local_begin() const { return sp.local_begin(); }
@@ -52,10 +53,16 @@ struct SpPlanHolder : torch::CustomClassHolder {
   State state() const;
   bool equals(const SpPlanHolder& other) const;
 
+  int64_t id() const { return id_; }
+
  private:
   int64_t id_;
 };
 using SpPlanPtr = c10::intrusive_ptr<SpPlanHolder>;
+
+// An SpPlan's handle (`sp.handle()`) and its resolution, as plan.h's for an IndexPlan.
+Tensor sp_plan_handle(const SpPlanPtr& sp);
+SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op);
 
 // detdit::sp_plan: the SpPlan of rank `rank` of `world` for the replicated plan.
 SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank);

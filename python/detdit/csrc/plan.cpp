@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <optional>
+#include <unordered_map>
 
 namespace detdit_torch {
 
@@ -16,6 +17,69 @@ int64_t new_plan_id() {
 }
 
 PlanHolder::PlanHolder(IndexPlan p) : plan(std::move(p)), id_(new_plan_id()) {}
+PlanHolder::~PlanHolder() { forget_plan_handle(id_); }
+
+namespace {
+
+// The plans that have handed out a handle, by id (weak: a handle, not the
+// registry, keeps its plan alive). Leaked, so that plans destroyed during
+// exit still find it.
+struct HandleRegistry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, c10::weak_intrusive_ptr<torch::CustomClassHolder>> plans;
+};
+HandleRegistry& handle_registry() {
+  static HandleRegistry* registry = new HandleRegistry;
+  return *registry;
+}
+
+}  // namespace
+
+Tensor make_plan_handle(const c10::intrusive_ptr<torch::CustomClassHolder>& plan, int64_t id) {
+  {
+    HandleRegistry& r = handle_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.plans.emplace(id, c10::weak_intrusive_ptr<torch::CustomClassHolder>(plan));
+  }
+  auto* value = new int64_t(id);
+  // the deleter owns a reference to the plan: the plan outlives every handle
+  return at::from_blob(value, {1}, [plan, value](void*) { delete value; },
+                       at::TensorOptions().dtype(at::kLong));
+}
+
+c10::intrusive_ptr<torch::CustomClassHolder> resolve_plan_handle(const Tensor& handle, const char* op) {
+  if (!handle.defined() || handle.scalar_type() != at::kLong || !handle.device().is_cpu() || handle.numel() != 1)
+    C10_THROW_ERROR(TypeError, std::string(op) + ": plan_handle must be a plan's handle (plan.handle(): one int64 " +
+                                   "on the CPU), got " + (handle.defined() ? handle.toString() + " of " +
+                                   std::to_string(handle.numel()) + " elements" : std::string("None")));
+  const int64_t id = handle.item<int64_t>();
+  c10::intrusive_ptr<torch::CustomClassHolder> plan;
+  {
+    HandleRegistry& r = handle_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.plans.find(id);
+    if (it != r.plans.end()) plan = it->second.lock();
+  }
+  if (!plan)
+    C10_THROW_ERROR(ValueError, std::string(op) + ": plan_handle names no live plan (id " + std::to_string(id) +
+                                    "): pass plan.handle() of a plan, which lives while its handle does");
+  return plan;
+}
+
+void forget_plan_handle(int64_t id) {
+  HandleRegistry& r = handle_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.plans.erase(id);
+}
+
+Tensor plan_handle(const PlanPtr& plan) { return make_plan_handle(plan, plan->id()); }
+
+PlanPtr plan_of_handle(const Tensor& handle, const char* op) {
+  PlanPtr plan = c10::dynamic_intrusive_pointer_cast<PlanHolder>(resolve_plan_handle(handle, op));
+  if (!plan)
+    C10_THROW_ERROR(ValueError, std::string(op) + ": plan_handle names an SpPlan, expected an IndexPlan's handle");
+  return plan;
+}
 
 namespace {
 

@@ -30,6 +30,7 @@ struct PlanHolder : torch::CustomClassHolder {
   IndexPlan plan;
 
   explicit PlanHolder(IndexPlan p);
+  ~PlanHolder() override;
 
   int64_t seq_len() const { return plan.seq_len(); }
   int64_t batch() const { return plan.batch(); }
@@ -59,6 +60,8 @@ struct PlanHolder : torch::CustomClassHolder {
   // CUDA this one build copies the index to the host once).
   const IndexPlan& single_batch(detdit::Stream stream);
 
+  int64_t id() const { return id_; }
+
  private:
   std::mutex mutex_;
   IndexPlan single_batch_;
@@ -70,6 +73,22 @@ using OptPlan = Optional<PlanPtr>;
 
 // A new id for a plan object (IndexPlan, SpPlan): counts up from 1, never reused.
 int64_t new_plan_id();
+
+// A plan object as a tensor: what the traced autograd of detdit/_compile.py
+// saves for the backward, since torch 2.11's AOTAutograd refuses a
+// torch-class object saved for a backward graph and saves a tensor. The
+// handle (`plan.handle()`) is one int64 on the CPU, the plan's id, and its
+// storage holds a reference to the plan, which so lives as long as the
+// handle. The `.handle` overloads of the backward ops resolve it: a tensor
+// that names no live plan of the expected class is refused (TypeError for
+// the wrong dtype, device or size, ValueError otherwise), so only a built,
+// validated plan reaches a kernel.
+Tensor make_plan_handle(const c10::intrusive_ptr<torch::CustomClassHolder>& plan, int64_t id);
+c10::intrusive_ptr<torch::CustomClassHolder> resolve_plan_handle(const Tensor& handle, const char* op);
+// Called by a plan object's destructor: its id resolves no more.
+void forget_plan_handle(int64_t id);
+Tensor plan_handle(const PlanPtr& plan);
+PlanPtr plan_of_handle(const Tensor& handle, const char* op);
 
 // The plan of an optional argument; an empty IndexPlan for None.
 const IndexPlan& plan_of(const OptPlan& plan);

@@ -18,6 +18,7 @@
 
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 
 #include "autograd.h"
@@ -57,6 +58,94 @@ std::tuple<Tensor, Tensor> rmsnorm_plan_autograd(const Tensor& x, const Tensor& 
   return autograd_kernel<RmsnormFunction>(&rmsnorm)(x, weight, shift, scale, OptPlan(plan), eps, numerics);
 }
 
+// The `.handle` overloads of the backward ops (plan.h: a plan's handle in the
+// plan's place, resolved to the live plan it names): what detdit/_compile.py's
+// traced autograd calls, since torch 2.11 cannot save a plan for a compiled
+// backward. Each is the op's backward on the resolved plan.
+Tensor adaln_row_gather_backward_handle(const Tensor& grad, const Tensor& handle, int64_t num_rows) {
+  const PlanPtr plan = plan_of_handle(handle, "adaln_row_gather_backward");
+  if (plan->num_rows() != num_rows)
+    C10_THROW_ERROR(ValueError, "adaln_row_gather_backward: num_rows must be the plan's " +
+                                    std::to_string(plan->num_rows()) + ", got " + std::to_string(num_rows));
+  return adaln_row_gather_backward(grad, plan);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_handle(const Tensor& grad, const Tensor& x,
+                                                                   const Tensor& weight, const OptTensor& shift,
+                                                                   const OptTensor& scale, const Tensor& handle,
+                                                                   const Tensor& rstd, double eps,
+                                                                   const std::string& numerics,
+                                                                   std::array<bool, 4> output_mask) {
+  return rmsnorm_backward_plan(grad, x, weight, shift, scale, plan_of_handle(handle, "rmsnorm_backward"), rstd, eps,
+                               numerics, output_mask);
+}
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_handle(const Tensor& grad, const Tensor& y,
+                                                                 const Tensor& gate, const Tensor& handle,
+                                                                 std::array<bool, 3> output_mask) {
+  return gate_residual_backward(grad, y, gate, plan_of_handle(handle, "gate_residual_backward"), output_mask);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_handle(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const Tensor& handle, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, std::array<bool, 6> output_mask) {
+  return gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale,
+                                        plan_of_handle(handle, "gate_residual_rmsnorm_backward"), h, rstd, eps,
+                                        numerics, output_mask);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward_handle(
+    const Tensor& grad, const Tensor& x, const Tensor& norm_weight, const Tensor& temb, const Tensor& weight,
+    const Tensor& table, const Tensor& act, const Tensor& rstd, const Tensor& handle, double eps,
+    const std::string& numerics, std::array<bool, 5> output_mask) {
+  return final_adaln_out_backward(grad, x, norm_weight, temb, weight, table, act, rstd,
+                                  plan_of_handle(handle, "final_adaln_out_backward"), eps, numerics, output_mask);
+}
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward_handle(const Tensor& grad, const Tensor& temb,
+                                                                    const Tensor& weight, const Tensor& act,
+                                                                    const Tensor& handle, const std::string& numerics,
+                                                                    std::array<bool, 3> output_mask) {
+  return adaln_modulation_backward(grad, temb, weight, act, plan_of_handle(handle, "adaln_modulation_backward"),
+                                   numerics, output_mask);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_handle(const Tensor& grad, const Tensor& x,
+                                                                      const Tensor& weight, const OptTensor& shift,
+                                                                      const OptTensor& scale, const Tensor& handle,
+                                                                      const Tensor& rstd, int64_t comm, double eps,
+                                                                      const std::string& numerics) {
+  return sp_rmsnorm_backward(grad, x, weight, shift, scale, sp_plan_of_handle(handle, "sp_rmsnorm_backward"), rstd,
+                             comm, eps, numerics);
+}
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_handle(const Tensor& grad, const Tensor& y,
+                                                                    const Tensor& gate, const Tensor& handle,
+                                                                    int64_t comm) {
+  return sp_gate_residual_backward(grad, y, gate, sp_plan_of_handle(handle, "sp_gate_residual_backward"), comm);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward_handle(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const Tensor& handle, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics) {
+  return sp_gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale,
+                                           sp_plan_of_handle(handle, "sp_gate_residual_rmsnorm_backward"), h, rstd,
+                                           comm, eps, numerics);
+}
+
+// `<op>_backward.handle(...)`: the backward schema with its plan argument as
+// `Tensor plan_handle`, at the CPU and CUDA keys (the handle is on the CPU, the
+// other tensors decide the key).
+template <typename Kernel>
+void def_handle_overload(torch::Library& m, const std::string& backward_schema, Kernel* kernel) {
+  std::string schema = backward_schema;
+  const std::size_t paren = schema.find('(');
+  schema.insert(paren, ".handle");
+  for (const char* plan : {"__torch__.torch.classes.detdit.IndexPlan plan",
+                           "__torch__.torch.classes.detdit.IndexPlan? plan",
+                           "__torch__.torch.classes.detdit.SpPlan sp"}) {
+    const std::size_t at = schema.find(plan);
+    if (at != std::string::npos) schema.replace(at, std::strlen(plan), "Tensor plan_handle");
+  }
+  m.def(schema.c_str());
+  const std::string name = op_name(schema.c_str());
+  for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) m.impl(name.c_str(), key, kernel);
+}
+
 // A plan is no sequence: len() raises TypeError, as for any Python object
 // without a length. Without the method, torch's ScriptObject answers len()
 // with NotImplementedError, which code that probes for a sequence (torch's
@@ -78,6 +167,34 @@ TORCH_LIBRARY(detdit, m) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
   m.set_python_module("detdit._compile");
 #endif
+  // The backward schemas that also get a `.handle` overload (def_handle_overload).
+  static const std::string kRmsnormBackwardSchema =
+      "rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      "? plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kGateResidualBackwardSchema =
+      "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_PLAN
+      " plan, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+  static const std::string kGateResidualRmsnormBackwardSchema =
+      "gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_PLAN " plan, Tensor h, Tensor rstd, float eps, str numerics, "
+      "bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kFinalAdalnOutBackwardSchema =
+      "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, "
+      "Tensor table, Tensor act, Tensor rstd, " DETDIT_PLAN
+      " plan, float eps, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kAdalnModulationBackwardSchema =
+      "adaln_modulation_backward(Tensor grad, Tensor temb, Tensor weight, Tensor act, " DETDIT_PLAN
+      " plan, str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+  static const std::string kSpRmsnormBackwardSchema =
+      "sp_rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, Tensor rstd, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualBackwardSchema =
+      "sp_gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_SP_PLAN
+      " sp, int comm) -> (Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualRmsnormBackwardSchema =
+      "sp_gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
+      "str numerics) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
   m.class_<PlanHolder>("IndexPlan")
       .def("seq_len", &PlanHolder::seq_len)
       .def("batch", &PlanHolder::batch)
@@ -90,6 +207,7 @@ TORCH_LIBRARY(detdit, m) {
       .def("__repr__", &PlanHolder::repr)
       .def("__str__", &PlanHolder::repr)
       .def("__obj_flatten__", &PlanHolder::flatten)
+      .def("handle", [](const PlanPtr& self) { return plan_handle(self); })
       .def("__len__", &plan_has_no_len<PlanHolder>)
       .def("__eq__", [](const PlanPtr& self, const PlanPtr& other) { return same_table(self->plan, other->plan); })
       .def("__ne__", [](const PlanPtr& self, const PlanPtr& other) { return !same_table(self->plan, other->plan); })
@@ -103,6 +221,7 @@ TORCH_LIBRARY(detdit, m) {
       .def("local_seq_len", &SpPlanHolder::local_seq_len)
       .def("max_send", &SpPlanHolder::max_send)
       .def("__obj_flatten__", &SpPlanHolder::flatten)
+      .def("handle", [](const SpPlanPtr& self) { return sp_plan_handle(self); })
       .def("__len__", &plan_has_no_len<SpPlanHolder>)
       .def("__eq__", [](const SpPlanPtr& self, const SpPlanPtr& other) { return self->equals(*other); })
       .def("__ne__", [](const SpPlanPtr& self, const SpPlanPtr& other) { return !self->equals(*other); })
@@ -148,8 +267,7 @@ TORCH_LIBRARY(detdit, m) {
       "rmsnorm(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
       "? plan, float eps, str numerics) -> (Tensor, Tensor)",
       &rmsnorm,
-      "rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
-      "? plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)",
+      kRmsnormBackwardSchema.c_str(),
       &rmsnorm_backward);
   m.def("rmsnorm.plan(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
         " plan, float eps, str numerics) -> (Tensor, Tensor)");
@@ -162,34 +280,28 @@ TORCH_LIBRARY(detdit, m) {
   m.impl("rmsnorm.plan", c10::DispatchKey::Autograd, &rmsnorm_plan_autograd);
   def_op<GateResidualFunction>(
       m, "gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_PLAN " plan) -> Tensor", &gate_residual,
-      "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_PLAN
-      " plan, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      kGateResidualBackwardSchema.c_str(),
       &gate_residual_backward);
   def_op<GateResidualRmsnormFunction>(
       m,
       "gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, Tensor? scale, "
       DETDIT_PLAN " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
       &gate_residual_rmsnorm,
-      "gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
-      "Tensor? shift, Tensor? scale, " DETDIT_PLAN " plan, Tensor h, Tensor rstd, float eps, str numerics, "
-      "bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kGateResidualRmsnormBackwardSchema.c_str(),
       &gate_residual_rmsnorm_backward);
   def_op<FinalAdalnOutFunction>(
       m,
       "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
       " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)",
       &final_adaln_out,
-      "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, "
-      "Tensor table, Tensor act, Tensor rstd, " DETDIT_PLAN
-      " plan, float eps, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kFinalAdalnOutBackwardSchema.c_str(),
       &final_adaln_out_backward);
   def_op<AdalnModulationFunction>(
       m,
       "adaln_modulation(Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
       " plan, str numerics) -> (Tensor, Tensor, Tensor)",
       &adaln_modulation,
-      "adaln_modulation_backward(Tensor grad, Tensor temb, Tensor weight, Tensor act, " DETDIT_PLAN
-      " plan, str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      kAdalnModulationBackwardSchema.c_str(),
       &adaln_modulation_backward);
 
   // detdit.distributed: `comm` is a handle from _C._register_communicator.
@@ -206,24 +318,33 @@ TORCH_LIBRARY(detdit, m) {
       "sp_rmsnorm(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
       " sp, int comm, float eps, str numerics) -> (Tensor, Tensor)",
       &sp_rmsnorm,
-      "sp_rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
-      " sp, Tensor rstd, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)",
+      kSpRmsnormBackwardSchema.c_str(),
       &sp_rmsnorm_backward);
   def_op<SpGateResidualFunction>(
       m, "sp_gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_SP_PLAN " sp, int comm) -> Tensor",
       &sp_gate_residual,
-      "sp_gate_residual_backward(Tensor grad, Tensor y, Tensor gate, " DETDIT_SP_PLAN
-      " sp, int comm) -> (Tensor, Tensor, Tensor)",
+      kSpGateResidualBackwardSchema.c_str(),
       &sp_gate_residual_backward);
   def_op<SpGateResidualRmsnormFunction>(
       m,
       "sp_gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, "
       "Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
       &sp_gate_residual_rmsnorm,
-      "sp_gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
-      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
-      "str numerics) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kSpGateResidualRmsnormBackwardSchema.c_str(),
       &sp_gate_residual_rmsnorm_backward);
+
+  // The `.handle` overloads (plan.h, registration above).
+  m.def("adaln_row_gather_backward.handle(Tensor grad, Tensor plan_handle, int num_rows) -> Tensor");
+  for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA})
+    m.impl("adaln_row_gather_backward.handle", key, &adaln_row_gather_backward_handle);
+  def_handle_overload(m, kRmsnormBackwardSchema, &rmsnorm_backward_handle);
+  def_handle_overload(m, kGateResidualBackwardSchema, &gate_residual_backward_handle);
+  def_handle_overload(m, kGateResidualRmsnormBackwardSchema, &gate_residual_rmsnorm_backward_handle);
+  def_handle_overload(m, kFinalAdalnOutBackwardSchema, &final_adaln_out_backward_handle);
+  def_handle_overload(m, kAdalnModulationBackwardSchema, &adaln_modulation_backward_handle);
+  def_handle_overload(m, kSpRmsnormBackwardSchema, &sp_rmsnorm_backward_handle);
+  def_handle_overload(m, kSpGateResidualBackwardSchema, &sp_gate_residual_backward_handle);
+  def_handle_overload(m, kSpGateResidualRmsnormBackwardSchema, &sp_gate_residual_rmsnorm_backward_handle);
 }
 
 // `import detdit._C` loads this library, which registers the operators above
