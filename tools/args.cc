@@ -7,6 +7,7 @@
 #include "args.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -179,6 +180,30 @@ bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_
     return false;
   }
   *value = v;
+  return true;
+}
+
+bool Args::get_int_list(const std::string& name, const std::string& fallback, int64_t lo, int64_t hi,
+                        const std::string& what, std::vector<int64_t>* values) {
+  const std::string text = get(name, fallback);
+  std::stringstream in(text);
+  std::string item;
+  values->clear();
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = is_decimal(item, false) ? std::strtoll(item.c_str(), &end, 10) : 0;
+    if (!is_decimal(item, false) || *end != '\0' || errno != 0 || v < lo || v > hi) {
+      error_ = name + " must list " + what + "s in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
+               item + "'";
+      return false;
+    }
+    if (std::find(values->begin(), values->end(), v) == values->end()) values->push_back(v);
+  }
+  if (values->empty()) {
+    error_ = name + " needs at least one " + what;
+    return false;
+  }
   return true;
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace detdit {
 namespace cli {
@@ -44,6 +45,12 @@ class Args {
   // (get_int: after an optional '-') of a value in [lo, hi] (get_uint64: < 2^64).
   bool get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value);
   bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);
+  // A comma-separated list of integers in [lo, hi] (`fallback` when not given),
+  // each item decimal digits; repeats dropped, first order kept. False (with
+  // error(): "<name> must list <what>s in [lo, hi], got '<item>'") for any
+  // other item, an empty one included, or no item at all.
+  bool get_int_list(const std::string& name, const std::string& fallback, int64_t lo, int64_t hi,
+                    const std::string& what, std::vector<int64_t>* values);
   // A finite decimal number > 0 (e.g. "360", "2.5").
   bool get_positive(const std::string& name, double fallback, double* value);
 

@@ -253,19 +253,12 @@ int run_bench(int argc, char** argv) {
     return 2;
   }
   if (args.has("--predict-world")) {
-    for (const std::string& item : args.get_set("--predict-world")) {  // non-empty items
-      const bool digits = item.size() <= 4 && item.find_first_not_of("0123456789") == std::string::npos;
-      const long world = digits ? std::strtol(item.c_str(), nullptr, 10) : 0;
-      if (world < 2 || world > 1024) {
-        std::fprintf(stderr, "detdit: --predict-world must list world sizes in [2, 1024], got '%s'\n", item.c_str());
-        return 2;
-      }
-      link.worlds.push_back(static_cast<int>(world));
-    }
-    if (link.worlds.empty()) {
-      std::fprintf(stderr, "detdit: --predict-world needs at least one world size\n");
+    std::vector<int64_t> worlds;
+    if (!args.get_int_list("--predict-world", "", 2, 1024, "world size", &worlds)) {
+      std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
       return 2;
     }
+    for (int64_t world : worlds) link.worlds.push_back(static_cast<int>(world));
     std::sort(link.worlds.begin(), link.worlds.end());
     link.bus_bytes_per_second = link_gbps * 1e9;
     link.latency_seconds = link_latency_us * 1e-6;

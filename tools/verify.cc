@@ -7,10 +7,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <cctype>
 #include <cstdlib>
 #include <set>
-#include <sstream>
 
 #include "args.h"
 #include "cli.h"
@@ -334,33 +332,12 @@ int run_verify(int argc, char** argv) {
     }
   }
   if (matrix) {
-    auto list = [&args](const char* option, const std::string& fallback, int64_t lo, int64_t hi,
-                        std::vector<int64_t>* values) {
-      const std::string text = args.get(option, fallback);
-      std::stringstream in(text);
-      std::string item;
-      while (std::getline(in, item, ',')) {
-        char* end = nullptr;
-        const long long v = item.empty() || !std::isdigit(static_cast<unsigned char>(item[0]))
-                                ? -1 : std::strtoll(item.c_str(), &end, 10);
-        if (v < lo || v > hi || end == nullptr || *end != '\0') {
-          std::fprintf(stderr, "detdit: %s: expected comma-separated integers in [%lld, %lld], got '%s'\n", option,
-                       static_cast<long long>(lo), static_cast<long long>(hi), text.c_str());
-          return false;
-        }
-        if (std::find(values->begin(), values->end(), v) == values->end()) values->push_back(v);
-      }
-      if (values->empty()) {
-        std::fprintf(stderr, "detdit: %s: needs at least one value\n", option);
-        return false;
-      }
-      return true;
-    };
     const bool quick = args.has("--quick");
     std::vector<int64_t> worlds;
     int64_t budget = 0;
-    if (!list("--seq", quick ? "4097" : "4097,32768,131072", 1, int64_t{1} << 24, &matrix_options.seq_lens) ||
-        !list("--worlds", quick ? "1,2,3,8" : "1,2,3,4,5,6,7,8", 1, 64, &worlds) ||
+    if (!args.get_int_list("--seq", quick ? "4097" : "4097,32768,131072", 1, int64_t{1} << 24, "sequence length",
+                           &matrix_options.seq_lens) ||
+        !args.get_int_list("--worlds", quick ? "1,2,3,8" : "1,2,3,4,5,6,7,8", 1, 64, "world size", &worlds) ||
         !args.get_int("--matrix-budget", -1, 0, int64_t{1} << 50, &budget)) {
       if (!args.error().empty()) std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
       return 2;
