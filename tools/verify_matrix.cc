@@ -19,10 +19,12 @@
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "parallel_common.h"
 #include "progress.h"
 #include "verify.h"
 
@@ -131,10 +133,20 @@ void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
   }
 }
 
+// The matrix's op of each sp_region variant, in kSpVariants' order.
 const char* const kSpOps[] = {"sp_rmsnorm_plain", "sp_rmsnorm_modulated", "sp_gate_residual"};
+static_assert(std::size(kSpOps) == std::size(kSpVariants), "an op name per sp_region variant");
 
+// The op of a variant (by its sp_variant_name), and the variant of an op ("" for none).
 std::string sp_op(const std::string& variant) {
-  return variant == "rmsnorm" ? kSpOps[0] : variant == "modulated rmsnorm" ? kSpOps[1] : kSpOps[2];
+  for (std::size_t i = 0; i < std::size(kSpOps); ++i)
+    if (variant == sp_variant_name(kSpVariants[i])) return kSpOps[i];
+  return variant;
+}
+std::string sp_variant_of(const std::string& op) {
+  for (std::size_t i = 0; i < std::size(kSpOps); ++i)
+    if (op == kSpOps[i]) return sp_variant_name(kSpVariants[i]);
+  return "";
 }
 
 void plan_sp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
@@ -169,11 +181,8 @@ void plan_sp(const VerifyContext& ctx, const MatrixOptions& options, std::vector
         p.run = [context, worlds, naive, corrupt, packing, batch, seq_len, head = p.head](std::vector<MatrixGroup>* out) {
           std::vector<SpMatrixRows> rows;
           // The hook names an op of the matrix; the SP runs know their variants.
-          std::string variant;
-          if (corrupt == kSpOps[0]) variant = "rmsnorm";
-          if (corrupt == kSpOps[1]) variant = "modulated rmsnorm";
-          if (corrupt == kSpOps[2]) variant = "gate_residual";
-          DETDIT_RETURN_IF_ERROR(verify_sp_matrix(*context, packing, batch, seq_len, worlds, naive, variant, &rows));
+          DETDIT_RETURN_IF_ERROR(
+              verify_sp_matrix(*context, packing, batch, seq_len, worlds, naive, sp_variant_of(corrupt), &rows));
           for (SpMatrixRows& r : rows) {
             MatrixGroup g = head;
             g.op = sp_op(r.variant);

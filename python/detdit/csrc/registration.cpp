@@ -26,6 +26,10 @@
 #include "ops.h"
 #include "plan.h"
 
+// The schema types of the plan classes.
+#define DETDIT_PLAN "__torch__.torch.classes.detdit.IndexPlan"
+#define DETDIT_SP_PLAN "__torch__.torch.classes.detdit.SpPlan"
+
 namespace detdit_torch {
 namespace {
 
@@ -135,9 +139,7 @@ void def_handle_overload(torch::Library& m, const std::string& backward_schema, 
   std::string schema = backward_schema;
   const std::size_t paren = schema.find('(');
   schema.insert(paren, ".handle");
-  for (const char* plan : {"__torch__.torch.classes.detdit.IndexPlan plan",
-                           "__torch__.torch.classes.detdit.IndexPlan? plan",
-                           "__torch__.torch.classes.detdit.SpPlan sp"}) {
+  for (const char* plan : {DETDIT_PLAN " plan", DETDIT_PLAN "? plan", DETDIT_SP_PLAN " sp"}) {
     const std::size_t at = schema.find(plan);
     if (at != std::string::npos) schema.replace(at, std::strlen(plan), "Tensor plan_handle");
   }
@@ -158,9 +160,6 @@ int64_t plan_has_no_len(const c10::intrusive_ptr<Holder>&) {
 
 }  // namespace
 }  // namespace detdit_torch
-
-#define DETDIT_PLAN "__torch__.torch.classes.detdit.IndexPlan"
-#define DETDIT_SP_PLAN "__torch__.torch.classes.detdit.SpPlan"
 
 TORCH_LIBRARY(detdit, m) {
   using namespace detdit_torch;
