@@ -58,6 +58,15 @@ Result detdit(const std::string& arguments, int timeout_s = 600) {
   return r;
 }
 
+// Each command is a usage error (exit 2) whose output says "detdit: <message>".
+void expect_usage_errors(const std::vector<std::pair<std::string, std::string>>& commands_and_messages) {
+  for (const auto& [command, message] : commands_and_messages) {
+    const Result r = detdit(command);
+    EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
+    EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
+  }
+}
+
 // Small dimensions so the whole file is ~0.2 MB.
 const char* const kSmallDims = " --hidden 64 --time-embed-hidden 64 --time-dim 32 --freq-dim 16";
 
@@ -554,14 +563,10 @@ TEST(Cli, OutputsFitAndSayWhereTheyRan) {
 
   r = detdit("weights verify --help");
   EXPECT_NE(r.output.find("(default: the number of blocks in the file, at least 1)"), std::string::npos) << r.output;
-  for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
-           {"verify --quick=1", "option --quick takes no value"},
-           {"verify --out a.json --out b.json", "option --out given twice"},
-           {"verify --weights=", "--weights: needs a non-empty value DIR, got ''"}}) {
-    r = detdit(command);
-    EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
-    EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
-  }
+  expect_usage_errors({
+      {"verify --quick=1", "option --quick takes no value"},
+      {"verify --out a.json --out b.json", "option --out given twice"},
+      {"verify --weights=", "--weights: needs a non-empty value DIR, got ''"}});
 }
 
 TEST(Cli, BenchQuickJson) {
@@ -998,16 +1003,13 @@ TEST(Cli, BenchPredictWorldIsAPredictionFromEachRankAloneAndTheLinkModel) {
     EXPECT_NE(row["error"].get<std::string>().find("tp=64 is more ranks than the 18"), std::string::npos) << row.dump();
   }
   EXPECT_EQ(refused, 2);  // fwd and fwd+bwd
-  for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
-           {"bench --device cpu --ops sp_region --predict-world 1", "--predict-world must list world sizes in [2, 1024], got '1'"},
-           {"bench --device cpu --ops sp_region --predict-world 2x", "--predict-world must list world sizes in [2, 1024], got '2x'"},
-           {"bench --device cpu --ops sp_region --link-gbps 5", "--link-gbps and --link-latency-us are the model of --predict-world"},
-           {"bench --device cpu --ops sp_region --predict-world 2 --link-gbps 0", "--link-gbps must be a number > 0, got '0'"},
-           {"bench --device cpu --ops timestep_mlp --predict-world 2", "--predict-world predicts the parallel regions, and none runs here"}}) {
-    r = detdit(command);
-    EXPECT_EQ(r.code, 2) << command << "\n" << r.output;
-    EXPECT_NE(r.output.find("detdit: " + message), std::string::npos) << command << "\n" << r.output;
-  }
+  expect_usage_errors({
+      {"bench --device cpu --ops sp_region --predict-world 1", "--predict-world must list world sizes in [2, 1024], got '1'"},
+      {"bench --device cpu --ops sp_region --predict-world 2x", "--predict-world must list world sizes in [2, 1024], got '2x'"},
+      {"bench --device cpu --ops sp_region --predict-world 2,,4", "--predict-world must list world sizes in [2, 1024], got ''"},
+      {"bench --device cpu --ops sp_region --link-gbps 5", "--link-gbps and --link-latency-us are the model of --predict-world"},
+      {"bench --device cpu --ops sp_region --predict-world 2 --link-gbps 0", "--link-gbps must be a number > 0, got '0'"},
+      {"bench --device cpu --ops timestep_mlp --predict-world 2", "--predict-world predicts the parallel regions, and none runs here"}});
 }
 
 TEST(Cli, BenchPredictWorldUnderMpirunMeasuresTheLinkAndComparesWithTheMeasuredWorld) {
