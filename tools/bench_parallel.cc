@@ -1,8 +1,8 @@
 // bench of the parallel regions: the tp_adaln_projection forward and
-// forward+backward, and the sp_region forward+backward (modulated rmsnorm
-// forward, gate_residual forward, gate_residual backward, modulated rmsnorm
-// backward: one block's AdaLN path), per world size, next to WS1 (the public
-// single-device ops) on the same device in the same run.
+// forward+backward, and the sp_region forward+backward (the fused
+// gate_residual_rmsnorm forward and its backward with gradients reaching out
+// and h: the region every H3 block runs twice), per world size, next to WS1
+// (the public single-device op) on the same device in the same run.
 //
 // Per rank: the median of `repeats` timed steps after `warmup` untimed ones
 // (CUDA events on the rank's stream on a GPU, wall clock on the CPU); a world's
@@ -89,7 +89,7 @@ double link_seconds(const LinkModel& link, int world, const std::vector<Predicti
 
 // One timed thing of one rank: prepared runs and the step that times them.
 struct RankWork {
-  std::vector<SpRun> sp;  // modulated rmsnorm, gate_residual
+  std::vector<SpRun> sp;  // the fused region
   TpRun tp;
   std::function<Status()> step;
   std::vector<const std::vector<SpOutput>*> outputs;
@@ -164,20 +164,15 @@ Status prepare_sp_work(const SpProblem& pr, const SpIndex& index, const Device& 
   if (comm != nullptr) DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, comm->world_size(), comm->rank(), &sp, stream));
   work->lo = comm ? sp.local_begin() : 0;
   work->hi = comm ? sp.local_end() : pr.seq_len;
-  work->sp.resize(2);
-  DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, SpVariant::kModulatedRmsnorm, device, stream, comm ? &sp : nullptr,
-                                        comm, &work->sp[0]));
-  DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, SpVariant::kGateResidual, device, stream, comm ? &sp : nullptr,
-                                        comm, &work->sp[1]));
-  SpRun* norm = &work->sp[0];
-  SpRun* gate = &work->sp[1];
-  work->step = [norm, gate]() {
-    DETDIT_RETURN_IF_ERROR(norm->forward());
-    DETDIT_RETURN_IF_ERROR(gate->forward());
-    DETDIT_RETURN_IF_ERROR(gate->backward());
-    return norm->backward();
+  work->sp.resize(1);
+  DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, SpVariant::kGateResidualRmsnorm, device, stream,
+                                        comm ? &sp : nullptr, comm, &work->sp[0]));
+  SpRun* region = &work->sp[0];
+  work->step = [region]() {
+    DETDIT_RETURN_IF_ERROR(region->forward());
+    return region->backward();
   };
-  work->outputs = {&norm->outputs, &gate->outputs};
+  work->outputs = {&region->outputs};
   return Status::ok_status();
 }
 
@@ -441,8 +436,8 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
           std::vector<double> send_rows;
           for (const SpPlan::RankTraffic& t : sp.traffic()) send_rows.push_back(static_cast<double>(t.send_rows));
           r->metrics.push_back({"send_rows_per_rank", send_rows});
-          r->metrics.push_back({"bytes_sent_per_rank", {sp_backward_bytes_per_rank(sp, SpVariant::kModulatedRmsnorm, pr.hidden) +
-                                                        sp_backward_bytes_per_rank(sp, SpVariant::kGateResidual, pr.hidden)}});
+          r->metrics.push_back(
+              {"bytes_sent_per_rank", {sp_backward_bytes_per_rank(sp, SpVariant::kGateResidualRmsnorm, pr.hidden)}});
         };
         progress->started("sp_region " + name + " fwd+bwd");
         time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, predicted, describe,

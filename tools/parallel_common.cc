@@ -11,6 +11,7 @@
 #include "cpu/parallel.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/rmsnorm.h"
 #include "environment.h"
 
@@ -144,6 +145,7 @@ const char* sp_variant_name(SpVariant variant) {
     case SpVariant::kPlainRmsnorm: return "rmsnorm";
     case SpVariant::kModulatedRmsnorm: return "modulated rmsnorm";
     case SpVariant::kGateResidual: return "gate_residual";
+    case SpVariant::kGateResidualRmsnorm: return "gate_residual_rmsnorm";
   }
   return "?";
 }
@@ -193,6 +195,47 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
   std::vector<SpOutput>& out = run->outputs;
   const SpPlan plan_copy = sp ? *sp : SpPlan();
   const bool parallel = sp != nullptr;
+
+  if (variant == SpVariant::kGateResidualRmsnorm) {
+    const HostTensor* tables[] = {&pr.weight, &pr.shift, &pr.scale, &pr.gate};
+    for (int i = 0; i < 4; ++i) DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(*tables[i], device, &run->inputs[2 + i]));
+    DETDIT_RETURN_IF_ERROR(output(DType::kBF16, act_shape, device, "h", true, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kBF16, act_shape, device, "out", true, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kF32, {batch * local}, device, "rstd", true, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kBF16, act_shape, device, "d_residual", true, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kBF16, act_shape, device, "d_y", true, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kF32, table_shape, device, "d_gate", false, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kF32, {hidden}, device, "d_weight", false, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kF32, table_shape, device, "d_shift", false, &out));
+    DETDIT_RETURN_IF_ERROR(output(DType::kF32, table_shape, device, "d_scale", false, &out));
+    // residual = x, y = grad; the gradients reaching out and h are x and grad.
+    GateResidualRmsnormParams f;
+    f.in = {x, grad, run->inputs[5].view(), run->inputs[2].view(), run->inputs[3].view(), run->inputs[4].view(),
+            index.plan};
+    f.h = out[0].tensor.view();
+    f.out = out[1].tensor.view();
+    f.rstd = out[2].tensor.view();
+    GateResidualRmsnormBackwardParams b;
+    b.in = f.in;
+    b.h = f.h;
+    b.rstd = f.rstd;
+    b.d_out = x;
+    b.d_h = grad;
+    b.d_residual = out[3].tensor.view();
+    b.d_y = out[4].tensor.view();
+    b.d_gate = out[5].tensor.view();
+    b.d_weight = out[6].tensor.view();
+    b.d_shift = out[7].tensor.view();
+    b.d_scale = out[8].tensor.view();
+    run->forward = [f, plan_copy, parallel, stream]() {
+      return parallel ? sp_gate_residual_rmsnorm_forward(plan_copy, f, stream) : gate_residual_rmsnorm_forward(f, stream);
+    };
+    run->backward = [b, plan_copy, parallel, comm, stream]() {
+      return parallel ? sp_gate_residual_rmsnorm_backward(*comm, plan_copy, b, stream)
+                      : gate_residual_rmsnorm_backward(b, stream);
+    };
+    return uploads_done(device);
+  }
 
   if (variant == SpVariant::kGateResidual) {
     DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.gate, device, &run->inputs[2]));
@@ -265,6 +308,9 @@ double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t h
       return send * (2 * activation + 4) + links * (h + rows * 2 * h) * 4;
     case SpVariant::kGateResidual:  // rows grad, y; d_gate sums (R, H)
       return send * 2 * activation + links * rows * h * 4;
+    case SpVariant::kGateResidualRmsnorm:  // the modulated norm's bytes, then the gate's
+      return sp_backward_bytes_per_rank(sp, SpVariant::kModulatedRmsnorm, hidden) +
+             sp_backward_bytes_per_rank(sp, SpVariant::kGateResidual, hidden);
   }
   return 0;
 }

@@ -54,14 +54,23 @@ class RankStream {
 constexpr int64_t kSpTimesteps = 3;  // T: 3T = 9 AdaLN rows
 constexpr int64_t kSpBatch = 2;      // B
 
-enum class SpVariant { kPlainRmsnorm, kModulatedRmsnorm, kGateResidual };
+// The three sp ops and the fused region (gate_residual_rmsnorm: h = residual +
+// gate * y, out = the modulated norm of h, with gradients reaching out and h).
+enum class SpVariant { kPlainRmsnorm, kModulatedRmsnorm, kGateResidual, kGateResidualRmsnorm };
 const char* sp_variant_name(SpVariant variant);
 constexpr SpVariant kSpVariants[] = {SpVariant::kPlainRmsnorm, SpVariant::kModulatedRmsnorm,
-                                     SpVariant::kGateResidual};
+                                     SpVariant::kGateResidual, SpVariant::kGateResidualRmsnorm};
+// Whether verify contrasts the variant with the naive rank-order sum: the
+// modulated norm and the gate do; the plain norm's d_weight and the fused
+// region's tables are the same sums as theirs.
+constexpr bool sp_variant_has_naive_contrast(SpVariant variant) {
+  return variant == SpVariant::kModulatedRmsnorm || variant == SpVariant::kGateResidual;
+}
 
 // The replicated inputs (host; every rank builds the same bytes). The gate
 // reuses the big tensors to halve the memory of H3 shapes: residual = x,
-// y = grad and its incoming gradient = x.
+// y = grad and its incoming gradient = x; the fused region likewise, with
+// the gradients of out and h = x and grad.
 struct SpProblem {
   Packing packing = Packing::kBlock;
   int64_t seq_len = 0, batch = kSpBatch, hidden = 0;

@@ -134,7 +134,8 @@ void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
 }
 
 // The matrix's op of each sp_region variant, in kSpVariants' order.
-const char* const kSpOps[] = {"sp_rmsnorm_plain", "sp_rmsnorm_modulated", "sp_gate_residual"};
+const char* const kSpOps[] = {"sp_rmsnorm_plain", "sp_rmsnorm_modulated", "sp_gate_residual",
+                              "sp_gate_residual_rmsnorm"};
 static_assert(std::size(kSpOps) == std::size(kSpVariants), "an op name per sp_region variant");
 
 // The op of a variant (by its sp_variant_name), and the variant of an op ("" for none).
@@ -288,16 +289,15 @@ Status run_matrix(const VerifyContext& ctx, const MatrixOptions& options, const 
       const std::string reason = "skipped: its largest tensor has " + with_commas(p->cost) +
                                  " elements, over this run's budget of " + with_commas(options.budget) +
                                  " (--matrix-budget; 0: no budget)";
-      const std::vector<std::string> names =
-          p->head.op == "sp_region" ? std::vector<std::string>(std::begin(kSpOps), std::end(kSpOps))
-                                    : std::vector<std::string>{p->head.op};
-      for (const std::string& op : names) {
+      const bool sp = p->head.op == "sp_region";
+      for (std::size_t v = 0; v < (sp ? std::size(kSpOps) : 1); ++v) {
+        const std::string op = sp ? kSpOps[v] : p->head.op;
         if (!wanted(op)) continue;
         MatrixGroup g = p->head;
         g.op = op;
         for (std::size_t i = 0; i < p->row_checks.size(); ++i) {
-          // The plain norm has no naive contrast.
-          if (op == kSpOps[0] && p->row_checks[i].rfind("naive", 0) == 0) continue;
+          if (sp && !sp_variant_has_naive_contrast(kSpVariants[v]) && p->row_checks[i].rfind("naive", 0) == 0)
+            continue;
           CheckRow row;
           row.check = p->row_checks[i];
           row.skipped = true;

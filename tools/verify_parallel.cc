@@ -1,10 +1,12 @@
 // verify cases of the parallel regions: tp_adaln_projection and the sp_region
-// (plain rmsnorm, modulated rmsnorm, gate_residual; forward and backward).
+// (plain rmsnorm, modulated rmsnorm, gate_residual and the fused
+// gate_residual_rmsnorm; forward and backward).
 // Every rank's outputs and gradients must be byte-equal to WS1 (the public
 // single-device ops on the whole problem) computed on the same device.
 //
 // One check row per world size: its bitwise count is tensors x ranks (an SP
-// row: 14 tensors per rank = 4 plain rmsnorm + 6 modulated + 4 gate_residual;
+// row: 23 tensors per rank = 4 plain rmsnorm + 6 modulated + 4 gate_residual
+// + 9 gate_residual_rmsnorm;
 // a TP row: 5 per rank = table, act, d_temb and the rank's d_weight, d_bias
 // rows). Rows record what the plan moves (metrics in the JSON report).
 //
@@ -249,10 +251,9 @@ Status sp_world_metrics(const SpIndex& index, int world, int64_t hidden, CheckRo
   row->metrics.push_back({"rows_moved_all_ranks", {moved}});
   row->metrics.push_back({"max_send_rows", {static_cast<double>(sp.max_send())}});
   for (SpVariant v : kSpVariants) {
-    row->metrics.push_back({std::string("bytes_sent_per_rank_") + (v == SpVariant::kPlainRmsnorm       ? "rmsnorm_bwd"
-                                                                   : v == SpVariant::kModulatedRmsnorm ? "modulated_rmsnorm_bwd"
-                                                                                                       : "gate_residual_bwd"),
-                            {sp_backward_bytes_per_rank(sp, v, hidden)}});
+    std::string name = sp_variant_name(v);  // "modulated rmsnorm" -> bytes_sent_per_rank_modulated_rmsnorm_bwd
+    std::replace(name.begin(), name.end(), ' ', '_');
+    row->metrics.push_back({"bytes_sent_per_rank_" + name + "_bwd", {sp_backward_bytes_per_rank(sp, v, hidden)}});
   }
   return Status::ok_status();
 }
@@ -287,7 +288,8 @@ WorldRow compare_with_cpu_ws1(const std::vector<HostTensor>& ws1, const std::str
 
 // One variant's results on one sp problem: a row per world (every rank equal
 // to WS1 on the device), the naive contrast per naive world (none for the
-// plain norm: d_weight's contrast comes with the modulated one), and with
+// plain norm and the fused region: their table gradients' contrasts come with
+// the modulated norm's and the gate's), and with
 // cpu_check the device's WS1 against the CPU's.
 struct SpVariantResult {
   SpVariant variant = SpVariant::kPlainRmsnorm;
@@ -342,7 +344,7 @@ Status run_sp_problem(const VerifyContext& ctx, const SpProblem& pr, const SpInd
           },
           &r.worlds[i]);
     }
-    if (variant != SpVariant::kPlainRmsnorm) {
+    if (sp_variant_has_naive_contrast(variant)) {
       r.naive.resize(naive_worlds.size());
       r.naive_fraction.resize(naive_worlds.size());
       for (std::size_t i = 0; i < naive_worlds.size(); ++i) {

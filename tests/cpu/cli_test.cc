@@ -651,7 +651,8 @@ void expect_parallel_cases(const nlohmann::json& report, const std::vector<int>&
       const std::string check = row["check"];
       const int world = std::stoi(check.substr(3));  // "ws=N" / "tp=N"
       worlds.push_back(world);
-      const int64_t per_rank = op == "sp_region" ? 14 : 5;
+      // sp_region: 4 plain rmsnorm + 6 modulated + 4 gate_residual + 9 gate_residual_rmsnorm tensors.
+      const int64_t per_rank = op == "sp_region" ? 23 : 5;
       EXPECT_EQ(row["bitwise_run"].get<int64_t>(), per_rank * world) << op << " " << name << " " << row.dump();
       EXPECT_EQ(row["bitwise_passed"], row["bitwise_run"]) << row.dump();
       EXPECT_TRUE(row["pass"].get<bool>()) << row.dump();
@@ -758,13 +759,15 @@ TEST(Cli, VerifyMatrixCellsSkipsAndFigure) {
       EXPECT_EQ(cell["bitwise_run"], 0) << cell.dump();
       EXPECT_NE(cell["detail"].get<std::string>().find("over this run's budget of 300,000"), std::string::npos);
     }
+    // Only the modulated norm and the gate have a naive contrast (run or skipped).
+    if (check.rfind("naive", 0) == 0) EXPECT_TRUE(op == "sp_rmsnorm_modulated" || op == "sp_gate_residual") << op;
     if (op.rfind("sp_", 0) != 0 || check.rfind("ws=", 0) != 0) continue;
     const int world = cell["world"], batch = cell["batch"], seq_len = cell["seq_len"];
     EXPECT_EQ(check, "ws=" + std::to_string(world));
     // Over the budget exactly when B x S x H > 300,000.
     EXPECT_EQ(result, batch * seq_len * 64 > 300000 ? "skipped" : "pass") << cell.dump();
     // Every rank compares each of the variant's tensors with WS1.
-    const int per_rank = op == "sp_rmsnorm_modulated" ? 6 : 4;
+    const int per_rank = op == "sp_rmsnorm_modulated" ? 6 : op == "sp_gate_residual_rmsnorm" ? 9 : 4;
     if (result == "pass") {
       EXPECT_EQ(cell["bitwise_run"].get<int>(), per_rank * world) << cell.dump();
     }
@@ -772,12 +775,12 @@ TEST(Cli, VerifyMatrixCellsSkipsAndFigure) {
               std::to_string(seq_len)]
         .push_back(world);
   }
-  // 3 ops x 2 packings x B in {1, 2} x S in {257, 4097}, each at --quick's worlds.
-  EXPECT_EQ(sp_worlds.size(), 24u);
+  // 4 ops x 2 packings x B in {1, 2} x S in {257, 4097}, each at --quick's worlds.
+  EXPECT_EQ(sp_worlds.size(), 32u);
   for (const auto& [key, worlds] : sp_worlds) EXPECT_EQ(worlds, (std::vector<int>{1, 2, 3, 8})) << key;
   for (const char* op : {"linear", "rmsnorm", "gate_residual", "gate_residual_rmsnorm", "adaln_row_gather",
                          "timestep_sinusoid", "timestep_mlp", "sp_rmsnorm_plain", "sp_rmsnorm_modulated",
-                         "sp_gate_residual", "tp_adaln_projection"})
+                         "sp_gate_residual", "sp_gate_residual_rmsnorm", "tp_adaln_projection"})
     EXPECT_TRUE(ops.count(op)) << op;
   EXPECT_EQ(m["counts"]["pass"], results["pass"]);
   EXPECT_EQ(m["counts"]["skipped"], results["skipped"]);
