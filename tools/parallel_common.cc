@@ -212,6 +212,7 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
     GateResidualRmsnormParams f;
     f.in = {x, grad, run->inputs[5].view(), run->inputs[2].view(), run->inputs[3].view(), run->inputs[4].view(),
             index.plan};
+    f.in.numerics = pr.numerics;
     f.h = out[0].tensor.view();
     f.out = out[1].tensor.view();
     f.rstd = out[2].tensor.view();
@@ -264,6 +265,7 @@ Status prepare_sp_run(const SpProblem& pr, const SpIndex& index, SpVariant varia
   RmsnormParams f;
   f.in.x = x;
   f.in.weight = run->inputs[2].view();
+  f.in.numerics = pr.numerics;
   f.out = out[0].tensor.view();
   f.rstd = out[1].tensor.view();
   if (modulated) {
@@ -369,7 +371,7 @@ Status prepare_tp_run(const TpProblem& pr, const TpWeights& weights, const Devic
   const TensorView weight = weights.weight_view.narrow(0, run->begin, columns);
   const TensorView bias = weights.bias_view.narrow(0, run->begin, columns);
   const TensorView temb = run->inputs[0].view();
-  const AdalnProjectionParams f{{temb, weight, bias}, out[0].tensor.view(), out[1].tensor.view()};
+  const AdalnProjectionParams f{{temb, weight, bias, pr.numerics}, out[0].tensor.view(), out[1].tensor.view()};
   const AdalnProjectionBackwardParams b{f.in, f.act, run->inputs[1].view(), out[2].tensor.view(),
                                         out[3].tensor.view(), out[4].tensor.view()};
   run->forward = [f, comm, stream]() {

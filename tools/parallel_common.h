@@ -78,6 +78,7 @@ struct SpProblem {
   HostTensor x, grad;             // (B, S, H) bf16
   HostTensor weight;              // (H,) bf16: norm1 of block 0 of the weights
   HostTensor shift, scale, gate;  // (3T, H) bf16
+  Numerics numerics = Numerics::kPortable;  // of the norms (the torch profile: CUDA only)
 };
 Status make_sp_problem(const Weights& weights, Packing packing, int64_t seq_len, uint64_t seed, SpProblem* problem);
 
@@ -123,6 +124,7 @@ struct TpProblem {
   int64_t timesteps = 0, out_features = 0, in_features = 0;
   HostTensor temb, grad_table;
   TensorView weight, bias;
+  Numerics numerics = Numerics::kPortable;  // of the SiLU (the torch profile: CUDA only)
 };
 Status make_tp_problem(const Weights& weights, int64_t timesteps, uint64_t seed, TpProblem* problem);
 

@@ -120,10 +120,12 @@ Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vec
 // ---- the exactness matrix (verify_matrix.cc; verify_parallel.cc) ------------------
 
 // One sp_region problem of the matrix (packing, B in {1, 2}, S at the
-// weights' H), in-process on ctx.device: per variant ("rmsnorm", "modulated
-// rmsnorm", "gate_residual") a row "ws=N" per world (every rank equal to WS1
-// on the device), "naive ws=N (info)" per naive world (none for the plain
-// norm) and on CUDA "ws1 = cpu ws1" (the device's WS1 equal to the CPU's).
+// weights' H, the norms' profile), in-process on ctx.device: per variant
+// ("rmsnorm", "modulated rmsnorm", "gate_residual", "gate_residual_rmsnorm")
+// a row "ws=N" per world (every rank equal to WS1 on the device), "naive ws=N
+// (info)" per naive world (the modulated norm and the gate only) and, on CUDA
+// in the portable profile, "ws1 = cpu ws1" (the device's WS1 equal to the
+// CPU's; the CPU has no torch profile).
 // corrupt_variant (a test hook): flips one bit of that variant's WS1 output,
 // so its comparisons must fail.
 struct SpMatrixRows {
@@ -132,12 +134,13 @@ struct SpMatrixRows {
   std::vector<int> worlds;  // each row's world size (1: the CPU comparison)
 };
 Status verify_sp_matrix(const VerifyContext& ctx, cases::Packing packing, int64_t batch, int64_t seq_len,
-                        const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
+                        Numerics numerics, const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
                         const std::string& corrupt_variant, std::vector<SpMatrixRows>* out);
-// tp_adaln_projection at `timesteps` for each of `worlds`: rows "tp=N"; with
-// cpu_check then "ws1 = cpu ws1" (the device's WS1 equal to the CPU's).
-Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds, bool cpu_check,
-                        std::vector<CheckRow>* rows);
+// tp_adaln_projection at `timesteps` in the SiLU's `numerics` for each of
+// `worlds`: rows "tp=N"; with cpu_check (portable only) then "ws1 = cpu ws1"
+// (the device's WS1 equal to the CPU's).
+Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics numerics, const std::vector<int>& worlds,
+                        bool cpu_check, std::vector<CheckRow>* rows);
 
 // verify --matrix: what the matrix runs (verify_matrix.cc).
 struct MatrixOptions {

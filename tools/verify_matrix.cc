@@ -7,15 +7,18 @@
 //                 neither, linear, its test suite as one group): world 1,
 //                 verify_op_case's checks (repeatability, row invariance, on
 //                 CUDA every output equal to the CPU's);
-//   sp_region     plain and modulated rmsnorm, gate_residual (their sp_*
-//                 forms) x both packings x B in {1, 2} x --seq x --worlds:
-//                 every rank equal to WS1 on the device; the naive-SP contrast
-//                 at worlds 2, 4, 8 (informational); on CUDA WS1 equal to the
-//                 CPU's;
+//   sp_region     plain and modulated rmsnorm, gate_residual and the fused
+//                 gate_residual_rmsnorm (their sp_* forms) x both packings x
+//                 B in {1, 2} x --seq x --worlds: every rank equal to WS1 on
+//                 the device; the naive-SP contrast at worlds 2, 4, 8
+//                 (informational); on CUDA WS1 equal to the CPU's, and every
+//                 problem again in the torch profile (no CPU comparison: the
+//                 CPU has none);
 //   tp            tp_adaln_projection T = 1..4 (--quick 1, 4) x --worlds, on
-//                 CUDA its WS1 against the CPU's.
-// What the matrix does not enumerate (e.g. the torch profile) it names, with
-// the reason, in the report's "matrix.not_enumerated".
+//                 CUDA its WS1 against the CPU's, and again in the torch
+//                 profile.
+// What the matrix does not enumerate (e.g. the op cases in the torch
+// profile) it names, with the reason, in the report's "matrix.not_enumerated".
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
@@ -150,83 +153,105 @@ std::string sp_variant_of(const std::string& op) {
   return "";
 }
 
+// The profiles of the parallel problems on `device`: the torch profile runs on CUDA only.
+std::vector<Numerics> parallel_profiles(const Device& device) {
+  if (device.is_cuda()) return {Numerics::kPortable, Numerics::kTorch};
+  return {Numerics::kPortable};
+}
+
+// A group's name and profile coordinate; the torch profile's groups say so in their name too.
+void set_profile(Numerics numerics, MatrixGroup* g) {
+  if (numerics == Numerics::kPortable) return;
+  g->profile = "torch";
+  g->name += " torch";
+}
+
 void plan_sp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
-  std::vector<int> naive;
+  std::vector<int> portable_naive;
   for (int w : options.worlds)
-    if (w == 2 || w == 4 || w == 8) naive.push_back(w);
-  for (int64_t seq_len : options.seq_lens)
-    for (int64_t batch : {int64_t{1}, int64_t{2}})
-      for (cases::Packing packing : {cases::Packing::kBlock, cases::Packing::kInterleaved}) {
-        Planned p;
-        p.head.op = "sp_region";
-        p.head.name = "S=" + std::to_string(seq_len) + " B=" + std::to_string(batch) + " " + cases::packing_name(packing);
-        p.head.packing = cases::packing_name(packing);
-        p.head.batch = batch;
-        p.head.seq_len = seq_len;
-        p.cost = static_cast<double>(batch * seq_len * ctx.weights->config.hidden);
-        for (int w : options.worlds) {
-          p.row_checks.push_back("ws=" + std::to_string(w));
-          p.row_worlds.push_back(w);
-        }
-        for (int w : naive) {
-          p.row_checks.push_back("naive ws=" + std::to_string(w) + " (info)");
-          p.row_worlds.push_back(w);
-        }
-        if (ctx.device.is_cuda()) {
-          p.row_checks.push_back("ws1 = cpu ws1");
-          p.row_worlds.push_back(1);
-        }
-        const VerifyContext* context = &ctx;
-        const std::vector<int> worlds = options.worlds;
-        const std::string corrupt = options.corrupt;
-        p.run = [context, worlds, naive, corrupt, packing, batch, seq_len, head = p.head](std::vector<MatrixGroup>* out) {
-          std::vector<SpMatrixRows> rows;
-          // The hook names an op of the matrix; the SP runs know their variants.
-          DETDIT_RETURN_IF_ERROR(
-              verify_sp_matrix(*context, packing, batch, seq_len, worlds, naive, sp_variant_of(corrupt), &rows));
-          for (SpMatrixRows& r : rows) {
-            MatrixGroup g = head;
-            g.op = sp_op(r.variant);
-            g.rows = std::move(r.rows);
-            g.worlds = std::move(r.worlds);
-            out->push_back(std::move(g));
+    if (w == 2 || w == 4 || w == 8) portable_naive.push_back(w);
+  for (Numerics numerics : parallel_profiles(ctx.device)) {
+    for (int64_t seq_len : options.seq_lens)
+      for (int64_t batch : {int64_t{1}, int64_t{2}})
+        for (cases::Packing packing : {cases::Packing::kBlock, cases::Packing::kInterleaved}) {
+          // The naive contrast once, in the portable profile (informational; the profile changes no order).
+          const std::vector<int> naive = numerics == Numerics::kPortable ? portable_naive : std::vector<int>{};
+          Planned p;
+          p.head.op = "sp_region";
+          p.head.name = "S=" + std::to_string(seq_len) + " B=" + std::to_string(batch) + " " + cases::packing_name(packing);
+          set_profile(numerics, &p.head);
+          p.head.packing = cases::packing_name(packing);
+          p.head.batch = batch;
+          p.head.seq_len = seq_len;
+          p.cost = static_cast<double>(batch * seq_len * ctx.weights->config.hidden);
+          for (int w : options.worlds) {
+            p.row_checks.push_back("ws=" + std::to_string(w));
+            p.row_worlds.push_back(w);
           }
-          return Status::ok_status();
-        };
-        plan->push_back(std::move(p));
-      }
+          for (int w : naive) {
+            p.row_checks.push_back("naive ws=" + std::to_string(w) + " (info)");
+            p.row_worlds.push_back(w);
+          }
+          if (ctx.device.is_cuda() && numerics == Numerics::kPortable) {
+            p.row_checks.push_back("ws1 = cpu ws1");
+            p.row_worlds.push_back(1);
+          }
+          const VerifyContext* context = &ctx;
+          const std::vector<int> worlds = options.worlds;
+          const std::string corrupt = options.corrupt;
+          p.run = [context, worlds, naive, corrupt, packing, batch, seq_len, numerics,
+                   head = p.head](std::vector<MatrixGroup>* out) {
+            std::vector<SpMatrixRows> rows;
+            // The hook names an op of the matrix; the SP runs know their variants.
+            DETDIT_RETURN_IF_ERROR(verify_sp_matrix(*context, packing, batch, seq_len, numerics, worlds, naive,
+                                                    sp_variant_of(corrupt), &rows));
+            for (SpMatrixRows& r : rows) {
+              MatrixGroup g = head;
+              g.op = sp_op(r.variant);
+              g.rows = std::move(r.rows);
+              g.worlds = std::move(r.worlds);
+              out->push_back(std::move(g));
+            }
+            return Status::ok_status();
+          };
+          plan->push_back(std::move(p));
+        }
+  }
 }
 
 void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
   const std::vector<int64_t> timesteps = ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 2, 3, 4};
-  for (int64_t t : timesteps) {
-    Planned p;
-    p.head.op = "tp_adaln_projection";
-    p.head.name = "T=" + std::to_string(t);
-    p.head.timesteps = t;
-    p.cost = 18.0 * static_cast<double>(ctx.weights->config.hidden) *
-             static_cast<double>(ctx.weights->config.time_embed_dim);
-    for (int w : options.worlds) {
-      p.row_checks.push_back("tp=" + std::to_string(w));
-      p.row_worlds.push_back(w);
+  for (Numerics numerics : parallel_profiles(ctx.device)) {
+    for (int64_t t : timesteps) {
+      Planned p;
+      p.head.op = "tp_adaln_projection";
+      p.head.name = "T=" + std::to_string(t);
+      set_profile(numerics, &p.head);
+      p.head.timesteps = t;
+      p.cost = 18.0 * static_cast<double>(ctx.weights->config.hidden) *
+               static_cast<double>(ctx.weights->config.time_embed_dim);
+      for (int w : options.worlds) {
+        p.row_checks.push_back("tp=" + std::to_string(w));
+        p.row_worlds.push_back(w);
+      }
+      const bool cpu_check = ctx.device.is_cuda() && numerics == Numerics::kPortable;
+      if (cpu_check) {
+        p.row_checks.push_back("ws1 = cpu ws1");
+        p.row_worlds.push_back(1);
+      }
+      const VerifyContext* context = &ctx;
+      const std::vector<int> worlds = options.worlds;
+      p.run = [context, worlds, t, numerics, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
+        MatrixGroup g = head;
+        DETDIT_RETURN_IF_ERROR(verify_tp_worlds(*context, t, numerics, worlds, cpu_check, &g.rows));
+        g.worlds = worlds;
+        if (cpu_check) g.worlds.push_back(1);
+        if (g.rows.size() != g.worlds.size()) return Status::runtime_error("tp: a row per world size expected");
+        out->push_back(std::move(g));
+        return Status::ok_status();
+      };
+      plan->push_back(std::move(p));
     }
-    const bool cpu_check = ctx.device.is_cuda();
-    if (cpu_check) {
-      p.row_checks.push_back("ws1 = cpu ws1");
-      p.row_worlds.push_back(1);
-    }
-    const VerifyContext* context = &ctx;
-    const std::vector<int> worlds = options.worlds;
-    p.run = [context, worlds, t, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
-      MatrixGroup g = head;
-      DETDIT_RETURN_IF_ERROR(verify_tp_worlds(*context, t, worlds, cpu_check, &g.rows));
-      g.worlds = worlds;
-      if (cpu_check) g.worlds.push_back(1);
-      if (g.rows.size() != g.worlds.size()) return Status::runtime_error("tp: a row per world size expected");
-      out->push_back(std::move(g));
-      return Status::ok_status();
-    };
-    plan->push_back(std::move(p));
   }
 }
 
@@ -235,18 +260,15 @@ void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector
 std::vector<MatrixNote> matrix_not_enumerated(const Device& device) {
   std::vector<MatrixNote> notes;
   if (device.is_cuda()) {
-    notes.push_back({"profile torch",
-                     "not implemented: the op-case library's cases and the sp_region / tp problems "
-                     "(tools/parallel_common.cc) take no numerics profile; scripts/torch_parity.py and "
-                     "scripts/torch_compare.py check it against PyTorch eager, outside this report"});
+    notes.push_back({"profile torch of the op cases",
+                     "not implemented: the op-case library's cases take no numerics profile (the sp_region and "
+                     "tp_adaln_projection cells run both); scripts/torch_parity.py and scripts/torch_compare.py "
+                     "check the torch profile against PyTorch eager, outside this report"});
   } else {
     notes.push_back({"profile torch", "CUDA only (the torch profile on the CPU is a ValueError)"});
     notes.push_back({"device cuda and the CPU comparison of each GPU result",
                      "this run is on the CPU; run detdit verify --matrix --device cuda on a GPU"});
   }
-  notes.push_back({"sp_gate_residual_rmsnorm (the fused region's SP form)",
-                   "not implemented: the sp_region problems of tools/parallel_common.cc have no variant for it "
-                   "(tests/parallel checks it); gate_residual_rmsnorm alone is in the matrix"});
   notes.push_back({"world sizes over a real communicator",
                    "the matrix runs its ranks in-process (threads sharing one device); detdit verify --comm mpi "
                    "writes its own report, which nothing merges into the matrix"});

@@ -459,16 +459,19 @@ std::vector<int> tp_world_sizes(const VerifyContext& ctx) {
 }
 
 Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckRow>* rows) {
-  return verify_tp_worlds(ctx, timesteps, tp_world_sizes(ctx), false, rows);
+  return verify_tp_worlds(ctx, timesteps, Numerics::kPortable, tp_world_sizes(ctx), false, rows);
 }
 
 }  // namespace
 
-Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, const std::vector<int>& worlds, bool cpu_check,
-                        std::vector<CheckRow>* rows) {
+Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics numerics, const std::vector<int>& worlds,
+                        bool cpu_check, std::vector<CheckRow>* rows) {
   const Device device = ctx.device;
+  if (cpu_check && numerics != Numerics::kPortable)
+    return Status::value_error("tp: the CPU comparison needs the portable profile (the CPU has no torch profile)");
   TpProblem pr;
   DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
+  pr.numerics = numerics;
   TpWeights weights;
   DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, device, &weights));
   std::vector<HostTensor> ws1;
@@ -542,11 +545,12 @@ DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=4", true, true, tp_4, alwa
 }  // namespace
 
 Status verify_sp_matrix(const VerifyContext& ctx, Packing packing, int64_t batch, int64_t seq_len,
-                        const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
+                        Numerics numerics, const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
                         const std::string& corrupt_variant, std::vector<SpMatrixRows>* out) {
   if (batch != 1 && batch != kSpBatch) return Status::value_error("the sp_region problems have B = 1 or 2");
   SpProblem pr;
   DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
+  pr.numerics = numerics;
   if (batch == 1) {
     // B = 1 is batch item 0 of the B = 2 problem.
     for (HostTensor* t : {&pr.x, &pr.grad}) {
@@ -559,8 +563,9 @@ Status verify_sp_matrix(const VerifyContext& ctx, Packing packing, int64_t batch
   SpIndex index;
   DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
   std::vector<SpVariantResult> results;
-  DETDIT_RETURN_IF_ERROR(
-      run_sp_problem(ctx, pr, index, worlds, naive_worlds, ctx.device.is_cuda(), corrupt_variant, &results));
+  // The CPU comparison of a GPU run needs the portable profile: the CPU has no torch profile.
+  const bool cpu_check = ctx.device.is_cuda() && numerics == Numerics::kPortable;
+  DETDIT_RETURN_IF_ERROR(run_sp_problem(ctx, pr, index, worlds, naive_worlds, cpu_check, corrupt_variant, &results));
   for (SpVariantResult& r : results) {
     SpMatrixRows m;
     m.variant = sp_variant_name(r.variant);

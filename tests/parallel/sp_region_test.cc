@@ -2,7 +2,9 @@
 // public single-device ops on the full sequence, same device), for world
 // sizes 1..8, block and interleaved packing, B = 2, odd S = 4097, shards
 // smaller than a chunk (S = 40 at world 8) and chunk-aligned shards (S =
-// 32768 at world 8: no row moves), bf16 and fp32, in-process and over MPI.
+// 32768 at world 8: no row moves), bf16 and fp32, in-process and over MPI,
+// both profiles on CUDA. The region runs modulated rmsnorm, gate_residual and
+// the fused gate_residual_rmsnorm (with a gradient reaching h).
 // Also the naive alternative (per-rank backward, rank-order sum) to show
 // what the plan prevents, and the collective validation.
 #include <gtest/gtest.h>
@@ -36,17 +38,22 @@ struct SpCase {
   int64_t seq_len, num_timesteps, batch, hidden;
   DType dtype;
   DType table_grad_dtype;  // d_shift/d_scale/d_gate: fp32 or the activation dtype
+  Numerics numerics = Numerics::kPortable;  // of both norms (the torch profile needs CUDA)
   std::string name() const {
     return std::string(packing == Packing::kBlock ? "block" : "interleaved") + "_S" + std::to_string(seq_len) +
            "_B" + std::to_string(batch) + "_H" + std::to_string(hidden) + "_" + dtype_name(dtype) + "_grad" +
-           dtype_name(table_grad_dtype);
+           dtype_name(table_grad_dtype) + (numerics == Numerics::kTorch ? "_torch" : "");
   }
 };
 
-// What the region computes: rmsnorm then gate_residual, forward and backward.
+// What the region computes: rmsnorm, gate_residual and the fused
+// gate_residual_rmsnorm, forward and backward.
 struct RegionOutputs {
   HostTensor out, rstd, dx, d_weight, d_shift, d_scale;  // rmsnorm
   HostTensor gate_out, d_residual, d_y, d_gate;          // gate_residual
+  // gate_residual_rmsnorm of (residual, y, gate, weight, shift, scale); d_out = grad, d_h = gate_grad
+  HostTensor fused_h, fused_out, fused_rstd, fused_d_residual, fused_d_y, fused_d_gate, fused_d_weight,
+      fused_d_shift, fused_d_scale;
 };
 
 // Replicated inputs (every rank builds the same from the seeds) and the WS1
@@ -91,6 +98,8 @@ struct RegionOps {
   std::function<Status(const RmsnormBackwardParams&)> norm_backward;
   std::function<Status(const GateResidualParams&)> gate_forward;
   std::function<Status(const GateResidualBackwardParams&)> gate_backward;
+  std::function<Status(const GateResidualRmsnormParams&)> fused_forward;
+  std::function<Status(const GateResidualRmsnormBackwardParams&)> fused_backward;
 };
 
 // Runs the region through `ops` on positions [lo, hi) of every batch item
@@ -106,6 +115,7 @@ Status run_region(const Problem& pr, int64_t lo, int64_t hi, const RegionOps& op
   f.in.shift = arena->upload(pr.shift);
   f.in.scale = arena->upload(pr.scale);
   f.in.plan = pr.plan;
+  f.in.numerics = c.numerics;
   f.out = arena->empty(c.dtype, {b, sl, h}, kCanary);
   f.rstd = arena->empty(DType::kF32, {b * sl}, kCanary);
   DETDIT_RETURN_IF_ERROR(ops.norm_forward(f));
@@ -127,6 +137,27 @@ Status run_region(const Problem& pr, int64_t lo, int64_t hi, const RegionOps& op
                                 arena->empty(c.dtype, {b, sl, h}, kCanary), arena->empty(c.dtype, {b, sl, h}, kCanary),
                                 arena->empty(c.table_grad_dtype, {rows, h}, kCanary)};
   DETDIT_RETURN_IF_ERROR(ops.gate_backward(gb));
+
+  GateResidualRmsnormParams ff;
+  ff.in = {gf.in.residual, y, gate, f.in.weight, f.in.shift, f.in.scale, pr.plan, f.in.eps, c.numerics};
+  ff.h = arena->empty(c.dtype, {b, sl, h}, kCanary);
+  ff.out = arena->empty(c.dtype, {b, sl, h}, kCanary);
+  ff.rstd = arena->empty(DType::kF32, {b * sl}, kCanary);
+  DETDIT_RETURN_IF_ERROR(ops.fused_forward(ff));
+  GateResidualRmsnormBackwardParams fb;
+  fb.in = ff.in;
+  fb.h = ff.h;
+  fb.rstd = ff.rstd;
+  fb.d_out = bw.grad;
+  fb.d_h = gb.grad;
+  fb.d_residual = arena->empty(c.dtype, {b, sl, h}, kCanary);
+  fb.d_y = arena->empty(c.dtype, {b, sl, h}, kCanary);
+  fb.d_gate = arena->empty(c.table_grad_dtype, {rows, h}, kCanary);
+  fb.d_weight = arena->empty(c.dtype, {h}, kCanary);
+  fb.d_shift = arena->empty(c.table_grad_dtype, {rows, h}, kCanary);
+  fb.d_scale = arena->empty(c.table_grad_dtype, {rows, h}, kCanary);
+  DETDIT_RETURN_IF_ERROR(ops.fused_backward(fb));
+
   result->out = arena->download(f.out);
   result->rstd = arena->download(f.rstd);
   result->dx = arena->download(bw.dx);
@@ -137,6 +168,15 @@ Status run_region(const Problem& pr, int64_t lo, int64_t hi, const RegionOps& op
   result->d_residual = arena->download(gb.d_residual);
   result->d_y = arena->download(gb.d_y);
   result->d_gate = arena->download(gb.d_gate);
+  result->fused_h = arena->download(ff.h);
+  result->fused_out = arena->download(ff.out);
+  result->fused_rstd = arena->download(ff.rstd);
+  result->fused_d_residual = arena->download(fb.d_residual);
+  result->fused_d_y = arena->download(fb.d_y);
+  result->fused_d_gate = arena->download(fb.d_gate);
+  result->fused_d_weight = arena->download(fb.d_weight);
+  result->fused_d_shift = arena->download(fb.d_shift);
+  result->fused_d_scale = arena->download(fb.d_scale);
   return Status();
 }
 
@@ -159,7 +199,9 @@ void build_problem(const SpCase& c, Problem* pr, Device device = Device::cpu()) 
   const RegionOps ws1{[](const RmsnormParams& p) { return rmsnorm_forward(p); },
                       [](const RmsnormBackwardParams& p) { return rmsnorm_backward(p); },
                       [](const GateResidualParams& p) { return gate_residual_forward(p); },
-                      [](const GateResidualBackwardParams& p) { return gate_residual_backward(p); }};
+                      [](const GateResidualBackwardParams& p) { return gate_residual_backward(p); },
+                      [](const GateResidualRmsnormParams& p) { return gate_residual_rmsnorm_forward(p); },
+                      [](const GateResidualRmsnormBackwardParams& p) { return gate_residual_rmsnorm_backward(p); }};
   DETDIT_EXPECT_OK(run_region(*pr, 0, s, ws1, &arena, &pr->ws1));
 }
 
@@ -168,10 +210,9 @@ struct RankResult : RegionOutputs {
   int64_t lo = 0, hi = 0, max_send = -1;
 };
 
-// The SP forward and backward of rmsnorm and gate_residual on this rank, on
-// the problem's device with the rank's own stream.
-// One rank's region; `captured`: each op runs as a CUDA graph (captured, then
-// replayed; testing::replayed_as_cuda_graph).
+// One rank's region (the SP forwards and backwards on the problem's device
+// with the rank's own stream); `captured`: each op runs as a CUDA graph
+// (captured, then replayed; testing::replayed_as_cuda_graph).
 Status run_rank(Communicator& comm, const Problem& pr, RankResult* r, bool captured = false) {
   testing::RankStream stream(pr.device);
   testing::DeviceArena arena(pr.device, stream.get());
@@ -193,6 +234,13 @@ Status run_rank(Communicator& comm, const Problem& pr, RankResult* r, bool captu
       },
       [&](const GateResidualBackwardParams& p) {
         return testing::maybe_captured(captured, s, [&] { return sp_gate_residual_backward(comm, sp, p, s); });
+      },
+      [&](const GateResidualRmsnormParams& p) {
+        return testing::maybe_captured(captured, s, [&] { return sp_gate_residual_rmsnorm_forward(sp, p, s); });
+      },
+      [&](const GateResidualRmsnormBackwardParams& p) {
+        return testing::maybe_captured(captured, s,
+                                       [&] { return sp_gate_residual_rmsnorm_backward(comm, sp, p, s); });
       }};
   return run_region(pr, r->lo, r->hi, rank_ops, &arena, r);
 }
@@ -211,6 +259,15 @@ void expect_equal_to_ws1(const Problem& pr, const RankResult& r, int rank) {
   EXPECT_BITWISE_EQ(local_rows(pr.ws1.d_residual, b, s, r.lo, r.hi), r.d_residual);
   EXPECT_BITWISE_EQ(local_rows(pr.ws1.d_y, b, s, r.lo, r.hi), r.d_y);
   EXPECT_BITWISE_EQ(pr.ws1.d_gate, r.d_gate);
+  EXPECT_BITWISE_EQ(local_rows(pr.ws1.fused_h, b, s, r.lo, r.hi), r.fused_h);
+  EXPECT_BITWISE_EQ(local_rows(pr.ws1.fused_out, b, s, r.lo, r.hi), r.fused_out);
+  EXPECT_BITWISE_EQ(local_rows(pr.ws1.fused_rstd, b, s, r.lo, r.hi), r.fused_rstd);
+  EXPECT_BITWISE_EQ(local_rows(pr.ws1.fused_d_residual, b, s, r.lo, r.hi), r.fused_d_residual);
+  EXPECT_BITWISE_EQ(local_rows(pr.ws1.fused_d_y, b, s, r.lo, r.hi), r.fused_d_y);
+  EXPECT_BITWISE_EQ(pr.ws1.fused_d_gate, r.fused_d_gate);
+  EXPECT_BITWISE_EQ(pr.ws1.fused_d_weight, r.fused_d_weight);
+  EXPECT_BITWISE_EQ(pr.ws1.fused_d_shift, r.fused_d_shift);
+  EXPECT_BITWISE_EQ(pr.ws1.fused_d_scale, r.fused_d_scale);
 }
 
 void run_in_process(const Problem& pr, int world) {
@@ -239,6 +296,20 @@ TEST(SpRegionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
       Problem pr;
       build_problem(c, &pr, Device::cuda(0));
       for (int world : {1, 2, 3, 5, 8}) run_in_process(pr, world);
+    }
+  }
+}
+
+// The torch profile (hardware rsqrtf in both norms) is as SP-invariant as
+// the portable one: only the profile's functions change, not an order.
+TEST(SpRegionCuda, TorchProfileRanksSharingOneGpuMatchWs1OnThatGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+    for (const SpCase& c : {SpCase{packing, 4097, 3, 2, 256, DType::kBF16, DType::kF32, Numerics::kTorch},
+                            SpCase{packing, 40, 2, 2, 64, DType::kF32, DType::kF32, Numerics::kTorch}}) {
+      Problem pr;
+      build_problem(c, &pr, Device::cuda(0));
+      for (int world : {1, 2, 3, 8}) run_in_process(pr, world);
     }
   }
 }
@@ -347,8 +418,9 @@ class CountingCommunicator final : public Communicator {
 // backward, one broadcast of the FP32 running sums per link (H + 2RH for the
 // modulated norm, RH for the gate), B * world links once every rank owns a
 // chunk start in every batch item; the only all-gather is the straddling
-// rows'. Counted on every rank of the region (norm + gate backward), which
-// also matches WS1 byte for byte.
+// rows'. Counted on every rank of the region (the norm and gate backwards,
+// then the fused backward, which moves what the two move), which also
+// matches WS1 byte for byte.
 TEST(SpRegion, FoldChainBytesDoNotDependOnSeqLenOrPacking) {
   const int64_t batch = 2, timesteps = 3, hidden = 4, rows = 3 * timesteps;
   const std::size_t per_link = static_cast<std::size_t>((hidden + 2 * rows * hidden) + rows * hidden) * sizeof(float);
@@ -381,10 +453,11 @@ TEST(SpRegion, FoldChainBytesDoNotDependOnSeqLenOrPacking) {
         }();
         for (int r = 0; r < world; ++r) {
           expect_equal_to_ws1(pr, results[r], r);
-          EXPECT_EQ(broadcasts[r], 2 * batch * world) << "rank " << r << ": one broadcast per link, norm and gate";
-          EXPECT_EQ(broadcast_bytes[r], static_cast<std::size_t>(batch * world) * per_link) << "rank " << r;
-          EXPECT_EQ(gathers[r], sp.max_send() > 0 ? 2 : 0) << "rank " << r << ": only the straddling rows";
-          EXPECT_EQ(gathered_bytes[r], sp.max_send() > 0 ? row_block : 0) << "rank " << r;
+          // One broadcast per link for the norm and for the gate, twice: the separate ops, then the fused op.
+          EXPECT_EQ(broadcasts[r], 4 * batch * world) << "rank " << r;
+          EXPECT_EQ(broadcast_bytes[r], 2 * static_cast<std::size_t>(batch * world) * per_link) << "rank " << r;
+          EXPECT_EQ(gathers[r], sp.max_send() > 0 ? 4 : 0) << "rank " << r << ": only the straddling rows";
+          EXPECT_EQ(gathered_bytes[r], sp.max_send() > 0 ? 2 * row_block : 0) << "rank " << r;
         }
       }
     }

@@ -4,7 +4,7 @@
 // != 0, a short last chunk), one chunk per rank, and the H3 shape (N = 96768,
 // D = 2688) at tp = 5 and 7; in-process and over MPI; the layout (whole
 // 64-column chunks, the remainder on the first ranks); fail-closed validation
-// (tp > C refused on every rank).
+// (tp > C refused on every rank); the torch profile on CUDA.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -32,6 +32,9 @@ using testing::random_tensor;
 struct TpProblem {
   int64_t rows = 0, out_features = 0, in_features = 0;
   DType dtype = DType::kBF16;
+  // The torch profile (hardware expf in the SiLU) runs on CUDA only: its WS1
+  // is ws1_on_gpu's; build() computes the portable one on the CPU.
+  Numerics numerics = Numerics::kPortable;
   HostTensor temb, weight, bias, grad_table;
   HostTensor table, act, d_temb, d_weight, d_bias;  // WS1
 };
@@ -101,7 +104,8 @@ Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device
               weight_rows.nbytes());
   std::memcpy(bias_rows.data(), static_cast<const char*>(pr.bias.data()) + r->begin * element, bias_rows.nbytes());
   const TensorView temb = arena.upload(pr.temb), weight = arena.upload(weight_rows);
-  AdalnProjectionParams f{{temb, weight, arena.upload(bias_rows)}, arena.empty(pr.dtype, {pr.rows, pr.out_features}, kCanary),
+  AdalnProjectionParams f{{temb, weight, arena.upload(bias_rows), pr.numerics},
+                          arena.empty(pr.dtype, {pr.rows, pr.out_features}, kCanary),
                           arena.empty(pr.dtype, {pr.rows, pr.in_features}, kCanary)};
   DETDIT_RETURN_IF_ERROR(
       testing::maybe_captured(captured, stream.get(), [&] { return tp_adaln_projection_forward(comm, f, stream.get()); }));
@@ -224,11 +228,12 @@ TEST(TpAdalnProjection, H3ShapeTp5And7) {
 // Replaces pr's CPU WS1 results with WS1 computed on the GPU (the reference
 // of the GPU variants: the same device). The portable profile makes the two
 // equal, which also proves the GPU reference wrote every element (its outputs
-// start as canary bytes, like the ranks'; the CPU's start as zeros).
+// start as canary bytes, like the ranks'; the CPU's start as zeros). The torch
+// profile has no CPU reference: there no element may still be the canary.
 void ws1_on_gpu(TpProblem* pr, Device device = Device::cuda(0)) {
   testing::DeviceArena arena(device, nullptr);
   const TensorView temb = arena.upload(pr->temb), weight = arena.upload(pr->weight);
-  AdalnProjectionParams f{{temb, weight, arena.upload(pr->bias)}, arena.empty_like(pr->table, kCanary),
+  AdalnProjectionParams f{{temb, weight, arena.upload(pr->bias), pr->numerics}, arena.empty_like(pr->table, kCanary),
                           arena.empty_like(pr->act, kCanary)};
   DETDIT_EXPECT_OK(adaln_projection_forward(f));
   AdalnProjectionBackwardParams b{f.in, f.act, arena.upload(pr->grad_table),
@@ -240,7 +245,16 @@ void ws1_on_gpu(TpProblem* pr, Device device = Device::cuda(0)) {
       {&pr->d_bias, b.d_bias}};
   for (const auto& [cpu, gpu] : outputs) {
     HostTensor on_gpu = arena.download(gpu);
-    EXPECT_BITWISE_EQ(*cpu, on_gpu) << "WS1 on the GPU vs the CPU";
+    if (pr->numerics == Numerics::kPortable) {
+      EXPECT_BITWISE_EQ(*cpu, on_gpu) << "WS1 on the GPU vs the CPU";
+    } else {
+      const std::size_t width = dtype_size(on_gpu.dtype());
+      const auto* bytes = static_cast<const uint8_t*>(on_gpu.data());
+      int64_t unwritten = 0;
+      for (int64_t e = 0; e < on_gpu.numel(); ++e)
+        unwritten += std::all_of(bytes + e * width, bytes + (e + 1) * width, [](uint8_t b) { return b == kCanary; });
+      EXPECT_EQ(unwritten, 0) << "elements of the torch-profile WS1 still the canary";
+    }
     *cpu = std::move(on_gpu);
   }
 }
@@ -254,6 +268,17 @@ TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
       ws1_on_gpu(&pr);
       for (int world : {1, 2, 3, 5, 7, 8}) expect_tp_equal_to_ws1(pr, world, Device::cuda(0));  // 5, 7: uneven
     }
+  }
+}
+
+TEST(TpAdalnProjectionCuda, TorchProfileRanksSharingOneGpuMatchWs1OnThatGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  for (int64_t rows : {1, 4}) {
+    TpProblem pr;
+    build(&pr, rows, 18 * 256, 136, DType::kBF16);
+    pr.numerics = Numerics::kTorch;
+    ws1_on_gpu(&pr);
+    for (int world : {1, 2, 5, 8}) expect_tp_equal_to_ws1(pr, world, Device::cuda(0));
   }
 }
 
