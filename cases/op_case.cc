@@ -127,6 +127,7 @@ Status instantiate(const OpCase& c, const Device& device, Stream stream, Instanc
   Instance t;
   t.device = device;
   t.stream = stream;
+  t.numerics = c.numerics;
   for (const TensorSpec& spec : c.tensors) {
     DeviceTensor tensor;
     if (spec.output) {
@@ -250,7 +251,8 @@ Status compare_positions_alone(const OpCase& c, const Device& device, const std:
   DETDIT_RETURN_IF_ERROR(run_all(c, full));
   DETDIT_RETURN_IF_ERROR(download(c, full, &all));
   for (int64_t p : positions) {
-    const OpCase alone = c.alone(p);
+    OpCase alone = c.alone(p);
+    alone.numerics = c.numerics;
     std::map<std::string, HostTensor> inputs, got;
     for (const TensorSpec& spec : alone.tensors)
       if (!spec.output)

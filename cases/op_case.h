@@ -96,6 +96,7 @@ class Instance {
   const DeviceTensor& tensor(const std::string& name) const;
   Device device;
   Stream stream = nullptr;
+  Numerics numerics = Numerics::kPortable;  // the case's profile (OpCase::numerics)
 
  private:
   friend Status instantiate(const OpCase& c, const Device& device, Stream stream, Instance* instance,
@@ -141,6 +142,13 @@ struct OpCase {
   // of every per-position input into it), for the row-invariance check; may be empty.
   std::function<OpCase(int64_t position)> alone;
   int64_t positions = 0;  // extent of the position dimensions
+  // Whether the op's forward takes a numerics profile (the run functions pass
+  // the instance's profile to every phase that takes one; linear's backward
+  // has no profile function), and the profile a driver asks for: portable
+  // unless a driver sets the torch profile on a copy of the case (CUDA only;
+  // then the CPU has no reference to compare with).
+  bool takes_profile = false;
+  Numerics numerics = Numerics::kPortable;
 
   bool has(Phase phase) const { return phase == Phase::kForward ? static_cast<bool>(forward) : static_cast<bool>(backward); }
   // Adds a tensor; returns *this for chaining.

@@ -51,9 +51,10 @@ OpCase linear_case(const LinearShape& s) {
   c.output("d_weight", Phase::kBackward, s.dtype, {N, K});
   c.output("d_bias", Phase::kBackward, s.dtype, {N});
   const bool bias = s.bias, silu = s.silu, partials = s.partials;
+  c.takes_profile = silu;  // the SiLU's exp
   c.forward = [bias, silu](const Instance& t, Stream stream) {
     return linear_forward({t["x"], t["weight"], bias ? t["bias"] : TensorView(), t["out"], t["pre"],
-                           silu ? Activation::kSilu : Activation::kNone},
+                           silu ? Activation::kSilu : Activation::kNone, t.numerics},
                           stream);
   };
   c.backward = [partials](const Instance& t, Stream stream) {
@@ -99,7 +100,10 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
   c.output("d_temb", Phase::kBackward, DType::kF32, {T, D}, 0);
   c.output("d_weight", Phase::kBackward, s.dtype, {N, D});
   c.output("d_bias", Phase::kBackward, s.dtype, {N});
-  auto inputs = [](const Instance& t) { return AdalnProjectionInputs{t["temb"], t["weight"], t["bias"]}; };
+  c.takes_profile = true;  // the SiLU's exp
+  auto inputs = [](const Instance& t) {
+    return AdalnProjectionInputs{t["temb"], t["weight"], t["bias"], t.numerics};
+  };
   c.forward = [inputs](const Instance& t, Stream stream) {
     return adaln_projection_forward({inputs(t), t["table"], t["act"]}, stream);
   };
@@ -144,8 +148,11 @@ OpCase adaln_modulation_case(const ModulationShape& s) {
   c.output("d_temb", Phase::kBackward, DType::kF32, {T, D});
   c.output("d_weight", Phase::kBackward, dtype, {N, D});
   c.output("d_bias", Phase::kBackward, dtype, {N});
+  c.takes_profile = true;  // the SiLU's exp
   auto inputs = [](const Instance& t) {
-    return AdalnModulationInputs{t["temb"], t["weight"], t["bias"], t.plan("plan")};
+    AdalnModulationInputs in{t["temb"], t["weight"], t["bias"], t.plan("plan")};
+    in.numerics = t.numerics;
+    return in;
   };
   c.forward = [inputs](const Instance& t, Stream stream) {
     return adaln_modulation_forward({inputs(t), t["table"], t["act"], t["out"]}, stream);
@@ -193,8 +200,11 @@ OpCase final_adaln_out_case(const FinalShape& s) {
   c.output("d_temb", Phase::kBackward, DType::kF32, {T, D});
   c.output("d_weight", Phase::kBackward, s.dtype, {2 * H, D});
   c.output("d_bias", Phase::kBackward, s.dtype, {2 * H});
+  c.takes_profile = true;  // the SiLU's exp and the norm's rsqrt
   auto inputs = [](const Instance& t) {
-    return FinalAdalnOutInputs{t["x"], t["norm_weight"], t["temb"], t["weight"], t["bias"], t.plan("plan")};
+    FinalAdalnOutInputs in{t["x"], t["norm_weight"], t["temb"], t["weight"], t["bias"], t.plan("plan")};
+    in.numerics = t.numerics;
+    return in;
   };
   c.forward = [inputs](const Instance& t, Stream stream) {
     return final_adaln_out_forward({inputs(t), t["out"], t["table"], t["act"], t["rstd"]}, stream);

@@ -101,10 +101,12 @@ OpCase rmsnorm_case(const NormShape& s, const Values& v) {
     c.output("d_scale", Phase::kBackward, s.table_grad_dtype, {R, H});
   }
   const bool modulated = s.modulated, offset = s.offset_table;
+  c.takes_profile = true;  // rsqrt
   auto inputs = [modulated, offset, H](const Instance& t) {
     RmsnormInputs in;
     in.x = t["x"];
     in.weight = t["weight"];
+    in.numerics = t.numerics;
     if (modulated) {
       in.plan = t.plan("plan");
       in.shift = offset ? t["shift_storage"].narrow(1, 1, H) : chunk_of(t["table"], H, 0);
@@ -283,15 +285,18 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
     c.output("d_scale", Phase::kBackward, s.table_grad_dtype, {R, H});
   }
   const bool modulated = s.modulated, d_h = s.d_h;
+  c.takes_profile = true;  // the norm's rsqrt
   auto inputs = [modulated, H](const Instance& t) {
     const TensorView table = t["table"];
-    return GateResidualRmsnormInputs{t["residual"],
-                                     t["y"],
-                                     chunk_of(table, H, 2),
-                                     t["weight"],
-                                     modulated ? chunk_of(table, H, 3) : TensorView(),
-                                     modulated ? chunk_of(table, H, 4) : TensorView(),
-                                     t.plan("plan")};
+    GateResidualRmsnormInputs in{t["residual"],
+                                 t["y"],
+                                 chunk_of(table, H, 2),
+                                 t["weight"],
+                                 modulated ? chunk_of(table, H, 3) : TensorView(),
+                                 modulated ? chunk_of(table, H, 4) : TensorView(),
+                                 t.plan("plan")};
+    in.numerics = t.numerics;
+    return in;
   };
   c.forward = [inputs](const Instance& t, Stream stream) {
     return gate_residual_rmsnorm_forward({inputs(t), t["h"], t["out"], t["rstd"]}, stream);

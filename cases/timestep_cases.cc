@@ -34,11 +34,17 @@ OpCase timestep_sinusoid_case(DType dtype, int64_t count, int64_t channels, uint
   c.output("features", Phase::kForward, DType::kF32, {count, channels}, 0);
   c.input("grad_features", Phase::kBackward, DType::kF32, {count, channels}, uniform_values(seed + 1, 0.0, 1.0), 0);
   c.output("d_timesteps", Phase::kBackward, dtype, {count}, 0);
-  c.forward = [](const Instance& t, Stream stream) {
-    return timestep_sinusoid_forward({{t["timesteps"]}, t["features"]}, stream);
+  c.takes_profile = true;  // exp, sin, cos
+  auto inputs = [](const Instance& t) {
+    TimestepSinusoidInputs in{t["timesteps"]};
+    in.numerics = t.numerics;
+    return in;
   };
-  c.backward = [](const Instance& t, Stream stream) {
-    return timestep_sinusoid_backward({{t["timesteps"]}, t["grad_features"], t["d_timesteps"]}, stream);
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return timestep_sinusoid_forward({inputs(t), t["features"]}, stream);
+  };
+  c.backward = [inputs](const Instance& t, Stream stream) {
+    return timestep_sinusoid_backward({inputs(t), t["grad_features"], t["d_timesteps"]}, stream);
   };
   c.set_bytes(Phase::kForward, {"timesteps", "features"});
   c.set_bytes(Phase::kBackward, {"timesteps", "grad_features", "d_timesteps"});
@@ -76,8 +82,9 @@ OpCase timestep_mlp_case(const MlpShape& s) {
   c.output("d_b1", Phase::kBackward, f32, {H});
   c.output("d_w2", Phase::kBackward, f32, {D, H});
   c.output("d_b2", Phase::kBackward, f32, {D});
+  c.takes_profile = true;  // the SiLU's exp
   auto inputs = [](const Instance& t) {
-    return TimestepMlpInputs{t["features"], t["w1"], t["b1"], t["w2"], t["b2"]};
+    return TimestepMlpInputs{t["features"], t["w1"], t["b1"], t["w2"], t["b2"], t.numerics};
   };
   c.forward = [inputs](const Instance& t, Stream stream) {
     return timestep_mlp_forward({inputs(t), t["temb"], t["pre"], t["hidden"]}, stream);

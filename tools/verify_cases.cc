@@ -9,6 +9,9 @@
 //   row invariance            probe positions alone equal the same positions
 //                             inside the batch (cases::compare_positions_alone);
 //   cuda = cpu reference      on CUDA: every output equal to the CPU's.
+// A case in the torch profile (CUDA only) gets the repeatability and row
+// invariance checks alone: the CPU reference, the FP64 oracle's bounds and
+// the equivalent routes (computed on the CPU) define the portable profile.
 #include <map>
 #include <string>
 #include <vector>
@@ -62,21 +65,24 @@ cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t see
 
 Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vector<CheckRow>* rows) {
   const int phases = c.has(cases::Phase::kBackward) ? 2 : 1;
+  const bool portable = c.numerics == Numerics::kPortable;
+  const std::vector<cases::AccuracyCheck> no_checks;
+  const std::vector<cases::AccuracyCheck>& accuracy = portable ? c.accuracy : no_checks;
   std::map<std::string, HostTensor> first;
   Status ran;
-  rows->push_back(timed_check(c.accuracy.empty() ? "run" : c.accuracy.front().name, [&](CheckRow* row) {
+  rows->push_back(timed_check(accuracy.empty() ? "run" : accuracy.front().name, [&](CheckRow* row) {
     ran = run_phases(c, ctx.device, phases, &first);
     DETDIT_RETURN_IF_ERROR(ran);
-    if (c.accuracy.empty()) return Status::ok_status();
-    const cases::AccuracyCheck& a = c.accuracy.front();
+    if (accuracy.empty()) return Status::ok_status();
+    const cases::AccuracyCheck& a = accuracy.front();
     row->max_error = a.error(first);
     row->bound = a.bound;
     row->error_unit = a.unit;
     return Status::ok_status();
   }));
   if (!ran.ok()) return Status::ok_status();
-  for (std::size_t i = 1; i < c.accuracy.size(); ++i) {
-    const cases::AccuracyCheck& a = c.accuracy[i];
+  for (std::size_t i = 1; i < accuracy.size(); ++i) {
+    const cases::AccuracyCheck& a = accuracy[i];
     rows->push_back(timed_check(a.name, [&](CheckRow* row) {
       row->max_error = a.error(first);
       row->bound = a.bound;
@@ -93,7 +99,7 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       return Status::ok_status();
     }));
   }
-  if (c.equivalent.compute) {  // the same outputs by a second route (e.g. the fused op's separate ops)
+  if (c.equivalent.compute && portable) {  // the same outputs by a second route (e.g. the fused op's separate ops)
     rows->push_back(timed_check(c.equivalent.name, [&](CheckRow* row) {
       std::map<std::string, HostTensor> expected;
       DETDIT_RETURN_IF_ERROR(c.equivalent.compute(first, &expected));
@@ -110,7 +116,7 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       return Status::ok_status();
     }));
   }
-  if (ctx.device.is_cuda()) {
+  if (ctx.device.is_cuda() && portable) {
     rows->push_back(timed_check("cuda = cpu reference", [&](CheckRow* row) {
       std::map<std::string, HostTensor> reference;
       DETDIT_RETURN_IF_ERROR(run_phases(c, Device::cpu(), phases, &reference));

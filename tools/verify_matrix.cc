@@ -17,8 +17,10 @@
 //   tp            tp_adaln_projection T = 1..4 (--quick 1, 4) x --worlds, on
 //                 CUDA its WS1 against the CPU's, and again in the torch
 //                 profile.
-// What the matrix does not enumerate (e.g. the op cases in the torch
-// profile) it names, with the reason, in the report's "matrix.not_enumerated".
+// On CUDA the op cases that take a profile run again in the torch profile
+// (repeatability and row invariance; verify_op_case). What the matrix does
+// not enumerate it names, with the reason, in the report's
+// "matrix.not_enumerated".
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
@@ -70,6 +72,19 @@ void set_index(const cases::IndexCase& index, MatrixGroup* g) {
   g->seq_len = index.seq_len;
 }
 
+// The profiles a matrix on `device` runs: the torch profile runs on CUDA only.
+std::vector<Numerics> profiles_on(const Device& device) {
+  if (device.is_cuda()) return {Numerics::kPortable, Numerics::kTorch};
+  return {Numerics::kPortable};
+}
+
+// A group's name and profile coordinate; the torch profile's groups say so in their name too.
+void set_profile(Numerics numerics, MatrixGroup* g) {
+  if (numerics == Numerics::kPortable) return;
+  g->profile = "torch";
+  g->name += " torch";
+}
+
 // The op-case library's groups: one per verify or bench case (world 1).
 void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
   cases::CaseContext cc = case_context(*ctx.weights, ctx.quick, ctx.seed);
@@ -80,10 +95,11 @@ void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
     const bool test_suite = all.empty();
     if (test_suite) all = cases::op_cases(op, cases::Suite::kTest, cc);
     if (all.empty()) continue;
-    auto add = [&](std::vector<cases::OpCase> group, const std::string& name) {
+    auto add_group = [&](std::vector<cases::OpCase> group, const std::string& name, Numerics numerics) {
       Planned p;
       p.head.op = op;
       p.head.name = name;
+      set_profile(numerics, &p.head);
       if (group.size() == 1 && !group[0].plans.empty()) set_index(group[0].plans[0].index, &p.head);
       for (const cases::OpCase& c : group) p.cost = std::max(p.cost, largest_tensor(c));
       p.row_checks = {"op case checks"};
@@ -121,6 +137,18 @@ void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
       };
       plan->push_back(std::move(p));
     };
+    // A group per profile: on CUDA the cases that take a profile run again in the torch profile.
+    auto add = [&](const std::vector<cases::OpCase>& cases_of_group, const std::string& name) {
+      for (Numerics numerics : profiles_on(ctx.device)) {
+        std::vector<cases::OpCase> group;
+        for (const cases::OpCase& c : cases_of_group) {
+          if (numerics != Numerics::kPortable && !c.takes_profile) continue;
+          group.push_back(c);
+          group.back().numerics = numerics;
+        }
+        if (!group.empty()) add_group(std::move(group), name, numerics);
+      }
+    };
     if (test_suite) {
       add(all, "test suite, " + std::to_string(all.size()) + " cases (no verify or bench cases)");
       continue;
@@ -153,24 +181,11 @@ std::string sp_variant_of(const std::string& op) {
   return "";
 }
 
-// The profiles of the parallel problems on `device`: the torch profile runs on CUDA only.
-std::vector<Numerics> parallel_profiles(const Device& device) {
-  if (device.is_cuda()) return {Numerics::kPortable, Numerics::kTorch};
-  return {Numerics::kPortable};
-}
-
-// A group's name and profile coordinate; the torch profile's groups say so in their name too.
-void set_profile(Numerics numerics, MatrixGroup* g) {
-  if (numerics == Numerics::kPortable) return;
-  g->profile = "torch";
-  g->name += " torch";
-}
-
 void plan_sp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
   std::vector<int> portable_naive;
   for (int w : options.worlds)
     if (w == 2 || w == 4 || w == 8) portable_naive.push_back(w);
-  for (Numerics numerics : parallel_profiles(ctx.device)) {
+  for (Numerics numerics : profiles_on(ctx.device)) {
     for (int64_t seq_len : options.seq_lens)
       for (int64_t batch : {int64_t{1}, int64_t{2}})
         for (cases::Packing packing : {cases::Packing::kBlock, cases::Packing::kInterleaved}) {
@@ -221,7 +236,7 @@ void plan_sp(const VerifyContext& ctx, const MatrixOptions& options, std::vector
 
 void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
   const std::vector<int64_t> timesteps = ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 2, 3, 4};
-  for (Numerics numerics : parallel_profiles(ctx.device)) {
+  for (Numerics numerics : profiles_on(ctx.device)) {
     for (int64_t t : timesteps) {
       Planned p;
       p.head.op = "tp_adaln_projection";
@@ -260,10 +275,11 @@ void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector
 std::vector<MatrixNote> matrix_not_enumerated(const Device& device) {
   std::vector<MatrixNote> notes;
   if (device.is_cuda()) {
-    notes.push_back({"profile torch of the op cases",
-                     "not implemented: the op-case library's cases take no numerics profile (the sp_region and "
-                     "tp_adaln_projection cells run both); scripts/torch_parity.py and scripts/torch_compare.py "
-                     "check the torch profile against PyTorch eager, outside this report"});
+    notes.push_back({"the torch profile against PyTorch eager, and its accuracy",
+                     "the torch-profile cells check repeatability, row invariance and SP/TP = WS1 on this GPU; "
+                     "the CPU reference, the FP64 oracle's bounds and the equivalent routes define the portable "
+                     "profile only; scripts/torch_parity.py and scripts/torch_compare.py compare the torch profile "
+                     "with PyTorch eager, outside this report"});
   } else {
     notes.push_back({"profile torch", "CUDA only (the torch profile on the CPU is a ValueError)"});
     notes.push_back({"device cuda and the CPU comparison of each GPU result",

@@ -74,6 +74,32 @@ TEST(OpCases, PositionAloneEqualsPositionInBatch) {
   EXPECT_GT(checked, 50);
 }
 
+// A case's profile reaches the op: every case that says its op takes one,
+// asked for the torch profile on the CPU, has its forward refused by the op's
+// own check (the torch profile exists on CUDA only), its forward outputs
+// still the canary. A case whose run functions dropped the profile would run
+// in the portable profile instead, and fail here.
+TEST(OpCases, TheTorchProfileReachesTheOpOfEveryCaseThatTakesOne) {
+  int checked = 0;
+  for (OpCase c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (!c.takes_profile || elements(c) > kMaxElements) continue;
+    SCOPED_TRACE(c.full_name());
+    c.numerics = Numerics::kTorch;
+    Instance t;
+    DETDIT_ASSERT_OK(instantiate(c, Device::cpu(), nullptr, &t));
+    const Status s = run(c, Phase::kForward, t);
+    EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
+    EXPECT_NE(s.message().find("numerics=torch exists on CUDA only"), std::string::npos) << s.to_string();
+    std::map<std::string, HostTensor> host;
+    DETDIT_ASSERT_OK(download(c, t, &host));
+    for (const TensorSpec& spec : c.tensors)
+      if (spec.output && spec.phase == Phase::kForward && host.at(spec.name).nbytes() > 0)
+        EXPECT_TRUE(all_bytes_are(host.at(spec.name), kCanary)) << spec.name << " was written";
+    ++checked;
+  }
+  EXPECT_GT(checked, 50);
+}
+
 // A deliberately wrong comparison must fail: the mismatch report is not vacuous.
 TEST(OpCases, AMismatchIsReported) {
   HostTensor a(DType::kBF16, {4}), b(DType::kBF16, {4});

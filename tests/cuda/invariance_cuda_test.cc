@@ -1,5 +1,5 @@
 // Invariances on the GPU, bitwise: a position alone equals the same position inside a batch (every op case with a
-// one-position form); repeated runs
+// one-position form, in both profiles); repeated runs
 // give the same bytes; a CUDA-graph capture of a forward+backward region replays to the eager bytes (so no op
 // synchronises the host once its plan exists).
 #include <cuda_runtime.h>
@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
@@ -32,6 +34,43 @@ TEST(InvarianceCuda, PositionAloneEqualsPositionInBatch) {
     DETDIT_ASSERT_OK(compare_positions_alone(c, Device::cuda(0), probes, &reports));
     for (const OutputReport& r : reports) EXPECT_TRUE(r.mismatch.equal()) << c.full_name() << " " << r.output << ": " << r.mismatch.describe();
     EXPECT_FALSE(reports.empty()) << c.full_name();
+    ++checked;
+  }
+  EXPECT_GT(checked, 10);
+}
+
+// The torch profile (hardware exp, sin, cos, rsqrt) has no CPU reference, so
+// what it promises besides equality with PyTorch eager (scripts/torch_parity.py)
+// is checked here on every test case of an op that takes a profile: two runs
+// give the same bytes (every output written), and probe positions alone equal
+// the same positions inside the batch.
+TEST(InvarianceCuda, TorchProfileRepeatsAndPositionAloneEqualsPositionInBatch) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  int checked = 0;
+  for (OpCase c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (!c.takes_profile || c.positions > 100000) continue;
+    c.numerics = Numerics::kTorch;
+    std::map<std::string, HostTensor> runs[2];
+    for (auto& outputs : runs) {
+      Instance t;
+      DETDIT_ASSERT_OK(instantiate(c, Device::cuda(0), nullptr, &t));
+      DETDIT_ASSERT_OK(run(c, Phase::kForward, t));
+      if (c.has(Phase::kBackward)) DETDIT_ASSERT_OK(run(c, Phase::kBackward, t));
+      DETDIT_ASSERT_OK(download_outputs(c, t, &outputs));
+    }
+    for (Phase phase : {Phase::kForward, Phase::kBackward}) {
+      if (!c.has(phase)) continue;
+      for (const OutputReport& r : compare_outputs(c, phase, runs[0], runs[1])) {
+        EXPECT_FALSE(r.still_canary) << c.full_name() << " " << r.output << ": never written";
+        EXPECT_TRUE(r.mismatch.equal()) << c.full_name() << " " << r.output << ": " << r.mismatch.describe();
+      }
+    }
+    if (c.alone && c.positions >= 2) {
+      std::vector<OutputReport> reports;
+      DETDIT_ASSERT_OK(compare_positions_alone(c, Device::cuda(0), {0, c.positions / 2, c.positions - 1}, &reports));
+      for (const OutputReport& r : reports)
+        EXPECT_TRUE(r.mismatch.equal()) << c.full_name() << " " << r.output << ": " << r.mismatch.describe();
+    }
     ++checked;
   }
   EXPECT_GT(checked, 10);
