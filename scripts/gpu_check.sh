@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
 # docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
-# a second tree, and matrix, issue 17's full byte-equality matrix):
-#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx matrix
+# a second tree, matrix, issue 17's full byte-equality matrix, and patches):
+#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx matrix patches
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
 # gpu-out/ are copied there. The last lines printed are the summary.
@@ -17,6 +17,13 @@
 # them), DETDIT_COMPARE_OPS torch_compare.py's. The bench and the comparison run
 # one op at a time, each with its own report, so a stage cut short loses one
 # op's numbers only.
+# `patches` A/B-tests kernel changes in one run: for each file of
+# DETDIT_PATCHES (unified diffs against this tree, e.g. `git diff
+# main...exp-branch > exp.patch`) it applies the patch, rebuilds incrementally, runs
+# the CUDA tests DETDIT_PATCH_TESTS selects (a ctest -R regex; default all of
+# -L cuda) and the bench of DETDIT_BENCH_OPS, then reverses the patch; logs
+# and reports go to gpu-out/<patch name>/. Run `bench` first in the same call
+# for the unpatched numbers of the same machine and process start.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for limit in DETDIT_STAGE_TIMEOUT DETDIT_DEADLINE; do
@@ -103,6 +110,27 @@ for stage in "${stages[@]}"; do
       # cell, the CPU comparison of each GPU result; the JSON and figure are for docs/evidence/
       run matrix 3000 "$build/detdit" verify --matrix --device cuda --out "$out/verify_matrix_cuda.json" \
         --figure "$out/verify_matrix_cuda.svg" ;;
+    patches)
+      for patch in ${DETDIT_PATCHES:-}; do
+        name=$(basename "$patch" .patch)
+        if ! patch -p1 --dry-run --silent <"$patch" >/dev/null; then
+          note "$(printf '%-10s does not apply to this tree: skipped' "$name")"
+          continue
+        fi
+        patch -p1 --silent <"$patch"
+        mkdir -p "$out/$name"
+        if run "$name/build" 600 cmake --build "$build" -j "$(nproc)"; then
+          run "$name/cuda" 500 ctest --test-dir "$build" -L cuda ${DETDIT_PATCH_TESTS:+-R "$DETDIT_PATCH_TESTS"} \
+            --output-on-failure -j 8 --timeout 400
+          for op in ${DETDIT_BENCH_OPS:-}; do
+            run "$name/bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/$name/bench_$op.json"
+          done
+        fi
+        patch -p1 -R --silent <"$patch"
+      done
+      [ -z "${DETDIT_PATCHES:-}" ] && note "patches    DETDIT_PATCHES names no patch"
+      # The tree is the unpatched one again; later stages get a rebuilt unpatched build.
+      run patches_rebuild 600 cmake --build "$build" -j "$(nproc)" ;;
     *) note "unknown stage $stage" ;;
   esac
 done
