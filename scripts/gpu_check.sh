@@ -21,9 +21,11 @@
 # DETDIT_PATCHES (unified diffs against this tree, e.g. `git diff
 # main...exp-branch > exp.patch`) it applies the patch, rebuilds incrementally, runs
 # the CUDA tests DETDIT_PATCH_TESTS selects (a ctest -R regex; default all of
-# -L cuda) and the bench of DETDIT_BENCH_OPS, then reverses the patch; logs
-# and reports go to gpu-out/<patch name>/. Run `bench` first in the same call
-# for the unpatched numbers of the same machine and process start.
+# -L cuda) and the bench of DETDIT_BENCH_OPS, then reverses the patch (also
+# when the script ends while it is applied, unless it is killed); logs and
+# reports go to gpu-out/<patch name>/ (paths without spaces, one directory per
+# basename). Run `bench` first in the same call for the unpatched numbers of
+# the same machine.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for limit in DETDIT_STAGE_TIMEOUT DETDIT_DEADLINE; do
@@ -77,7 +79,7 @@ for stage in "${stages[@]}"; do
     parity) run parity 300 python3 scripts/torch_parity.py --runner "$build/tests/torch_parity_main" ;;
     sanitizer)
       run sanitizer 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/detdit_cuda_tests" \
-        --gtest_filter='SpHalvesCuda.*:FailureCuda.*:SiluCuda.*:InvarianceCuda.*:Cases/*CaseCuda.EqualsTheCpu/1_*:Cases/*CaseCuda.EqualsTheCpu/2_*' ;;
+        --gtest_filter='SpHalvesCuda.*:FailureCuda.*:SiluCuda.*:InvarianceCuda.*:Cases/*CaseCuda.EqualsTheCpu/1_*:Cases/*CaseCuda.EqualsTheCpu/2_*-InvarianceCuda.TorchProfile*' ;;
     python)
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest ${DETDIT_PYTESTS:-tests/python} -q -rxs ;;
@@ -111,13 +113,16 @@ for stage in "${stages[@]}"; do
       run matrix 3000 "$build/detdit" verify --matrix --device cuda --out "$out/verify_matrix_cuda.json" \
         --figure "$out/verify_matrix_cuda.svg" ;;
     patches)
+      patch_args=(-p1 --forward --batch --silent)
       for patch in ${DETDIT_PATCHES:-}; do
         name=$(basename "$patch" .patch)
-        if ! patch -p1 --dry-run --silent <"$patch" >/dev/null; then
+        if ! patch "${patch_args[@]}" --dry-run <"$patch" >/dev/null; then
           note "$(printf '%-10s does not apply to this tree: skipped' "$name")"
           continue
         fi
-        patch -p1 --silent <"$patch"
+        patch "${patch_args[@]}" <"$patch" || { note "$name: applying failed; the tree may be changed"; exit 1; }
+        # Reversed however the script ends while it is applied (a stage's timeout, the deadline).
+        trap 'patch -p1 -R --batch --silent <"$patch"' EXIT
         mkdir -p "$out/$name"
         if run "$name/build" 600 cmake --build "$build" -j "$(nproc)"; then
           run "$name/cuda" 500 ctest --test-dir "$build" -L cuda ${DETDIT_PATCH_TESTS:+-R "$DETDIT_PATCH_TESTS"} \
@@ -126,7 +131,8 @@ for stage in "${stages[@]}"; do
             run "$name/bench_$op" 400 "$build/detdit" bench --device cuda --ops "$op" --out "$out/$name/bench_$op.json"
           done
         fi
-        patch -p1 -R --silent <"$patch"
+        trap - EXIT
+        patch -p1 -R --batch --silent <"$patch" || { note "$name: reversing failed; the tree is still patched"; exit 1; }
       done
       [ -z "${DETDIT_PATCHES:-}" ] && note "patches    DETDIT_PATCHES names no patch"
       # The tree is the unpatched one again; later stages get a rebuilt unpatched build.

@@ -66,6 +66,9 @@ constexpr SpVariant kSpVariants[] = {SpVariant::kPlainRmsnorm, SpVariant::kModul
 constexpr bool sp_variant_has_naive_contrast(SpVariant variant) {
   return variant == SpVariant::kModulatedRmsnorm || variant == SpVariant::kGateResidual;
 }
+// Whether the variant's ops take a numerics profile (gate_residual has no
+// profile function: its torch-profile run would repeat the portable one).
+constexpr bool sp_variant_takes_profile(SpVariant variant) { return variant != SpVariant::kGateResidual; }
 
 // The replicated inputs (host; every rank builds the same bytes). The gate
 // reuses the big tensors to halve the memory of H3 shapes: residual = x,

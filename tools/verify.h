@@ -121,8 +121,8 @@ Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vec
 
 // One sp_region problem of the matrix (packing, B in {1, 2}, S at the
 // weights' H, the norms' profile), in-process on ctx.device: per variant
-// ("rmsnorm", "modulated rmsnorm", "gate_residual", "gate_residual_rmsnorm")
-// a row "ws=N" per world (every rank equal to WS1 on the device), "naive ws=N
+// ("rmsnorm", "modulated rmsnorm", "gate_residual", "gate_residual_rmsnorm";
+// in the torch profile not gate_residual, which takes none) a row "ws=N" per world (every rank equal to WS1 on the device), "naive ws=N
 // (info)" per naive world (the modulated norm and the gate only) and, on CUDA
 // in the portable profile, "ws1 = cpu ws1" (the device's WS1 equal to the
 // CPU's; the CPU has no torch profile).

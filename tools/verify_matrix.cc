@@ -137,8 +137,10 @@ void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
       };
       plan->push_back(std::move(p));
     };
-    // A group per profile: on CUDA the cases that take a profile run again in the torch profile.
-    auto add = [&](const std::vector<cases::OpCase>& cases_of_group, const std::string& name) {
+    // A group per profile: on CUDA the cases that take a profile run again in
+    // the torch profile. name_of(n): the group's name when it holds n cases.
+    auto add = [&](const std::vector<cases::OpCase>& cases_of_group,
+                   const std::function<std::string(std::size_t)>& name_of) {
       for (Numerics numerics : profiles_on(ctx.device)) {
         std::vector<cases::OpCase> group;
         for (const cases::OpCase& c : cases_of_group) {
@@ -146,20 +148,22 @@ void plan_op_cases(const VerifyContext& ctx, std::vector<Planned>* plan) {
           group.push_back(c);
           group.back().numerics = numerics;
         }
-        if (!group.empty()) add_group(std::move(group), name, numerics);
+        if (group.empty()) continue;
+        const std::string name = name_of(group.size());
+        add_group(std::move(group), name, numerics);
       }
     };
     if (test_suite) {
-      add(all, "test suite, " + std::to_string(all.size()) + " cases (no verify or bench cases)");
+      add(all, [](std::size_t n) { return "test suite, " + std::to_string(n) + " cases (no verify or bench cases)"; });
       continue;
     }
-    for (cases::OpCase& c : all) add({c}, c.name);
+    for (cases::OpCase& c : all) add({c}, [&c](std::size_t) { return c.name; });
     if (op == "rmsnorm") {
       // The verify and bench cases are modulated; the plain norm alone from the test suite.
       std::vector<cases::OpCase> plain;
       for (cases::OpCase& c : cases::op_cases(op, cases::Suite::kTest, cc))
         if (c.name.rfind("plain ", 0) == 0) plain.push_back(std::move(c));
-      if (!plain.empty()) add(plain, "plain, test suite, " + std::to_string(plain.size()) + " cases");
+      if (!plain.empty()) add(plain, [](std::size_t n) { return "plain, test suite, " + std::to_string(n) + " cases"; });
     }
   }
 }
@@ -331,6 +335,7 @@ Status run_matrix(const VerifyContext& ctx, const MatrixOptions& options, const 
       for (std::size_t v = 0; v < (sp ? std::size(kSpOps) : 1); ++v) {
         const std::string op = sp ? kSpOps[v] : p->head.op;
         if (!wanted(op)) continue;
+        if (sp && p->head.profile != "portable" && !sp_variant_takes_profile(kSpVariants[v])) continue;
         MatrixGroup g = p->head;
         g.op = op;
         for (std::size_t i = 0; i < p->row_checks.size(); ++i) {

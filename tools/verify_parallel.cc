@@ -308,6 +308,7 @@ Status run_sp_problem(const VerifyContext& ctx, const SpProblem& pr, const SpInd
   SpIndex cpu_index;
   if (cpu_check) DETDIT_RETURN_IF_ERROR(make_sp_index(pr, Device::cpu(), &cpu_index));
   for (SpVariant variant : kSpVariants) {
+    if (pr.numerics != Numerics::kPortable && !sp_variant_takes_profile(variant)) continue;
     SpVariantResult r;
     r.variant = variant;
     r.worlds.resize(worlds.size());
@@ -382,7 +383,7 @@ void absorb(const WorldRow& part, WorldRow* into) {
   if (into->row.detail.empty()) into->row.detail = part.row.detail;
 }
 
-// The default verify's sp_region case: one row per world for all three
+// The default verify's sp_region case: one row per world for all four
 // variants, one naive row per naive world for both contrasts.
 Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std::vector<CheckRow>* rows) {
   SpProblem pr;
