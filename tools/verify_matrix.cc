@@ -376,12 +376,14 @@ Status run_matrix(const VerifyContext& ctx, const MatrixOptions& options, const 
     }
     // The groups an SP problem made share its time; --ops keeps the ones asked for.
     const double seconds = now_seconds() - start;
+    const double made = static_cast<double>(groups->size() - first);
+    groups->erase(std::remove_if(groups->begin() + static_cast<std::ptrdiff_t>(first), groups->end(),
+                                 [&](const MatrixGroup& g) { return !wanted(g.op); }),
+                  groups->end());
     int64_t checks = 0, passed = 0, skipped = 0;
-    std::vector<MatrixGroup> kept(groups->begin(), groups->begin() + static_cast<std::ptrdiff_t>(first));
     for (std::size_t i = first; i < groups->size(); ++i) {
       MatrixGroup& g = (*groups)[i];
-      if (!wanted(g.op)) continue;
-      g.seconds = seconds / static_cast<double>(groups->size() - first);
+      g.seconds = seconds / made;
       for (CheckRow& row : g.rows) {
         row.informational = row.informational && row.pass;
         if (row.skipped) {
@@ -391,9 +393,7 @@ Status run_matrix(const VerifyContext& ctx, const MatrixOptions& options, const 
           passed += row.pass ? 1 : 0;
         }
       }
-      kept.push_back(std::move(g));
     }
-    *groups = std::move(kept);
     std::string outcome = std::to_string(passed) + "/" + std::to_string(checks) + " cells " +
                           (passed == checks ? "ok" : "FAIL");
     if (skipped > 0) outcome += ", " + std::to_string(skipped) + " skipped";

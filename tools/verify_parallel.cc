@@ -567,11 +567,16 @@ Status verify_sp_matrix(const VerifyContext& ctx, Packing packing, int64_t batch
   // The CPU comparison of a GPU run needs the portable profile: the CPU has no torch profile.
   const bool cpu_check = ctx.device.is_cuda() && numerics == Numerics::kPortable;
   DETDIT_RETURN_IF_ERROR(run_sp_problem(ctx, pr, index, worlds, naive_worlds, cpu_check, corrupt_variant, &results));
+  // What each world's plan moves, once for every variant's row of that world.
+  std::vector<CheckRow> world_metrics(worlds.size());
+  for (std::size_t i = 0; i < worlds.size(); ++i)
+    DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.hidden, &world_metrics[i]));
   for (SpVariantResult& r : results) {
     SpMatrixRows m;
     m.variant = sp_variant_name(r.variant);
     for (std::size_t i = 0; i < worlds.size(); ++i) {
-      DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.hidden, &r.worlds[i].row));
+      std::vector<std::pair<std::string, std::vector<double>>>& metrics = r.worlds[i].row.metrics;
+      metrics.insert(metrics.end(), world_metrics[i].metrics.begin(), world_metrics[i].metrics.end());
       finish(&r.worlds[i]);
       m.rows.push_back(r.worlds[i].row);
       m.worlds.push_back(worlds[i]);
