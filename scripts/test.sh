@@ -43,6 +43,9 @@ DETDIT_BUILD_DIR="$build_abs" /usr/bin/python3 python/setup.py -q build_ext --in
 # tests/docs runs every code example of README.md and docs/*.md (a pip install among them).
 DETDIT_BUILD_DIR="$build_abs" PYTHONPATH="$root/python" /usr/bin/python3 -m pytest tests/python tests/docs -q -rxs
 
+# ---- torch.compile: Debian 13's torch 2.6 in a chroot (docs/python.md) ------
+bash scripts/torch_compile_check.sh
+
 # ---- The pre-C++11 libstdc++ ABI (old-ABI torch; python/setup.py) -----------
 # The library passes std::string through its API, so for an old-ABI torch
 # setup.py builds it with -DDETDIT_CXX11_ABI=0. This builds it so (CPU only)

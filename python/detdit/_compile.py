@@ -24,9 +24,10 @@ Contract:
   overload of rmsnorm; ``TRACED_AUTOGRAD``) :func:`autograd_function` makes the same Functions
   in Python, registered at AutogradCPU and AutogradCUDA: the same backward op, given the
   same arguments and output mask, so a compiled graph runs the kernels eager autograd runs,
-  with the same bits. They save a plan's handle (``plan.handle()``, a tensor) instead of the
-  plan and call the backward op's ``.handle`` overload, which resolves it to the live plan:
-  torch 2.11's AOTAutograd refuses a torch-class object saved for a compiled backward. Ops
+  with the same bits. They save a plan's handle (a tensor, from the op ``plan_handle``, whose
+  fake kernel tracing runs) instead of the plan and call the backward op's ``.handle``
+  overload, which resolves it to the live plan: torch 2.11's AOTAutograd refuses a torch-class
+  object saved for a compiled backward. Ops
   without a plan keep their C++ Function, which calls its ops through the dispatcher and
   so is traced as it is.
 """
@@ -356,6 +357,13 @@ FAKE_KERNELS.update({f"{name}.handle": FAKE_KERNELS[name] for name in (
 FAKE_KERNELS["adaln_row_gather_backward.handle"] = _adaln_row_gather_backward_handle
 
 
+def _plan_handle(plan):
+    return torch.empty((1,), dtype=torch.int64)  # plan.cpp: one int64 on the CPU
+
+
+FAKE_KERNELS.update({"plan_handle": _plan_handle, "plan_handle.sp": _plan_handle})
+
+
 # ---------------------------------------------------------------------------
 # The autograd of ops traced with a fake plan: autograd.h's Functions, in Python
 
@@ -397,6 +405,12 @@ def _is_plan(arg):
     return isinstance(arg, (torch.ScriptObject, *FAKE_PLAN_TYPES))
 
 
+def _handle_of(plan):
+    """plan.handle() through the op (``plan_handle``, ``plan_handle.sp``), which tracing sees."""
+    sizes = _sizes(plan)  # an SpPlan, real or fake, has local_seq_len(); an IndexPlan has not
+    return _ops.plan_handle.sp(plan) if hasattr(sizes, "local_seq_len") else _ops.plan_handle.default(plan)
+
+
 def _overload(name):
     op, _, overload = name.partition(".")
     return getattr(getattr(_ops, op), overload or "default")
@@ -429,7 +443,7 @@ def autograd_function(name):
         outs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
         # tensors and the plans' handles are saved (a plan itself never is: see TRACED_AUTOGRAD)
         is_plan = [_is_plan(a) for a in args]
-        saved = [a.handle() if p else a if isinstance(a, torch.Tensor) else None for a, p in zip(args, is_plan)]
+        saved = [_handle_of(a) if p else a if isinstance(a, torch.Tensor) else None for a, p in zip(args, is_plan)]
         ctx.save_for_backward(*saved, *outs)
         ctx.others = [None if s is not None else a for a, s in zip(args, saved)]
         ctx.rows = [_sizes(a).num_rows() if p and hasattr(_sizes(a), "num_rows") else None

@@ -11,7 +11,6 @@
   (mode="reduce-overhead"), with no cudagraph skipped, to the same bits.
 """
 import os
-import socket
 
 import pytest
 import torch
@@ -28,19 +27,34 @@ BF = torch.bfloat16
 
 requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_compile.REASON))
 # On torch 2.11 (one H200, 2026-12-01, run with --runxfail) the compiled-with-autograd tests
-# failed at run time: AOTAutograd saved the plan for the backward graph and then required every
-# saved non-tensor to be a registered Python opaque type ("expected all opaque_object_outs to
-# be opaque types, got types: [<class 'torch.ScriptObject'>, ...]",
-# torch/_functorch/_aot_autograd/runtime_wrappers.py), which a torch class never is
-# (docs/python.md). The traced autograd saves the plan's handle (a tensor) since; not yet run
-# on torch >= 2.4. Independently, torch 2.11 runs a graph with a torch-class input (a plan)
-# without CUDA graphs. strict: a pass fails the run, so a mark goes when its test passes.
-fails_on_plan_saved_for_backward = pytest.mark.xfail(
-    strict=True, reason="failed on torch 2.11 (a plan saved for the backward); saves the plan's handle since, "
-                        "not yet run on torch >= 2.4")
+# failed at run time: AOTAutograd saved the plan for the backward graph and required every saved
+# non-tensor to be a registered Python opaque type, which a torch class never is. The traced
+# autograd saves the plan's handle (a tensor, made by the plan_handle op) since, and those tests
+# pass on Debian's torch 2.6 (CPU, aot_eager); not yet run on torch 2.11. Independently, torch
+# 2.11 runs a graph with a torch-class input (a plan) without CUDA graphs. strict: a pass fails
+# the run, so the mark goes when its test passes.
 no_cuda_graphs_with_a_plan_input = pytest.mark.xfail(
     strict=True, reason="torch 2.11 runs a graph with a torch-class input (the plan) without CUDA graphs")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def _inductor_takes_plan_inputs():
+    """Whether this torch's inductor lowers a torch-class graph input (a plan): torch 2.6's
+    GraphLowering.placeholder asserts that every input is a tensor, a symbol or a number; later
+    torch wraps a FakeScriptObject input (ir.TorchBindObject)."""
+    if _compile.REASON is not None:
+        return False
+    import inspect
+    from torch._inductor.graph import GraphLowering
+    return "FakeScriptObject" in inspect.getsource(GraphLowering.placeholder)
+
+
+# The compiled-block tests run under both backends: aot_eager (dynamo and AOTAutograd, the graph
+# run as traced: what a plan input meets) and inductor, where its placeholders take a plan.
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    not _inductor_takes_plan_inputs(),
+    reason=f"torch {torch.__version__}'s inductor takes no torch-class graph input (a plan): "
+           "its GraphLowering.placeholder asserts a tensor"))]
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +62,8 @@ def comm():
     """A one-rank gloo group in this process: the sp_/tp_ ops' communicator."""
     if dist.is_initialized():
         pytest.skip("a torch.distributed group is already initialised in this process")
-    with socket.socket() as s:  # a free loopback port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # an in-memory store: no port, and no TCPStore (Debian's torch 2.6 has no libuv for it)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield detdit.distributed.Communicator()
     dist.destroy_process_group()
 
@@ -131,6 +143,7 @@ def op_cases(device, comm=None):
         ("adaln_modulation", ops.adaln_modulation.default, (i["temb"], i["pw"], i["pb"], plan, p)),
         ("adaln_modulation_backward", ops.adaln_modulation_backward.default,
          (i["gather_grad"], i["temb"], i["pw"], m_act, plan, p, [True] * 3)),
+        ("plan_handle", ops.plan_handle.default, (plan,)),
     ]
     if comm is not None:
         sp, c = detdit.distributed.SpRegion(plan, comm).sp, comm.handle
@@ -141,6 +154,7 @@ def op_cases(device, comm=None):
             ("tp_adaln_projection", ops.tp_adaln_projection.default, (i["temb"], i["pw"], i["pb"], c, p)),
             ("tp_adaln_projection_backward", ops.tp_adaln_projection_backward.default,
              (i["table_grad"], i["temb"], i["pw"], tp_act, c, p, [True] * 3)),
+            ("plan_handle_sp", ops.plan_handle.sp, (sp,)),
             ("sp_rmsnorm", ops.sp_rmsnorm.default, (x, w, T, T2, sp, c, eps, p)),
             ("sp_rmsnorm_backward", ops.sp_rmsnorm_backward.default, (grad, x, w, T, T2, sp, sp_rstd, c, eps, p)),
             ("sp_gate_residual", ops.sp_gate_residual.default, (x, y, T, sp, c)),
@@ -312,6 +326,10 @@ def test_plan_handles_resolve_only_to_live_plans(comm):
     want = ops.gate_residual_backward.default(i["grad"], i["y"], i["table"], i["plan"], mask)
     handle = i["plan"].handle()
     assert handle.dtype == torch.int64 and handle.device.type == "cpu" and handle.numel() == 1
+    # the op (what the traced autograd calls) and the method give one handle
+    assert torch.equal(ops.plan_handle.default(i["plan"]), handle)
+    sp = detdit.distributed.SpRegion(i["tplan"], comm).sp
+    assert torch.equal(ops.plan_handle.sp(sp), sp.handle()) and not torch.equal(sp.handle(), handle)
     copied = handle.clone()  # names the same plan, but holds no reference to it
     del i["plan"]
     gc.collect()
@@ -428,9 +446,9 @@ def assert_same_results(got, want, what, model):
 
 
 @requires_compile
-@fails_on_plan_saved_for_backward
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_block_is_one_graph_and_equals_eager(device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_block_is_one_graph_and_equals_eager(device, backend):
     model, region, weights = fresh_block(device)
     explained = torch._dynamo.explain(region)(*region_inputs(device, SEQ, 460))
     assert explained.graph_break_count == 0 and explained.graph_count == 1, str(explained)
@@ -440,19 +458,20 @@ def test_compiled_block_is_one_graph_and_equals_eager(device):
         assert any(op in name for name in traced), f"detdit op {op} is not a node of the graph: {sorted(traced)}"
 
     torch._dynamo.reset()
-    compiled = torch.compile(region, fullgraph=True)
+    compiled = torch.compile(region, fullgraph=True, backend=backend)
     eager = run_region(region, model, weights, device, SEQ, 470)
     assert_same_results(run_region(compiled, model, weights, device, SEQ, 470), eager, "compiled vs eager", model)
 
 
 @requires_compile
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_block_without_grad_equals_eager(device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_block_without_grad_equals_eager(device, backend):
     """Inference (a rollout engine's forward): nothing is saved for a backward, so no plan
     crosses into a backward graph. A second plan recompiles (the graph is specialised to its
     plan) and is as exact."""
     model, region, _ = fresh_block(device)
-    compiled = torch.compile(region, fullgraph=True)
+    compiled = torch.compile(region, fullgraph=True, backend=backend)
     with torch.no_grad():
         for seed in (510, 520):
             x, t, plan, tplan = region_inputs(device, SEQ, seed)
@@ -461,11 +480,11 @@ def test_compiled_block_without_grad_equals_eager(device):
 
 
 @requires_compile
-@fails_on_plan_saved_for_backward
 @pytest.mark.parametrize("device", DEVICES)
-def test_dynamic_shapes_two_sequence_lengths(device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_shapes_two_sequence_lengths(device, backend):
     model, region, weights = fresh_block(device)
-    compiled = torch.compile(region, fullgraph=True, dynamic=True)
+    compiled = torch.compile(region, fullgraph=True, dynamic=True, backend=backend)
     for seq, seed in ((SEQ, 480), (SEQ + 24, 490)):
         eager = run_region(region, model, weights, device, seq, seed)
         assert_same_results(run_region(compiled, model, weights, device, seq, seed), eager,

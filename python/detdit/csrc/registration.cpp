@@ -226,6 +226,14 @@ TORCH_LIBRARY(detdit, m) {
       .def("__ne__", [](const SpPlanPtr& self, const SpPlanPtr& other) { return !self->equals(*other); })
       .def_pickle([](const SpPlanPtr& self) { return self->state(); },
                   [](SpPlanHolder::State state) { return sp_plan_from_state(state); });
+  // A plan's handle as an op beside the method: a traced autograd Function
+  // saves it for the backward, and tracing runs an op's fake kernel where it
+  // would call the method of a real plan (opcheck's AOT dispatch), leaving a
+  // real tensor in a fake graph. No tensor argument: CompositeExplicitAutograd.
+  m.def("plan_handle(" DETDIT_PLAN " plan) -> Tensor");
+  m.impl("plan_handle", c10::DispatchKey::CompositeExplicitAutograd, &plan_handle);
+  m.def("plan_handle.sp(" DETDIT_SP_PLAN " sp) -> Tensor");
+  m.impl("plan_handle.sp", c10::DispatchKey::CompositeExplicitAutograd, &sp_plan_handle);
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
         &make_plan);
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN, &make_plan_from_rows);
