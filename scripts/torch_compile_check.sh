@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The torch.compile job: detdit's tests that need torch >= 2.4
 # (tests/python/test_compile.py: opcheck of every op, the compiled H3 block,
-# dynamic shapes; and tests/python/test_autograd.py beside them) on Debian 13's
-# torch 2.6, since Debian 12 (the CI system) has torch 1.13, which has no
-# torch.compile. Called by scripts/test.sh; docs/python.md says what it shows.
+# dynamic shapes) on Debian 13's torch 2.6, since Debian 12 (the CI system) has
+# torch 1.13, which has no torch.compile; and the rest of tests/python with
+# them, but for test_nn.py (it runs the detdit CLI, not built here) and
+# test_distributed.py (torch 2.6's gloo now and then hangs a process in
+# destroy_process_group, pytorch issue 75097; it runs on torch 1.13 in
+# scripts/test.sh). Called by scripts/test.sh; docs/python.md says what it shows.
 #
 # Debian 13 (trixie) is made once with debootstrap in DIR-trixie, DIR being
 # the build directory (DETDIT_BUILD_DIR, default build/): Debian packages by
@@ -56,6 +59,7 @@ chroot "$system" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root LANG=C.UTF-8 /bin
   cmake --build /build -j $(nproc) --target detdit >/dev/null
   cd /src/python && DETDIT_BUILD_DIR=/build python3 setup.py -q build_ext --inplace >/build/setup.log 2>&1 ||
     { tail -30 /build/setup.log >&2; exit 1; }
-  cd /src && PYTHONPATH=/src/python python3 -m pytest tests/python/test_compile.py tests/python/test_autograd.py -q -rxs
+  cd /src && PYTHONPATH=/src/python python3 -m pytest tests/python -q -rxs \
+    --ignore tests/python/test_nn.py --ignore tests/python/test_distributed.py
 "
 echo "detdit: torch.compile job passed in $((SECONDS - start)) s"
