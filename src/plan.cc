@@ -13,6 +13,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "common/backends.h"
 #include "common/fnv1a.h"
 #include "common/out_of_memory.h"
@@ -246,6 +250,59 @@ __attribute__((noinline)) uint8_t count_of_key(const uint8_t* keys, int32_t n, u
   return count;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// The offsets 0..255 of a chunk's positions, as bytes.
+struct ChunkOffsets {
+  alignas(64) uint8_t value[kChunk];
+};
+constexpr ChunkOffsets make_chunk_offsets() {
+  ChunkOffsets offsets{};
+  for (int32_t i = 0; i < kChunk; ++i) offsets.value[i] = static_cast<uint8_t>(i);
+  return offsets;
+}
+constexpr ChunkOffsets kChunkOffsets = make_chunk_offsets();
+
+// The stable sort of a whole chunk (256 positions from `first`) by byte keys
+// in [0, span], without the counting sort's scatter: for each key in
+// ascending order, the offsets of the positions with that key are compressed
+// out of each 64-key block in ascending order (vpcompressb) and appended, so
+// `positions` comes out in the counting sort's order (the tables do not
+// depend on the path); count[key] gets the number of them. On the 2-core
+// development host (AVX-512 with VBMI2) this halves a narrow chunk's sort.
+__attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) void sort_chunk_by_key_avx512(
+    const uint8_t* keys, int32_t span, int32_t first, int32_t* count, int32_t* positions) {
+  __m512i key_blocks[4], offsets[4];
+  for (int j = 0; j < 4; ++j) {
+    key_blocks[j] = _mm512_loadu_si512(keys + 64 * j);
+    offsets[j] = _mm512_load_si512(kChunkOffsets.value + 64 * j);
+  }
+  alignas(64) uint8_t grouped[kChunk + 64];  // 64 bytes of slack: every store writes a whole block
+  int32_t written = 0;
+  for (int32_t key = 0; key <= span; ++key) {
+    const __m512i wanted = _mm512_set1_epi8(static_cast<char>(key));
+    const int32_t before = written;
+    for (int j = 0; j < 4; ++j) {
+      const __mmask64 match = _mm512_cmpeq_epi8_mask(key_blocks[j], wanted);
+      _mm512_storeu_si512(grouped + written, _mm512_maskz_compress_epi8(match, offsets[j]));
+      written += static_cast<int32_t>(__builtin_popcountll(match));
+    }
+    count[key] = written - before;
+  }
+  const __m512i base = _mm512_set1_epi32(first);
+  for (int32_t i = 0; i < kChunk; i += 16) {
+    // the masked form: GCC 12 warns of the unmasked one's undefined source vector
+    const __m512i offset =
+        _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_load_si128(reinterpret_cast<const __m128i*>(grouped + i)));
+    _mm512_storeu_si512(positions + i, _mm512_add_epi32(base, offset));
+  }
+}
+bool cpu_has_avx512_vbmi2() {
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bw") &&
+                                                     __builtin_cpu_supports("avx512vbmi2"));
+  return has;
+}
+#endif
+
 // The per-chunk step of the table build: a stable sort of one chunk's
 // positions by row, appended to impl's segment tables. Chunks are added in
 // ascending order, so the tables are written front to back and need not be
@@ -353,6 +410,16 @@ class ChunkSorter {
     }
     // Short runs (interleaved packings) go position by position. Each key's
     // count is at most n - 1 <= 255: the chunk has two distinct rows.
+#if defined(__x86_64__) && defined(__GNUC__)
+    // A whole chunk with few keys, where the CPU has AVX-512 VBMI2: sorted
+    // without a scatter (partial chunks, and other CPUs, take the loops below).
+    if (n == kChunk && span < kCountByCompareSpan && cpu_has_avx512_vbmi2()) {
+      sort_chunk_by_key_avx512(keys_, span, first, count, positions_);
+      for (int32_t key = 0; key <= span; ++key)
+        if (count[key] != 0) add_segment(lo + key, count[key]);
+      return;
+    }
+#endif
     if (span < kCountByCompareSpan) {
       for (int32_t key = 0; key <= span; ++key) count[key] = count_of_key(keys_, n, static_cast<uint8_t>(key));
     } else {
