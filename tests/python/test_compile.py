@@ -6,9 +6,11 @@
   (outputs, every gradient, which gradients are None): any torch;
 - torch >= 2.4: torch.library.opcheck passes on every op (CPU, and CUDA when present); an H3
   block with the conditioning chain and final_adaln_out compiles with fullgraph=True into one
-  graph with no break, and its outputs and every gradient are bitwise equal to eager; the
-  same under dynamic=True at two sequence lengths; CUDA: replayed as CUDA graphs
-  (mode="reduce-overhead"), with no cudagraph skipped, to the same bits.
+  graph with no break, and its outputs and every gradient are bitwise equal to eager (backend
+  aot_eager, and inductor where it takes a plan input); the same under no_grad and under
+  dynamic=True at two sequence lengths; CUDA: replayed as CUDA graphs
+  (mode="reduce-overhead"), with no cudagraph skipped, to the same bits. CI runs these on
+  Debian 13's torch 2.6 (scripts/torch_compile_check.sh).
 """
 import os
 
