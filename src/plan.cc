@@ -268,7 +268,8 @@ constexpr ChunkOffsets kChunkOffsets = make_chunk_offsets();
 // out of each 64-key block in ascending order (vpcompressb) and appended, so
 // `positions` comes out in the counting sort's order (the tables do not
 // depend on the path); count[key] gets the number of them. On the 2-core
-// development host (AVX-512 with VBMI2) this halves a narrow chunk's sort.
+// development host (AVX-512 with VBMI2) an interleaved build at S = 131072,
+// B = 2 took 168-170 instead of 226-299 us (docs/benchmarking.md).
 __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) void sort_chunk_by_key_avx512(
     const uint8_t* keys, int32_t span, int32_t first, int32_t* count, int32_t* positions) {
   __m512i key_blocks[4], offsets[4];
@@ -415,8 +416,7 @@ class ChunkSorter {
     // without a scatter (partial chunks, and other CPUs, take the loops below).
     if (n == kChunk && span < kCountByCompareSpan && cpu_has_avx512_vbmi2()) {
       sort_chunk_by_key_avx512(keys_, span, first, count, positions_);
-      for (int32_t key = 0; key <= span; ++key)
-        if (count[key] != 0) add_segment(lo + key, count[key]);
+      add_narrow_segments(lo, span);
       return;
     }
 #endif
