@@ -405,10 +405,14 @@ def _is_plan(arg):
     return isinstance(arg, (torch.ScriptObject, *FAKE_PLAN_TYPES))
 
 
+def _is_sp_plan(plan):
+    """An SpPlan, real or fake (it has local_seq_len(); an IndexPlan has not)."""
+    return hasattr(_sizes(plan), "local_seq_len")
+
+
 def _handle_of(plan):
     """plan.handle() through the op (``plan_handle``, ``plan_handle.sp``), which tracing sees."""
-    sizes = _sizes(plan)  # an SpPlan, real or fake, has local_seq_len(); an IndexPlan has not
-    return _ops.plan_handle.sp(plan) if hasattr(sizes, "local_seq_len") else _ops.plan_handle.default(plan)
+    return _ops.plan_handle.sp(plan) if _is_sp_plan(plan) else _ops.plan_handle.default(plan)
 
 
 def _overload(name):
@@ -446,8 +450,7 @@ def autograd_function(name):
         saved = [_handle_of(a) if p else a if isinstance(a, torch.Tensor) else None for a, p in zip(args, is_plan)]
         ctx.save_for_backward(*saved, *outs)
         ctx.others = [None if s is not None else a for a, s in zip(args, saved)]
-        ctx.rows = [_sizes(a).num_rows() if p and hasattr(_sizes(a), "num_rows") else None
-                    for a, p in zip(args, is_plan)]
+        ctx.rows = [_sizes(a).num_rows() if p and not _is_sp_plan(a) else None for a, p in zip(args, is_plan)]
         ctx.mark_non_differentiable(*[outs[i] for i in non_differentiable])
         ctx.set_materialize_grads(materialize)
         return outs if len(outs) > 1 else outs[0]
