@@ -160,6 +160,27 @@ __device__ __forceinline__ void store_elems(T* p, const float (&in)[kElems]) {
   }
 }
 
+// kElems elements of data no thread of the kernel writes (weights, tables,
+// inputs: every op's validation keeps its outputs disjoint from its inputs),
+// through the read-only path (ld.global.nc): the compiler may issue such
+// loads ahead of the thread's earlier stores, which an ordinary load of a
+// possibly aliased pointer may not pass.
+template <typename T, int kElems, bool kVector>
+__device__ __forceinline__ void load_readonly(const T* p, float (&out)[kElems]) {
+  ElemVec<T, kElems> v;
+  if constexpr (kVector) {
+    v.raw = __ldg(reinterpret_cast<const decltype(v.raw)*>(p));
+  } else {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      ElemVec<T, 1> one;
+      one.raw = __ldg(reinterpret_cast<const decltype(one.raw)*>(p + e));
+      v.elems[e] = one.elems[0];
+    }
+  }
+  widen(v, out);
+}
+
 // True when the address is a multiple of `bytes`.
 inline bool address_aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;

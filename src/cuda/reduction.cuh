@@ -13,6 +13,11 @@
 namespace detdit {
 namespace cuda {
 
+// Positions a partials kernel loads before it uses the first: the chains are
+// sequential, their loads are not, so a thread keeps this many rows' loads in
+// flight instead of one.
+constexpr int kPartialsAhead = 8;
+
 // Output row of the first segment of selected chunk k (chunk id `chunk`): the
 // segment counts of the selected chunks before it, an exact integer sum, so
 // its order does not matter. Every thread of the block must call it; `shared`

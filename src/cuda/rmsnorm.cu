@@ -40,6 +40,11 @@ constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
 // Tree vectors per thread kept in registers between the statistics pass and
 // the output pass (12 covers H <= 6144); vectors past it are read again.
 constexpr int kCached = 12;
+// The backward rows kernel caches x and grad, twice the registers: 8 vectors
+// (H <= 4096 cached) keep it at 64 registers, 8 blocks (rows) per SM instead
+// of 6; the rest of a row is read again in the output pass (from L2: the
+// block read it a moment before).
+constexpr int kCachedBackward = 8;
 
 struct RmsnormRowArgs {
   const void* x;       // (M, H); the fused region's forward computes it as h instead
@@ -212,10 +217,10 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
     return acc;
   };
   // Thread t's vectors j = t + 128*i, ascending i: the tree's order.
-  ElemVec<T, kVec> cached_x[kCached], cached_g[kCached];
+  ElemVec<T, kVec> cached_x[kCachedBackward], cached_g[kCachedBackward];
   float s = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kCached; ++i) {
+  for (int i = 0; i < kCachedBackward; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
     if (j < vectors) {
       load_stored<T, kVec, kVector>(x + j * kVec, cached_x[i]);
@@ -225,7 +230,8 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
       s = accumulate(j, xv, d_n, s);
     }
   }
-  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCachedBackward) * kRowTreeThreads; j < vectors;
+       j += kRowTreeThreads) {
     float xv[kVec], d_n[kVec];
     load(j, xv, d_n);
     s = accumulate(j, xv, d_n, s);
@@ -261,7 +267,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
     store_elems<T, kVec, kVector>(dx + j * kVec, o);
   };
 #pragma unroll
-  for (int i = 0; i < kCached; ++i) {
+  for (int i = 0; i < kCachedBackward; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
     if (j < vectors) {
       float xv[kVec], d_n[kVec];
@@ -269,7 +275,8 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
       write(j, xv, d_n);
     }
   }
-  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCached) * kRowTreeThreads; j < vectors; j += kRowTreeThreads) {
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kCachedBackward) * kRowTreeThreads; j < vectors;
+       j += kRowTreeThreads) {
     float xv[kVec], d_n[kVec];
     load(j, xv, d_n);
     write(j, xv, d_n);
@@ -409,29 +416,43 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
   load_elems<T, kCols, kVector>(w + i0, wv);
 #pragma unroll
   for (int e = 0; e < kCols; ++e) acc[e] = 0.0f;
-#pragma unroll 4
-  for (int64_t p = begin; p < end; ++p) {  // ascending positions of the chunk
-    const PositionRows<T> in = position_rows<T>(a, p);
-    float xv[kCols], gv[kCols];
-    load_elems<T, kCols, kVector>(in.x + i0, xv);
-    load_elems<T, kCols, kVector>(in.grad + i0, gv);
-    const int32_t local = local_segment[p - begin];
-    // this thread's (d_shift, d_scale) slots of the position's segment, column e at [e * threads]
-    float* sums = segment_sums + local * 2 * kCols * threads + threadIdx.x;
+  for (int64_t p0 = begin; p0 < end; p0 += kPartialsAhead) {  // ascending positions of the chunk
+    // kPartialsAhead positions' loads in flight before the first is used
+    ElemVec<T, kCols> xs[kPartialsAhead], gs[kPartialsAhead];
+    float rstd[kPartialsAhead];
 #pragma unroll
-    for (int e = 0; e < kCols; ++e) {
-      sums[e * threads] = num::add32(sums[e * threads], gv[e]);
-      sums[(kCols + e) * threads] =
-          rowwise::scale_grad_step(gv[e], rowwise::normalised<T>(wv[e], in.rstd, xv[e]), sums[(kCols + e) * threads]);
+    for (int u = 0; u < kPartialsAhead; ++u) {
+      if (p0 + u < end) {
+        const PositionRows<T> in = position_rows<T>(a, p0 + u);
+        load_stored<T, kCols, kVector>(in.x + i0, xs[u]);
+        load_stored<T, kCols, kVector>(in.grad + i0, gs[u]);
+        rstd[u] = in.rstd;
+      }
     }
-    if (a.weight_partials) {
-      // the position's row is its segment's (no p % S in the loop)
-      const T* scale = static_cast<const T*>(a.scale) + a.tables.segment_row[first + local] * a.scale_stride;
-      float sc[kCols];
-      load_elems<T, kCols, kVector>(scale + i0, sc);
 #pragma unroll
-      for (int e = 0; e < kCols; ++e)
-        acc[e] = rowwise::weight_grad_step(rowwise::modulated_grad<T>(gv[e], sc[e]), xv[e], in.rstd, acc[e]);
+    for (int u = 0; u < kPartialsAhead; ++u) {
+      if (p0 + u >= end) break;
+      float xv[kCols], gv[kCols];
+      widen(xs[u], xv);
+      widen(gs[u], gv);
+      const int32_t local = local_segment[p0 + u - begin];
+      // this thread's (d_shift, d_scale) slots of the position's segment, column e at [e * threads]
+      float* sums = segment_sums + local * 2 * kCols * threads + threadIdx.x;
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) {
+        sums[e * threads] = num::add32(sums[e * threads], gv[e]);
+        sums[(kCols + e) * threads] = rowwise::scale_grad_step(gv[e], rowwise::normalised<T>(wv[e], rstd[u], xv[e]),
+                                                               sums[(kCols + e) * threads]);
+      }
+      if (a.weight_partials) {
+        // the position's row is its segment's (no p % S in the loop)
+        const T* scale = static_cast<const T*>(a.scale) + a.tables.segment_row[first + local] * a.scale_stride;
+        float sc[kCols];
+        load_readonly<T, kCols, kVector>(scale + i0, sc);
+#pragma unroll
+        for (int e = 0; e < kCols; ++e)
+          acc[e] = rowwise::weight_grad_step(rowwise::modulated_grad<T>(gv[e], sc[e]), xv[e], rstd[u], acc[e]);
+      }
     }
   }
   if (a.weight_partials) {
