@@ -31,8 +31,10 @@ requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_c
 # On torch 2.11 (one H200, 2026-12-01, run with --runxfail) the compiled-with-autograd tests
 # failed at run time: AOTAutograd saved the plan for the backward graph and required every saved
 # non-tensor to be a registered Python opaque type, which a torch class never is. The traced
-# autograd saves the plan's handle (a tensor, made by the plan_handle op) since, and those tests
-# pass on Debian's torch 2.6 (CPU, aot_eager); not yet run on torch 2.11. Independently, torch
+# autograd saves the plan's handle (a tensor, made by the plan_handle op) since; on 2026-12-02
+# torch 2.11 still saved the plans (the partitioner had put plan_handle into the backward graph),
+# so plan_handle is ordered since (_compile._register): those tests pass on Debian's torch 2.6
+# (CPU, aot_eager), not yet rerun on torch 2.11. Independently, torch
 # 2.11 runs a graph with a torch-class input (a plan) without CUDA graphs. strict: a pass fails
 # the run, so the mark goes when its test passes.
 no_cuda_graphs_with_a_plan_input = pytest.mark.xfail(
@@ -463,6 +465,36 @@ def test_compiled_block_is_one_graph_and_equals_eager(device, backend):
     compiled = torch.compile(region, fullgraph=True, backend=backend)
     eager = run_region(region, model, weights, device, SEQ, 470)
     assert_same_results(run_region(compiled, model, weights, device, SEQ, 470), eager, "compiled vs eager", model)
+
+
+@requires_compile
+def test_the_forward_graph_saves_no_plan_for_the_backward():
+    """AOTAutograd's forward graph saves the plans' handles (tensors) for the backward, never a
+    plan: torch 2.11 refuses a torch-class object saved for a compiled backward. Ordering
+    plan_handle keeps it in the forward graph (_compile._register); torch 2.6 orders every op
+    with a plan argument anyway, so there this passes either way. The forward graph's outputs
+    are the region's output, then what it saves: any fake plan among them is a saved plan."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._library.fake_class_registry import FakeScriptObject
+    forward_outputs = []
+
+    def forward_compiler(graph, _):
+        output = next(node for node in graph.graph.nodes if node.op == "output")
+        forward_outputs.extend(node.meta.get("val") for node in output.args[0] if isinstance(node, torch.fx.Node))
+        return make_boxed_func(graph.forward)
+
+    def backend(module, example_inputs):
+        return aot_module_simplified(module, example_inputs, fw_compiler=forward_compiler,
+                                     bw_compiler=lambda graph, _: make_boxed_func(graph.forward))
+
+    model, region, weights = fresh_block("cpu")
+    try:
+        run_region(torch.compile(region, fullgraph=True, backend=backend), model, weights, "cpu", SEQ, 470)
+    finally:  # the saved plans, if any, say more than the error torch gives for them
+        assert forward_outputs, "no forward graph was compiled"
+        saved = [str(value) for value in forward_outputs if isinstance(value, FakeScriptObject)]
+        assert not saved, f"the forward graph saves {len(saved)} plan(s) for the backward: {saved}"
 
 
 @requires_compile
