@@ -11,7 +11,9 @@
 # DETDIT_STAGE_TIMEOUT=N caps every stage's time limit at N seconds, and
 # DETDIT_DEADLINE=N ends the run N seconds after it started (a stage gets what
 # is left; one that would get under 10 s is skipped and says so), so a chosen
-# set of stages fits one device call. DETDIT_PYTESTS names the Python tests
+# set of stages fits one device call. DETDIT_BUILD_TARGETS names the CMake
+# targets the build stage builds (default: all), DETDIT_CUDA_TESTS the cuda
+# stage's tests (a ctest -R regex; default: all of -L cuda), DETDIT_PYTESTS the Python tests
 # the python stage runs (default: tests/python), DETDIT_BENCH_OPS the bench's
 # ops in the order to run them (default: all, as `detdit bench --list` lists
 # them), DETDIT_COMPARE_OPS torch_compare.py's. The bench and the comparison run
@@ -43,7 +45,9 @@ stages=("$@")
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 summary="$out/summary.txt"
 : >"$summary"
-note() { echo "$*" | tee -a "$summary"; }
+# Each line also lands in $OUT at once: a call cut off at the device's time limit brings the
+# summary back (the archive of gpu-out/ is made at the end only).
+note() { echo "$*" | tee -a "$summary"; if [ -n "${OUT:-}" ]; then cp "$summary" "$OUT/"; fi; }
 run() {  # run NAME TIMEOUT_S COMMAND...: log to $out/NAME.log, record the exit code
   local name=$1 limit=$2
   shift 2
@@ -69,8 +73,9 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     build)
       run build 600 bash -c "cmake -S . -B '$build' -G Ninja -DCMAKE_BUILD_TYPE=Release -DDETDIT_CUDA_ARCHITECTURES=90 &&
-        cmake --build '$build' -j $(nproc)" || { note "build failed or skipped: nothing else can run"; exit 1; } ;;
-    cuda) run cuda 500 ctest --test-dir "$build" -L cuda --output-on-failure -j 8 --timeout 400 ;;
+        cmake --build '$build' -j $(nproc) ${DETDIT_BUILD_TARGETS:+--target $DETDIT_BUILD_TARGETS}" || { note "build failed or skipped: nothing else can run"; exit 1; } ;;
+    cuda) run cuda 500 ctest --test-dir "$build" -L cuda ${DETDIT_CUDA_TESTS:+-R "$DETDIT_CUDA_TESTS"} \
+      --output-on-failure -j 8 --timeout 400 ;;
     parallel) run parallel 400 ctest --test-dir "$build" -L parallel --output-on-failure -j 4 --timeout 300 ;;
     verify) run verify 300 "$build/detdit" verify --device cuda --out "$out/verify_cuda.json" ;;
     mpi)
