@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
 # docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
-# a second tree, matrix, issue 17's full byte-equality matrix, and patches):
-#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx matrix patches
+# a second tree, matrix, issue 17's full byte-equality matrix, patches, and
+# profile, Nsight Compute of chosen bench cases' kernels):
+#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx matrix patches profile
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
 # gpu-out/ are copied there. The last lines printed are the summary.
@@ -106,6 +107,17 @@ for stage in "${stages[@]}"; do
         run "compare_$op" 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
           --ops "$op" --out "$out/compare_$op.json" &&
           "$build/detdit" report "$out/compare_$op.json" --out "$out/compare_$op.svg"
+      done ;;
+    profile)  # Nsight Compute of one call of each case's kernels (forward, backward, forward +
+      # backward: the bench's three timings, one repeat, no warm-up), a CSV per case in its log;
+      # DETDIT_PROFILE_OP and DETDIT_PROFILE_CASES (`;`-separated case names) choose them
+      profile_op=${DETDIT_PROFILE_OP:-gate_residual_rmsnorm}
+      IFS=';' read -r -a profile_cases <<<"${DETDIT_PROFILE_CASES:-modulated bfloat16 H=5376 block_S32768_T3_B2 d_h;modulated bfloat16 H=5376 interleaved_S32768_T3_B2 d_h}"
+      for case_name in "${profile_cases[@]}"; do
+        run "profile_${profile_op}_$(echo "$case_name" | tr -c 'A-Za-z0-9_\n' '_')" 500 \
+          ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+          --section MemoryWorkloadAnalysis --csv --page details "$build/detdit" bench --device cuda --quick \
+          --ops "$profile_op" --cases "$case_name" --repeats 1 --warmup 0
       done ;;
     ptx)  # the portable profile from PTX alone: compute_80 PTX, compiled for this GPU by the driver at
       # load; verify compares every output bitwise with the CPU, as the native build's verify does,
