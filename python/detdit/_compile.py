@@ -18,8 +18,8 @@ Contract:
   op with a plan (a torch class) argument for an effectful one and order it by tokens; a
   detdit op is a pure function of its arguments (a plan never changes once built). The sp_
   ops run collectives and keep torch's ordering; their outputs then come back as a list,
-  which the traced Functions accept. ``plan_handle`` is declared ordered, so its token keeps
-  it in the forward graph and the backward graph takes no plan (see _register).
+  which the traced Functions accept. ``plan_handle`` keeps torch's ordering too, so its token
+  keeps it in the forward graph and the backward graph takes no plan (see _register).
 - torch runs an op whose plan argument is a fake plan in Python, where the C++ autograd
   Functions (autograd.h) cannot go; for those ops (every op with a plan, the ``.plan``
   overload of rmsnorm; ``TRACED_AUTOGRAD``) :func:`autograd_function` makes the same Functions
@@ -486,14 +486,13 @@ def _register():
         # of its arguments (a plan never changes once built), so it declares no effect. Not
         # the sp_ ops: they run collectives, which every rank must call in program order, and
         # torch's default (ordered, for their SpPlan argument) keeps that order.
-        # Except plan_handle, ordered on purpose: only the backward uses a handle, and AOTAutograd's
-        # partitioner moves a pure op whose output only the backward uses into the backward
+        # Nor plan_handle, whose ordering is wanted: only the backward uses a handle, and
+        # AOTAutograd's partitioner puts an op that only the backward needs into the backward
         # graph, which then takes the plan itself as a saved input (torch 2.11 refuses a
         # torch-class object saved for the backward). An ordered op's effect token is an output
         # of the forward graph, so the op stays there and the handle, a tensor, is saved.
-        if hasattr(effects, "_register_effectful_op") and not name.startswith("sp_"):
-            ordered = name.startswith("plan_handle")
-            effects._register_effectful_op(_overload(name), effects._EffectType.ORDERED if ordered else None)
+        if hasattr(effects, "_register_effectful_op") and not name.startswith(("sp_", "plan_handle")):
+            effects._register_effectful_op(_overload(name), None)
     register_fake_class("detdit::IndexPlan", FakeIndexPlan)
     register_fake_class("detdit::SpPlan", FakeSpPlan)
     _register_autograd()

@@ -32,8 +32,9 @@ requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_c
 # failed at run time: AOTAutograd saved the plan for the backward graph and required every saved
 # non-tensor to be a registered Python opaque type, which a torch class never is. The traced
 # autograd saves the plan's handle (a tensor, made by the plan_handle op) since; on 2026-12-02
-# torch 2.11 still saved the plans (the partitioner had put plan_handle into the backward graph),
-# so plan_handle is ordered since (_compile._register): those tests pass on Debian's torch 2.6
+# torch 2.11 still saved the plans (read from AOTAutograd's partitioner: it puts an op that only
+# the backward needs, plan_handle, into the backward graph), so plan_handle keeps torch's ordering
+# since (_compile._register), which keeps it in the forward graph: those tests pass on Debian's torch 2.6
 # (CPU, aot_eager), not yet rerun on torch 2.11. Independently, torch
 # 2.11 runs a graph with a torch-class input (a plan) without CUDA graphs. strict: a pass fails
 # the run, so the mark goes when its test passes.
@@ -470,9 +471,9 @@ def test_compiled_block_is_one_graph_and_equals_eager(device, backend):
 @requires_compile
 def test_the_forward_graph_saves_no_plan_for_the_backward():
     """AOTAutograd's forward graph saves the plans' handles (tensors) for the backward, never a
-    plan: torch 2.11 refuses a torch-class object saved for a compiled backward. Ordering
-    plan_handle keeps it in the forward graph (_compile._register); torch 2.6 orders every op
-    with a plan argument anyway, so there this passes either way. The forward graph's outputs
+    plan: torch 2.11 refuses a torch-class object saved for a compiled backward. plan_handle's
+    ordering (torch's default, kept by _compile._register) keeps it in the forward graph; torch
+    2.6 orders every op with a plan argument anyway, so there this passes either way. The forward graph's outputs
     are the region's output, then what it saves: any fake plan among them is a saved plan."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
