@@ -14,8 +14,8 @@
 # and untracked, not ignored), builds the library there (CPU, library only;
 # incremental in DIR-trixie/build), the extension in place against torch 2.6,
 # and runs the tests. Needs root (debootstrap, chroot, mounting /proc inside:
-# torch reads it), through sudo when not root; nothing of the checkout is mounted into the chroot, so
-# deleting DIR-trixie can never reach the checkout.
+# torch reads it), through sudo when not root; nothing of the checkout is
+# mounted into the chroot, so deleting DIR-trixie can never reach the checkout.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

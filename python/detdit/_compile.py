@@ -28,9 +28,8 @@ Contract:
   with the same bits. They save a plan's handle (a tensor, from the op ``plan_handle``, whose
   fake kernel tracing runs) instead of the plan and call the backward op's ``.handle``
   overload, which resolves it to the live plan: torch 2.11's AOTAutograd refuses a torch-class
-  object saved for a compiled backward. Ops
-  without a plan keep their C++ Function, which calls its ops through the dispatcher and
-  so is traced as it is.
+  object saved for a compiled backward. Ops without a plan keep their C++ Function, which
+  calls its ops through the dispatcher and so is traced as it is.
 """
 import torch
 

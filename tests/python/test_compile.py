@@ -28,16 +28,9 @@ BATCH, SEQ, TIMESTEPS, HIDDEN, DIM = 2, 40, 2, 64, 16
 BF = torch.bfloat16
 
 requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_compile.REASON))
-# On torch 2.11 (one H200, 2026-12-01, run with --runxfail) the compiled-with-autograd tests
-# failed at run time: AOTAutograd saved the plan for the backward graph and required every saved
-# non-tensor to be a registered Python opaque type, which a torch class never is. The traced
-# autograd saves the plan's handle (a tensor, made by the plan_handle op) since; on 2026-12-02
-# torch 2.11 still saved the plans (read from AOTAutograd's partitioner: it puts an op that only
-# the backward needs, plan_handle, into the backward graph), so plan_handle keeps torch's ordering
-# since (_compile._register), which keeps it in the forward graph: those tests pass on Debian's torch 2.6
-# (CPU, aot_eager), not yet rerun on torch 2.11. Independently, torch
-# 2.11 runs a graph with a torch-class input (a plan) without CUDA graphs. strict: a pass fails
-# the run, so the mark goes when its test passes.
+# torch 2.11 (one H200) runs a graph with a torch-class input (a plan) without CUDA graphs and
+# counts no skip (docs/python.md). strict: a pass fails the run, so the mark goes when its test
+# passes.
 no_cuda_graphs_with_a_plan_input = pytest.mark.xfail(
     strict=True, reason="torch 2.11 runs a graph with a torch-class input (the plan) without CUDA graphs")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -473,8 +466,9 @@ def test_the_forward_graph_saves_no_plan_for_the_backward():
     """AOTAutograd's forward graph saves the plans' handles (tensors) for the backward, never a
     plan: torch 2.11 refuses a torch-class object saved for a compiled backward. plan_handle's
     ordering (torch's default, kept by _compile._register) keeps it in the forward graph; torch
-    2.6 orders every op with a plan argument anyway, so there this passes either way. The forward graph's outputs
-    are the region's output, then what it saves: any fake plan among them is a saved plan."""
+    2.6 orders every op with a plan argument anyway, so there this passes either way. The
+    forward graph's outputs are the region's output, then what it saves: any fake plan among
+    them is a saved plan."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._library.fake_class_registry import FakeScriptObject
