@@ -173,15 +173,14 @@ Status projection_backward(const TensorView& temb, const TensorView& weight, con
   weight_grads.x = act;
   weight_grads.d_weight = d_weight;
   weight_grads.d_bias = d_bias;
-  DETDIT_RETURN_IF_ERROR(linear_backward_weight(weight_grads, stream));
-  if (!d_temb.present()) return Status();
+  if (!d_temb.present()) return linear_backward_weight(weight_grads, stream);
   // d_act stays FP32: the cast's VJP is the identity.
   LinearBackwardInputParams input_grad;
   input_grad.grad = grad;
   input_grad.weight = weight;
   input_grad.partials = partials;
   input_grad.d_x = d_act;
-  DETDIT_RETURN_IF_ERROR(linear_backward_input(input_grad, stream));
+  DETDIT_RETURN_IF_ERROR(linear_backward_weight_and_input(weight_grads, input_grad, stream));
   SiluBackwardParams silu;
   silu.grad = d_act;
   silu.pre = temb;

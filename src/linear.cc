@@ -210,8 +210,9 @@ Status linear_backward_input(const LinearBackwardInputParams& params, Stream str
   return fold_d_x(run, stream);
 }
 
-Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream stream) {
-  const LinearBackwardWeightParams& p = params;
+namespace {
+// grad (T, N) fp32, x (T, K), d_weight (N, K) and d_bias (N,) each present or not.
+Status validate_weight_grads(const LinearBackwardWeightParams& p) {
   DETDIT_RETURN_IF_ERROR(check_matrix(p.grad, "grad", "(T, N)", {DType::kF32}));
   DETDIT_RETURN_IF_ERROR(check_matrix(p.x, "x", "(T, K)", {DType::kF32, DType::kBF16}));
   DETDIT_RETURN_IF_ERROR(check::same_device(p.x, "x", p.grad, "grad"));
@@ -234,9 +235,45 @@ Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream s
     DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_weight, "d_weight", t, name));
     DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_bias, "d_bias", t, name));
   }
-  DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_bias, "d_bias", p.d_weight, "d_weight"));
-  if (!p.d_weight.present() && !p.d_bias.present()) return Status();
-  return backend::linear_backward_weight(p.grad.device, p, stream);
+  return check::no_alias(p.d_bias, "d_bias", p.d_weight, "d_weight");
+}
+}  // namespace
+
+Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_weight_grads(params));
+  if (!params.d_weight.present() && !params.d_bias.present()) return Status();
+  return backend::linear_backward_weight(params.grad.device, params, stream);
+}
+
+Status linear_backward_weight_and_input(const LinearBackwardWeightParams& weight_grads,
+                                        const LinearBackwardInputParams& input_grad, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(validate_weight_grads(weight_grads));
+  DETDIT_RETURN_IF_ERROR(validate_partials_call(input_grad));
+  DETDIT_RETURN_IF_ERROR(validate_fold_call(input_grad));
+  DETDIT_RETURN_IF_ERROR(check::same_device(weight_grads.grad, "weight_grads.grad", input_grad.grad, "input_grad.grad"));
+  for (auto [out, name] : NamedList{{weight_grads.d_weight, "d_weight"}, {weight_grads.d_bias, "d_bias"}}) {
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.partials, "partials"));
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.d_x, "d_x"));
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.grad, "input_grad.grad"));
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.weight, "weight"));
+  }
+  for (auto [out, name] : NamedList{{input_grad.partials, "partials"}, {input_grad.d_x, "d_x"}})
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, weight_grads.x, "x"));
+  const Device device = input_grad.grad.device;
+  // On CUDA d_W and the partials from one read of W where the kernel takes the
+  // shapes (the same bits); otherwise, and for d_b, the separate kernels.
+  bool fused = false;
+  if (device.is_cuda() && weight_grads.d_weight.present()) {
+    LinearBackwardWeightParams weight_only = weight_grads;
+    weight_only.d_bias = TensorView();
+    DETDIT_RETURN_IF_ERROR(cuda::linear_backward_fused(input_grad, weight_only, stream, &fused));
+  }
+  LinearBackwardWeightParams rest = weight_grads;
+  if (fused) rest.d_weight = TensorView();
+  if (rest.d_weight.present() || rest.d_bias.present())
+    DETDIT_RETURN_IF_ERROR(backend::linear_backward_weight(device, rest, stream));
+  if (!fused) DETDIT_RETURN_IF_ERROR(backend::linear_backward_input_partials(device, input_grad, stream));
+  return fold_d_x(input_grad, stream);
 }
 
 Status silu_backward(const SiluBackwardParams& params, Stream stream) {

@@ -276,15 +276,14 @@ Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream str
   second_weight.x = params.hidden;
   second_weight.d_weight = params.d_w2;
   second_weight.d_bias = params.d_b2;
-  DETDIT_RETURN_IF_ERROR(linear_backward_weight(second_weight, stream));
-  if (!need_d_pre) return Status();
-  // 2. d_hidden = linear d_x (g, W2), FP32
+  if (!need_d_pre) return linear_backward_weight(second_weight, stream);
+  // 2. d_hidden = linear d_x (g, W2), FP32 (with step 1: one read of W2 on CUDA)
   LinearBackwardInputParams second_input;
   second_input.grad = params.grad_temb;
   second_input.weight = params.in.w2;
   second_input.partials = hidden_partials;
   second_input.d_x = d_hidden;
-  DETDIT_RETURN_IF_ERROR(linear_backward_input(second_input, stream));
+  DETDIT_RETURN_IF_ERROR(linear_backward_weight_and_input(second_weight, second_input, stream));
   // 3. d_pre = silu_backward(d_hidden, pre)
   SiluBackwardParams silu;
   silu.grad = d_hidden;
@@ -298,15 +297,14 @@ Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream str
   first_weight.x = params.in.features;
   first_weight.d_weight = params.d_w1;
   first_weight.d_bias = params.d_b1;
-  DETDIT_RETURN_IF_ERROR(linear_backward_weight(first_weight, stream));
-  if (!params.d_features.present()) return Status();
-  // 5. d_features = linear d_x (d_pre, W1)
+  if (!params.d_features.present()) return linear_backward_weight(first_weight, stream);
+  // 5. d_features = linear d_x (d_pre, W1) (with step 4: one read of W1 on CUDA)
   LinearBackwardInputParams first_input;
   first_input.grad = d_pre;
   first_input.weight = params.in.w1;
   first_input.partials = feature_partials;
   first_input.d_x = params.d_features;
-  return linear_backward_input(first_input, stream);
+  return linear_backward_weight_and_input(first_weight, first_input, stream);
 }
 
 }  // namespace detdit

@@ -67,6 +67,14 @@ struct LinearBackwardWeightParams {
 };
 Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream stream = nullptr);
 
+// Both gradients of one linear (weight_grads as linear_backward_weight, input_grad as
+// linear_backward_input with its partials given), every argument validated before anything
+// is written: the same bytes as the two calls. On CUDA, where x, weight and d_weight share a
+// dtype, T <= 8 and the rows are 16-byte aligned, d_weight and the d_x chunk partials come
+// from one read of the weight.
+Status linear_backward_weight_and_input(const LinearBackwardWeightParams& weight_grads,
+                                        const LinearBackwardInputParams& input_grad, Stream stream = nullptr);
+
 // SiLU VJP in FP32, elementwise: s = sigmoid(z); d = g * (s * (1 + z * (1 - s))),
 // every step a separately rounded FP32 op; sigmoid(z) = 1 / (1 + exp(-z)) with
 // the profile's exp. grad, pre, d_pre: same shape, fp32, contiguous.

@@ -130,6 +130,11 @@ struct ExtraRows {
     const TensorView&, const TensorView&, Stream, bool*)                                                 \
   /* (p, partials (G, H), stream, launched) */                                                          \
   X(gate_residual_backward_single_pass, const GateResidualBackwardParams&, const TensorView&, Stream, bool*) \
+  /* linear_backward_fused(input, weight_grads, stream, launched): input.partials (the d_x chunk */     \
+  /* partials) and weight_grads.d_weight from one read of W, bitwise equal to */                        \
+  /* linear_backward_input_partials and linear_backward_weight (d_bias not computed); */                \
+  /* *launched = false where the shapes or dtypes do not fit it (the caller runs the two) */            \
+  X(linear_backward_fused, const LinearBackwardInputParams&, const LinearBackwardWeightParams&, Stream, bool*) \
   /* copy_to_host(device_src, host_dst, bytes, device): synchronises `stream` (plan building reads a */  \
   /* CUDA index once on the host) */                                                                    \
   X(copy_to_host, const void*, void*, std::size_t, const Device&, Stream)                                \

@@ -186,6 +186,88 @@ Status launch_linear_backward_input_partials(const LinearPartialsArgs& a, int ro
   return launch_status("linear_backward_input_partials_kernel");
 }
 
+struct LinearFusedArgs {
+  const float* grad;  // (rows, n) fp32
+  const void* weight; // (n, k) T
+  const void* x;      // (rows, k) T
+  float* partials;    // (chunks, rows, k) fp32
+  void* d_weight;     // (n, k) T
+  int64_t rows, k, n;
+};
+
+// The d_x chunk partials of the kernel above and d_W of the one below from one
+// read of W: grid (chunks, K-vector blocks), one thread per 16-byte vector of
+// columns and every row of x (rows <= kRows, one pass). For each weight row n
+// of the chunk, ascending, the thread adds g * W[n, k] to the d_x chains of
+// every t (the partials kernel's order) and forms d_W[n, k] as the ascending-t
+// chain of g * x[t, k] (the d_W kernel's), so both are the same bits.
+template <typename T, int kRows>
+__global__ void linear_backward_weight_and_input_partials_kernel(LinearFusedArgs a) {
+  constexpr int kVec = Vec16<T>::kElems;
+  const int64_t chunk = blockIdx.x;
+  const int64_t vec = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;  // columns [vec*kVec, +kVec)
+  if (vec * kVec >= a.k) return;
+  const T* w = static_cast<const T*>(a.weight);
+  const T* x = static_cast<const T*>(a.x);
+  float xv[kRows][kVec];  // x[t, vec*kVec + e]
+  float acc[kRows][kVec];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r < a.rows) unpack16(load16(x + r * a.k + vec * kVec), xv[r]);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+  }
+  const int64_t n_begin = chunk * kLinearChunkRows;
+  const int64_t n_end = n_begin + kLinearChunkRows < a.n ? n_begin + kLinearChunkRows : a.n;
+#pragma unroll 4
+  for (int64_t n = n_begin; n < n_end; ++n) {  // ascending n
+    float wv[kVec], dw[kVec];
+    unpack16(load16(w + n * a.k + vec * kVec), wv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) dw[e] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= a.rows) break;
+      const float g = a.grad[r * a.n + n];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        acc[r][e] = num::fma32(g, wv[e], acc[r][e]);
+        dw[e] = num::fma32(g, xv[r][e], dw[e]);
+      }
+    }
+    store_vec<T, kVec>(static_cast<T*>(a.d_weight) + n * a.k + vec * kVec, dw);
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= a.rows) break;
+    float4* dst = reinterpret_cast<float4*>(a.partials + (chunk * a.rows + r) * a.k + vec * kVec);
+#pragma unroll
+    for (int q = 0; q < kVec / 4; ++q)
+      dst[q] = make_float4(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
+  }
+}
+
+template <typename T>
+Status launch_linear_backward_fused(const LinearFusedArgs& a, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  const int64_t chunks = (a.n + kLinearChunkRows - 1) / kLinearChunkRows;
+  if (chunks == 0 || a.k == 0) return Status();
+  const dim3 grid(static_cast<unsigned>(chunks), blocks_for(a.k / Vec16<T>::kElems, kThreads));
+  if (a.rows <= 1)
+    linear_backward_weight_and_input_partials_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.rows <= 2)
+    linear_backward_weight_and_input_partials_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.rows <= 4)
+    linear_backward_weight_and_input_partials_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
+  else
+    linear_backward_weight_and_input_partials_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
+  return launch_status("linear_backward_weight_and_input_partials_kernel");
+}
+
+// The most rows of x the fused kernel takes in one pass (its registers: two
+// (kRows, 16-byte) arrays); more rows run the two kernels.
+constexpr int64_t kFusedMaxRows = 8;
+
 // d_W[n, k..k+3] = R(ascending-t fma chain of grad[t, n] * x[t, k]).
 template <typename X, typename Out>
 __global__ void linear_backward_weight_kernel(const float* grad, const X* x, Out* d_weight, int64_t rows, int64_t k,
@@ -249,6 +331,28 @@ Status linear_backward_input_partials(const LinearBackwardInputParams& p, Stream
   return dispatch_operand(p.weight.dtype, [&](auto tag) {
     return launch_linear_backward_input_partials<decltype(tag)>(a, launch_tuning().linear_partial_rows,
                                                                 as_cuda_stream(stream));
+  });
+}
+
+Status linear_backward_fused(const LinearBackwardInputParams& in, const LinearBackwardWeightParams& w, Stream stream,
+                             bool* launched) {
+  *launched = false;
+  // One operand dtype for x, W and d_W (the projection's), every row in one
+  // pass, and 16-byte vectors of x and d_W; otherwise the caller runs the two.
+  const int64_t rows = in.grad.shape[0], n = in.weight.shape[0], k = in.weight.shape[1];
+  const int64_t vector = in.weight.dtype == DType::kBF16 ? 8 : 4;
+  if (!w.d_weight.present() || w.x.dtype != in.weight.dtype || w.d_weight.dtype != in.weight.dtype ||
+      rows > kFusedMaxRows || k % vector != 0 || !address_aligned(in.weight.data, 16) ||
+      !address_aligned(w.x.data, 16) || !address_aligned(w.d_weight.data, 16))
+    return Status();
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(in.weight.device));
+  *launched = true;
+  if (rows == 0) return Status();
+  LinearFusedArgs a{in.grad.ptr<const float>(), in.weight.data, w.x.data, in.partials.ptr<float>(),
+                    w.d_weight.data, rows, k, n};
+  return dispatch_operand(in.weight.dtype, [&](auto tag) {
+    return launch_linear_backward_fused<decltype(tag)>(a, as_cuda_stream(stream));
   });
 }
 

@@ -517,6 +517,70 @@ TEST(LinearValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
   DETDIT_EXPECT_OK(linear_backward_weight(weights()));
 }
 
+// linear_backward_weight_and_input: the bytes of linear_backward_input then
+// linear_backward_weight, and a bad argument of either half, or an output that
+// overlaps the other half's tensors, is refused before anything is written.
+TEST(LinearBoth, EqualsTheTwoCallsAndRefusesBeforeWriting) {
+  const int64_t rows = 5, in_features = 64, out_features = 200;
+  HostTensor x = random_tensor(DType::kBF16, {rows, in_features}, 71);
+  HostTensor weight = random_tensor(DType::kBF16, {out_features, in_features}, 72, 0.0, 0.1);
+  HostTensor grad = random_tensor(DType::kF32, {rows, out_features}, 73);
+  HostTensor partials(DType::kF32, {chunks_of(out_features), rows, in_features});
+  HostTensor d_x[2] = {HostTensor(DType::kBF16, {rows, in_features}), HostTensor(DType::kBF16, {rows, in_features})};
+  HostTensor d_weight[2] = {HostTensor(DType::kBF16, {out_features, in_features}),
+                            HostTensor(DType::kBF16, {out_features, in_features})};
+  HostTensor d_bias[2] = {HostTensor(DType::kF32, {out_features}), HostTensor(DType::kF32, {out_features})};
+  auto input = [&](int i) {
+    LinearBackwardInputParams p;
+    p.grad = grad.view();
+    p.weight = weight.view();
+    p.partials = partials.view();
+    p.d_x = d_x[i].view();
+    return p;
+  };
+  auto weights = [&](int i) {
+    LinearBackwardWeightParams p;
+    p.grad = grad.view();
+    p.x = x.view();
+    p.d_weight = d_weight[i].view();
+    p.d_bias = d_bias[i].view();
+    return p;
+  };
+  DETDIT_ASSERT_OK(linear_backward_input(input(0)));
+  DETDIT_ASSERT_OK(linear_backward_weight(weights(0)));
+  DETDIT_ASSERT_OK(linear_backward_weight_and_input(weights(1), input(1)));
+  EXPECT_BITWISE_EQ(d_x[0], d_x[1]);
+  EXPECT_BITWISE_EQ(d_weight[0], d_weight[1]);
+  EXPECT_BITWISE_EQ(d_bias[0], d_bias[1]);
+
+  struct Case {
+    std::string name;
+    ErrorKind kind;
+    std::string part;
+    std::function<void(LinearBackwardWeightParams*, LinearBackwardInputParams*)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"d_weight dtype", ErrorKind::kType, "d_weight must be",
+       [&](auto* w, auto*) { w->d_weight.dtype = DType::kF16; }},
+      {"partials shape", ErrorKind::kValue, "partials must be (ceil(N/64), T, K)",
+       [&](auto*, auto* in) { in->partials = partials.view_as({1, 2 * rows, 2 * in_features}); }},
+      {"d_x absent", ErrorKind::kValue, "d_x", [&](auto*, auto* in) { in->d_x = TensorView(); }},
+      {"d_bias over d_x", ErrorKind::kValue, "overlap",
+       [&](auto* w, auto*) { w->d_bias = d_x[1].view_as({out_features}); }},
+  };
+  for (const Case& bad : cases) {
+    SCOPED_TRACE(bad.name);
+    for (HostTensor* t : {&partials, &d_x[1], &d_weight[1], &d_bias[1]}) t->fill_bytes(kCanary);
+    LinearBackwardWeightParams w = weights(1);
+    LinearBackwardInputParams in = input(1);
+    bad.edit(&w, &in);
+    const Status s = linear_backward_weight_and_input(w, in);
+    EXPECT_EQ(s.kind(), bad.kind) << s.to_string();
+    EXPECT_NE(s.message().find(bad.part), std::string::npos) << s.to_string();
+    EXPECT_TRUE(still_canary({&partials, &d_x[1], &d_weight[1], &d_bias[1]}));
+  }
+}
+
 TEST(LinearValidation, SiluBackwardRejectsBadArguments) {
   HostTensor grad = random_tensor(DType::kF32, {4, 8}, 71), pre = random_tensor(DType::kF32, {4, 8}, 72);
   HostTensor d_pre(DType::kF32, {4, 8});
