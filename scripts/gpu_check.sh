@@ -110,13 +110,14 @@ for stage in "${stages[@]}"; do
       done ;;
     profile)  # Nsight Compute of one call of each case's kernels (forward, backward, forward +
       # backward: the bench's three timings, one repeat, no warm-up), a CSV per case in its log;
-      # DETDIT_PROFILE_OP and DETDIT_PROFILE_CASES (`;`-separated case names) choose them
+      # DETDIT_PROFILE_OP and DETDIT_PROFILE_CASES (`;`-separated case names) choose them. Not
+      # --quick: its cases are the small ones, named differently
       profile_op=${DETDIT_PROFILE_OP:-gate_residual_rmsnorm}
       IFS=';' read -r -a profile_cases <<<"${DETDIT_PROFILE_CASES:-modulated bfloat16 H=5376 block_S32768_T3_B2 d_h;modulated bfloat16 H=5376 interleaved_S32768_T3_B2 d_h}"
       for case_name in "${profile_cases[@]}"; do
         run "profile_${profile_op}_$(echo "$case_name" | tr -c 'A-Za-z0-9_\n' '_')" 500 \
           ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-          --section MemoryWorkloadAnalysis --csv --page details "$build/detdit" bench --device cuda --quick \
+          --section MemoryWorkloadAnalysis --csv --page details "$build/detdit" bench --device cuda \
           --ops "$profile_op" --cases "$case_name" --repeats 1 --warmup 0
       done ;;
     ptx)  # the portable profile from PTX alone: compute_80 PTX, compiled for this GPU by the driver at
