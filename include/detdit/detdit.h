@@ -5,6 +5,7 @@
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/linear.h"
+#include "detdit/memory.h"
 #include "detdit/numerics.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"

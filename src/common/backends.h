@@ -141,7 +141,11 @@ struct ExtraRows {
   /* upload_tables(device, arrays, device_ptrs, owner): the int32 host arrays into one device */         \
   /* allocation; (*device_ptrs)[i] is array i's copy; *owner frees it */                                 \
   X(upload_tables, const Device&, const std::vector<const std::vector<int32_t>*>&,                       \
-    std::vector<const int32_t*>*, std::shared_ptr<void>*, Stream)
+    std::vector<const int32_t*>*, std::shared_ptr<void>*, Stream)                                        \
+  /* release_scratch_memory(device): the scratch pool's unused memory back to the driver */             \
+  X(release_scratch_memory, const Device&)                                                               \
+  /* scratch_reserved_bytes(device, bytes): what the scratch pool has mapped (0 before its first use) */ \
+  X(scratch_reserved_bytes, const Device&, uint64_t*)
 
 #define DETDIT_DECLARE_BACKEND_OP(name, ...) Status name(__VA_ARGS__);
 namespace cpu {

@@ -1,11 +1,13 @@
-// CPU scratch memory and the exact FP32 upcast (src/common/backends.h), and
-// scratch_tensor (src/common/scratch.h).
+// CPU scratch memory and the exact FP32 upcast (src/common/backends.h),
+// scratch_tensor (src/common/scratch.h) and release_scratch_memory
+// (include/detdit/memory.h).
 #include "common/scratch.h"
 
 #include <new>
 #include <string>
 
 #include "common/storage.h"
+#include "detdit/memory.h"
 #include "cpu/parallel.h"
 #include "cpu/unaligned.h"
 
@@ -37,6 +39,11 @@ Status upcast_to_f32(const TensorView& src, const TensorView& dst, Stream) {
 
 Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
   return backend::allocate_scratch(device, device, bytes, stream, owner);
+}
+
+Status release_scratch_memory(const Device& device) {
+  if (!device.is_cuda()) return Status();  // host scratch goes back to the heap when freed
+  return cuda::release_scratch_memory(device);
 }
 
 Status scratch_tensor(const Device& device, DType dtype, std::initializer_list<int64_t> shape, Stream stream,

@@ -1,0 +1,26 @@
+// detdit's scratch memory on CUDA devices.
+//
+// Backwards and composite ops take their temporaries (the canonical
+// reduction's chunk partials, FP32 copies, hidden activations) from one memory
+// pool per CUDA device that detdit owns, stream-ordered on the op's stream.
+// Freed temporaries stay mapped in the pool across host synchronisations, so a
+// call does not map its scratch again after the previous one was waited on;
+// the pool holds at most the largest scratch footprint its ops reached at
+// once. Nothing here changes a bit of any output.
+#pragma once
+
+#include "detdit/status.h"
+#include "detdit/tensor.h"
+
+namespace detdit {
+
+// Returns the memory of `device`'s scratch pool that no allocation holds to
+// the driver (cudaMemPoolTrimTo to 0). Memory whose stream-ordered free has
+// not completed stays in the pool: call it when no detdit op is in flight on
+// the device (after synchronising its streams). The next op maps what it needs
+// again. The CPU has no pool: OK, nothing to do. Thread safe.
+// Errors: RuntimeError when the CUDA device cannot be entered (a bad ordinal,
+// no GPU, a build without CUDA).
+Status release_scratch_memory(const Device& device);
+
+}  // namespace detdit

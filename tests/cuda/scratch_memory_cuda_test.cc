@@ -1,0 +1,71 @@
+// detdit's CUDA scratch pool (include/detdit/memory.h): the memory a freed
+// temporary used stays mapped across a host synchronisation (so the next call
+// does not map it again), and release_scratch_memory hands it back. Observed
+// through the pool's own mapped bytes (cuda::scratch_reserved_bytes), which
+// other processes on the GPU do not move.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "common/backends.h"
+#include "common/scratch.h"
+#include "cuda/cuda_test_util.h"
+#include "detdit/memory.h"
+
+namespace detdit {
+namespace testing {
+namespace {
+
+constexpr std::size_t kScratchBytes = std::size_t(256) << 20;
+
+uint64_t reserved(const Device& device) {
+  uint64_t bytes = 0;
+  const Status s = cuda::scratch_reserved_bytes(device, &bytes);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return bytes;
+}
+
+// A temporary of kScratchBytes, written, then freed on the default stream.
+void use_scratch(const Device& device) {
+  std::shared_ptr<void> owner;
+  const Status s = allocate_scratch(device, kScratchBytes, nullptr, &owner);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  DETDIT_CUDA_CHECK(cudaMemsetAsync(owner.get(), 0, kScratchBytes, nullptr));
+}
+
+TEST(ScratchMemoryCuda, AFreedTemporaryStaysMappedUntilReleased) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const Device device = Device::cuda(0);
+  DETDIT_CUDA_CHECK(cudaDeviceSynchronize());
+  ASSERT_TRUE(release_scratch_memory(device).ok());
+  EXPECT_EQ(reserved(device), 0u) << "nothing is allocated, yet the released pool keeps memory";
+
+  use_scratch(device);
+  // The device's default pool would give the memory back here (release threshold 0).
+  DETDIT_CUDA_CHECK(cudaDeviceSynchronize());
+  const uint64_t kept = reserved(device);
+  EXPECT_GE(kept, kScratchBytes) << "the freed scratch was unmapped at the synchronisation";
+
+  use_scratch(device);  // maps nothing new
+  DETDIT_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(reserved(device), kept);
+
+  const Status released = release_scratch_memory(device);
+  ASSERT_TRUE(released.ok()) << released.to_string();
+  EXPECT_EQ(reserved(device), 0u) << "release_scratch_memory left " << reserved(device) << " bytes mapped";
+}
+
+TEST(ScratchMemoryCuda, ABadOrdinalIsARuntimeError) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  int count = 0;
+  DETDIT_CUDA_CHECK(cudaGetDeviceCount(&count));
+  const Status s = release_scratch_memory(Device::cuda(count));
+  EXPECT_EQ(s.kind(), ErrorKind::kRuntime) << s.to_string();
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace detdit
