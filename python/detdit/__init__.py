@@ -212,4 +212,17 @@ def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
                                  _profile(numerics))[0]
 
 
+def release_scratch_memory(device="cuda"):
+    """Hand the memory of detdit's CUDA scratch pool on ``device`` that no allocation holds
+    back to the driver (docs/gpu.md). detdit's backwards and composite ops take their
+    temporaries from that pool, which keeps them mapped between calls; torch's
+    ``torch.cuda.empty_cache()`` does not reach it. Call it when no detdit op is in flight on
+    the device (after ``torch.cuda.synchronize()``). ``"cuda"`` without an index means the
+    current device; a CPU device has no pool (nothing to do). Other devices: ValueError."""
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    torch.ops.detdit.release_scratch_memory(where)
+
+
 from . import nn, safetensors  # noqa: E402,F401  (after the ops nn wraps)

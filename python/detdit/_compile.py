@@ -6,9 +6,10 @@ names as the ops' fake-kernel module from torch 2.4); on a torch without
 Contract:
 - Every ``torch.ops.detdit`` op but the plan constructors (``plan``, ``plan_from_rows``,
   ``sp_plan``: they validate data on the host, so a plan is built outside a compiled region)
-  has a fake kernel: each output's shape, dtype and device as the kernel allocates it
-  (ops.cpp, distributed.cpp: contiguous, ``at::empty``), ``None`` where the output mask (or
-  an absent table) leaves the kernel's output undefined. Plan-sized dims come from the plan.
+  and ``release_scratch_memory`` (memory management, outside any model) has a fake kernel:
+  each output's shape, dtype and device as the kernel allocates it (ops.cpp, distributed.cpp:
+  contiguous, ``at::empty``), ``None`` where the output mask (or an absent table) leaves the
+  kernel's output undefined. Plan-sized dims come from the plan.
 - A plan, ``IndexPlan`` or ``SpPlan``, is a graph input that tracing sees as a fake plan:
   :class:`FakeIndexPlan` / :class:`FakeSpPlan`, built from the C++ ``__obj_flatten__``
   (plan.h: a never-reused id and the sizes). Dynamo guards on those values, so a compiled

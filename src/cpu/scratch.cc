@@ -43,7 +43,9 @@ Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, 
 
 Status release_scratch_memory(const Device& device) {
   if (!device.is_cuda()) return Status();  // host scratch goes back to the heap when freed
-  return cuda::release_scratch_memory(device);
+  const Status s = cuda::release_scratch_memory(device);
+  if (s.ok()) return s;
+  return Status(s.kind(), "release_scratch_memory(" + device.to_string() + "): " + s.message());
 }
 
 Status scratch_tensor(const Device& device, DType dtype, std::initializer_list<int64_t> shape, Stream stream,

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "common/backends.h"
 #include "common/scratch.h"
@@ -64,6 +65,8 @@ TEST(ScratchMemoryCuda, ABadOrdinalIsARuntimeError) {
   DETDIT_CUDA_CHECK(cudaGetDeviceCount(&count));
   const Status s = release_scratch_memory(Device::cuda(count));
   EXPECT_EQ(s.kind(), ErrorKind::kRuntime) << s.to_string();
+  EXPECT_NE(s.message().find("release_scratch_memory(cuda:" + std::to_string(count) + ")"), std::string::npos)
+      << s.to_string();
 }
 
 }  // namespace

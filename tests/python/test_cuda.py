@@ -198,3 +198,26 @@ def test_gate_residual_rmsnorm_equals_separate_ops_and_cpu(dtype, modulated):
             assert_bitwise_equal(got, want, f"{numerics} CUDA fused vs separate ops: {name}")
     for name, got, want in zip(names, run("cuda", True, "portable"), cpu):
         assert_bitwise_equal(got, want, f"portable CUDA vs CPU: {name}")
+
+
+def test_release_scratch_memory_between_backwards_keeps_the_bits():
+    # The fused backward takes its partials from detdit's scratch pool; releasing the pool
+    # between two identical backwards (each after a synchronisation) maps them anew and must
+    # not change a byte. "cuda" without an index is the current device.
+    batch, seq, timesteps, hidden = 2, 300, 2, 1088
+    ti, tags = packing(seq, timesteps, 260)
+    plan = plans("cuda", ti, tags, timesteps, batch)
+    inputs = leaves_on("cuda", normal((batch, seq, hidden), 261), normal((batch, seq, hidden), 262),
+                       normal((3 * timesteps, hidden), 263), 1 + normal((hidden,), 264, scale=0.05))
+
+    def grads():
+        h, out = detdit.gate_residual_rmsnorm(*inputs, plan=plan)
+        return torch.autograd.grad((out * out).sum() + h.sum(), inputs)
+
+    first = grads()
+    torch.cuda.synchronize()
+    detdit.release_scratch_memory("cuda")
+    detdit.release_scratch_memory(torch.device("cuda", torch.cuda.current_device()))
+    second = grads()
+    for name, a, b in zip(["d_residual", "d_y", "d_gate", "d_weight"], second, first):
+        assert_bitwise_equal(a, b, f"after release_scratch_memory: {name}")

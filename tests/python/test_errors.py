@@ -106,3 +106,11 @@ def test_failed_call_leaves_inputs_unchanged(case):
         detdit.gate_residual(x, x[:, :20], table, case["plan"])
     for t, b in zip((x, table), before):
         assert torch.equal(t, b)
+
+
+def test_release_scratch_memory_takes_a_cpu_or_cuda_device():
+    assert detdit.release_scratch_memory("cpu") is None  # the CPU has no pool: nothing to do
+    with pytest.raises(ValueError, match="release_scratch_memory: device must be a cpu or cuda device, got meta"):
+        detdit.release_scratch_memory("meta")
+    with pytest.raises(RuntimeError, match=r"release_scratch_memory\(cuda:100\)"):  # no such device, or no CUDA
+        detdit.release_scratch_memory(torch.device("cuda", 100))

@@ -8,8 +8,8 @@
 // kernels of an op are the same function (ops.h, distributed.h): detdit
 // dispatches on the tensors' device, and CUDA work runs on torch's current
 // stream. The Autograd kernel is the op's Function (autograd.h). The plan
-// constructors have one kernel for every key (they take no differentiable
-// input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
+// constructors and release_scratch_memory have one kernel for every key
+// (they take no differentiable input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
 // not optional (ops.h says why); rmsnorm.plan's Autograd kernel is rmsnorm's
 // Function. The classes' __obj_flatten__ (plan.h) and, from torch 2.4, the
 // Python module of the fake kernels (detdit._compile, which torch imports
@@ -22,6 +22,7 @@
 #include <string>
 
 #include "autograd.h"
+#include "detdit/memory.h"
 #include "distributed.h"
 #include "ops.h"
 #include "plan.h"
@@ -158,6 +159,17 @@ int64_t plan_has_no_len(const c10::intrusive_ptr<Holder>&) {
   return 0;
 }
 
+// detdit's CUDA scratch pool of `device` back to the driver
+// (include/detdit/memory.h); the CPU has no pool. The Python wrapper resolves
+// an index-less "cuda" to the current device.
+void release_scratch_memory(c10::Device device) {
+  if (device.is_cpu()) return;
+  if (!device.is_cuda())
+    raise(detdit::Status::value_error("release_scratch_memory: device must be a cpu or cuda device, got " +
+                                      device.str()));
+  check_ok(detdit::release_scratch_memory(detdit::Device::cuda(device.has_index() ? device.index() : 0)));
+}
+
 }  // namespace
 }  // namespace detdit_torch
 
@@ -237,6 +249,8 @@ TORCH_LIBRARY(detdit, m) {
   m.def("plan(Tensor timestep_indices, Tensor token_tags, int num_timesteps, int batch) -> " DETDIT_PLAN,
         &make_plan);
   m.def("plan_from_rows(Tensor row_index, int num_rows, int batch) -> " DETDIT_PLAN, &make_plan_from_rows);
+  // Memory management, not part of a model: no tensor argument, one kernel for every key.
+  m.def("release_scratch_memory(Device device) -> ()", &release_scratch_memory);
 
   def_op<TimestepSinusoidFunction>(
       m,
