@@ -250,7 +250,22 @@ Status linear_backward_weight_and_input(const LinearBackwardWeightParams& weight
   DETDIT_RETURN_IF_ERROR(validate_weight_grads(weight_grads));
   DETDIT_RETURN_IF_ERROR(validate_partials_call(input_grad));
   DETDIT_RETURN_IF_ERROR(validate_fold_call(input_grad));
-  DETDIT_RETURN_IF_ERROR(check::same_device(weight_grads.grad, "weight_grads.grad", input_grad.grad, "input_grad.grad"));
+  // One linear: the fused kernel reads both gradients' grad and sizes from input_grad, so
+  // the two sets must describe the same (T, N) grad and the same K.
+  const TensorView& grad = input_grad.grad;
+  bool same_grad = weight_grads.grad.data == grad.data && weight_grads.grad.device == grad.device &&
+                   weight_grads.grad.dtype == grad.dtype && weight_grads.grad.rank == grad.rank;
+  for (int d = 0; same_grad && d < grad.rank; ++d)
+    same_grad = weight_grads.grad.shape[d] == grad.shape[d] && weight_grads.grad.strides[d] == grad.strides[d];
+  if (!same_grad)
+    return Status::value_error("weight_grads.grad must be input_grad.grad (both gradients of one linear), got " +
+                               weight_grads.grad.describe() + " and " + grad.describe());
+  DETDIT_RETURN_IF_ERROR(check::shape(weight_grads.x, "x", {grad.shape[0], input_grad.weight.shape[1]},
+                                      "(T, K) with weight's K"));
+  for (auto [out, name] : NamedList{{input_grad.partials, "partials"}, {input_grad.d_x, "d_x"}}) {
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, grad, "grad"));
+    DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.weight, "weight"));
+  }
   for (auto [out, name] : NamedList{{weight_grads.d_weight, "d_weight"}, {weight_grads.d_bias, "d_bias"}}) {
     DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.partials, "partials"));
     DETDIT_RETURN_IF_ERROR(check::no_alias(out, name, input_grad.d_x, "d_x"));

@@ -69,7 +69,9 @@ Status linear_backward_weight(const LinearBackwardWeightParams& params, Stream s
 
 // Both gradients of one linear (weight_grads as linear_backward_weight, input_grad as
 // linear_backward_input with its partials given), every argument validated before anything
-// is written: the same bytes as the two calls. On CUDA, where x, weight and d_weight share a
+// is written: the same bytes as the two calls. One linear: weight_grads.grad must be the
+// same view as input_grad.grad and x must be (T, K) with weight's K (ValueError), and no
+// output may overlap an input of either set. On CUDA, where x, weight and d_weight share a
 // dtype, T <= 8 and the rows are 16-byte aligned, d_weight and the d_x chunk partials come
 // from one read of the weight.
 Status linear_backward_weight_and_input(const LinearBackwardWeightParams& weight_grads,

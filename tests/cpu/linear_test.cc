@@ -530,6 +530,10 @@ TEST(LinearBoth, EqualsTheTwoCallsAndRefusesBeforeWriting) {
   HostTensor d_weight[2] = {HostTensor(DType::kBF16, {out_features, in_features}),
                             HostTensor(DType::kBF16, {out_features, in_features})};
   HostTensor d_bias[2] = {HostTensor(DType::kF32, {out_features}), HostTensor(DType::kF32, {out_features})};
+  // Arguments each set alone accepts, which do not describe one linear together.
+  HostTensor other_grad = random_tensor(DType::kF32, {rows, out_features}, 74);
+  HostTensor wide_x = random_tensor(DType::kBF16, {rows, 2 * in_features}, 75);
+  HostTensor wide_d_weight(DType::kBF16, {out_features, 2 * in_features});
   auto input = [&](int i) {
     LinearBackwardInputParams p;
     p.grad = grad.view();
@@ -567,6 +571,15 @@ TEST(LinearBoth, EqualsTheTwoCallsAndRefusesBeforeWriting) {
       {"d_x absent", ErrorKind::kValue, "d_x", [&](auto*, auto* in) { in->d_x = TensorView(); }},
       {"d_bias over d_x", ErrorKind::kValue, "overlap",
        [&](auto* w, auto*) { w->d_bias = d_x[1].view_as({out_features}); }},
+      {"two grads", ErrorKind::kValue, "weight_grads.grad must be input_grad.grad",
+       [&](auto* w, auto*) { w->grad = other_grad.view(); }},
+      {"x of another K", ErrorKind::kValue, "x must be (T, K) with weight's K",
+       [&](auto* w, auto*) {
+         w->x = wide_x.view();
+         w->d_weight = wide_d_weight.view();
+       }},
+      {"d_x over grad", ErrorKind::kValue, "overlap",
+       [&](auto*, auto* in) { in->d_x = grad.view_as({rows, in_features}); }},
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.name);
