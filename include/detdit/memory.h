@@ -4,9 +4,13 @@
 // reduction's chunk partials, FP32 copies, hidden activations) from one memory
 // pool per CUDA device that detdit owns, stream-ordered on the op's stream.
 // Freed temporaries stay mapped in the pool across host synchronisations, so a
-// call does not map its scratch again after the previous one was waited on;
-// the pool holds at most the largest scratch footprint its ops reached at
-// once. Nothing here changes a bit of any output.
+// call does not map its scratch again after the previous one was waited on.
+// The pool keeps what it mapped (about the largest scratch its ops held at
+// once; CUDA does not bound it exactly) until release_scratch_memory, or until
+// an allocation finds the device full, which trims the pool and tries once
+// more. Other allocators (torch's caching allocator) cannot take that memory
+// meanwhile. Scratch taken inside a CUDA-graph capture belongs to the graph,
+// not to the pool. Nothing here changes a bit of any output.
 #pragma once
 
 #include "detdit/status.h"
@@ -19,8 +23,8 @@ namespace detdit {
 // not completed stays in the pool: call it when no detdit op is in flight on
 // the device (after synchronising its streams). The next op maps what it needs
 // again. The CPU has no pool: OK, nothing to do. Thread safe.
-// Errors: RuntimeError when the CUDA device cannot be entered (a bad ordinal,
-// no GPU, a build without CUDA).
+// Errors: RuntimeError for an ordinal this process has no device for, no GPU,
+// or a build without CUDA; the message starts "release_scratch_memory(cuda:N)".
 Status release_scratch_memory(const Device& device);
 
 }  // namespace detdit

@@ -219,10 +219,7 @@ def release_scratch_memory(device="cuda"):
     ``torch.cuda.empty_cache()`` does not reach it. Call it when no detdit op is in flight on
     the device (after ``torch.cuda.synchronize()``). ``"cuda"`` without an index means the
     current device; a CPU device has no pool (nothing to do). Other devices: ValueError."""
-    where = torch.device(device)
-    if where.type == "cuda" and where.index is None:
-        where = torch.device("cuda", torch.cuda.current_device())
-    torch.ops.detdit.release_scratch_memory(where)
+    torch.ops.detdit.release_scratch_memory(torch.device(device))
 
 
 from . import nn, safetensors  # noqa: E402,F401  (after the ops nn wraps)

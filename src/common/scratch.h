@@ -23,9 +23,9 @@ namespace detdit {
 
 // The backends' allocate_scratch (backends.h): cpu:: takes 64-byte aligned
 // host memory (so every scratch view meets linear's 16-byte rule) and turns
-// std::bad_alloc into a RuntimeError; cuda:: takes cudaMallocAsync memory on
-// `stream`, 256-byte aligned, freed with cudaFreeAsync on `stream` when the
-// last copy of *owner is destroyed.
+// std::bad_alloc into a RuntimeError; cuda:: takes memory from detdit's pool
+// of the device (src/cuda/memory.cu) on `stream`, 256-byte aligned, freed with
+// cudaFreeAsync on `stream` when the last copy of *owner is destroyed.
 
 // `bytes` of scratch memory on `device` (its backend's allocate_scratch).
 Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner);

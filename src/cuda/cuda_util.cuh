@@ -50,8 +50,13 @@ class DeviceGuard {
   Status enter(const Device& device) {
     DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&previous_), "cudaGetDevice"));
     if (previous_ != device.index) {
-      DETDIT_RETURN_IF_ERROR(
-          cuda_status(cudaSetDevice(device.index), "cudaSetDevice(" + std::to_string(device.index) + ")"));
+      const cudaError_t set = cudaSetDevice(device.index);
+      if (set != cudaSuccess) {
+        // The failed call is also the thread's last error: clear it, or the next launch
+        // check (ours or the caller's) would report it.
+        cudaGetLastError();
+        return cuda_status(set, "cudaSetDevice(" + std::to_string(device.index) + ")");
+      }
       restore_ = true;
     }
     return Status();

@@ -9,9 +9,10 @@
 //     at every synchronisation (its release threshold is 0), so an op called
 //     between host syncs, as a trainer's step or a timing loop does, would map
 //     its scratch again each call (on an H200 6-19 % of a backward timed on
-//     its own: docs/benchmarking.md). The pool holds the largest scratch
-//     footprint reached, for detdit's use only, until release_scratch_memory
-//     (include/detdit/memory.h).
+//     its own: docs/benchmarking.md). The pool keeps what its scratch mapped,
+//     for detdit's use only, until release_scratch_memory
+//     (include/detdit/memory.h) or an allocation that finds the device full
+//     (which trims the pool and tries once more).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,29 +43,55 @@ constexpr int kMaxDevices = 64;
 std::mutex scratch_pools_mutex;
 cudaMemPool_t scratch_pools[kMaxDevices] = {};  // made on first use, then kept for the process
 
-// The scratch pool of device `ordinal`, made on first use and never destroyed
-// (the runtime may be gone at exit).
-Status scratch_pool(int ordinal, cudaMemPool_t* pool) {
-  if (ordinal < 0 || ordinal >= kMaxDevices)
+// RuntimeError unless `ordinal` names a CUDA device of this process (asks the
+// runtime only: no context is made).
+Status check_ordinal(int ordinal) {
+  int count = 0;
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
+  if (ordinal < 0 || ordinal >= count)
+    return Status::runtime_error("no CUDA device " + std::to_string(ordinal) + " (this process sees " +
+                                 std::to_string(count) + ")");
+  if (ordinal >= kMaxDevices)
     return Status::runtime_error("CUDA device " + std::to_string(ordinal) + ": detdit's scratch pools cover devices 0.." +
                                  std::to_string(kMaxDevices - 1));
+  return Status();
+}
+
+// The scratch pool of device `ordinal` (checked), made on first use and never
+// destroyed (the runtime may be gone at exit). Made in relaxed capture mode:
+// the first op may run inside a stream capture, whose global mode refuses the
+// pool's creation.
+Status scratch_pool(int ordinal, cudaMemPool_t* pool) {
   std::lock_guard<std::mutex> lock(scratch_pools_mutex);
   if (scratch_pools[ordinal] == nullptr) {
     cudaMemPoolProps props = {};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = ordinal;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    DETDIT_RETURN_IF_ERROR(cuda_status(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode"));
     cudaMemPool_t made = nullptr;
-    DETDIT_RETURN_IF_ERROR(cuda_status(cudaMemPoolCreate(&made, &props), "cudaMemPoolCreate for scratch"));
-    // Keep every mapped byte across synchronisations (the reason for the pool).
-    uint64_t keep_all = UINT64_MAX;
-    const cudaError_t set = cudaMemPoolSetAttribute(made, cudaMemPoolAttrReleaseThreshold, &keep_all);
-    if (set != cudaSuccess) {
-      cudaMemPoolDestroy(made);
-      return cuda_status(set, "cudaMemPoolSetAttribute(release threshold) of the scratch pool");
+    cudaError_t err = cudaMemPoolCreate(&made, &props);
+    const char* what = "cudaMemPoolCreate for scratch";
+    if (err == cudaSuccess) {
+      // Keep every mapped byte across synchronisations (the reason for the pool).
+      uint64_t keep_all = UINT64_MAX;
+      err = cudaMemPoolSetAttribute(made, cudaMemPoolAttrReleaseThreshold, &keep_all);
+      what = "cudaMemPoolSetAttribute(release threshold) of the scratch pool";
+      if (err != cudaSuccess) cudaMemPoolDestroy(made);
     }
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    DETDIT_RETURN_IF_ERROR(cuda_status(err, what));
     scratch_pools[ordinal] = made;
   }
+  *pool = scratch_pools[ordinal];
+  return Status();
+}
+
+// The pool of `ordinal` if one was made, else nullptr (the ordinal checked).
+Status existing_scratch_pool(int ordinal, cudaMemPool_t* pool) {
+  DETDIT_RETURN_IF_ERROR(check_ordinal(ordinal));
+  std::lock_guard<std::mutex> lock(scratch_pools_mutex);
   *pool = scratch_pools[ordinal];
   return Status();
 }
@@ -121,14 +148,24 @@ Status upload_tables(const Device& device, const std::vector<const std::vector<i
 }
 
 Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
+  DETDIT_RETURN_IF_ERROR(check_ordinal(device.index));
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(device));
   cudaStream_t s = as_cuda_stream(stream);
   cudaMemPool_t pool = nullptr;
   DETDIT_RETURN_IF_ERROR(scratch_pool(device.index, &pool));
+  const std::size_t request = bytes > 0 ? bytes : 256;
   void* memory = nullptr;
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaMallocFromPoolAsync(&memory, bytes > 0 ? bytes : 256, pool, s),
-                                     "cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes of scratch"));
+  cudaError_t err = cudaMallocFromPoolAsync(&memory, request, pool, s);
+  if (err == cudaErrorMemoryAllocation) {
+    // The pool keeps what earlier scratch mapped, which other allocators cannot take:
+    // hand back what no allocation holds, then try once more.
+    cudaGetLastError();
+    cudaMemPoolTrimTo(pool, 0);
+    err = cudaMallocFromPoolAsync(&memory, request, pool, s);
+  }
+  if (err != cudaSuccess) cudaGetLastError();
+  DETDIT_RETURN_IF_ERROR(cuda_status(err, "cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes of scratch"));
   const int ordinal = device.index;
   // Freed on the same stream, after every launch queued before the release.
   *owner = std::shared_ptr<void>(memory, [ordinal, s](void* p) {
@@ -142,20 +179,18 @@ Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, 
 }
 
 Status release_scratch_memory(const Device& device) {
-  DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(device));
-  std::lock_guard<std::mutex> lock(scratch_pools_mutex);
-  if (device.index < 0 || device.index >= kMaxDevices || scratch_pools[device.index] == nullptr) return Status();
-  return cuda_status(cudaMemPoolTrimTo(scratch_pools[device.index], 0), "cudaMemPoolTrimTo of the scratch pool");
+  cudaMemPool_t pool = nullptr;
+  DETDIT_RETURN_IF_ERROR(existing_scratch_pool(device.index, &pool));
+  if (pool == nullptr) return Status();  // nothing was ever taken on this device
+  return cuda_status(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo of the scratch pool");
 }
 
 Status scratch_reserved_bytes(const Device& device, uint64_t* bytes) {
-  DeviceGuard guard;
-  DETDIT_RETURN_IF_ERROR(guard.enter(device));
-  std::lock_guard<std::mutex> lock(scratch_pools_mutex);
   *bytes = 0;
-  if (device.index < 0 || device.index >= kMaxDevices || scratch_pools[device.index] == nullptr) return Status();
-  return cuda_status(cudaMemPoolGetAttribute(scratch_pools[device.index], cudaMemPoolAttrReservedMemCurrent, bytes),
+  cudaMemPool_t pool = nullptr;
+  DETDIT_RETURN_IF_ERROR(existing_scratch_pool(device.index, &pool));
+  if (pool == nullptr) return Status();
+  return cuda_status(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, bytes),
                      "cudaMemPoolGetAttribute(reserved memory) of the scratch pool");
 }
 

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
                                    rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride
                              : nullptr;
   // Thread t's vectors j = t + 128*i, ascending i: the tree's order. The
-  // cached vectors stay in x's storage type (24 registers for bf16, not 48).
+  // cached vectors stay in x's storage type (16 registers for bf16, not 32).
   ElemVec<T, kVec> cached[kCachedForward];
   float s = 0.0f;
 #pragma unroll
@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
     load_elems<T, kVec, kVector>(g + j * kVec, d_n);
     d_n_of(j, d_n);
   };
-  // A cached vector: x and grad kept in their storage type (48 registers for
-  // bf16 instead of 96 for FP32 x and d_n); d_n is recomputed from them.
+  // A cached vector: x and grad kept in their storage type (32 registers for
+  // bf16 instead of 64 for FP32 x and d_n); d_n is recomputed from them.
   auto unpack = [&](int64_t j, const ElemVec<T, kVec>& xs, const ElemVec<T, kVec>& gs, float (&xv)[kVec],
                     float (&d_n)[kVec]) {
     widen(xs, xv);

@@ -1,6 +1,7 @@
 // detdit's CUDA scratch pool (include/detdit/memory.h): the memory a freed
 // temporary used stays mapped across a host synchronisation (so the next call
-// does not map it again), and release_scratch_memory hands it back. Observed
+// does not map it again), release_scratch_memory hands it back, and the first
+// scratch of a process may be taken inside a stream capture. Observed
 // through the pool's own mapped bytes (cuda::scratch_reserved_bytes), which
 // other processes on the GPU do not move.
 #include <cuda_runtime.h>
@@ -57,6 +58,33 @@ TEST(ScratchMemoryCuda, AFreedTemporaryStaysMappedUntilReleased) {
   const Status released = release_scratch_memory(device);
   ASSERT_TRUE(released.ok()) << released.to_string();
   EXPECT_EQ(reserved(device), 0u) << "release_scratch_memory left " << reserved(device) << " bytes mapped";
+}
+
+// ctest runs each test in its own process, so this capture takes the process's
+// first scratch: the pool is made while the stream captures in global mode.
+TEST(ScratchMemoryCuda, TheFirstScratchMayBeTakenInsideACapture) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const Device device = Device::cuda(0);
+  cudaStream_t stream = nullptr;
+  DETDIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DETDIT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  Status taken;
+  {
+    std::shared_ptr<void> owner;
+    taken = allocate_scratch(device, kScratchBytes, stream, &owner);
+    if (taken.ok()) EXPECT_EQ(cudaMemsetAsync(owner.get(), 0, kScratchBytes, stream), cudaSuccess);
+  }  // the free is captured too
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  ASSERT_TRUE(taken.ok()) << taken.to_string();
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  cudaGraphExec_t exec = nullptr;
+  DETDIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  DETDIT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  DETDIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  DETDIT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  DETDIT_CUDA_CHECK(cudaGraphDestroy(graph));
+  DETDIT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(ScratchMemoryCuda, ABadOrdinalIsARuntimeError) {

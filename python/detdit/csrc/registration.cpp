@@ -17,6 +17,9 @@
 #include <Python.h>
 
 #include <torch/library.h>
+#ifdef DETDIT_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <cstring>
 #include <string>
@@ -160,14 +163,18 @@ int64_t plan_has_no_len(const c10::intrusive_ptr<Holder>&) {
 }
 
 // detdit's CUDA scratch pool of `device` back to the driver
-// (include/detdit/memory.h); the CPU has no pool. The Python wrapper resolves
-// an index-less "cuda" to the current device.
+// (include/detdit/memory.h); the CPU has no pool. "cuda" without an index is
+// torch's current device.
 void release_scratch_memory(c10::Device device) {
   if (device.is_cpu()) return;
   if (!device.is_cuda())
     raise(detdit::Status::value_error("release_scratch_memory: device must be a cpu or cuda device, got " +
                                       device.str()));
-  check_ok(detdit::release_scratch_memory(detdit::Device::cuda(device.has_index() ? device.index() : 0)));
+  int index = device.has_index() ? device.index() : 0;
+#ifdef DETDIT_TORCH_CUDA
+  if (!device.has_index()) index = c10::cuda::current_device();
+#endif
+  check_ok(detdit::release_scratch_memory(detdit::Device::cuda(index)));
 }
 
 }  // namespace
