@@ -28,6 +28,22 @@ namespace {
 // flight; the adds stay one ascending chain, so the bits do not change.
 constexpr int kFoldAhead = 32;
 
+// acc + value(0) + value(1) + ... + value(count - 1), one FP32 add at a time in
+// that order, with kFoldAhead values loaded before the first of them is added.
+template <typename Value>
+__device__ float add_ascending(float acc, int64_t count, Value value) {
+  int64_t i = 0;
+  for (; i + kFoldAhead <= count; i += kFoldAhead) {
+    float v[kFoldAhead];
+#pragma unroll
+    for (int u = 0; u < kFoldAhead; ++u) v[u] = value(i + u);
+#pragma unroll
+    for (int u = 0; u < kFoldAhead; ++u) acc = num::add32(acc, v[u]);
+  }
+  for (; i < count; ++i) acc = num::add32(acc, value(i));
+  return acc;
+}
+
 // The first k in [lo, hi) with ids[k] >= value (ids ascending), else hi.
 __device__ int32_t lower_bound(const int32_t* ids, int32_t lo, int32_t hi, int64_t value) {
   while (lo < hi) {
@@ -50,20 +66,13 @@ __global__ void fold_segment_partials_kernel(const float* partials, int64_t part
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // (r, j) of (R, W)
   if (i >= rows * width) return;
   const int64_t r = i / width, j = i % width;
-  float acc = running != nullptr ? running[r * running_stride + j] : 0.0f;
+  const float start = running != nullptr ? running[r * running_stride + j] : 0.0f;
   const int32_t last = row_segment_begin[r + 1];
-  // Row r's segments in [first, end): [k, stop) of row_segments (ascending ids).
+  // Row r's segments in [first, end): [k0, stop) of row_segments (ascending ids).
   const int32_t k0 = lower_bound(row_segments, row_segment_begin[r], last, first);
   const int32_t stop = lower_bound(row_segments, k0, last, end);
-  int32_t k = k0;
-  for (; k + kFoldAhead <= stop; k += kFoldAhead) {
-    float v[kFoldAhead];
-#pragma unroll
-    for (int u = 0; u < kFoldAhead; ++u) v[u] = partials[(row_segments[k + u] - first) * partial_stride + j];
-#pragma unroll
-    for (int u = 0; u < kFoldAhead; ++u) acc = num::add32(acc, v[u]);
-  }
-  for (; k < stop; ++k) acc = num::add32(acc, partials[(row_segments[k] - first) * partial_stride + j]);
+  const float acc = add_ascending(
+      start, stop - k0, [&](int64_t u) { return partials[(row_segments[k0 + u] - first) * partial_stride + j]; });
   out[r * out_stride + j] = from_float<Out>(acc);
 }
 
@@ -73,16 +82,8 @@ __global__ void fold_chunk_partials_kernel(const float* partials, int64_t partia
                                            Out* out, int64_t out_stride, int64_t width) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= width) return;
-  float acc = running != nullptr ? running[j * running_stride] : 0.0f;
-  int64_t c = 0;
-  for (; c + kFoldAhead <= chunks; c += kFoldAhead) {
-    float v[kFoldAhead];
-#pragma unroll
-    for (int u = 0; u < kFoldAhead; ++u) v[u] = partials[(c + u) * partial_stride + j];
-#pragma unroll
-    for (int u = 0; u < kFoldAhead; ++u) acc = num::add32(acc, v[u]);
-  }
-  for (; c < chunks; ++c) acc = num::add32(acc, partials[c * partial_stride + j]);
+  const float start = running != nullptr ? running[j * running_stride] : 0.0f;
+  const float acc = add_ascending(start, chunks, [&](int64_t c) { return partials[c * partial_stride + j]; });
   out[j * out_stride] = from_float<Out>(acc);
 }
 

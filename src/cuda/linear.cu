@@ -134,6 +134,21 @@ struct LinearPartialsArgs {
   int64_t rows, k, n;
 };
 
+// Rows t0 .. t0 + kRows - 1 (those < rows) of chunk `chunk`'s d_x partials at
+// columns [vec * kVec, +kVec): acc[r] to partials[chunk, t0 + r, vec * kVec ..].
+template <int kRows, int kVec>
+__device__ void store_partial_rows(float* partials, int64_t chunk, int64_t t0, int64_t rows, int64_t k, int64_t vec,
+                                   const float (&acc)[kRows][kVec]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (t0 + r >= rows) break;
+    float4* dst = reinterpret_cast<float4*>(partials + (chunk * rows + t0 + r) * k + vec * kVec);
+#pragma unroll
+    for (int q = 0; q < kVec / 4; ++q)
+      dst[q] = make_float4(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
+  }
+}
+
 // grid (chunks, K-vector blocks); one thread per 16-byte vector of columns.
 template <typename T, int kRows>
 __global__ void linear_backward_input_partials_kernel(LinearPartialsArgs a) {
@@ -161,14 +176,7 @@ __global__ void linear_backward_input_partials_kernel(LinearPartialsArgs a) {
         for (int e = 0; e < kVec; ++e) acc[r][e] = num::fma32(g, wv[e], acc[r][e]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (t0 + r >= a.rows) break;
-      float4* dst = reinterpret_cast<float4*>(a.partials + (chunk * a.rows + t0 + r) * a.k + vec * kVec);
-#pragma unroll
-      for (int q = 0; q < kVec / 4; ++q)
-        dst[q] = make_float4(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
-    }
+    store_partial_rows<kRows, kVec>(a.partials, chunk, t0, a.rows, a.k, vec, acc);
   }
 }
 
@@ -237,14 +245,7 @@ __global__ void linear_backward_weight_and_input_partials_kernel(LinearFusedArgs
     }
     store_vec<T, kVec>(static_cast<T*>(a.d_weight) + n * a.k + vec * kVec, dw);
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (r >= a.rows) break;
-    float4* dst = reinterpret_cast<float4*>(a.partials + (chunk * a.rows + r) * a.k + vec * kVec);
-#pragma unroll
-    for (int q = 0; q < kVec / 4; ++q)
-      dst[q] = make_float4(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
-  }
+  store_partial_rows<kRows, kVec>(a.partials, chunk, 0, a.rows, a.k, vec, acc);
 }
 
 template <typename T>
@@ -339,16 +340,14 @@ Status linear_backward_fused(const LinearBackwardInputParams& in, const LinearBa
   *launched = false;
   // One operand dtype for x, W and d_W (the projection's), every row in one
   // pass, and 16-byte vectors of x and d_W; otherwise the caller runs the two.
+  // W's alignment, K a multiple of its vector and T >= 1: validated already.
   const int64_t rows = in.grad.shape[0], n = in.weight.shape[0], k = in.weight.shape[1];
-  const int64_t vector = in.weight.dtype == DType::kBF16 ? 8 : 4;
   if (!w.d_weight.present() || w.x.dtype != in.weight.dtype || w.d_weight.dtype != in.weight.dtype ||
-      rows > kFusedMaxRows || k % vector != 0 || !address_aligned(in.weight.data, 16) ||
-      !address_aligned(w.x.data, 16) || !address_aligned(w.d_weight.data, 16))
+      rows > kFusedMaxRows || !address_aligned(w.x.data, 16) || !address_aligned(w.d_weight.data, 16))
     return Status();
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(in.weight.device));
   *launched = true;
-  if (rows == 0) return Status();
   LinearFusedArgs a{in.grad.ptr<const float>(), in.weight.data, w.x.data, in.partials.ptr<float>(),
                     w.d_weight.data, rows, k, n};
   return dispatch_operand(in.weight.dtype, [&](auto tag) {

@@ -43,25 +43,30 @@ constexpr int kMaxDevices = 64;
 std::mutex scratch_pools_mutex;
 cudaMemPool_t scratch_pools[kMaxDevices] = {};  // made on first use, then kept for the process
 
-// RuntimeError unless `ordinal` names a CUDA device of this process (asks the
-// runtime only: no context is made).
+// RuntimeError unless detdit's pools cover `ordinal`.
+Status check_pool_slot(int ordinal) {
+  if (ordinal >= 0 && ordinal < kMaxDevices) return Status();
+  return Status::runtime_error("CUDA device " + std::to_string(ordinal) + ": detdit's scratch pools cover devices 0.." +
+                               std::to_string(kMaxDevices - 1));
+}
+
+// RuntimeError unless `ordinal` names a CUDA device of this process that the
+// pools cover (asks the runtime only: no context is made).
 Status check_ordinal(int ordinal) {
   int count = 0;
   DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
   if (ordinal < 0 || ordinal >= count)
     return Status::runtime_error("no CUDA device " + std::to_string(ordinal) + " (this process sees " +
                                  std::to_string(count) + ")");
-  if (ordinal >= kMaxDevices)
-    return Status::runtime_error("CUDA device " + std::to_string(ordinal) + ": detdit's scratch pools cover devices 0.." +
-                                 std::to_string(kMaxDevices - 1));
-  return Status();
+  return check_pool_slot(ordinal);
 }
 
-// The scratch pool of device `ordinal` (checked), made on first use and never
-// destroyed (the runtime may be gone at exit). Made in relaxed capture mode:
-// the first op may run inside a stream capture, whose global mode refuses the
-// pool's creation.
+// The scratch pool of device `ordinal` (a device the caller entered), made on
+// first use and never destroyed (the runtime may be gone at exit). Made in
+// relaxed capture mode: the first op may run inside a stream capture, whose
+// global mode refuses the pool's creation.
 Status scratch_pool(int ordinal, cudaMemPool_t* pool) {
+  DETDIT_RETURN_IF_ERROR(check_pool_slot(ordinal));
   std::lock_guard<std::mutex> lock(scratch_pools_mutex);
   if (scratch_pools[ordinal] == nullptr) {
     cudaMemPoolProps props = {};
@@ -148,7 +153,6 @@ Status upload_tables(const Device& device, const std::vector<const std::vector<i
 }
 
 Status allocate_scratch(const Device& device, std::size_t bytes, Stream stream, std::shared_ptr<void>* owner) {
-  DETDIT_RETURN_IF_ERROR(check_ordinal(device.index));
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(device));
   cudaStream_t s = as_cuda_stream(stream);

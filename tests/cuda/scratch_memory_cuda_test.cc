@@ -72,7 +72,9 @@ TEST(ScratchMemoryCuda, TheFirstScratchMayBeTakenInsideACapture) {
   {
     std::shared_ptr<void> owner;
     taken = allocate_scratch(device, kScratchBytes, stream, &owner);
-    if (taken.ok()) EXPECT_EQ(cudaMemsetAsync(owner.get(), 0, kScratchBytes, stream), cudaSuccess);
+    if (taken.ok()) {
+      EXPECT_EQ(cudaMemsetAsync(owner.get(), 0, kScratchBytes, stream), cudaSuccess);
+    }
   }  // the free is captured too
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
