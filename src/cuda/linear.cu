@@ -3,16 +3,17 @@
 // fold_chunk_partials), d_W, d_b.
 //
 // Forward: each warp owns `columns` output columns and keeps one accumulator
-// per (column, row) for up to 8 rows of x, so a weight row streams once per
-// pass. Lane l walks the 16-byte vectors l, l+32, ... of the row
-// (fma in element order), then an XOR butterfly 16..1 sums the lanes: exactly
-// the order of numerics 5.2 for any columns-per-warp and block size.
+// per (column, row) for up to 8 rows of x (widened once into shared memory), so
+// a weight row streams once per pass. Lane l walks the 16-byte vectors l, l+32,
+// ... of the row (fma in element order), then an XOR butterfly 16..1 sums the
+// lanes: exactly the order of numerics 5.2 for any columns-per-warp and grid.
 // Backward: d_x partials[c, t, k] = ascending-n fma chain over the 64 rows of
 // chunk c (one thread per 16-byte column vector, grid (chunks, K blocks));
 // d_W and d_b are ascending-t chains.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/backends.h"
 #include "common/scalar_math.h"
@@ -26,6 +27,9 @@ namespace cuda {
 namespace {
 
 constexpr int kForwardWarps = 8;  // warps per block of the forward
+// x's shared-memory budget per block: 8 widened rows of the projection's K = 2688
+// (84 KB), two blocks per SM on sm_90 (228 KB), one on sm_80 (164 KB).
+constexpr int64_t kForwardSharedBytes = 96 * 1024;
 
 struct LinearForwardArgs {
   const void* x;       // (rows, k) T
@@ -37,94 +41,185 @@ struct LinearForwardArgs {
   bool silu, torch;
 };
 
-// kRows: rows of x per pass, one accumulator each (the smallest power of two
-// >= min(T, 8), so small T keeps few registers).
-template <typename T, typename Out, int kColumns, int kForwardRows>
-__global__ void __launch_bounds__(kForwardWarps* kWarpSize)
+// The XOR butterfly of numerics 5.2 (offsets 16, 8, 4, 2, 1) over kCount values
+// per lane, as a reduce-scatter: at offset o a lane keeps the half of its kLive
+// values that its bit o selects and adds its partner's copy of that half, so each
+// sum is one the full butterfly forms (IEEE addition commutes), with kCount - 1
+// shuffles instead of 5 kCount. After log2(kCount) offsets the lane holds the sum
+// of value lane / (32 / kCount) in v[0]; the offsets left are the plain butterfly.
+// (A template per halving, so every index is a constant and v stays in registers.)
+template <int kLive, int kCount>
+__device__ __forceinline__ void butterfly_halves(float (&v)[kCount], int lane, int offset) {
+  if constexpr (kLive > 1) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < kLive / 2; ++i) {
+      const float send = upper ? v[i] : v[i + kLive / 2];
+      const float keep = upper ? v[i + kLive / 2] : v[i];
+      v[i] = num::add32(keep, __shfl_xor_sync(kFullMask, send, offset));
+    }
+    butterfly_halves<kLive / 2>(v, lane, offset / 2);
+  }
+}
+template <int kCount>
+__device__ __forceinline__ float butterfly_reduce_scatter(float (&v)[kCount], int lane) {
+  static_assert(kCount >= 1 && kCount <= kWarpSize && (kCount & (kCount - 1)) == 0, "a power of two <= 32");
+  butterfly_halves<kCount>(v, lane, kWarpSize / 2);
+  float sum = v[0];
+#pragma unroll
+  for (int offset = kWarpSize / 2 / kCount; offset >= 1; offset /= 2)
+    sum = num::add32(sum, __shfl_xor_sync(kFullMask, sum, offset));
+  return sum;
+}
+
+// Persistent blocks; each warp takes groups of kColumns output columns (grid
+// stride) and keeps one accumulator per (column, row) for kRows rows of x, so a
+// weight row streams once per pass of kRows rows. Lane l walks the 16-byte
+// vectors l, l+32, ... of the rows (fma in element order) with the next vector's
+// loads in flight, then butterfly_reduce_scatter sums the lanes: the order of
+// numerics 5.2 for any columns, rows per pass and grid.
+// kSharedX: the pass's x rows are widened once into shared memory, laid out
+// [row][half][vector][4 floats] so that a lane's two 16-byte reads of a bf16
+// vector (elements 0-3, 4-7) are consecutive across the warp (no bank
+// conflicts; fp32 has one half). Otherwise x is read (and widened) from global
+// memory per vector, through L1, for K too wide for the budget.
+template <typename T, typename Out, int kColumns, int kRows, bool kSharedX>
+__global__ void __launch_bounds__(kForwardWarps* kWarpSize, 2)
     linear_forward_warp_per_columns_kernel(LinearForwardArgs a) {
+  extern __shared__ __align__(16) float x_shared[];  // (kRows, halves, vectors, 4) when kSharedX
   constexpr int kVec = Vec16<T>::kElems;
-  static_assert(kColumns * kForwardRows <= kWarpSize, "one lane writes each (column, row) result");
+  constexpr int kHalves = kVec / 4;
+  constexpr int kOutputs = kColumns * kRows;  // accumulators per lane, (column, row) at column * kRows + row
+  static_assert(kOutputs <= kWarpSize, "one lane writes each (column, row) result");
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t first_column = (static_cast<int64_t>(blockIdx.x) * kForwardWarps + threadIdx.x / kWarpSize) * kColumns;
-  if (first_column >= a.n) return;  // the whole warp leaves together
   const T* x = static_cast<const T*>(a.x);
   const T* w = static_cast<const T*>(a.weight);
   const int64_t vectors = a.k / kVec;  // 16-byte vectors per row
-  for (int64_t t0 = 0; t0 < a.rows; t0 += kForwardRows) {
-    float acc[kColumns][kForwardRows];
+  const int64_t groups = (a.n + kColumns - 1) / kColumns;
+  for (int64_t t0 = 0; t0 < a.rows; t0 += kRows) {
+    const int rows = a.rows - t0 < kRows ? static_cast<int>(a.rows - t0) : kRows;  // rows of this pass
+    if constexpr (kSharedX) {
+      __syncthreads();  // the previous pass has read x_shared
+      for (int64_t i = threadIdx.x; i < rows * vectors; i += blockDim.x) {
+        const int64_t r = i / vectors, j = i % vectors;
+        float v[kVec];
+        unpack16(load16(x + (t0 + r) * a.k + j * kVec), v);
 #pragma unroll
-    for (int c = 0; c < kColumns; ++c)
+        for (int h = 0; h < kHalves; ++h)
+          reinterpret_cast<float4*>(x_shared)[(r * kHalves + h) * vectors + j] =
+              make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+      }
+      __syncthreads();
+    }
+    for (int64_t group = static_cast<int64_t>(blockIdx.x) * kForwardWarps + threadIdx.x / kWarpSize; group < groups;
+         group += static_cast<int64_t>(gridDim.x) * kForwardWarps) {
+      const int64_t first_column = group * kColumns;
+      // Columns past n read column first_column's weights; their sums are not stored.
+      const T* w_row[kColumns];
 #pragma unroll
-      for (int r = 0; r < kForwardRows; ++r) acc[c][r] = 0.0f;
-    for (int64_t j = lane; j < vectors; j += kWarpSize) {
-      float wv[kColumns][kVec];  // W[first_column + c, j*kVec + e]
+      for (int c = 0; c < kColumns; ++c) w_row[c] = w + (first_column + c < a.n ? first_column + c : first_column) * a.k;
+      float acc[kOutputs];
 #pragma unroll
-      for (int c = 0; c < kColumns; ++c) {
-        if (first_column + c < a.n) {
-          unpack16(load16(w + (first_column + c) * a.k + j * kVec), wv[c]);
-        } else {
+      for (int i = 0; i < kOutputs; ++i) acc[i] = 0.0f;
+      uint4 next[kColumns];  // W[first_column + c, j*kVec ..] of the lane's next vector j
+      if (lane < vectors) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) wv[c][e] = 0.0f;
+        for (int c = 0; c < kColumns; ++c) next[c] = load16(w_row[c] + lane * kVec);
+      }
+      for (int64_t j = lane; j < vectors; j += kWarpSize) {
+        float wv[kColumns][kVec];
+#pragma unroll
+        for (int c = 0; c < kColumns; ++c) unpack16(next[c], wv[c]);
+        if (j + kWarpSize < vectors) {
+#pragma unroll
+          for (int c = 0; c < kColumns; ++c) next[c] = load16(w_row[c] + (j + kWarpSize) * kVec);
+        }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r < rows) {  // a guard, not a break: the loop stays unrolled and acc in registers
+            float xv[kVec];  // x[t0 + r, j*kVec + e]
+            if constexpr (kSharedX) {
+#pragma unroll
+              for (int h = 0; h < kHalves; ++h) {
+                const float4 q = reinterpret_cast<const float4*>(x_shared)[(r * kHalves + h) * vectors + j];
+                xv[4 * h] = q.x;
+                xv[4 * h + 1] = q.y;
+                xv[4 * h + 2] = q.z;
+                xv[4 * h + 3] = q.w;
+              }
+            } else {
+              unpack16(load16(x + (t0 + r) * a.k + j * kVec), xv);
+            }
+#pragma unroll
+            for (int c = 0; c < kColumns; ++c)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) acc[c * kRows + r] = num::fma32(xv[e], wv[c][e], acc[c * kRows + r]);
+          }
         }
       }
-#pragma unroll
-      for (int r = 0; r < kForwardRows; ++r) {
-        if (t0 + r >= a.rows) break;
-        float xv[kVec];  // x[t0 + r, j*kVec + e]
-        unpack16(load16(x + (t0 + r) * a.k + j * kVec), xv);
-#pragma unroll
-        for (int c = 0; c < kColumns; ++c)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[c][r] = num::fma32(xv[e], wv[c][e], acc[c][r]);
-      }
-    }
-    // XOR butterfly: every lane ends with the same sum.
-#pragma unroll
-    for (int c = 0; c < kColumns; ++c)
-#pragma unroll
-      for (int r = 0; r < kForwardRows; ++r)
-#pragma unroll
-        for (int offset = 16; offset >= 1; offset /= 2)
-          acc[c][r] = num::add32(acc[c][r], __shfl_xor_sync(kFullMask, acc[c][r], offset));
-#pragma unroll
-    for (int c = 0; c < kColumns; ++c) {
-#pragma unroll
-      for (int r = 0; r < kForwardRows; ++r) {
-        const int64_t n = first_column + c, t = t0 + r;
-        if (lane != c * kForwardRows + r || n >= a.n || t >= a.rows) continue;
-        float v = acc[c][r];
-        if (a.bias) v = num::add32(v, to_float(static_cast<const T*>(a.bias)[n]));
-        if (a.pre) a.pre[t * a.n + n] = v;
-        if (a.silu) v = silu_p(v, a.torch);
-        static_cast<Out*>(a.out)[t * a.n + n] = from_float<Out>(v);
-      }
+      const float sum = butterfly_reduce_scatter(acc, lane);
+      constexpr int kLanesPerOutput = kWarpSize / kOutputs;
+      const int c = lane / kLanesPerOutput / kRows, r = lane / kLanesPerOutput % kRows;
+      const int64_t n = first_column + c, t = t0 + r;
+      if (lane % kLanesPerOutput != 0 || n >= a.n || r >= rows) continue;
+      float v = sum;
+      if (a.bias) v = num::add32(v, to_float(static_cast<const T*>(a.bias)[n]));
+      if (a.pre) a.pre[t * a.n + n] = v;
+      if (a.silu) v = silu_p(v, a.torch);
+      static_cast<Out*>(a.out)[t * a.n + n] = from_float<Out>(v);
     }
   }
 }
 
-template <typename T, typename Out, int kColumns>
-void launch_linear_forward_rows(const LinearForwardArgs& a, unsigned blocks, cudaStream_t stream) {
+// As many blocks as stay resident (at most one per 8 column groups); x_bytes of
+// shared memory each.
+template <typename T, typename Out, int kColumns, int kRows, bool kSharedX>
+Status launch_linear_forward_pass(const LinearForwardArgs& a, int64_t x_bytes, cudaStream_t stream) {
+  const auto kernel = linear_forward_warp_per_columns_kernel<T, Out, kColumns, kRows, kSharedX>;
   const int threads = kForwardWarps * kWarpSize;
-  if (a.rows >= 8)
-    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 8><<<blocks, threads, 0, stream>>>(a);
-  else if (a.rows >= 3)
-    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 4><<<blocks, threads, 0, stream>>>(a);
-  else if (a.rows == 2)
-    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 2><<<blocks, threads, 0, stream>>>(a);
-  else
-    linear_forward_warp_per_columns_kernel<T, Out, kColumns, 1><<<blocks, threads, 0, stream>>>(a);
+  const int shared = static_cast<int>(x_bytes);
+  if (shared > 48 * 1024)  // above 48 KB a kernel must opt in
+    DETDIT_RETURN_IF_ERROR(cuda_status(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared), "cudaFuncSetAttribute"));
+  int device = 0, sms = 0, resident = 0;
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  DETDIT_RETURN_IF_ERROR(
+      cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, shared),
+                                     "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+  const int64_t needed = blocks_for((a.n + kColumns - 1) / kColumns, kForwardWarps);
+  const int64_t most = static_cast<int64_t>(sms) * (resident > 0 ? resident : 1);
+  kernel<<<static_cast<unsigned>(needed < most ? needed : most), threads, shared, stream>>>(a);
+  return launch_status("linear_forward_warp_per_columns_kernel");
+}
+
+// Rows per pass: the smallest power of two >= min(T, 8), so small T keeps few
+// registers; x in shared memory when that many widened rows fit the budget.
+template <typename T, typename Out, int kColumns>
+Status launch_linear_forward_rows(const LinearForwardArgs& a, bool shared_x, cudaStream_t stream) {
+  const int rows = a.rows >= 8 ? 8 : a.rows >= 3 ? 4 : static_cast<int>(a.rows);
+  const int64_t x_bytes = rows * a.k * static_cast<int64_t>(sizeof(float));
+  const auto pass = [&](auto rows_tag) {
+    constexpr int kRows = decltype(rows_tag)::value;
+    if (shared_x && x_bytes <= kForwardSharedBytes)
+      return launch_linear_forward_pass<T, Out, kColumns, kRows, true>(a, x_bytes, stream);
+    return launch_linear_forward_pass<T, Out, kColumns, kRows, false>(a, 0, stream);
+  };
+  switch (rows) {
+    case 8: return pass(std::integral_constant<int, 8>{});
+    case 4: return pass(std::integral_constant<int, 4>{});
+    case 2: return pass(std::integral_constant<int, 2>{});
+    default: return pass(std::integral_constant<int, 1>{});
+  }
 }
 
 template <typename T, typename Out>
-Status launch_linear_forward(const LinearForwardArgs& a, int columns, cudaStream_t stream) {
-  const int64_t warps = (a.n + columns - 1) / columns;
-  const unsigned blocks = blocks_for(warps, kForwardWarps);
+Status launch_linear_forward(const LinearForwardArgs& a, int columns, bool shared_x, cudaStream_t stream) {
   switch (columns) {
-    case 1: launch_linear_forward_rows<T, Out, 1>(a, blocks, stream); break;
-    case 2: launch_linear_forward_rows<T, Out, 2>(a, blocks, stream); break;
-    default: launch_linear_forward_rows<T, Out, 4>(a, blocks, stream); break;
+    case 1: return launch_linear_forward_rows<T, Out, 1>(a, shared_x, stream);
+    case 2: return launch_linear_forward_rows<T, Out, 2>(a, shared_x, stream);
+    default: return launch_linear_forward_rows<T, Out, 4>(a, shared_x, stream);
   }
-  return launch_status("linear_forward_warp_per_columns_kernel");
 }
 
 struct LinearPartialsArgs {
@@ -316,10 +411,12 @@ Status linear_forward(const LinearParams& p, Stream stream) {
                       p.activation == Activation::kSilu, p.numerics == Numerics::kTorch};
   if (a.rows == 0 || a.n == 0) return Status();
   const int columns = launch_tuning().linear_columns_per_warp;
+  const bool shared_x = launch_tuning().linear_shared_x;
   return dispatch_operand(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (p.out.dtype == DType::kF32) return launch_linear_forward<T, float>(a, columns, as_cuda_stream(stream));
-    return launch_linear_forward<T, T>(a, columns, as_cuda_stream(stream));
+    if (p.out.dtype == DType::kF32)
+      return launch_linear_forward<T, float>(a, columns, shared_x, as_cuda_stream(stream));
+    return launch_linear_forward<T, T>(a, columns, shared_x, as_cuda_stream(stream));
   });
 }
 

@@ -10,6 +10,8 @@ namespace cuda {
 
 struct LaunchTuning {
   int linear_columns_per_warp = 4;   // linear forward: output columns per warp, 1, 2 or 4
+  bool linear_shared_x = true;       // linear forward: x widened into shared memory where it fits, or
+                                     // read from global memory per vector
   int linear_partial_rows = 4;       // linear d_x partials: rows of grad per pass, 1, 2 or 4
   int elementwise_threads = 256;     // threads per block of elementwise and fold kernels: 64..1024
   int vector_bytes = 16;             // widest access of gather / gate_residual forward: 16, 8, 4 or 2
