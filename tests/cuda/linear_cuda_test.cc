@@ -1,7 +1,10 @@
 // linear on CUDA: every case of cases/projection_cases.cc (bias / SiLU / pre-activation / fp32 output; d_x through
 // the chunk partials, given or internal scratch; d_W, d_b) byte-equal to the CPU reference at every launch tunable;
-// and the SiLU cast and VJP the projections use.
+// the chunk fold d_x goes through at the edges of its kernels; and the SiLU cast and VJP the projections use.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
 
 #include "common/backends.h"
 #include "cuda/cuda_test_util.h"
@@ -33,6 +36,45 @@ TEST(LinearCuda, EveryLaunchTuningGivesTheSameBytes) {
           });
         }
   cuda::launch_tuning() = saved;
+}
+
+// The chunk fold on its own (d_x's fold, rmsnorm's d_weight, the SP chain's continued folds), byte-equal to the
+// CPU at the edges of both kernels (one thread per column up to 64 chunks, the 64-row x 32-column shared-memory
+// tiles beyond): no chunks; 64, 65, 128 and 129 chunks around the stage; widths off the 32-column tile; partial
+// rows longer than the width, starting 4 bytes in; out with a stride of 2; every output dtype; from +0.0, from
+// running, and in place (out is running, as in the SP chain's links).
+TEST(ChunkFoldCuda, BothKernelsAtTheirEdgesMatchTheCpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  struct Shape {
+    int64_t chunks, width;
+  };
+  uint64_t seed = 1900;
+  for (const Shape& shape : {Shape{0, 40}, Shape{64, 33}, Shape{65, 1}, Shape{128, 64}, Shape{129, 33},
+                             Shape{200, 100}, Shape{1512, 2695}}) {
+    const int64_t chunks = shape.chunks, width = shape.width;
+    SCOPED_TRACE("chunks " + std::to_string(chunks) + " width " + std::to_string(width));
+    // (chunks, width) views of (max(chunks, 1), width + 3): rows of width + 3, from column 1.
+    const Pair buffer = random_pair(DType::kF32, {std::max<int64_t>(chunks, 1), width + 3}, seed++);
+    const TensorView partials_h = buffer.h().narrow(0, 0, chunks).narrow(1, 1, width);
+    const TensorView partials_d = buffer.d().narrow(0, 0, chunks).narrow(1, 1, width);
+    const Pair running = random_pair(DType::kF32, {width}, seed++);
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16})
+      for (bool from_running : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + (from_running ? " from running" : " from +0.0"));
+        const Pair out = output_pair(dtype, {width, 2});  // out is column 0: (width,) with a stride of 2
+        const TensorView out_h = TensorView::strided(out.h().data, dtype, {width}, {2}, out.h().device);
+        const TensorView out_d = TensorView::strided(out.d().data, dtype, {width}, {2}, out.d().device);
+        const TensorView start_h = from_running ? running.h() : TensorView();
+        const TensorView start_d = from_running ? running.d() : TensorView();
+        DETDIT_ASSERT_OK(cpu::continue_chunk_fold(partials_h, start_h, out_h, nullptr));
+        DETDIT_ASSERT_OK(cuda::continue_chunk_fold(partials_d, start_d, out_d, nullptr));
+        EXPECT_GPU_EQ_CPU(out);
+      }
+    const Pair sums = input_pair(running.host);
+    DETDIT_ASSERT_OK(cpu::continue_chunk_fold(partials_h, sums.h(), sums.h(), nullptr));
+    DETDIT_ASSERT_OK(cuda::continue_chunk_fold(partials_d, sums.d(), sums.d(), nullptr));
+    EXPECT_GPU_EQ_CPU(sums);
+  }
 }
 
 TEST(SiluCuda, CastAndBackward) {
