@@ -7,9 +7,14 @@
 // a weight row streams once per pass. Lane l walks the 16-byte vectors l, l+32,
 // ... of the row (fma in element order), then an XOR butterfly 16..1 sums the
 // lanes: exactly the order of numerics 5.2 for any columns-per-warp and grid.
-// Backward: d_x partials[c, t, k] = ascending-n fma chain over the 64 rows of
-// chunk c (one thread per 16-byte column vector, grid (chunks, K blocks));
-// d_W and d_b are ascending-t chains.
+// Backward: d_x partials[c, t, k] = ascending-n fma chain from +0.0 over the
+// 64 rows n of chunk c of g[t, n] * W[n, k]; d_W[n, k] and d_b[n] are
+// ascending-t chains. The partials kernels run on grid (chunks, K blocks), one
+// thread per column vector of a chunk: 16 bytes, or in the fused kernel (d_W
+// and the partials from one read of W, T <= 8) 16 bytes for T <= 4 and 8 bytes
+// for T > 4, with the chunk's g staged in shared memory. Which thread computes
+// an element, and how loads are issued, never changes its chain.
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -230,17 +235,24 @@ struct LinearPartialsArgs {
 };
 
 // Rows t0 .. t0 + kRows - 1 (those < rows) of chunk `chunk`'s d_x partials at
-// columns [vec * kVec, +kVec): acc[r] to partials[chunk, t0 + r, vec * kVec ..].
+// columns [vec * kVec, +kVec): acc[r] to partials[chunk, t0 + r, vec * kVec ..],
+// in stores of min(kVec, 4) floats (16 bytes at most: kVec = 8 is two; kVec =
+// 2, the fused kernel's fp32 8-byte vectors, one of 8 bytes).
 template <int kRows, int kVec>
 __device__ void store_partial_rows(float* partials, int64_t chunk, int64_t t0, int64_t rows, int64_t k, int64_t vec,
                                    const float (&acc)[kRows][kVec]) {
+  constexpr int kPiece = kVec < 4 ? kVec : 4;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (t0 + r >= rows) break;
-    float4* dst = reinterpret_cast<float4*>(partials + (chunk * rows + t0 + r) * k + vec * kVec);
+    float* dst = partials + (chunk * rows + t0 + r) * k + vec * kVec;
 #pragma unroll
-    for (int q = 0; q < kVec / 4; ++q)
-      dst[q] = make_float4(acc[r][4 * q], acc[r][4 * q + 1], acc[r][4 * q + 2], acc[r][4 * q + 3]);
+    for (int q = 0; q < kVec / kPiece; ++q) {
+      float piece[kPiece];  // acc[r][q * kPiece + e]
+#pragma unroll
+      for (int e = 0; e < kPiece; ++e) piece[e] = acc[r][q * kPiece + e];
+      store_vec<float, kPiece>(dst + q * kPiece, piece);
+    }
   }
 }
 
@@ -298,70 +310,165 @@ struct LinearFusedArgs {
   int64_t rows, k, n;
 };
 
-// The d_x chunk partials of the kernel above and d_W of the one below from one
-// read of W: grid (chunks, K-vector blocks), one thread per 16-byte vector of
-// columns and every row of x (rows <= kRows, one pass). For each weight row n
-// of the chunk, ascending, the thread adds g * W[n, k] to the d_x chains of
-// every t (the partials kernel's order) and forms d_W[n, k] as the ascending-t
-// chain of g * x[t, k] (the d_W kernel's), so both are the same bits.
+// Elements of the fused kernel's column vector (one per thread) for kRows rows
+// of x: 16 bytes (8 bf16 / 4 fp32) for kRows <= 4, 8 bytes (4 bf16 / 2 fp32)
+// for kRows = 8. A thread holds x and the d_x chains, 2 * kRows * kVec floats:
+// 16 bytes at kRows = 8 would be 128 of them for bf16 (~160 registers, ~12
+// warps per SM, too few loads in flight for this memory-bound kernel); 8 bytes
+// halve them. The FMAs per byte of W are the same at either width; the
+// per-row work of a thread (g reads, addressing, the loop) doubles per byte,
+// which is small beside the 2 * kRows * kVec FMAs of a row.
 template <typename T, int kRows>
-__global__ void linear_backward_weight_and_input_partials_kernel(LinearFusedArgs a) {
-  constexpr int kVec = Vec16<T>::kElems;
+constexpr int fused_vector_elems() {
+  return (kRows <= 4 ? 16 : 8) / static_cast<int>(sizeof(T));
+}
+
+// W bytes each thread keeps in flight: its next 64 / (vector bytes) rows (4 of
+// 16 bytes or 8 of 8 bytes), 16 registers of raw storage either way. With the
+// 16-24 warps per SM that kRows = 4 and 8 leave, that is 32-48 KB of loads in
+// flight per SM, about twice what the W reads need at full rate (they are half
+// the traffic: ~2 TB/s x ~1 us of loaded latency / 132 SMs = ~16 KB on an H200).
+constexpr int kFusedAheadBytes = 64;
+
+// The two block sizes of the fused kernel (the larger: its __launch_bounds__).
+constexpr int kFusedMinThreads = 96;
+constexpr int kFusedMaxThreads = 128;
+
+// Threads per block of the fused kernel over `vectors` column vectors: 96 or
+// 128, whichever leaves fewer idle lanes in the last K block (a tie: 128, fewer
+// blocks). A block keeps its registers until the whole block ends, so idle
+// warps there are occupancy lost. At the H3 shape (K = 2688 bf16) the 672
+// 8-byte vectors are 7 blocks of 96 exactly (128: 6 blocks, 3 of the last
+// block's 4 warps idle); the 336 16-byte vectors leave 48 lanes idle either
+// way (10.5 warps). Blocks of one or two warps would load the g slice and
+// wait at the barrier more often per byte of W.
+int fused_threads(int64_t vectors) {
+  const auto idle = [vectors](int64_t threads) { return (threads - vectors % threads) % threads; };
+  return idle(kFusedMinThreads) < idle(kFusedMaxThreads) ? kFusedMinThreads : kFusedMaxThreads;
+}
+
+// The d_x chunk partials of the kernel above and d_W of the one below from one
+// read of W: grid (chunks, K blocks), one thread per kVec-element column vector
+// (fused_vector_elems) and every row of x (rows <= kRows, one pass). For each
+// weight row n of the chunk, ascending, the thread adds g * W[n, k] to the d_x
+// chains of every t (the partials kernel's order) and forms d_W[n, k] as the
+// ascending-t chain of g * x[t, k] (the d_W kernel's), so both are the same bits.
+// The block's (64, rows) slice of g is read from global memory once, into
+// shared memory, and each n's g[0..rows) is then one or two broadcast vector
+// reads of it; each thread's W rows are loaded kAhead rows before their use.
+template <typename T, int kRows, int kVec>
+__global__ void __launch_bounds__(kFusedMaxThreads)
+    linear_backward_weight_and_input_partials_kernel(LinearFusedArgs a) {
+  constexpr int kChunk = static_cast<int>(kLinearChunkRows);
+  constexpr int kAhead = kFusedAheadBytes / (kVec * static_cast<int>(sizeof(T)));  // W rows in flight per thread
+  constexpr int kGPiece = kRows < 4 ? kRows : 4;  // g values per shared read (16 bytes at most)
+  using Raw = decltype(ElemVec<T, kVec>::raw);
+  // g_tile[j][t] = g[t, n_begin + j]: one n's rows are adjacent, read as vectors.
+  // +0.0 where t >= rows (read with the vector, in no chain) or j >= count.
+  __shared__ __align__(16) float g_tile[kChunk][kRows];
   const int64_t chunk = blockIdx.x;
+  const int64_t n_begin = chunk * kLinearChunkRows;
+  const int count = static_cast<int>(a.n - n_begin < kLinearChunkRows ? a.n - n_begin : kLinearChunkRows);
   const int64_t vec = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;  // columns [vec*kVec, +kVec)
-  if (vec * kVec >= a.k) return;
-  const T* w = static_cast<const T*>(a.weight);
-  const T* x = static_cast<const T*>(a.x);
+  const bool active = vec * kVec < a.k;  // the last K block's spare lanes only help load g
+  const T* w = static_cast<const T*>(a.weight) + n_begin * a.k + vec * kVec;  // W[n_begin + j, vec*kVec] at w + j*k
+  T* d_w = static_cast<T*>(a.d_weight) + n_begin * a.k + vec * kVec;          // d_W likewise
+  // ahead[j % kAhead]: W row n_begin + j, raw (bf16 in half the registers).
+  // The first kAhead rows are issued before the g slice is waited for.
+  ElemVec<T, kVec> ahead[kAhead];
   float xv[kRows][kVec];  // x[t, vec*kVec + e]
-  float acc[kRows][kVec];
+  if (active) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (r < a.rows) unpack16(load16(x + r * a.k + vec * kVec), xv[r]);
+    for (int q = 0; q < kAhead; ++q)
+      if (q < count) ahead[q].raw = __ldg(reinterpret_cast<const Raw*>(w + q * a.k));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (r < a.rows) load_readonly<T, kVec, true>(static_cast<const T*>(a.x) + r * a.k + vec * kVec, xv[r]);
+  }
+  // Element i = r * 64 + j of the slice (consecutive threads: consecutive n of
+  // one row of g), copied by cp.async: the copies hold no registers and do not
+  // wait for one another, so the fill costs one latency per block, which the
+  // ring's first loads (already in flight) overlap.
+  for (int i = threadIdx.x; i < kChunk * kRows; i += blockDim.x) {
+    const int r = i / kChunk, j = i % kChunk;
+    if (r < a.rows && j < count)
+      __pipeline_memcpy_async(&g_tile[j][r], a.grad + r * a.n + n_begin + j, sizeof(float));
+    else
+      g_tile[j][r] = 0.0f;
+  }
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  if (!active) return;
+  float acc[kRows][kVec];  // the d_x chains: acc[t][e] for column vec*kVec + e
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
-  }
-  const int64_t n_begin = chunk * kLinearChunkRows;
-  const int64_t n_end = n_begin + kLinearChunkRows < a.n ? n_begin + kLinearChunkRows : a.n;
-#pragma unroll 4
-  for (int64_t n = n_begin; n < n_end; ++n) {  // ascending n
-    float wv[kVec], dw[kVec];
-    unpack16(load16(w + n * a.k + vec * kVec), wv);
+  // kAhead rows per trip, so that every ring index is a constant (registers).
+  for (int j0 = 0; j0 < count; j0 += kAhead) {
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) dw[e] = 0.0f;
+    for (int q = 0; q < kAhead; ++q) {
+      const int j = j0 + q;  // W row n = n_begin + j, ascending
+      if (j >= count) break;
+      float wv[kVec];  // W[n, vec*kVec + e]
+      widen(ahead[q], wv);
+      if (j + kAhead < count) ahead[q].raw = __ldg(reinterpret_cast<const Raw*>(w + (j + kAhead) * a.k));
+      float g[kRows];  // g[t, n]
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (r >= a.rows) break;
-      const float g = a.grad[r * a.n + n];
+      for (int p = 0; p < kRows / kGPiece; ++p) {
+        float piece[kGPiece];  // g[p * kGPiece + e, n]
+        load_vec<float, kGPiece>(&g_tile[j][p * kGPiece], piece);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        acc[r][e] = num::fma32(g, wv[e], acc[r][e]);
-        dw[e] = num::fma32(g, xv[r][e], dw[e]);
+        for (int e = 0; e < kGPiece; ++e) g[p * kGPiece + e] = piece[e];
       }
+      float dw[kVec];  // d_W[n, vec*kVec + e]
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) dw[e] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= a.rows) break;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          acc[r][e] = num::fma32(g[r], wv[e], acc[r][e]);
+          dw[e] = num::fma32(g[r], xv[r][e], dw[e]);
+        }
+      }
+      store_vec<T, kVec>(d_w + j * a.k, dw);
     }
-    store_vec<T, kVec>(static_cast<T*>(a.d_weight) + n * a.k + vec * kVec, dw);
   }
   store_partial_rows<kRows, kVec>(a.partials, chunk, 0, a.rows, a.k, vec, acc);
 }
 
+template <typename T, int kRows>
+void launch_linear_backward_fused_rows(const LinearFusedArgs& a, unsigned chunks, cudaStream_t stream) {
+  constexpr int kVec = fused_vector_elems<T, kRows>();
+  const int64_t vectors = a.k / kVec;  // K is a multiple of the 16-byte vector (validated), so of kVec
+  const int threads = fused_threads(vectors);
+  const dim3 grid(chunks, blocks_for(vectors, threads));
+  linear_backward_weight_and_input_partials_kernel<T, kRows, kVec><<<grid, threads, 0, stream>>>(a);
+}
+
+// kRows: the smallest of 1, 2, 4, 8 >= T (registers grow with it).
 template <typename T>
 Status launch_linear_backward_fused(const LinearFusedArgs& a, cudaStream_t stream) {
-  constexpr int kThreads = 128;
   const int64_t chunks = (a.n + kLinearChunkRows - 1) / kLinearChunkRows;
   if (chunks == 0 || a.k == 0) return Status();
-  const dim3 grid(static_cast<unsigned>(chunks), blocks_for(a.k / Vec16<T>::kElems, kThreads));
+  const unsigned c = static_cast<unsigned>(chunks);
   if (a.rows <= 1)
-    linear_backward_weight_and_input_partials_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
+    launch_linear_backward_fused_rows<T, 1>(a, c, stream);
   else if (a.rows <= 2)
-    linear_backward_weight_and_input_partials_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a);
+    launch_linear_backward_fused_rows<T, 2>(a, c, stream);
   else if (a.rows <= 4)
-    linear_backward_weight_and_input_partials_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
+    launch_linear_backward_fused_rows<T, 4>(a, c, stream);
   else
-    linear_backward_weight_and_input_partials_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
+    launch_linear_backward_fused_rows<T, 8>(a, c, stream);
   return launch_status("linear_backward_weight_and_input_partials_kernel");
 }
 
-// The most rows of x the fused kernel takes in one pass (its registers: two
-// (kRows, 16-byte) arrays); more rows run the two kernels.
+// The most rows of x the fused kernel takes in one pass (its registers: x and
+// the d_x chains, 2 * kRows * kVec floats per thread); more rows run the two
+// kernels.
 constexpr int64_t kFusedMaxRows = 8;
 
 // d_W[n, k..k+3] = R(ascending-t fma chain of grad[t, n] * x[t, k]).

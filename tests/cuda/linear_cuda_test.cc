@@ -1,6 +1,8 @@
 // linear on CUDA: every case of cases/projection_cases.cc (bias / SiLU / pre-activation / fp32 output; d_x through
 // the chunk partials, given or internal scratch; d_W, d_b) byte-equal to the CPU reference at every launch tunable;
-// the chunk fold d_x goes through at the edges of its kernels; and the SiLU cast and VJP the projections use.
+// the chunk fold d_x goes through at the edges of its kernels; linear_backward_weight_and_input (the fused d_W +
+// d_x partials kernel) at the row counts the projection and MLP cases leave out; and the SiLU cast and VJP the
+// projections use.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -74,6 +76,40 @@ TEST(ChunkFoldCuda, BothKernelsAtTheirEdgesMatchTheCpu) {
     DETDIT_ASSERT_OK(cpu::continue_chunk_fold(partials_h, sums.h(), sums.h(), nullptr));
     DETDIT_ASSERT_OK(cuda::continue_chunk_fold(partials_d, sums.d(), sums.d(), nullptr));
     EXPECT_GPU_EQ_CPU(sums);
+  }
+}
+
+// The fused kernel's paths that adaln_projection (bf16 T = 1, 3, 4) and timestep_mlp (fp32 T = 3, 8) leave out:
+// T = 2 (16-byte vectors, 2 rows), T = 5, 6 (8-byte vectors, rows < 8), bf16 T = 8. N = 200 ends in a partial
+// chunk; K = 1032 leaves the last K block partly idle at both vector widths.
+TEST(LinearCuda, FusedBackwardEqualsCpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const int64_t in_features = 1032, out_features = 200;
+  const int64_t chunks = (out_features + kLinearChunkRows - 1) / kLinearChunkRows;
+  struct Shape {
+    DType dtype;
+    int64_t rows;
+  };
+  uint64_t seed = 1950;
+  for (const Shape& s : {Shape{DType::kBF16, 2}, Shape{DType::kBF16, 6}, Shape{DType::kBF16, 8},
+                         Shape{DType::kF32, 2}, Shape{DType::kF32, 5}}) {
+    SCOPED_TRACE(std::string(dtype_name(s.dtype)) + " T=" + std::to_string(s.rows));
+    Pair x = random_pair(s.dtype, {s.rows, in_features}, seed++);
+    Pair weight = random_pair(s.dtype, {out_features, in_features}, seed++, 0.0, 0.05);
+    Pair grad = random_pair(DType::kF32, {s.rows, out_features}, seed++);
+    Pair partials = output_pair(DType::kF32, {chunks, s.rows, in_features});
+    Pair d_x = output_pair(s.dtype, {s.rows, in_features});
+    Pair d_weight = output_pair(s.dtype, {out_features, in_features});
+    Pair d_bias = output_pair(s.dtype, {out_features});
+    for (bool device : {false, true}) {
+      const auto view = [device](const Pair& p) { return device ? p.d() : p.h(); };
+      DETDIT_ASSERT_OK(linear_backward_weight_and_input({view(grad), view(x), view(d_weight), view(d_bias)},
+                                                        {view(grad), view(weight), view(partials), view(d_x)}));
+    }
+    EXPECT_GPU_EQ_CPU(partials);
+    EXPECT_GPU_EQ_CPU(d_x);
+    EXPECT_GPU_EQ_CPU(d_weight);
+    EXPECT_GPU_EQ_CPU(d_bias);
   }
 }
 
