@@ -14,6 +14,7 @@
 //                          warp (chunk_fold says why).
 //   continue_segment_fold / continue_chunk_fold: the same over a range of
 //                          segments / the given chunk rows, from running.
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,29 +65,6 @@ __device__ float add_ascending(float acc, int64_t count, Value value) {
   for (; i < count; ++i) acc = num::add32(acc, value(i));
   return acc;
 }
-
-// One float, global to shared memory, asynchronously (cp.async, sm_80 and
-// later; a plain load and store before that): copy_commit closes this
-// thread's group of copies, copy_wait<n> waits until at most its n latest
-// groups are still in flight. The copies are visible to the block after a
-// __syncthreads that follows the wait.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-__device__ __forceinline__ void copy_float(float* shared, const float* global) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(__cvta_generic_to_global(global))
-               : "memory");
-}
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void copy_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-#else
-__device__ __forceinline__ void copy_float(float* shared, const float* global) { *shared = *global; }
-__device__ __forceinline__ void copy_commit() {}
-template <int kPending>
-__device__ __forceinline__ void copy_wait() {}
-#endif
 
 // The first k in [lo, hi) with ids[k] >= value (ids ascending), else hi.
 __device__ int32_t lower_bound(const int32_t* ids, int32_t lo, int32_t hi, int64_t value) {
@@ -152,22 +130,23 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t stages = (chunks + kTileRows - 1) / kTileRows;
   // This thread's copies of stage s (none past the last stage, the last chunk
   // or the width), then one commit: every thread commits one group per stage,
-  // so copy_wait counts stages.
+  // so __pipeline_wait_prior counts stages.
   const auto copy_stage = [&](int64_t s) {
     if (s < stages && in_width) {
       const int64_t c0 = s * kTileRows + warp * kTileRowsPerWarp;  // chunk of this warp's first row
       float* dst = &tile[s % kTileStages][warp * kTileRowsPerWarp][lane];
 #pragma unroll
       for (int i = 0; i < kTileRowsPerWarp; ++i)
-        if (c0 + i < chunks) copy_float(dst + i * kTileColumns, partials + (c0 + i) * partial_stride + j);
+        if (c0 + i < chunks)  // cp.async: the copy holds no register while in flight
+          __pipeline_memcpy_async(dst + i * kTileColumns, partials + (c0 + i) * partial_stride + j, sizeof(float));
     }
-    copy_commit();
+    __pipeline_commit();
   };
   float acc = 0.0f;
   if (adds && running != nullptr) acc = running[j * running_stride];
   for (int s = 0; s < kTileStages - 1; ++s) copy_stage(s);
   for (int64_t s = 0; s < stages; ++s) {
-    copy_wait<kTileStages - 2>();  // this thread's copies of stage s have landed
+    __pipeline_wait_prior(kTileStages - 2);  // this thread's copies of stage s have landed
     // After the barrier every thread's copies of stage s are visible, and warp
     // 0 has added stage s - 1, whose buffer ((s - 1) % kTileStages) the next
     // line refills with stage s + kTileStages - 1.
