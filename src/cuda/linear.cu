@@ -176,20 +176,17 @@ __global__ void __launch_bounds__(kForwardWarps* kWarpSize, 2)
   }
 }
 
-// As many blocks as stay resident (at most one per 8 column groups); x_bytes of
-// shared memory each.
+// As many blocks as stay resident on the device's `sms` SMs (at most one per 8
+// column groups); x_bytes of shared memory each (0: x read from global memory).
 template <typename T, typename Out, int kColumns, int kRows, bool kSharedX>
-Status launch_linear_forward_pass(const LinearForwardArgs& a, int64_t x_bytes, cudaStream_t stream) {
+Status launch_linear_forward_pass(const LinearForwardArgs& a, int64_t x_bytes, int sms, cudaStream_t stream) {
   const auto kernel = linear_forward_warp_per_columns_kernel<T, Out, kColumns, kRows, kSharedX>;
   const int threads = kForwardWarps * kWarpSize;
   const int shared = static_cast<int>(x_bytes);
   if (shared > 48 * 1024)  // above 48 KB a kernel must opt in
     DETDIT_RETURN_IF_ERROR(cuda_status(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared), "cudaFuncSetAttribute"));
-  int device = 0, sms = 0, resident = 0;
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
-  DETDIT_RETURN_IF_ERROR(
-      cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+  int resident = 0;
   DETDIT_RETURN_IF_ERROR(cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, shared),
                                      "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
   const int64_t needed = blocks_for((a.n + kColumns - 1) / kColumns, kForwardWarps);
@@ -198,17 +195,12 @@ Status launch_linear_forward_pass(const LinearForwardArgs& a, int64_t x_bytes, c
   return launch_status("linear_forward_warp_per_columns_kernel");
 }
 
-// Rows per pass: the smallest power of two >= min(T, 8), so small T keeps few
-// registers; x in shared memory when that many widened rows fit the budget.
 template <typename T, typename Out, int kColumns>
-Status launch_linear_forward_rows(const LinearForwardArgs& a, bool shared_x, cudaStream_t stream) {
-  const int rows = a.rows >= 8 ? 8 : a.rows >= 3 ? 4 : static_cast<int>(a.rows);
-  const int64_t x_bytes = rows * a.k * static_cast<int64_t>(sizeof(float));
+Status launch_linear_forward_rows(const LinearForwardArgs& a, int rows, int64_t x_bytes, int sms, cudaStream_t stream) {
   const auto pass = [&](auto rows_tag) {
     constexpr int kRows = decltype(rows_tag)::value;
-    if (shared_x && x_bytes <= kForwardSharedBytes)
-      return launch_linear_forward_pass<T, Out, kColumns, kRows, true>(a, x_bytes, stream);
-    return launch_linear_forward_pass<T, Out, kColumns, kRows, false>(a, 0, stream);
+    if (x_bytes > 0) return launch_linear_forward_pass<T, Out, kColumns, kRows, true>(a, x_bytes, sms, stream);
+    return launch_linear_forward_pass<T, Out, kColumns, kRows, false>(a, 0, sms, stream);
   };
   switch (rows) {
     case 8: return pass(std::integral_constant<int, 8>{});
@@ -218,12 +210,33 @@ Status launch_linear_forward_rows(const LinearForwardArgs& a, bool shared_x, cud
   }
 }
 
+// Rows per pass: the smallest power of two >= min(T, 8), so small T keeps few
+// registers; x in shared memory when that many widened rows fit the budget.
+// columns: 1, 2 or 4 per warp, or 0 to choose. The choice: 4 unless that leaves
+// fewer than 16 warps per SM (the timestep MLP's N = 2688 at 4 columns: 672
+// warps, 84 blocks on the 132 SMs of an H200), then the most of 2, 1 that gives
+// them; but 4 again when x takes over half the shared budget, where each block
+// first copies up to 96 KB of x and only two blocks fit an SM. Measured on an
+// H200 (docs/benchmarking.md, timestep MLP forward): its N = 2688 layer with x
+// from global memory (T >= 8) or staged small (T = 1) 13-36 % faster at 1 column
+// than at 4; with 4 rows of K = 5376 staged (86 KB, T = 3, 4) 21-28 % slower.
 template <typename T, typename Out>
 Status launch_linear_forward(const LinearForwardArgs& a, int columns, bool shared_x, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  DETDIT_RETURN_IF_ERROR(
+      cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+  const int rows = a.rows >= 8 ? 8 : a.rows >= 3 ? 4 : static_cast<int>(a.rows);
+  int64_t x_bytes = rows * a.k * static_cast<int64_t>(sizeof(float));
+  if (!shared_x || x_bytes > kForwardSharedBytes) x_bytes = 0;
+  if (columns == 0) {
+    const int64_t warps_wanted = static_cast<int64_t>(sms) * 2 * kForwardWarps;
+    columns = a.n >= 4 * warps_wanted || x_bytes > kForwardSharedBytes / 2 ? 4 : a.n >= 2 * warps_wanted ? 2 : 1;
+  }
   switch (columns) {
-    case 1: return launch_linear_forward_rows<T, Out, 1>(a, shared_x, stream);
-    case 2: return launch_linear_forward_rows<T, Out, 2>(a, shared_x, stream);
-    default: return launch_linear_forward_rows<T, Out, 4>(a, shared_x, stream);
+    case 1: return launch_linear_forward_rows<T, Out, 1>(a, rows, x_bytes, sms, stream);
+    case 2: return launch_linear_forward_rows<T, Out, 2>(a, rows, x_bytes, sms, stream);
+    default: return launch_linear_forward_rows<T, Out, 4>(a, rows, x_bytes, sms, stream);
   }
 }
 

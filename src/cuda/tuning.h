@@ -9,7 +9,8 @@ namespace detdit {
 namespace cuda {
 
 struct LaunchTuning {
-  int linear_columns_per_warp = 4;   // linear forward: output columns per warp, 1, 2 or 4
+  int linear_columns_per_warp = 0;   // linear forward: output columns per warp, 1, 2 or 4, or 0: chosen
+                                     // by N and x's staging (src/cuda/linear.cu)
   bool linear_shared_x = true;       // linear forward: x widened into shared memory where it fits, or
                                      // read from global memory per vector
   int linear_partial_rows = 4;       // linear d_x partials: rows of grad per pass, 1, 2 or 4

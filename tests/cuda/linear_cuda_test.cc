@@ -23,7 +23,7 @@ TEST(LinearCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
   const cuda::LaunchTuning saved = cuda::launch_tuning();
   for (bool shared_x : {true, false})
-    for (int columns : {1, 2, 4})
+    for (int columns : {0, 1, 2, 4})
       for (int partial_rows : {1, 2, 4})
         for (int threads : {64, 1024}) {
           SCOPED_TRACE(std::string(shared_x ? "x shared" : "x global") + " columns " + std::to_string(columns) +
