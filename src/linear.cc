@@ -111,7 +111,9 @@ Status validate_partials(const LinearBackwardInputParams& p, int64_t chunks, int
   DETDIT_RETURN_IF_ERROR(check::dtype(p.partials, "partials", {DType::kF32}));
   DETDIT_RETURN_IF_ERROR(
       check::shape(p.partials, "partials", {chunks, rows, in_features}, "(ceil(N/64), T, K)"));
-  return check::contiguous(p.partials, "partials");
+  DETDIT_RETURN_IF_ERROR(check::contiguous(p.partials, "partials"));
+  // On every backend, so that a program the CPU accepts runs on a GPU.
+  return check::aligned(p.partials, "partials", 16, "the CUDA kernels write its rows as 16-byte vectors");
 }
 
 // d_x (T, K) fp32/bf16.

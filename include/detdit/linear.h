@@ -5,10 +5,12 @@
 // Shapes: x (T, K), weight (N, K), bias (N,), out (T, N). T is the number of
 // distinct timesteps (typically 1..8). x, weight and bias share one dtype,
 // fp32 or bf16; all are contiguous; x and weight are 16-byte aligned (their
-// rows are read as 16-byte vectors); K is a multiple of the 16-byte vector
-// width (4 for fp32, 8 for bf16); T >= 1. bias, out and the backward's
-// tensors (but weight) are read and written one element at a time (also by
-// the CUDA kernels), so they need no 16-byte alignment.
+// rows are read as 16-byte vectors), and so are the d_x chunk partials when
+// the caller gives them (the CUDA kernels write their rows as 16-byte vectors);
+// K is a multiple of the 16-byte vector width (4 for fp32, 8 for bf16); T >= 1.
+// bias, out and the other backward tensors are read and written one element at
+// a time (also by the CUDA kernels, which fall back to that for a d_weight or
+// a weight-backward x off 16 bytes), so they need no 16-byte alignment.
 //
 // Determinism (docs/numerics.md, "linear"): out[t, n] depends only on x[t, :],
 // weight[n, :] and bias[n]: bitwise invariant to T, to the other rows and to

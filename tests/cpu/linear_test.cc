@@ -433,12 +433,13 @@ TEST(LinearValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
   HostTensor weight = random_tensor(DType::kBF16, {out_features, in_features}, 63);
   HostTensor x = random_tensor(DType::kBF16, {rows, in_features}, 64);
   HostTensor partials(DType::kF32, {chunks_of(out_features), rows, in_features});
+  HostTensor partials_wide(DType::kF32, {chunks_of(out_features) * rows * in_features + 4});  // a view 4 bytes in
   HostTensor d_x(DType::kBF16, {rows, in_features}), d_weight(DType::kF32, {out_features, in_features}),
       d_bias(DType::kBF16, {out_features});
   auto canary = [&] {
-    for (HostTensor* t : {&partials, &d_x, &d_weight, &d_bias}) t->fill_bytes(kCanary);
+    for (HostTensor* t : {&partials, &partials_wide, &d_x, &d_weight, &d_bias}) t->fill_bytes(kCanary);
   };
-  auto untouched = [&] { return still_canary({&partials, &d_x, &d_weight, &d_bias}); };
+  auto untouched = [&] { return still_canary({&partials, &partials_wide, &d_x, &d_weight, &d_bias}); };
   auto input = [&] {
     LinearBackwardInputParams p;
     p.grad = grad.view();
@@ -468,6 +469,10 @@ TEST(LinearValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
       {"partials shape", ErrorKind::kValue, "partials must be (ceil(N/64), T, K)",
        [&](auto* p) { p->partials = partials.view_as({1, 2 * rows, in_features}); }},
       {"partials dtype", ErrorKind::kType, "partials must be float32", [&](auto* p) { p->partials.dtype = DType::kBF16; }},
+      {"misaligned partials", ErrorKind::kValue, "partials must be 16-byte aligned", [&](auto* p) {
+         p->partials = TensorView::contiguous(static_cast<char*>(partials_wide.data()) + 4, DType::kF32,
+                                              {chunks_of(out_features), rows, in_features});
+       }},
       {"d_x float16", ErrorKind::kType, "d_x must be float32 or bfloat16", [&](auto* p) { p->d_x.dtype = DType::kF16; }},
       {"d_x shape", ErrorKind::kValue, "d_x must be (T, K)", [&](auto* p) { p->d_x = d_x.view_as({in_features, rows}); }},
       {"misaligned weight", ErrorKind::kValue, "16-byte aligned", [&](auto* p) {
