@@ -122,7 +122,8 @@ __global__ void __launch_bounds__(kForwardWarps* kWarpSize, 2)
       // Columns past n read column first_column's weights; their sums are not stored.
       const T* w_row[kColumns];
 #pragma unroll
-      for (int c = 0; c < kColumns; ++c) w_row[c] = w + (first_column + c < a.n ? first_column + c : first_column) * a.k;
+      for (int c = 0; c < kColumns; ++c)
+        w_row[c] = w + (first_column + c < a.n ? first_column + c : first_column) * a.k;
       float acc[kOutputs];
 #pragma unroll
       for (int i = 0; i < kOutputs; ++i) acc[i] = 0.0f;
@@ -221,9 +222,8 @@ Status launch_linear_forward_rows(const LinearForwardArgs& a, int rows, int64_t 
 // from global memory (T >= 8) or staged small (T = 1) 13-36 % faster at 1 column
 // than at 4; with 4 rows of K = 5376 staged (86 KB, T = 3, 4) 21-28 % slower.
 template <typename T, typename Out>
-Status launch_linear_forward(const LinearForwardArgs& a, int columns, bool shared_x, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  DETDIT_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+Status launch_linear_forward(const LinearForwardArgs& a, int device, int columns, bool shared_x, cudaStream_t stream) {
+  int sms = 0;
   DETDIT_RETURN_IF_ERROR(
       cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
   const int rows = a.rows >= 8 ? 8 : a.rows >= 3 ? 4 : static_cast<int>(a.rows);
@@ -535,8 +535,8 @@ Status linear_forward(const LinearParams& p, Stream stream) {
   return dispatch_operand(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (p.out.dtype == DType::kF32)
-      return launch_linear_forward<T, float>(a, columns, shared_x, as_cuda_stream(stream));
-    return launch_linear_forward<T, T>(a, columns, shared_x, as_cuda_stream(stream));
+      return launch_linear_forward<T, float>(a, p.x.device.index, columns, shared_x, as_cuda_stream(stream));
+    return launch_linear_forward<T, T>(a, p.x.device.index, columns, shared_x, as_cuda_stream(stream));
   });
 }
 
