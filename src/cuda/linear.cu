@@ -105,10 +105,13 @@ __global__ void __launch_bounds__(kForwardWarps* kWarpSize, 2)
     const int rows = a.rows - t0 < kRows ? static_cast<int>(a.rows - t0) : kRows;  // rows of this pass
     if constexpr (kSharedX) {
       __syncthreads();  // the previous pass has read x_shared
-      for (int64_t i = threadIdx.x; i < rows * vectors; i += blockDim.x) {
+      // All kRows rows staged, those past `rows` as zeros: the row loop below
+      // then needs no guard, so the weights' widening is done once per vector
+      // instead of once per row (the guard made each row a branch of its own).
+      for (int64_t i = threadIdx.x; i < kRows * vectors; i += blockDim.x) {
         const int64_t r = i / vectors, j = i % vectors;
-        float v[kVec];
-        unpack16(load16(x + (t0 + r) * a.k + j * kVec), v);
+        float v[kVec] = {};
+        if (r < rows) unpack16(load16(x + (t0 + r) * a.k + j * kVec), v);
 #pragma unroll
         for (int h = 0; h < kHalves; ++h)
           reinterpret_cast<float4*>(x_shared)[(r * kHalves + h) * vectors + j] =
@@ -142,7 +145,10 @@ __global__ void __launch_bounds__(kForwardWarps* kWarpSize, 2)
         }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          if (r < rows) {  // a guard, not a break: the loop stays unrolled and acc in registers
+          // A guard, not a break, where x comes from global memory: the loop
+          // stays unrolled and acc in registers. Staged rows past `rows` are
+          // zeros whose sums are never stored.
+          if (kSharedX || r < rows) {
             float xv[kVec];  // x[t0 + r, j*kVec + e]
             if constexpr (kSharedX) {
 #pragma unroll
