@@ -9,8 +9,11 @@
 // backward of g (d_y, the d_gate partials), with d_residual = g itself (g lives
 // in d_residual when the caller wants it); then the folds. The row-local part
 // (g and d_y) is one backend call (one kernel on CUDA: h, d_out and d_h read
-// once), then the partials of both ops. With LaunchTuning::single_pass on an
-// sm_90 GPU, one kernel computes all of it but the folds (the same bits).
+// once), then the partials of both ops. On CUDA by default (the modulated
+// norm, rows in whole vectors) the row coefficients are computed first and one
+// walk per chunk computes every output and partial from one more read of h,
+// d_out, d_h and y; with LaunchTuning::single_pass on an sm_90 GPU, one kernel
+// computes all of it but the folds. Either way the same bits.
 #include "detdit/gate_residual_rmsnorm.h"
 
 #include <memory>
@@ -104,6 +107,9 @@ Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p
   if (device.is_cuda())
     DETDIT_RETURN_IF_ERROR(cuda::gate_residual_rmsnorm_backward_single_pass(p, norm_partials.weight, norm_partials.table,
                                                                             gate_partials.gate, stream, &launched));
+  if (device.is_cuda() && !launched)
+    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_rmsnorm_backward_walk(p, norm_partials.weight, norm_partials.table,
+                                                                     gate_partials.gate, stream, &launched));
   TensorView g = p.d_residual;
   if (!launched) {
     std::shared_ptr<void> owner;

@@ -128,6 +128,12 @@ struct ExtraRows {
   /* (p, weight_partials, table_partials, gate_partials (G, H), stream, launched) */                    \
   X(gate_residual_rmsnorm_backward_single_pass, const GateResidualRmsnormBackwardParams&, const TensorView&,   \
     const TensorView&, const TensorView&, Stream, bool*)                                                 \
+  /* The region backward's walk (src/cuda/rmsnorm.cu): each row's dx coefficient, then one walk over */ \
+  /* each chunk giving d_residual, d_y and every partial, bitwise equal to the halves; *launched = */  \
+  /* false where it does not apply (plain norm, unaligned rows, too many segments per chunk). */        \
+  /* (p, weight_partials, table_partials, gate_partials, stream, launched) */                         \
+  X(gate_residual_rmsnorm_backward_walk, const GateResidualRmsnormBackwardParams&, const TensorView&,  \
+    const TensorView&, const TensorView&, Stream, bool*)                                                \
   /* (p, partials (G, H), stream, launched) */                                                          \
   X(gate_residual_backward_single_pass, const GateResidualBackwardParams&, const TensorView&, Stream, bool*) \
   /* linear_backward_fused(input, weight_grads, stream, launched): input.partials (the d_x chunk */     \

@@ -73,6 +73,8 @@ struct RmsnormRowArgs {
   // d_y = R_T(rn(g * gate[r])) (gate and gate_stride as above)
   const void* d_h;       // (M, H), or nullptr (g = R_T(dx))
   void* d_y;             // (M, H), or nullptr
+  // backward rows, kCoefOnly: (M,) each row's dx coefficient, nothing else written
+  float* coef;
 };
 
 // The x vector j of row m: loaded, or (kGated) computed as h from the
@@ -180,7 +182,9 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
 // kGated: the fused region's rows (numerics 6.10): dx is not stored but summed
 // with d_h into g, stored in a.dx, and d_y = g * gate is stored beside it; one
 // read of h, d_out and d_h instead of the halves' three kernels.
-template <typename T, bool kVector, bool kGated>
+// kCoefOnly: the row tree's dot and the row's dx coefficient, stored to
+// a.coef[m]; the output pass is left to a later kernel (the region walk below).
+template <typename T, bool kVector, bool kGated, bool kCoefOnly = false>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_per_row_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
   const int64_t m = blockIdx.x;
@@ -243,6 +247,10 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_backward_rows_block_p
   }
   const float dot = row_tree_block_sum(s, warp_sums);
   const float coef = rowwise::dx_coefficient(rstd, dot, a.hidden);
+  if constexpr (kCoefOnly) {
+    if (threadIdx.x == 0) a.coef[m] = coef;
+    return;
+  }
   T* dx = static_cast<T*>(a.dx) + m * a.hidden;
   const T* gate_row = kGated && a.d_y ? static_cast<const T*>(a.gate) +
                                             rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride
@@ -479,6 +487,148 @@ __global__ void rmsnorm_backward_fused_partials_kernel(RmsnormPartialArgs a) {
 // Shared memory the fused kernel may take for its segment sums: below the
 // 48 KB a block gets without opting in, with the static arrays beside it.
 constexpr std::size_t kFusedPartialsSharedBytes = 40 * 1024;
+
+// The region backward as a walk (gate_residual_rmsnorm, modulated, every chunk
+// at world size 1): the coefficient kernel (the rows kernel with kCoefOnly)
+// has stored each row's dx coefficient, so dx is elementwise; a block then
+// owns one chunk and kWalkThreads * kCols columns and walks the chunk's
+// positions in ascending order, each position's h, d_out, d_h and y read once:
+// g = R_T(rn(R_T(dx) + d_h)) to d_residual, d_y = R_T(rn(g * gate)), the
+// d_weight chain (registers) and the d_shift, d_scale, d_gate chains of the
+// position's segment (shared memory, this thread's columns only). Each value
+// and chain is the halves' (the rows kernel's dx, g and d_y; the partials
+// kernels' chains over each chunk's and segment's positions ascending), so the
+// bytes are theirs, with h and d_out read twice instead of three times and g
+// and y once instead of twice. grid (chunk, column block); dynamic shared
+// memory: (chunk's segments, 3, kCols, kWalkThreads) floats.
+constexpr int kWalkThreads = 128;
+constexpr int kWalkColumns = 4;  // columns per thread, one vector
+constexpr int kWalkAhead = 4;    // positions whose loads are in flight before the first is used
+// The segment sums' budget: 9 segments (the interleaved H3 packing) at
+// 6 KB each fit; more take the halves.
+constexpr std::size_t kWalkSharedBytes = 64 * 1024;
+
+struct RegionWalkArgs {
+  const void* h;         // (P, H)
+  const void* d_out;     // (P, H)
+  const void* d_h;       // (P, H), or nullptr
+  const void* y;         // (P, H), or nullptr (neither d_gate nor its partials wanted)
+  const float* rstd;     // (P,)
+  const float* coef;     // (P,) the coefficient kernel's
+  const void* weight;    // (H,)
+  const void* scale;     // (R, H) row stride scale_stride
+  const void* gate;      // (R, H) row stride gate_stride
+  int64_t scale_stride, gate_stride;
+  PlanTables tables;
+  int64_t positions, hidden, seq_len;
+  void* d_residual;      // (P, H), or nullptr
+  void* d_y;             // (P, H), or nullptr
+  float* weight_partials;  // (C, H) row stride weight_partial_stride, or nullptr
+  float* table_partials;   // (G, 2H) [shift | scale] row stride table_partial_stride, or nullptr
+  float* gate_partials;    // (G, H) row stride gate_partial_stride, or nullptr
+  int64_t weight_partial_stride, table_partial_stride, gate_partial_stride;
+};
+
+template <typename T, int kCols>
+__global__ void __launch_bounds__(kWalkThreads) gate_residual_rmsnorm_backward_walk_kernel(RegionWalkArgs a) {
+  extern __shared__ float segment_sums[];  // [local segment][d_shift | d_scale | d_gate][column e][thread]
+  __shared__ int32_t local_segment[kReductionChunk];  // chunk position q -> its segment, 0-based in the chunk
+  constexpr int kChains = 3;
+  const int64_t chunk = blockIdx.x;
+  const int32_t first = a.tables.chunk_segment_begin[chunk], last = a.tables.chunk_segment_begin[chunk + 1];
+  const int64_t begin = chunk * kReductionChunk;
+  const int64_t end = begin + kReductionChunk < a.positions ? begin + kReductionChunk : a.positions;
+  chunk_local_segments(a.tables, chunk, begin, end, a.seq_len, local_segment);
+  for (int i = threadIdx.x; i < (last - first) * kChains * kCols * kWalkThreads; i += kWalkThreads)
+    segment_sums[i] = 0.0f;
+  __syncthreads();
+  const int64_t i0 = (static_cast<int64_t>(blockIdx.y) * kWalkThreads + threadIdx.x) * kCols;
+  if (i0 >= a.hidden) return;
+  float wv[kCols], d_weight[kCols];
+  load_elems<T, kCols, true>(static_cast<const T*>(a.weight) + i0, wv);
+#pragma unroll
+  for (int e = 0; e < kCols; ++e) d_weight[e] = 0.0f;
+  for (int64_t p0 = begin; p0 < end; p0 += kWalkAhead) {  // ascending positions of the chunk
+    ElemVec<T, kCols> hs[kWalkAhead], gs[kWalkAhead], dhs[kWalkAhead], ys[kWalkAhead];
+    float rstd[kWalkAhead], coef[kWalkAhead];
+#pragma unroll
+    for (int u = 0; u < kWalkAhead; ++u) {
+      const int64_t p = p0 + u;
+      if (p >= end) break;
+      const int64_t offset = p * a.hidden + i0;
+      load_stored<T, kCols, true>(static_cast<const T*>(a.h) + offset, hs[u]);
+      load_stored<T, kCols, true>(static_cast<const T*>(a.d_out) + offset, gs[u]);
+      if (a.d_h) load_stored<T, kCols, true>(static_cast<const T*>(a.d_h) + offset, dhs[u]);
+      if (a.y) load_stored<T, kCols, true>(static_cast<const T*>(a.y) + offset, ys[u]);
+      rstd[u] = a.rstd[p];
+      coef[u] = a.coef[p];
+    }
+#pragma unroll
+    for (int u = 0; u < kWalkAhead; ++u) {
+      const int64_t p = p0 + u;
+      if (p >= end) break;
+      const int64_t offset = p * a.hidden + i0;
+      const int32_t local = local_segment[p - begin];
+      const int64_t r = a.tables.segment_row[first + local];  // the position's row is its segment's
+      float xv[kCols], gv[kCols], sc[kCols], d_n[kCols], g[kCols];
+      widen(hs[u], xv);
+      widen(gs[u], gv);
+      load_readonly<T, kCols, true>(static_cast<const T*>(a.scale) + r * a.scale_stride + i0, sc);
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) {
+        d_n[e] = rowwise::modulated_grad<T>(gv[e], sc[e]);
+        g[e] = round_to<T>(rowwise::dx_value(rstd[u], wv[e], d_n[e], xv[e], coef[u]));  // the norm's dx
+      }
+      if (a.d_h) {
+        float dh[kCols];
+        widen(dhs[u], dh);
+#pragma unroll
+        for (int e = 0; e < kCols; ++e) g[e] = round_to<T>(num::add32(g[e], dh[e]));  // g = R_T(rn(dx + d_h))
+      }
+      if (a.d_residual) store_elems<T, kCols, true>(static_cast<T*>(a.d_residual) + offset, g);
+      if (a.d_y) {
+        float gate[kCols], d_y[kCols];
+        load_readonly<T, kCols, true>(static_cast<const T*>(a.gate) + r * a.gate_stride + i0, gate);
+#pragma unroll
+        for (int e = 0; e < kCols; ++e) d_y[e] = rowwise::gated_grad(g[e], gate[e]);
+        store_elems<T, kCols, true>(static_cast<T*>(a.d_y) + offset, d_y);
+      }
+      // this thread's chain slots of the position's segment, column e of chain c at [(c * kCols + e) * threads]
+      float* sums = segment_sums + local * kChains * kCols * kWalkThreads + threadIdx.x;
+      float yv[kCols];
+      if (a.y) widen(ys[u], yv);
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) {
+        d_weight[e] = rowwise::weight_grad_step(d_n[e], xv[e], rstd[u], d_weight[e]);
+        float& d_shift = sums[e * kWalkThreads];
+        float& d_scale = sums[(kCols + e) * kWalkThreads];
+        d_shift = num::add32(d_shift, gv[e]);
+        d_scale = rowwise::scale_grad_step(gv[e], rowwise::normalised<T>(wv[e], rstd[u], xv[e]), d_scale);
+        if (a.y) {
+          float& d_gate = sums[(2 * kCols + e) * kWalkThreads];
+          d_gate = rowwise::gate_grad_step(g[e], yv[e], d_gate);
+        }
+      }
+    }
+  }
+  if (a.weight_partials) {
+    float* dst = a.weight_partials + chunk * a.weight_partial_stride + i0;
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) dst[e] = d_weight[e];
+  }
+  for (int32_t s = 0; s < last - first; ++s) {
+    const float* sums = segment_sums + s * kChains * kCols * kWalkThreads + threadIdx.x;
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      if (a.table_partials) {
+        float* dst = a.table_partials + (first + s) * a.table_partial_stride;  // (2H,) [shift | scale]
+        dst[i0 + e] = sums[e * kWalkThreads];
+        dst[a.hidden + i0 + e] = sums[(kCols + e) * kWalkThreads];
+      }
+      if (a.gate_partials) a.gate_partials[(first + s) * a.gate_partial_stride + i0 + e] = sums[(2 * kCols + e) * kWalkThreads];
+    }
+  }
+}
 
 template <typename T, int kCols>
 Status launch_partials_with_columns(const RmsnormPartialArgs& a, int64_t selected, int64_t max_chunk_segments,
@@ -780,6 +930,84 @@ Status gate_residual_rmsnorm_backward_single_pass(const GateResidualRmsnormBackw
   a.d_y = p.d_y.present() ? p.d_y.data : nullptr;
   a.gate_partials = gate_partials.present() ? gate_partials.ptr<float>() : nullptr;
   return launch_rmsnorm_backward_single_pass(a, p.h.dtype, true, in.plan.max_chunk_segments(), stream, launched);
+}
+
+Status gate_residual_rmsnorm_backward_walk(const GateResidualRmsnormBackwardParams& p, const TensorView& weight_partials,
+                                           const TensorView& table_partials, const TensorView& gate_partials,
+                                           Stream stream, bool* launched) {
+  *launched = false;
+  const GateResidualRmsnormInputs& in = p.in;
+  if (!launch_tuning().region_backward_walk || !is_modulated(in.shift) || !in.plan.valid()) return Status();
+  const int64_t hidden = hidden_of(p.h), positions = in.plan.positions();
+  if (positions == 0 || hidden % kWalkColumns != 0) return Status();
+  constexpr int kChains = 3;
+  const std::size_t shared_bytes =
+      static_cast<std::size_t>(in.plan.max_chunk_segments()) * kChains * kWalkColumns * kWalkThreads * sizeof(float);
+  if (shared_bytes > kWalkSharedBytes) return Status();
+  RegionWalkArgs a{};
+  a.h = p.h.data;
+  a.d_out = p.d_out.data;
+  a.d_h = p.d_h.present() ? p.d_h.data : nullptr;
+  a.y = gate_partials.present() ? in.y.data : nullptr;
+  a.rstd = p.rstd.ptr<const float>();
+  a.weight = in.weight.data;
+  a.scale = in.scale.data;
+  a.scale_stride = in.scale.strides[0];
+  a.gate = in.gate.data;
+  a.gate_stride = in.gate.strides[0];
+  a.tables = in.plan.device_tables();
+  a.positions = positions;
+  a.hidden = hidden;
+  a.seq_len = in.plan.seq_len();
+  a.d_residual = p.d_residual.present() ? p.d_residual.data : nullptr;
+  a.d_y = p.d_y.present() ? p.d_y.data : nullptr;
+  if (weight_partials.present()) {
+    a.weight_partials = weight_partials.ptr<float>();
+    a.weight_partial_stride = weight_partials.strides[0];
+  }
+  if (table_partials.present()) {
+    a.table_partials = table_partials.ptr<float>();
+    a.table_partial_stride = table_partials.strides[0];
+  }
+  if (gate_partials.present()) {
+    a.gate_partials = gate_partials.ptr<float>();
+    a.gate_partial_stride = gate_partials.strides[0];
+  }
+  return dispatch_float_dtype(p.h.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    // Every row the kernels touch in whole vectors (the coefficient kernel's
+    // tree vectors are the walk's column vectors), else the halves.
+    static_assert(kWalkColumns == kVec, "one vector width for both kernels");
+    const std::size_t bytes = kVec * sizeof(T);
+    if (a.scale_stride % kVec != 0 || a.gate_stride % kVec != 0) return Status();
+    for (const void* q : {a.h, a.d_out, a.d_h, a.y, a.weight, a.scale, a.gate, const_cast<const void*>(a.d_residual),
+                          const_cast<const void*>(a.d_y)})
+      if (q && !address_aligned(q, bytes)) return Status();
+    DeviceGuard guard;
+    DETDIT_RETURN_IF_ERROR(guard.enter(p.h.device));
+    std::shared_ptr<void> coef_owner;  // (P,) floats, stream-ordered: freed after the walk has read them
+    DETDIT_RETURN_IF_ERROR(allocate_scratch(p.h.device, positions * sizeof(float), stream, &coef_owner));
+    float* coef = static_cast<float*>(coef_owner.get());
+    const cudaStream_t s = as_cuda_stream(stream);
+    RmsnormRowArgs rows = row_args(p.h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics);
+    rows.rstd = const_cast<float*>(a.rstd);
+    rows.grad = a.d_out;
+    rows.coef = coef;
+    rmsnorm_backward_rows_block_per_row_kernel<T, true, false, true>
+        <<<static_cast<unsigned>(positions), kRowTreeThreads, 0, s>>>(rows);
+    DETDIT_RETURN_IF_ERROR(launch_status("rmsnorm_backward_rows_block_per_row_kernel<coefficients>"));
+    a.coef = coef;
+    const auto kernel = gate_residual_rmsnorm_backward_walk_kernel<T, kWalkColumns>;
+    if (shared_bytes + sizeof(int32_t) * kReductionChunk > 48 * 1024)  // above 48 KB a kernel must opt in
+      DETDIT_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                              static_cast<int>(shared_bytes)),
+                                         "cudaFuncSetAttribute"));
+    const dim3 grid(static_cast<unsigned>(in.plan.num_chunks()), blocks_for(hidden, kWalkThreads * kWalkColumns));
+    kernel<<<grid, kWalkThreads, shared_bytes, s>>>(a);
+    DETDIT_RETURN_IF_ERROR(launch_status("gate_residual_rmsnorm_backward_walk_kernel"));
+    *launched = true;
+    return Status();
+  });
 }
 
 }  // namespace cuda

@@ -19,6 +19,9 @@ struct LaunchTuning {
   int partial_columns_per_thread = 4;  // rmsnorm / gate / gather partials: columns per thread, 1, 2 or 4
   bool rmsnorm_fused_partials = true;  // rmsnorm table partials in the d_weight pass (when every chunk's
                                       // segment sums fit in shared memory), or a second pass
+  bool region_backward_walk = true;   // gate_residual_rmsnorm backward: the row coefficients, then one
+                                      // walk per chunk for every output and partial (src/cuda/rmsnorm.cu),
+                                      // where it applies; or the halves
   bool single_pass = false;           // the single-pass backwards (rmsnorm, gate_residual,
                                       // gate_residual_rmsnorm) where the GPU runs them, or the halves:
                                       // off, the halves were faster on the H200 (docs/benchmarking.md)

@@ -1,6 +1,6 @@
 // gate_residual_rmsnorm on CUDA: every case of cases/rowwise_cases.cc (plain and modulated norms, with and
 // without d_h, every dtype, both packings, table gradients in the table dtype, H3 shapes) byte-equal to the CPU
-// reference, forward and every gradient, through the single-pass kernel and through the halves.
+// reference, forward and every gradient, through the backward's walk, the halves and the single-pass kernel.
 #include <gtest/gtest.h>
 
 #include "cuda/cuda_test_util.h"
@@ -12,8 +12,19 @@ namespace {
 
 DETDIT_CUDA_OP_CASES(GateResidualRmsnormCaseCuda, "gate_residual_rmsnorm");
 
-// The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h;
-// the cases above run the halves): the same bytes as the CPU on every case.
+// The cases above run the backward's walk where it applies (the modulated
+// norm; src/cuda/tuning.h); the halves (rows, then each op's partials) give
+// the same bytes as the CPU on every case too.
+TEST(GateResidualRmsnormCuda, TheHalvesGiveTheSameBytes) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  cuda::launch_tuning().region_backward_walk = false;
+  expect_cases_match_cpu("gate_residual_rmsnorm");
+  cuda::launch_tuning() = saved;
+}
+
+// The single-pass backward (sm_90 clusters; off by default): the same bytes as
+// the CPU on every case.
 TEST(GateResidualRmsnormCuda, TheSinglePassGivesTheSameBytes) { expect_single_pass_cases_match_cpu("gate_residual_rmsnorm"); }
 
 }  // namespace
