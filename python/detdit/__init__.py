@@ -21,7 +21,7 @@ from . import _compile  # noqa: F401  (fake kernels, fake plans: torch.compile s
 from ._version import __version__  # noqa: F401  (written by setup.py from the repository's VERSION)
 
 __all__ = [
-    "IndexPlan", "plan", "plan_from_rows", "timestep_sinusoid", "linear", "timestep_mlp",
+    "IndexPlan", "PlanTables", "plan", "plan_from_rows", "plan_tables", "timestep_sinusoid", "linear", "timestep_mlp",
     "adaln_projection", "adaln_table_chunks", "adaln_row_gather", "rmsnorm", "gate_residual",
     "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation",
     "H3_HIDDEN_SIZE", "H3_FREQ_DIM", "H3_TIME_EMBED_HIDDEN_DIM", "H3_TIME_EMBED_DIM",
@@ -40,7 +40,8 @@ NUM_MODALITIES = 3  # 0 video, 1 text, 2 audio
 _ops = torch.ops.detdit
 
 #: The plan type, ``torch.classes.detdit.IndexPlan``. Methods: seq_len(), batch(),
-#: num_rows(), positions(), num_chunks(), num_segments(), device(), row_index(); str() (and,
+#: num_rows(), positions(), num_chunks(), num_segments(), device(), row_index(), tables()
+#: (:class:`PlanTables`); str() (and,
 #: where torch forwards it, repr()) says seq_len, batch, num_rows and device.
 IndexPlan = torch.classes.detdit.IndexPlan
 
@@ -86,17 +87,63 @@ def plan_from_rows(row_index, num_rows, batch=1):
     return _ops.plan_from_rows.default(row_index, num_rows, batch)
 
 
-# What a plan is: a built plan, or (torch >= 2.4, under torch.compile) the FakeScriptObject
-# that tracing makes of one (detdit/_compile.py).
-_PLAN_TYPES = (torch.ScriptObject,) + _compile.FAKE_PLAN_TYPES
+class PlanTables:
+    """An :class:`IndexPlan` as a tensor, for a compiled region that must take tensors only
+    (``torch.compile(mode="reduce-overhead")``: CUDA graphs take no torch-class input). Made by
+    :func:`plan_tables`; every op that takes a plan takes one in the plan's place.
+
+    ``tables``: the plan's tables (``plan.tables()``), an ``(S,)`` int32 copy of its validated
+    row index on its device, made once per plan. They stand for the plan, they are not read by
+    any kernel: an op resolves them to the plan that made them and runs on the plan's own
+    tables. A tensor that is not a live plan's unmodified tables (a copy, any other tensor, a
+    part of them, tables modified in place, the tables of a freed plan) is a ValueError naming
+    ``plan_tables``, before any kernel runs (docs/python.md, torch.compile)."""
+
+    def __init__(self, tables):
+        if not isinstance(tables, torch.Tensor):
+            raise TypeError(f"PlanTables: tables must be a torch.Tensor (plan.tables()), got {type(tables).__name__}")
+        self.tables = tables
+
+    def __repr__(self):
+        return f"PlanTables(seq_len={self.tables.shape[0]}, device={self.tables.device})"
+
+
+def plan_tables(index_plan):
+    """The :class:`PlanTables` of a plan, built outside the compiled region (like the plan):
+    the same tables for as long as the plan lives, so a compiled graph traced with them runs
+    again with them. From torch 2.4 they are marked a static input
+    (``torch._dynamo.mark_static_address``): CUDA graphs read them in place, and dynamo guards on
+    them, so a graph runs only with the tables it was traced with."""
+    if not isinstance(index_plan, torch.ScriptObject):
+        raise TypeError(f"plan_tables: plan must be a detdit IndexPlan (detdit.plan(...)), "
+                        f"got {type(index_plan).__name__}")
+    tables = index_plan.tables()
+    if _compile.REASON is None:
+        torch._dynamo.mark_static_address(tables)
+    return PlanTables(tables)
+
+
+# What a plan is: a built plan, its PlanTables, or (torch >= 2.4, under torch.compile) the
+# FakeScriptObject that tracing makes of a plan (detdit/_compile.py).
+_PLAN_TYPES = (torch.ScriptObject, PlanTables) + _compile.FAKE_PLAN_TYPES
 
 
 def _require_plan(index_plan, op):
     if index_plan is None:
         raise ValueError(f"{op} needs an IndexPlan (detdit.plan(...)), got None")
     if not isinstance(index_plan, _PLAN_TYPES):
-        raise TypeError(f"{op}: plan must be a detdit IndexPlan (detdit.plan(...)), got {type(index_plan).__name__}")
+        raise TypeError(f"{op}: plan must be a detdit IndexPlan (detdit.plan(...)) or its PlanTables "
+                        f"(detdit.plan_tables(plan)), got {type(index_plan).__name__}")
     return index_plan
+
+
+def _by_plan(packet, index_plan, op, overload="default"):
+    """(the overload of the op packet for this plan argument, the argument it takes): a plan goes
+    to `overload`, PlanTables go to the `.tables` overload as their tables."""
+    index_plan = _require_plan(index_plan, op)
+    if isinstance(index_plan, PlanTables):
+        return packet.tables, index_plan.tables
+    return getattr(packet, overload), index_plan
 
 
 def _profile(numerics):
@@ -158,7 +205,8 @@ def adaln_row_gather(rows, index_plan):
     (a byte copy, equal to six index_selects). Its gradient arrives as ``(6, S, H)`` (summed
     over the batch by whatever broadcast it) and is reduced with the plan's index, batch 1."""
     _check("adaln_row_gather", rows=(rows, _TENSOR))
-    return _ops.adaln_row_gather.default(rows, _require_plan(index_plan, "adaln_row_gather"))
+    op, index_plan = _by_plan(_ops.adaln_row_gather, index_plan, "adaln_row_gather")
+    return op(rows, index_plan)
 
 
 def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable"):
@@ -170,14 +218,15 @@ def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numer
     # plan only there (csrc/ops.h)
     if plan is None:
         return _ops.rmsnorm.default(x, weight, shift, scale, None, float(eps), _profile(numerics))[0]
-    return _ops.rmsnorm.plan(x, weight, shift, scale, _require_plan(plan, "rmsnorm"), float(eps),
-                             _profile(numerics))[0]
+    op, plan = _by_plan(_ops.rmsnorm, plan, "rmsnorm", "plan")
+    return op(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
 
 
 def gate_residual(residual, y, gate, plan):
     """``residual + gate[i] * y`` with ``gate`` ``(R, H)`` indexed by the plan."""
     _check("gate_residual", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR))
-    return _ops.gate_residual.default(residual, y, gate, _require_plan(plan, "gate_residual"))
+    op, plan = _by_plan(_ops.gate_residual, plan, "gate_residual")
+    return op(residual, y, gate, plan)
 
 
 def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
@@ -189,9 +238,8 @@ def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, pla
     _check("gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR),
            weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR),
            eps=(eps, _REAL))
-    h, out, _ = _ops.gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale,
-                                           _require_plan(plan, "gate_residual_rmsnorm"), float(eps),
-                                           _profile(numerics))
+    op, plan = _by_plan(_ops.gate_residual_rmsnorm, plan, "gate_residual_rmsnorm")
+    h, out, _ = op(residual, y, gate, weight, shift, scale, plan, float(eps), _profile(numerics))
     return h, out
 
 
@@ -200,16 +248,16 @@ def final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps=H3_NORM_EPS, n
     the modulated RMSNorm of x indexed by the timestep index (a plan with ``num_rows = T``)."""
     _check("final_adaln_out", x=(x, _TENSOR), norm_weight=(norm_weight, _TENSOR), temb=(temb, _TENSOR),
            weight=(weight, _TENSOR), bias=(bias, _TENSOR), eps=(eps, _REAL))
-    return _ops.final_adaln_out.default(x, norm_weight, temb, weight, bias, _require_plan(plan, "final_adaln_out"),
-                                float(eps), _profile(numerics))[0]
+    op, plan = _by_plan(_ops.final_adaln_out, plan, "final_adaln_out")
+    return op(x, norm_weight, temb, weight, bias, plan, float(eps), _profile(numerics))[0]
 
 
 def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
     """Fused projection + gather: ``(6, S, H)``; the table gradient stays float32 from the
     gather backward into the projection backward."""
     _check("adaln_modulation", temb=(temb, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _TENSOR))
-    return _ops.adaln_modulation.default(temb, weight, bias, _require_plan(plan, "adaln_modulation"),
-                                 _profile(numerics))[0]
+    op, plan = _by_plan(_ops.adaln_modulation, plan, "adaln_modulation")
+    return op(temb, weight, bias, plan, _profile(numerics))[0]
 
 
 def release_scratch_memory(device="cuda"):

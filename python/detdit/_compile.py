@@ -31,6 +31,11 @@ Contract:
   overload, which resolves it to the live plan: torch 2.11's AOTAutograd refuses a torch-class
   object saved for a compiled backward. Ops without a plan keep their C++ Function, which
   calls its ops through the dispatcher and so is traced as it is.
+- Every op with an IndexPlan also has a ``.tables`` overload taking the plan's tables (a tensor,
+  ``plan.tables()``) in the plan's place: a compiled graph of tensors only, which CUDA graphs
+  need (docs/python.md). Its fake kernel is the plan overload's (S from the tables' length);
+  its Autograd kernel, on every torch, is :func:`autograd_function` of ``TABLES_AUTOGRAD``,
+  which saves the tables as they are and calls the backward's ``.tables`` overload.
 """
 import torch
 
@@ -176,6 +181,12 @@ def _sizes(plan):
     return plan if isinstance(plan, torch.ScriptObject) else plan.wrapped_obj
 
 
+def _seq_len(plan):
+    """S of a plan argument: a plan's (real or fake) seq_len(), or the length of its tables (the
+    `.tables` overloads: an (S,) tensor)."""
+    return plan.shape[0] if isinstance(plan, torch.Tensor) else _sizes(plan).seq_len()
+
+
 # ---------------------------------------------------------------------------
 # The fake kernels, in the order of ops.h and distributed.h
 
@@ -228,7 +239,7 @@ def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_m
 
 def _adaln_row_gather(rows, plan):
     hidden = _hidden_of(_dim(rows, 1), 6, "rows", "(R, 6H)")
-    return _empty(rows, (6, _sizes(plan).seq_len(), hidden), rows.dtype)
+    return _empty(rows, (6, _seq_len(plan), hidden), rows.dtype)
 
 
 def _adaln_row_gather_backward(grad, plan):
@@ -283,7 +294,7 @@ def _final_adaln_out_backward(grad, x, norm_weight, temb, weight, table, act, rs
 def _adaln_modulation(temb, weight, bias, plan, numerics):
     outputs = _dim(weight, 0)
     hidden = _hidden_of(outputs, 18, "weight", "(18H, D)")
-    return (_empty(temb, (6, _sizes(plan).seq_len(), hidden), weight.dtype),
+    return (_empty(temb, (6, _seq_len(plan), hidden), weight.dtype),
             _empty(temb, (_dim(temb, 0), outputs), weight.dtype), _empty(temb, _matrix(temb), weight.dtype))
 
 
@@ -356,6 +367,13 @@ FAKE_KERNELS.update({f"{name}.handle": FAKE_KERNELS[name] for name in (
     "adaln_modulation_backward", "sp_rmsnorm_backward", "sp_gate_residual_backward",
     "sp_gate_residual_rmsnorm_backward")})
 FAKE_KERNELS["adaln_row_gather_backward.handle"] = _adaln_row_gather_backward_handle
+# The `.tables` overloads (the plan's tables in its place, registration.cpp): the same outputs, S
+# from the tables' length.
+FAKE_KERNELS.update({f"{name}.tables": FAKE_KERNELS[name] for name in (
+    "adaln_row_gather", "gate_residual", "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation",
+    "rmsnorm_backward", "gate_residual_backward", "gate_residual_rmsnorm_backward", "final_adaln_out_backward",
+    "adaln_modulation_backward")})
+FAKE_KERNELS.update({"rmsnorm.tables": _rmsnorm, "adaln_row_gather_backward.tables": _adaln_row_gather_backward_handle})
 
 
 def _plan_handle(plan):
@@ -401,6 +419,25 @@ TRACED_AUTOGRAD = {
 }
 
 
+# The autograd of the `.tables` overloads, in TRACED_AUTOGRAD's form: the same backward calls, with
+# the plan's tables (a tensor, saved as it is) in the plan's place and the backward's `.tables`
+# overload. It is their Autograd kernel on every torch, eager and traced (_register_tables_autograd).
+TABLES_AUTOGRAD = {
+    "adaln_row_gather.tables": (1, (), True, lambda a, o, g, m, r: (_ops.adaln_row_gather_backward.tables(
+        _contiguous(g[0]), a[1], a[0].shape[0]),)),
+    "rmsnorm.tables": (4, (1,), True, lambda a, o, g, m, r: _ops.rmsnorm_backward.tables(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], m)),
+    "gate_residual.tables": (3, (), True, lambda a, o, g, m, r: _ops.gate_residual_backward.tables(
+        _contiguous(g[0]), a[1], a[2], a[3], m)),
+    "gate_residual_rmsnorm.tables": (6, (2,), False, lambda a, o, g, m, r: _ops.gate_residual_rmsnorm_backward.tables(
+        _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], m)),
+    "final_adaln_out.tables": (5, (1, 2, 3), True, lambda a, o, g, m, r: _ops.final_adaln_out_backward.tables(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], o[1], o[2], o[3], a[5], a[6], a[7], m)),
+    "adaln_modulation.tables": (3, (1, 2), True, lambda a, o, g, m, r: _ops.adaln_modulation_backward.tables(
+        _contiguous(g[0]), a[0], a[1], o[2], a[3], a[4], m)),
+}
+
+
 def _is_plan(arg):
     """A plan argument: a torch-class object (eager) or the fake that tracing gives one."""
     return isinstance(arg, (torch.ScriptObject, *FAKE_PLAN_TYPES))
@@ -435,11 +472,12 @@ def _below_autograd(op, args):
 
 
 def autograd_function(name):
-    """The torch.autograd.Function of the op overload `name` (a key of TRACED_AUTOGRAD): its
+    """The torch.autograd.Function of the op overload `name` (a key of TRACED_AUTOGRAD or
+    TABLES_AUTOGRAD): its
     forward runs the op below autograd and saves every argument and output; its backward
     makes the backward call autograd.h's Function makes, with the mask of the leading
     arguments that need a gradient."""
-    num_grads, non_differentiable, materialize, backward_call = TRACED_AUTOGRAD[name]
+    num_grads, non_differentiable, materialize, backward_call = {**TRACED_AUTOGRAD, **TABLES_AUTOGRAD}[name]
     op = _overload(name)
 
     def forward(ctx, *args):
@@ -476,6 +514,20 @@ def _register_autograd():
             _overload(name).py_impl(key)(apply)
 
 
+# The registrations of _register_tables_autograd, kept alive with the module (a torch.library
+# Library removes its registrations when it is freed).
+_TABLES_LIBRARY = []
+
+
+def _register_tables_autograd():
+    """The Autograd kernel of each `.tables` overload: its Function (autograd_function), on every
+    torch. No plan object takes part, so the C++ dispatcher runs it in eager and in tracing alike."""
+    library = torch.library.Library("detdit", "IMPL")
+    for name in TABLES_AUTOGRAD:
+        library.impl(name, autograd_function(name).apply, "Autograd")
+    _TABLES_LIBRARY.append(library)
+
+
 def _register():
     from torch._library.fake_class_registry import register_fake_class
     from torch._higher_order_ops import effects
@@ -508,3 +560,4 @@ if REASON is None:
     from torch._library.fake_class_registry import FakeScriptObject
     FAKE_PLAN_TYPES = (FakeScriptObject,)
     _register()
+_register_tables_autograd()

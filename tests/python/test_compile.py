@@ -8,11 +8,16 @@
   block with the conditioning chain and final_adaln_out compiles with fullgraph=True into one
   graph with no break, and its outputs and every gradient are bitwise equal to eager (backend
   aot_eager, and inductor where it takes a plan input); the same under no_grad and under
-  dynamic=True at two sequence lengths; CUDA: replayed as CUDA graphs
-  (mode="reduce-overhead"), with no cudagraph skipped, to the same bits. CI runs these on
-  Debian 13's torch 2.6 (scripts/torch_compile_check.sh).
+  dynamic=True at two sequence lengths; the block given PlanTables compiles into a graph of
+  tensor inputs only (aot_eager and inductor) equal to eager; CUDA: given PlanTables, recorded and
+  replayed as CUDA graphs (mode="reduce-overhead"), with no cudagraph skipped, to the same bits.
+  CI runs these on Debian 13's torch 2.6 (scripts/torch_compile_check.sh);
+- plan tables, any torch: every `.tables` overload equals its plan overload, the wrappers'
+  autograd with PlanTables equals the C++ Functions, and only a live plan's own unmodified
+  tables are taken (copies, same bytes, parts, modified tables, a freed plan's: ValueError).
 """
 import os
+import re
 
 import pytest
 import torch
@@ -28,11 +33,6 @@ BATCH, SEQ, TIMESTEPS, HIDDEN, DIM = 2, 40, 2, 64, 16
 BF = torch.bfloat16
 
 requires_compile = pytest.mark.skipif(_compile.REASON is not None, reason=str(_compile.REASON))
-# torch 2.11 (one H200) runs a graph with a torch-class input (a plan) without CUDA graphs and
-# counts no skip (docs/python.md). strict: a pass fails the run, so the mark goes when its test
-# passes.
-no_cuda_graphs_with_a_plan_input = pytest.mark.xfail(
-    strict=True, reason="torch 2.11 runs a graph with a torch-class input (the plan) without CUDA graphs")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
@@ -352,6 +352,138 @@ def test_plan_handles_resolve_only_to_live_plans(comm):
         ops.adaln_row_gather_backward.handle(i["gather_grad"], i["tplan"].handle(), 99)
 
 
+def tables_cases(device):
+    """(case name, the op's `.tables` overload, its args, the plan overload, its args) for every case
+    of op_cases whose op takes an IndexPlan: the plan's tables in its place (and
+    adaln_row_gather_backward's num_rows)."""
+    cases = []
+    for name, op, args in op_cases(device):
+        if name == "plan_handle" or not any(isinstance(a, torch.ScriptObject) for a in args):
+            continue
+        packet = getattr(ops, op._schema.name.split("::")[1])
+        tables_args = [a.tables() if isinstance(a, torch.ScriptObject) else a for a in args]
+        if name == "adaln_row_gather_backward":
+            tables_args.append(args[1].num_rows())
+        cases.append((name, packet.tables, tables_args, op, args))
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_tables_overload_equals_its_plan_overload(device):
+    """The `.tables` overload of every op with an IndexPlan (forward and backward, every output
+    mask of op_cases) gives the plan overload's outputs, bitwise."""
+    cases = tables_cases(device)
+    tables_ops = {str(op) for _, op, _, _, _ in cases}
+    every = {f"detdit.{s.name.split('::')[1]}.tables" for s in torch._C._jit_get_all_schemas()
+             if s.name.startswith("detdit::") and s.overload_name == "tables"}
+    assert tables_ops == every, every ^ tables_ops
+    for name, tables_op, tables_args, op, args in cases:
+        for k, (a, b) in enumerate(zip(flat(tables_op(*tables_args)), flat(op(*args)))):
+            assert (a is None) == (b is None), f"{name} output {k}: None on one side only"
+            if a is not None:
+                assert_bitwise_equal(a, b, f"{name}.tables output {k}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tables_autograd_equals_the_cpp_functions(device):
+    """The wrappers given PlanTables (the `.tables` overloads and their Autograd kernel,
+    _compile.TABLES_AUTOGRAD) against the same wrappers given the plan (the C++ Functions): the
+    same outputs, every gradient and which gradients are None, bitwise; the fused op with a gradient
+    reaching h and out, out only and h only."""
+    i = inputs(device)
+    x, y, w, T, T2, eps = i["x"], i["y"], i["w"], i["table"], i["table2"], 1e-5
+    calls = [
+        ("adaln_row_gather", (i["rows"],), lambda a, p: detdit.adaln_row_gather(*a, p)),
+        ("rmsnorm", (x, w, T, T2), lambda a, p: detdit.rmsnorm(*a, plan=p, eps=eps)),
+        ("gate_residual", (x, y, T), lambda a, p: detdit.gate_residual(*a, p)),
+        ("gate_residual_rmsnorm", (x, y, T, w, T2, T), lambda a, p: detdit.gate_residual_rmsnorm(*a, plan=p)),
+        ("final_adaln_out", (x, w, i["temb"], i["fw"], i["fb"]), lambda a, p: detdit.final_adaln_out(*a, p)),
+        ("adaln_modulation", (i["temb"], i["pw"], i["pb"]), lambda a, p: detdit.adaln_modulation(*a, p)),
+    ]
+    assert {name + ".tables" for name, _, _ in calls} == set(_compile.TABLES_AUTOGRAD)
+    for name, args, call in calls:
+        plan = i["tplan"] if name == "final_adaln_out" else i["plan"]
+        for reach in ((0, 1), (1,), (0,)) if name == "gate_residual_rmsnorm" else ((0,),):
+            results = []
+            for p in (plan, detdit.plan_tables(plan)):
+                leaves = [a.detach().clone().requires_grad_(True) for a in args]
+                outs = flat(call(leaves, p))
+                torch.autograd.backward([outs[k] for k in reach],
+                                        [normal(tuple(outs[k].shape), 350 + k, outs[k].dtype).to(device)
+                                         for k in reach])
+                results.append((outs, [a.grad for a in leaves]))
+            (plan_outs, plan_grads), (tables_outs, tables_grads) = results
+            what = f"{name} with PlanTables (gradient into outputs {reach})"
+            for k, (a, b) in enumerate(zip(tables_outs, plan_outs)):
+                assert_bitwise_equal(a, b, f"{what}: output {k}")
+            for k, (a, b) in enumerate(zip(tables_grads, plan_grads)):
+                assert (a is None) == (b is None), f"{what}: gradient {k} is None on one side only"
+                if a is not None:
+                    assert_bitwise_equal(a, b, f"{what}: gradient {k}")
+
+
+def test_plan_tables_stand_only_for_the_live_plan_that_made_them():
+    """Only a live plan's own, unmodified tables reach a kernel: a copy of them, a tensor of the
+    same bytes, a part or a reshape of them, tables modified in place and the tables of a freed plan
+    are each a ValueError naming plan_tables, from every `.tables` overload, with the inputs
+    untouched. The tables' bytes are never read: changed behind the version counter (`.data`)
+    they still give the plan's result. plan.tables() is one tensor per plan, new once modified."""
+    import gc
+    cases = tables_cases("cpu")
+    i = inputs("cpu")
+    plan = i["plan"]
+    tables = plan.tables()
+    assert tables is plan.tables() and tables.dtype == torch.int32
+    assert torch.equal(tables, plan.row_index())
+
+    def refused(make, message):
+        for name, tables_op, tables_args, _, _ in cases:
+            # the tables are the one int32 argument
+            args = [make(a) if isinstance(a, torch.Tensor) and a.dtype == torch.int32 else a for a in tables_args]
+            before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+            op_name = re.escape(tables_op._schema.name.split("::")[1])
+            with pytest.raises(ValueError, match=rf"^{op_name}: plan_tables must be the tables of a live IndexPlan "
+                                                 rf"\(plan.tables\(\), detdit.plan_tables\(plan\)\), got .*{message}"):
+                tables_op(*args)
+            for a, b in zip([a for a in args if isinstance(a, torch.Tensor)], before):
+                assert_bitwise_equal(a, b, f"{name}: an input after the refusal")
+
+    refused(lambda t: t.clone(), "that no plan made")
+    refused(lambda t: t.new_zeros(t.shape), "that no plan made")
+    refused(lambda t: plan.row_index(), "that no plan made")
+    refused(lambda t: torch.cat([t[:1], t[1:]]), "that no plan made")
+    refused(lambda t: t[1:], r"a part or a reshaped view .* at offset 1\), expected the whole int32 tensor of "
+                             rf"shape \[{SEQ}\]")
+    refused(lambda t: t.view(SEQ, 1), "a part or a reshaped view")
+    gate, want = i["table"], ops.gate_residual.default(i["x"], i["y"], i["table"], plan)
+    tables.data[0] = 1 - tables[0]  # behind the version counter: no kernel reads the tables
+    assert_bitwise_equal(ops.gate_residual.tables(i["x"], i["y"], gate, tables), want, "tables changed through .data")
+    modified = plan.tables()
+    modified.add_(0)  # in place: the version counter moves
+    refused(lambda t: modified, r"tables modified in place since the plan made them \(version 1, made at version 0\)")
+    fresh = plan.tables()
+    assert fresh is not modified and fresh._version == 0
+    assert_bitwise_equal(ops.gate_residual.tables(i["x"], i["y"], gate, fresh), want, "the tables made after that")
+    ti, tags = packing(SEQ, TIMESTEPS, 300)
+    freed = detdit.plan(ti, tags, TIMESTEPS, BATCH)
+    freed_tables = freed.tables()  # the tables do not keep their plan alive
+    del freed
+    gc.collect()
+    refused(lambda t: freed_tables, r"the tables of a plan that has been freed")
+
+
+def test_plan_tables_wrapper_types():
+    i = inputs("cpu")
+    with pytest.raises(TypeError, match="plan_tables: plan must be a detdit IndexPlan .*got Tensor"):
+        detdit.plan_tables(i["plan"].tables())
+    with pytest.raises(TypeError, match=r"PlanTables: tables must be a torch.Tensor \(plan.tables\(\)\), got list"):
+        detdit.PlanTables([0, 1])
+    forged = detdit.PlanTables(i["plan"].row_index())
+    assert repr(forged) == f"PlanTables(seq_len={SEQ}, device=cpu)"
+    with pytest.raises(ValueError, match="gate_residual: plan_tables must be the tables of a live IndexPlan"):
+        detdit.gate_residual(i["x"], i["y"], i["table"], forged)
+
+
 def test_traced_autograd_refuses_double_backward():
     i = inputs("cpu")
     x = i["x"].clone().requires_grad_(True)
@@ -522,16 +654,57 @@ def test_dynamic_shapes_two_sequence_lengths(device, backend):
                             f"dynamic=True at S={seq}", model)
 
 
+def tables_region(region):
+    """region taking PlanTables: the plans' tables are made outside the compiled function."""
+    def with_tables(x, t, plan, tplan):
+        return region(x, t, detdit.plan_tables(plan), detdit.plan_tables(tplan))
+    return with_tables
+
+
 @requires_compile
-@no_cuda_graphs_with_a_plan_input
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_block_with_plan_tables_takes_tensors_only_and_equals_eager(device, backend):
+    """The tensor-only boundary: given PlanTables the H3 block compiles into one graph with no
+    break whose inputs are tensors and symbols only (no plan: what CUDA graphs need), under both
+    backends (torch 2.6's inductor too, which takes no plan input); its outputs and every
+    gradient are bitwise equal to eager with the plans. Tables that are not a plan's are refused
+    by the compiled graph too."""
+    model, region, weights = fresh_block(device)
+    x, t, plan, tplan = region_inputs(device, SEQ, 460)
+    tables, ttables = detdit.plan_tables(plan), detdit.plan_tables(tplan)
+    explained = torch._dynamo.explain(region)(x, t, tables, ttables)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, str(explained)
+    inputs_of_graph = [node.meta.get("example_value") for node in explained.graphs[0].graph.nodes
+                       if node.op == "placeholder"]
+    assert all(isinstance(v, (torch.Tensor, torch.SymInt)) for v in inputs_of_graph), (
+        f"a graph input is no tensor: {[type(v).__name__ for v in inputs_of_graph]}")
+    traced = {str(op) for graph_ops in explained.ops_per_graph for op in graph_ops if "detdit" in str(op)}
+    for op in ("rmsnorm.tables", "gate_residual_rmsnorm.tables", "gate_residual.tables", "final_adaln_out.tables"):
+        assert any(op in name for name in traced), f"detdit op {op} is not a node of the graph: {sorted(traced)}"
+
+    torch._dynamo.reset()
+    compiled = tables_region(torch.compile(region, fullgraph=True, backend=backend))
+    eager = run_region(region, model, weights, device, SEQ, 470)
+    assert_same_results(run_region(compiled, model, weights, device, SEQ, 470), eager, "compiled vs eager", model)
+    compiled_fn = torch.compile(region, fullgraph=True, backend=backend)
+    forged = detdit.PlanTables(plan.row_index().to(device))
+    with pytest.raises(ValueError, match="plan_tables must be the tables of a live IndexPlan .* that no plan made"):
+        compiled_fn(x, t, forged, ttables)
+
+
+@requires_compile
 @requires_cuda
 def test_cuda_graph_replays_equal_eager():
+    """mode="reduce-overhead" with PlanTables: CUDA graphs are recorded (none skipped) and every
+    call, warm-up, recording and replays, gives eager's bits (eager with the plans). A plan
+    itself as a graph input records none on torch 2.11 (docs/python.md)."""
     from torch._dynamo.utils import counters
     device = "cuda"
     model, region, weights = fresh_block(device)
     counters.clear()
     model.time_proj.check_range = False  # no host read of t: capturable
-    compiled = torch.compile(region, mode="reduce-overhead", fullgraph=True)
+    compiled = tables_region(torch.compile(region, mode="reduce-overhead", fullgraph=True))
     x0, t0, plan, tplan = region_inputs(device, SEQ, 500)  # one plan: a CUDA graph reads its tables by address
     grad = normal((BATCH, SEQ, HIDDEN), 502, BF).to(device)
 
@@ -545,11 +718,9 @@ def test_cuda_graph_replays_equal_eager():
             None if param.grad is None else param.grad.clone() for param in [*weights, *model.parameters()]]
 
     eager = step(region)
-    for replay in range(3):  # warm-up, recording, then replays
+    for replay in range(4):  # warm-up, recording, then replays
         torch.compiler.cudagraph_mark_step_begin()
         assert_same_results(step(compiled), eager, f"reduce-overhead call {replay}", model)
-    # torch 2.11 runs a graph with a torch-class input without CUDA graphs and counts no skip
-    # (graph partitioning takes it for a non-tensor input), so ask for a recording too.
     assert counters["inductor"]["cudagraph_skips"] == 0, f"cudagraphs were skipped: {dict(counters['inductor'])}"
     assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0, (
         f"no CUDA graph was recorded: {dict(counters['inductor'])}")

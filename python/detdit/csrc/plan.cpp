@@ -1,10 +1,16 @@
 // The IndexPlan torch class and its two constructors (contract in plan.h).
 #include "plan.h"
 
+#ifdef DETDIT_TORCH_CUDA
+#include <c10/cuda/CUDAException.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 namespace detdit_torch {
 
@@ -92,6 +98,96 @@ Tensor row_index_of(const IndexPlan& plan) {
 }  // namespace
 
 Tensor PlanHolder::row_index() const { return row_index_of(plan); }
+
+namespace {
+
+// The context of a storage made by plan_tables: its deleter (the function
+// below, which nothing else uses) is what tells a plan's tables from any
+// other tensor.
+struct TablesContext {
+  TablesContext(const PlanPtr& owner, Tensor bytes) : plan(owner), memory(std::move(bytes)) {}
+  c10::weak_intrusive_ptr<PlanHolder> plan;
+  Tensor memory;        // the bytes, allocated by torch on the plan's device
+  int64_t version = 0;  // the tables' version counter when they were made
+};
+void delete_tables_context(void* context) { delete static_cast<TablesContext*>(context); }
+
+const TablesContext* tables_context(const Tensor& tables) {
+  if (!tables.defined() || !tables.has_storage()) return nullptr;
+  const c10::DataPtr& data = tables.storage().data_ptr();
+  if (data.get_deleter() != &delete_tables_context) return nullptr;
+  return static_cast<const TablesContext*>(data.get_context());
+}
+
+std::string describe(const Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  return std::string("a tensor of dtype ") + c10::toString(t.scalar_type()) + ", shape " + c10::str(t.sizes()) +
+         ", on " + t.device().str();
+}
+
+// The plans used while a CUDA graph was being captured, kept until the
+// process ends (plan.h). Leaked, as the handle registry.
+void keep_for_cuda_graphs(const PlanPtr& plan) {
+  static std::mutex* mutex = new std::mutex;
+  static auto* kept = new std::unordered_set<int64_t>;
+  static auto* plans = new std::vector<PlanPtr>;
+  std::lock_guard<std::mutex> lock(*mutex);
+  if (kept->insert(plan->id()).second) plans->push_back(plan);
+}
+
+bool capturing_cuda_graph(const Tensor& tables) {
+#ifdef DETDIT_TORCH_CUDA
+  if (tables.is_cuda()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(tables.device().index()).stream(), &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+#endif
+  (void)tables;
+  return false;
+}
+
+}  // namespace
+
+Tensor plan_tables(const PlanPtr& plan) {
+  std::lock_guard<std::mutex> lock(plan->mutex_);
+  const Tensor& made = plan->tables_;
+  if (made.defined() && made._version() == tables_context(made)->version) return made;
+  auto* context = new TablesContext(plan, row_index_of(plan->plan).to(c10::Device(plan->device())));
+  Tensor tables = at::for_blob(context->memory.data_ptr(), context->memory.sizes())
+                      .context(context, &delete_tables_context)
+                      .target_device(context->memory.device())
+                      .options(context->memory.options())
+                      .make_tensor();
+  context->version = tables._version();
+  plan->tables_ = tables;
+  return tables;
+}
+
+PlanPtr plan_of_tables(const Tensor& tables, const char* op) {
+  const std::string expected = std::string(op) + ": plan_tables must be the tables of a live IndexPlan " +
+                               "(plan.tables(), detdit.plan_tables(plan)), got ";
+  const TablesContext* context = tables_context(tables);
+  if (!context)
+    C10_THROW_ERROR(ValueError, expected + describe(tables) + " that no plan made (a copy of a plan's tables, " +
+                                    "or any other tensor, never stands for a plan)");
+  if (tables.storage_offset() != 0 || !tables.sizes().equals(context->memory.sizes()) ||
+      !tables.strides().equals(context->memory.strides()) || tables.scalar_type() != at::kInt)
+    C10_THROW_ERROR(ValueError, expected + "a part or a reshaped view of a plan's tables (" + describe(tables) +
+                                    " at offset " + std::to_string(tables.storage_offset()) + "), expected the " +
+                                    "whole int32 tensor of shape " + c10::str(context->memory.sizes()));
+  if (tables._version() != context->version)
+    C10_THROW_ERROR(ValueError, expected + "tables modified in place since the plan made them (version " +
+                                    std::to_string(tables._version()) + ", made at version " +
+                                    std::to_string(context->version) + "): they are read-only; plan.tables() " +
+                                    "gives unmodified ones");
+  PlanPtr plan = context->plan.lock();
+  if (!plan)
+    C10_THROW_ERROR(ValueError, expected + "the tables of a plan that has been freed (keep the plan alive while " +
+                                    "its tables are used)");
+  if (capturing_cuda_graph(tables)) keep_for_cuda_graphs(plan);
+  return plan;
+}
 
 std::string PlanHolder::repr() const {
   return "IndexPlan(seq_len=" + std::to_string(seq_len()) + ", batch=" + std::to_string(batch()) +

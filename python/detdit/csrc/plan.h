@@ -63,9 +63,11 @@ struct PlanHolder : torch::CustomClassHolder {
   int64_t id() const { return id_; }
 
  private:
+  friend Tensor plan_tables(const c10::intrusive_ptr<PlanHolder>& plan);
   std::mutex mutex_;
   IndexPlan single_batch_;
   int64_t id_;
+  Tensor tables_;  // made on first use by plan_tables
 };
 
 using PlanPtr = c10::intrusive_ptr<PlanHolder>;
@@ -89,6 +91,26 @@ c10::intrusive_ptr<torch::CustomClassHolder> resolve_plan_handle(const Tensor& h
 void forget_plan_handle(int64_t id);
 Tensor plan_handle(const PlanPtr& plan);
 PlanPtr plan_of_handle(const Tensor& handle, const char* op);
+
+// The plan's tables (`plan.tables()`): the tensor that stands for the plan
+// where a compiled graph must take tensors only (torch.compile's CUDA graphs
+// take no torch-class input; docs/python.md, torch.compile). An (S,) int32
+// copy of the validated row index on the plan's device, made once per plan
+// (again if it was modified in place), whose storage was made here: its
+// DataPtr's deleter is this file's and its context names the plan (weakly:
+// the plan owns its tables, not the reverse). No kernel reads it; the
+// `.tables` overloads resolve it to the plan with plan_of_tables and run on
+// the plan's own tables.
+Tensor plan_tables(const PlanPtr& plan);
+// The plan whose tables `tables` is: refused with a ValueError naming `op`'s
+// argument plan_tables when the storage is not one plan_tables made (a copy,
+// any other tensor, a view of other memory), when it is a view of a part of
+// it, when it was modified in place since it was made (its version counter
+// moved), or when its plan has been freed. While the current CUDA stream is
+// capturing a graph the plan is kept alive until the process ends: torch's
+// CUDA graphs hold no reference to their inputs, and a replay reads the
+// plan's tables at the addresses it captured.
+PlanPtr plan_of_tables(const Tensor& tables, const char* op);
 
 // The plan of an optional argument; an empty IndexPlan for None.
 const IndexPlan& plan_of(const OptPlan& plan);

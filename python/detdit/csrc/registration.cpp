@@ -11,7 +11,9 @@
 // constructors and release_scratch_memory have one kernel for every key
 // (they take no differentiable input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
 // not optional (ops.h says why); rmsnorm.plan's Autograd kernel is rmsnorm's
-// Function. The classes' __obj_flatten__ (plan.h) and, from torch 2.4, the
+// Function. Every op with an IndexPlan also has a `.tables` overload taking
+// the plan's tables in its place (plan.h), whose Autograd kernel
+// detdit/_compile.py registers. The classes' __obj_flatten__ (plan.h) and, from torch 2.4, the
 // Python module of the fake kernels (detdit._compile, which torch imports
 // when it needs one) serve torch.compile.
 #include <Python.h>
@@ -66,52 +68,97 @@ std::tuple<Tensor, Tensor> rmsnorm_plan_autograd(const Tensor& x, const Tensor& 
   return autograd_kernel<RmsnormFunction>(&rmsnorm)(x, weight, shift, scale, OptPlan(plan), eps, numerics);
 }
 
-// The `.handle` overloads of the backward ops (plan.h: a plan's handle in the
-// plan's place, resolved to the live plan it names): what detdit/_compile.py's
-// traced autograd calls, since torch 2.11 cannot save a plan for a compiled
-// backward. Each is the op's backward on the resolved plan.
-Tensor adaln_row_gather_backward_handle(const Tensor& grad, const Tensor& handle, int64_t num_rows) {
-  const PlanPtr plan = plan_of_handle(handle, "adaln_row_gather_backward");
+// The overloads that take a plan as a tensor, resolved to the plan it stands
+// for before any kernel runs (plan.h): `.handle` (the backward ops: the
+// plan's handle, what detdit/_compile.py's traced autograd saves, since torch
+// 2.11 cannot save a plan for a compiled backward) and `.tables` (every op
+// with an IndexPlan: the plan's tables, a compiled graph's tensor-only
+// boundary for CUDA graphs). Each is the op on the resolved plan.
+using PlanOfTensor = PlanPtr (*)(const Tensor&, const char*);
+
+template <PlanOfTensor plan_of>
+Tensor adaln_row_gather_backward_by(const Tensor& grad, const Tensor& plan_tensor, int64_t num_rows) {
+  const PlanPtr plan = plan_of(plan_tensor, "adaln_row_gather_backward");
   if (plan->num_rows() != num_rows)
     C10_THROW_ERROR(ValueError, "adaln_row_gather_backward: num_rows must be the plan's " +
                                     std::to_string(plan->num_rows()) + ", got " + std::to_string(num_rows));
   return adaln_row_gather_backward(grad, plan);
 }
-std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_handle(const Tensor& grad, const Tensor& x,
-                                                                   const Tensor& weight, const OptTensor& shift,
-                                                                   const OptTensor& scale, const Tensor& handle,
-                                                                   const Tensor& rstd, double eps,
-                                                                   const std::string& numerics,
-                                                                   std::array<bool, 4> output_mask) {
-  return rmsnorm_backward_plan(grad, x, weight, shift, scale, plan_of_handle(handle, "rmsnorm_backward"), rstd, eps,
+template <PlanOfTensor plan_of>
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_by(const Tensor& grad, const Tensor& x,
+                                                               const Tensor& weight, const OptTensor& shift,
+                                                               const OptTensor& scale, const Tensor& plan_tensor,
+                                                               const Tensor& rstd, double eps,
+                                                               const std::string& numerics,
+                                                               std::array<bool, 4> output_mask) {
+  return rmsnorm_backward_plan(grad, x, weight, shift, scale, plan_of(plan_tensor, "rmsnorm_backward"), rstd, eps,
                                numerics, output_mask);
 }
-std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_handle(const Tensor& grad, const Tensor& y,
-                                                                 const Tensor& gate, const Tensor& handle,
-                                                                 std::array<bool, 3> output_mask) {
-  return gate_residual_backward(grad, y, gate, plan_of_handle(handle, "gate_residual_backward"), output_mask);
+template <PlanOfTensor plan_of>
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_by(const Tensor& grad, const Tensor& y, const Tensor& gate,
+                                                             const Tensor& plan_tensor,
+                                                             std::array<bool, 3> output_mask) {
+  return gate_residual_backward(grad, y, gate, plan_of(plan_tensor, "gate_residual_backward"), output_mask);
 }
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_handle(
+template <PlanOfTensor plan_of>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_by(
     const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
-    const OptTensor& shift, const OptTensor& scale, const Tensor& handle, const Tensor& h, const Tensor& rstd,
+    const OptTensor& shift, const OptTensor& scale, const Tensor& plan_tensor, const Tensor& h, const Tensor& rstd,
     double eps, const std::string& numerics, std::array<bool, 6> output_mask) {
   return gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale,
-                                        plan_of_handle(handle, "gate_residual_rmsnorm_backward"), h, rstd, eps,
+                                        plan_of(plan_tensor, "gate_residual_rmsnorm_backward"), h, rstd, eps,
                                         numerics, output_mask);
 }
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward_handle(
+template <PlanOfTensor plan_of>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> final_adaln_out_backward_by(
     const Tensor& grad, const Tensor& x, const Tensor& norm_weight, const Tensor& temb, const Tensor& weight,
-    const Tensor& table, const Tensor& act, const Tensor& rstd, const Tensor& handle, double eps,
+    const Tensor& table, const Tensor& act, const Tensor& rstd, const Tensor& plan_tensor, double eps,
     const std::string& numerics, std::array<bool, 5> output_mask) {
   return final_adaln_out_backward(grad, x, norm_weight, temb, weight, table, act, rstd,
-                                  plan_of_handle(handle, "final_adaln_out_backward"), eps, numerics, output_mask);
+                                  plan_of(plan_tensor, "final_adaln_out_backward"), eps, numerics, output_mask);
 }
-std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward_handle(const Tensor& grad, const Tensor& temb,
-                                                                    const Tensor& weight, const Tensor& act,
-                                                                    const Tensor& handle, const std::string& numerics,
-                                                                    std::array<bool, 3> output_mask) {
-  return adaln_modulation_backward(grad, temb, weight, act, plan_of_handle(handle, "adaln_modulation_backward"),
+template <PlanOfTensor plan_of>
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward_by(const Tensor& grad, const Tensor& temb,
+                                                                const Tensor& weight, const Tensor& act,
+                                                                const Tensor& plan_tensor,
+                                                                const std::string& numerics,
+                                                                std::array<bool, 3> output_mask) {
+  return adaln_modulation_backward(grad, temb, weight, act, plan_of(plan_tensor, "adaln_modulation_backward"),
                                    numerics, output_mask);
+}
+
+// The `.tables` forward ops (their Autograd kernel is the traced Function of
+// detdit/_compile.py, registered there).
+Tensor adaln_row_gather_tables(const Tensor& rows, const Tensor& plan_tables) {
+  return adaln_row_gather(rows, plan_of_tables(plan_tables, "adaln_row_gather"));
+}
+std::tuple<Tensor, Tensor> rmsnorm_tables(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                          const OptTensor& scale, const Tensor& plan_tables, double eps,
+                                          const std::string& numerics) {
+  return rmsnorm_plan(x, weight, shift, scale, plan_of_tables(plan_tables, "rmsnorm"), eps, numerics);
+}
+Tensor gate_residual_tables(const Tensor& residual, const Tensor& y, const Tensor& gate, const Tensor& plan_tables) {
+  return gate_residual(residual, y, gate, plan_of_tables(plan_tables, "gate_residual"));
+}
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_tables(const Tensor& residual, const Tensor& y,
+                                                                const Tensor& gate, const Tensor& weight,
+                                                                const OptTensor& shift, const OptTensor& scale,
+                                                                const Tensor& plan_tables, double eps,
+                                                                const std::string& numerics) {
+  return gate_residual_rmsnorm(residual, y, gate, weight, shift, scale,
+                               plan_of_tables(plan_tables, "gate_residual_rmsnorm"), eps, numerics);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> final_adaln_out_tables(const Tensor& x, const Tensor& norm_weight,
+                                                                  const Tensor& temb, const Tensor& weight,
+                                                                  const Tensor& bias, const Tensor& plan_tables,
+                                                                  double eps, const std::string& numerics) {
+  return final_adaln_out(x, norm_weight, temb, weight, bias, plan_of_tables(plan_tables, "final_adaln_out"), eps,
+                         numerics);
+}
+std::tuple<Tensor, Tensor, Tensor> adaln_modulation_tables(const Tensor& temb, const Tensor& weight,
+                                                           const Tensor& bias, const Tensor& plan_tables,
+                                                           const std::string& numerics) {
+  return adaln_modulation(temb, weight, bias, plan_of_tables(plan_tables, "adaln_modulation"), numerics);
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_handle(const Tensor& grad, const Tensor& x,
                                                                       const Tensor& weight, const OptTensor& shift,
@@ -135,21 +182,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
                                            comm, eps, numerics);
 }
 
-// `<op>_backward.handle(...)`: the backward schema with its plan argument as
-// `Tensor plan_handle`, at the CPU and CUDA keys (the handle is on the CPU, the
-// other tensors decide the key).
+// `<op>.<overload>(...)`: the schema with its plan argument as `Tensor
+// <argument>`, at the CPU and CUDA keys (a handle is on the CPU, the other
+// tensors decide the key).
 template <typename Kernel>
-void def_handle_overload(torch::Library& m, const std::string& backward_schema, Kernel* kernel) {
-  std::string schema = backward_schema;
-  const std::size_t paren = schema.find('(');
-  schema.insert(paren, ".handle");
+void def_tensor_plan_overload(torch::Library& m, const std::string& op_schema, const char* overload,
+                              const char* argument, Kernel* kernel) {
+  std::string schema = op_schema;
+  schema.insert(schema.find('('), std::string(".") + overload);
   for (const char* plan : {DETDIT_PLAN " plan", DETDIT_PLAN "? plan", DETDIT_SP_PLAN " sp"}) {
     const std::size_t at = schema.find(plan);
-    if (at != std::string::npos) schema.replace(at, std::strlen(plan), "Tensor plan_handle");
+    if (at != std::string::npos) schema.replace(at, std::strlen(plan), std::string("Tensor ") + argument);
   }
   m.def(schema.c_str());
   const std::string name = op_name(schema.c_str());
   for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) m.impl(name.c_str(), key, kernel);
+}
+template <typename Kernel>
+void def_handle_overload(torch::Library& m, const std::string& backward_schema, Kernel* kernel) {
+  def_tensor_plan_overload(m, backward_schema, "handle", "plan_handle", kernel);
+}
+template <typename Kernel>
+void def_tables_overload(torch::Library& m, const std::string& schema, Kernel* kernel) {
+  def_tensor_plan_overload(m, schema, "tables", "plan_tables", kernel);
 }
 
 // A plan is no sequence: len() raises TypeError, as for any Python object
@@ -185,7 +240,24 @@ TORCH_LIBRARY(detdit, m) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
   m.set_python_module("detdit._compile");
 #endif
-  // The backward schemas that also get a `.handle` overload (def_handle_overload).
+  // The forward schemas with an IndexPlan, which also get a `.tables` overload.
+  static const std::string kAdalnRowGatherSchema = "adaln_row_gather(Tensor rows, " DETDIT_PLAN " plan) -> Tensor";
+  static const std::string kRmsnormPlanSchema =
+      "rmsnorm.plan(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      " plan, float eps, str numerics) -> (Tensor, Tensor)";
+  static const std::string kGateResidualSchema =
+      "gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_PLAN " plan) -> Tensor";
+  static const std::string kGateResidualRmsnormSchema =
+      "gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, Tensor? scale, "
+      DETDIT_PLAN " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor)";
+  static const std::string kFinalAdalnOutSchema =
+      "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
+      " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kAdalnModulationSchema =
+      "adaln_modulation(Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
+      " plan, str numerics) -> (Tensor, Tensor, Tensor)";
+  // The backward schemas that also get a `.handle` overload (def_handle_overload)
+  // and, those with an IndexPlan, a `.tables` one.
   static const std::string kRmsnormBackwardSchema =
       "rmsnorm_backward(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
       "? plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)";
@@ -226,6 +298,7 @@ TORCH_LIBRARY(detdit, m) {
       .def("__str__", &PlanHolder::repr)
       .def("__obj_flatten__", &PlanHolder::flatten)
       .def("handle", [](const PlanPtr& self) { return plan_handle(self); })
+      .def("tables", [](const PlanPtr& self) { return plan_tables(self); })
       .def("__len__", &plan_has_no_len<PlanHolder>)
       .def("__eq__", [](const PlanPtr& self, const PlanPtr& other) { return same_table(self->plan, other->plan); })
       .def("__ne__", [](const PlanPtr& self, const PlanPtr& other) { return !same_table(self->plan, other->plan); })
@@ -286,8 +359,7 @@ TORCH_LIBRARY(detdit, m) {
       "adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, str numerics, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
       &adaln_projection_backward);
-  def_op<AdalnRowGatherFunction>(m, "adaln_row_gather(Tensor rows, " DETDIT_PLAN " plan) -> Tensor",
-                                 &adaln_row_gather,
+  def_op<AdalnRowGatherFunction>(m, kAdalnRowGatherSchema.c_str(), &adaln_row_gather,
                                  "adaln_row_gather_backward(Tensor grad, " DETDIT_PLAN " plan) -> Tensor",
                                  &adaln_row_gather_backward);
   def_op<RmsnormFunction>(
@@ -297,8 +369,7 @@ TORCH_LIBRARY(detdit, m) {
       &rmsnorm,
       kRmsnormBackwardSchema.c_str(),
       &rmsnorm_backward);
-  m.def("rmsnorm.plan(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
-        " plan, float eps, str numerics) -> (Tensor, Tensor)");
+  m.def(kRmsnormPlanSchema.c_str());
   m.def("rmsnorm_backward.plan(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
         " plan, Tensor rstd, float eps, str numerics, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
   for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) {
@@ -307,28 +378,19 @@ TORCH_LIBRARY(detdit, m) {
   }
   m.impl("rmsnorm.plan", c10::DispatchKey::Autograd, &rmsnorm_plan_autograd);
   def_op<GateResidualFunction>(
-      m, "gate_residual(Tensor residual, Tensor y, Tensor gate, " DETDIT_PLAN " plan) -> Tensor", &gate_residual,
+      m, kGateResidualSchema.c_str(), &gate_residual,
       kGateResidualBackwardSchema.c_str(),
       &gate_residual_backward);
   def_op<GateResidualRmsnormFunction>(
-      m,
-      "gate_residual_rmsnorm(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor? shift, Tensor? scale, "
-      DETDIT_PLAN " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
-      &gate_residual_rmsnorm,
+      m, kGateResidualRmsnormSchema.c_str(), &gate_residual_rmsnorm,
       kGateResidualRmsnormBackwardSchema.c_str(),
       &gate_residual_rmsnorm_backward);
   def_op<FinalAdalnOutFunction>(
-      m,
-      "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
-      " plan, float eps, str numerics) -> (Tensor, Tensor, Tensor, Tensor)",
-      &final_adaln_out,
+      m, kFinalAdalnOutSchema.c_str(), &final_adaln_out,
       kFinalAdalnOutBackwardSchema.c_str(),
       &final_adaln_out_backward);
   def_op<AdalnModulationFunction>(
-      m,
-      "adaln_modulation(Tensor temb, Tensor weight, Tensor bias, " DETDIT_PLAN
-      " plan, str numerics) -> (Tensor, Tensor, Tensor)",
-      &adaln_modulation,
+      m, kAdalnModulationSchema.c_str(), &adaln_modulation,
       kAdalnModulationBackwardSchema.c_str(),
       &adaln_modulation_backward);
 
@@ -361,15 +423,29 @@ TORCH_LIBRARY(detdit, m) {
       kSpGateResidualRmsnormBackwardSchema.c_str(),
       &sp_gate_residual_rmsnorm_backward);
 
-  // The `.handle` overloads (plan.h, registration above).
-  m.def("adaln_row_gather_backward.handle(Tensor grad, Tensor plan_handle, int num_rows) -> Tensor");
-  for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA})
-    m.impl("adaln_row_gather_backward.handle", key, &adaln_row_gather_backward_handle);
-  def_handle_overload(m, kRmsnormBackwardSchema, &rmsnorm_backward_handle);
-  def_handle_overload(m, kGateResidualBackwardSchema, &gate_residual_backward_handle);
-  def_handle_overload(m, kGateResidualRmsnormBackwardSchema, &gate_residual_rmsnorm_backward_handle);
-  def_handle_overload(m, kFinalAdalnOutBackwardSchema, &final_adaln_out_backward_handle);
-  def_handle_overload(m, kAdalnModulationBackwardSchema, &adaln_modulation_backward_handle);
+  // The `.handle` and `.tables` overloads (plan.h, registration above).
+  // adaln_row_gather_backward's also take the plan's num_rows, which its fake
+  // kernel needs.
+  static const std::string kAdalnRowGatherBackwardByTensorSchema =
+      "adaln_row_gather_backward(Tensor grad, " DETDIT_PLAN " plan, int num_rows) -> Tensor";
+  def_handle_overload(m, kAdalnRowGatherBackwardByTensorSchema, &adaln_row_gather_backward_by<plan_of_handle>);
+  def_handle_overload(m, kRmsnormBackwardSchema, &rmsnorm_backward_by<plan_of_handle>);
+  def_handle_overload(m, kGateResidualBackwardSchema, &gate_residual_backward_by<plan_of_handle>);
+  def_handle_overload(m, kGateResidualRmsnormBackwardSchema, &gate_residual_rmsnorm_backward_by<plan_of_handle>);
+  def_handle_overload(m, kFinalAdalnOutBackwardSchema, &final_adaln_out_backward_by<plan_of_handle>);
+  def_handle_overload(m, kAdalnModulationBackwardSchema, &adaln_modulation_backward_by<plan_of_handle>);
+  def_tables_overload(m, kAdalnRowGatherSchema, &adaln_row_gather_tables);
+  def_tables_overload(m, "rmsnorm" + kRmsnormPlanSchema.substr(kRmsnormPlanSchema.find('(')), &rmsnorm_tables);
+  def_tables_overload(m, kGateResidualSchema, &gate_residual_tables);
+  def_tables_overload(m, kGateResidualRmsnormSchema, &gate_residual_rmsnorm_tables);
+  def_tables_overload(m, kFinalAdalnOutSchema, &final_adaln_out_tables);
+  def_tables_overload(m, kAdalnModulationSchema, &adaln_modulation_tables);
+  def_tables_overload(m, kAdalnRowGatherBackwardByTensorSchema, &adaln_row_gather_backward_by<plan_of_tables>);
+  def_tables_overload(m, kRmsnormBackwardSchema, &rmsnorm_backward_by<plan_of_tables>);
+  def_tables_overload(m, kGateResidualBackwardSchema, &gate_residual_backward_by<plan_of_tables>);
+  def_tables_overload(m, kGateResidualRmsnormBackwardSchema, &gate_residual_rmsnorm_backward_by<plan_of_tables>);
+  def_tables_overload(m, kFinalAdalnOutBackwardSchema, &final_adaln_out_backward_by<plan_of_tables>);
+  def_tables_overload(m, kAdalnModulationBackwardSchema, &adaln_modulation_backward_by<plan_of_tables>);
   def_handle_overload(m, kSpRmsnormBackwardSchema, &sp_rmsnorm_backward_handle);
   def_handle_overload(m, kSpGateResidualBackwardSchema, &sp_gate_residual_backward_handle);
   def_handle_overload(m, kSpGateResidualRmsnormBackwardSchema, &sp_gate_residual_rmsnorm_backward_handle);
