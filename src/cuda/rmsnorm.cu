@@ -504,8 +504,8 @@ constexpr std::size_t kFusedPartialsSharedBytes = 40 * 1024;
 constexpr int kWalkThreads = 128;
 constexpr int kWalkColumns = 4;  // columns per thread, one vector
 constexpr int kWalkAhead = 4;    // positions whose loads are in flight before the first is used
-// The segment sums' budget: 9 segments (the interleaved H3 packing) at
-// 6 KB each fit; more take the halves.
+// The segment sums' budget: 6 KB per segment of a chunk, so up to 10 (the
+// interleaved H3 packing has 9); more take the halves.
 constexpr std::size_t kWalkSharedBytes = 64 * 1024;
 
 struct RegionWalkArgs {
@@ -625,7 +625,8 @@ __global__ void __launch_bounds__(kWalkThreads) gate_residual_rmsnorm_backward_w
         dst[i0 + e] = sums[e * kWalkThreads];
         dst[a.hidden + i0 + e] = sums[(kCols + e) * kWalkThreads];
       }
-      if (a.gate_partials) a.gate_partials[(first + s) * a.gate_partial_stride + i0 + e] = sums[(2 * kCols + e) * kWalkThreads];
+      if (a.gate_partials)
+        a.gate_partials[(first + s) * a.gate_partial_stride + i0 + e] = sums[(2 * kCols + e) * kWalkThreads];
     }
   }
 }
