@@ -392,50 +392,51 @@ def _contiguous(grad):
 
 # Per op: how many leading arguments get a gradient, the outputs marked non-differentiable,
 # whether absent gradients are materialised as zeros, and the backward call of
-# (arguments, outputs, grads, mask, rows) -> that many gradients. Each is autograd.h's Function's
-# call, with the plan's handle where the plan was (the op's `.handle` overload: torch 2.11's
-# AOTAutograd refuses a plan saved for a compiled backward, and saves the handle, a tensor);
-# rows[i] is the row count of an IndexPlan argument i.
+# (arguments, outputs, grads, mask) -> that many gradients. Each is autograd.h's Function's
+# call, with the plan given to the backward op's `overload` in the plan's place:
+# - "handle" (TRACED_AUTOGRAD): the plan's handle, saved instead of the plan (torch 2.11's
+#   AOTAutograd refuses a plan saved for a compiled backward, and saves the handle, a tensor);
+# - "tables" (TABLES_AUTOGRAD, the `.tables` overloads' own autograd): the plan's tables, a
+#   tensor saved as it is.
+# adaln_row_gather's backward also takes the plan's num_rows: the rows' first dimension, which
+# the forward checked equal to it.
+def _index_plan_autograd(overload):
+    def backward(op):
+        return getattr(getattr(_ops, op + "_backward"), overload)
+
+    return {
+        "adaln_row_gather": (1, (), True, lambda a, o, g, m: (backward("adaln_row_gather")(
+            _contiguous(g[0]), a[1], a[0].shape[0]),)),
+        "rmsnorm": (4, (1,), True, lambda a, o, g, m: backward("rmsnorm")(
+            _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], m)),
+        "gate_residual": (3, (), True, lambda a, o, g, m: backward("gate_residual")(
+            _contiguous(g[0]), a[1], a[2], a[3], m)),
+        # h and out may each get a gradient or none: not materialised (GateResidualRmsnormFunction)
+        "gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: backward("gate_residual_rmsnorm")(
+            _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], m)),
+        "final_adaln_out": (5, (1, 2, 3), True, lambda a, o, g, m: backward("final_adaln_out")(
+            _contiguous(g[0]), a[0], a[1], a[2], a[3], o[1], o[2], o[3], a[5], a[6], a[7], m)),
+        "adaln_modulation": (3, (1, 2), True, lambda a, o, g, m: backward("adaln_modulation")(
+            _contiguous(g[0]), a[0], a[1], o[2], a[3], a[4], m)),
+    }
+
+
+# The ops traced with a fake plan (rmsnorm's through its `.plan` overload) and the sp_ ops.
 TRACED_AUTOGRAD = {
-    "adaln_row_gather": (1, (), True, lambda a, o, g, m, r: (_ops.adaln_row_gather_backward.handle(
-        _contiguous(g[0]), a[1], r[1]),)),
-    "rmsnorm.plan": (4, (1,), True, lambda a, o, g, m, r: _ops.rmsnorm_backward.handle(
-        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], m)),
-    "gate_residual": (3, (), True, lambda a, o, g, m, r: _ops.gate_residual_backward.handle(
-        _contiguous(g[0]), a[1], a[2], a[3], m)),
-    # h and out may each get a gradient or none: not materialised (GateResidualRmsnormFunction)
-    "gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m, r: _ops.gate_residual_rmsnorm_backward.handle(
-        _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], m)),
-    "final_adaln_out": (5, (1, 2, 3), True, lambda a, o, g, m, r: _ops.final_adaln_out_backward.handle(
-        _contiguous(g[0]), a[0], a[1], a[2], a[3], o[1], o[2], o[3], a[5], a[6], a[7], m)),
-    "adaln_modulation": (3, (1, 2), True, lambda a, o, g, m, r: _ops.adaln_modulation_backward.handle(
-        _contiguous(g[0]), a[0], a[1], o[2], a[3], a[4], m)),
-    "sp_rmsnorm": (4, (1,), True, lambda a, o, g, m, r: _ops.sp_rmsnorm_backward.handle(
+    **{"rmsnorm.plan" if name == "rmsnorm" else name: entry
+       for name, entry in _index_plan_autograd("handle").items()},
+    "sp_rmsnorm": (4, (1,), True, lambda a, o, g, m: _ops.sp_rmsnorm_backward.handle(
         _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], a[7])),
-    "sp_gate_residual": (3, (), True, lambda a, o, g, m, r: _ops.sp_gate_residual_backward.handle(
+    "sp_gate_residual": (3, (), True, lambda a, o, g, m: _ops.sp_gate_residual_backward.handle(
         _contiguous(g[0]), a[1], a[2], a[3], a[4])),
-    "sp_gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m, r: _ops.sp_gate_residual_rmsnorm_backward.handle(
+    "sp_gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: _ops.sp_gate_residual_rmsnorm_backward.handle(
         _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], a[9])),
 }
 
 
-# The autograd of the `.tables` overloads, in TRACED_AUTOGRAD's form: the same backward calls, with
-# the plan's tables (a tensor, saved as it is) in the plan's place and the backward's `.tables`
-# overload. It is their Autograd kernel on every torch, eager and traced (_register_tables_autograd).
-TABLES_AUTOGRAD = {
-    "adaln_row_gather.tables": (1, (), True, lambda a, o, g, m, r: (_ops.adaln_row_gather_backward.tables(
-        _contiguous(g[0]), a[1], a[0].shape[0]),)),
-    "rmsnorm.tables": (4, (1,), True, lambda a, o, g, m, r: _ops.rmsnorm_backward.tables(
-        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], m)),
-    "gate_residual.tables": (3, (), True, lambda a, o, g, m, r: _ops.gate_residual_backward.tables(
-        _contiguous(g[0]), a[1], a[2], a[3], m)),
-    "gate_residual_rmsnorm.tables": (6, (2,), False, lambda a, o, g, m, r: _ops.gate_residual_rmsnorm_backward.tables(
-        _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], m)),
-    "final_adaln_out.tables": (5, (1, 2, 3), True, lambda a, o, g, m, r: _ops.final_adaln_out_backward.tables(
-        _contiguous(g[0]), a[0], a[1], a[2], a[3], o[1], o[2], o[3], a[5], a[6], a[7], m)),
-    "adaln_modulation.tables": (3, (1, 2), True, lambda a, o, g, m, r: _ops.adaln_modulation_backward.tables(
-        _contiguous(g[0]), a[0], a[1], o[2], a[3], a[4], m)),
-}
+# The Autograd kernel of each `.tables` overload on every torch, eager and traced
+# (_register_tables_autograd).
+TABLES_AUTOGRAD = {name + ".tables": entry for name, entry in _index_plan_autograd("tables").items()}
 
 
 def _is_plan(arg):
@@ -489,7 +490,6 @@ def autograd_function(name):
         saved = [_handle_of(a) if p else a if isinstance(a, torch.Tensor) else None for a, p in zip(args, is_plan)]
         ctx.save_for_backward(*saved, *outs)
         ctx.others = [None if s is not None else a for a, s in zip(args, saved)]
-        ctx.rows = [_sizes(a).num_rows() if p and not _is_sp_plan(a) else None for a, p in zip(args, is_plan)]
         ctx.mark_non_differentiable(*[outs[i] for i in non_differentiable])
         ctx.set_materialize_grads(materialize)
         return outs if len(outs) > 1 else outs[0]
@@ -500,7 +500,7 @@ def autograd_function(name):
         saved, others = ctx.saved_tensors, ctx.others
         args = [s if o is None else o for s, o in zip(saved, others)]
         outs = saved[len(others):]
-        grads_in = backward_call(args, outs, grads, list(ctx.needs_input_grad[:num_grads]), ctx.rows)
+        grads_in = backward_call(args, outs, grads, list(ctx.needs_input_grad[:num_grads]))
         return (*grads_in, *([None] * (len(args) - num_grads)))
 
     return type(f"Traced{name.replace('.', '_')}Function", (torch.autograd.Function,),
