@@ -77,58 +77,37 @@ struct RmsnormRowArgs {
   float* coef;
 };
 
-// The x vector j of row m: loaded, or (kGated) computed as h from the
-// residual, y and gate rows and stored to h on the way (gate_residual's
-// formula, numerics 5.7), so the norm reads exactly the h it returns.
-template <typename T, bool kVector, bool kGated>
-__device__ __forceinline__ void row_input(const RmsnormRowArgs& a, const T* gate_row, int64_t m, int64_t j,
-                                          ElemVec<T, kVec>& out) {
-  const int64_t offset = m * a.hidden + j * kVec;
-  if constexpr (kGated) {
-    float r[kVec], y[kVec], g[kVec], h[kVec];
-    load_elems<T, kVec, kVector>(static_cast<const T*>(a.residual) + offset, r);
-    load_elems<T, kVec, kVector>(static_cast<const T*>(a.y) + offset, y);
-    load_elems<T, kVec, kVector>(gate_row + j * kVec, g);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      h[e] = rowwise::gated_sum<T>(r[e], g[e], y[e]);
-      out.elems[e] = from_float<T>(h[e]);
-    }
-    store_elems<T, kVec, kVector>(static_cast<T*>(a.h) + offset, h);
-  } else {
-    load_stored<T, kVec, kVector>(static_cast<const T*>(a.x) + offset, out);
-  }
-}
-
-template <typename T, bool kVector, bool kGated>
+// Plain and modulated forward. Thread t's vectors j = t + 128*i, ascending i:
+// the tree's order. Its first pass stores nothing, so the compiler issues the
+// cached vectors' loads together; the output pass goes one vector at a time
+// (batching it as the fused forward below does took 48 registers instead of
+// 40 and ran 0-4 % slower at S >= 32768, bf16 H = 5376 on an H200).
+template <typename T, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
   const int64_t m = blockIdx.x;
   const int64_t vectors = a.hidden / kVec;
-  const T* gate_row = kGated ? static_cast<const T*>(a.gate) +
-                                   rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride
-                             : nullptr;
-  // Thread t's vectors j = t + 128*i, ascending i: the tree's order. The
-  // cached vectors stay in x's storage type (16 registers for bf16, not 32).
+  // The cached vectors stay in x's storage type (16 registers for bf16, not 32).
   ElemVec<T, kVec> cached[kCachedForward];
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < kCachedForward; ++i) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(i) * kRowTreeThreads;
     if (j < vectors) {
-      row_input<T, kVector, kGated>(a, gate_row, m, j, cached[i]);
+      const int64_t offset = m * a.hidden + j * kVec;
+      load_stored<T, kVec, kVector>(static_cast<const T*>(a.x) + offset, cached[i]);
       float v[kVec];
       widen(cached[i], v);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
     }
   }
-  // Vectors past the cache: read again in the output pass (the fused forward
-  // reads them back from the h it wrote; the same thread wrote them).
+  // Vectors past the cache: read again in the output pass.
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kCachedForward) * kRowTreeThreads; j < vectors;
        j += kRowTreeThreads) {
+    const int64_t offset = m * a.hidden + j * kVec;
     ElemVec<T, kVec> stored;
-    row_input<T, kVector, kGated>(a, gate_row, m, j, stored);
+    load_stored<T, kVec, kVector>(static_cast<const T*>(a.x) + offset, stored);
     float v[kVec];
     widen(stored, v);
 #pragma unroll
@@ -139,7 +118,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
   if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
   const T* w = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.out) + m * a.hidden;
-  const T* x = static_cast<const T*>(kGated ? a.h : a.x) + m * a.hidden;  // (H,) row m
+  const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
   const T* shift = nullptr;
   const T* scale = nullptr;
   if (a.shift) {
@@ -177,6 +156,140 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
     load_elems<T, kVec, kVector>(x + j * kVec, xv);
     write(j, xv);
   }
+}
+
+// The loads behind h vector j of row m: the residual, y and gate vectors.
+template <typename T>
+struct RowInput {
+  ElemVec<T, kVec> residual, y, gate;
+};
+
+template <typename T, bool kVector>
+__device__ __forceinline__ void load_row_input(const RmsnormRowArgs& a, const T* gate_row, int64_t m, int64_t j,
+                                               RowInput<T>& in) {
+  const int64_t offset = m * a.hidden + j * kVec;
+  load_stored<T, kVec, kVector>(static_cast<const T*>(a.residual) + offset, in.residual);
+  load_stored<T, kVec, kVector>(static_cast<const T*>(a.y) + offset, in.y);
+  load_stored<T, kVec, kVector>(gate_row + j * kVec, in.gate);
+}
+
+// h vector j from its loads (gate_residual's formula, numerics 5.7), stored
+// to h on the way, so the norm reads exactly the h it returns.
+template <typename T, bool kVector>
+__device__ __forceinline__ void finish_row_input(const RmsnormRowArgs& a, int64_t m, int64_t j, const RowInput<T>& in,
+                                                 ElemVec<T, kVec>& out) {
+  float r[kVec], y[kVec], g[kVec], h[kVec];
+  widen(in.residual, r);
+  widen(in.y, y);
+  widen(in.gate, g);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    h[e] = rowwise::gated_sum<T>(r[e], g[e], y[e]);
+    out.elems[e] = from_float<T>(h[e]);
+  }
+  store_elems<T, kVec, kVector>(static_cast<T*>(a.h) + m * a.hidden + j * kVec, h);
+}
+
+// The fused region's forward (numerics 6.10): h, then the norm of h, one row
+// per block as above. Thread t's vectors j = t + 128*i, ascending i, go in
+// batches of kCachedForward, every load of a batch before its first store:
+// the compiler cannot tell that a store does not alias a later vector's
+// input, so one vector at a time each h or out store made the next vector's
+// loads wait, one memory latency per vector (16 B from DRAM in flight per
+// thread: 77-81 % of the copy bandwidth at S >= 32768, 63-65 % at S = 4097,
+// against 79-82 % and 70 % batched; bf16, H = 5376, one H200). The batches
+// take 90 registers (bf16) instead of 64: 5 rows per SM, 80 KB from DRAM in
+// flight per SM.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kRowTreeThreads) gate_residual_rmsnorm_forward_kernel(RmsnormRowArgs a) {
+  __shared__ float warp_sums[kRowTreeWarps];
+  const int64_t m = blockIdx.x;
+  const int64_t vectors = a.hidden / kVec;
+  constexpr int64_t kBatchStride = static_cast<int64_t>(kCachedForward) * kRowTreeThreads;
+  const T* gate_row = static_cast<const T*>(a.gate) + rowwise::table_row(a.row_of_seq, m, a.seq_len) * a.gate_stride;
+  // The first batch stays in registers between the passes, in h's storage
+  // type; later batches are read back in the output pass (the h this thread
+  // wrote: L2).
+  ElemVec<T, kVec> cached[kCachedForward];
+  float s = 0.0f;
+  // kept: the batch also goes into cached.
+  auto statistics_batch = [&](int64_t first, bool kept) {
+    RowInput<T> in[kCachedForward];
+#pragma unroll
+    for (int i = 0; i < kCachedForward; ++i) {
+      const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
+      if (j < vectors) load_row_input<T, kVector>(a, gate_row, m, j, in[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kCachedForward; ++i) {
+      const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
+      if (j < vectors) {
+        ElemVec<T, kVec> xv;
+        finish_row_input<T, kVector>(a, m, j, in[i], xv);
+        if (kept) cached[i] = xv;
+        float v[kVec];
+        widen(xv, v);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
+      }
+    }
+  };
+  statistics_batch(threadIdx.x, true);
+  for (int64_t first = threadIdx.x + kBatchStride; first < vectors; first += kBatchStride)
+    statistics_batch(first, false);
+  const float total = row_tree_block_sum(s, warp_sums);
+  const float rstd = rsqrt_p(num::add32(num::div32(total, static_cast<float>(a.hidden)), a.eps), a.torch);
+  if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
+  const T* w = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.out) + m * a.hidden;
+  const T* x = static_cast<const T*>(a.h) + m * a.hidden;  // (H,) row m of h
+  const T* shift = nullptr;
+  const T* scale = nullptr;
+  if (a.shift) {
+    const int64_t r = rowwise::table_row(a.row_of_seq, m, a.seq_len);
+    shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
+    scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
+  }
+  // Vectors j = first + 128*i, i < kCachedForward; kept: x is cached[i].
+  auto output_batch = [&](int64_t first, bool kept) {
+    ElemVec<T, kVec> xs[kCachedForward], ws[kCachedForward], shs[kCachedForward], scs[kCachedForward];
+#pragma unroll
+    for (int i = 0; i < kCachedForward; ++i) {
+      const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
+      if (j < vectors) {
+        if (kept)
+          xs[i] = cached[i];
+        else
+          load_stored<T, kVec, kVector>(x + j * kVec, xs[i]);
+        load_stored<T, kVec, kVector>(w + j * kVec, ws[i]);
+        if (shift) {
+          load_stored<T, kVec, kVector>(shift + j * kVec, shs[i]);
+          load_stored<T, kVec, kVector>(scale + j * kVec, scs[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kCachedForward; ++i) {
+      const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
+      if (j < vectors) {
+        float xv[kVec], wv[kVec], o[kVec];
+        widen(xs[i], xv);
+        widen(ws[i], wv);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) o[e] = rowwise::normalised<T>(wv[e], rstd, xv[e]);
+        if (shift) {
+          float sh[kVec], sc[kVec];
+          widen(shs[i], sh);
+          widen(scs[i], sc);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) o[e] = rowwise::modulated<T>(o[e], sc[e], sh[e]);
+        }
+        store_elems<T, kVec, kVector>(out + j * kVec, o);
+      }
+    }
+  };
+  output_batch(threadIdx.x, true);
+  for (int64_t first = threadIdx.x + kBatchStride; first < vectors; first += kBatchStride) output_batch(first, false);
 }
 
 // kGated: the fused region's rows (numerics 6.10): dx is not stored but summed
@@ -699,11 +812,21 @@ bool rows_vectorizable(const RmsnormRowArgs& a, std::initializer_list<const void
 template <typename T, bool kGated>
 Status launch_rmsnorm_forward(const RmsnormRowArgs& a, int64_t rows, std::initializer_list<const void*> pointers,
                               cudaStream_t stream, bool also_aligned = true) {
-  if (rows_vectorizable<T>(a, pointers) && also_aligned)
-    rmsnorm_forward_block_per_row_kernel<T, true, kGated><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, stream>>>(a);
-  else
-    rmsnorm_forward_block_per_row_kernel<T, false, kGated><<<static_cast<unsigned>(rows), kRowTreeThreads, 0, stream>>>(a);
-  return launch_status(kGated ? "rmsnorm_forward_block_per_row_kernel<gated>" : "rmsnorm_forward_block_per_row_kernel");
+  const unsigned blocks = static_cast<unsigned>(rows);
+  const bool vector = rows_vectorizable<T>(a, pointers) && also_aligned;
+  if constexpr (kGated) {
+    if (vector)
+      gate_residual_rmsnorm_forward_kernel<T, true><<<blocks, kRowTreeThreads, 0, stream>>>(a);
+    else
+      gate_residual_rmsnorm_forward_kernel<T, false><<<blocks, kRowTreeThreads, 0, stream>>>(a);
+    return launch_status("gate_residual_rmsnorm_forward_kernel");
+  } else {
+    if (vector)
+      rmsnorm_forward_block_per_row_kernel<T, true><<<blocks, kRowTreeThreads, 0, stream>>>(a);
+    else
+      rmsnorm_forward_block_per_row_kernel<T, false><<<blocks, kRowTreeThreads, 0, stream>>>(a);
+    return launch_status("rmsnorm_forward_block_per_row_kernel");
+  }
 }
 
 template <typename T, bool kGated>
