@@ -77,6 +77,27 @@ struct RmsnormRowArgs {
   float* coef;
 };
 
+// The end of a row's statistics pass: the block sums the threads' sums of
+// squares s, and thread 0 stores rstd where it is asked for.
+__device__ __forceinline__ float row_rstd(const RmsnormRowArgs& a, int64_t m, float s, float* warp_sums) {
+  const float total = row_tree_block_sum(s, warp_sums);
+  const float rstd = rsqrt_p(num::add32(num::div32(total, static_cast<float>(a.hidden)), a.eps), a.torch);
+  if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
+  return rstd;
+}
+
+// Row m's shift and scale table rows (modulated), or nullptr (plain).
+template <typename T>
+__device__ __forceinline__ void table_rows(const RmsnormRowArgs& a, int64_t m, const T*& shift, const T*& scale) {
+  shift = nullptr;
+  scale = nullptr;
+  if (a.shift) {
+    const int64_t r = rowwise::table_row(a.row_of_seq, m, a.seq_len);
+    shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
+    scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
+  }
+}
+
 // Plain and modulated forward. Thread t's vectors j = t + 128*i, ascending i:
 // the tree's order. Its first pass stores nothing, so the compiler issues the
 // cached vectors' loads together; the output pass goes one vector at a time
@@ -113,19 +134,12 @@ __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row
 #pragma unroll
     for (int e = 0; e < kVec; ++e) s = num::fma32(v[e], v[e], s);
   }
-  const float total = row_tree_block_sum(s, warp_sums);
-  const float rstd = rsqrt_p(num::add32(num::div32(total, static_cast<float>(a.hidden)), a.eps), a.torch);
-  if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
+  const float rstd = row_rstd(a, m, s, warp_sums);
   const T* w = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.out) + m * a.hidden;
   const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
-  const T* shift = nullptr;
-  const T* scale = nullptr;
-  if (a.shift) {
-    const int64_t r = rowwise::table_row(a.row_of_seq, m, a.seq_len);
-    shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
-    scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
-  }
+  const T *shift, *scale;
+  table_rows(a, m, shift, scale);
   // out_j for the x vector xv of vector j.
   auto write = [&](int64_t j, const float (&xv)[kVec]) {
     float wv[kVec], o[kVec];
@@ -237,19 +251,12 @@ __global__ void __launch_bounds__(kRowTreeThreads) gate_residual_rmsnorm_forward
   statistics_batch(threadIdx.x, true);
   for (int64_t first = threadIdx.x + kBatchStride; first < vectors; first += kBatchStride)
     statistics_batch(first, false);
-  const float total = row_tree_block_sum(s, warp_sums);
-  const float rstd = rsqrt_p(num::add32(num::div32(total, static_cast<float>(a.hidden)), a.eps), a.torch);
-  if (a.rstd && threadIdx.x == 0) a.rstd[m] = rstd;
+  const float rstd = row_rstd(a, m, s, warp_sums);
   const T* w = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.out) + m * a.hidden;
   const T* x = static_cast<const T*>(a.h) + m * a.hidden;  // (H,) row m of h
-  const T* shift = nullptr;
-  const T* scale = nullptr;
-  if (a.shift) {
-    const int64_t r = rowwise::table_row(a.row_of_seq, m, a.seq_len);
-    shift = static_cast<const T*>(a.shift) + r * a.shift_stride;
-    scale = static_cast<const T*>(a.scale) + r * a.scale_stride;
-  }
+  const T *shift, *scale;
+  table_rows(a, m, shift, scale);
   // Vectors j = first + 128*i, i < kCachedForward; kept: x is cached[i].
   auto output_batch = [&](int64_t first, bool kept) {
     ElemVec<T, kVec> xs[kCachedForward], ws[kCachedForward], shs[kCachedForward], scs[kCachedForward];
