@@ -44,9 +44,9 @@ constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
 // of 6; the rest of a row is read again in the output pass (from L2: the
 // block read it a moment before).
 constexpr int kCachedBackward = 8;
-// The forward kernels cache 8 vectors (H <= 4096): the bf16 fused forward
-// takes 64 registers instead of 72 (8 rows per SM instead of 7); the rest of a
-// row is read again in the output pass (x, or the h this thread wrote: L2).
+// The forward kernels cache 8 vectors (H <= 4096); the rest of a row is read
+// again in the output pass (x, or the h this thread wrote: L2). The fused
+// forward also takes its vectors in batches of this many (its comment).
 constexpr int kCachedForward = 8;
 
 struct RmsnormRowArgs {
@@ -100,9 +100,11 @@ __device__ __forceinline__ void table_rows(const RmsnormRowArgs& a, int64_t m, c
 
 // Plain and modulated forward. Thread t's vectors j = t + 128*i, ascending i:
 // the tree's order. Its first pass stores nothing, so the compiler issues the
-// cached vectors' loads together; the output pass goes one vector at a time
-// (batching it as the fused forward below does took 48 registers instead of
-// 40 and ran 0-4 % slower at S >= 32768, bf16 H = 5376 on an H200).
+// cached vectors' loads together, and it goes one vector at a time: the fused
+// forward's batches (below) made it slower (bf16, H = 5376, one H200; both
+// passes batched: 90 registers instead of 40, 51-53 % of the copy bandwidth
+// instead of 74-82 % at S >= 32768; the first pass alone: 48 registers, 0-4 %
+// slower there).
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
@@ -213,7 +215,10 @@ __device__ __forceinline__ void finish_row_input(const RmsnormRowArgs& a, int64_
 // thread: 77-81 % of the copy bandwidth at S >= 32768, 63-65 % at S = 4097,
 // against 79-82 % and 70 % batched; bf16, H = 5376, one H200). The batches
 // take 90 registers (bf16) instead of 64: 5 rows per SM, 80 KB from DRAM in
-// flight per SM.
+// flight per SM. Batches in the source rather than read-only loads
+// (load_readonly), which would allow the compiler to move loads up but not
+// make it: here the order is fixed whatever the scheduler does, and the
+// batch is the cache's size, so the first batch is the cached vectors.
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) gate_residual_rmsnorm_forward_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
