@@ -253,7 +253,29 @@ struct RegionShape {
   bool modulated = true;
   bool d_h = true;  // a gradient reaching h from elsewhere
   DType table_grad_dtype = DType::kF32;
+  // gate, shift and scale as (R, H) views at column 1 of (R, H + 1) tensors:
+  // rows that are not vector-aligned (the kernels' scalar path).
+  bool offset_table = false;
 };
+
+// The region's gate, shift and scale (R, H) views; get(name) gives a tensor of the case.
+struct RegionTables {
+  TensorView gate, shift, scale;
+};
+
+template <typename Get>
+RegionTables region_tables(Get&& get, bool modulated, bool offset, int64_t hidden) {
+  auto table = [&](const char* storage, int chunk) {
+    return offset ? get(storage).narrow(1, 1, hidden) : chunk_of(get("table"), hidden, chunk);
+  };
+  RegionTables r;
+  r.gate = table("gate_storage", 2);
+  if (modulated) {
+    r.shift = table("shift_storage", 3);
+    r.scale = table("scale_storage", 4);
+  }
+  return r;
+}
 
 // h = residual + gate_msa * y, out = rmsnorm(h) * (1 + scale_mlp) + shift_mlp:
 // the gate and the modulation are chunks 2, 3 and 4 of one (R, 6H) table, as
@@ -262,14 +284,22 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
   OpCase c;
   c.op = "gate_residual_rmsnorm";
   c.name = std::string(s.modulated ? "modulated " : "plain ") + shape_name(s.dtype, s.hidden, s.index) +
-           (s.d_h ? " d_h" : "") +
+           (s.d_h ? " d_h" : "") + (s.offset_table ? " offset table" : "") +
            (s.table_grad_dtype != DType::kF32 ? std::string(" table grads ") + dtype_name(s.table_grad_dtype) : "");
   const int64_t P = s.index.positions(), H = s.hidden, R = s.index.num_rows();
   c.positions = P;
   c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
   c.input("residual", Phase::kForward, s.dtype, {P, H}, v(31, 0.0, 1.0), 0);
   c.input("y", Phase::kForward, s.dtype, {P, H}, v(32, 0.0, 3.0), 0);
-  c.input("table", Phase::kForward, s.dtype, {R, 6 * H}, v(33, 0.0, 0.5));
+  if (s.offset_table) {
+    c.input("gate_storage", Phase::kForward, s.dtype, {R, H + 1}, v(33, 0.0, 0.5));
+    if (s.modulated) {
+      c.input("shift_storage", Phase::kForward, s.dtype, {R, H + 1}, v(37, 0.0, 0.5));
+      c.input("scale_storage", Phase::kForward, s.dtype, {R, H + 1}, v(38, 0.0, 0.5));
+    }
+  } else {
+    c.input("table", Phase::kForward, s.dtype, {R, 6 * H}, v(33, 0.0, 0.5));
+  }
   c.input("weight", Phase::kForward, s.dtype, {H}, v(34, 1.0, 0.5));
   c.output("h", Phase::kForward, s.dtype, {P, H}, 0);
   c.output("out", Phase::kForward, s.dtype, {P, H}, 0);
@@ -284,17 +314,11 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
     c.output("d_shift", Phase::kBackward, s.table_grad_dtype, {R, H});
     c.output("d_scale", Phase::kBackward, s.table_grad_dtype, {R, H});
   }
-  const bool modulated = s.modulated, d_h = s.d_h;
+  const bool modulated = s.modulated, d_h = s.d_h, offset = s.offset_table;
   c.takes_profile = true;  // the norm's rsqrt
-  auto inputs = [modulated, H](const Instance& t) {
-    const TensorView table = t["table"];
-    GateResidualRmsnormInputs in{t["residual"],
-                                 t["y"],
-                                 chunk_of(table, H, 2),
-                                 t["weight"],
-                                 modulated ? chunk_of(table, H, 3) : TensorView(),
-                                 modulated ? chunk_of(table, H, 4) : TensorView(),
-                                 t.plan("plan")};
+  auto inputs = [modulated, offset, H](const Instance& t) {
+    const RegionTables r = region_tables([&t](const char* name) { return t[name]; }, modulated, offset, H);
+    GateResidualRmsnormInputs in{t["residual"], t["y"], r.gate, t["weight"], r.shift, r.scale, t.plan("plan")};
     in.numerics = t.numerics;
     return in;
   };
@@ -327,14 +351,13 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
   // to the dtype, gate_residual backward of that sum.
   const IndexCase index = s.index;
   c.equivalent.name = "= gate_residual then rmsnorm";
-  c.equivalent.compute = [index, modulated, d_h, H](const std::map<std::string, HostTensor>& got,
-                                                     std::map<std::string, HostTensor>* expected) {
+  c.equivalent.compute = [index, modulated, d_h, offset, H](const std::map<std::string, HostTensor>& got,
+                                                             std::map<std::string, HostTensor>* expected) {
     IndexPlan plan;
     DETDIT_RETURN_IF_ERROR(adaln_plan(index, Device::cpu(), &plan));
-    const TensorView table = got.at("table").view();
-    const TensorView gate = chunk_of(table, H, 2);
-    const TensorView shift = modulated ? chunk_of(table, H, 3) : TensorView();
-    const TensorView scale = modulated ? chunk_of(table, H, 4) : TensorView();
+    const RegionTables r =
+        region_tables([&got](const char* name) { return got.at(name).view(); }, modulated, offset, H);
+    const TensorView gate = r.gate, shift = r.shift, scale = r.scale;
     const HostTensor& h_got = got.at("h");
     const DType dtype = h_got.dtype(), grad_dtype = got.at("d_gate").dtype();
     const std::vector<int64_t> rows = h_got.shape(), table_grad = got.at("d_gate").shape();
@@ -546,6 +569,16 @@ std::vector<OpCase> gate_residual_rmsnorm_cases(Suite suite, const CaseContext& 
         {DType::kBF16, kH3Hidden, make_index_case(Packing::kBlock, 4097, 3, 2), true, true}, v));
     cases.push_back(gate_residual_rmsnorm_case(
         {DType::kBF16, kH3Hidden, make_index_case(Packing::kInterleaved, 4097, 3, 1), true, false}, v));
+    // Rows past the CUDA forward's first batch of 8 vectors per thread (H > 4096), and rows that
+    // are not vector-aligned (its scalar path), with several vectors per thread.
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kF32, 4100, make_index_case(Packing::kBlock, 257, 3, 1), true, false}, v));
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kF32, 4100, make_index_case(Packing::kInterleaved, 257, 3, 2), true, true, DType::kF32, true}, v));
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kF16, 1028, make_index_case(Packing::kInterleaved, 513, 2, 1), true, true, DType::kF16, true}, v));
+    cases.push_back(gate_residual_rmsnorm_case(
+        {DType::kBF16, 1028, make_index_case(Packing::kBlock, 255, 3, 1), false, true, DType::kF32, true}, v));
     return cases;
   }
   if (suite == Suite::kBench) {
