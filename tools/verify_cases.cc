@@ -2,8 +2,11 @@
 // case gets (verify.h declares verify_op_case), and the case context of a
 // verify or bench run (the weights' dimensions and tensors).
 //   accuracy vs fp64          each of the case's FP64-oracle checks;
-//   forward repeatability     a second forward on fresh outputs gives the same bytes;
-//   backward repeatability    the same for the backward;
+//   forward repeatability     a second run on fresh outputs (forward, then backward)
+//                             gives the forward's bytes again;
+//   backward repeatability    and the backward's (the same second run: each run
+//                             makes every input and output anew, a few seconds at
+//                             the H3 sizes);
 //   <the equivalent route>    where the case has one (cases::EquivalentRoute):
 //                             every output recomputed by it on the CPU, equal;
 //   row invariance            probe positions alone equal the same positions
@@ -90,15 +93,18 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       return Status::ok_status();
     }));
   }
+  std::map<std::string, HostTensor> again;
+  Status ran_again;
   for (int phase = 0; phase < phases; ++phase) {
     const cases::Phase p = static_cast<cases::Phase>(phase);
     rows->push_back(timed_check(std::string(phase == 0 ? "forward" : "backward") + " repeatability", [&](CheckRow* row) {
-      std::map<std::string, HostTensor> again;
-      DETDIT_RETURN_IF_ERROR(run_phases(c, ctx.device, phases, &again));
+      if (phase == 0) ran_again = run_phases(c, ctx.device, phases, &again);
+      DETDIT_RETURN_IF_ERROR(ran_again);
       add_reports(cases::compare_outputs(c, p, first, again), row);
       return Status::ok_status();
     }));
   }
+  again.clear();
   if (c.equivalent.compute && portable) {  // the same outputs by a second route (e.g. the fused op's separate ops)
     rows->push_back(timed_check(c.equivalent.name, [&](CheckRow* row) {
       std::map<std::string, HostTensor> expected;
