@@ -26,6 +26,7 @@
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
+#include "cuda/gate_residual_rmsnorm_walk.cuh"
 #include "cuda/profile_math.cuh"
 #include "cuda/reduction.cuh"
 #include "cuda/rmsnorm_single_pass.cuh"
@@ -633,27 +634,6 @@ constexpr int kWalkAhead = 4;    // positions whose loads are in flight before t
 // interleaved H3 packing has 9); more take the halves.
 constexpr std::size_t kWalkSharedBytes = 64 * 1024;
 
-struct RegionWalkArgs {
-  const void* h;         // (P, H)
-  const void* d_out;     // (P, H)
-  const void* d_h;       // (P, H), or nullptr
-  const void* y;         // (P, H), or nullptr (neither d_gate nor its partials wanted)
-  const float* rstd;     // (P,)
-  const float* coef;     // (P,) the coefficient kernel's
-  const void* weight;    // (H,)
-  const void* scale;     // (R, H) row stride scale_stride
-  const void* gate;      // (R, H) row stride gate_stride
-  int64_t scale_stride, gate_stride;
-  PlanTables tables;
-  int64_t positions, hidden, seq_len;
-  void* d_residual;      // (P, H), or nullptr
-  void* d_y;             // (P, H), or nullptr
-  float* weight_partials;  // (C, H) row stride weight_partial_stride, or nullptr
-  float* table_partials;   // (G, 2H) [shift | scale] row stride table_partial_stride, or nullptr
-  float* gate_partials;    // (G, H) row stride gate_partial_stride, or nullptr
-  int64_t weight_partial_stride, table_partial_stride, gate_partial_stride;
-};
-
 template <typename T, int kCols>
 __global__ void __launch_bounds__(kWalkThreads) gate_residual_rmsnorm_backward_walk_kernel(RegionWalkArgs a) {
   extern __shared__ float segment_sums[];  // [local segment][d_shift | d_scale | d_gate][column e][thread]
@@ -1109,6 +1089,11 @@ Status gate_residual_rmsnorm_backward_walk(const GateResidualRmsnormBackwardPara
     a.gate_partials = gate_partials.ptr<float>();
     a.gate_partial_stride = gate_partials.strides[0];
   }
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(p.h.device));
+  DETDIT_RETURN_IF_ERROR(launch_gate_residual_rmsnorm_backward_row_walk(
+      a, p.h.dtype, in.plan.num_chunks(), in.plan.max_chunk_segments(), p.h.device.index, stream, launched));
+  if (*launched) return Status();
   return dispatch_float_dtype(p.h.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     // Every row the kernels touch in whole vectors (the coefficient kernel's
@@ -1119,8 +1104,6 @@ Status gate_residual_rmsnorm_backward_walk(const GateResidualRmsnormBackwardPara
     for (const void* q : {a.h, a.d_out, a.d_h, a.y, a.weight, a.scale, a.gate, const_cast<const void*>(a.d_residual),
                           const_cast<const void*>(a.d_y)})
       if (q && !address_aligned(q, bytes)) return Status();
-    DeviceGuard guard;
-    DETDIT_RETURN_IF_ERROR(guard.enter(p.h.device));
     std::shared_ptr<void> coef_owner;  // (P,) floats, stream-ordered: freed after the walk has read them
     DETDIT_RETURN_IF_ERROR(allocate_scratch(p.h.device, positions * sizeof(float), stream, &coef_owner));
     float* coef = static_cast<float*>(coef_owner.get());

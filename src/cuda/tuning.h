@@ -22,6 +22,11 @@ struct LaunchTuning {
   bool region_backward_walk = true;   // gate_residual_rmsnorm backward: the row coefficients, then one
                                       // walk per chunk for every output and partial (src/cuda/rmsnorm.cu),
                                       // where it applies; or the halves
+  bool region_row_walk = true;        // that walk over whole rows, one block per chunk computing the
+                                      // coefficients itself (h and d_out read once), where it applies
+                                      // (src/cuda/gate_residual_rmsnorm_row_walk.cu)
+  int region_row_walk_min_chunks = 0;  // the row walk needs at least this many chunks, or 0: the SM count
+  int region_row_walk_max_segments = 4;  // and at most this many segments per chunk (1..32)
   bool single_pass = false;           // the single-pass backwards (rmsnorm, gate_residual,
                                       // gate_residual_rmsnorm) where the GPU runs them, or the halves:
                                       // off, the halves were faster on the H200 (docs/benchmarking.md)

@@ -1,6 +1,6 @@
 // gate_residual_rmsnorm on CUDA: every case of cases/rowwise_cases.cc (plain and modulated norms, with and
 // without d_h, every dtype, both packings, table gradients in the table dtype, H3 shapes) byte-equal to the CPU
-// reference, forward and every gradient, through the backward's walk, the halves and the single-pass kernel.
+// reference, forward and every gradient, through the backward's two walks, the halves and the single-pass kernel.
 #include <gtest/gtest.h>
 
 #include "cuda/cuda_test_util.h"
@@ -19,6 +19,26 @@ TEST(GateResidualRmsnormCuda, TheHalvesGiveTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
   const cuda::LaunchTuning saved = cuda::launch_tuning();
   cuda::launch_tuning().region_backward_walk = false;
+  expect_cases_match_cpu("gate_residual_rmsnorm");
+  cuda::launch_tuning() = saved;
+}
+
+// The row walk (sm_90) on every case it can take, down to a single chunk and
+// with chunks whose segments alternate (each revisit resumes the segment's
+// chains from its partial rows); and the column-block walk where the row walk
+// would run by default (the H3 cases).
+TEST(GateResidualRmsnormCuda, TheRowWalkGivesTheSameBytes) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  cuda::launch_tuning().region_row_walk_min_chunks = 1;
+  cuda::launch_tuning().region_row_walk_max_segments = 32;
+  expect_cases_match_cpu("gate_residual_rmsnorm");
+  cuda::launch_tuning() = saved;
+}
+TEST(GateResidualRmsnormCuda, TheColumnBlockWalkGivesTheSameBytes) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  cuda::launch_tuning().region_row_walk = false;
   expect_cases_match_cpu("gate_residual_rmsnorm");
   cuda::launch_tuning() = saved;
 }
