@@ -3,7 +3,7 @@
 # docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
 # a second tree, matrix, issue 17's full byte-equality matrix, patches, and
 # profile, Nsight Compute of chosen bench cases' kernels):
-#   build cuda parallel verify mpi parity sanitizer python bench predict compare ptx matrix patches profile
+#   build cuda parallel verify mpi parity sanitizer racecheck python bench predict compare ptx matrix patches profile
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
 # folder, which takes back only a few files) the summary and one archive of
 # gpu-out/ are copied there. The last lines printed are the summary.
@@ -42,7 +42,7 @@ mkdir -p "$out"
 build="${DETDIT_BUILD_DIR:-build-gpu}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=("$@")
-[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer python bench predict compare)
+[ "${#stages[@]}" -eq 0 ] && stages=(build cuda parallel verify mpi parity sanitizer racecheck python bench predict compare)
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 summary="$out/summary.txt"
 : >"$summary"
@@ -86,6 +86,10 @@ for stage in "${stages[@]}"; do
     sanitizer)
       run sanitizer 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/detdit_cuda_tests" \
         --gtest_filter='SpHalvesCuda.*:FailureCuda.*:SiluCuda.*:InvarianceCuda.*:Cases/*CaseCuda.EqualsTheCpu/1_*:Cases/*CaseCuda.EqualsTheCpu/2_*-InvarianceCuda.TorchProfile*' ;;
+    racecheck)  # shared-memory hazards of the row walk (its stages pass between warps through
+      # mbarriers), every gate_residual_rmsnorm test case through it; about 1.5 minutes on an H200
+      run racecheck 300 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 \
+        "$build/tests/detdit_cuda_tests" --gtest_filter='GateResidualRmsnormCuda.TheRowWalkGivesTheSameBytes' ;;
     python)
       run python_build 400 env DETDIT_BUILD_DIR="$PWD/$build" python3 python/setup.py -q build_ext --inplace &&
         run python_test 300 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" python3 -m pytest ${DETDIT_PYTESTS:-tests/python} -q -rxs ;;

@@ -23,9 +23,17 @@
 //     partial rows and those of the new one come back from its rows (or start
 //     at +0.0): a chain resumed from its stored FP32 value is the same chain,
 //     so segments that come back cost two copies, not a different order.
-// A stage is refilled once all 15 reading warps have arrived on its `empty`
-// barrier. Needs sm_90 (bulk copies, mbarrier transactions); the launcher
-// answers "not launched" elsewhere and the column-block walk runs instead.
+// A stage is refilled once every thread of the 15 reading warps (480) has
+// arrived on its `empty` barrier, each arrival releasing that thread's own
+// reads. With one arrival per warp after __syncwarp, the other lanes' reads
+// reached the loader only through the warp barrier's ordering, which
+// compute-sanitizer's racecheck does not follow: it reported WAR hazards
+// between those reads and the loader's next copy into the stage. The
+// per-thread arrivals cost +0.1 % and +1.4 % of the backward at block
+// S = 32768 and 131072 on an H200, within the run's spread
+// (docs/benchmarking.md). Needs sm_90 (bulk copies, mbarrier transactions);
+// the launcher answers "not launched" elsewhere and the column-block walk
+// runs instead.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -116,7 +124,7 @@ __global__ void __launch_bounds__(kRowWalkThreads, 1) gate_residual_rmsnorm_back
     for (int s = 0; s < kStages; ++s) {
       barrier_init(&full[s], 1);
       barrier_init(&coef_ready[s], 1);
-      barrier_init(&empty[s], kWalkWarps + kCoefWarps);
+      barrier_init(&empty[s], (kWalkWarps + kCoefWarps) * kWarpSize);  // every reading thread
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -168,8 +176,7 @@ __global__ void __launch_bounds__(kRowWalkThreads, 1) gate_residual_rmsnorm_back
           acc = num::fma32(rowwise::dot_term(wv[e], d_n[e]), xv[e], acc);
         }
       }
-      __syncwarp();
-      if (lane == 0) barrier_arrive(&empty[s]);
+      barrier_arrive(&empty[s]);
       const float dot = row_tree_sum(acc, warp_sums, warp - kWalkWarps, [] {
         asm volatile("bar.sync %0, %1;\n" ::"n"(kTreeBarrier), "n"(kRowTreeThreads) : "memory");
       });
@@ -300,8 +307,7 @@ __global__ void __launch_bounds__(kRowWalkThreads, 1) gate_residual_rmsnorm_back
         if (y) gate = make_float4(d_gate[0], d_gate[1], d_gate[2], d_gate[3]);
       }
     }
-    __syncwarp();
-    if (lane == 0) barrier_arrive(&empty[s]);
+    barrier_arrive(&empty[s]);
   }
   if (current >= 0) segment_chains(current, Chains::kStore);
   if (a.weight_partials) {
