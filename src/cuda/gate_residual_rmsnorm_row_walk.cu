@@ -258,31 +258,14 @@ __global__ void __launch_bounds__(kRowWalkThreads, 1) gate_residual_rmsnorm_back
     for (int v = 0; v < kWalkVectorsPerLane; ++v) {
       const int64_t j = k + static_cast<int64_t>(v) * kWalkLanes;
       if (j >= vectors) continue;
-      const int64_t column = j * kWalkVector, offset = p * hidden + column;
-      float xv[kWalkVector], gv[kWalkVector], wv[kWalkVector], sc[kWalkVector], d_n[kWalkVector], g[kWalkVector];
+      const int64_t column = j * kWalkVector;
+      float xv[kWalkVector], gv[kWalkVector], wv[kWalkVector], d_n[kWalkVector], g[kWalkVector];
       load_elems<T, kWalkVector, true>(x + column, xv);
       load_elems<T, kWalkVector, true>(grad + column, gv);
       widen(w[v], wv);
-      load_readonly<T, kWalkVector, true>(static_cast<const T*>(a.scale) + r * a.scale_stride + column, sc);
-#pragma unroll
-      for (int e = 0; e < kWalkVector; ++e) {
-        d_n[e] = rowwise::modulated_grad<T>(gv[e], sc[e]);
-        g[e] = round_to<T>(rowwise::dx_value(rstd, wv[e], d_n[e], xv[e], coef));  // the norm's dx
-      }
-      if (d_h) {
-        float dh[kWalkVector];
-        load_elems<T, kWalkVector, true>(d_h + column, dh);
-#pragma unroll
-        for (int e = 0; e < kWalkVector; ++e) g[e] = round_to<T>(num::add32(g[e], dh[e]));  // g = R_T(rn(dx + d_h))
-      }
-      if (a.d_residual) store_elems<T, kWalkVector, true>(static_cast<T*>(a.d_residual) + offset, g);
-      if (a.d_y) {
-        float gate[kWalkVector], d_y[kWalkVector];
-        load_readonly<T, kWalkVector, true>(static_cast<const T*>(a.gate) + r * a.gate_stride + column, gate);
-#pragma unroll
-        for (int e = 0; e < kWalkVector; ++e) d_y[e] = rowwise::gated_grad(g[e], gate[e]);
-        store_elems<T, kWalkVector, true>(static_cast<T*>(a.d_y) + offset, d_y);
-      }
+      region_dx_step<T>(
+          a, p, r, column, rstd, coef, xv, gv, wv,
+          [&](float(&dh)[kWalkVector]) { load_elems<T, kWalkVector, true>(d_h + column, dh); }, d_n, g);
 #pragma unroll
       for (int e = 0; e < kWalkVector; ++e)
         d_weight[v][e] = rowwise::weight_grad_step(d_n[e], xv[e], rstd, d_weight[v][e]);

@@ -672,32 +672,13 @@ __global__ void __launch_bounds__(kWalkThreads) gate_residual_rmsnorm_backward_w
     for (int u = 0; u < kWalkAhead; ++u) {
       const int64_t p = p0 + u;
       if (p >= end) break;
-      const int64_t offset = p * a.hidden + i0;
       const int32_t local = local_segment[p - begin];
       const int64_t r = a.tables.segment_row[first + local];  // the position's row is its segment's
-      float xv[kCols], gv[kCols], sc[kCols], d_n[kCols], g[kCols];
+      float xv[kCols], gv[kCols], d_n[kCols], g[kCols];
       widen(hs[u], xv);
       widen(gs[u], gv);
-      load_readonly<T, kCols, true>(static_cast<const T*>(a.scale) + r * a.scale_stride + i0, sc);
-#pragma unroll
-      for (int e = 0; e < kCols; ++e) {
-        d_n[e] = rowwise::modulated_grad<T>(gv[e], sc[e]);
-        g[e] = round_to<T>(rowwise::dx_value(rstd[u], wv[e], d_n[e], xv[e], coef[u]));  // the norm's dx
-      }
-      if (a.d_h) {
-        float dh[kCols];
-        widen(dhs[u], dh);
-#pragma unroll
-        for (int e = 0; e < kCols; ++e) g[e] = round_to<T>(num::add32(g[e], dh[e]));  // g = R_T(rn(dx + d_h))
-      }
-      if (a.d_residual) store_elems<T, kCols, true>(static_cast<T*>(a.d_residual) + offset, g);
-      if (a.d_y) {
-        float gate[kCols], d_y[kCols];
-        load_readonly<T, kCols, true>(static_cast<const T*>(a.gate) + r * a.gate_stride + i0, gate);
-#pragma unroll
-        for (int e = 0; e < kCols; ++e) d_y[e] = rowwise::gated_grad(g[e], gate[e]);
-        store_elems<T, kCols, true>(static_cast<T*>(a.d_y) + offset, d_y);
-      }
+      region_dx_step<T>(
+          a, p, r, i0, rstd[u], coef[u], xv, gv, wv, [&](float(&dh)[kCols]) { widen(dhs[u], dh); }, d_n, g);
       // this thread's chain slots of the position's segment, column e of chain c at [(c * kCols + e) * threads]
       float* sums = segment_sums + local * kChains * kCols * kWalkThreads + threadIdx.x;
       float yv[kCols];
