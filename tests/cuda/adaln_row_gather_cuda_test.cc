@@ -13,15 +13,14 @@ DETDIT_CUDA_OP_CASES(AdalnRowGatherCaseCuda, "adaln_row_gather");
 
 TEST(AdalnRowGatherCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  ScopedLaunchTuning tuning;
   for (int vector_bytes : {16, 8, 4, 2})
     for (int cols : {1, 2, 4}) {
       SCOPED_TRACE("vector " + std::to_string(vector_bytes) + " cols " + std::to_string(cols));
-      cuda::launch_tuning().vector_bytes = vector_bytes;
-      cuda::launch_tuning().partial_columns_per_thread = cols;
+      tuning->vector_bytes = vector_bytes;
+      tuning->partial_columns_per_thread = cols;
       expect_cases_match_cpu("adaln_row_gather", [](const OpCase& c) { return c.name.find("S257") != std::string::npos; });
     }
-  cuda::launch_tuning() = saved;
 }
 
 }  // namespace

@@ -78,14 +78,29 @@ inline void expect_cases_match_cpu(const std::string& op, const std::function<bo
   EXPECT_GT(checked, 0) << "every case of " << op << " was filtered out";
 }
 
+// The launch tunables (src/cuda/tuning.h) for the scope: `tuning->field = v`
+// changes the process-wide value, and the values at construction come back
+// when the scope ends, also when a fatal assertion leaves the test early, so
+// no test leaks its tunables into the next.
+class ScopedLaunchTuning {
+ public:
+  ScopedLaunchTuning() : saved_(cuda::launch_tuning()) {}
+  ~ScopedLaunchTuning() { cuda::launch_tuning() = saved_; }
+  ScopedLaunchTuning(const ScopedLaunchTuning&) = delete;
+  ScopedLaunchTuning& operator=(const ScopedLaunchTuning&) = delete;
+  cuda::LaunchTuning* operator->() const { return &cuda::launch_tuning(); }
+
+ private:
+  const cuda::LaunchTuning saved_;
+};
+
 // Every test-suite case of `op` through the single-pass backward (sm_90
 // clusters; LaunchTuning::single_pass, off by default) matches the CPU.
 inline void expect_single_pass_cases_match_cpu(const std::string& op) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().single_pass = true;
+  ScopedLaunchTuning tuning;
+  tuning->single_pass = true;
   expect_cases_match_cpu(op);
-  cuda::launch_tuning() = saved;
 }
 
 inline std::string case_test_name(const ::testing::TestParamInfo<OpCase>& info) {

@@ -16,19 +16,18 @@ DETDIT_CUDA_OP_CASES(GateResidualCaseCuda, "gate_residual");
 // single-pass kernel (below): the same bytes.
 TEST(GateResidualCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().single_pass = false;
+  ScopedLaunchTuning tuning;
+  tuning->single_pass = false;
   for (int threads : {64, 256, 1024})
     for (int vector_bytes : {16, 8, 4, 2})
       for (int cols : {1, 2, 4}) {
         SCOPED_TRACE("threads " + std::to_string(threads) + " vector " + std::to_string(vector_bytes) + " cols " +
                      std::to_string(cols));
-        cuda::launch_tuning().elementwise_threads = threads;
-        cuda::launch_tuning().vector_bytes = vector_bytes;
-        cuda::launch_tuning().partial_columns_per_thread = cols;
+        tuning->elementwise_threads = threads;
+        tuning->vector_bytes = vector_bytes;
+        tuning->partial_columns_per_thread = cols;
         expect_cases_match_cpu("gate_residual", [](const OpCase& c) { return c.positions == 514; });
       }
-  cuda::launch_tuning() = saved;
 }
 
 // The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)

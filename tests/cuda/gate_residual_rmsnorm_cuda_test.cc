@@ -17,10 +17,9 @@ DETDIT_CUDA_OP_CASES(GateResidualRmsnormCaseCuda, "gate_residual_rmsnorm");
 // the same bytes as the CPU on every case too.
 TEST(GateResidualRmsnormCuda, TheHalvesGiveTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().region_backward_walk = false;
+  ScopedLaunchTuning tuning;
+  tuning->region_backward_walk = false;
   expect_cases_match_cpu("gate_residual_rmsnorm");
-  cuda::launch_tuning() = saved;
 }
 
 // The row walk (sm_90) on every case it can take, down to a single chunk and
@@ -29,18 +28,16 @@ TEST(GateResidualRmsnormCuda, TheHalvesGiveTheSameBytes) {
 // would run by default (the H3 cases).
 TEST(GateResidualRmsnormCuda, TheRowWalkGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().region_row_walk_min_chunks = 1;
-  cuda::launch_tuning().region_row_walk_max_segments = 32;
+  ScopedLaunchTuning tuning;
+  tuning->region_row_walk_min_chunks = 1;
+  tuning->region_row_walk_max_segments = 32;
   expect_cases_match_cpu("gate_residual_rmsnorm");
-  cuda::launch_tuning() = saved;
 }
 TEST(GateResidualRmsnormCuda, TheColumnBlockWalkGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
-  cuda::launch_tuning().region_row_walk = false;
+  ScopedLaunchTuning tuning;
+  tuning->region_row_walk = false;
   expect_cases_match_cpu("gate_residual_rmsnorm");
-  cuda::launch_tuning() = saved;
 }
 
 // The single-pass backward (sm_90 clusters; off by default): the same bytes as

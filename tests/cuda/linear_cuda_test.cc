@@ -21,23 +21,22 @@ DETDIT_CUDA_OP_CASES(LinearCaseCuda, "linear");
 
 TEST(LinearCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  ScopedLaunchTuning tuning;
   for (bool shared_x : {true, false})
     for (int columns : {0, 1, 2, 4})
       for (int partial_rows : {1, 2, 4})
         for (int threads : {64, 1024}) {
           SCOPED_TRACE(std::string(shared_x ? "x shared" : "x global") + " columns " + std::to_string(columns) +
                        " partial rows " + std::to_string(partial_rows) + " threads " + std::to_string(threads));
-          cuda::launch_tuning().linear_shared_x = shared_x;
-          cuda::launch_tuning().linear_columns_per_warp = columns;
-          cuda::launch_tuning().linear_partial_rows = partial_rows;
-          cuda::launch_tuning().elementwise_threads = threads;
+          tuning->linear_shared_x = shared_x;
+          tuning->linear_columns_per_warp = columns;
+          tuning->linear_partial_rows = partial_rows;
+          tuning->elementwise_threads = threads;
           expect_cases_match_cpu("linear", [](const OpCase& c) {
             return c.name.find("N=200") != std::string::npos || c.name.find("T=5 ") != std::string::npos ||
                    c.name.find("K=2688") != std::string::npos;
           });
         }
-  cuda::launch_tuning() = saved;
 }
 
 // The chunk fold on its own (d_x's fold, rmsnorm's d_weight, the SP chain's continued folds), byte-equal to the

@@ -19,16 +19,15 @@ DETDIT_CUDA_OP_CASES(RmsnormCaseCuda, "rmsnorm");
 // tunables only change who computes what).
 TEST(RmsnormCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  const cuda::LaunchTuning saved = cuda::launch_tuning();
+  ScopedLaunchTuning tuning;
   for (bool fused : {true, false})
     for (int cols : {1, 2, 4}) {
       SCOPED_TRACE(std::string(fused ? "fused" : "two-pass") + " cols " + std::to_string(cols));
-      cuda::launch_tuning().single_pass = false;
-      cuda::launch_tuning().rmsnorm_fused_partials = fused;
-      cuda::launch_tuning().partial_columns_per_thread = cols;
+      tuning->single_pass = false;
+      tuning->rmsnorm_fused_partials = fused;
+      tuning->partial_columns_per_thread = cols;
       expect_cases_match_cpu("rmsnorm", [](const OpCase& c) { return c.positions >= 257 && c.positions <= 2000; });
     }
-  cuda::launch_tuning() = saved;
 }
 
 // The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)
