@@ -87,7 +87,7 @@ for stage in "${stages[@]}"; do
       run sanitizer 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/detdit_cuda_tests" \
         --gtest_filter='SpHalvesCuda.*:FailureCuda.*:SiluCuda.*:InvarianceCuda.*:Cases/*CaseCuda.EqualsTheCpu/1_*:Cases/*CaseCuda.EqualsTheCpu/2_*-InvarianceCuda.TorchProfile*' ;;
     racecheck)  # shared-memory hazards of the row walk (its stages pass between warps through
-      # mbarriers), every gate_residual_rmsnorm test case through it; about 1.5 minutes on an H200
+      # mbarriers), every gate_residual_rmsnorm test case through it; about 1 minute on an H200
       run racecheck 300 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 \
         "$build/tests/detdit_cuda_tests" --gtest_filter='GateResidualRmsnormCuda.TheRowWalkGivesTheSameBytes' ;;
     python)
