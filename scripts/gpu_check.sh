@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of detdit in one run, for a CUDA machine (run on H200s; see
 # docs/gpu.md). Stages (pick with arguments; default all but ptx, which builds
-# a second tree, matrix, issue 17's full byte-equality matrix, patches, and
+# a second tree, matrix, the full byte-equality matrix, patches, and
 # profile, Nsight Compute of chosen bench cases' kernels):
 #   build cuda parallel verify mpi parity sanitizer racecheck python bench predict compare ptx matrix patches profile
 # Logs and JSON reports go to gpu-out/; when $OUT is set (the device tool's
@@ -130,7 +130,7 @@ for stage in "${stages[@]}"; do
       run ptx_build 600 bash -c "cmake -S . -B '$build-ptx' -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DDETDIT_CUDA_ARCHITECTURES=80-virtual && cmake --build '$build-ptx' --target detdit_cli -j $(nproc)" &&
         run ptx_verify 400 "$build-ptx/detdit" verify --device cuda --out "$out/verify_ptx.json" ;;
-    matrix)  # issue 17's byte-equality matrix on this GPU (detdit verify --matrix, docs/cli.md): every
+    matrix)  # the byte-equality matrix on this GPU (detdit verify --matrix, docs/cli.md): every
       # cell, the CPU comparison of each GPU result; the JSON and figure are for docs/evidence/
       run matrix 3000 "$build/detdit" verify --matrix --device cuda --out "$out/verify_matrix_cuda.json" \
         --figure "$out/verify_matrix_cuda.svg" ;;

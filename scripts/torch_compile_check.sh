@@ -5,7 +5,7 @@
 # torch 1.13, which has no torch.compile; and the rest of tests/python with
 # them, but for test_nn.py (it runs the detdit CLI, not built here) and
 # test_distributed.py (torch 2.6's gloo now and then hangs a process in
-# destroy_process_group, pytorch issue 75097; it runs on torch 1.13 in
+# destroy_process_group, PyTorch issue 75097; it runs on torch 1.13 in
 # scripts/test.sh). Called by scripts/test.sh; docs/python.md says what it shows.
 #
 # Debian 13 (trixie) is made once with debootstrap in DIR-trixie, DIR being

@@ -162,7 +162,7 @@ struct MatrixGroup {
   std::vector<int> worlds;  // per row
   double seconds = 0;
 };
-// What the matrix of issue 17 has that this run does not enumerate, and why.
+// What the byte-equality matrix has that this run does not enumerate, and why.
 struct MatrixNote {
   std::string what, reason;
 };

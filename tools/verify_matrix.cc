@@ -1,4 +1,4 @@
-// detdit verify --matrix: the byte-equality matrix of issue 17 on one device,
+// detdit verify --matrix: the byte-equality matrix on one device,
 // in-process. Every cell is one check at coordinates (op, device, profile,
 // world, packing, B, S; T for tp_adaln_projection) that can fail; a cell too
 // large for the budget is listed as skipped with its reason, never as passing.

@@ -426,7 +426,7 @@ Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std
 
 bool always(const VerifyContext&) { return true; }
 bool mpi_cuda_full_run(const VerifyContext& ctx) { return !ctx.quick && ctx.comm != nullptr && ctx.device.is_cuda(); }
-// In-process runs do 32768 only without --quick; MPI runs always (issue 8's matrix).
+// In-process runs do 32768 only without --quick; MPI runs always.
 bool sp_32768(const VerifyContext& ctx) { return !ctx.quick || ctx.comm != nullptr; }
 
 Status sp_4097_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, Packing::kBlock, 4097, r); }

@@ -506,7 +506,7 @@ TEST(Cli, VerifyFailingCheckExits1) {
   EXPECT_NE(r.output.find("detdit verify: FAIL"), std::string::npos) << r.output;
 }
 
-// What the outputs promise (issue 16): the verify table fits 120 columns, a
+// What the outputs promise: the verify table fits 120 columns, a
 // progress line per finished case on stderr (not a terminal here), every
 // JSON report says where it ran and what was built, help texts state the real
 // defaults, and report refuses another kind of report by naming it.

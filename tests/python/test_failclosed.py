@@ -1,7 +1,7 @@
-"""The binding fails closed before it allocates, converts or parses anything (issue 18,
-items 9-12): a malformed input is refused with the exception of its kind, naming the
-argument, and never turns into a torch allocation error, a dispatcher RuntimeError, a
-silently truncated integer or an aborted interpreter.
+"""The binding fails closed before it allocates, converts or parses anything: a malformed
+input is refused with the exception of its kind, naming the argument, and never turns into a
+torch allocation error, a dispatcher RuntimeError, a silently truncated integer or an aborted
+interpreter.
 
 The broadcast views below have shapes of 2**36 rows and more that their memory does not
 back; sizing an output from them asks torch for terabytes (a RuntimeError, or worse)."""
