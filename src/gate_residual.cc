@@ -31,10 +31,6 @@ Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream
 
 Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream) {
   const Device device = p.grad.device;
-  bool launched = false;
-  if (device.is_cuda())
-    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_backward_single_pass(p, partials.gate, stream, &launched));
-  if (launched) return Status();
   DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, p, stream));
   if (!partials.gate.present()) return Status();
   const ChunkSelection every_chunk;

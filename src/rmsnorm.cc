@@ -140,10 +140,6 @@ Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, 
 
 Status rmsnorm_rows_and_partials(const RmsnormBackwardParams& p, const RmsnormPartials& partials, Stream stream) {
   const Device device = p.in.x.device;
-  bool launched = false;
-  if (device.is_cuda())
-    DETDIT_RETURN_IF_ERROR(cuda::rmsnorm_backward_single_pass(p, partials.weight, partials.table, stream, &launched));
-  if (launched) return Status();
   DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, p, stream));
   if (!partials.weight.present() && !partials.table.present()) return Status();
   const ChunkSelection every_chunk;

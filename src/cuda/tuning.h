@@ -27,9 +27,6 @@ struct LaunchTuning {
                                       // (src/cuda/gate_residual_rmsnorm_row_walk.cu)
   int region_row_walk_min_chunks = 0;  // the row walk needs at least this many chunks, or 0: the SM count
   int region_row_walk_max_segments = 4;  // and at most this many segments per chunk (1..32)
-  bool single_pass = false;           // the single-pass backwards (rmsnorm, gate_residual,
-                                      // gate_residual_rmsnorm) where the GPU runs them, or the halves:
-                                      // off, the halves were faster on the H200 (docs/benchmarking.md)
 };
 
 // The tunables every launcher reads (defaults above).

@@ -31,8 +31,7 @@ struct RmsnormPartials {
   TensorView weight, table;
 };
 Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, RmsnormPartials* partials);
-// dx and the partials of every chunk: the single-pass kernel where the GPU
-// runs it, else the halves (rows, then partials): the same bits.
+// dx and the partials of every chunk: the halves (rows, then partials).
 Status rmsnorm_rows_and_partials(const RmsnormBackwardParams& p, const RmsnormPartials& partials, Stream stream);
 
 // rmsnorm_backward after validate_rmsnorm_backward: the partials' scratch,
@@ -45,8 +44,8 @@ struct GatePartials {
   TensorView gate;
 };
 Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream, GatePartials* partials);
-// d_residual, d_y and the d_gate partials of every chunk: single pass where
-// the GPU runs it, else the halves.
+// d_residual, d_y and the d_gate partials of every chunk: the halves (rows,
+// then partials).
 Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream);
 
 // gate_residual_backward after validate_gate_residual_backward: the scratch,

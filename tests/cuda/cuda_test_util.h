@@ -94,15 +94,6 @@ class ScopedLaunchTuning {
   const cuda::LaunchTuning saved_;
 };
 
-// Every test-suite case of `op` through the single-pass backward (sm_90
-// clusters; LaunchTuning::single_pass, off by default) matches the CPU.
-inline void expect_single_pass_cases_match_cpu(const std::string& op) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  ScopedLaunchTuning tuning;
-  tuning->single_pass = true;
-  expect_cases_match_cpu(op);
-}
-
 inline std::string case_test_name(const ::testing::TestParamInfo<OpCase>& info) {
   std::string name = std::to_string(info.index) + "_";
   for (char ch : info.param.name) name += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
