@@ -1,8 +1,9 @@
 // Launch tunables of the CUDA backend. Numerics fixes every order of
 // operations; these only change which thread or block computes what, so every
 // legal value gives the same bytes (tests/cuda sweep them to prove it).
-// Process-wide and not synchronised: set them only from tests or benchmarks,
-// between ops.
+// The launchers read the defaults below, fixed for the process; only a test
+// replaces them, for its own thread and scope (ScopedLaunchTuning,
+// tests/cuda/cuda_test_util.h), through set_test_launch_tuning.
 #pragma once
 
 namespace detdit {
@@ -29,8 +30,14 @@ struct LaunchTuning {
   int region_row_walk_max_segments = 4;  // and at most this many segments per chunk (1..32)
 };
 
-// The tunables every launcher reads (defaults above).
-LaunchTuning& launch_tuning();
+// The tunables every launcher reads: the defaults above, or the values a test
+// installed on the calling thread.
+const LaunchTuning& launch_tuning();
+
+// Tests only: `tuning` (not owned; nullptr: the defaults again) becomes what
+// launch_tuning() returns on the calling thread. Returns the previous one
+// (nullptr: the defaults), for the caller to put back.
+const LaunchTuning* set_test_launch_tuning(const LaunchTuning* tuning);
 
 }  // namespace cuda
 }  // namespace detdit
