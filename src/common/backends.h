@@ -120,7 +120,7 @@ struct ExtraRows {
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \
-  /* The region backward's walk (src/cuda/rmsnorm.cu): each row's dx coefficient, then one walk over */ \
+  /* The region backward's walk (src/cuda/gate_residual_rmsnorm.cu): each row's dx coefficient, then one walk over */ \
   /* each chunk giving d_residual, d_y and every partial, bitwise equal to the halves; *launched = */  \
   /* false where it does not apply (plain norm, unaligned rows, too many segments per chunk). */        \
   /* (p, weight_partials, table_partials, gate_partials, stream, launched) */                         \

@@ -21,7 +21,7 @@ struct LaunchTuning {
   bool rmsnorm_fused_partials = true;  // rmsnorm table partials in the d_weight pass (when every chunk's
                                       // segment sums fit in shared memory), or a second pass
   bool region_backward_walk = true;   // gate_residual_rmsnorm backward: the row coefficients, then one
-                                      // walk per chunk for every output and partial (src/cuda/rmsnorm.cu),
+                                      // walk per chunk for every output and partial (src/cuda/gate_residual_rmsnorm.cu),
                                       // where it applies; or the halves
   bool region_row_walk = true;        // that walk over whole rows, one block per chunk computing the
                                       // coefficients itself (h and d_out read once), where it applies
