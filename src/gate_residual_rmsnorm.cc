@@ -39,14 +39,6 @@
 namespace detdit {
 namespace {
 
-RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h) {
-  return RmsnormInputs{h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics};
-}
-
-GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in) {
-  return GateResidualInputs{in.residual, in.y, in.gate, in.plan};
-}
-
 // The halves' validations name the tensors as the separate ops do (x, out,
 // grad, dx); the fused op's own names are checked first, so its errors name them.
 Status validate_forward(const GateResidualRmsnormParams& p) {
@@ -54,9 +46,9 @@ Status validate_forward(const GateResidualRmsnormParams& p) {
   DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.h, "h", p.in.residual, "residual"));
   DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.out, "out", p.in.residual, "residual"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward({gate_inputs(p.in), p.h}));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward({rowwise::gate_inputs(p.in), p.h}));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward({norm_inputs(p.in, p.h), p.out, p.rstd}));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward({rowwise::norm_inputs(p.in, p.h), p.out, p.rstd}));
   const GateResidualRmsnormInputs& in = p.in;
   return rowwise::check_outputs_disjoint({{&in.residual, "residual"}, {&in.y, "y"}, {&in.gate, "gate"},
                                           {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"}},
@@ -66,15 +58,6 @@ Status validate_forward(const GateResidualRmsnormParams& p) {
 }  // namespace
 
 namespace rowwise {
-
-RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
-  return RmsnormBackwardParams{norm_inputs(p.in, p.h), p.rstd,    p.d_out,  g, p.d_weight,
-                               p.d_shift,                p.d_scale};
-}
-
-GateResidualBackwardParams gate_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
-  return GateResidualBackwardParams{gate_inputs(p.in), g, TensorView(), p.d_y, p.d_gate};
-}
 
 Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p) {
   int64_t hidden = 0;

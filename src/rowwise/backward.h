@@ -52,6 +52,10 @@ Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePar
 // rows and partials, the fold.
 Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);
 
+// gate_residual_rmsnorm's inputs as its halves' (the norm of h, the gate).
+RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h);
+GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in);
+
 // The halves of gate_residual_rmsnorm's backward (its WS1 and SP forms):
 // the rmsnorm backward of d_out with dx into g, and the gate_residual
 // backward of g (g: the gradient of h, d_residual or scratch).
