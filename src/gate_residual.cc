@@ -15,41 +15,6 @@
 
 namespace detdit {
 namespace rowwise {
-namespace {
-
-
-
-}  // namespace
-
-Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream, GatePartials* partials) {
-  *partials = GatePartials();
-  if (!p.d_gate.present()) return Status();
-  const int64_t hidden = p.grad.shape[p.grad.rank - 1];
-  return scratch_tensor(p.grad.device, DType::kF32, {p.in.plan.num_segments(), hidden}, stream, &partials->owner,
-                        &partials->gate);
-}
-
-Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream) {
-  const Device device = p.grad.device;
-  bool launched = false;
-  if (device.is_cuda())
-    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_backward_single_pass(p, partials.gate, stream, &launched));
-  if (launched) return Status();
-  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, p, stream));
-  if (!partials.gate.present()) return Status();
-  const ChunkSelection every_chunk;
-  return backend::gate_residual_backward_partials(device, p, every_chunk, ExtraRows{}, partials.gate, stream);
-}
-
-Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream) {
-  // The scratch first, so a failed allocation writes nothing.
-  GatePartials partials;
-  DETDIT_RETURN_IF_ERROR(allocate_gate_partials(p, stream, &partials));
-  DETDIT_RETURN_IF_ERROR(gate_rows_and_partials(p, partials, stream));
-  if (!p.d_gate.present()) return Status();
-  return backend::fold_segment_partials(p.grad.device, p.in.plan, partials.gate, p.d_gate, stream);
-}
-
 Status validate_gate_residual_forward(const GateResidualParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.in.residual, "residual"));

@@ -7,13 +7,23 @@
 // once for both devices: the rmsnorm backward of d_out (dx, the partials of
 // d_weight, d_shift, d_scale), g = R_T(rn(dx + d_h)), then the gate_residual
 // backward of g (d_y, the d_gate partials), with d_residual = g itself (g lives
-// in d_residual when the caller wants it); then the folds. The row-local part
-// (g and d_y) is one backend call (one kernel on CUDA: h, d_out and d_h read
-// once), then the partials of both ops. On CUDA by default (the modulated
-// norm, rows in whole vectors) the row coefficients are computed first and one
-// walk per chunk computes every output and partial from one more read of h,
-// d_out, d_h and y; with LaunchTuning::single_pass on an sm_90 GPU, one kernel
-// computes all of it but the folds. Either way the same bits.
+// in d_residual when the caller wants it); then the folds. Its kernel path,
+// one rule (docs/ops.md), every path the same bits:
+//   1. the row walk (src/cuda/gate_residual_rmsnorm_row_walk.cu), on CUDA
+//      sm_90 and later, when the norm is modulated, the dtype is bf16 or fp16,
+//      H is a multiple of 8 and at most 5632, every tensor is 16-byte aligned
+//      (table row strides in whole 8-element vectors), every 256-position chunk
+//      has at most 4 segments, there are at least as many chunks as SMs and the
+//      staged rows fit the block's shared memory: one kernel per chunk over
+//      whole rows, each tensor read once;
+//   2. else the column-block walk, on CUDA, when the norm is modulated, H is a
+//      multiple of 4, every row and table row is in whole 4-element vectors
+//      and every chunk has at most 10 segments: each row's dx coefficient,
+//      then one walk per chunk and 512 columns;
+//   3. else (and always on the CPU) the halves: one rows call (g and d_y, h,
+//      d_out and d_h read once), then the partials of both ops.
+// The launch tunables region_row_walk and region_backward_walk (tests only)
+// turn paths 1 and 2 off.
 #include "detdit/gate_residual_rmsnorm.h"
 
 #include <memory>
@@ -29,14 +39,6 @@
 namespace detdit {
 namespace {
 
-RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h) {
-  return RmsnormInputs{h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics};
-}
-
-GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in) {
-  return GateResidualInputs{in.residual, in.y, in.gate, in.plan};
-}
-
 // The halves' validations name the tensors as the separate ops do (x, out,
 // grad, dx); the fused op's own names are checked first, so its errors name them.
 Status validate_forward(const GateResidualRmsnormParams& p) {
@@ -44,9 +46,9 @@ Status validate_forward(const GateResidualRmsnormParams& p) {
   DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.h, "h", p.in.residual, "residual"));
   DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.out, "out", p.in.residual, "residual"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward({gate_inputs(p.in), p.h}));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward({rowwise::gate_inputs(p.in), p.h}));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward({norm_inputs(p.in, p.h), p.out, p.rstd}));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward({rowwise::norm_inputs(p.in, p.h), p.out, p.rstd}));
   const GateResidualRmsnormInputs& in = p.in;
   return rowwise::check_outputs_disjoint({{&in.residual, "residual"}, {&in.y, "y"}, {&in.gate, "gate"},
                                           {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"}},
@@ -56,15 +58,6 @@ Status validate_forward(const GateResidualRmsnormParams& p) {
 }  // namespace
 
 namespace rowwise {
-
-RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
-  return RmsnormBackwardParams{norm_inputs(p.in, p.h), p.rstd,    p.d_out,  g, p.d_weight,
-                               p.d_shift,                p.d_scale};
-}
-
-GateResidualBackwardParams gate_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {
-  return GateResidualBackwardParams{gate_inputs(p.in), g, TensorView(), p.d_y, p.d_gate};
-}
 
 Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p) {
   int64_t hidden = 0;
@@ -97,17 +90,15 @@ Status gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p
   const Device device = p.h.device;
   // Scratch first, so a failed allocation writes nothing: the partials of both
   // halves, and g (the gradient of h) when the caller does not keep it in
-  // d_residual yet d_y or d_gate need it (the halves only: the single-pass
-  // kernel keeps g in shared memory).
+  // d_residual yet d_y or d_gate need it (the halves only).
   rowwise::RmsnormPartials norm_partials;
   rowwise::GatePartials gate_partials;
   DETDIT_RETURN_IF_ERROR(rowwise::allocate_rmsnorm_partials(rowwise::norm_backward(p, p.d_residual), stream, &norm_partials));
   DETDIT_RETURN_IF_ERROR(rowwise::allocate_gate_partials(rowwise::gate_backward(p, p.d_out), stream, &gate_partials));
+  // Paths 1 and 2 of the rule above (the CUDA launcher picks between them),
+  // else the halves.
   bool launched = false;
   if (device.is_cuda())
-    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_rmsnorm_backward_single_pass(p, norm_partials.weight, norm_partials.table,
-                                                                            gate_partials.gate, stream, &launched));
-  if (device.is_cuda() && !launched)
     DETDIT_RETURN_IF_ERROR(cuda::gate_residual_rmsnorm_backward_walk(p, norm_partials.weight, norm_partials.table,
                                                                      gate_partials.gate, stream, &launched));
   TensorView g = p.d_residual;

@@ -99,66 +99,6 @@ Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
                                 {{&p.dx, "dx"}, {&p.d_weight, "d_weight"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
 }
 
-Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& weight_partials,
-                             const TensorView& table_partials, Stream stream) {
-  const Device device = p.in.x.device;
-  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
-  if (p.d_weight.present())
-    DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, weight_partials, p.d_weight, stream));
-  if (!table_partials.present()) return Status();
-  // d_shift from columns [0, H), d_scale from [H, 2H) of the (G, 2H) partials.
-  const std::pair<const TensorView*, int64_t> outputs[] = {{&p.d_shift, 0}, {&p.d_scale, hidden}};
-  for (const auto& [out, column] : outputs) {
-    if (!out->present()) continue;
-    const TensorView part = table_partials.narrow(1, column, hidden);
-    DETDIT_RETURN_IF_ERROR(backend::fold_segment_partials(device, p.in.plan, part, *out, stream));
-  }
-  return Status();
-}
-
-Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, RmsnormPartials* partials) {
-  const Device device = p.in.x.device;
-  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
-  // positions: the plan's B*S; a plain norm without a plan reduces its own rows.
-  const int64_t positions = p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden;
-  const int64_t chunks = (positions + kReductionChunk - 1) / kReductionChunk;
-  const bool tables = p.in.shift.present() && (p.d_shift.present() || p.d_scale.present());
-  const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
-  const int64_t table_floats = tables ? p.in.plan.num_segments() * 2 * hidden : 0;
-  *partials = RmsnormPartials();
-  if (weight_floats + table_floats == 0) return Status();
-  TensorView scratch;
-  DETDIT_RETURN_IF_ERROR(
-      scratch_tensor(device, DType::kF32, {weight_floats + table_floats}, stream, &partials->owner, &scratch));
-  if (p.d_weight.present())
-    partials->weight = TensorView::contiguous(scratch.ptr<float>(), DType::kF32, {chunks, hidden}, device);
-  if (tables)
-    partials->table = TensorView::contiguous(scratch.ptr<float>() + weight_floats, DType::kF32,
-                                             {p.in.plan.num_segments(), 2 * hidden}, device);
-  return Status();
-}
-
-Status rmsnorm_rows_and_partials(const RmsnormBackwardParams& p, const RmsnormPartials& partials, Stream stream) {
-  const Device device = p.in.x.device;
-  bool launched = false;
-  if (device.is_cuda())
-    DETDIT_RETURN_IF_ERROR(cuda::rmsnorm_backward_single_pass(p, partials.weight, partials.table, stream, &launched));
-  if (launched) return Status();
-  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, p, stream));
-  if (!partials.weight.present() && !partials.table.present()) return Status();
-  const ChunkSelection every_chunk;
-  return backend::rmsnorm_backward_partials(device, p, every_chunk, ExtraRows{}, partials.weight, partials.table,
-                                            stream);
-}
-
-Status run_rmsnorm_backward(const RmsnormBackwardParams& p, Stream stream) {
-  // The scratch first, so a failed allocation writes nothing.
-  RmsnormPartials partials;
-  DETDIT_RETURN_IF_ERROR(allocate_rmsnorm_partials(p, stream, &partials));
-  DETDIT_RETURN_IF_ERROR(rmsnorm_rows_and_partials(p, partials, stream));
-  return fold_rmsnorm_partials(p, partials.weight, partials.table, stream);
-}
-
 }  // namespace rowwise
 
 Status rmsnorm_forward(const RmsnormParams& params, Stream stream) {

@@ -120,22 +120,12 @@ struct ExtraRows {
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \
-  /* The single-pass backwards: the rows and the partials of every chunk from one read of the rows, */  \
-  /* bitwise equal to the halves; *launched = false when this GPU cannot run them (the caller runs */   \
-  /* the halves). Partials as the halves' (absent: not computed). */                                   \
-  /* rmsnorm_backward_single_pass(p, weight_partials (C, H), table_partials (G, 2H), stream, launched) */ \
-  X(rmsnorm_backward_single_pass, const RmsnormBackwardParams&, const TensorView&, const TensorView&, Stream, bool*) \
-  /* (p, weight_partials, table_partials, gate_partials (G, H), stream, launched) */                    \
-  X(gate_residual_rmsnorm_backward_single_pass, const GateResidualRmsnormBackwardParams&, const TensorView&,   \
-    const TensorView&, const TensorView&, Stream, bool*)                                                 \
-  /* The region backward's walk (src/cuda/rmsnorm.cu): each row's dx coefficient, then one walk over */ \
+  /* The region backward's walk (src/cuda/gate_residual_rmsnorm.cu): each row's dx coefficient, then one walk over */ \
   /* each chunk giving d_residual, d_y and every partial, bitwise equal to the halves; *launched = */  \
   /* false where it does not apply (plain norm, unaligned rows, too many segments per chunk). */        \
   /* (p, weight_partials, table_partials, gate_partials, stream, launched) */                         \
   X(gate_residual_rmsnorm_backward_walk, const GateResidualRmsnormBackwardParams&, const TensorView&,  \
     const TensorView&, const TensorView&, Stream, bool*)                                                \
-  /* (p, partials (G, H), stream, launched) */                                                          \
-  X(gate_residual_backward_single_pass, const GateResidualBackwardParams&, const TensorView&, Stream, bool*) \
   /* linear_backward_fused(input, weight_grads, stream, launched): input.partials (the d_x chunk */     \
   /* partials) and weight_grads.d_weight from one read of W, bitwise equal to */                        \
   /* linear_backward_input_partials and linear_backward_weight (d_bias not computed); */                \

@@ -180,27 +180,10 @@ Status rmsnorm_forward(const RmsnormParams& p, Stream) {
   return Status();
 }
 
-Status gate_residual_rmsnorm_forward(const GateResidualRmsnormParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(gate_residual_forward({{p.in.residual, p.in.y, p.in.gate, p.in.plan}, p.h}, stream));
-  return rmsnorm_forward(
-      {{p.h, p.in.weight, p.in.shift, p.in.scale, p.in.plan, p.in.eps, p.in.numerics}, p.out, p.rstd}, stream);
-}
-
 Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream) {
   if (!p.dx.present()) return Status();
   dispatch_float_dtype(p.in.x.dtype, [&](auto tag) { backward_rows<decltype(tag)>(p); });
   return Status();
-}
-
-// The reference composes the halves (numerics 6.10): dx into g, g = R_T(rn(g + d_h)), d_y = R_T(rn(g * gate)).
-Status gate_residual_rmsnorm_backward_rows(const GateResidualRmsnormBackwardParams& p, const TensorView& g,
-                                           Stream stream) {
-  const GateResidualRmsnormInputs& in = p.in;
-  DETDIT_RETURN_IF_ERROR(rmsnorm_backward_rows(
-      {{p.h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics}, p.rstd, p.d_out, g, {}, {}, {}}, stream));
-  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(add(g, p.d_h, g, stream));
-  if (!p.d_y.present()) return Status();
-  return gate_residual_backward_rows({{in.residual, in.y, in.gate, in.plan}, g, {}, p.d_y, {}}, stream);
 }
 
 Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,

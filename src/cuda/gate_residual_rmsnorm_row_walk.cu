@@ -1,6 +1,6 @@
 // The region backward as one walk per chunk over whole rows (gate_residual_rmsnorm,
 // modulated norm, numerics 6.10 with 6.5 and 7): every value and chain is the
-// column-block walk's of src/cuda/rmsnorm.cu, so the bytes are its bytes and
+// column-block walk's of src/cuda/gate_residual_rmsnorm.cu, so the bytes are its bytes and
 // the halves', but h and d_out are read once instead of twice, because the
 // block that walks a chunk holds whole rows and computes their dx
 // coefficients itself.

@@ -1,6 +1,6 @@
 // The fused region's backward walks (gate_residual_rmsnorm, modulated norm) on
 // CUDA: their arguments and their per-position dx step, shared by the walk of
-// src/cuda/rmsnorm.cu (the row coefficients first, then a block per chunk and
+// src/cuda/gate_residual_rmsnorm.cu (the row coefficients first, then a block per chunk and
 // column block) and the row walk of src/cuda/gate_residual_rmsnorm_row_walk.cu
 // (a block per chunk over whole rows, the coefficients inside it). Private to
 // src/cuda/.

@@ -1,8 +1,9 @@
 // Launch tunables of the CUDA backend. Numerics fixes every order of
 // operations; these only change which thread or block computes what, so every
 // legal value gives the same bytes (tests/cuda sweep them to prove it).
-// Process-wide and not synchronised: set them only from tests or benchmarks,
-// between ops.
+// The launchers read the defaults below, fixed for the process; only a test
+// replaces them, for its own thread and scope (ScopedLaunchTuning,
+// tests/cuda/cuda_test_util.h), through set_test_launch_tuning.
 #pragma once
 
 namespace detdit {
@@ -20,20 +21,23 @@ struct LaunchTuning {
   bool rmsnorm_fused_partials = true;  // rmsnorm table partials in the d_weight pass (when every chunk's
                                       // segment sums fit in shared memory), or a second pass
   bool region_backward_walk = true;   // gate_residual_rmsnorm backward: the row coefficients, then one
-                                      // walk per chunk for every output and partial (src/cuda/rmsnorm.cu),
+                                      // walk per chunk for every output and partial (src/cuda/gate_residual_rmsnorm.cu),
                                       // where it applies; or the halves
   bool region_row_walk = true;        // that walk over whole rows, one block per chunk computing the
                                       // coefficients itself (h and d_out read once), where it applies
                                       // (src/cuda/gate_residual_rmsnorm_row_walk.cu)
   int region_row_walk_min_chunks = 0;  // the row walk needs at least this many chunks, or 0: the SM count
   int region_row_walk_max_segments = 4;  // and at most this many segments per chunk (1..32)
-  bool single_pass = false;           // the single-pass backwards (rmsnorm, gate_residual,
-                                      // gate_residual_rmsnorm) where the GPU runs them, or the halves:
-                                      // off, the halves were faster on the H200 (docs/benchmarking.md)
 };
 
-// The tunables every launcher reads (defaults above).
-LaunchTuning& launch_tuning();
+// The tunables every launcher reads: the defaults above, or the values a test
+// installed on the calling thread.
+const LaunchTuning& launch_tuning();
+
+// Tests only: `tuning` (not owned; nullptr: the defaults again) becomes what
+// launch_tuning() returns on the calling thread. Returns the previous one
+// (nullptr: the defaults), for the caller to put back.
+const LaunchTuning* set_test_launch_tuning(const LaunchTuning* tuning);
 
 }  // namespace cuda
 }  // namespace detdit

@@ -31,8 +31,7 @@ struct RmsnormPartials {
   TensorView weight, table;
 };
 Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, RmsnormPartials* partials);
-// dx and the partials of every chunk: the single-pass kernel where the GPU
-// runs it, else the halves (rows, then partials): the same bits.
+// dx and the partials of every chunk: the halves (rows, then partials).
 Status rmsnorm_rows_and_partials(const RmsnormBackwardParams& p, const RmsnormPartials& partials, Stream stream);
 
 // rmsnorm_backward after validate_rmsnorm_backward: the partials' scratch,
@@ -45,13 +44,17 @@ struct GatePartials {
   TensorView gate;
 };
 Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream, GatePartials* partials);
-// d_residual, d_y and the d_gate partials of every chunk: single pass where
-// the GPU runs it, else the halves.
+// d_residual, d_y and the d_gate partials of every chunk: the halves (rows,
+// then partials).
 Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream);
 
 // gate_residual_backward after validate_gate_residual_backward: the scratch,
 // rows and partials, the fold.
 Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);
+
+// gate_residual_rmsnorm's inputs as its halves' (the norm of h, the gate).
+RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h);
+GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in);
 
 // The halves of gate_residual_rmsnorm's backward (its WS1 and SP forms):
 // the rmsnorm backward of d_out with dx into g, and the gate_residual

@@ -78,30 +78,23 @@ inline void expect_cases_match_cpu(const std::string& op, const std::function<bo
   EXPECT_GT(checked, 0) << "every case of " << op << " was filtered out";
 }
 
-// The launch tunables (src/cuda/tuning.h) for the scope: `tuning->field = v`
-// changes the process-wide value, and the values at construction come back
-// when the scope ends, also when a fatal assertion leaves the test early, so
-// no test leaks its tunables into the next.
+// The launch tunables (src/cuda/tuning.h) of this thread's launches for the
+// scope: they start as the values in force at construction, `tuning->field =
+// v` changes them, and the previous ones come back when the scope ends, also
+// when a fatal assertion leaves the test early, so no test leaks its tunables
+// into the next. The ops a test runs launch on its own thread.
 class ScopedLaunchTuning {
  public:
-  ScopedLaunchTuning() : saved_(cuda::launch_tuning()) {}
-  ~ScopedLaunchTuning() { cuda::launch_tuning() = saved_; }
+  ScopedLaunchTuning() : tuning_(cuda::launch_tuning()), previous_(cuda::set_test_launch_tuning(&tuning_)) {}
+  ~ScopedLaunchTuning() { cuda::set_test_launch_tuning(previous_); }
   ScopedLaunchTuning(const ScopedLaunchTuning&) = delete;
   ScopedLaunchTuning& operator=(const ScopedLaunchTuning&) = delete;
-  cuda::LaunchTuning* operator->() const { return &cuda::launch_tuning(); }
+  cuda::LaunchTuning* operator->() { return &tuning_; }
 
  private:
-  const cuda::LaunchTuning saved_;
+  cuda::LaunchTuning tuning_;
+  const cuda::LaunchTuning* previous_;
 };
-
-// Every test-suite case of `op` through the single-pass backward (sm_90
-// clusters; LaunchTuning::single_pass, off by default) matches the CPU.
-inline void expect_single_pass_cases_match_cpu(const std::string& op) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  ScopedLaunchTuning tuning;
-  tuning->single_pass = true;
-  expect_cases_match_cpu(op);
-}
 
 inline std::string case_test_name(const ::testing::TestParamInfo<OpCase>& info) {
   std::string name = std::to_string(info.index) + "_";

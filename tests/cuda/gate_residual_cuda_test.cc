@@ -12,12 +12,10 @@ namespace {
 
 DETDIT_CUDA_OP_CASES(GateResidualCaseCuda, "gate_residual");
 
-// The halves (rows kernel, then partials) at every tunable, and the
-// single-pass kernel (below): the same bytes.
+// The halves (rows kernel, then partials) at every tunable: the same bytes.
 TEST(GateResidualCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
   ScopedLaunchTuning tuning;
-  tuning->single_pass = false;
   for (int threads : {64, 256, 1024})
     for (int vector_bytes : {16, 8, 4, 2})
       for (int cols : {1, 2, 4}) {
@@ -29,10 +27,6 @@ TEST(GateResidualCuda, EveryLaunchTuningGivesTheSameBytes) {
         expect_cases_match_cpu("gate_residual", [](const OpCase& c) { return c.positions == 514; });
       }
 }
-
-// The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)
-// on every case: the bytes of the halves and the CPU.
-TEST(GateResidualCuda, TheSinglePassGivesTheSameBytes) { expect_single_pass_cases_match_cpu("gate_residual"); }
 
 }  // namespace
 }  // namespace testing

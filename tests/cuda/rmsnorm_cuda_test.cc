@@ -12,27 +12,21 @@ namespace {
 
 DETDIT_CUDA_OP_CASES(RmsnormCaseCuda, "rmsnorm");
 
-// The halves instead of the single-pass kernel (the path of GPUs without
-// clusters, and the SP region's): the table partials fused into the d_weight
-// walk (when every chunk's segment sums fit in shared memory) or in a second
-// walk, at every column count: the same bytes (numerics fixes the orders;
-// tunables only change who computes what).
+// The table partials fused into the d_weight walk (when every chunk's segment
+// sums fit in shared memory) or in a second walk, at every column count: the
+// same bytes (numerics fixes the orders; tunables only change who computes
+// what).
 TEST(RmsnormCuda, EveryLaunchTuningGivesTheSameBytes) {
   DETDIT_SKIP_WITHOUT_CUDA();
   ScopedLaunchTuning tuning;
   for (bool fused : {true, false})
     for (int cols : {1, 2, 4}) {
       SCOPED_TRACE(std::string(fused ? "fused" : "two-pass") + " cols " + std::to_string(cols));
-      tuning->single_pass = false;
       tuning->rmsnorm_fused_partials = fused;
       tuning->partial_columns_per_thread = cols;
       expect_cases_match_cpu("rmsnorm", [](const OpCase& c) { return c.positions >= 257 && c.positions <= 2000; });
     }
 }
-
-// The single-pass backward (sm_90 clusters; off by default, src/cuda/tuning.h)
-// on every case: the bytes of the halves and the CPU.
-TEST(RmsnormCuda, TheSinglePassGivesTheSameBytes) { expect_single_pass_cases_match_cpu("rmsnorm"); }
 
 }  // namespace
 }  // namespace testing
