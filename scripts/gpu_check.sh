@@ -78,9 +78,9 @@ for stage in "${stages[@]}"; do
     cuda) run cuda 500 ctest --test-dir "$build" -L cuda ${DETDIT_CUDA_TESTS:+-R "$DETDIT_CUDA_TESTS"} \
       --output-on-failure -j 8 --timeout 400 ;;
     parallel) run parallel 400 ctest --test-dir "$build" -L parallel --output-on-failure -j 4 --timeout 300 ;;
-    verify) run verify 300 "$build/detdit" verify --device cuda --out "$out/verify_cuda.json" ;;
+    verify) run verify 300 "$build/detdit" verify --full --device cuda --out "$out/verify_cuda.json" ;;
     mpi)
-      [ "$gpus" -ge 2 ] && run mpi_verify 300 "${mpi[@]}" -np "$gpus" "$build/detdit" verify --comm mpi --device cuda \
+      [ "$gpus" -ge 2 ] && run mpi_verify 300 "${mpi[@]}" -np "$gpus" "$build/detdit" verify --full --comm mpi --device cuda \
         --out "$out/verify_mpi.json" ;;
     parity) run parity 300 python3 scripts/torch_parity.py --runner "$build/tests/torch_parity_main" ;;
     sanitizer)
@@ -129,10 +129,10 @@ for stage in "${stages[@]}"; do
       # so both builds give the CPU's bytes (docs/gpu.md)
       run ptx_build 600 bash -c "cmake -S . -B '$build-ptx' -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DDETDIT_CUDA_ARCHITECTURES=80-virtual && cmake --build '$build-ptx' --target detdit_cli -j $(nproc)" &&
-        run ptx_verify 400 "$build-ptx/detdit" verify --device cuda --out "$out/verify_ptx.json" ;;
+        run ptx_verify 400 "$build-ptx/detdit" verify --full --device cuda --out "$out/verify_ptx.json" ;;
     matrix)  # the byte-equality matrix on this GPU (detdit verify --matrix, docs/cli.md): every
       # cell, the CPU comparison of each GPU result; the JSON and figure are for docs/evidence/
-      run matrix 3000 "$build/detdit" verify --matrix --device cuda --out "$out/verify_matrix_cuda.json" \
+      run matrix 3000 "$build/detdit" verify --matrix --full --device cuda --out "$out/verify_matrix_cuda.json" \
         --figure "$out/verify_matrix_cuda.svg" ;;
     patches)
       patch_args=(-p1 --forward --batch --silent)

@@ -337,12 +337,12 @@ int run_bench(int argc, char** argv) {
   }
   Weights weights;
   // Under MPI rank 0 resolves (and on first use generates) the cache first.
-  Status status = leader ? resolve_weights(args.get("--weights"), 1, 0, /*announce=*/true, &weights)
+  Status status = leader ? resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, /*announce=*/true, &weights)
                          : Status::ok_status();
   if (world != nullptr) {
     status = all_ranks_ok(*world, status);
     if (status.ok() && !leader) {
-      status = resolve_weights(args.get("--weights"), 1, 0, false, &weights);
+      status = resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, false, &weights);
       // A rank whose own resolve failed says why; rank 0 reports the rest.
       if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
     }

@@ -53,6 +53,9 @@ struct CheckRow {
 
 struct VerifyContext {
   bool quick = false;
+  // --full: the weights at H3's dimensions (or --weights') and the sp_region
+  // at S = 32768 in-process too.
+  bool full = false;
   Device device;
   const Weights* weights = nullptr;
   uint64_t seed = 0;

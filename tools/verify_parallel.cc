@@ -18,7 +18,7 @@
 //     ranks' rows on rank 0.
 // Sizes (B = 2, T = 3 timesteps for SP; H, N = 18H and D from the weights):
 //   SP S = 4097 always (world sizes 1..8; in-process on the CPU with --quick
-//   1, 2, 3, 8); S = 32768 without --quick or with --comm mpi (in-process on
+//   1, 2, 3, 8); S = 32768 with --full or --comm mpi (in-process on
 //   the CPU only world size 3, where rows move, without the naive contrast:
 //   each H3 world at this S costs tens of seconds and 8 GB on 2 cores);
 //   S = 131072 with --comm mpi on CUDA without --quick. Both packings.
@@ -426,8 +426,9 @@ Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std
 
 bool always(const VerifyContext&) { return true; }
 bool mpi_cuda_full_run(const VerifyContext& ctx) { return !ctx.quick && ctx.comm != nullptr && ctx.device.is_cuda(); }
-// In-process runs do 32768 only without --quick; MPI runs always.
-bool sp_32768(const VerifyContext& ctx) { return !ctx.quick || ctx.comm != nullptr; }
+// In-process runs do 32768 with --full; MPI runs always (every rank then holds
+// a share of it).
+bool sp_32768(const VerifyContext& ctx) { return ctx.full || ctx.comm != nullptr; }
 
 Status sp_4097_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, Packing::kBlock, 4097, r); }
 Status sp_4097_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {

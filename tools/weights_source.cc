@@ -73,7 +73,17 @@ Status load_weights(const std::string& dir_or_file, Weights* weights) {
   return Status::ok_status();
 }
 
-Status synthetic_cache_dir(int64_t blocks, uint64_t seed, std::string* dir) {
+io::ManifestConfig verify_dimensions(int64_t blocks) {
+  io::ManifestConfig c;
+  c.blocks = blocks;
+  c.hidden = 1536;
+  c.time_embed_hidden = 1536;
+  c.time_embed_dim = 768;
+  c.freq_dim = 256;
+  return c;
+}
+
+Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std::string* dir) {
   std::string root;
   const char* xdg = std::getenv("XDG_CACHE_HOME");
   const char* home = std::getenv("HOME");
@@ -85,8 +95,15 @@ Status synthetic_cache_dir(int64_t blocks, uint64_t seed, std::string* dir) {
     return Status::runtime_error(
         "cannot place the synthetic weights cache: neither XDG_CACHE_HOME nor HOME is set (pass --weights DIR)");
   }
-  *dir = root + "/synth-v" + std::to_string(io::kSynthVersion) + "-" + io::kManifestVersion + "-b" +
-         std::to_string(blocks) + "-s" + std::to_string(seed);
+  // H3's dimensions keep the directory name they always had.
+  io::ManifestConfig h3;
+  h3.blocks = config.blocks;
+  const std::string dims = config == h3 ? "" : "-H" + std::to_string(config.hidden) + "-Ht" +
+                                                   std::to_string(config.time_embed_hidden) + "-D" +
+                                                   std::to_string(config.time_embed_dim) + "-F" +
+                                                   std::to_string(config.freq_dim);
+  *dir = root + "/synth-v" + std::to_string(io::kSynthVersion) + "-" + io::kManifestVersion + dims + "-b" +
+         std::to_string(config.blocks) + "-s" + std::to_string(seed);
   return Status::ok_status();
 }
 
@@ -108,8 +125,8 @@ Status make_directories(const std::string& dir) {
 namespace {
 
 // A cached file is used only when it is the synthetic weights of exactly
-// this (version, blocks, seed, H3 dimensions) and matches the manifest.
-bool cache_is_usable(const std::string& dir, int64_t blocks, uint64_t seed, Weights* weights) {
+// this (version, blocks, seed, dimensions) and matches the manifest.
+bool cache_is_usable(const std::string& dir, const io::ManifestConfig& config, uint64_t seed, Weights* weights) {
   Weights w;
   if (!load_weights(dir, &w).ok() || !w.synthetic) return false;
   const auto& m = w.file.metadata();
@@ -117,9 +134,7 @@ bool cache_is_usable(const std::string& dir, int64_t blocks, uint64_t seed, Weig
     auto it = m.find(key);
     return it != m.end() && it->second == value;
   };
-  io::ManifestConfig h3;
-  h3.blocks = blocks;
-  if (!(w.config == h3) || !is("detdit.synth_version", std::to_string(io::kSynthVersion)) ||
+  if (!(w.config == config) || !is("detdit.synth_version", std::to_string(io::kSynthVersion)) ||
       !is("detdit.seed", std::to_string(seed)) || !is("detdit.only", "")) {
     return false;
   }
@@ -129,21 +144,22 @@ bool cache_is_usable(const std::string& dir, int64_t blocks, uint64_t seed, Weig
 
 }  // namespace
 
-Status resolve_weights(const std::string& weights_option, int64_t blocks, uint64_t seed, bool announce,
-                       Weights* weights) {
+Status resolve_weights(const std::string& weights_option, const io::ManifestConfig& config, uint64_t seed,
+                       bool announce, Weights* weights) {
   if (!weights_option.empty()) return load_weights(weights_option, weights);
   std::string dir;
-  DETDIT_RETURN_IF_ERROR(synthetic_cache_dir(blocks, seed, &dir));
-  if (cache_is_usable(dir, blocks, seed, weights)) return Status::ok_status();
+  DETDIT_RETURN_IF_ERROR(synthetic_cache_dir(config, seed, &dir));
+  if (cache_is_usable(dir, config, seed, weights)) return Status::ok_status();
   DETDIT_RETURN_IF_ERROR(make_directories(dir));
   io::remove_temporaries_on_signals();  // an interrupted generation leaves no partial cache entry
   if (announce) {
-    std::fprintf(stderr, "detdit: generating the default synthetic weights (blocks=%lld, seed=%llu) into %s ...\n",
-                 static_cast<long long>(blocks), static_cast<unsigned long long>(seed), dir.c_str());
+    std::fprintf(stderr, "detdit: generating the default synthetic weights (H=%lld, blocks=%lld, seed=%llu) into %s ...\n",
+                 static_cast<long long>(config.hidden), static_cast<long long>(config.blocks),
+                 static_cast<unsigned long long>(seed), dir.c_str());
   }
   auto start = std::chrono::steady_clock::now();
   io::SynthOptions options;
-  options.config.blocks = blocks;
+  options.config = config;
   options.seed = seed;
   DETDIT_RETURN_IF_ERROR(io::write_synthetic_weights(dir, options));
   if (announce) {

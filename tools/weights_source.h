@@ -1,8 +1,10 @@
 // Where a command's weights come from: --weights DIR (real or any prepared
 // weights), or else the embedded default: synthetic weights (src/io/synth.h)
 // generated on first use and cached under $XDG_CACHE_HOME/detdit (or
-// ~/.cache/detdit) in synth-v<version>-<manifest>-b<blocks>-s<seed>/. The
-// default is blocks = 1, seed = 0 (about 0.6 GB).
+// ~/.cache/detdit) in synth-v<version>-<manifest>[-<dims>]-b<blocks>-s<seed>/
+// (<dims> only for dimensions other than H3's). At H3's dimensions with
+// blocks = 1, seed = 0 it is about 0.6 GB; verify's default dimensions
+// (kVerifyDimensions) are smaller.
 #pragma once
 
 #include <cstdint>
@@ -33,13 +35,21 @@ std::string weights_file_path(const std::string& dir_or_file);
 // in a ValueError naming the file).
 Status load_weights(const std::string& dir_or_file, Weights* weights);
 
-// The cache directory of the synthetic default (not created).
-Status synthetic_cache_dir(int64_t blocks, uint64_t seed, std::string* dir);
+// The dimensions of `detdit verify`'s synthetic default without --full: the
+// H3 tensors and ratios (Ht = H, D = H / 2, F = 256) at H = 1536 (Wan 2.1
+// 1.3B's and SD3 Medium's hidden size), so that the default run fits three
+// minutes on 2 CPU cores. --full, `detdit bench` and `detdit weights synth`
+// use H3's dimensions (ManifestConfig's defaults).
+io::ManifestConfig verify_dimensions(int64_t blocks);
 
-// --weights DIR when given, else the cached synthetic default, generated now
-// if absent or unusable (`announce` is told when that happens: it takes a while).
-Status resolve_weights(const std::string& weights_option, int64_t blocks, uint64_t seed, bool announce,
-                       Weights* weights);
+// The cache directory of the synthetic default of `config` (not created).
+Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std::string* dir);
+
+// --weights DIR when given, else the cached synthetic default of `config`
+// (its dimensions and blocks), generated now if absent or unusable
+// (`announce` is told when that happens: it takes a while).
+Status resolve_weights(const std::string& weights_option, const io::ManifestConfig& config, uint64_t seed,
+                       bool announce, Weights* weights);
 
 // mkdir -p.
 Status make_directories(const std::string& dir);

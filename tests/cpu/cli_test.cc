@@ -112,6 +112,7 @@ TEST(Cli, UsageErrorsExit2) {
        {"", "frobnicate", "verify --bogus", "verify --device tpu", "verify --ops no_such_op", "verify --seed -3",
         "weights", "weights frob", "weights synth", "weights synth --out /tmp/x --blocks -1", "weights inspect",
         "weights verify", "report", "bench --format xml", "bench --out ''", "bench --out=", "verify --quick --quick",
+        "verify --quick --full",
         // an empty value is not the default; numbers are decimal digits only
         "verify --weights ''", "verify --weights=", "bench --weights ''", "verify --out=", "verify --seed ' -1'",
         "verify --seed ' 5'", "verify --seed +5", "bench --repeats ' 3'", "weights synth --out /tmp/x --blocks +1",
@@ -415,6 +416,28 @@ TEST(Cli, InterruptedSynthLeavesNoTemporary) {
   }
 }
 
+// Without --weights, verify's synthetic default holds the H3 tensors at
+// H = 1536 (D = 768), generated into its own cache entry; --full is H3's
+// dimensions (the entry without a dimensions tag, as bench uses).
+TEST(Cli, VerifyDefaultWeightsAreTheH3TensorsAtH1536) {
+  const std::string out = temp_dir("verify_default");
+  Result r = detdit("verify --device cpu --ops timestep_sinusoid --out '" + out + "/report.json'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("synth-v1-h3-conditioning-v1-H1536-Ht1536-D768-F256-b1-s0"), std::string::npos)
+      << r.output;
+  nlohmann::json report = nlohmann::json::parse(read_file(out + "/report.json"));
+  EXPECT_EQ(report["options"]["full"], false);
+  EXPECT_EQ(report["weights"]["synthetic"], true);
+  EXPECT_EQ(report["weights"]["hidden"], 1536);
+  EXPECT_EQ(report["weights"]["time_embed_hidden"], 1536);
+  EXPECT_EQ(report["weights"]["time_embed_dim"], 768);
+  EXPECT_EQ(report["weights"]["freq_dim"], 256);
+  r = detdit("verify --full --device cpu --ops timestep_sinusoid --weights '" + small_weights() + "' --out '" + out +
+             "/full.json'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(read_file(out + "/full.json"))["options"]["full"], true);
+}
+
 TEST(Cli, VerifyQuickReportAndFigure) {
   const std::string out = temp_dir("verify");
   Result r = detdit("verify --quick --device cpu --weights '" + small_weights() + "' --out '" + out +
@@ -424,6 +447,7 @@ TEST(Cli, VerifyQuickReportAndFigure) {
   EXPECT_EQ(report["kind"], "detdit_verify_report");
   EXPECT_EQ(report["verdict"], "PASS");
   EXPECT_EQ(report["options"]["quick"], true);
+  EXPECT_EQ(report["options"]["full"], false);
   EXPECT_EQ(report["options"]["device"], "cpu");
   EXPECT_EQ(report["weights"]["hidden"], 64);
   const std::string commit = report["git"]["commit"];
