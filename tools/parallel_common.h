@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cases/index_case.h"
+#include "cases/tensor.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
 #include "verify.h"
@@ -164,7 +165,7 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
 // started differently (another --ops or --repeats, --help or --list on one,
 // verify on one and bench on another) would wait forever in a collective
 // their peers never enter. Called first, before any command can exit, on
-// every rank: the ranks exchange a hash of argv[1..argc) over MPI. Returns
+// every rank: the ranks exchange argv[1..argc) over MPI. Returns
 // -1 (go on) when they are equal or this is no multi-process MPI run (or
 // detdit has no MPI); else 2 (a usage error, on every rank, each saying so).
 int agree_on_command_line(int argc, char** argv);

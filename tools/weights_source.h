@@ -1,5 +1,5 @@
 // Where a command's weights come from: --weights DIR (real or any prepared
-// weights), or else the embedded default: synthetic weights (src/io/synth.h)
+// weights), or else the embedded default: synthetic weights (io/synth.h)
 // generated on first use and cached under $XDG_CACHE_HOME/detdit (or
 // ~/.cache/detdit) in synth-v<version>-<manifest>-b<blocks>-s<seed>/. The
 // default is blocks = 1, seed = 0 (about 0.6 GB).
