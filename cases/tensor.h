@@ -112,6 +112,22 @@ class DeviceTensor {
   std::vector<int64_t> shape_;
 };
 
+// A rank's own stream: a non-blocking CUDA stream on a CUDA device (nullptr
+// on the CPU, or when CUDA could not create one: then the rank's work goes to
+// the legacy stream); destroyed with the object.
+class RankStream {
+ public:
+  explicit RankStream(const Device& device);
+  ~RankStream();
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+  Stream get() const { return stream_; }
+  Status synchronize() const;
+
+ private:
+  Stream stream_ = nullptr;
+};
+
 // ---- the one bitwise comparison ------------------------------------------
 
 struct Mismatch {

@@ -109,34 +109,6 @@ HostTensor local_rows(const HostTensor& full, int64_t batch, int64_t seq_len, in
   return local;
 }
 
-RankStream::RankStream(const Device& device) {
-#ifdef DETDIT_WITH_CUDA
-  if (device.is_cuda()) {
-    cudaSetDevice(device.index);
-    cudaStream_t stream = nullptr;
-    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess) stream_ = stream;
-  }
-#else
-  (void)device;
-#endif
-}
-
-RankStream::~RankStream() {
-#ifdef DETDIT_WITH_CUDA
-  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-#endif
-}
-
-Status RankStream::synchronize() const {
-#ifdef DETDIT_WITH_CUDA
-  if (stream_ != nullptr) {
-    const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
-    if (err != cudaSuccess) return Status::runtime_error(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(err));
-  }
-#endif
-  return Status::ok_status();
-}
-
 // ---- sp_region -------------------------------------------------------------
 
 const char* sp_variant_name(SpVariant variant) {

@@ -23,6 +23,7 @@ namespace cli {
 
 using cases::Packing;
 using cases::packing_name;
+using cases::RankStream;
 
 // (S,) int32 AdaLN rows of the packing (cases::IndexCase::row).
 HostTensor packed_rows(Packing packing, int64_t seq_len, int64_t num_timesteps);
@@ -35,20 +36,6 @@ void fill_hashed(HostTensor* buffer, uint64_t seed);
 // Rows [lo, hi) of every batch item of a (B, S, W) buffer as (B, hi - lo, W),
 // or of a (B*S,) buffer as (B*(hi - lo),).
 HostTensor local_rows(const HostTensor& full, int64_t batch, int64_t seq_len, int64_t lo, int64_t hi);
-
-// A rank's own stream (non-blocking CUDA stream; nullptr on the CPU).
-class RankStream {
- public:
-  explicit RankStream(const Device& device);
-  ~RankStream();
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-  Stream get() const { return stream_; }
-  Status synchronize() const;
-
- private:
-  Stream stream_ = nullptr;
-};
 
 // ---- sp_region -------------------------------------------------------------
 

@@ -92,25 +92,6 @@ HostTensor DeviceArena::download(const TensorView& v) {
   return out;
 }
 
-RankStream::RankStream(Device device) {
-#if defined(DETDIT_WITH_CUDA)
-  if (device.is_cuda()) {
-    cudaSetDevice(device.index);
-    cudaStream_t stream = nullptr;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    stream_ = stream;
-  }
-#else
-  (void)device;
-#endif
-}
-
-RankStream::~RankStream() {
-#if defined(DETDIT_WITH_CUDA)
-  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-#endif
-}
-
 Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm, NcclOptions options) {
   NcclUniqueId id;
   DETDIT_RETURN_IF_ERROR(nccl_unique_id(&id));

@@ -42,17 +42,6 @@ class DeviceArena {
   std::vector<void*> device_memory_;
 };
 
-// A CUDA stream of its own for a rank (nullptr on the CPU); destroyed with the object.
-class RankStream {
- public:
-  explicit RankStream(Device device);
-  ~RankStream();
-  Stream get() const { return stream_; }
-
- private:
-  Stream stream_ = nullptr;
-};
-
 // A world-size-one NCCL communicator on cuda:0 (the WS1-over-NCCL tests).
 Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm, NcclOptions options = {});
 
