@@ -12,9 +12,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "common/child_process.h"
+#include "support/child_process.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "common/child_process.h"
-#include "common/files.h"
-#include "common/test_util.h"
+#include "support/child_process.h"
+#include "support/files.h"
+#include "support/test_util.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
 

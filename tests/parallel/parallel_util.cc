@@ -11,7 +11,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "common/rowwise_fixture.h"
+#include "support/rowwise_fixture.h"
 
 namespace detdit {
 namespace testing {

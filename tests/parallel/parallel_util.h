@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/comm.h"
 #include "detdit/numerics.h"
 #include "detdit/status.h"

@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
 #include "parallel/parallel_util.h"
