@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/scalar_math.h"
+#include "cpu/parallel.h"
 
 namespace detdit {
 namespace cases {
@@ -72,6 +73,29 @@ double max_abs_error(const HostTensor& got, const std::vector<double>& ref) {
   for (int64_t i = 0; i < got.numel(); ++i) err = std::max(err, std::fabs(got.get(i) - ref[i]));
   return err;
 }
+
+namespace {
+
+// linear64 (oracle.h) with w given by `weight_row(n, row)`, which writes row n
+// of w as doubles into row.
+template <typename WeightRow>
+std::vector<double> linear64_rows(const std::vector<double>& x, WeightRow weight_row, const std::vector<double>& b,
+                                  int64_t rows, int64_t in_features, int64_t out_features) {
+  std::vector<double> y(static_cast<std::size_t>(rows * out_features));
+  cpu::parallel_for(0, out_features, [&](int64_t n) {
+    std::vector<double> wn(static_cast<std::size_t>(in_features));
+    weight_row(n, wn.data());
+    for (int64_t t = 0; t < rows; ++t) {
+      const double* xt = x.data() + t * in_features;
+      double acc = b.empty() ? 0.0 : b[n];
+      for (int64_t k = 0; k < in_features; ++k) acc += xt[k] * wn[k];
+      y[t * out_features + n] = acc;
+    }
+  });
+  return y;
+}
+
+}  // namespace
 
 std::vector<double> linear64(const std::vector<double>& x, const std::vector<double>& w,
                                     const std::vector<double>& b, int64_t rows, int64_t in_features,

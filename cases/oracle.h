@@ -12,7 +12,6 @@
 
 #include "cases/index_case.h"
 #include "cases/tensor.h"
-#include "cpu/parallel.h"
 
 namespace detdit {
 namespace cases {
@@ -42,23 +41,6 @@ inline double silu_derivative64(double z) {
 // ---- linear (y = x W^T + b) ---------------------------------------------------
 
 // y[t, n] = sum_k x[t, k] w[n, k] (+ b[n]); x (T, K), w (N, K), b (N,) or empty.
-// `weight_row(n, row)` writes row n of w as doubles into row.
-template <typename WeightRow>
-std::vector<double> linear64_rows(const std::vector<double>& x, WeightRow weight_row, const std::vector<double>& b,
-                                  int64_t rows, int64_t in_features, int64_t out_features) {
-  std::vector<double> y(static_cast<std::size_t>(rows * out_features));
-  cpu::parallel_for(0, out_features, [&](int64_t n) {
-    std::vector<double> wn(static_cast<std::size_t>(in_features));
-    weight_row(n, wn.data());
-    for (int64_t t = 0; t < rows; ++t) {
-      const double* xt = x.data() + t * in_features;
-      double acc = b.empty() ? 0.0 : b[n];
-      for (int64_t k = 0; k < in_features; ++k) acc += xt[k] * wn[k];
-      y[t * out_features + n] = acc;
-    }
-  });
-  return y;
-}
 std::vector<double> linear64(const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b,
                              int64_t rows, int64_t in_features, int64_t out_features);
 // The same with w read straight from an fp32 or bf16 tensor (no FP64 copy of an H3-sized weight).

@@ -302,6 +302,33 @@ Status DeviceTensor::fill_bytes(uint8_t value, Stream stream) {
 #endif
 }
 
+RankStream::RankStream(const Device& device) {
+#if defined(DETDIT_WITH_CUDA)
+  if (device.is_cuda()) {
+    cudaSetDevice(device.index);
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess) stream_ = stream;
+  }
+#else
+  (void)device;
+#endif
+}
+
+RankStream::~RankStream() {
+#if defined(DETDIT_WITH_CUDA)
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+#endif
+}
+
+Status RankStream::synchronize() const {
+#if defined(DETDIT_WITH_CUDA)
+  if (stream_ != nullptr) {
+    return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize");
+  }
+#endif
+  return Status();
+}
+
 namespace {
 
 uint64_t element_bits(const void* base, int64_t i, std::size_t width) {

@@ -76,7 +76,7 @@ void fill_uniform(HostTensor* t, uint64_t seed, double lo, double hi);
 // and element i of a tensor filled with `first` = k equals element k + i of one
 // filled from 0, so a slice of rows can be regenerated on its own.
 void fill_counter_uniform(HostTensor* t, uint64_t seed, double mean, double std, int64_t first = 0);
-// The synthetic-weights generator (src/io/synth.h) on the stream `stream`:
+// The synthetic-weights generator (io/synth.h) on the stream `stream`:
 // detdit verify and bench draw their inputs from it.
 void fill_stream_normal(HostTensor* t, uint64_t seed, const char* stream, double mean = 0.0, double std = 1.0);
 // mean + std * (sum of 4 uniforms on [0, 1) - 2) * sqrt(3): an approximately
@@ -110,6 +110,22 @@ class DeviceTensor {
   std::shared_ptr<void> memory_;
   TensorView view_;
   std::vector<int64_t> shape_;
+};
+
+// A rank's own stream: a non-blocking CUDA stream on a CUDA device (nullptr
+// on the CPU, or when CUDA could not create one: then the rank's work goes to
+// the legacy stream); destroyed with the object.
+class RankStream {
+ public:
+  explicit RankStream(const Device& device);
+  ~RankStream();
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+  Stream get() const { return stream_; }
+  Status synchronize() const;
+
+ private:
+  Stream stream_ = nullptr;
 };
 
 // ---- the one bitwise comparison ------------------------------------------

@@ -4,10 +4,10 @@ One step, from a clone of the repository, in an environment that has torch:
 
     pip install --no-build-isolation ./python
 
-first builds the C++ library with CMake (cmake and a C++17 compiler on PATH, nlohmann-json and
-OpenSSL's libcrypto headers installed; docs/python.md): libdetdit.a alone
-(-DDETDIT_LIBRARY_ONLY=ON, no MPI or NCCL: the extension communicates through
-torch.distributed), with this torch's libstdc++ ABI (torch._C._GLIBCXX_USE_CXX11_ABI), and with
+first builds the C++ library with CMake (cmake and a C++17 compiler on PATH; docs/python.md):
+libdetdit.a alone (-DDETDIT_LIBRARY_ONLY=ON: no IO library, so neither nlohmann-json nor
+OpenSSL; no MPI or NCCL: the extension communicates through torch.distributed), with this
+torch's libstdc++ ABI (torch._C._GLIBCXX_USE_CXX11_ABI), and with
 the CUDA backend exactly when this torch has CUDA (then nvcc must be under torch's CUDA_HOME),
 in setuptools' build directory (python/build/), so a second install rebuilds incrementally.
 DETDIT_CMAKE_ARGS adds arguments to that CMake configuration (e.g.

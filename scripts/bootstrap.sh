@@ -15,6 +15,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
+# nlohmann-json3-dev and libssl-dev: the IO library (io/) of the CLI and the tests (the library
+# alone and the Python package need neither)
 packages=(cmake ninja-build g++ git libgtest-dev nlohmann-json3-dev libcli11-dev libssl-dev libopenmpi-dev openmpi-bin)
 # the PyTorch extension (python/, built against Debian's CPU torch) and its pytest suite;
 # venv and wheel for the documented pip install, which tests/docs runs

@@ -37,7 +37,7 @@ if [ ! -f "$system/.detdit-ready" ]; then
   unmount_proc 2>/dev/null || true  # a half-made system from an interrupted run
   rm -rf --one-file-system "$system"
   packages=python3,python3-torch,python3-pytest,python3-dev,python3-setuptools,libtorch-dev,pybind11-dev
-  packages+=,g++,cmake,ninja-build,nlohmann-json3-dev,libssl-dev
+  packages+=,g++,cmake,ninja-build  # the library alone: no IO library, so no nlohmann-json or libssl
   echo "detdit: making Debian 13 (torch 2.6) in $system with debootstrap"
   log="$(mktemp)"
   debootstrap --variant=minbase --include="$packages" trixie "$system" http://deb.debian.org/debian \

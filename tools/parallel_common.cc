@@ -7,8 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "common/fnv1a.h"
-#include "cpu/parallel.h"
+#include "cases/parallel_for.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
@@ -76,7 +75,7 @@ void fill_hashed(HostTensor* buffer, uint64_t seed) {
   const bool bf16 = buffer->dtype() == DType::kBF16;
   uint16_t* half = buffer->ptr<uint16_t>();
   uint32_t* single = buffer->ptr<uint32_t>();
-  cpu::parallel_for(0, (count + kBlock - 1) / kBlock, [&](int64_t block) {
+  cases::parallel_for(0, (count + kBlock - 1) / kBlock, [&](int64_t block) {
     const int64_t end = std::min(count, (block + 1) * kBlock);
     for (int64_t i = block * kBlock; i < end; ++i) {
       const uint64_t h = mix64(key + static_cast<uint64_t>(i));
@@ -108,34 +107,6 @@ HostTensor local_rows(const HostTensor& full, int64_t batch, int64_t seq_len, in
                 run);
   }
   return local;
-}
-
-RankStream::RankStream(const Device& device) {
-#ifdef DETDIT_WITH_CUDA
-  if (device.is_cuda()) {
-    cudaSetDevice(device.index);
-    cudaStream_t stream = nullptr;
-    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess) stream_ = stream;
-  }
-#else
-  (void)device;
-#endif
-}
-
-RankStream::~RankStream() {
-#ifdef DETDIT_WITH_CUDA
-  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-#endif
-}
-
-Status RankStream::synchronize() const {
-#ifdef DETDIT_WITH_CUDA
-  if (stream_ != nullptr) {
-    const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
-    if (err != cudaSuccess) return Status::runtime_error(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(err));
-  }
-#endif
-  return Status::ok_status();
 }
 
 // ---- sp_region -------------------------------------------------------------
@@ -427,15 +398,23 @@ int agree_on_command_line(int argc, char** argv) {
   if (!launched_by_mpi()) return -1;
   std::unique_ptr<Communicator> mpi;
   if (!create_mpi_communicator(&mpi).ok()) return -1;  // no MPI: no collective can wait either
-  uint64_t hash = kFnv1aOffset;
-  for (int i = 1; i < argc; ++i) hash = fnv1a(argv[i], std::strlen(argv[i]) + 1, hash);  // NUL-separated
+  // The arguments NUL-separated, compared whole: their lengths first, then the
+  // lines padded with NULs past the longest to a multiple of 4 bytes (what
+  // gather_host_bytes moves; at least 4, also for an empty line).
+  std::string line;
+  for (int i = 1; i < argc; ++i) line.append(argv[i], std::strlen(argv[i]) + 1);
+  const uint64_t length = line.size();
+  const int world = mpi->world_size();
+  std::vector<uint64_t> lengths(static_cast<std::size_t>(world));
   std::vector<char> all;
-  Status status = gather_host_bytes(*mpi, &hash, sizeof hash, &all);
-  for (int r = 1; status.ok() && r < mpi->world_size(); ++r) {
-    uint64_t theirs = 0, first = 0;
-    std::memcpy(&first, all.data(), sizeof first);
-    std::memcpy(&theirs, all.data() + r * sizeof theirs, sizeof theirs);
-    if (theirs != first)
+  Status status = gather_host_bytes(*mpi, &length, sizeof length, &all);
+  if (status.ok()) {
+    std::memcpy(lengths.data(), all.data(), all.size());
+    line.resize((*std::max_element(lengths.begin(), lengths.end()) / 4 + 1) * 4, '\0');
+    status = gather_host_bytes(*mpi, line.data(), line.size(), &all);
+  }
+  for (int r = 1; status.ok() && r < world; ++r) {
+    if (lengths[r] != lengths[0] || std::memcmp(all.data() + r * line.size(), all.data(), line.size()) != 0)
       status = Status::value_error("rank " + std::to_string(r) + " was started with another command line than rank 0; "
                                    "under mpirun every rank must run the same detdit command with the same options");
   }

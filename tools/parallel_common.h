@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cases/index_case.h"
+#include "cases/tensor.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
 #include "verify.h"
@@ -22,6 +23,7 @@ namespace cli {
 
 using cases::Packing;
 using cases::packing_name;
+using cases::RankStream;
 
 // (S,) int32 AdaLN rows of the packing (cases::IndexCase::row).
 HostTensor packed_rows(Packing packing, int64_t seq_len, int64_t num_timesteps);
@@ -34,20 +36,6 @@ void fill_hashed(HostTensor* buffer, uint64_t seed);
 // Rows [lo, hi) of every batch item of a (B, S, W) buffer as (B, hi - lo, W),
 // or of a (B*S,) buffer as (B*(hi - lo),).
 HostTensor local_rows(const HostTensor& full, int64_t batch, int64_t seq_len, int64_t lo, int64_t hi);
-
-// A rank's own stream (non-blocking CUDA stream; nullptr on the CPU).
-class RankStream {
- public:
-  explicit RankStream(const Device& device);
-  ~RankStream();
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-  Stream get() const { return stream_; }
-  Status synchronize() const;
-
- private:
-  Stream stream_ = nullptr;
-};
 
 // ---- sp_region -------------------------------------------------------------
 
@@ -164,7 +152,7 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
 // started differently (another --ops or --repeats, --help or --list on one,
 // verify on one and bench on another) would wait forever in a collective
 // their peers never enter. Called first, before any command can exit, on
-// every rank: the ranks exchange a hash of argv[1..argc) over MPI. Returns
+// every rank: the ranks exchange argv[1..argc) over MPI. Returns
 // -1 (go on) when they are equal or this is no multi-process MPI run (or
 // detdit has no MPI); else 2 (a usage error, on every rank, each saying so).
 int agree_on_command_line(int argc, char** argv);

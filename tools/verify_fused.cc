@@ -23,11 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "common/scalar_math.h"
-#include "cpu/parallel.h"
+#include "cases/oracle.h"
+#include "cases/parallel_for.h"
 #include "detdit/adaln.h"
 #include "detdit/plan.h"
-#include "cases/oracle.h"
 #include "verify.h"
 
 namespace detdit {
@@ -91,16 +90,20 @@ void compare_fused_runs(const FusedRun& expected, const FusedRun& actual, CheckR
   }
 }
 
-// The correctly rounded bits of a finite double in a bf16 or fp32 tensor:
-// fp32 by the host's double-to-float conversion (RNE); bf16 by cases::correctly_rounded_bits
-// (verify.h).
+// The correctly rounded bits of a finite double in a bf16 or fp32 tensor
+// (cases::correctly_rounded_bits: fp32 by the host's double-to-float
+// conversion, RNE), and the bits of element i of one.
 uint32_t nearest_bits(double x, DType dtype) {
-  return dtype == DType::kF32 ? num::float_bits(static_cast<float>(x)) : static_cast<uint16_t>(cases::correctly_rounded_bits(x, DType::kBF16));
+  return static_cast<uint32_t>(cases::correctly_rounded_bits(x, dtype == DType::kF32 ? DType::kF32 : DType::kBF16));
 }
 
 uint32_t bits_at(const HostTensor& b, int64_t i) {
-  if (b.dtype() == DType::kF32) return num::float_bits(b.ptr<float>()[i]);
-  return b.ptr<uint16_t>()[i];
+  return b.dtype() == DType::kF32 ? b.ptr<uint32_t>()[i] : b.ptr<uint16_t>()[i];
+}
+
+// The value of the correctly rounded x in a bf16 or fp32 tensor.
+double nearest(double x, DType dtype) {
+  return cases::correctly_rounded(x, dtype == DType::kF32 ? DType::kF32 : DType::kBF16);
 }
 
 
@@ -108,8 +111,7 @@ uint32_t bits_at(const HostTensor& b, int64_t i) {
 std::vector<double> act64(const HostTensor& temb, DType dtype) {
   std::vector<double> act(static_cast<std::size_t>(temb.numel()));
   for (int64_t i = 0; i < temb.numel(); ++i) {
-    const uint32_t bits = nearest_bits(cases::silu64(temb.get(i)), dtype);
-    act[i] = dtype == DType::kF32 ? num::bits_float(bits) : num::bf16_to_float(static_cast<uint16_t>(bits));
+    act[i] = nearest(cases::silu64(temb.get(i)), dtype);
   }
   return act;
 }
@@ -124,7 +126,7 @@ void weight_grad_rows(const std::vector<double>& d_table, const std::vector<doub
   rows->push_back(timed_check("dW >= 99.5 % correctly rounded vs fp64", [&](CheckRow* row) {
     const int64_t sampled = (outputs + stride - 1) / stride;
     std::vector<int64_t> wrong_per_row(static_cast<std::size_t>(sampled), 0);
-    cpu::parallel_for(0, sampled, [&](int64_t j) {
+    cases::parallel_for(0, sampled, [&](int64_t j) {
       const int64_t n = j * stride;
       for (int64_t k = 0; k < embed; ++k) {
         double exact = 0;
@@ -208,8 +210,7 @@ std::vector<double> final_table_grad64(const FusedSequence& seq, const FinalInpu
     double* row = d_table.data() + seq.ti.ptr<int32_t>()[p % seq.seq_len] * 2 * H;
     for (int64_t i = 0; i < H; ++i) {
       const double n64 = in.norm_weight.get(i) * in.x.get(p * H + i) * rstd;
-      const uint32_t n_bits = nearest_bits(n64, dtype);
-      const double n = dtype == DType::kF32 ? num::bits_float(n_bits) : num::bf16_to_float(static_cast<uint16_t>(n_bits));
+      const double n = nearest(n64, dtype);
       const double g = in.grad.get(p * H + i);
       row[i] += g;
       row[H + i] += g * n;

@@ -36,7 +36,6 @@
 #include <string>
 #include <vector>
 
-#include "common/scalar_math.h"
 #include "detdit/gate_residual.h"
 #include "detdit/rmsnorm.h"
 #include "parallel_common.h"
@@ -168,10 +167,9 @@ std::vector<int> sp_world_sizes(const VerifyContext& ctx, int64_t seq_len) {
 
 // Fraction of elements of a (FP32) rank-order sum that differ from WS1's bits.
 double fraction_differing(const std::vector<float>& sum, const HostTensor& ws1) {
-  int64_t differing = 0;
-  const float* expected = ws1.ptr<float>();
-  for (std::size_t i = 0; i < sum.size(); ++i) differing += num::float_bits(sum[i]) != num::float_bits(expected[i]);
-  return static_cast<double>(differing) / static_cast<double>(sum.size());
+  const int64_t count = static_cast<int64_t>(sum.size());
+  return static_cast<double>(cases::compare_bytes(ws1.data(), sum.data(), count, DType::kF32).count) /
+         static_cast<double>(count);
 }
 
 // The naive alternative for one variant at `world` ranks, simulated on the
@@ -222,10 +220,10 @@ Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& 
     }
     HostTensor a, b;
     DETDIT_RETURN_IF_ERROR(part_a.to_host(&a));
-    for (std::size_t i = 0; i < first.size(); ++i) first[i] = num::add32(first[i], a.ptr<float>()[i]);
+    for (std::size_t i = 0; i < first.size(); ++i) first[i] += a.ptr<float>()[i];
     if (!gate) {
       DETDIT_RETURN_IF_ERROR(part_b.to_host(&b));
-      for (std::size_t i = 0; i < second.size(); ++i) second[i] = num::add32(second[i], b.ptr<float>()[i]);
+      for (std::size_t i = 0; i < second.size(); ++i) second[i] += b.ptr<float>()[i];
     }
   }
   if (gate) {

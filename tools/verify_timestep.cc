@@ -7,11 +7,10 @@
 #include <cstring>
 #include <functional>
 
-#include "common/storage.h"
-#include "cpu/parallel.h"
+#include "cases/oracle.h"
+#include "cases/parallel_for.h"
 #include "detdit/adaln.h"
 #include "detdit/timestep.h"
-#include "cases/oracle.h"
 #include "verify.h"
 
 namespace detdit {
@@ -158,7 +157,7 @@ Status run_mlp(const Device& device, const std::vector<HostTensor>& in, HostTens
 std::vector<double> linear64(const std::vector<double>& x, const HostTensor& w, const HostTensor* b, int64_t rows) {
   const int64_t n_out = w.shape()[0], k_in = w.shape()[1];
   std::vector<double> y(static_cast<std::size_t>(rows * n_out));
-  cpu::parallel_for(0, n_out, [&](int64_t n) {
+  cases::parallel_for(0, n_out, [&](int64_t n) {
     for (int64_t t = 0; t < rows; ++t) {
       double acc = b ? b->get(n) : 0.0;
       for (int64_t k = 0; k < k_in; ++k) acc += x[t * k_in + k] * w.get(n * k_in + k);
@@ -176,22 +175,19 @@ void projection64(const std::vector<double>& act, const HostTensor& w, const Hos
   const int64_t n_out = w.shape()[0], k_in = w.shape()[1];
   exact->assign(static_cast<std::size_t>(rows * n_out), 0.0);
   magnitude->assign(exact->size(), 0.0);
-  dispatch_float_dtype(w.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* wp = w.ptr<T>();
-    const T* bp = b.ptr<T>();
-    cpu::parallel_for(0, n_out, [&](int64_t n) {
-      for (int64_t t = 0; t < rows; ++t) {
-        double acc = to_float(bp[n]), mag = std::fabs(acc);
-        for (int64_t k = 0; k < k_in; ++k) {
-          const double p = act[t * k_in + k] * static_cast<double>(to_float(wp[n * k_in + k]));
-          acc += p;
-          mag += std::fabs(p);
-        }
-        (*exact)[t * n_out + n] = acc;
-        (*magnitude)[t * n_out + n] = mag;
+  cases::parallel_for(0, n_out, [&](int64_t n) {
+    std::vector<double> wn(static_cast<std::size_t>(k_in));  // row n of w, exact
+    for (int64_t k = 0; k < k_in; ++k) wn[k] = w.get(n * k_in + k);
+    for (int64_t t = 0; t < rows; ++t) {
+      double acc = b.get(n), mag = std::fabs(acc);
+      for (int64_t k = 0; k < k_in; ++k) {
+        const double p = act[t * k_in + k] * wn[k];
+        acc += p;
+        mag += std::fabs(p);
       }
-    });
+      (*exact)[t * n_out + n] = acc;
+      (*magnitude)[t * n_out + n] = mag;
+    }
   });
 }
 
@@ -256,12 +252,11 @@ Status verify_projection(const VerifyContext& ctx, std::vector<CheckRow>* rows) 
   std::vector<double> exact, magnitude;  // the FP64 result and sum |a_k w_k| + |b| per output
   rows->push_back(timed_check("error within the fp32-accumulation bound", [&](CheckRow* row) {
     DETDIT_RETURN_IF_ERROR(run_projection(ctx.device, inputs, &table));
-    // Oracle: silu in double, rounded to bf16 (the model's declared cast),
-    // projection in double.
-    std::vector<double> act(static_cast<std::size_t>(count * dim));
-    for (std::size_t i = 0; i < act.size(); ++i) {
-      act[i] = num::bf16_to_float(num::float_to_bf16(static_cast<float>(cases::silu64(inputs[0].get(int64_t(i))))));
-    }
+    // Oracle: silu in double, rounded to bf16 (the model's declared cast;
+    // HostTensor::set rounds to fp32, then to bf16), projection in double.
+    HostTensor act_bf16(DType::kBF16, {count, dim});
+    for (int64_t i = 0; i < act_bf16.numel(); ++i) act_bf16.set(i, cases::silu64(inputs[0].get(i)));
+    const std::vector<double> act = cases::to_doubles(act_bf16);
     projection64(act, inputs[1], inputs[2], count, &exact, &magnitude);
     // An FP32 chain of D products and the bias errs by at most
     // (D + 1) 2^-24 sum|a_k w_k| + |b| (first order), the final bf16 rounding
@@ -281,7 +276,7 @@ Status verify_projection(const VerifyContext& ctx, std::vector<CheckRow>* rows) 
   if (!exact.empty() && exact.size() >= 100000) {
     rows->push_back(timed_check(">= 99.98 % correctly rounded", [&](CheckRow* row) {
       int64_t wrong = 0;
-      for (std::size_t i = 0; i < exact.size(); ++i) wrong += table.ptr<Bf16>()[i].bits != cases::correctly_rounded_bits(exact[i], DType::kBF16);
+      for (std::size_t i = 0; i < exact.size(); ++i) wrong += table.ptr<uint16_t>()[i] != cases::correctly_rounded_bits(exact[i], DType::kBF16);
       row->max_error = static_cast<double>(wrong) / static_cast<double>(exact.size());
       row->bound = 2e-4;
       row->error_unit = "fraction not RN";

@@ -6,9 +6,6 @@
 #include <cstring>
 #include <memory>
 
-#include "common/scalar_math.h"
-#include "common/storage.h"
-#include "io/synth.h"
 #include "verify.h"
 
 #ifdef DETDIT_WITH_CUDA

@@ -1,5 +1,5 @@
 // Where a command's weights come from: --weights DIR (real or any prepared
-// weights), or else the embedded default: synthetic weights (src/io/synth.h)
+// weights), or else the embedded default: synthetic weights (io/synth.h)
 // generated on first use and cached under $XDG_CACHE_HOME/detdit (or
 // ~/.cache/detdit) in synth-v<version>-<manifest>[-<dims>]-b<blocks>-s<seed>/
 // (<dims> only for dimensions other than H3's). At H3's dimensions with

@@ -1,8 +1,8 @@
 // FNV-1a, 64-bit: the one hash of the tree, for what processes must compute
-// alike without exchanging it (a synthetic tensor's stream key, a call
-// signature, an index plan's fingerprint, the CLI's command line under
-// mpirun). Not a checksum against tampering: it tells accidental differences
-// apart (two inputs of one length that differ in one byte never hash alike).
+// alike without exchanging it (a synthetic tensor's stream key in io/synth.cc,
+// a call signature, an index plan's fingerprint). Not a checksum against
+// tampering: it tells accidental differences apart (two inputs of one length
+// that differ in one byte never hash alike).
 #pragma once
 
 #include <cstddef>

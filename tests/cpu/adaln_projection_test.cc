@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/test_util.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/test_util.h"
+#include "support/test_util.h"
 #include "detdit/adaln.h"
 
 namespace detdit {
@@ -69,7 +69,7 @@ std::vector<double> oracle_act(const HostTensor& temb, DType dtype) {
 }
 
 // H3: N = 18 * 5376 = 96768, D = 2688, T = 4; weights ~ N(0, 0.02) in bf16,
-// temb ~ N(0, 1) (approximately normal, tests/common/oracle.h).
+// temb ~ N(0, 1) (approximately normal, cases/tensor.h).
 TEST(AdalnProjectionAccuracy, H3ShapeIsCorrectlyRoundedAtLeast99_98Percent) {
   Projection p(4, 2688, 18 * 5376, DType::kBF16, 77);
   DETDIT_ASSERT_OK(adaln_projection_forward(p.forward()));

@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
+#include "support/test_util.h"
 #include "detdit/adaln.h"
 
 namespace detdit {

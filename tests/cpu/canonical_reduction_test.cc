@@ -18,10 +18,10 @@
 #include <vector>
 
 #include "common/backends.h"
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/rmsnorm.h"

@@ -7,9 +7,9 @@
 #include <functional>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
+#include "support/test_util.h"
 #include "detdit/chain.h"
 
 namespace detdit {

@@ -18,9 +18,9 @@
 #include <sstream>
 #include <string>
 
-#include "common/cases.h"
-#include "common/files.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/files.h"
+#include "support/test_util.h"
 #include "detdit/parallel.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
@@ -641,8 +641,8 @@ TEST(Cli, BenchQuickJson) {
 
 // ---- parallel regions (tools/verify_parallel.cc, tools/bench_parallel.cc) ----
 
-// The rows each rank sends at `world` for the packing, from the test's own
-// packing definition (tests/common/cases.h) and the library's SpPlan: the
+// The rows each rank sends at `world` for the packing, from the op cases'
+// packing definition (cases/index_case.h) and the library's SpPlan: the
 // CLI's numbers must be these.
 std::vector<int64_t> expected_send_rows(testing::Packing packing, int64_t seq_len, int world) {
   const testing::IndexCase index = testing::make_index_case(packing, seq_len, 3, 2);

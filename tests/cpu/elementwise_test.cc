@@ -15,10 +15,10 @@
 #include <random>
 #include <vector>
 
-#include "common/cases.h"
+#include "support/cases.h"
 #include "common/backends.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 
 namespace detdit {
 namespace {

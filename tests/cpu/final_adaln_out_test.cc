@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
+#include "support/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/rmsnorm.h"
 

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "cases/op_case.h"
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual_rmsnorm.h"
 

@@ -8,10 +8,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/gate_residual.h"
 
 namespace detdit {

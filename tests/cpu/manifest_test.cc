@@ -1,6 +1,6 @@
-// The H3 manifest (src/io/manifest.h) against the pinned tensors of docs/weights.md, its
+// The H3 manifest (io/manifest.h) against the pinned tensors of docs/weights.md, its
 // block expansion, docs/weights.md, config inference and comparison, and the
-// synthetic weights (src/io/synth.h): determinism, independence of each
+// synthetic weights (io/synth.h): determinism, independence of each
 // tensor from the others and from the block count, and realistic scales.
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,9 +12,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "common/child_process.h"
+#include "support/child_process.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
@@ -27,7 +27,7 @@ using io::ManifestConfig;
 using io::ManifestEntry;
 
 // The H3 conditioning tensors of block 0 as the model ships them (the table of
-// docs/weights.md), written out here independently of src/io/manifest.cc.
+// docs/weights.md), written out here independently of io/manifest.cc.
 struct Pinned {
   const char* name;
   DType dtype;

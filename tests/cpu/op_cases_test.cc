@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "cases/op_case.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 
 namespace detdit {
 namespace testing {

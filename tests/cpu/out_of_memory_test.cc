@@ -13,9 +13,9 @@
 #include <new>
 #include <string>
 
-#include "common/cases.h"
-#include "common/child_process.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/child_process.h"
+#include "support/test_util.h"
 #include "cpu/parallel.h"
 #include "detdit/comm.h"
 #include "detdit/linear.h"

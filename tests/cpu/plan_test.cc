@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/child_process.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/child_process.h"
+#include "support/test_util.h"
 #include "detdit/plan.h"
 
 namespace detdit {

@@ -1,5 +1,5 @@
 // rmsnorm (plain and modulated), CPU reference through the public API:
-// accuracy against the FP64 reference of tests/common/cases (straight-through
+// accuracy against the FP64 reference of cases/oracle.h (straight-through
 // rounding where the model stores values), bitwise row invariance (a row
 // alone, inside a batch, with permuted neighbours), repeatability, exact zeros
 // for unreferenced table rows, and fail-closed validation (clear errors,
@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
+#include "support/cases.h"
 #include "common/row_tree.h"
-#include "common/rowwise_fixture.h"
+#include "support/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/rmsnorm.h"
 
 namespace detdit {

@@ -1,4 +1,4 @@
-// safetensors reader and writer (src/io/safetensors.h): round trip of every
+// safetensors reader and writer (io/safetensors.h): round trip of every
 // dtype, every malformed-file case the reader must refuse (with the file name
 // and the problem in the message, never a crash), hand-made edge cases, the
 // fuzz corpus replayed, and SHA-256 against the FIPS 180-2 test vectors.
@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "common/child_process.h"
-#include "common/files.h"
-#include "common/test_util.h"
+#include "support/child_process.h"
+#include "support/files.h"
+#include "support/test_util.h"
 #include "io/safetensors.h"
 #include "io/sha256.h"
 

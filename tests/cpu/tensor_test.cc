@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/rowwise_fixture.h"
-#include "common/test_util.h"
+#include "support/rowwise_fixture.h"
+#include "support/test_util.h"
 #include "common/validate.h"
 #include "detdit/linear.h"
 #include "detdit/rmsnorm.h"

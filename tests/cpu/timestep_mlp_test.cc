@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/test_util.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/test_util.h"
+#include "support/test_util.h"
 #include "detdit/linear.h"
 #include "detdit/timestep.h"
 

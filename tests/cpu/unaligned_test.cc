@@ -13,8 +13,8 @@
 #include <cstring>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"

@@ -17,8 +17,8 @@
 
 #include "cases/op_case.h"
 #include "cuda/tuning.h"
-#include "common/cases.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/test_util.h"
 #include "detdit/plan.h"
 #include "detdit/tensor.h"
 

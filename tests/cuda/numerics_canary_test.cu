@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 
 namespace detdit {
 namespace testing {

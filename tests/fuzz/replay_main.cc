@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/files.h"
+#include "support/files.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 

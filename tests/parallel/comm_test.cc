@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/comm.h"
 #include "parallel/parallel_util.h"
 

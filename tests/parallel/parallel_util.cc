@@ -11,7 +11,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "common/rowwise_fixture.h"
+#include "support/rowwise_fixture.h"
 
 namespace detdit {
 namespace testing {
@@ -90,25 +90,6 @@ HostTensor DeviceArena::download(const TensorView& v) {
 #endif
   std::memcpy(out.data(), v.data, v.nbytes());
   return out;
-}
-
-RankStream::RankStream(Device device) {
-#if defined(DETDIT_WITH_CUDA)
-  if (device.is_cuda()) {
-    cudaSetDevice(device.index);
-    cudaStream_t stream = nullptr;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    stream_ = stream;
-  }
-#else
-  (void)device;
-#endif
-}
-
-RankStream::~RankStream() {
-#if defined(DETDIT_WITH_CUDA)
-  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-#endif
 }
 
 Status one_rank_nccl_communicator(std::unique_ptr<Communicator>* comm, NcclOptions options) {

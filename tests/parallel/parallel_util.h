@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/comm.h"
 #include "detdit/numerics.h"
 #include "detdit/status.h"
@@ -40,17 +40,6 @@ class DeviceArena {
   Stream stream_;
   std::vector<HostTensor> host_;
   std::vector<void*> device_memory_;
-};
-
-// A CUDA stream of its own for a rank (nullptr on the CPU); destroyed with the object.
-class RankStream {
- public:
-  explicit RankStream(Device device);
-  ~RankStream();
-  Stream get() const { return stream_; }
-
- private:
-  Stream stream_ = nullptr;
 };
 
 // A world-size-one NCCL communicator on cuda:0 (the WS1-over-NCCL tests).

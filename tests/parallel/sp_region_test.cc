@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "common/scalar_math.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
 #include "parallel/parallel_util.h"
@@ -214,7 +214,7 @@ struct RankResult : RegionOutputs {
 // with the rank's own stream); `captured`: each op runs as a CUDA graph
 // (captured, then replayed; testing::replayed_as_cuda_graph).
 Status run_rank(Communicator& comm, const Problem& pr, RankResult* r, bool captured = false) {
-  testing::RankStream stream(pr.device);
+  cases::RankStream stream(pr.device);
   testing::DeviceArena arena(pr.device, stream.get());
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(pr.plan, comm.world_size(), comm.rank(), &sp, stream.get()));

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
+#include "support/cases.h"
 #include "detdit/parallel.h"
 
 namespace detdit {

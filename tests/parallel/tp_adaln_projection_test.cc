@@ -14,9 +14,9 @@
 #include <utility>
 #include <vector>
 
-#include "common/cases.h"
-#include "common/rowwise_fixture.h"
-#include "common/test_util.h"
+#include "support/cases.h"
+#include "support/rowwise_fixture.h"
+#include "support/test_util.h"
 #include "detdit/adaln.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
@@ -93,7 +93,7 @@ struct TpRankResult {
 // then replayed; testing::replayed_as_cuda_graph).
 Status run_tp_rank(Communicator& comm, const TpProblem& pr, const Device& device, TpRankResult* r,
                    bool captured = false) {
-  testing::RankStream stream(device);
+  cases::RankStream stream(device);
   testing::DeviceArena arena(device, stream.get());
   DETDIT_RETURN_IF_ERROR(tp_column_shard(pr.out_features, comm.world_size(), comm.rank(), &r->begin, &r->end));
   const int64_t columns = r->end - r->begin;

@@ -1,5 +1,5 @@
-// tests/common/test_util.h: the bitwise assertion and the CUDA probe.
-#include "common/test_util.h"
+// tests/support/test_util.h: the bitwise assertion and the CUDA probe.
+#include "support/test_util.h"
 
 #if defined(DETDIT_WITH_CUDA)
 #include <cuda_runtime_api.h>

@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "common/cases.h"
+#include "support/cases.h"
 #include "common/storage.h"
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/status.h"
 
 namespace detdit {

@@ -1,5 +1,5 @@
-// tests/common/cases.h.
-#include "common/cases.h"
+// tests/support/cases.h.
+#include "support/cases.h"
 
 #include <cmath>
 

@@ -8,7 +8,7 @@
 #include <stdexcept>
 
 #include "common/fnv1a.h"
-#include "common/storage.h"
+#include "common/scalar_math.h"
 #include "cpu/parallel.h"
 #include "io/files.h"
 #include "io/safetensors.h"

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/test_util.h"
+#include "support/test_util.h"
 #include "detdit/plan.h"
 
 namespace detdit {
