@@ -142,6 +142,10 @@ struct OpCase {
   // of every per-position input into it), for the row-invariance check; may be empty.
   std::function<OpCase(int64_t position)> alone;
   int64_t positions = 0;  // extent of the position dimensions
+  // How many positions verify's row-invariance check takes alone: that many
+  // spread from the first to the last, every position when there are no more
+  // (a cheap case may ask for all of them).
+  int64_t alone_probes = 8;
   // Whether the op's forward takes a numerics profile (the run functions pass
   // the instance's profile to every phase that takes one; linear's backward
   // has no profile function), and the profile a driver asks for: portable

@@ -61,7 +61,9 @@ std::vector<double> to_doubles(const HostTensor& t) {
 double relative_max_error(const HostTensor& got, const std::vector<double>& ref) {
   double err = 0.0, scale = 0.0;
   for (int64_t i = 0; i < got.numel(); ++i) {
-    err = std::max(err, std::fabs(got.get(i) - ref[i]));
+    const double e = std::fabs(got.get(i) - ref[i]);
+    if (std::isnan(e)) return e;  // std::max would drop it: a NaN must fail every bound
+    err = std::max(err, e);
     scale = std::max(scale, std::fabs(ref[i]));
   }
   return scale > 0.0 ? err / scale : err;
@@ -69,7 +71,11 @@ double relative_max_error(const HostTensor& got, const std::vector<double>& ref)
 
 double max_abs_error(const HostTensor& got, const std::vector<double>& ref) {
   double err = 0.0;
-  for (int64_t i = 0; i < got.numel(); ++i) err = std::max(err, std::fabs(got.get(i) - ref[i]));
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double e = std::fabs(got.get(i) - ref[i]);
+    if (std::isnan(e)) return e;  // as above
+    err = std::max(err, e);
+  }
   return err;
 }
 

@@ -26,7 +26,7 @@ double correctly_rounded(double exact, DType dtype);
 double fraction_correctly_rounded(const HostTensor& got, const std::vector<double>& exact);
 // A tensor's elements as doubles (exact for every float dtype).
 std::vector<double> to_doubles(const HostTensor& t);
-// max |got - ref| / max |ref|, and max |got - ref|.
+// max |got - ref| / max |ref|, and max |got - ref|; NaN where either holds a NaN.
 double relative_max_error(const HostTensor& got, const std::vector<double>& ref);
 double max_abs_error(const HostTensor& got, const std::vector<double>& ref);
 

@@ -1,8 +1,8 @@
-// verify cases of the timestep path: timestep_sinusoid, timestep_mlp and
-// adaln_projection on the weights' shapes. Every case checks accuracy against
+// verify case of adaln_projection on the weights' shape: accuracy against
 // an FP64 oracle written here from the math, repeatability (two runs, same
 // bytes), row invariance (each timestep alone = the same row inside the
 // batch, bitwise) and, on CUDA, equality with the CPU reference.
+// (timestep_sinusoid and timestep_mlp are op cases: cases/timestep_cases.cc.)
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -17,16 +17,6 @@
 namespace detdit {
 namespace cli {
 namespace {
-
-// Timesteps t_i = frac(0.25 + i * golden ratio) in [0, 1), a spread that does not repeat.
-HostTensor make_timesteps(int64_t count) {
-  HostTensor t(DType::kF32, {count});
-  for (int64_t i = 0; i < count; ++i) {
-    double v = 0.25 + 0.6180339887498949 * static_cast<double>(i);
-    t.ptr<float>()[i] = static_cast<float>(v - std::floor(v));
-  }
-  return t;
-}
 
 // Rows [row, row + 1) of a (T, ...) buffer.
 HostTensor take_row(const HostTensor& b, int64_t row) {
@@ -73,62 +63,6 @@ void standard_checks(const VerifyContext& ctx, const RunFn& run, const std::vect
   }
 }
 
-// ---- timestep_sinusoid -------------------------------------------------------
-
-Status run_sinusoid(const Device& device, const std::vector<HostTensor>& in, HostTensor* out, int64_t channels) {
-  DeviceTensor timesteps, features;
-  DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[0], device, &timesteps));
-  DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {in[0].shape()[0], channels}, device, &features));
-  TimestepSinusoidParams p;
-  p.in.timesteps = timesteps.view();
-  p.features = features.view();
-  DETDIT_RETURN_IF_ERROR(timestep_sinusoid_forward(p));
-  return features.to_host(out);
-}
-
-// diffusers' Timesteps(C, flip_sin_to_cos=True): [cos(t f_k) | sin(t f_k)],
-// f_k = exp(-ln(10000) k / half), in double.
-double sinusoid64(double t, int64_t channel, int64_t channels) {
-  const int64_t half = channels / 2, k = channel % half;
-  const double arg = t * std::exp(-std::log(10000.0) * static_cast<double>(k) / static_cast<double>(half));
-  return channel < half ? std::cos(arg) : std::sin(arg);
-}
-
-Status verify_sinusoid(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
-  const int64_t channels = ctx.weights->config.freq_dim;
-  const RunFn run = [channels](const Device& d, const std::vector<HostTensor>& in, HostTensor* out) {
-    return run_sinusoid(d, in, out, channels);
-  };
-  for (int64_t count : ctx.quick ? std::vector<int64_t>{1, 7} : std::vector<int64_t>{1, 3, 7, 64, 1000}) {
-    std::vector<HostTensor> inputs = {make_timesteps(count)};
-    HostTensor features;
-    CheckRow accuracy = timed_check("accuracy vs fp64 T=" + std::to_string(count), [&](CheckRow* row) {
-      DETDIT_RETURN_IF_ERROR(run(ctx.device, inputs, &features));
-      row->max_error = 0;
-      for (int64_t t = 0; t < count; ++t) {
-        for (int64_t c = 0; c < channels; ++c) {
-          const double exact = sinusoid64(inputs[0].ptr<float>()[t], c, channels);
-          row->max_error = std::max(row->max_error, std::fabs(features.get(t * channels + c) - exact));
-        }
-      }
-      row->bound = std::ldexp(1.0, -23);  // the FP32 argument t*f_k is rounded once: |error| <= 2^-24 + the result's rounding
-      row->error_unit = "abs";
-      return Status::ok_status();
-    });
-    rows->push_back(accuracy);
-    if (!accuracy.detail.empty() && features.nbytes() == 0) continue;
-    if (count > 1) standard_checks(ctx, run, inputs, 0, features, rows);
-  }
-  return Status::ok_status();
-}
-DETDIT_VERIFY_CASE("timestep_sinusoid", "F from weights", true, true, verify_sinusoid);
-
-// ---- timestep_mlp ------------------------------------------------------------
-
-struct MlpWeights {
-  HostTensor w1, b1, w2, b2;
-};
-
 Status copy_weight(const Weights& weights, const std::string& name, HostTensor* out) {
   TensorView v;
   DETDIT_RETURN_IF_ERROR(weights.view(name, &v));
@@ -137,37 +71,6 @@ Status copy_weight(const Weights& weights, const std::string& name, HostTensor* 
   std::memcpy(out->data(), v.data, out->nbytes());
   return Status::ok_status();
 }
-
-Status run_mlp(const Device& device, const std::vector<HostTensor>& in, HostTensor* out) {
-  // in: features, w1, b1, w2, b2
-  DeviceTensor t[5], temb;
-  for (int i = 0; i < 5; ++i) DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in[i], device, &t[i]));
-  DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {in[0].shape()[0], in[3].shape()[0]}, device, &temb));
-  TimestepMlpParams p;
-  p.in.features = t[0].view();
-  p.in.w1 = t[1].view();
-  p.in.b1 = t[2].view();
-  p.in.w2 = t[3].view();
-  p.in.b2 = t[4].view();
-  p.temb = temb.view();
-  DETDIT_RETURN_IF_ERROR(timestep_mlp_forward(p));
-  return temb.to_host(out);
-}
-
-// y = W x + b in double for every row of x (T, K), W (N, K).
-std::vector<double> linear64(const std::vector<double>& x, const HostTensor& w, const HostTensor* b, int64_t rows) {
-  const int64_t n_out = w.shape()[0], k_in = w.shape()[1];
-  std::vector<double> y(static_cast<std::size_t>(rows * n_out));
-  cpu::parallel_for(0, n_out, [&](int64_t n) {
-    for (int64_t t = 0; t < rows; ++t) {
-      double acc = b ? b->get(n) : 0.0;
-      for (int64_t k = 0; k < k_in; ++k) acc += x[t * k_in + k] * w.get(n * k_in + k);
-      y[t * n_out + n] = acc;
-    }
-  });
-  return y;
-}
-
 
 // The projection in double, one pass: exact[t, n] = sum_k a[t, k] w[n, k] + b[n]
 // and magnitude[t, n] = sum_k |a[t, k] w[n, k]| + |b[n]|.
@@ -194,38 +97,6 @@ void projection64(const std::vector<double>& act, const HostTensor& w, const Hos
     });
   });
 }
-
-Status verify_mlp(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
-  const int64_t count = 4;
-  std::vector<HostTensor> inputs(5);
-  HostTensor features;
-  DETDIT_RETURN_IF_ERROR(run_sinusoid(Device::cpu(), {make_timesteps(count)}, &features, ctx.weights->config.freq_dim));
-  inputs[0] = features;
-  const char* names[] = {"time_embedder.linear_1.weight", "time_embedder.linear_1.bias",
-                         "time_embedder.linear_2.weight", "time_embedder.linear_2.bias"};
-  for (int i = 0; i < 4; ++i) DETDIT_RETURN_IF_ERROR(copy_weight(*ctx.weights, names[i], &inputs[i + 1]));
-  HostTensor temb;
-  rows->push_back(timed_check("accuracy vs fp64 T=4", [&](CheckRow* row) {
-    DETDIT_RETURN_IF_ERROR(run_mlp(ctx.device, inputs, &temb));
-    std::vector<double> x(static_cast<std::size_t>(features.numel()));
-    for (int64_t i = 0; i < features.numel(); ++i) x[i] = features.get(i);
-    std::vector<double> hidden = linear64(x, inputs[1], &inputs[2], count);
-    for (double& h : hidden) h = cases::silu64(h);
-    std::vector<double> exact = linear64(hidden, inputs[3], &inputs[4], count);
-    double max_abs = 0, max_ref = 0;
-    for (std::size_t i = 0; i < exact.size(); ++i) {
-      max_abs = std::max(max_abs, std::fabs(temb.get(static_cast<int64_t>(i)) - exact[i]));
-      max_ref = std::max(max_ref, std::fabs(exact[i]));
-    }
-    row->max_error = max_abs / max_ref;
-    row->bound = 1e-4;  // FP32 chains of 256 and 5376 terms
-    row->error_unit = "max|err|/max|ref|";
-    return Status::ok_status();
-  }));
-  if (temb.nbytes() > 0) standard_checks(ctx, run_mlp, inputs, 0, temb, rows);
-  return Status::ok_status();
-}
-DETDIT_VERIFY_CASE("timestep_mlp", "weights T=4", true, true, verify_mlp);
 
 // ---- adaln_projection -------------------------------------------------------
 
