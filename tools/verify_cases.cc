@@ -9,9 +9,9 @@
 //                             the H3 sizes);
 //   <the equivalent route>    where the case has one (cases::EquivalentRoute):
 //                             every output recomputed by it on the CPU, equal;
-//   row invariance            probe positions alone equal the same positions
-//                             inside the batch (cases::compare_positions_alone;
-//                             OpCase::alone_probes of them);
+//   row invariance            probe positions alone (OpCase::alone_probes of
+//                             them) equal the same positions of the first run
+//                             (cases::compare_positions_alone);
 //   cuda = cpu reference      on CUDA: every output equal to the CPU's.
 // An op with several verify cases (e.g. sizes) names each row's case after its check.
 // A case in the torch profile (CUDA only) gets the repeatability and row
@@ -124,7 +124,8 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
   if (c.alone && c.positions > 1) {
     rows->push_back(timed_check("row invariance (position alone)", [&](CheckRow* row) {
       std::vector<cases::OutputReport> reports;
-      DETDIT_RETURN_IF_ERROR(cases::compare_positions_alone(c, ctx.device, probe_positions(c.positions, c.alone_probes), &reports));
+      const std::vector<int64_t> probes = probe_positions(c.positions, c.alone_probes);
+      DETDIT_RETURN_IF_ERROR(cases::compare_positions_alone(c, ctx.device, probes, &reports, &first));
       add_reports(reports, row);
       return Status::ok_status();
     }));
@@ -159,6 +160,7 @@ Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vec
 // named by the situation the report shows.
 DETDIT_VERIFY_CASE("timestep_sinusoid", "F from weights", true, true, nullptr);
 DETDIT_VERIFY_CASE("timestep_mlp", "weights T=4", true, true, nullptr);
+DETDIT_VERIFY_CASE("adaln_projection", "block 0, weights' shape", true, true, nullptr);
 DETDIT_VERIFY_CASE("rmsnorm", "modulated, norm1 of block 0", true, true, nullptr);
 DETDIT_VERIFY_CASE("gate_residual", "gate_msa, 3 randn sublayer", true, true, nullptr);
 DETDIT_VERIFY_CASE("gate_residual_rmsnorm", "gate_msa then norm2, d_h", true, true, nullptr);
