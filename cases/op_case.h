@@ -142,6 +142,10 @@ struct OpCase {
   // of every per-position input into it), for the row-invariance check; may be empty.
   std::function<OpCase(int64_t position)> alone;
   int64_t positions = 0;  // extent of the position dimensions
+  // How many positions verify's row-invariance check takes alone: that many
+  // spread from the first to the last, every position when there are no more
+  // (a cheap case may ask for all of them).
+  int64_t alone_probes = 8;
   // Whether the op's forward takes a numerics profile (the run functions pass
   // the instance's profile to every phase that takes one; linear's backward
   // has no profile function), and the profile a driver asks for: portable
@@ -201,8 +205,11 @@ Status compare_with_cpu(const OpCase& c, const Device& device, std::vector<Outpu
 // (c.alone(p)), whose per-position inputs are slice p of the full case's, run
 // on `device` forward (and backward): slice p of every per-position output of
 // the full run must equal its output. Reports are named "<output> at p".
+// full_run: host copies of every tensor of a full run on `device` (download's),
+// used instead of running the full case again.
 Status compare_positions_alone(const OpCase& c, const Device& device, const std::vector<int64_t>& positions,
-                               std::vector<OutputReport>* reports);
+                               std::vector<OutputReport>* reports,
+                               const std::map<std::string, HostTensor>* full_run = nullptr);
 // Slice `index` of dimension `dim` of a contiguous host tensor (that dimension
 // becomes 1).
 HostTensor slice_of(const HostTensor& t, int dim, int64_t index);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/scalar_math.h"
+#include "common/storage.h"
 #include "cpu/parallel.h"
 
 namespace detdit {
@@ -42,7 +43,7 @@ double correctly_rounded(double exact, DType dtype) {
                                : num::f16_to_float(static_cast<uint16_t>(bits));
 }
 
-double fraction_correctly_rounded(const HostTensor& got, const std::vector<double>& exact) {
+int64_t count_correctly_rounded(const HostTensor& got, const std::vector<double>& exact) {
   int64_t hits = 0;
   const std::size_t width = dtype_size(got.dtype());
   for (int64_t i = 0; i < got.numel(); ++i) {
@@ -50,7 +51,12 @@ double fraction_correctly_rounded(const HostTensor& got, const std::vector<doubl
     std::memcpy(&bits, static_cast<const char*>(got.data()) + i * width, width);
     hits += bits == correctly_rounded_bits(exact[i], got.dtype()) ? 1 : 0;
   }
-  return got.numel() ? static_cast<double>(hits) / static_cast<double>(got.numel()) : 1.0;
+  return hits;
+}
+
+double fraction_correctly_rounded(const HostTensor& got, const std::vector<double>& exact) {
+  return got.numel() ? static_cast<double>(count_correctly_rounded(got, exact)) / static_cast<double>(got.numel())
+                     : 1.0;
 }
 
 std::vector<double> to_doubles(const HostTensor& t) {
@@ -62,7 +68,9 @@ std::vector<double> to_doubles(const HostTensor& t) {
 double relative_max_error(const HostTensor& got, const std::vector<double>& ref) {
   double err = 0.0, scale = 0.0;
   for (int64_t i = 0; i < got.numel(); ++i) {
-    err = std::max(err, std::fabs(got.get(i) - ref[i]));
+    const double e = std::fabs(got.get(i) - ref[i]);
+    if (std::isnan(e)) return e;  // std::max would drop it: a NaN must fail every bound
+    err = std::max(err, e);
     scale = std::max(scale, std::fabs(ref[i]));
   }
   return scale > 0.0 ? err / scale : err;
@@ -70,7 +78,11 @@ double relative_max_error(const HostTensor& got, const std::vector<double>& ref)
 
 double max_abs_error(const HostTensor& got, const std::vector<double>& ref) {
   double err = 0.0;
-  for (int64_t i = 0; i < got.numel(); ++i) err = std::max(err, std::fabs(got.get(i) - ref[i]));
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double e = std::fabs(got.get(i) - ref[i]);
+    if (std::isnan(e)) return e;  // as above
+    err = std::max(err, e);
+  }
   return err;
 }
 
@@ -258,6 +270,36 @@ ProjectionReference projection_reference(const HostTensor& temb, const HostTenso
     ref.d_temb[i] *= sig * (1.0 + z * (1.0 - sig));
   }
   return ref;
+}
+
+ProjectionExact projection_exact64(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias) {
+  const int64_t rows = temb.shape()[0], k_in = temb.shape()[1], n_out = weight.shape()[0];
+  std::vector<double> act(static_cast<std::size_t>(rows * k_in));
+  for (std::size_t i = 0; i < act.size(); ++i) {
+    const float silu = static_cast<float>(silu64(temb.get(static_cast<int64_t>(i))));
+    act[i] = weight.dtype() == DType::kF32 ? silu : correctly_rounded(silu, weight.dtype());
+  }
+  ProjectionExact p;
+  p.exact.assign(static_cast<std::size_t>(rows * n_out), 0.0);
+  p.magnitude.assign(p.exact.size(), 0.0);
+  dispatch_float_dtype(weight.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* wp = weight.ptr<T>();
+    const T* bp = bias.ptr<T>();
+    cpu::parallel_for(0, n_out, [&](int64_t n) {
+      for (int64_t t = 0; t < rows; ++t) {
+        double acc = to_float(bp[n]), mag = std::fabs(acc);
+        for (int64_t k = 0; k < k_in; ++k) {
+          const double product = act[t * k_in + k] * static_cast<double>(to_float(wp[n * k_in + k]));
+          acc += product;
+          mag += std::fabs(product);
+        }
+        p.exact[t * n_out + n] = acc;
+        p.magnitude[t * n_out + n] = mag;
+      }
+    });
+  });
+  return p;
 }
 
 }  // namespace cases

@@ -21,11 +21,12 @@ namespace cases {
 // The correctly rounded (RNE) value of an exact result in `dtype`, as bits and as a value.
 uint64_t correctly_rounded_bits(double exact, DType dtype);
 double correctly_rounded(double exact, DType dtype);
-// Fraction of the elements of `got` that equal the correctly rounded `exact`.
+// How many elements of `got` equal the correctly rounded `exact`, and their fraction.
+int64_t count_correctly_rounded(const HostTensor& got, const std::vector<double>& exact);
 double fraction_correctly_rounded(const HostTensor& got, const std::vector<double>& exact);
 // A tensor's elements as doubles (exact for every float dtype).
 std::vector<double> to_doubles(const HostTensor& t);
-// max |got - ref| / max |ref|, and max |got - ref|.
+// max |got - ref| / max |ref|, and max |got - ref|; NaN where either holds a NaN.
 double relative_max_error(const HostTensor& got, const std::vector<double>& ref);
 double max_abs_error(const HostTensor& got, const std::vector<double>& ref);
 
@@ -92,6 +93,15 @@ struct ProjectionReference {
 };
 ProjectionReference projection_reference(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias,
                                          const std::vector<double>* d_table, DType dtype);
+
+// The table before its rounding, in FP64, from the activation as the model
+// casts it (silu(temb) to fp32, then to the weight's 16-bit dtype): exact[t, n]
+// = sum_k act[t, k] w[n, k] + b[n], and magnitude[t, n] = sum_k |act[t, k]
+// w[n, k]| + |b[n]| (what an FP32 chain's rounding error scales with).
+struct ProjectionExact {
+  std::vector<double> exact, magnitude;
+};
+ProjectionExact projection_exact64(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias);
 
 }  // namespace cases
 }  // namespace detdit

@@ -5,13 +5,18 @@
 // Suites: kTest sweeps awkward shapes (N = 1, 64, 72, 128, 200; K = 8, 24, 264;
 // T = 1, 3, 5, 9) and a few H3 shapes; kBench the H3 shapes with the weights'
 // tensors (the AdaLN projection at T = 1, 3, 4, 8, 16, 32; adaln_modulation and
-// final_adaln_out at S = 32768, B = 2, T = 3). Inputs are pure functions of
-// the case's seeds (counter-uniform values, cases/tensor.h).
+// final_adaln_out at S = 32768, B = 2, T = 3); kVerify the AdaLN projection on
+// block 0's weights with its FP64 oracles. Inputs are pure functions of the
+// case's seeds (counter-uniform values, cases/tensor.h; verify's temb from
+// the synthetic-weights stream).
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "cases/op_case.h"
+#include "cases/oracle.h"
 #include "detdit/adaln.h"
 #include "detdit/linear.h"
 
@@ -82,7 +87,7 @@ struct ProjectionShape {
   DType dtype = DType::kBF16;
   int64_t rows = 1, dim = 8, out_features = 18 * 4;
   uint64_t seed = 1500;
-  Fill weight{}, bias{};  // absent: counter-uniform
+  Fill weight{}, bias{}, temb{};  // absent: counter-uniform
 };
 
 OpCase adaln_projection_case(const ProjectionShape& s) {
@@ -91,7 +96,7 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
   c.name = std::string(dtype_name(s.dtype)) + " T=" + std::to_string(s.rows) + " D=" + std::to_string(s.dim) +
            " N=" + std::to_string(s.out_features);
   const int64_t T = s.rows, D = s.dim, N = s.out_features;
-  c.input("temb", Phase::kForward, DType::kF32, {T, D}, uniform_values(s.seed, 0.0, 3.0), 0);
+  c.input("temb", Phase::kForward, DType::kF32, {T, D}, s.temb ? s.temb : uniform_values(s.seed, 0.0, 3.0), 0);
   c.input("weight", Phase::kForward, s.dtype, {N, D}, s.weight ? s.weight : uniform_values(s.seed + 1, 0.0, 0.02));
   c.input("bias", Phase::kForward, s.dtype, {N}, s.bias ? s.bias : uniform_values(s.seed + 2, 0.0, 1.0));
   c.output("table", Phase::kForward, s.dtype, {T, N}, 0);
@@ -120,6 +125,44 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
     return adaln_projection_case(one);
   };
   return c;
+}
+
+// verify's oracles of the forward's table (cases/oracle.h, projection_exact64):
+// its error against the FP32-accumulation rounding bound, and, where the
+// table is large enough for the fraction to mean something (the H3 table has
+// 96768 outputs per timestep), how many outputs are not correctly rounded.
+std::vector<AccuracyCheck> projection_forward_accuracy(int64_t outputs) {
+  std::vector<AccuracyCheck> checks(1);
+  checks[0].name = "error within the fp32-accumulation bound";
+  // An FP32 chain of D products and the bias errs by at most
+  // (D + 1) 2^-24 sum|a_k w_k| + |b| (first order), the final 16-bit rounding
+  // by 2^-8 |out|: the scaled error must stay <= 1.
+  checks[0].bound = 1.0;
+  checks[0].unit = "of the rounding bound";
+  checks[0].error = [](const std::map<std::string, HostTensor>& t) {
+    const HostTensor& table = t.at("table");
+    const ProjectionExact p = projection_exact64(t.at("temb"), t.at("weight"), t.at("bias"));
+    const double chain = static_cast<double>(t.at("temb").shape()[1] + 1) * 0x1p-24;
+    double worst = 0;
+    for (std::size_t i = 0; i < p.exact.size(); ++i) {
+      const double err = std::fabs(table.get(static_cast<int64_t>(i)) - p.exact[i]);
+      const double allowed = 0x1p-8 * std::fabs(p.exact[i]) + chain * p.magnitude[i];
+      worst = std::max(worst, err == 0 ? 0.0 : err / allowed);
+    }
+    return worst;
+  };
+  if (outputs < 100000) return checks;
+  checks.emplace_back();
+  checks[1].name = ">= 99.98 % correctly rounded";
+  checks[1].bound = 2e-4;
+  checks[1].unit = "fraction not RN";
+  checks[1].error = [](const std::map<std::string, HostTensor>& t) {
+    const HostTensor& table = t.at("table");
+    const ProjectionExact p = projection_exact64(t.at("temb"), t.at("weight"), t.at("bias"));
+    return static_cast<double>(table.numel() - count_correctly_rounded(table, p.exact)) /
+           static_cast<double>(table.numel());
+  };
+  return checks;
 }
 
 // ---- adaln_modulation -----------------------------------------------------------------
@@ -257,13 +300,28 @@ std::vector<OpCase> adaln_projection_cases(Suite suite, const CaseContext& ctx) 
     cases.push_back(adaln_projection_case({DType::kBF16, 1, kH3TimeDim, 18 * kH3Hidden, 1511}));
     return cases;
   }
-  if (suite != Suite::kBench) return cases;
-  for (int64_t rows : ctx.small ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 3, 4, 8, 16, 32}) {
-    ProjectionShape s{DType::kBF16, rows, ctx.time_embed_dim, 18 * ctx.hidden, ctx.seed + 1520};
-    s.weight = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.weight", uniform_values(ctx.seed + 1521, 0.0, 0.02));
-    s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(ctx.seed + 1522, 0.0, 1.0));
-    cases.push_back(adaln_projection_case(s));
+  // Block 0's projection: kBench at its sizes in bf16; kVerify at T = 4
+  // (--quick: 2) in the weight's dtype, on 1 randn temb (verify's stream).
+  const std::string weight = "transformer_blocks.0.adaln_proj.linear.weight";
+  auto block0_shape = [&](DType dtype, int64_t rows, uint64_t seed) {
+    ProjectionShape s{dtype, rows, ctx.time_embed_dim, 18 * ctx.hidden, seed};
+    s.weight = weight_or(ctx, weight, uniform_values(seed + 1, 0.0, 0.02));
+    s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(seed + 2, 0.0, 1.0));
+    return s;
+  };
+  if (suite == Suite::kBench) {
+    for (int64_t rows : ctx.small ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 3, 4, 8, 16, 32})
+      cases.push_back(adaln_projection_case(block0_shape(DType::kBF16, rows, ctx.seed + 1520)));
+    return cases;
   }
+  TensorView w;
+  const DType dtype = ctx.weight && ctx.weight(weight, &w).ok() ? w.dtype : DType::kBF16;
+  ProjectionShape s = block0_shape(dtype, ctx.quick ? 2 : 4, ctx.seed + 1530);
+  s.temb = [seed = ctx.seed + 11](HostTensor* t) { fill_stream_normal(t, seed, "verify", 0.0, 1.0); };
+  OpCase c = adaln_projection_case(s);
+  c.name = "block 0, weights' shape";
+  c.accuracy = projection_forward_accuracy(s.rows * s.out_features);
+  cases.push_back(std::move(c));
   return cases;
 }
 

@@ -73,7 +73,7 @@ struct VerifyCase {
   const char* name;  // the situation, e.g. "h3 T=4"
   bool cpu;          // runs with --device cpu
   bool cuda;         // runs with --device cuda
-  VerifyFn run;
+  VerifyFn run;  // nullptr: the op's verify cases of the op-case library (verify_op_cases)
   bool comm = false;  // runs under --comm mpi too (uses context.comm)
   // Whether the case applies to this run (e.g. a size only without --quick);
   // nullptr: always.

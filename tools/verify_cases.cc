@@ -9,9 +9,11 @@
 //                             the H3 sizes);
 //   <the equivalent route>    where the case has one (cases::EquivalentRoute):
 //                             every output recomputed by it on the CPU, equal;
-//   row invariance            probe positions alone equal the same positions
-//                             inside the batch (cases::compare_positions_alone);
+//   row invariance            probe positions alone (OpCase::alone_probes of
+//                             them) equal the same positions of the first run
+//                             (cases::compare_positions_alone);
 //   cuda = cpu reference      on CUDA: every output equal to the CPU's.
+// An op with several verify cases (e.g. sizes) names each row's case after its check.
 // A case in the torch profile (CUDA only) gets the repeatability and row
 // invariance checks alone: the CPU reference, the FP64 oracle's bounds and
 // the equivalent routes (computed on the CPU) define the portable profile.
@@ -25,10 +27,15 @@ namespace detdit {
 namespace cli {
 namespace {
 
-// Both ends and a spread of positions.
-std::vector<int64_t> probe_positions(int64_t positions) {
+// `count` positions from the first to the last, evenly spread; every
+// position when there are no more.
+std::vector<int64_t> probe_positions(int64_t positions, int64_t count) {
   std::vector<int64_t> probes;
-  for (int64_t i = 0; i < 8; ++i) probes.push_back(i * (positions - 1) / 7);
+  if (positions <= count || count < 2) {
+    for (int64_t p = 0; p < positions; ++p) probes.push_back(p);
+    return probes;
+  }
+  for (int64_t i = 0; i < count; ++i) probes.push_back(i * (positions - 1) / (count - 1));
   return probes;
 }
 
@@ -117,7 +124,8 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
   if (c.alone && c.positions > 1) {
     rows->push_back(timed_check("row invariance (position alone)", [&](CheckRow* row) {
       std::vector<cases::OutputReport> reports;
-      DETDIT_RETURN_IF_ERROR(cases::compare_positions_alone(c, ctx.device, probe_positions(c.positions), &reports));
+      const std::vector<int64_t> probes = probe_positions(c.positions, c.alone_probes);
+      DETDIT_RETURN_IF_ERROR(cases::compare_positions_alone(c, ctx.device, probes, &reports, &first));
       add_reports(reports, row);
       return Status::ok_status();
     }));
@@ -138,9 +146,24 @@ Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vec
   const std::vector<cases::OpCase> all =
       cases::op_cases(op, cases::Suite::kVerify, case_context(*ctx.weights, ctx.quick, ctx.seed));
   if (all.empty()) return Status::value_error("no verify cases registered for " + op);
-  for (const cases::OpCase& c : all) DETDIT_RETURN_IF_ERROR(verify_op_case(ctx, c, rows));
+  for (const cases::OpCase& c : all) {
+    const std::size_t first = rows->size();
+    DETDIT_RETURN_IF_ERROR(verify_op_case(ctx, c, rows));
+    // Several cases of one op (e.g. sizes) share check names: each row names its case.
+    if (all.size() > 1)
+      for (std::size_t i = first; i < rows->size(); ++i) (*rows)[i].check += " " + c.name;
+  }
   return Status::ok_status();
 }
+
+// The verify cases that are the op-case library's verify suite (run: nullptr),
+// named by the situation the report shows.
+DETDIT_VERIFY_CASE("timestep_sinusoid", "F from weights", true, true, nullptr);
+DETDIT_VERIFY_CASE("timestep_mlp", "weights T=4", true, true, nullptr);
+DETDIT_VERIFY_CASE("adaln_projection", "block 0, weights' shape", true, true, nullptr);
+DETDIT_VERIFY_CASE("rmsnorm", "modulated, norm1 of block 0", true, true, nullptr);
+DETDIT_VERIFY_CASE("gate_residual", "gate_msa, 3 randn sublayer", true, true, nullptr);
+DETDIT_VERIFY_CASE("gate_residual_rmsnorm", "gate_msa then norm2, d_h", true, true, nullptr);
 
 }  // namespace cli
 }  // namespace detdit

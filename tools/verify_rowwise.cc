@@ -1,11 +1,7 @@
-// verify cases of the row-wise path on the weights' hidden size, T = 3,
-// block packing (cases/index_case.h):
-//   rmsnorm, gate_residual, gate_residual_rmsnorm: the op-case library's
-//     verify cases (block 0's norm1 weight; gate_msa with a 3 randn sublayer
-//     output; the two fused, with d_h), each checked by verify_op_case
-//     (accuracy vs FP64, repeatability, the fused op = its separate ops, row
-//     invariance, CUDA = CPU);
-//   adaln_row_gather: the forward equals a direct byte gather of the rows.
+// verify case of adaln_row_gather on the weights' hidden size, T = 3, block
+// packing (cases/index_case.h): the forward equals a direct byte gather of the
+// rows. (rmsnorm, gate_residual and gate_residual_rmsnorm are op cases:
+// cases/rowwise_cases.cc, registered in verify_cases.cc.)
 #include <cstring>
 
 #include "detdit/adaln.h"
@@ -15,21 +11,6 @@
 namespace detdit {
 namespace cli {
 namespace {
-
-Status verify_rmsnorm(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
-  return verify_op_cases(ctx, "rmsnorm", rows);
-}
-DETDIT_VERIFY_CASE("rmsnorm", "modulated, norm1 of block 0", true, true, verify_rmsnorm);
-
-Status verify_gate(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
-  return verify_op_cases(ctx, "gate_residual", rows);
-}
-DETDIT_VERIFY_CASE("gate_residual", "gate_msa, 3 randn sublayer", true, true, verify_gate);
-
-Status verify_gate_residual_rmsnorm(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
-  return verify_op_cases(ctx, "gate_residual_rmsnorm", rows);
-}
-DETDIT_VERIFY_CASE("gate_residual_rmsnorm", "gate_msa then norm2, d_h", true, true, verify_gate_residual_rmsnorm);
 
 Status verify_gather(const VerifyContext& ctx, std::vector<CheckRow>* rows) {
   const cases::IndexCase index = cases::make_index_case(cases::Packing::kBlock, ctx.quick ? 257 : 4097, 3, 1);

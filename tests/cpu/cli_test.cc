@@ -572,7 +572,7 @@ TEST(Cli, OutputsFitAndSayWhereTheyRan) {
 
   // A CPU run's figure: whole check names, no CUDA in the footer.
   const std::string svg = read_file(out + "/figure.svg");
-  EXPECT_NE(svg.find(">b7/7 row invariance T=1 vs T=7</text>"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(">b14/14 row invariance (position alone) T=7</text>"), std::string::npos) << svg;
   EXPECT_EQ(svg.find("~</text>"), std::string::npos);
   EXPECT_EQ(svg.find("CUDA"), std::string::npos);
 
