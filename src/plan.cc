@@ -269,7 +269,7 @@ constexpr ChunkOffsets kChunkOffsets = make_chunk_offsets();
 // `positions` comes out in the counting sort's order (the tables do not
 // depend on the path); count[key] gets the number of them. On the 2-core
 // development host (AVX-512 with VBMI2) an interleaved build at S = 131072,
-// B = 2 took 168-170 instead of 226-299 us (docs/benchmarking.md).
+// B = 2 took 168-170 instead of 226-299 us.
 __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt"))) void sort_chunk_by_key_avx512(
     const uint8_t* keys, int32_t span, int32_t first, int32_t* count, int32_t* positions) {
   __m512i key_blocks[4], offsets[4];

@@ -224,7 +224,7 @@ Status launch_linear_forward_rows(const LinearForwardArgs& a, int rows, int64_t 
 // warps, 84 blocks on the 132 SMs of an H200), then the most of 2, 1 that gives
 // them; but 4 again when x takes over half the shared budget, where each block
 // first copies up to 96 KB of x and only two blocks fit an SM. Measured on an
-// H200 (docs/benchmarking.md, timestep MLP forward): its N = 2688 layer with x
+// H200 (timestep MLP forward): its N = 2688 layer with x
 // from global memory (T >= 8) or staged small (T = 1) 13-36 % faster at 1 column
 // than at 4; with 4 rows of K = 5376 staged (86 KB, T = 3, 4) 21-28 % slower.
 template <typename T, typename Out>

@@ -9,7 +9,7 @@
 //     at every synchronisation (its release threshold is 0), so an op called
 //     between host syncs, as a trainer's step or a timing loop does, would map
 //     its scratch again each call (on an H200 6-19 % of a backward timed on
-//     its own: docs/benchmarking.md). The pool keeps what its scratch mapped,
+//     its own). The pool keeps what its scratch mapped,
 //     for detdit's use only, until release_scratch_memory
 //     (include/detdit/memory.h) or an allocation that finds the device full
 //     (which trims the pool and tries once more).

@@ -42,10 +42,8 @@ namespace {
 // Plain and modulated forward. Thread t's vectors j = t + 128*i, ascending i:
 // the tree's order. Its first pass stores nothing, so the compiler issues the
 // cached vectors' loads together, and it goes one vector at a time: the fused
-// forward's batches (below) made it slower (bf16, H = 5376, one H200; both
-// passes batched: 90 registers instead of 40, 51-53 % of the copy bandwidth
-// instead of 74-82 % at S >= 32768; the first pass alone: 48 registers, 0-4 %
-// slower there).
+// forward's batches of 8 vectors raise its registers (90 instead of 40) and
+// made it slower on an H200 (dev/README.md).
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) rmsnorm_forward_block_per_row_kernel(RmsnormRowArgs a) {
   __shared__ float warp_sums[kRowTreeWarps];
