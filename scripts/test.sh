@@ -122,12 +122,12 @@ fi
 # named in tests/sanitizer/lsan.supp. Their frames are found by the slow
 # unwinder (fast_unwind_on_malloc=0: Open MPI has no frame pointers), which
 # costs a DWARF unwind per malloc, so only the tests that start MPI
-# processes (names with "Mpi") run with it, all of them. Four tests are left
-# out here (the main job's ctest runs them): each repeats code the suites run at
-# small sizes, at the H3 sizes or many sizes, for a size-dependent property
-# (a rounding statistic, the traffic count's independence of S up to 131072,
-# linear time in 200,000 blocks, TP 5 and 7 of the 520 MB weight), and together
-# they took 53 s of the 146 s the non-MPI tests took under the sanitizers.
+# processes (names with "Mpi") run with it, all of them. The four heaviest
+# other tests are left out here (the main job's ctest runs them): each repeats
+# code the suites run at small sizes, at the H3 sizes or many sizes, for a
+# size-dependent property (a rounding statistic, the traffic count's
+# independence of S up to 131072, linear time in 200,000 blocks, TP 5 and 7 of
+# the 520 MB weight), which the sanitizers add nothing to.
 job sanitizers
 asan_dir="${build_dir}-asan"
 if [ ! -f "$asan_dir/build.ninja" ]; then
