@@ -127,7 +127,7 @@ fi
 # code the suites run at small sizes, at the H3 sizes or many sizes, for a
 # size-dependent property (a rounding statistic, the traffic count's
 # independence of S up to 131072, linear time in 200,000 blocks, TP 5 and 7 of
-# the 520 MB weight), which the sanitizers add nothing to.
+# the 520 MB weight).
 job sanitizers
 asan_dir="${build_dir}-asan"
 if [ ! -f "$asan_dir/build.ninja" ]; then
