@@ -161,6 +161,8 @@ Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vec
 DETDIT_VERIFY_CASE("timestep_sinusoid", "F from weights", true, true, nullptr);
 DETDIT_VERIFY_CASE("timestep_mlp", "weights T=4", true, true, nullptr);
 DETDIT_VERIFY_CASE("adaln_projection", "block 0, weights' shape", true, true, nullptr);
+DETDIT_VERIFY_CASE("adaln_modulation", "block 0, fwd+bwd", true, true, nullptr);
+DETDIT_VERIFY_CASE("final_adaln_out", "norm_out, fwd+bwd", true, true, nullptr);
 DETDIT_VERIFY_CASE("rmsnorm", "modulated, norm1 of block 0", true, true, nullptr);
 DETDIT_VERIFY_CASE("gate_residual", "gate_msa, 3 randn sublayer", true, true, nullptr);
 DETDIT_VERIFY_CASE("gate_residual_rmsnorm", "gate_msa then norm2, d_h", true, true, nullptr);
