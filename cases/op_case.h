@@ -119,10 +119,14 @@ struct AccuracyCheck {
 
 // A second route to a case's outputs that must give the same bytes (the fused
 // op as its separate ops composed): from host copies of a run's inputs and
-// outputs (download), `compute` recomputes every output of both phases on the
-// CPU into `expected` (compare_outputs then names each difference).
+// outputs (download), `compute` recomputes every output of both phases (of the
+// forward alone where forward_only) on the CPU into `expected` (compare_outputs
+// then names each difference).
 struct EquivalentRoute {
   std::string name;  // "= gate_residual then rmsnorm"
+  // The route gives the forward's outputs alone (compute fills those; e.g. a
+  // byte copy's direct form, where the backward's sums have no second route).
+  bool forward_only = false;
   std::function<Status(const std::map<std::string, HostTensor>& tensors, std::map<std::string, HostTensor>* expected)>
       compute;
 };

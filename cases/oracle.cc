@@ -302,5 +302,72 @@ ProjectionExact projection_exact64(const HostTensor& temb, const HostTensor& wei
   return p;
 }
 
+std::vector<double> adaln_act64(const HostTensor& temb, DType dtype) {
+  std::vector<double> act(static_cast<std::size_t>(temb.numel()));
+  for (int64_t i = 0; i < temb.numel(); ++i) act[i] = correctly_rounded(silu64(temb.get(i)), dtype);
+  return act;
+}
+
+std::vector<double> final_table_grad64(const HostTensor& x, const HostTensor& norm_weight, const HostTensor& grad,
+                                       const IndexCase& index, double eps) {
+  const int64_t H = norm_weight.numel(), M = index.positions();
+  std::vector<double> d_table(static_cast<std::size_t>(index.num_timesteps * 2 * H), 0.0);
+  for (int64_t p = 0; p < M; ++p) {
+    double ss = 0;
+    for (int64_t i = 0; i < H; ++i) ss += x.get(p * H + i) * x.get(p * H + i);
+    const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(H) + eps);
+    double* row = d_table.data() + index.timestep_indices[p % index.seq_len] * 2 * H;
+    for (int64_t i = 0; i < H; ++i) {
+      const double n = correctly_rounded(norm_weight.get(i) * x.get(p * H + i) * rstd, x.dtype());
+      const double g = grad.get(p * H + i);
+      row[i] += g;
+      row[H + i] += g * n;
+    }
+  }
+  return d_table;
+}
+
+namespace {
+
+// Whether element i of `got` is the correctly rounded `exact`.
+bool is_correctly_rounded(const HostTensor& got, int64_t i, double exact) {
+  uint64_t bits = 0;
+  const std::size_t width = dtype_size(got.dtype());
+  std::memcpy(&bits, static_cast<const char*>(got.data()) + i * width, width);
+  return bits == correctly_rounded_bits(exact, got.dtype());
+}
+
+}  // namespace
+
+double weight_grad_fraction_not_rn(const std::vector<double>& d_table, const std::vector<double>& act,
+                                   const HostTensor& d_weight, int64_t stride) {
+  const int64_t outputs = d_weight.shape()[0], embed = d_weight.shape()[1];
+  const int64_t timesteps = static_cast<int64_t>(d_table.size()) / outputs;
+  const int64_t sampled = (outputs + stride - 1) / stride;
+  std::vector<int64_t> wrong_per_row(static_cast<std::size_t>(sampled), 0);
+  cpu::parallel_for(0, sampled, [&](int64_t j) {
+    const int64_t n = j * stride;
+    for (int64_t k = 0; k < embed; ++k) {
+      double exact = 0;
+      for (int64_t t = 0; t < timesteps; ++t) exact += d_table[t * outputs + n] * act[t * embed + k];
+      wrong_per_row[j] += is_correctly_rounded(d_weight, n * embed + k, exact) ? 0 : 1;
+    }
+  });
+  int64_t wrong = 0;
+  for (int64_t w : wrong_per_row) wrong += w;
+  return static_cast<double>(wrong) / static_cast<double>(sampled * embed);
+}
+
+double bias_grad_fraction_not_rn(const std::vector<double>& d_table, const HostTensor& d_bias) {
+  const int64_t outputs = d_bias.numel(), timesteps = static_cast<int64_t>(d_table.size()) / outputs;
+  int64_t wrong = 0;
+  for (int64_t n = 0; n < outputs; ++n) {
+    double exact = 0;
+    for (int64_t t = 0; t < timesteps; ++t) exact += d_table[t * outputs + n];
+    wrong += is_correctly_rounded(d_bias, n, exact) ? 0 : 1;
+  }
+  return static_cast<double>(wrong) / static_cast<double>(outputs);
+}
+
 }  // namespace cases
 }  // namespace detdit

@@ -103,5 +103,25 @@ struct ProjectionExact {
 };
 ProjectionExact projection_exact64(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias);
 
+// ---- the fused AdaLN ops' weight gradients (adaln_modulation, final_adaln_out) ----
+
+// act = silu(temb) in FP64, rounded once to `dtype` (T, D).
+std::vector<double> adaln_act64(const HostTensor& temb, DType dtype);
+// final_adaln_out's exact table gradient (T, 2H) = [d_shift | d_scale]:
+// d_shift[t, i] = sum of g[p, i], d_scale[t, i] = sum of g[p, i] n[p, i] over
+// the positions p of timestep t, n = R_x(w x rstd) (rounded to x's dtype, as
+// the model stores it), rstd = 1 / sqrt(mean(x^2) + eps), all in FP64.
+// (adaln_modulation's (T, 18H) table gradient is row_gather_grad_exact's
+// (3T, 6H) rows, the same bytes.)
+std::vector<double> final_table_grad64(const HostTensor& x, const HostTensor& norm_weight, const HostTensor& grad,
+                                       const IndexCase& index, double eps);
+// The fraction of a projection's weight gradient that is not the correctly
+// rounded FP64 dW[n, k] = sum_t d_table[t, n] act[t, k], over the rows n = 0,
+// stride, 2 stride, ... of d_weight (N, D); and of d_bias (N,) against db[n]
+// = sum_t d_table[t, n]. d_table (T, N), act (T, D).
+double weight_grad_fraction_not_rn(const std::vector<double>& d_table, const std::vector<double>& act,
+                                   const HostTensor& d_weight, int64_t stride);
+double bias_grad_fraction_not_rn(const std::vector<double>& d_table, const HostTensor& d_bias);
+
 }  // namespace cases
 }  // namespace detdit

@@ -6,12 +6,16 @@
 // T = 1, 3, 5, 9) and a few H3 shapes; kBench the H3 shapes with the weights'
 // tensors (the AdaLN projection at T = 1, 3, 4, 8, 16, 32; adaln_modulation and
 // final_adaln_out at S = 32768, B = 2, T = 3); kVerify the AdaLN projection on
-// block 0's weights with its FP64 oracles. Inputs are pure functions of the
+// block 0's weights with its FP64 oracles, and adaln_modulation (block 0's
+// projection) and final_adaln_out (norm_out) forward and backward on verify's
+// fused sequence (S = 2048, B = 2, T = 3) with their weight gradients correctly
+// rounded against FP64. Inputs are pure functions of the
 // case's seeds (counter-uniform values, cases/tensor.h; verify's temb from
 // the synthetic-weights stream).
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -171,23 +175,26 @@ struct ModulationShape {
   int64_t hidden = 20, dim = 24;
   IndexCase index{};
   uint64_t seed = 1600;
-  Fill weight{}, bias{};
+  Fill weight{}, bias{}, temb{}, grad{};  // absent: counter-uniform
+  DType dtype = DType::kBF16;             // the weight's, the table's and the gradients'
 };
 
 OpCase adaln_modulation_case(const ModulationShape& s) {
   OpCase c;
   c.op = "adaln_modulation";
-  c.name = "bfloat16 H=" + std::to_string(s.hidden) + " D=" + std::to_string(s.dim) + " " + s.index.name();
-  const DType dtype = DType::kBF16;
+  c.name = std::string(dtype_name(s.dtype)) + " H=" + std::to_string(s.hidden) + " D=" + std::to_string(s.dim) + " " +
+           s.index.name();
+  const DType dtype = s.dtype;
   const int64_t T = s.index.num_timesteps, D = s.dim, N = 18 * s.hidden, H = s.hidden;
   c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
-  c.input("temb", Phase::kForward, DType::kF32, {T, D}, uniform_values(s.seed, 0.0, 3.0));
+  c.input("temb", Phase::kForward, DType::kF32, {T, D}, s.temb ? s.temb : uniform_values(s.seed, 0.0, 3.0));
   c.input("weight", Phase::kForward, dtype, {N, D}, s.weight ? s.weight : uniform_values(s.seed + 1, 0.0, 0.02));
   c.input("bias", Phase::kForward, dtype, {N}, s.bias ? s.bias : uniform_values(s.seed + 2, 0.0, 1.0));
   c.output("table", Phase::kForward, dtype, {T, N});
   c.output("act", Phase::kForward, dtype, {T, D});
   c.output("out", Phase::kForward, dtype, {6, s.index.seq_len, H});
-  c.input("grad", Phase::kBackward, dtype, {6, s.index.positions(), H}, uniform_values(s.seed + 3, 0.0, 1.0));
+  c.input("grad", Phase::kBackward, dtype, {6, s.index.positions(), H},
+          s.grad ? s.grad : uniform_values(s.seed + 3, 0.0, 1.0));
   c.output("d_temb", Phase::kBackward, DType::kF32, {T, D});
   c.output("d_weight", Phase::kBackward, dtype, {N, D});
   c.output("d_bias", Phase::kBackward, dtype, {N});
@@ -216,7 +223,7 @@ struct FinalShape {
   int64_t hidden = 20, dim = 24;
   IndexCase index{};
   uint64_t seed = 1700;
-  Fill norm_weight{}, weight{}, bias{};
+  Fill norm_weight{}, weight{}, bias{}, x{}, temb{}, grad{};  // absent: counter-uniform
 };
 
 OpCase final_adaln_out_case(const FinalShape& s) {
@@ -227,17 +234,17 @@ OpCase final_adaln_out_case(const FinalShape& s) {
   const int64_t T = s.index.num_timesteps, D = s.dim, H = s.hidden, M = s.index.positions();
   c.positions = M;
   c.plans.push_back({"plan", s.index, PlanSpec::Rows::kTimestep});
-  c.input("x", Phase::kForward, s.dtype, {M, H}, uniform_values(s.seed, 0.0, 3.0), 0);
+  c.input("x", Phase::kForward, s.dtype, {M, H}, s.x ? s.x : uniform_values(s.seed, 0.0, 3.0), 0);
   c.input("norm_weight", Phase::kForward, s.dtype, {H},
           s.norm_weight ? s.norm_weight : uniform_values(s.seed + 1, 1.0, 0.3));
-  c.input("temb", Phase::kForward, DType::kF32, {T, D}, uniform_values(s.seed + 2, 0.0, 3.0));
+  c.input("temb", Phase::kForward, DType::kF32, {T, D}, s.temb ? s.temb : uniform_values(s.seed + 2, 0.0, 3.0));
   c.input("weight", Phase::kForward, s.dtype, {2 * H, D}, s.weight ? s.weight : uniform_values(s.seed + 3, 0.0, 0.02));
   c.input("bias", Phase::kForward, s.dtype, {2 * H}, s.bias ? s.bias : uniform_values(s.seed + 4, 0.0, 1.0));
   c.output("out", Phase::kForward, s.dtype, {M, H}, 0);
   c.output("table", Phase::kForward, s.dtype, {T, 2 * H});
   c.output("act", Phase::kForward, s.dtype, {T, D});
   c.output("rstd", Phase::kForward, DType::kF32, {M}, 0);
-  c.input("grad", Phase::kBackward, s.dtype, {M, H}, uniform_values(s.seed + 5, 0.0, 1.0), 0);
+  c.input("grad", Phase::kBackward, s.dtype, {M, H}, s.grad ? s.grad : uniform_values(s.seed + 5, 0.0, 1.0), 0);
   c.output("dx", Phase::kBackward, s.dtype, {M, H}, 0);
   c.output("d_norm_weight", Phase::kBackward, DType::kF32, {H});
   c.output("d_temb", Phase::kBackward, DType::kF32, {T, D});
@@ -266,6 +273,64 @@ OpCase final_adaln_out_case(const FinalShape& s) {
     return final_adaln_out_case(one);
   };
   return c;
+}
+
+// ---- verify's fused cases ---------------------------------------------------------------
+
+// verify's values: N(0, 1) from the synthetic-weights stream.
+Fill verify_normal(uint64_t seed) {
+  return [seed](HostTensor* t) { fill_stream_normal(t, seed, "verify", 0.0, 1.0); };
+}
+
+// verify's sequence of the fused ops, S = 2048, B = 2, T = 3 (--quick: 257, 1,
+// 2): the timesteps in contiguous runs (position s has timestep s T / S), the
+// modality changing every few positions (tag 1 at s % 7 == 0, 2 at s % 5 == 0,
+// else 0), so every chunk and modality of the table gradient is summed.
+IndexCase fused_verify_index(const CaseContext& ctx) {
+  const int64_t seq_len = ctx.quick ? 257 : 2048, timesteps = ctx.quick ? 2 : 3;
+  IndexCase c = make_index_case(Packing::kBlock, seq_len, timesteps, ctx.quick ? 1 : 2);
+  for (int64_t p = 0; p < seq_len; ++p) {
+    c.timestep_indices[p] = p * timesteps / seq_len;
+    c.tags[p] = p % 7 == 0 ? 1 : p % 5 == 0 ? 2 : 0;
+  }
+  return c;
+}
+
+// The dtype of the named weight (bf16 without weights).
+DType weight_dtype(const CaseContext& ctx, const std::string& name) {
+  TensorView w;
+  return ctx.weight && ctx.weight(name, &w).ok() ? w.dtype : DType::kBF16;
+}
+
+// verify's oracles of a fused op's weight gradients (cases/oracle.h): dW (rows
+// n = 0, stride, 2 stride, ...; --quick samples every 7th row, which still
+// covers every chunk and modality) and db, correctly rounded against FP64 sums
+// of the exact table gradient d_table(tensors) (T, N) with act = R_W(silu(temb)).
+//
+// The bound: the op's table gradient is an FP32 sum over up to B*S positions
+// (relative error up to ~(B*S) 2^-24 of the sum of magnitudes), and dW is one
+// more FP32 chain over T, rounded once to the weight's dtype; an element rounds
+// differently from the FP64 value only when that value lies within the FP32
+// error of a rounding boundary. tests/cpu/chain_test.cc measures 99.8-100 %
+// for the same gradients; the bar is 99.5 %.
+using TableGrad = std::function<std::vector<double>(const std::map<std::string, HostTensor>& tensors)>;
+std::vector<AccuracyCheck> weight_grad_accuracy(TableGrad d_table, int64_t stride) {
+  constexpr double kMinCorrectlyRounded = 0.995;
+  std::vector<AccuracyCheck> checks(2);
+  checks[0].name = "dW >= 99.5 % correctly rounded vs fp64";
+  checks[0].error = [d_table, stride](const std::map<std::string, HostTensor>& t) {
+    return weight_grad_fraction_not_rn(d_table(t), adaln_act64(t.at("temb"), t.at("weight").dtype()),
+                                       t.at("d_weight"), stride);
+  };
+  checks[1].name = "db >= 99.5 % correctly rounded vs fp64";
+  checks[1].error = [d_table](const std::map<std::string, HostTensor>& t) {
+    return bias_grad_fraction_not_rn(d_table(t), t.at("d_bias"));
+  };
+  for (AccuracyCheck& check : checks) {
+    check.bound = 1.0 - kMinCorrectlyRounded;
+    check.unit = "fraction not RN";
+  }
+  return checks;
 }
 
 // ---- the suites -------------------------------------------------------------------------
@@ -314,10 +379,8 @@ std::vector<OpCase> adaln_projection_cases(Suite suite, const CaseContext& ctx) 
       cases.push_back(adaln_projection_case(block0_shape(DType::kBF16, rows, ctx.seed + 1520)));
     return cases;
   }
-  TensorView w;
-  const DType dtype = ctx.weight && ctx.weight(weight, &w).ok() ? w.dtype : DType::kBF16;
-  ProjectionShape s = block0_shape(dtype, ctx.quick ? 2 : 4, ctx.seed + 1530);
-  s.temb = [seed = ctx.seed + 11](HostTensor* t) { fill_stream_normal(t, seed, "verify", 0.0, 1.0); };
+  ProjectionShape s = block0_shape(weight_dtype(ctx, weight), ctx.quick ? 2 : 4, ctx.seed + 1530);
+  s.temb = verify_normal(ctx.seed + 11);
   OpCase c = adaln_projection_case(s);
   c.name = "block 0, weights' shape";
   c.accuracy = projection_forward_accuracy(s.rows * s.out_features);
@@ -334,12 +397,34 @@ std::vector<OpCase> adaln_modulation_cases(Suite suite, const CaseContext& ctx) 
         adaln_modulation_case({kH3Hidden, kH3TimeDim, make_index_case(Packing::kBlock, 4097, 4, 2), 1602}));
     return cases;
   }
-  if (suite != Suite::kBench) return cases;
-  ModulationShape s{ctx.hidden, ctx.time_embed_dim, make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2),
-                    ctx.seed + 1610};
-  s.weight = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.weight", uniform_values(ctx.seed + 1611, 0.0, 0.02));
-  s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(ctx.seed + 1612, 0.0, 1.0));
-  cases.push_back(adaln_modulation_case(s));
+  // Block 0's projection: kBench at S = 32768 (small: 4097), B = 2, T = 3 in
+  // bf16; kVerify on verify's fused sequence in the weight's dtype, on 1 randn
+  // temb and gradient (verify's stream), with its weight-gradient oracles.
+  const std::string weight = "transformer_blocks.0.adaln_proj.linear.weight";
+  const bool bench = suite == Suite::kBench;
+  const uint64_t seed = ctx.seed + (bench ? 1610 : 1620);
+  ModulationShape s{ctx.hidden, ctx.time_embed_dim,
+                    bench ? make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2) : fused_verify_index(ctx),
+                    seed};
+  if (!bench) s.dtype = weight_dtype(ctx, weight);
+  s.weight = weight_or(ctx, weight, uniform_values(seed + 1, 0.0, 0.02));
+  s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(seed + 2, 0.0, 1.0));
+  if (bench) {
+    cases.push_back(adaln_modulation_case(s));
+    return cases;
+  }
+  s.temb = verify_normal(ctx.seed + 71);
+  s.grad = verify_normal(ctx.seed + 72);
+  OpCase c = adaln_modulation_case(s);
+  c.name = "block 0, fwd+bwd";
+  const IndexCase index = s.index;
+  const int64_t hidden = s.hidden;
+  c.accuracy = weight_grad_accuracy(  // the table gradient: the six chunks' rows summed, as the gather's
+      [index, hidden](const std::map<std::string, HostTensor>& t) {
+        return row_gather_grad_exact(index, t.at("grad"), hidden);
+      },
+      ctx.quick ? 7 : 1);
+  cases.push_back(std::move(c));
   return cases;
 }
 
@@ -352,13 +437,34 @@ std::vector<OpCase> final_adaln_out_cases(Suite suite, const CaseContext& ctx) {
         {DType::kBF16, kH3Hidden, kH3TimeDim, make_index_case(Packing::kBlock, 4097, 4, 1), 1702}));
     return cases;
   }
-  if (suite != Suite::kBench) return cases;
-  FinalShape s{DType::kBF16, ctx.hidden, ctx.time_embed_dim,
-               make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2), ctx.seed + 1710};
-  s.norm_weight = weight_or(ctx, "norm_out.norm.weight", uniform_values(ctx.seed + 1711, 1.0, 0.3));
-  s.weight = weight_or(ctx, "norm_out.linear.weight", uniform_values(ctx.seed + 1712, 0.0, 0.02));
-  s.bias = weight_or(ctx, "norm_out.linear.bias", uniform_values(ctx.seed + 1713, 0.0, 1.0));
-  cases.push_back(final_adaln_out_case(s));
+  // norm_out's weights: kBench at S = 32768 (small: 4097), B = 2, T = 3 in
+  // bf16; kVerify on verify's fused sequence in the norm weight's dtype, on 1
+  // randn x, temb and gradient (verify's stream), with its weight-gradient oracles.
+  const std::string norm_weight = "norm_out.norm.weight";
+  const bool bench = suite == Suite::kBench;
+  const uint64_t seed = ctx.seed + (bench ? 1710 : 1720);
+  FinalShape s{bench ? DType::kBF16 : weight_dtype(ctx, norm_weight), ctx.hidden, ctx.time_embed_dim,
+               bench ? make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2) : fused_verify_index(ctx),
+               seed};
+  s.norm_weight = weight_or(ctx, norm_weight, uniform_values(seed + 1, 1.0, 0.3));
+  s.weight = weight_or(ctx, "norm_out.linear.weight", uniform_values(seed + 2, 0.0, 0.02));
+  s.bias = weight_or(ctx, "norm_out.linear.bias", uniform_values(seed + 3, 0.0, 1.0));
+  if (bench) {
+    cases.push_back(final_adaln_out_case(s));
+    return cases;
+  }
+  s.x = verify_normal(ctx.seed + 61);
+  s.grad = verify_normal(ctx.seed + 62);
+  s.temb = verify_normal(ctx.seed + 63);
+  OpCase c = final_adaln_out_case(s);
+  c.name = "norm_out, fwd+bwd";
+  const IndexCase index = s.index;
+  c.accuracy = weight_grad_accuracy(
+      [index](const std::map<std::string, HostTensor>& t) {
+        return final_table_grad64(t.at("x"), t.at("norm_weight"), t.at("grad"), index, FinalAdalnOutInputs{}.eps);
+      },
+      ctx.quick ? 7 : 1);
+  cases.push_back(std::move(c));
   return cases;
 }
 

@@ -7,12 +7,15 @@
 // table gradients in the table dtype) and a few H3 shapes; kBench the H3 shape
 // (bf16, H from the weights, B = 2, T = 3) at S = 4097, 32768 and 131072 with
 // both packings; kVerify the weights' H at verify's sizes (S = 4097, B = 2;
-// --quick: S = 257, B = 1) with block 0's norm1 weight.
+// --quick: S = 257, B = 1) with block 0's norm1 weight (adaln_row_gather: B = 1,
+// against a direct byte gather).
 // Every input is a pure function of the case's seeds; the tables are the
 // (3T, 6H) AdaLN rows and each op reads its chunk as a strided (3T, H) view,
 // as the model does.
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -395,6 +398,7 @@ struct GatherShape {
   IndexCase index{};
   bool strided_rows = false;  // rows (R, 6H) with row stride 6H + 3
   DType rows_grad_dtype = DType::kF32;
+  Fill rows{};  // absent: values N(0, 1) (spread 1)
 };
 
 OpCase adaln_row_gather_case(const GatherShape& s, const Values& v) {
@@ -405,7 +409,7 @@ OpCase adaln_row_gather_case(const GatherShape& s, const Values& v) {
   const int64_t S = s.index.seq_len, P = s.index.positions(), H = s.hidden, R = s.index.num_rows();
   const int64_t width = 6 * H, stride = s.strided_rows ? width + 3 : width;
   c.plans.push_back({"plan", s.index, PlanSpec::Rows::kAdaln});
-  c.input("rows_storage", Phase::kForward, s.dtype, {R, stride}, v(21, 0.0, 1.0));
+  c.input("rows_storage", Phase::kForward, s.dtype, {R, stride}, s.rows ? s.rows : v(21, 0.0, 1.0));
   c.output("out", Phase::kForward, s.dtype, {6, S, H});
   c.input("grad", Phase::kBackward, s.dtype, {6, P, H}, v(22, 0.0, 1.0));
   c.output("d_rows", Phase::kBackward, s.rows_grad_dtype, {R, width});
@@ -421,6 +425,24 @@ OpCase adaln_row_gather_case(const GatherShape& s, const Values& v) {
   };
   c.set_bytes(Phase::kForward, {"out"}, static_cast<double>(R * width) * dtype_size(s.dtype), "rows");
   c.set_bytes(Phase::kBackward, {"grad", "d_rows"});
+  // The forward is a byte copy: out[c, s] = the bytes of chunk c of row(s),
+  // copied here row by row from the rows' host copy. (The backward sums; its
+  // FP64 oracle is row_gather_grad_exact.)
+  const IndexCase index = s.index;
+  c.equivalent.name = "byte copy = direct gather";
+  c.equivalent.forward_only = true;
+  c.equivalent.compute = [index, H, stride](const std::map<std::string, HostTensor>& got,
+                                            std::map<std::string, HostTensor>* expected) {
+    const HostTensor& rows = got.at("rows_storage");
+    const std::size_t element = dtype_size(rows.dtype()), row_bytes = static_cast<std::size_t>(H) * element;
+    HostTensor out(rows.dtype(), {6, index.seq_len, H});
+    for (int64_t chunk = 0; chunk < 6; ++chunk)
+      for (int64_t p = 0; p < index.seq_len; ++p)
+        std::memcpy(static_cast<char*>(out.data()) + (chunk * index.seq_len + p) * row_bytes,
+                    static_cast<const char*>(rows.data()) + (index.row(p) * stride + chunk * H) * element, row_bytes);
+    (*expected)["out"] = std::move(out);
+    return Status::ok_status();
+  };
   return c;
 }
 
@@ -546,7 +568,15 @@ std::vector<OpCase> adaln_row_gather_cases(Suite suite, const CaseContext& ctx) 
         cases.push_back(adaln_row_gather_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2)}, v));
     return cases;
   }
-  return cases;  // verify checks the gather against a direct byte gather (tools/verify_rowwise.cc)
+  // kVerify: the weights' H, block packing, S = 4097 (--quick: 257), T = 3,
+  // B = 1, rows N(0, 0.5) (verify's stream), against the direct gather.
+  const Values v{true, ctx.seed};
+  GatherShape s{DType::kBF16, ctx.hidden, make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, 1)};
+  s.rows = v(21, 0.0, 0.5);
+  OpCase c = adaln_row_gather_case(s, v);
+  c.name = "six chunks";
+  cases.push_back(std::move(c));
+  return cases;
 }
 
 std::vector<OpCase> gate_residual_rmsnorm_cases(Suite suite, const CaseContext& ctx) {
