@@ -87,13 +87,11 @@ double link_seconds(const LinkModel& link, int world, const std::vector<Predicti
   return seconds;
 }
 
-// One timed thing of one rank: prepared runs and the step that times them.
+// One timed thing of one rank: its prepared run (WS1's or a rank's; the part
+// of WS1 its sharded outputs hold) and the step that times it.
 struct RankWork {
-  std::vector<SpRun> sp;  // the fused region
-  TpRun tp;
+  ParallelRun run;
   std::function<Status()> step;
-  std::vector<const std::vector<SpOutput>*> outputs;
-  int64_t lo = 0, hi = 0;  // the rank's positions (SP) or columns (TP)
 };
 
 Status median_of_steps(const BenchContext& ctx, Stream stream, int warmup, int repeats,
@@ -135,24 +133,16 @@ Status gather_medians(Communicator& comm, const Status& local, double median, co
   return Status::ok_status();
 }
 
-// Elements of `outputs` that differ bitwise from WS1's (the rank's slice of
-// per-position outputs: rows [lo, hi) of each of `batch` items of `length`).
-Status count_wrong(const std::vector<SpOutput>& outputs, const std::vector<HostTensor>& ws1, int64_t batch,
-                   int64_t length, int64_t lo, int64_t hi, Stream stream, int64_t* wrong, int64_t* compared) {
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    HostTensor got;
-    DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&got, stream));
-    const HostTensor expected = outputs[i].per_position ? local_rows(ws1[i], batch, length, lo, hi) : ws1[i];
-    const std::size_t width = dtype_size(got.dtype());
-    const auto* a = static_cast<const char*>(got.data());
-    const auto* b = static_cast<const char*>(expected.data());
-    *compared += got.numel();
-    if (got.nbytes() != expected.nbytes()) {
-      *wrong += got.numel();
-      continue;
-    }
-    if (std::memcmp(a, b, got.nbytes()) == 0) continue;
-    for (int64_t e = 0; e < got.numel(); ++e) *wrong += std::memcmp(a + e * width, b + e * width, width) != 0;
+// Elements of the run's outputs that differ bitwise from WS1's (its part of
+// sharded outputs; cases::compare_with_ws1), and how many were compared.
+Status count_wrong(const ParallelRun& run, const std::vector<HostTensor>& ws1, Stream stream, int64_t* wrong,
+                   int64_t* compared) {
+  std::vector<cases::OutputReport> reports;
+  DETDIT_RETURN_IF_ERROR(cases::compare_with_ws1(run, ws1, stream, "", &reports));
+  for (std::size_t i = 0; i < reports.size(); ++i) {
+    const int64_t elements = run.outputs[i].tensor.view().numel();
+    *compared += elements;
+    *wrong += reports[i].mismatch.shape_error.empty() ? reports[i].mismatch.count : elements;
   }
   return Status::ok_status();
 }
@@ -162,39 +152,30 @@ Status prepare_sp_work(const SpProblem& pr, const SpIndex& index, const Device& 
                        Communicator* comm, RankWork* work) {
   SpPlan sp;
   if (comm != nullptr) DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, comm->world_size(), comm->rank(), &sp, stream));
-  work->lo = comm ? sp.local_begin() : 0;
-  work->hi = comm ? sp.local_end() : pr.seq_len;
-  work->sp.resize(1);
-  DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, SpVariant::kGateResidualRmsnorm, device, stream,
-                                        comm ? &sp : nullptr, comm, &work->sp[0]));
-  SpRun* region = &work->sp[0];
+  DETDIT_RETURN_IF_ERROR(cases::prepare_sp_run(pr, index, SpVariant::kGateResidualRmsnorm, device, stream,
+                                               comm ? &sp : nullptr, comm, &work->run));
+  ParallelRun* region = &work->run;
   work->step = [region]() {
     DETDIT_RETURN_IF_ERROR(region->forward());
     return region->backward();
   };
-  work->outputs = {&region->outputs};
   return Status::ok_status();
 }
 
 Status prepare_tp_work(const TpProblem& pr, const TpWeights& weights, const Device& device, Stream stream,
                        Communicator* comm, bool backward, RankWork* work) {
-  DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, stream, comm, &work->tp));
-  work->lo = work->tp.begin;
-  work->hi = work->tp.end;
-  TpRun* run = &work->tp;
+  DETDIT_RETURN_IF_ERROR(cases::prepare_tp_run(pr, weights, device, stream, comm, &work->run));
+  ParallelRun* run = &work->run;
   work->step = [run, backward]() {
     DETDIT_RETURN_IF_ERROR(run->forward());
     return backward ? run->backward() : Status::ok_status();
   };
-  work->outputs = {&run->outputs};
   return Status::ok_status();
 }
 
-// What one timed configuration needs: how to prepare a rank, and how its
-// outputs map onto WS1's.
+// What one timed configuration needs: how to prepare a rank.
 struct Timed {
   std::function<Status(Stream, Communicator*, RankWork*)> prepare;
-  int64_t batch, length;
 };
 
 // r's prediction at r->world: every rank alone through a PredictionComm, then
@@ -252,7 +233,7 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
   base.phase = phase;
   base.simulated = mpi == nullptr;
   // WS1 on this device (every MPI rank times its own), outputs kept for #wrong.
-  std::vector<std::vector<HostTensor>> ws1;
+  std::vector<HostTensor> ws1;
   {
     ParallelBenchResult r = base;
     r.world = 1;
@@ -262,13 +243,8 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
     double median = 0;
     Status s = timed.prepare(stream.get(), nullptr, &work);
     if (s.ok()) s = median_of_steps(ctx, stream.get(), warmup, repeats, work.step, &median);
-    for (const auto* outputs : work.outputs) {
-      ws1.emplace_back();
-      if (s.ok()) {
-        ws1.back().resize(outputs->size());
-        for (std::size_t i = 0; s.ok() && i < outputs->size(); ++i) s = (*outputs)[i].tensor.to_host(&ws1.back()[i], stream.get());
-      }
-    }
+    ws1.resize(work.run.outputs.size());
+    for (std::size_t i = 0; s.ok() && i < ws1.size(); ++i) s = work.run.outputs[i].tensor.to_host(&ws1[i], stream.get());
     double worst = median;
     if (mpi != nullptr) s = gather_medians(*mpi, s, median, "WS1", &r.rank_medians, &worst);
     r.median_seconds = worst;
@@ -291,11 +267,7 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
       DETDIT_RETURN_IF_ERROR(timed.prepare(stream.get(), &comm, &work));
       const std::size_t q = static_cast<std::size_t>(comm.rank());
       DETDIT_RETURN_IF_ERROR(median_of_steps(ctx, stream.get(), warmup, repeats, work.step, &medians[q]));
-      for (std::size_t k = 0; k < work.outputs.size(); ++k) {
-        DETDIT_RETURN_IF_ERROR(count_wrong(*work.outputs[k], ws1[k], timed.batch, timed.length, work.lo, work.hi,
-                                           stream.get(), &wrong[q], &compared[q]));
-      }
-      return Status::ok_status();
+      return count_wrong(work.run, ws1, stream.get(), &wrong[q], &compared[q]);
     };
     Status s;
     if (mpi != nullptr) {
@@ -420,13 +392,15 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
       for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
         const std::string name = sp_case_name(seq_len, packing);
         if (!wanted(names, name)) continue;
+        cases::SpShape shape;
+        shape.packing = packing;
+        shape.seq_len = seq_len;
+        shape.hidden = ctx.weights->config.hidden;
         SpProblem pr;
-        DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
+        DETDIT_RETURN_IF_ERROR(cases::make_sp_problem(case_context(*ctx.weights, ctx.quick, ctx.seed), shape, &pr));
         SpIndex index;
-        DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
+        DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, ctx.device, &index));
         Timed timed;
-        timed.batch = pr.batch;
-        timed.length = pr.seq_len;
         timed.prepare = [&](Stream stream, Communicator* comm, RankWork* work) {
           return prepare_sp_work(pr, index, ctx.device, stream, comm, work);
         };
@@ -437,7 +411,7 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
           for (const SpPlan::RankTraffic& t : sp.traffic()) send_rows.push_back(static_cast<double>(t.send_rows));
           r->metrics.push_back({"send_rows_per_rank", send_rows});
           r->metrics.push_back(
-              {"bytes_sent_per_rank", {sp_backward_bytes_per_rank(sp, SpVariant::kGateResidualRmsnorm, pr.hidden)}});
+              {"bytes_sent_per_rank", {cases::sp_backward_bytes_per_rank(sp, SpVariant::kGateResidualRmsnorm, shape.hidden)}});
         };
         progress->started("sp_region " + name + " fwd+bwd");
         time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, predicted, describe,
@@ -450,17 +424,19 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
     for (int64_t timesteps : tp_timestep_counts(ctx)) {
       const std::string name = "T=" + std::to_string(timesteps);
       if (!wanted(names, name)) continue;
+      const cases::CaseContext cases_context = case_context(*ctx.weights, ctx.quick, ctx.seed);
+      const cases::TpShape shape = cases::tp_adaln_projection_shape(cases_context, timesteps);
       TpProblem pr;
-      DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
+      DETDIT_RETURN_IF_ERROR(cases::make_tp_problem(cases_context, shape, &pr));
       TpWeights weights;
-      DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, ctx.device, &weights));
+      DETDIT_RETURN_IF_ERROR(cases::upload_tp_weights(pr, ctx.device, &weights));
       // A world size that cannot split N (more ranks than 64-column chunks) is an error row.
       std::vector<int> valid, valid_predicted;
       std::vector<ParallelBenchResult> refused;
       for (bool prediction : {false, true}) {
         for (int world : prediction ? predicted : worlds) {
           int64_t begin = 0, end = 0;
-          const Status split = tp_column_shard(pr.out_features, world, 0, &begin, &end);
+          const Status split = tp_column_shard(shape.out_features, world, 0, &begin, &end);
           if (split.ok()) {
             (prediction ? valid_predicted : valid).push_back(world);
             continue;
@@ -478,18 +454,16 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
       const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
       for (bool backward : {false, true}) {
         Timed timed;
-        timed.batch = 1;
-        timed.length = pr.out_features;
         timed.prepare = [&, backward](Stream stream, Communicator* comm, RankWork* work) {
           return prepare_tp_work(pr, weights, ctx.device, stream, comm, backward, work);
         };
         auto describe = [&, backward](int world, ParallelBenchResult* r) {
           // Every rank sends a block of rank 0's size (the most columns and chunks any rank owns).
           int64_t begin = 0, end = 0;
-          if (!tp_column_shard(pr.out_features, world, 0, &begin, &end).ok()) return;  // `valid` holds only splits
+          if (!tp_column_shard(shape.out_features, world, 0, &begin, &end).ok()) return;  // `valid` holds only splits
           const double columns = static_cast<double>(end - begin);
           double bytes = static_cast<double>(timesteps) * columns * element;
-          if (backward) bytes += std::ceil(columns / 64) * static_cast<double>(timesteps * pr.in_features) * 4;
+          if (backward) bytes += std::ceil(columns / 64) * static_cast<double>(timesteps * shape.in_features) * 4;
           r->metrics.push_back({"bytes_sent_per_rank", {bytes}});
         };
         const std::string phase = backward ? "fwd+bwd" : "fwd";

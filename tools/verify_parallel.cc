@@ -16,15 +16,8 @@
 //   --comm mpi: one rank per process (mpirun -np N), world size N; each rank
 //     compares with WS1 computed on its own device, the framework merges the
 //     ranks' rows on rank 0.
-// Sizes (B = 2, T = 3 timesteps for SP; H, N = 18H and D from the weights):
-//   SP S = 4097 always (world sizes 1..8; in-process on the CPU with --quick
-//   1, 2, 3, 8); S = 32768 with --full or --comm mpi (in-process on
-//   the CPU only world size 3, where rows move, without the naive contrast:
-//   each H3 world at this S costs tens of seconds and 8 GB on 2 cores);
-//   S = 131072 with --comm mpi on CUDA without --quick. Both packings.
-//   TP T = 1..4; every world size up to the number of 64-column chunks of N
-//   (an informational row quotes the refusal of a larger one); on the CPU
-//   with --quick T = 1 and 4 at world sizes 1, 3 and 8.
+// The problems, their sizes and world sizes, WS1, one rank's run and its
+// comparison with WS1 are the op-case library's (cases/parallel_cases.h).
 // Informational rows (the naive-SP contrast, world sizes 2, 4, 8): each rank
 // runs the WS1 backward on its own rows, then d_weight, d_scale and d_gate are
 // summed in rank order (FP32) and compared with WS1's bits: the fraction of
@@ -36,8 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "detdit/gate_residual.h"
-#include "detdit/rmsnorm.h"
+#include "cases/parallel_cases.h"
 #include "parallel_common.h"
 #include "verify.h"
 
@@ -45,63 +37,20 @@ namespace detdit {
 namespace cli {
 namespace {
 
-// A run's rows [lo, hi) of each of `batch` items of `length` positions: the
-// part of a per-position WS1 output the run must equal.
-struct Slice {
-  int64_t batch, length, lo, hi;
-};
+using cases::OutputReport;
+using cases::SpVariant;
 
-// Compares each output of a run with WS1's bytes (its slice for per-position
-// outputs, the whole tensor for replicated ones): one comparison per tensor.
-// CPU outputs are compared in place, slices run by run (no copies of
-// H3-sized tensors unless they differ and the report needs the details).
-Status compare_outputs(const std::vector<SpOutput>& outputs, const std::vector<HostTensor>& ws1, const Slice& slice,
-                       Stream stream, const std::string& prefix, CheckRow* row) {
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    const TensorView& view = outputs[i].tensor.view();
-    HostTensor copy;
-    const char* got = static_cast<const char*>(view.data);
-    if (view.device.is_cuda()) {
-      DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&copy, stream));
-      got = static_cast<const char*>(copy.data());
-    }
-    const std::string what = prefix + outputs[i].name;
-    const std::size_t bytes = view.nbytes();
-    const std::size_t expected_bytes =
-        outputs[i].per_position ? ws1[i].nbytes() / static_cast<std::size_t>(slice.length) *
-                                      static_cast<std::size_t>(slice.hi - slice.lo)
-                                : ws1[i].nbytes();
-    if (bytes != expected_bytes) {
-      return Status::runtime_error(what + ": " + std::to_string(bytes) + " bytes, WS1's part has " +
-                                   std::to_string(expected_bytes));
-    }
-    if (!outputs[i].per_position) {
-      compare_bytes(ws1[i].data(), got, bytes, view.dtype, what, row);
-      continue;
-    }
-    // (batch, lo..hi, ...) of WS1's (batch, length, ...): one run per batch item.
-    const std::size_t run = bytes / static_cast<std::size_t>(slice.batch);
-    const std::size_t item = ws1[i].nbytes() / static_cast<std::size_t>(slice.batch);
-    const std::size_t offset = item / static_cast<std::size_t>(slice.length) * static_cast<std::size_t>(slice.lo);
-    bool equal = true;
-    for (int64_t b = 0; b < slice.batch && equal; ++b) {
-      equal = std::memcmp(static_cast<const char*>(ws1[i].data()) + b * item + offset, got + b * run, run) == 0;
-    }
-    if (equal) {
-      ++row->bitwise_run;
+// The reports of one rank's comparisons with WS1 into its row: one bitwise
+// comparison per output, the first difference as the detail.
+void add_reports(const std::vector<OutputReport>& reports, CheckRow* row) {
+  for (const OutputReport& r : reports) {
+    ++row->bitwise_run;
+    if (r.mismatch.equal()) {
       ++row->bitwise_passed;
-      continue;
+    } else if (row->detail.empty()) {
+      row->detail = r.output + ": " + (r.mismatch.shape_error.empty() ? r.mismatch.describe() : r.mismatch.shape_error);
     }
-    const HostTensor expected = local_rows(ws1[i], slice.batch, slice.length, slice.lo, slice.hi);
-    compare_bytes(expected.data(), got, bytes, view.dtype, what, row);
   }
-  return Status::ok_status();
-}
-
-Status download(const std::vector<SpOutput>& outputs, std::vector<HostTensor>* hosts) {
-  hosts->resize(outputs.size());
-  for (std::size_t i = 0; i < outputs.size(); ++i) DETDIT_RETURN_IF_ERROR(outputs[i].tensor.to_host(&(*hosts)[i]));
-  return Status::ok_status();
 }
 
 // A world's row: the comparisons of every rank, plus errors (a rank that
@@ -111,36 +60,32 @@ struct WorldRow {
   bool error = false;
 };
 
-void merge(const CheckRow& rank_row, int rank, WorldRow* world) {
-  world->row.bitwise_run += rank_row.bitwise_run;
-  world->row.bitwise_passed += rank_row.bitwise_passed;
-  if (world->row.detail.empty() && !rank_row.detail.empty()) {
-    world->row.detail = "rank " + std::to_string(rank) + ": " + rank_row.detail;
-  }
-}
-
 void record_error(const Status& status, WorldRow* world) {
   if (status.ok()) return;
   world->error = true;
   world->row.detail = status.to_string() + (world->row.detail.empty() ? "" : "; " + world->row.detail);
 }
 
-// Runs fn(comm, &rank_row) on every rank of `world`: in-process threads on
-// context.device, or this process's rank of context.comm. Merges the rows.
+// Runs rank(comm, &reports) on every rank of `world` (cases::run_world: this
+// process's rank of ctx.comm, or in-process threads on ctx.device) and
+// merges the ranks' comparisons into the world's row.
 template <typename Fn>
-void run_ranks(const VerifyContext& ctx, int world, Fn&& fn, WorldRow* out) {
+void run_ranks(const VerifyContext& ctx, int world, Fn&& rank, WorldRow* out) {
   const double start = now_seconds();
-  if (ctx.comm != nullptr) {
+  const int ranks = ctx.comm != nullptr ? ctx.comm->world_size() : world;
+  std::vector<std::vector<OutputReport>> reports(static_cast<std::size_t>(ranks));
+  record_error(cases::run_world(world, ctx.device, ctx.comm,
+                                [&](Communicator& comm) {
+                                  return rank(comm, &reports[static_cast<std::size_t>(comm.rank())]);
+                                }),
+               out);
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    if (reports[r].empty()) continue;
     CheckRow mine;
-    record_error(fn(*ctx.comm, &mine), out);
-    merge(mine, ctx.comm->rank(), out);
-  } else {
-    std::vector<CheckRow> ranks(static_cast<std::size_t>(world));
-    Status status = InProcessGroup::run(
-        world, [&](Communicator& comm) { return fn(comm, &ranks[static_cast<std::size_t>(comm.rank())]); },
-        ctx.device);
-    record_error(status, out);
-    for (int r = 0; r < world; ++r) merge(ranks[static_cast<std::size_t>(r)], r, out);
+    add_reports(reports[r], &mine);
+    out->row.bitwise_run += mine.bitwise_run;
+    out->row.bitwise_passed += mine.bitwise_passed;
+    if (out->row.detail.empty() && !mine.detail.empty()) out->row.detail = "rank " + std::to_string(r) + ": " + mine.detail;
   }
   out->row.seconds += now_seconds() - start;
 }
@@ -156,87 +101,21 @@ std::string percent(double fraction) {
   return text;
 }
 
+cases::ParallelSetting setting_of(const VerifyContext& ctx) {
+  cases::ParallelSetting s;
+  s.cuda = ctx.device.is_cuda();
+  s.quick = ctx.quick;
+  s.full = ctx.full;
+  s.mpi_world = ctx.comm != nullptr ? ctx.comm->world_size() : 0;
+  return s;
+}
+
+cases::CaseContext case_context_of(const VerifyContext& ctx) { return case_context(*ctx.weights, ctx.quick, ctx.seed); }
+
 // ---- sp_region -----------------------------------------------------------------
 
-std::vector<int> sp_world_sizes(const VerifyContext& ctx, int64_t seq_len) {
-  if (ctx.comm != nullptr) return {ctx.comm->world_size()};
-  if (!ctx.device.is_cuda() && seq_len > 4097) return {3};
-  if (!ctx.device.is_cuda() && ctx.quick) return {1, 2, 3, 8};
-  return {1, 2, 3, 4, 5, 6, 7, 8};
-}
-
-// Fraction of elements of a (FP32) rank-order sum that differ from WS1's bits.
-double fraction_differing(const std::vector<float>& sum, const HostTensor& ws1) {
-  const int64_t count = static_cast<int64_t>(sum.size());
-  return static_cast<double>(cases::compare_bytes(ws1.data(), sum.data(), count, DType::kF32).count) /
-         static_cast<double>(count);
-}
-
-// The naive alternative for one variant at `world` ranks, simulated on the
-// device: each rank's WS1 backward on its own rows (the local plan) with FP32
-// replicated gradients, summed in rank order. Returns the fractions of
-// (d_weight, d_scale) or (d_gate) elements that differ from WS1.
-Status naive_fractions(const SpProblem& pr, const SpIndex& index, const Device& device, SpVariant variant, int world,
-                       const std::vector<HostTensor>& ws1, std::vector<std::pair<std::string, double>>* fractions) {
-  const bool gate = variant == SpVariant::kGateResidual;
-  const int64_t hidden = pr.hidden, rows = pr.shift.shape()[0];
-  std::vector<float> first(gate ? rows * hidden : hidden, 0.0f), second(gate ? 0 : rows * hidden, 0.0f);
-  for (int rank = 0; rank < world; ++rank) {
-    SpPlan sp;
-    DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, world, rank, &sp));
-    const int64_t lo = sp.local_begin(), hi = sp.local_end();
-    DeviceTensor x, grad, rstd, weight, table_a, table_b, part_a, part_b;
-    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(local_rows(pr.x, pr.batch, pr.seq_len, lo, hi), device, &x));
-    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(local_rows(pr.grad, pr.batch, pr.seq_len, lo, hi), device, &grad));
-    if (gate) {
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.gate, device, &table_a));
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {rows, hidden}, device, &part_a));
-      // As in prepare_sp_run: y = grad, the incoming gradient is x.
-      GateResidualBackwardParams b;
-      b.grad = x.view();
-      b.in.y = grad.view();
-      b.in.gate = table_a.view();
-      b.in.plan = sp.local_plan();
-      b.d_gate = part_a.view();
-      DETDIT_RETURN_IF_ERROR(gate_residual_backward(b));
-    } else {
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(local_rows(ws1[1], pr.batch, pr.seq_len, lo, hi), device, &rstd));
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.weight, device, &weight));
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.shift, device, &table_a));
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(pr.scale, device, &table_b));
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {hidden}, device, &part_a));
-      DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(DType::kF32, {rows, hidden}, device, &part_b));
-      RmsnormBackwardParams b;
-      b.in.x = x.view();
-      b.in.weight = weight.view();
-      b.in.shift = table_a.view();
-      b.in.scale = table_b.view();
-      b.in.plan = sp.local_plan();
-      b.rstd = rstd.view();
-      b.grad = grad.view();
-      b.d_weight = part_a.view();
-      b.d_scale = part_b.view();
-      DETDIT_RETURN_IF_ERROR(rmsnorm_backward(b));
-    }
-    HostTensor a, b;
-    DETDIT_RETURN_IF_ERROR(part_a.to_host(&a));
-    for (std::size_t i = 0; i < first.size(); ++i) first[i] += a.ptr<float>()[i];
-    if (!gate) {
-      DETDIT_RETURN_IF_ERROR(part_b.to_host(&b));
-      for (std::size_t i = 0; i < second.size(); ++i) second[i] += b.ptr<float>()[i];
-    }
-  }
-  if (gate) {
-    fractions->push_back({"d_gate", fraction_differing(first, ws1[3])});
-  } else {
-    fractions->push_back({"d_weight", fraction_differing(first, ws1[3])});
-    fractions->push_back({"d_scale", fraction_differing(second, ws1[5])});
-  }
-  return Status::ok_status();
-}
-
 // What the plan of `world` ranks moves (every rank's plan knows every rank's numbers).
-Status sp_world_metrics(const SpIndex& index, int world, int64_t hidden, CheckRow* row) {
+Status sp_world_metrics(const cases::SpIndex& index, int world, int64_t hidden, CheckRow* row) {
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, world, 0, &sp));
   std::vector<double> send_rows;
@@ -248,40 +127,43 @@ Status sp_world_metrics(const SpIndex& index, int world, int64_t hidden, CheckRo
   row->metrics.push_back({"send_rows_per_rank", send_rows});
   row->metrics.push_back({"rows_moved_all_ranks", {moved}});
   row->metrics.push_back({"max_send_rows", {static_cast<double>(sp.max_send())}});
-  for (SpVariant v : kSpVariants) {
-    std::string name = sp_variant_name(v);  // "modulated rmsnorm" -> bytes_sent_per_rank_modulated_rmsnorm_bwd
+  for (SpVariant v : cases::kSpVariants) {
+    std::string name = cases::sp_variant_name(v);  // "modulated rmsnorm" -> bytes_sent_per_rank_modulated_rmsnorm_bwd
     std::replace(name.begin(), name.end(), ' ', '_');
-    row->metrics.push_back({"bytes_sent_per_rank_" + name + "_bwd", {sp_backward_bytes_per_rank(sp, v, hidden)}});
+    row->metrics.push_back(
+        {"bytes_sent_per_rank_" + name + "_bwd", {cases::sp_backward_bytes_per_rank(sp, v, hidden)}});
   }
   return Status::ok_status();
 }
 
 // Row "ws1 = cpu ws1": the device's WS1 (host copies `ws1`) against the same
-// problem's WS1 on the CPU, which prepare(&run) sets up: one comparison per output.
-template <typename Run, typename Prepare>
-WorldRow compare_with_cpu_ws1(const std::vector<HostTensor>& ws1, const std::string& prefix, Prepare&& prepare) {
+// problem's WS1 on the CPU (`cpu_ws1` computes it): one comparison per output.
+WorldRow compare_with_cpu_ws1(const std::vector<HostTensor>& ws1, const std::vector<std::string>& names,
+                              const std::function<Status(std::vector<HostTensor>*)>& cpu_ws1) {
   WorldRow cpu;
   cpu.row.check = "ws1 = cpu ws1";
   const double start = now_seconds();
-  Run run;
   std::vector<HostTensor> reference;
-  Status s = prepare(&run);
-  if (s.ok()) s = run.forward();
-  if (s.ok()) s = run.backward();
-  if (s.ok()) s = download(run.outputs, &reference);
+  Status s = cpu_ws1(&reference);
   if (s.ok() && reference.size() != ws1.size()) s = Status::runtime_error("the CPU's WS1 has other outputs");
   record_error(s, &cpu);
   for (std::size_t i = 0; s.ok() && i < reference.size(); ++i) {
-    const std::string what = prefix + run.outputs[i].name;
     if (reference[i].nbytes() != ws1[i].nbytes()) {
-      record_error(Status::runtime_error(what + ": the CPU's WS1 has another size"), &cpu);
+      record_error(Status::runtime_error(names[i] + ": the CPU's WS1 has another size"), &cpu);
       continue;
     }
-    compare_bytes(reference[i].data(), ws1[i].data(), ws1[i].nbytes(), ws1[i].dtype(), what, &cpu.row);
+    compare_bytes(reference[i].data(), ws1[i].data(), ws1[i].nbytes(), ws1[i].dtype(), names[i], &cpu.row);
   }
   cpu.row.seconds = now_seconds() - start;
   finish(&cpu);
   return cpu;
+}
+
+// The output names of a run (prefixed), for the CPU comparison's details.
+std::vector<std::string> output_names(const cases::ParallelRun& run, const std::string& prefix) {
+  std::vector<std::string> names;
+  for (const cases::RunOutput& o : run.outputs) names.push_back(prefix + o.name);
+  return names;
 }
 
 // One variant's results on one sp problem: a row per world (every rank equal
@@ -299,56 +181,46 @@ struct SpVariantResult {
 // `corrupt_variant`: a test hook (verify --matrix under DETDIT_TEST_CORRUPT_CELLS):
 // one bit of that variant's WS1 output is flipped after the run, so every
 // comparison with it must fail.
-Status run_sp_problem(const VerifyContext& ctx, const SpProblem& pr, const SpIndex& index, const std::vector<int>& worlds,
-                      const std::vector<int>& naive_worlds, bool cpu_check, const std::string& corrupt_variant,
-                      std::vector<SpVariantResult>* results) {
+Status run_sp_problem(const VerifyContext& ctx, const cases::SpProblem& pr, const cases::SpIndex& index,
+                      const std::vector<int>& worlds, const std::vector<int>& naive_worlds, bool cpu_check,
+                      const std::string& corrupt_variant, std::vector<SpVariantResult>* results) {
   const Device device = ctx.device;
-  SpIndex cpu_index;
-  if (cpu_check) DETDIT_RETURN_IF_ERROR(make_sp_index(pr, Device::cpu(), &cpu_index));
-  for (SpVariant variant : kSpVariants) {
-    if (pr.numerics != Numerics::kPortable && !sp_variant_takes_profile(variant)) continue;
+  cases::SpIndex cpu_index;
+  if (cpu_check) DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, Device::cpu(), &cpu_index));
+  for (SpVariant variant : cases::kSpVariants) {
+    if (pr.shape.numerics != Numerics::kPortable && !cases::sp_variant_takes_profile(variant)) continue;
     SpVariantResult r;
     r.variant = variant;
     r.worlds.resize(worlds.size());
     // WS1 on this device (the default stream), brought to the host.
     std::vector<HostTensor> ws1;
-    {
-      SpRun run;
-      DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, variant, device, nullptr, nullptr, nullptr, &run));
-      DETDIT_RETURN_IF_ERROR(run.forward());
-      DETDIT_RETURN_IF_ERROR(run.backward());
-      DETDIT_RETURN_IF_ERROR(download(run.outputs, &ws1));
-    }
-    if (!ws1.empty() && corrupt_variant == sp_variant_name(variant)) static_cast<unsigned char*>(ws1[0].data())[0] ^= 1;
-    const std::string prefix = std::string(sp_variant_name(variant)) + " ";
+    DETDIT_RETURN_IF_ERROR(cases::sp_ws1(pr, index, variant, device, &ws1));
+    if (!ws1.empty() && corrupt_variant == cases::sp_variant_name(variant))
+      static_cast<unsigned char*>(ws1[0].data())[0] ^= 1;
+    const std::string prefix = std::string(cases::sp_variant_name(variant)) + " ";
     if (cpu_check) {
-      r.cpu = compare_with_cpu_ws1<SpRun>(ws1, prefix, [&](SpRun* run) {
-        return prepare_sp_run(pr, cpu_index, variant, Device::cpu(), nullptr, nullptr, nullptr, run);
+      cases::ParallelRun names_of;
+      DETDIT_RETURN_IF_ERROR(
+          cases::prepare_sp_run(pr, cpu_index, variant, Device::cpu(), nullptr, nullptr, nullptr, &names_of));
+      r.cpu = compare_with_cpu_ws1(ws1, output_names(names_of, prefix), [&](std::vector<HostTensor>* reference) {
+        return cases::run_and_download(names_of, nullptr, reference);
       });
     }
     for (std::size_t i = 0; i < worlds.size(); ++i) {
       r.worlds[i].row.check = "ws=" + std::to_string(worlds[i]);
       run_ranks(
           ctx, worlds[i],
-          [&](Communicator& comm, CheckRow* rank_row) -> Status {
-            RankStream stream(device);
-            SpPlan sp;
-            DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, comm.world_size(), comm.rank(), &sp, stream.get()));
-            SpRun run;
-            DETDIT_RETURN_IF_ERROR(prepare_sp_run(pr, index, variant, device, stream.get(), &sp, &comm, &run));
-            DETDIT_RETURN_IF_ERROR(run.forward());
-            DETDIT_RETURN_IF_ERROR(run.backward());
-            return compare_outputs(run.outputs, ws1, Slice{pr.batch, pr.seq_len, sp.local_begin(), sp.local_end()},
-                                   stream.get(), prefix, rank_row);
+          [&](Communicator& comm, std::vector<OutputReport>* reports) {
+            return cases::sp_rank_against_ws1(pr, index, variant, device, comm, ws1, reports);
           },
           &r.worlds[i]);
     }
-    if (sp_variant_has_naive_contrast(variant)) {
+    if (cases::sp_variant_has_naive_contrast(variant)) {
       r.naive.resize(naive_worlds.size());
       r.naive_fraction.resize(naive_worlds.size());
       for (std::size_t i = 0; i < naive_worlds.size(); ++i) {
         const double start = now_seconds();
-        record_error(naive_fractions(pr, index, device, variant, naive_worlds[i], ws1, &r.naive_fraction[i]),
+        record_error(cases::sp_naive_fractions(pr, index, device, variant, naive_worlds[i], ws1, &r.naive_fraction[i]),
                      &r.naive[i]);
         r.naive[i].row.seconds += now_seconds() - start;
       }
@@ -381,24 +253,30 @@ void absorb(const WorldRow& part, WorldRow* into) {
   if (into->row.detail.empty()) into->row.detail = part.row.detail;
 }
 
-// The default verify's sp_region case: one row per world for all four
+const cases::SpRegionCase* find_sp_case(const VerifyContext& ctx, const std::string& name,
+                                        std::vector<cases::SpRegionCase>* all) {
+  *all = cases::sp_region_cases(case_context_of(ctx), setting_of(ctx));
+  for (const cases::SpRegionCase& c : *all)
+    if (c.name == name) return &c;
+  return nullptr;
+}
+
+// The default verify's sp_region case `name`: one row per world for all four
 // variants, one naive row per naive world for both contrasts.
-Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std::vector<CheckRow>* rows) {
-  SpProblem pr;
-  DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
-  SpIndex index;
-  DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
-  const std::vector<int> worlds = sp_world_sizes(ctx, seq_len);
-  std::vector<int> naive_worlds;
-  for (int w : worlds) {
-    // The contrast on the CPU only at S = 4097 (at 32768 it costs a whole backward per world).
-    if (!ctx.device.is_cuda() && ctx.comm == nullptr && seq_len > 4097) continue;
-    if (w == 2 || w == 4 || w == 8 || (ctx.comm != nullptr && w > 1)) naive_worlds.push_back(w);
-  }
+Status verify_sp(const VerifyContext& ctx, const std::string& name, std::vector<CheckRow>* rows) {
+  std::vector<cases::SpRegionCase> all;
+  const cases::SpRegionCase* c = find_sp_case(ctx, name, &all);
+  if (c == nullptr) return Status::value_error("no sp_region case " + name);
+  cases::SpProblem pr;
+  DETDIT_RETURN_IF_ERROR(cases::make_sp_problem(case_context_of(ctx), c->shape, &pr));
+  cases::SpIndex index;
+  DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, ctx.device, &index));
+  const std::vector<int>& worlds = c->worlds;
+  const std::vector<int>& naive_worlds = c->naive_worlds;
   std::vector<WorldRow> checks(worlds.size());
   for (std::size_t i = 0; i < worlds.size(); ++i) {
     checks[i].row.check = "ws=" + std::to_string(worlds[i]);
-    DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.hidden, &checks[i].row));
+    DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.shape.hidden, &checks[i].row));
   }
   std::vector<SpVariantResult> results;
   DETDIT_RETURN_IF_ERROR(run_sp_problem(ctx, pr, index, worlds, naive_worlds, false, "", &results));
@@ -422,44 +300,47 @@ Status verify_sp(const VerifyContext& ctx, Packing packing, int64_t seq_len, std
   return Status::ok_status();
 }
 
-bool always(const VerifyContext&) { return true; }
-bool mpi_cuda_full_run(const VerifyContext& ctx) { return !ctx.quick && ctx.comm != nullptr && ctx.device.is_cuda(); }
-// In-process runs do 32768 with --full; MPI runs always (every rank then holds
-// a share of it).
-bool sp_32768(const VerifyContext& ctx) { return ctx.full || ctx.comm != nullptr; }
+bool sp_enabled(const VerifyContext& ctx, const std::string& name) {
+  std::vector<cases::SpRegionCase> all;
+  const cases::SpRegionCase* c = find_sp_case(ctx, name, &all);
+  return c != nullptr && c->enabled;
+}
 
-Status sp_4097_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, Packing::kBlock, 4097, r); }
-Status sp_4097_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
-  return verify_sp(c, Packing::kInterleaved, 4097, r);
-}
-Status sp_32768_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, Packing::kBlock, 32768, r); }
-Status sp_32768_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
-  return verify_sp(c, Packing::kInterleaved, 32768, r);
-}
-Status sp_131072_block(const VerifyContext& c, std::vector<CheckRow>* r) {
-  return verify_sp(c, Packing::kBlock, 131072, r);
-}
+// The registry takes plain functions: one pair per case of sp_region_cases.
+#define DETDIT_SP_CASE(id, name)                                                                      \
+  Status sp_##id(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, name, r); } \
+  bool sp_##id##_enabled(const VerifyContext& c) { return sp_enabled(c, name); }                      \
+  DETDIT_VERIFY_PARALLEL_CASE("sp_region", name, true, true, sp_##id, sp_##id##_enabled)
+DETDIT_SP_CASE(4097_block, "S=4097 block");
+DETDIT_SP_CASE(4097_interleaved, "S=4097 interleaved");
+DETDIT_SP_CASE(32768_block, "S=32768 block");
+DETDIT_SP_CASE(32768_interleaved, "S=32768 interleaved");
+#undef DETDIT_SP_CASE
+// S = 131072 runs on CUDA only (mpirun, one GPU per rank).
+Status sp_131072_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, "S=131072 block", r); }
+bool sp_131072_block_enabled(const VerifyContext& c) { return sp_enabled(c, "S=131072 block"); }
 Status sp_131072_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
-  return verify_sp(c, Packing::kInterleaved, 131072, r);
+  return verify_sp(c, "S=131072 interleaved", r);
 }
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=4097 block", true, true, sp_4097_block, always);
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=4097 interleaved", true, true, sp_4097_interleaved, always);
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=32768 block", true, true, sp_32768_block, sp_32768);
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=32768 interleaved", true, true, sp_32768_interleaved, sp_32768);
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 block", false, true, sp_131072_block, mpi_cuda_full_run);
+bool sp_131072_interleaved_enabled(const VerifyContext& c) { return sp_enabled(c, "S=131072 interleaved"); }
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 block", false, true, sp_131072_block, sp_131072_block_enabled);
 DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 interleaved", false, true, sp_131072_interleaved,
-                            mpi_cuda_full_run);
+                            sp_131072_interleaved_enabled);
 
 // ---- tp_adaln_projection -----------------------------------------------------------
 
-std::vector<int> tp_world_sizes(const VerifyContext& ctx) {
-  if (ctx.comm != nullptr) return {ctx.comm->world_size()};
-  if (ctx.quick && !ctx.device.is_cuda()) return {1, 3, 8};
-  return {1, 2, 3, 4, 5, 6, 7, 8};
+const cases::TpCase* find_tp_case(const VerifyContext& ctx, const std::string& name, std::vector<cases::TpCase>* all) {
+  *all = cases::tp_adaln_projection_cases(case_context_of(ctx), setting_of(ctx));
+  for (const cases::TpCase& c : *all)
+    if (c.name == name) return &c;
+  return nullptr;
 }
 
-Status verify_tp(const VerifyContext& ctx, int64_t timesteps, std::vector<CheckRow>* rows) {
-  return verify_tp_worlds(ctx, timesteps, Numerics::kPortable, tp_world_sizes(ctx), false, rows);
+Status verify_tp(const VerifyContext& ctx, const std::string& name, std::vector<CheckRow>* rows) {
+  std::vector<cases::TpCase> all;
+  const cases::TpCase* c = find_tp_case(ctx, name, &all);
+  if (c == nullptr) return Status::value_error("no tp_adaln_projection case " + name);
+  return verify_tp_worlds(ctx, c->shape.timesteps, Numerics::kPortable, c->worlds, false, rows);
 }
 
 }  // namespace
@@ -469,23 +350,18 @@ Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics nu
   const Device device = ctx.device;
   if (cpu_check && numerics != Numerics::kPortable)
     return Status::value_error("tp: the CPU comparison needs the portable profile (the CPU has no torch profile)");
-  TpProblem pr;
-  DETDIT_RETURN_IF_ERROR(make_tp_problem(*ctx.weights, timesteps, ctx.seed, &pr));
-  pr.numerics = numerics;
-  TpWeights weights;
-  DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, device, &weights));
+  cases::TpShape shape = cases::tp_adaln_projection_shape(case_context_of(ctx), timesteps);
+  shape.numerics = numerics;
+  cases::TpProblem pr;
+  DETDIT_RETURN_IF_ERROR(cases::make_tp_problem(case_context_of(ctx), shape, &pr));
+  cases::TpWeights weights;
+  DETDIT_RETURN_IF_ERROR(cases::upload_tp_weights(pr, device, &weights));
   std::vector<HostTensor> ws1;
-  {
-    TpRun run;
-    DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, nullptr, nullptr, &run));
-    DETDIT_RETURN_IF_ERROR(run.forward());
-    DETDIT_RETURN_IF_ERROR(run.backward());
-    DETDIT_RETURN_IF_ERROR(download(run.outputs, &ws1));
-  }
+  DETDIT_RETURN_IF_ERROR(cases::tp_ws1(pr, weights, device, &ws1));
   const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
   for (int world : worlds) {
     int64_t begin = 0, end = 0;
-    Status split = tp_column_shard(pr.out_features, world, 0, &begin, &end);
+    Status split = tp_column_shard(shape.out_features, world, 0, &begin, &end);
     WorldRow check;
     check.row.check = "tp=" + std::to_string(world);
     if (!split.ok()) {
@@ -502,27 +378,23 @@ Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics nu
     check.row.metrics.push_back({"bytes_sent_per_rank_forward", {static_cast<double>(timesteps) * columns * element}});
     check.row.metrics.push_back(
         {"bytes_sent_per_rank_backward",
-         {std::ceil(columns / 64) * static_cast<double>(timesteps) * static_cast<double>(pr.in_features) * 4}});
+         {std::ceil(columns / 64) * static_cast<double>(timesteps) * static_cast<double>(shape.in_features) * 4}});
     run_ranks(
         ctx, world,
-        [&](Communicator& comm, CheckRow* rank_row) -> Status {
-          RankStream stream(device);
-          TpRun run;
-          DETDIT_RETURN_IF_ERROR(prepare_tp_run(pr, weights, device, stream.get(), &comm, &run));
-          DETDIT_RETURN_IF_ERROR(run.forward());
-          DETDIT_RETURN_IF_ERROR(run.backward());
-          return compare_outputs(run.outputs, ws1, Slice{1, pr.out_features, run.begin, run.end}, stream.get(), "",
-                                 rank_row);
+        [&](Communicator& comm, std::vector<OutputReport>* reports) {
+          return cases::tp_rank_against_ws1(pr, weights, device, comm, ws1, reports);
         },
         &check);
     finish(&check);
     rows->push_back(check.row);
   }
   if (cpu_check) {
-    TpWeights cpu_weights;
-    DETDIT_RETURN_IF_ERROR(upload_tp_weights(pr, Device::cpu(), &cpu_weights));
-    rows->push_back(compare_with_cpu_ws1<TpRun>(ws1, "", [&](TpRun* run) {
-                      return prepare_tp_run(pr, cpu_weights, Device::cpu(), nullptr, nullptr, run);
+    cases::TpWeights cpu_weights;
+    DETDIT_RETURN_IF_ERROR(cases::upload_tp_weights(pr, Device::cpu(), &cpu_weights));
+    cases::ParallelRun names_of;
+    DETDIT_RETURN_IF_ERROR(cases::prepare_tp_run(pr, cpu_weights, Device::cpu(), nullptr, nullptr, &names_of));
+    rows->push_back(compare_with_cpu_ws1(ws1, output_names(names_of, ""), [&](std::vector<HostTensor>* reference) {
+                      return cases::run_and_download(names_of, nullptr, reference);
                     }).row);
   }
   return Status::ok_status();
@@ -530,38 +402,46 @@ Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics nu
 
 namespace {
 
-// On the CPU --quick keeps T = 1 and 4 (each TP world costs a full H3 projection).
-bool tp_middle(const VerifyContext& ctx) { return !ctx.quick || ctx.device.is_cuda() || ctx.comm != nullptr; }
-
-Status tp_1(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 1, r); }
-Status tp_2(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 2, r); }
-Status tp_3(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 3, r); }
-Status tp_4(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_tp(c, 4, r); }
-DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=1", true, true, tp_1, always);
-DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=2", true, true, tp_2, tp_middle);
-DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=3", true, true, tp_3, tp_middle);
-DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=4", true, true, tp_4, always);
+Status tp_case(const VerifyContext& c, const char* name, std::vector<CheckRow>* r) { return verify_tp(c, name, r); }
+bool tp_enabled(const VerifyContext& ctx, const char* name) {
+  std::vector<cases::TpCase> all;
+  const cases::TpCase* c = find_tp_case(ctx, name, &all);
+  return c != nullptr && c->enabled;
+}
+#define DETDIT_TP_CASE(id, name)                                                                     \
+  Status tp_##id(const VerifyContext& c, std::vector<CheckRow>* r) { return tp_case(c, name, r); }  \
+  bool tp_##id##_enabled(const VerifyContext& c) { return tp_enabled(c, name); }                     \
+  DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", name, true, true, tp_##id, tp_##id##_enabled)
+DETDIT_TP_CASE(1, "T=1");
+DETDIT_TP_CASE(2, "T=2");
+DETDIT_TP_CASE(3, "T=3");
+DETDIT_TP_CASE(4, "T=4");
+#undef DETDIT_TP_CASE
 
 }  // namespace
 
-Status verify_sp_matrix(const VerifyContext& ctx, Packing packing, int64_t batch, int64_t seq_len,
+Status verify_sp_matrix(const VerifyContext& ctx, cases::Packing packing, int64_t batch, int64_t seq_len,
                         Numerics numerics, const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
                         const std::string& corrupt_variant, std::vector<SpMatrixRows>* out) {
-  if (batch != 1 && batch != kSpBatch) return Status::value_error("the sp_region problems have B = 1 or 2");
-  SpProblem pr;
-  DETDIT_RETURN_IF_ERROR(make_sp_problem(*ctx.weights, packing, seq_len, ctx.seed, &pr));
-  pr.numerics = numerics;
+  if (batch != 1 && batch != 2) return Status::value_error("the sp_region problems have B = 1 or 2");
+  cases::SpShape shape;
+  shape.packing = packing;
+  shape.seq_len = seq_len;
+  shape.hidden = ctx.weights->config.hidden;
+  shape.numerics = numerics;
+  cases::SpProblem pr;
+  DETDIT_RETURN_IF_ERROR(cases::make_sp_problem(case_context_of(ctx), shape, &pr));
   if (batch == 1) {
     // B = 1 is batch item 0 of the B = 2 problem.
     for (HostTensor* t : {&pr.x, &pr.grad}) {
-      HostTensor first(t->dtype(), {1, seq_len, pr.hidden});
+      HostTensor first(t->dtype(), {1, seq_len, shape.hidden});
       std::memcpy(first.data(), t->data(), first.nbytes());
       *t = std::move(first);
     }
-    pr.batch = 1;
+    pr.shape.batch = 1;
   }
-  SpIndex index;
-  DETDIT_RETURN_IF_ERROR(make_sp_index(pr, ctx.device, &index));
+  cases::SpIndex index;
+  DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, ctx.device, &index));
   std::vector<SpVariantResult> results;
   // The CPU comparison of a GPU run needs the portable profile: the CPU has no torch profile.
   const bool cpu_check = ctx.device.is_cuda() && numerics == Numerics::kPortable;
@@ -569,10 +449,10 @@ Status verify_sp_matrix(const VerifyContext& ctx, Packing packing, int64_t batch
   // What each world's plan moves, once for every variant's row of that world.
   std::vector<CheckRow> world_metrics(worlds.size());
   for (std::size_t i = 0; i < worlds.size(); ++i)
-    DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], pr.hidden, &world_metrics[i]));
+    DETDIT_RETURN_IF_ERROR(sp_world_metrics(index, worlds[i], shape.hidden, &world_metrics[i]));
   for (SpVariantResult& r : results) {
     SpMatrixRows m;
-    m.variant = sp_variant_name(r.variant);
+    m.variant = cases::sp_variant_name(r.variant);
     for (std::size_t i = 0; i < worlds.size(); ++i) {
       std::vector<std::pair<std::string, std::vector<double>>>& metrics = r.worlds[i].row.metrics;
       metrics.insert(metrics.end(), world_metrics[i].metrics.begin(), world_metrics[i].metrics.end());
