@@ -150,6 +150,7 @@ namespace {
 
 Status validate_modulation_forward(const AdalnModulationParams& p) {
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.act, "act"));
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
   if (p.in.weight.shape[0] % (3 * kAdalnChunks) != 0)
     return Status::value_error("weight must be (6 * H * 3, D); got " + p.in.weight.shape_string() +
@@ -235,6 +236,7 @@ Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream)
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in, &hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.act, "act"));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
   const RmsnormParams norm{norm_inputs(p.in, p.table, hidden), p.out, p.rstd};

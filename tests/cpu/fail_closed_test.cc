@@ -5,9 +5,10 @@
 // the canary (nothing allocated-then-written before the refusal).
 //
 // The breakages: a present view whose data pointer is null (every tensor
-// argument, optional outputs included), and dimensions of 2^40 that only the
+// argument, optional outputs included), dimensions of 2^40 that only the
 // other arguments contradict (no scratch may be sized from them before that
-// is checked).
+// is checked), an output that is the same memory as an input, and a saved
+// output the header requires but the caller left absent.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -331,7 +332,7 @@ TEST(FailClosed, NullDTembRefusedBeforeAnyWrite) {
   expect_null_data_refused(only_d_temb(final_backward_entry()));
 }
 
-// ---- silu_backward ---------------------------------------------------------------
+// ---- silu_backward: null data, and an output that is an input's memory ----------
 
 struct Silu {
   HostTensor grad = random_tensor(DType::kF32, {4, 8}, 1);
@@ -350,6 +351,43 @@ TEST(FailClosed, SiluBackwardRefusesNullData) {
     EXPECT_TRUE(refused(silu_backward(p), ErrorKind::kValue, "with a null data pointer"));
     EXPECT_TRUE(all_bytes_are(s.d_pre, kCanary));
   }
+}
+
+TEST(FailClosed, SiluBackwardRefusesAnOutputThatIsAnInput) {
+  {
+    Silu s;
+    SiluBackwardParams p = s.params();
+    p.d_pre = p.grad;
+    const HostTensor before = s.grad;
+    EXPECT_TRUE(refused(silu_backward(p), ErrorKind::kValue, "d_pre must not overlap grad"));
+    EXPECT_BITWISE_EQ(before, s.grad);
+  }
+  {
+    Silu s;
+    SiluBackwardParams p = s.params();
+    p.d_pre = p.pre;
+    const HostTensor before = s.pre;
+    EXPECT_TRUE(refused(silu_backward(p), ErrorKind::kValue, "d_pre must not overlap pre"));
+    EXPECT_BITWISE_EQ(before, s.pre);
+  }
+}
+
+// ---- saved outputs the headers require ----------------------------------------------
+
+void expect_absent_refused(const Entry& entry, const std::string& argument) {
+  SCOPED_TRACE(entry.name);
+  Prepared p;
+  prepare(entry, {}, &p);
+  if (::testing::Test::HasFatalFailure()) return;
+  Args broken = p.args;
+  broken[argument] = TensorView();
+  EXPECT_TRUE(refused(entry.call(broken, p.instance), ErrorKind::kValue, argument + " is required"));
+  EXPECT_TRUE(outputs_untouched(p));
+}
+
+TEST(FailClosed, SavedActIsRequired) {
+  expect_absent_refused(modulation_forward_entry(), "act");
+  expect_absent_refused(final_forward_entry(), "act");
 }
 
 // ---- sizes that only the other arguments contradict -------------------------------
