@@ -29,7 +29,20 @@ import shutil
 import subprocess
 import sys
 
-import torch
+try:
+    import torch
+except ImportError as error:
+    # The usual cause: pip isolated the build (it installs its own torch, or none, in a
+    # temporary environment), or the python3 that builds is not the one with torch (a pyenv
+    # or other python3 first on PATH, or a venv made from it).
+    sys.exit(f"detdit setup.py: torch cannot be imported by {sys.executable} (Python "
+             f"{sys.version.split()[0]}): {error}.\n"
+             "The extension is built against the torch it will run with (its headers and its libstdc++ "
+             "ABI), so torch must be installed in the environment that builds it, and pip must not "
+             "isolate the build:\n"
+             "    pip install --no-build-isolation ./python\n"
+             "run by a Python that can `import torch` (Debian: apt-get install python3-torch, then "
+             "/usr/bin/python3 -m venv --system-site-packages venv; docs/python.md).")
 from setuptools import setup
 from torch.utils import cpp_extension
 

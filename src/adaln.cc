@@ -54,20 +54,30 @@ Status validate_adaln_row_gather_forward(const AdalnRowGatherParams& p) {
 
 }  // namespace
 
-Status validate_adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p) {
-  DETDIT_RETURN_IF_ERROR(check::present(p.grad, "grad"));
-  DETDIT_RETURN_IF_ERROR(check::dtype(p.grad, "grad", {DType::kF32, DType::kBF16, DType::kF16}));
-  DETDIT_RETURN_IF_ERROR(check::plan_on(p.plan, "plan", p.grad, "grad"));
-  const int64_t batch = p.plan.batch(), seq_len = p.plan.seq_len();
+namespace {
+
+// The gather backward's grad (6, B*S, H) or (6, B, S, H) against its plan
+// (also adaln_modulation's, before it takes the d_rows scratch).
+Status check_gather_grad(const TensorView& grad, const IndexPlan& plan) {
+  DETDIT_RETURN_IF_ERROR(check::present(grad, "grad"));
+  DETDIT_RETURN_IF_ERROR(check::dtype(grad, "grad", {DType::kF32, DType::kBF16, DType::kF16}));
+  DETDIT_RETURN_IF_ERROR(check::plan_on(plan, "plan", grad, "grad"));
+  const int64_t batch = plan.batch(), seq_len = plan.seq_len();
   const bool shape_ok =
-      p.grad.shape[0] == kAdalnChunks && p.grad.shape[p.grad.rank - 1] >= 1 &&
-      ((p.grad.rank == 3 && p.grad.shape[1] == batch * seq_len) ||
-       (p.grad.rank == 4 && p.grad.shape[1] == batch && p.grad.shape[2] == seq_len));
+      grad.shape[0] == kAdalnChunks && grad.shape[grad.rank - 1] >= 1 &&
+      ((grad.rank == 3 && grad.shape[1] == batch * seq_len) ||
+       (grad.rank == 4 && grad.shape[1] == batch && grad.shape[2] == seq_len));
   if (!shape_ok)
     return Status::value_error("grad must be (6, B*S, H) or (6, B, S, H) with S = plan.seq_len() = " +
                                std::to_string(seq_len) + ", B = plan.batch() = " + std::to_string(batch) + ", got " +
-                               p.grad.describe());
-  DETDIT_RETURN_IF_ERROR(check::contiguous(p.grad, "grad"));
+                               grad.describe());
+  return check::contiguous(grad, "grad");
+}
+
+}  // namespace
+
+Status validate_adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_gather_grad(p.grad, p.plan));
   const int64_t hidden = p.grad.shape[p.grad.rank - 1];
   DETDIT_RETURN_IF_ERROR(check::present(p.d_rows, "d_rows"));
   DETDIT_RETURN_IF_ERROR(check::dtype(p.d_rows, "d_rows", {DType::kF32, p.grad.dtype}));
@@ -112,14 +122,11 @@ TensorView table_half(const TensorView& table, int64_t hidden, int half) {
   return table.narrow(1, half * hidden, hidden);
 }
 
-// A (T, N) fp32 scratch gradient of the table, allocated after the arguments
-// that size it have passed the projection's own checks (contiguous, so their
-// memory backs T and N: an expanded temb or weight never sizes the scratch).
+// The (T, N) fp32 scratch gradient of the table, taken once every argument
+// has passed: T and N then agree with act, grad and the plan, so a temb or
+// weight whose shape no other argument backs never sizes it.
 Status table_grad_scratch(const TensorView& temb, const TensorView& weight, Stream stream,
                           std::shared_ptr<void>* owner, TensorView* view) {
-  DETDIT_RETURN_IF_ERROR(validate_projection_operands(temb, weight));
-  if (weight.shape[0] < 1)
-    return Status::value_error("weight must be non-empty, got " + weight.describe());
   return scratch_tensor(temb.device, DType::kF32, {temb.shape[0], weight.shape[0]}, stream, owner, view);
 }
 
@@ -143,6 +150,7 @@ namespace {
 
 Status validate_modulation_forward(const AdalnModulationParams& p) {
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.act, "act"));
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
   if (p.in.weight.shape[0] % (3 * kAdalnChunks) != 0)
     return Status::value_error("weight must be (6 * H * 3, D); got " + p.in.weight.shape_string() +
@@ -167,12 +175,9 @@ Status adaln_modulation_forward(const AdalnModulationParams& params, Stream stre
 
 Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, Stream stream) {
   const AdalnModulationBackwardParams& p = params;
-  // d_table (T, 18H) FP32 = d_rows (3T, 6H): never rounded before the projection backward.
-  std::shared_ptr<void> owner;
-  TensorView d_table;
-  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.in.temb, p.in.weight, stream, &owner, &d_table));
-  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight,
-                                                      p.d_bias, p.in.numerics));
+  // Every argument first; the projection's grad_table is the op's own d_table scratch.
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.in.temb, p.in.weight, p.act, TensorView(), p.d_temb,
+                                                      p.d_weight, p.d_bias, p.in.numerics));
   if (p.in.weight.shape[0] % (3 * kAdalnChunks) != 0)
     return Status::value_error("weight must be (6 * H * 3, D); got " + p.in.weight.shape_string() +
                                ", whose first dim is not a multiple of 18");
@@ -183,10 +188,15 @@ Status adaln_modulation_backward(const AdalnModulationBackwardParams& params, St
   if (p.grad.shape[p.grad.rank - 1] != hidden)
     return Status::value_error("grad must be (6, B*S, H) with H = weight rows / 18 = " + std::to_string(hidden) +
                                ", got " + p.grad.describe());
-  AdalnRowGatherBackwardParams gather{p.grad, p.in.plan, rowwise::rows_view(d_table)};
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_adaln_row_gather_backward(gather));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_gather_grad(p.grad, p.in.plan));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint({{&p.grad, "grad"}},
                                                          {{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"}, {&p.d_bias, "d_bias"}}));
+  // d_table (T, 18H) FP32 = d_rows (3T, 6H): never rounded before the projection
+  // backward; by the checks above it is exactly the (R, 6H) d_rows the gather takes.
+  std::shared_ptr<void> owner;
+  TensorView d_table;
+  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.in.temb, p.in.weight, stream, &owner, &d_table));
+  const AdalnRowGatherBackwardParams gather{p.grad, p.in.plan, rowwise::rows_view(d_table)};
   DETDIT_RETURN_IF_ERROR(rowwise::run_row_gather_backward(gather, stream));
   return projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.in.numerics, stream);
 }
@@ -202,15 +212,21 @@ RmsnormInputs norm_inputs(const FinalAdalnOutInputs& in, const TensorView& table
                        rowwise::table_half(table, hidden, 1), in.plan, in.eps, in.numerics};
 }
 
-// H of x, and weight (2H, D) in x's dtype, before anything else uses them.
-Status check_final_shapes(const TensorView& x, const TensorView& weight, const TensorView& temb, const IndexPlan& plan,
-                          int64_t* hidden) {
-  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(x, "x", &plan, hidden));
-  DETDIT_RETURN_IF_ERROR(check::present(weight, "weight"));
-  DETDIT_RETURN_IF_ERROR(check::same_dtype(weight, "weight", x, "x"));
-  DETDIT_RETURN_IF_ERROR(check::shape(weight, "weight", {2 * *hidden, -1}, "(2H, D)"));
-  DETDIT_RETURN_IF_ERROR(check::present(temb, "temb"));
-  return rowwise::check_plan_rows(plan, x, "x", temb.shape[0], "T (temb rows)");
+// H of x, norm_weight (H,) and weight (2H, D) in x's dtype, temb on x's
+// device, before anything else uses them. norm_weight first under its own
+// name: the rmsnorm half's checks call it weight.
+Status check_final_shapes(const FinalAdalnOutInputs& in, int64_t* hidden) {
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(in.x, "x", &in.plan, hidden));
+  DETDIT_RETURN_IF_ERROR(check::present(in.norm_weight, "norm_weight"));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(in.norm_weight, "norm_weight", in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::same_device(in.norm_weight, "norm_weight", in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::shape(in.norm_weight, "norm_weight", {*hidden}, "(H,)"));
+  DETDIT_RETURN_IF_ERROR(check::present(in.weight, "weight"));
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(in.weight, "weight", in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::shape(in.weight, "weight", {2 * *hidden, -1}, "(2H, D)"));
+  DETDIT_RETURN_IF_ERROR(check::present(in.temb, "temb"));
+  DETDIT_RETURN_IF_ERROR(check::same_device(in.temb, "temb", in.x, "x"));
+  return rowwise::check_plan_rows(in.plan, in.x, "x", in.temb.shape[0], "T (temb rows)");
 }
 
 }  // namespace
@@ -218,8 +234,9 @@ Status check_final_shapes(const TensorView& x, const TensorView& weight, const T
 Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream) {
   const FinalAdalnOutParams& p = params;
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in.x, p.in.weight, p.in.temb, p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in, &hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
+  DETDIT_RETURN_IF_ERROR(check::present(p.act, "act"));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
   const RmsnormParams norm{norm_inputs(p.in, p.table, hidden), p.out, p.rstd};
@@ -237,26 +254,35 @@ Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream)
 Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Stream stream) {
   const FinalAdalnOutBackwardParams& p = params;
   int64_t hidden = 0;
-  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in.x, p.in.weight, p.in.temb, p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in, &hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(p.table, "table", p.in.weight, "weight"));
   DETDIT_RETURN_IF_ERROR(check::shape(p.table, "table", {p.in.temb.shape[0], 2 * hidden}, "(T, 2H)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(p.table, "table"));
-  // d_table (T, 2H) FP32 = [d_shift | d_scale], never rounded before the projection backward.
-  std::shared_ptr<void> owner;
-  TensorView d_table;
-  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.in.temb, p.in.weight, stream, &owner, &d_table));
-  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight,
-                                                      p.d_bias, p.in.numerics));
-  const RmsnormBackwardParams norm{norm_inputs(p.in, p.table, hidden), p.rstd, p.grad, p.dx,
-                                   p.d_norm_weight, rowwise::table_half(d_table, hidden, 0),
-                                   rowwise::table_half(d_table, hidden, 1)};
+  if (p.d_norm_weight.present()) {
+    DETDIT_RETURN_IF_ERROR(check::dtype(p.d_norm_weight, "d_norm_weight", {DType::kF32, p.in.x.dtype}));
+    DETDIT_RETURN_IF_ERROR(check::same_device(p.d_norm_weight, "d_norm_weight", p.in.x, "x"));
+    DETDIT_RETURN_IF_ERROR(check::shape(p.d_norm_weight, "d_norm_weight", {hidden}, "(H,)"));
+  }
+  // Every argument first; the projection's grad_table and the norm's
+  // d_shift/d_scale are the op's own d_table scratch, taken after.
+  DETDIT_RETURN_IF_ERROR(validate_projection_backward(p.in.temb, p.in.weight, p.act, TensorView(), p.d_temb,
+                                                      p.d_weight, p.d_bias, p.in.numerics));
+  RmsnormBackwardParams norm{norm_inputs(p.in, p.table, hidden), p.rstd, p.grad, p.dx, p.d_norm_weight,
+                             TensorView(), TensorView()};
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
       {{&p.in.x, "x"}, {&p.in.norm_weight, "norm_weight"}, {&p.in.temb, "temb"}, {&p.in.weight, "weight"},
        {&p.table, "table"}, {&p.act, "act"}, {&p.rstd, "rstd"}, {&p.grad, "grad"}},
       {{&p.dx, "dx"}, {&p.d_norm_weight, "d_norm_weight"}, {&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
        {&p.d_bias, "d_bias"}}));
+  // d_table (T, 2H) FP32 = [d_shift | d_scale], never rounded before the projection
+  // backward: (R, H) halves on x's device with R = T, as the norm takes them.
+  std::shared_ptr<void> owner;
+  TensorView d_table;
+  DETDIT_RETURN_IF_ERROR(rowwise::table_grad_scratch(p.in.temb, p.in.weight, stream, &owner, &d_table));
+  norm.d_shift = rowwise::table_half(d_table, hidden, 0);
+  norm.d_scale = rowwise::table_half(d_table, hidden, 1);
   DETDIT_RETURN_IF_ERROR(rowwise::run_rmsnorm_backward(norm, stream));
   return projection_backward(p.in.temb, p.in.weight, p.act, d_table, p.d_temb, p.d_weight, p.d_bias, p.in.numerics, stream);
 }

@@ -70,11 +70,6 @@ int64_t chunk_count(int64_t out_features) { return (out_features + kLinearChunkR
 
 }  // namespace
 
-Status validate_projection_operands(const TensorView& temb, const TensorView& weight) {
-  DETDIT_RETURN_IF_ERROR(check_temb(temb));
-  return check_weight(weight, temb);
-}
-
 Status validate_projection_forward(const TensorView& temb, const TensorView& weight, const TensorView& bias,
                                    const TensorView& table, const TensorView& act, Numerics numerics) {
   DETDIT_RETURN_IF_ERROR(check_temb(temb));
@@ -128,7 +123,7 @@ Status validate_projection_backward(const TensorView& temb, const TensorView& we
   const int64_t rows = temb.shape[0], in_features = temb.shape[1], out_features = weight.shape[0];
   DETDIT_RETURN_IF_ERROR(check::present(act, "act"));
   DETDIT_RETURN_IF_ERROR(check_like_weight(act, "act", weight, {rows, in_features}, "(T, D)", false));
-  DETDIT_RETURN_IF_ERROR(check::present(grad_table, "grad_table"));
+  // Absent: the fused ops' own FP32 (T, N) scratch (check_like_weight passes it).
   DETDIT_RETURN_IF_ERROR(
       check_like_weight(grad_table, "grad_table", weight, {rows, out_features}, "(T, N)", true));
   if (d_temb.present()) {
@@ -220,6 +215,7 @@ Status adaln_projection_forward(const AdalnProjectionParams& params, Stream stre
 }
 
 Status adaln_projection_backward(const AdalnProjectionBackwardParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(check::present(params.grad_table, "grad_table"));
   DETDIT_RETURN_IF_ERROR(validate_projection_backward(params.in.temb, params.in.weight, params.act, params.grad_table,
                                                       params.d_temb, params.d_weight, params.d_bias,
                                                       params.in.numerics));

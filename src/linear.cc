@@ -163,7 +163,8 @@ Status validate_silu_backward(const SiluBackwardParams& p) {
       return Status::value_error(std::string(name) + " must have grad's shape " + p.grad.shape_string() + ", got " +
                                  t.describe());
   }
-  return Status();
+  DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_pre, "d_pre", p.grad, "grad"));
+  return check::no_alias(p.d_pre, "d_pre", p.pre, "pre");
 }
 
 // d_x = the ascending fold over chunks of the (C, T, K) partials, cast once

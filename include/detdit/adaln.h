@@ -83,8 +83,8 @@ struct AdalnModulationInputs {
 
 struct AdalnModulationParams {
   AdalnModulationInputs in;
-  TensorView table;   // (T, 18H) weight's dtype, saved
-  TensorView act;     // (T, D) weight's dtype, saved
+  TensorView table;   // (T, 18H) weight's dtype, saved (required)
+  TensorView act;     // (T, D) weight's dtype, saved (required)
   TensorView out;     // (6, S, H) weight's dtype
 };
 Status adaln_modulation_forward(const AdalnModulationParams& params, Stream stream = nullptr);
@@ -114,9 +114,9 @@ struct FinalAdalnOutInputs {
 struct FinalAdalnOutParams {
   FinalAdalnOutInputs in;
   TensorView out;          // like x
-  TensorView table;        // (T, 2H) saved
-  TensorView act;          // (T, D) saved
-  TensorView rstd;         // (B*S,) fp32 saved
+  TensorView table;        // (T, 2H) saved (required)
+  TensorView act;          // (T, D) saved (required)
+  TensorView rstd;         // (B*S,) fp32 saved (required)
 };
 Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream = nullptr);
 

@@ -81,7 +81,8 @@ Status linear_backward_weight_and_input(const LinearBackwardWeightParams& weight
 
 // SiLU VJP in FP32, elementwise: s = sigmoid(z); d = g * (s * (1 + z * (1 - s))),
 // every step a separately rounded FP32 op; sigmoid(z) = 1 / (1 + exp(-z)) with
-// the profile's exp. grad, pre, d_pre: same shape, fp32, contiguous.
+// the profile's exp. grad, pre, d_pre: same shape, fp32, contiguous; d_pre
+// overlaps neither input.
 struct SiluBackwardParams {
   TensorView grad;
   TensorView pre;

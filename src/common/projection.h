@@ -22,11 +22,6 @@
 
 namespace detdit {
 
-// temb (T, D) fp32, T >= 1, contiguous; weight (N, D) as below: the checks of
-// the two operands that size a (T, N) temporary, for a caller that takes one
-// before the full validation below (which runs the same checks).
-Status validate_projection_operands(const TensorView& temb, const TensorView& weight);
-
 // temb (T, D) fp32, T >= 1; weight (N, D) bf16 or fp32, contiguous, 16-byte
 // aligned, D a multiple of the 16-byte vector width; bias (N,) weight's dtype
 // (required); table (T, N) weight's dtype; act (T, D) weight's dtype or absent;
@@ -37,8 +32,10 @@ Status projection_forward(const TensorView& temb, const TensorView& weight, cons
                           const TensorView& table, const TensorView& act, Numerics numerics, Stream stream);
 
 // temb (T, D) fp32; weight (N, D) as above; act (T, D) weight's dtype (saved
-// by the forward); grad_table (T, N) fp32 or weight's dtype; d_temb (T, D)
-// fp32, d_weight (N, D) and d_bias (N,) weight's dtype, each may be absent.
+// by the forward); grad_table (T, N) fp32 or weight's dtype, or absent for a
+// fused op whose FP32 (T, N) scratch it is (taken after every check passed);
+// d_temb (T, D) fp32, d_weight (N, D) and d_bias (N,) weight's dtype, each may
+// be absent.
 Status validate_projection_backward(const TensorView& temb, const TensorView& weight, const TensorView& act,
                                     const TensorView& grad_table, const TensorView& d_temb,
                                     const TensorView& d_weight, const TensorView& d_bias, Numerics numerics);

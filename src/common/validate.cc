@@ -6,12 +6,14 @@
 namespace detdit {
 namespace check {
 
-// Beyond presence, what no op can take and TensorView's helpers cannot
-// describe: a rank past kMaxRank, a negative dimension, more elements than
-// int64 or bytes than the address space holds, and a null pointer to a
-// non-empty tensor. Every check after this one may multiply dimensions.
-Status present(const TensorView& t, const char* name) {
-  if (!t.present()) return Status::value_error(std::string(name) + " is required, got an absent tensor");
+// What no op can take and TensorView's helpers cannot describe: a rank past
+// kMaxRank, a negative dimension, more elements than int64 or bytes than the
+// address space holds, and a null pointer to a non-empty tensor. Every check
+// of a present view runs this first (the one place a view is judged sane),
+// so an optional argument that an op checks for its shape or dtype alone is
+// refused here too; every check after it may multiply dimensions.
+Status well_formed(const TensorView& t, const char* name) {
+  if (!t.present()) return Status();
   if (t.rank > kMaxRank)
     return Status::value_error(std::string(name) + " has rank " + std::to_string(t.rank) +
                                "; a TensorView holds ranks 1.." + std::to_string(kMaxRank));
@@ -28,7 +30,13 @@ Status present(const TensorView& t, const char* name) {
   return Status();
 }
 
+Status present(const TensorView& t, const char* name) {
+  if (!t.present()) return Status::value_error(std::string(name) + " is required, got an absent tensor");
+  return well_formed(t, name);
+}
+
 Status dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   for (DType d : allowed)
     if (t.dtype == d) return Status();
   std::ostringstream os;
@@ -44,18 +52,21 @@ Status dtype(const TensorView& t, const char* name, std::initializer_list<DType>
 }
 
 Status same_dtype(const TensorView& t, const char* name, const TensorView& other, const char* other_name) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   if (t.dtype == other.dtype) return Status();
   return Status::type_error(std::string(name) + " must have " + other_name + "'s dtype " +
                             dtype_name(other.dtype) + ", got " + dtype_name(t.dtype));
 }
 
 Status rank(const TensorView& t, const char* name, int expected, const char* layout) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   if (t.rank == expected) return Status();
   return Status::value_error(std::string(name) + " must be a " + std::to_string(expected) + "-D " +
                              layout + " tensor, got " + t.describe());
 }
 
 Status shape(const TensorView& t, const char* name, std::initializer_list<int64_t> dims, const char* layout) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   bool ok = t.rank == static_cast<int>(dims.size());
   int i = 0;
   for (int64_t d : dims) {
@@ -77,17 +88,20 @@ Status shape(const TensorView& t, const char* name, std::initializer_list<int64_
 }
 
 Status contiguous(const TensorView& t, const char* name) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   if (t.is_contiguous()) return Status();
   return Status::value_error(std::string(name) + " must be contiguous, got a strided view " + t.describe());
 }
 
 Status unit_column_stride(const TensorView& t, const char* name) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   if (t.rank >= 1 && (t.strides[t.rank - 1] == 1 || t.shape[t.rank - 1] <= 1)) return Status();
   return Status::value_error(std::string(name) + " must have unit column stride, got stride " +
                              std::to_string(t.strides[t.rank - 1]));
 }
 
 Status aligned(const TensorView& t, const char* name, std::size_t bytes, const char* why) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   if (t.aligned_to(bytes)) return Status();
   std::ostringstream os;
   os << name << " must be " << bytes << "-byte aligned (" << why << "), got address offset "
@@ -96,6 +110,7 @@ Status aligned(const TensorView& t, const char* name, std::size_t bytes, const c
 }
 
 Status same_device(const TensorView& t, const char* name, const TensorView& other, const char* other_name) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
   if (t.device == other.device) return Status();
   return Status::value_error(std::string(name) + " is on " + t.device.to_string() + ", " + other_name +
                              " is on " + other.device.to_string());
@@ -122,6 +137,8 @@ Status plan_on(const IndexPlan& plan, const char* name, const TensorView& t, con
 }
 
 Status no_alias(const TensorView& t, const char* name, const TensorView& other, const char* other_name) {
+  DETDIT_RETURN_IF_ERROR(well_formed(t, name));
+  DETDIT_RETURN_IF_ERROR(well_formed(other, other_name));
   if (!t.present() || !other.present()) return Status();
   auto lo1 = reinterpret_cast<std::uintptr_t>(t.data);
   auto hi1 = lo1 + t.nbytes();

@@ -4,8 +4,8 @@
 // expected and what was got, e.g.
 //   TypeError: x must be float32 or bfloat16, got float16
 //   ValueError: weight must be (N, K) = (5376, 256), got (5376, 128) float32 on cpu
-// Ops run every check before writing anything, so a failed call leaves its
-// outputs untouched.
+// Ops run every check, of every argument, before allocating or writing
+// anything, so a failed call leaves its outputs untouched.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +20,14 @@
 namespace detdit {
 namespace check {
 
-// ValueError "<name> is required" when absent.
+// ValueError for a present view no op can take: a rank past kMaxRank, a
+// negative dimension, more bytes than the address space, or a null data
+// pointer to a non-empty tensor ("<name> is (4, 8) float32 on cpu with a null
+// data pointer"). Absent views pass. Every check below that takes a view runs
+// it first, so each argument an op checks at all, optional or not, is refused
+// before the op allocates or writes anything.
+Status well_formed(const TensorView& t, const char* name);
+// ValueError "<name> is required" when absent, then well_formed.
 Status present(const TensorView& t, const char* name);
 // TypeError "<name> must be float32 or bfloat16, got float16".
 Status dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
