@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cases/case_builders.h"
 #include "cases/op_case.h"
 #include "cases/oracle.h"
 #include "detdit/adaln.h"
@@ -171,13 +172,7 @@ std::vector<AccuracyCheck> projection_forward_accuracy(int64_t outputs) {
 
 // ---- adaln_modulation -----------------------------------------------------------------
 
-struct ModulationShape {
-  int64_t hidden = 20, dim = 24;
-  IndexCase index{};
-  uint64_t seed = 1600;
-  Fill weight{}, bias{}, temb{}, grad{};  // absent: counter-uniform
-  DType dtype = DType::kBF16;             // the weight's, the table's and the gradients'
-};
+}  // namespace
 
 OpCase adaln_modulation_case(const ModulationShape& s) {
   OpCase c;
@@ -217,14 +212,6 @@ OpCase adaln_modulation_case(const ModulationShape& s) {
 }
 
 // ---- final_adaln_out --------------------------------------------------------------------
-
-struct FinalShape {
-  DType dtype = DType::kBF16;
-  int64_t hidden = 20, dim = 24;
-  IndexCase index{};
-  uint64_t seed = 1700;
-  Fill norm_weight{}, weight{}, bias{}, x{}, temb{}, grad{};  // absent: counter-uniform
-};
 
 OpCase final_adaln_out_case(const FinalShape& s) {
   OpCase c;
@@ -274,6 +261,8 @@ OpCase final_adaln_out_case(const FinalShape& s) {
   };
   return c;
 }
+
+namespace {
 
 // ---- verify's fused cases ---------------------------------------------------------------
 

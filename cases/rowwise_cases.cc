@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cases/case_builders.h"
 #include "cases/op_case.h"
 #include "cases/oracle.h"
 #include "common/backends.h"
@@ -62,18 +63,6 @@ std::string shape_name(DType dtype, int64_t hidden, const IndexCase& index) {
 }
 
 // ---- rmsnorm ---------------------------------------------------------------
-
-struct NormShape {
-  DType dtype = DType::kBF16;
-  int64_t hidden = 0;
-  IndexCase index{};
-  bool modulated = true;
-  DType table_grad_dtype = DType::kF32;
-  // shift and scale as (R, H) views at column 1 of (R, H + 1) tensors: rows
-  // that are not vector-aligned (the kernels' scalar path).
-  bool offset_table = false;
-  Fill weight{};  // absent: values around 1 (spread 0.5)
-};
 
 OpCase rmsnorm_case(const NormShape& s, const Values& v) {
   OpCase c;
@@ -177,14 +166,6 @@ AccuracyCheck rmsnorm_forward_accuracy(const IndexCase& index, int64_t hidden) {
 }
 
 // ---- gate_residual -------------------------------------------------------------
-
-struct GateShape {
-  DType dtype = DType::kBF16;
-  int64_t hidden = 0;
-  IndexCase index{};
-  bool strided_gate = true;  // chunk 2 of the (R, 6H) rows, or a contiguous (R, H) gate
-  DType gate_grad_dtype = DType::kF32;
-};
 
 OpCase gate_residual_case(const GateShape& s, const Values& v) {
   OpCase c;
@@ -391,15 +372,6 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
 }
 
 // ---- adaln_row_gather ------------------------------------------------------------
-
-struct GatherShape {
-  DType dtype = DType::kBF16;
-  int64_t hidden = 0;
-  IndexCase index{};
-  bool strided_rows = false;  // rows (R, 6H) with row stride 6H + 3
-  DType rows_grad_dtype = DType::kF32;
-  Fill rows{};  // absent: values N(0, 1) (spread 1)
-};
 
 OpCase adaln_row_gather_case(const GatherShape& s, const Values& v) {
   OpCase c;
@@ -634,5 +606,12 @@ DETDIT_OP_CASES("gate_residual_rmsnorm", gate_residual_rmsnorm_cases);
 DETDIT_OP_CASES("adaln_row_gather", adaln_row_gather_cases);
 
 }  // namespace
+
+OpCase rmsnorm_case(const NormShape& s, uint64_t seed) { return rmsnorm_case(s, Values{false, seed}); }
+OpCase gate_residual_case(const GateShape& s, uint64_t seed) { return gate_residual_case(s, Values{false, seed}); }
+OpCase adaln_row_gather_case(const GatherShape& s, uint64_t seed) {
+  return adaln_row_gather_case(s, Values{false, seed});
+}
+
 }  // namespace cases
 }  // namespace detdit

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cases/case_builders.h"
 #include "cases/op_case.h"
 #include "cases/oracle.h"
 #include "detdit/timestep.h"
@@ -87,11 +88,7 @@ AccuracyCheck sinusoid_forward_accuracy() {
 
 // ---- timestep_mlp -----------------------------------------------------------------
 
-struct MlpShape {
-  int64_t rows = 3, in_features = 24, hidden = 72, dim = 64;
-  uint64_t seed = 1400;
-  Fill w1{}, b1{}, w2{}, b2{}, features{};  // absent: counter-uniform
-};
+}  // namespace
 
 OpCase timestep_mlp_case(const MlpShape& s) {
   OpCase c;
@@ -137,6 +134,8 @@ OpCase timestep_mlp_case(const MlpShape& s) {
   };
   return c;
 }
+
+namespace {
 
 // The features of the model's timesteps: timestep_sinusoid's forward on the CPU.
 Fill sinusoid_features(Fill timesteps) {

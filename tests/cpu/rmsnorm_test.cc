@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -16,83 +17,56 @@
 #include "support/rowwise_fixture.h"
 #include "common/scalar_math.h"
 #include "support/test_util.h"
+#include "detdit/adaln.h"
 #include "detdit/rmsnorm.h"
 
 namespace detdit {
+namespace testing {
 namespace {
 
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::kCanary;
-using testing::random_tensor;
+// The library's rmsnorm case at this shape: shift and scale are chunks 0 and
+// 1 of its (R, 6H) AdaLN table (modulated), d_weight FP32, the table
+// gradients in `table_grad_dtype`.
+OpCase norm_case(const IndexCase& c, int64_t h, DType dtype, DType table_grad_dtype, bool modulated = true) {
+  return rmsnorm_case({dtype, h, c, modulated, table_grad_dtype}, 1);
+}
 
-struct Norm {
-  IndexCase c;
-  IndexPlan plan;
-  DType dtype, grad_dtype;
+// Chunk `chunk` of a host (R, 6H) table as a (R, H) tensor.
+HostTensor table_chunk(const HostTensor& table, int64_t h, int chunk) {
+  const int64_t rows = table.shape()[0];
+  HostTensor out(table.dtype(), {rows, h});
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < h; ++i) out.set(r * h + i, table.get(r * 6 * h + chunk * h + i));
+  return out;
+}
+
+// The FP64 reference of a run case (eps 1e-5, stored values rounded to dtype).
+RmsnormReference reference_of(const CpuCase& k, const IndexCase& c) {
+  const int64_t h = k["weight"].numel();
+  const bool modulated = k.tensors().count("table") > 0;
+  const HostTensor shift = modulated ? table_chunk(k["table"], h, 0) : HostTensor();
+  const HostTensor scale = modulated ? table_chunk(k["table"], h, 1) : HostTensor();
+  return rmsnorm_reference(k["x"], k["weight"], modulated ? &shift : nullptr, modulated ? &scale : nullptr,
+                           adaln_rows_of_positions(c), c.num_rows(), k["grad"], 1e-5, k["x"].dtype());
+}
+
+// The fail-closed fixture: a modulated case's params, from its views.
+struct Norm : CpuCase {
   int64_t hidden;
-  bool modulated;
-  HostTensor x, weight, shift, scale, grad;
-  HostTensor out, rstd, dx, d_weight, d_shift, d_scale;
-
-  Norm(const IndexCase& index, int64_t h, DType d, DType table_grad_dtype, bool mod = true, uint64_t seed = 1)
-      : c(index), plan(testing::adaln_plan(index)), dtype(d), grad_dtype(table_grad_dtype), hidden(h), modulated(mod),
-        x(random_tensor(d, {index.positions(), h}, seed, 0.0, 3.0)),
-        weight(random_tensor(d, {h}, seed + 1, 1.0, 0.2)),
-        shift(random_tensor(d, {index.num_rows(), h}, seed + 2)),
-        scale(random_tensor(d, {index.num_rows(), h}, seed + 3, 0.0, 0.5)),
-        grad(random_tensor(d, {index.positions(), h}, seed + 4)),
-        out(d, {index.positions(), h}), rstd(DType::kF32, {index.positions()}), dx(d, {index.positions(), h}),
-        d_weight(table_grad_dtype, {h}), d_shift(table_grad_dtype, {index.num_rows(), h}),
-        d_scale(table_grad_dtype, {index.num_rows(), h}) {
-    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
+  Norm(const IndexCase& c, int64_t h, DType dtype, DType table_grad_dtype)
+      : CpuCase(norm_case(c, h, dtype, table_grad_dtype)), hidden(h) {}
+  RmsnormInputs inputs() const {
+    RmsnormInputs in;
+    in.x = view("x");
+    in.weight = view("weight");
+    EXPECT_TRUE(adaln_table_chunk(view("table"), hidden, 0, &in.shift).ok());
+    EXPECT_TRUE(adaln_table_chunk(view("table"), hidden, 1, &in.scale).ok());
+    in.plan = plan();
+    return in;
   }
-  std::vector<HostTensor*> outputs() { return {&out, &rstd, &dx, &d_weight, &d_shift, &d_scale}; }
-  RmsnormParams forward_params() const {
-    RmsnormParams p;
-    p.in.x = x.view();
-    p.in.weight = weight.view();
-    if (modulated) {
-      p.in.shift = shift.view();
-      p.in.scale = scale.view();
-      p.in.plan = plan;
-    }
-    p.out = out.view();
-    p.rstd = rstd.view();
-    return p;
-  }
+  RmsnormParams forward_params() const { return {inputs(), view("out"), view("rstd")}; }
   RmsnormBackwardParams backward_params() const {
-    RmsnormBackwardParams p;
-    p.in.x = x.view();
-    p.in.weight = weight.view();
-    if (modulated) {
-      p.in.shift = shift.view();
-      p.in.scale = scale.view();
-      p.in.plan = plan;
-      p.d_shift = d_shift.view();
-      p.d_scale = d_scale.view();
-    }
-    p.rstd = rstd.view();
-    p.grad = grad.view();
-    p.dx = dx.view();
-    p.d_weight = d_weight.view();
-    return p;
-  }
-  Status run() {
-    DETDIT_RETURN_IF_ERROR(rmsnorm_forward(forward_params()));
-    return rmsnorm_backward(backward_params());
-  }
-  // The inputs that are not per position (weight, shift, scale) of `other`.
-  void copy_tables_from(const Norm& other) {
-    testing::copy_bytes(other.weight, &weight);
-    testing::copy_bytes(other.shift, &shift);
-    testing::copy_bytes(other.scale, &scale);
-  }
-  // The FP64 reference of this problem (eps 1e-5, stored values rounded to dtype).
-  testing::RmsnormReference reference() const {
-    return testing::rmsnorm_reference(x, weight, modulated ? &shift : nullptr, modulated ? &scale : nullptr,
-                                      testing::adaln_rows_of_positions(c), c.num_rows(), grad, 1e-5, dtype);
+    return {inputs(), view("rstd"), view("grad"), view("dx"), view("d_weight"), view("d_shift"), view("d_scale")};
   }
 };
 
@@ -104,150 +78,136 @@ Tolerance forward_tolerance(DType d) { return d == DType::kF32 ? Tolerance{1e-4,
 Tolerance grad_tolerance(DType d) { return d == DType::kF32 ? Tolerance{1e-4, 1e-4} : Tolerance{1e-1, 2e-2}; }
 
 TEST(Rmsnorm, MatchesTheFp64ReferenceWithinTheReductionContract) {
-  const std::vector<IndexCase> cases = {testing::make_index_case(Packing::kBlock, 257, 3, 2),
-                                        testing::make_index_case(Packing::kInterleaved, 257, 3, 2),
-                                        testing::make_index_case(Packing::kBlock, 4097, 1, 1)};
+  const std::vector<IndexCase> cases = {make_index_case(Packing::kBlock, 257, 3, 2),
+                                        make_index_case(Packing::kInterleaved, 257, 3, 2),
+                                        make_index_case(Packing::kBlock, 4097, 1, 1)};
   for (const IndexCase& c : cases)
     for (DType dtype : {DType::kBF16, DType::kF32})
       for (bool modulated : {true, false}) {
         SCOPED_TRACE(c.name() + " " + dtype_name(dtype) + (modulated ? " modulated" : " plain"));
         const int64_t h = c.seq_len > 1000 ? 64 : 256;
-        Norm k(c, h, dtype, DType::kF32, modulated);
+        CpuCase k(norm_case(c, h, dtype, DType::kF32, modulated));
         DETDIT_ASSERT_OK(k.run());
-        const testing::RmsnormReference ref = k.reference();
+        const RmsnormReference ref = reference_of(k, c);
         // The table gradients sum bf16-stored values (n, 1 + scale): their contract is the activation
         // dtype's, even when they are returned in FP32.
         const Tolerance f = forward_tolerance(dtype), g = grad_tolerance(dtype), t = g;
-        EXPECT_TRUE(testing::within_tolerance(k.out, ref.out, f.atol, f.rtol));
-        EXPECT_TRUE(testing::within_tolerance(k.dx, ref.dx, g.atol, g.rtol));
-        EXPECT_TRUE(testing::within_tolerance(k.d_weight, ref.d_weight, t.atol, t.rtol));
+        EXPECT_TRUE(within_tolerance(k["out"], ref.out, f.atol, f.rtol));
+        EXPECT_TRUE(within_tolerance(k["dx"], ref.dx, g.atol, g.rtol));
+        EXPECT_TRUE(within_tolerance(k["d_weight"], ref.d_weight, t.atol, t.rtol));
         if (modulated) {
-          EXPECT_TRUE(testing::within_tolerance(k.d_shift, ref.d_shift, t.atol, t.rtol));
-          EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, t.atol, t.rtol));
+          EXPECT_TRUE(within_tolerance(k["d_shift"], ref.d_shift, t.atol, t.rtol));
+          EXPECT_TRUE(within_tolerance(k["d_scale"], ref.d_scale, t.atol, t.rtol));
         }
       }
 }
 
 TEST(Rmsnorm, Bf16TableGradientsMeetTheBf16Contract) {
-  IndexCase c = testing::make_index_case(Packing::kInterleaved, 4097, 3, 1);
-  Norm k(c, 64, DType::kBF16, DType::kBF16);
+  IndexCase c = make_index_case(Packing::kInterleaved, 4097, 3, 1);
+  CpuCase k(norm_case(c, 64, DType::kBF16, DType::kBF16));
   DETDIT_ASSERT_OK(k.run());
-  const testing::RmsnormReference ref = k.reference();
+  const RmsnormReference ref = reference_of(k, c);
   const Tolerance g = grad_tolerance(DType::kBF16);
-  EXPECT_TRUE(testing::within_tolerance(k.d_weight, ref.d_weight, g.atol, g.rtol));
-  EXPECT_TRUE(testing::within_tolerance(k.d_shift, ref.d_shift, g.atol, g.rtol));
-  EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, g.atol, g.rtol));
-  EXPECT_TRUE(testing::within_tolerance(k.dx, ref.dx, g.atol, g.rtol));
+  EXPECT_TRUE(within_tolerance(k["d_weight"], ref.d_weight, g.atol, g.rtol));
+  EXPECT_TRUE(within_tolerance(k["d_shift"], ref.d_shift, g.atol, g.rtol));
+  EXPECT_TRUE(within_tolerance(k["d_scale"], ref.d_scale, g.atol, g.rtol));
+  EXPECT_TRUE(within_tolerance(k["dx"], ref.dx, g.atol, g.rtol));
 }
 
 TEST(Rmsnorm, H3WidthMatchesTheReference) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 257, 3, 1);
-  Norm k(c, 5376, DType::kBF16, DType::kF32);
+  IndexCase c = make_index_case(Packing::kBlock, 257, 3, 1);
+  CpuCase k(norm_case(c, 5376, DType::kBF16, DType::kF32));
   DETDIT_ASSERT_OK(k.run());
-  const testing::RmsnormReference ref = k.reference();
-  EXPECT_TRUE(testing::within_tolerance(k.out, ref.out, 5e-2, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.dx, ref.dx, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, 1e-1, 2e-2));
+  const RmsnormReference ref = reference_of(k, c);
+  EXPECT_TRUE(within_tolerance(k["out"], ref.out, 5e-2, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["dx"], ref.dx, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_scale"], ref.d_scale, 1e-1, 2e-2));
 }
 
 // Row p of the batch computed alone (a one-position plan with the same table)
 // gives the same bytes for out, rstd and dx.
 TEST(Rmsnorm, RowLocalOutputsAreInvariantToBatchAndNeighbours) {
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
-    IndexCase c = testing::make_index_case(Packing::kInterleaved, 257, 3, 3);
-    Norm batch(c, 20, dtype, DType::kF32);
-    DETDIT_ASSERT_OK(batch.run());
-    const int64_t h = 20;
-    for (int64_t p : {int64_t{0}, int64_t{255}, int64_t{256}, int64_t{400}, c.positions() - 1}) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + " position " + std::to_string(p));
-      Norm one(testing::single_position_case(c, p), h, dtype, DType::kF32);
-      testing::copy_row(batch.x, p, &one.x, 0);
-      testing::copy_row(batch.grad, p, &one.grad, 0);
-      one.copy_tables_from(batch);
-      DETDIT_ASSERT_OK(one.run());
-      EXPECT_TRUE(testing::rows_bitwise_equal(batch.out, p, one.out, 0));
-      EXPECT_TRUE(testing::rows_bitwise_equal(batch.dx, p, one.dx, 0));
-      EXPECT_TRUE(testing::rows_bitwise_equal(batch.rstd, p, one.rstd, 0));
-    }
+    SCOPED_TRACE(dtype_name(dtype));
+    IndexCase c = make_index_case(Packing::kInterleaved, 257, 3, 3);
+    EXPECT_TRUE(positions_alone_match(norm_case(c, 20, dtype, DType::kF32),
+                                      {0, 255, 256, 400, c.positions() - 1}));
   }
 }
 
 // Reversing the sequence (index and rows together) permutes out and dx the same way.
 TEST(Rmsnorm, PermutingNeighboursPermutesRowLocalOutputs) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 300, 4, 1);
-  Norm a(c, 12, DType::kBF16, DType::kF32);
+  IndexCase c = make_index_case(Packing::kBlock, 300, 4, 1);
+  CpuCase a(norm_case(c, 12, DType::kBF16, DType::kF32));
   DETDIT_ASSERT_OK(a.run());
   IndexCase reversed = c;
   std::reverse(reversed.timestep_indices.begin(), reversed.timestep_indices.end());
   std::reverse(reversed.tags.begin(), reversed.tags.end());
-  Norm b(reversed, 12, DType::kBF16, DType::kF32);
+  std::map<std::string, HostTensor> inputs = a.tensors();  // weight and table as they are
   for (int64_t s = 0; s < 300; ++s) {
-    testing::copy_row(a.x, s, &b.x, 299 - s);
-    testing::copy_row(a.grad, s, &b.grad, 299 - s);
+    copy_row(a["x"], s, &inputs["x"], 299 - s);
+    copy_row(a["grad"], s, &inputs["grad"], 299 - s);
   }
-  b.copy_tables_from(a);
+  CpuCase b(norm_case(reversed, 12, DType::kBF16, DType::kF32), &inputs);
   DETDIT_ASSERT_OK(b.run());
   for (int64_t s = 0; s < 300; ++s) {
-    ASSERT_TRUE(testing::rows_bitwise_equal(a.out, s, b.out, 299 - s)) << s;
-    ASSERT_TRUE(testing::rows_bitwise_equal(a.dx, s, b.dx, 299 - s)) << s;
+    ASSERT_TRUE(rows_bitwise_equal(a["out"], s, b["out"], 299 - s)) << s;
+    ASSERT_TRUE(rows_bitwise_equal(a["dx"], s, b["dx"], 299 - s)) << s;
   }
 }
 
 TEST(Rmsnorm, EveryOutputIsRepeatableAndUnreferencedRowsAreExactZeros) {
   // S = 3 with T = 4: at most 3 of the 12 table rows are referenced.
-  IndexCase c = testing::make_index_case(Packing::kInterleaved, 3, 4, 2);
+  IndexCase c = make_index_case(Packing::kInterleaved, 3, 4, 2);
   for (DType grad_dtype : {DType::kF32, DType::kBF16}) {
-    Norm a(c, 12, DType::kBF16, grad_dtype), b(c, 12, DType::kBF16, grad_dtype);
+    CpuCase a(norm_case(c, 12, DType::kBF16, grad_dtype)), b(norm_case(c, 12, DType::kBF16, grad_dtype));
     DETDIT_ASSERT_OK(a.run());
     DETDIT_ASSERT_OK(b.run());
-    EXPECT_BITWISE_EQ(a.out, b.out);
-    EXPECT_BITWISE_EQ(a.rstd, b.rstd);
-    EXPECT_BITWISE_EQ(a.dx, b.dx);
-    EXPECT_BITWISE_EQ(a.d_weight, b.d_weight);
-    EXPECT_BITWISE_EQ(a.d_shift, b.d_shift);
-    EXPECT_BITWISE_EQ(a.d_scale, b.d_scale);
-    const std::vector<int64_t> unreferenced = testing::unreferenced_rows(c);
-    EXPECT_TRUE(testing::rows_are_zero(a.d_shift, unreferenced));
-    EXPECT_TRUE(testing::rows_are_zero(a.d_scale, unreferenced));
+    EXPECT_TRUE(outputs_bitwise_equal(a, b));
+    const std::vector<int64_t> unreferenced = unreferenced_rows(c);
+    EXPECT_TRUE(rows_are_zero(a["d_shift"], unreferenced));
+    EXPECT_TRUE(rows_are_zero(a["d_scale"], unreferenced));
     EXPECT_GE(unreferenced.size(), 9u);
   }
 }
 
 TEST(Rmsnorm, LargeRowSegmentsStayAccurate) {
   // T = 1, block packing: row 0 (video) holds ~80 % of 2 x 4097 positions (> 256 per row).
-  IndexCase c = testing::make_index_case(Packing::kBlock, 4097, 1, 2);
-  Norm k(c, 12, DType::kBF16, DType::kBF16);
+  IndexCase c = make_index_case(Packing::kBlock, 4097, 1, 2);
+  CpuCase k(norm_case(c, 12, DType::kBF16, DType::kBF16));
   DETDIT_ASSERT_OK(k.run());
-  const testing::RmsnormReference ref = k.reference();
-  EXPECT_TRUE(testing::within_tolerance(k.d_shift, ref.d_shift, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_scale, ref.d_scale, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_weight, ref.d_weight, 1e-1, 2e-2));
+  const RmsnormReference ref = reference_of(k, c);
+  EXPECT_TRUE(within_tolerance(k["d_shift"], ref.d_shift, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_scale"], ref.d_scale, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_weight"], ref.d_weight, 1e-1, 2e-2));
 }
 
 // out, rstd and dx written out from docs/numerics.md 5.6 / 6.7 (row tree of
 // section 7), compared bitwise: the row-local half of the contract.
 TEST(Rmsnorm, RowLocalResultsFollowTheContractBitwise) {
-  IndexCase c = testing::make_index_case(Packing::kInterleaved, 40, 3, 2);
+  IndexCase c = make_index_case(Packing::kInterleaved, 40, 3, 2);
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
     SCOPED_TRACE(dtype_name(dtype));
     const int64_t h = 1028;  // more than 128 vectors: lanes take several
-    Norm k(c, h, dtype, DType::kF32);
+    CpuCase k(norm_case(c, h, dtype, DType::kF32));
     DETDIT_ASSERT_OK(k.run());
-    auto R = [&](float v) { return testing::round_as(v, dtype); };
+    const HostTensor &kx = k["x"], &kw = k["weight"], &table = k["table"], &grad = k["grad"];
+    auto R = [&](float v) { return round_as(v, dtype); };
     HostTensor out(dtype, {c.positions(), h}), dx(dtype, {c.positions(), h}), rstd(DType::kF32, {c.positions()});
     for (int64_t p = 0; p < c.positions(); ++p) {
-      auto x = [&](int64_t i) { return static_cast<float>(k.x.get(p * h + i)); };
-      auto w = [&](int64_t i) { return static_cast<float>(k.weight.get(i)); };
+      auto x = [&](int64_t i) { return static_cast<float>(kx.get(p * h + i)); };
+      auto w = [&](int64_t i) { return static_cast<float>(kw.get(i)); };
       const int64_t r = c.row(p % c.seq_len);
-      auto t1 = [&](int64_t i) { return R(num::add32(1.0f, static_cast<float>(k.scale.get(r * h + i)))); };
+      auto shift = [&](int64_t i) { return static_cast<float>(table.get(r * 6 * h + i)); };
+      auto t1 = [&](int64_t i) { return R(num::add32(1.0f, static_cast<float>(table.get(r * 6 * h + h + i)))); };
       const float ss = row_tree_sum(h, [&](int64_t i, float* a, float* b) { *a = *b = x(i); });
       const float rs = num::portable_rsqrt(num::add32(num::div32(ss, static_cast<float>(h)), 1e-5f));
       rstd.ptr<float>()[p] = rs;
       for (int64_t i = 0; i < h; ++i) {
         const float n = R(num::mul32(w(i), num::mul32(rs, x(i))));
-        out.set(p * h + i, num::add32(R(num::mul32(n, t1(i))), static_cast<float>(k.shift.get(r * h + i))));
+        out.set(p * h + i, num::add32(R(num::mul32(n, t1(i))), shift(i)));
       }
-      auto d_n = [&](int64_t i) { return num::mul32(static_cast<float>(k.grad.get(p * h + i)), t1(i)); };
+      auto d_n = [&](int64_t i) { return num::mul32(static_cast<float>(grad.get(p * h + i)), t1(i)); };
       const float dot = row_tree_sum(h, [&](int64_t i, float* a, float* b) {
         *a = num::mul32(w(i), d_n(i));
         *b = x(i);
@@ -256,9 +216,9 @@ TEST(Rmsnorm, RowLocalResultsFollowTheContractBitwise) {
       for (int64_t i = 0; i < h; ++i)
         dx.set(p * h + i, num::sub32(num::mul32(num::mul32(rs, w(i)), d_n(i)), num::mul32(x(i), coef)));
     }
-    EXPECT_BITWISE_EQ(rstd, k.rstd);
-    EXPECT_BITWISE_EQ(out, k.out);
-    EXPECT_BITWISE_EQ(dx, k.dx);
+    EXPECT_BITWISE_EQ(rstd, k["rstd"]);
+    EXPECT_BITWISE_EQ(out, k["out"]);
+    EXPECT_BITWISE_EQ(dx, k["dx"]);
   }
 }
 
@@ -314,9 +274,9 @@ TEST(Rmsnorm, BadInputsGetClearErrorsAndWriteNothing) {
 }
 
 TEST(Rmsnorm, BackwardOnlyErrorsWriteNothing) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
+  IndexCase c = make_index_case(Packing::kBlock, 16, 2, 2);
   Norm k(c, 16, DType::kBF16, DType::kF32);
-  DETDIT_ASSERT_OK(rmsnorm_forward(k.forward_params()));
+  DETDIT_ASSERT_OK(k.run(Phase::kForward));
   struct Case {
     ErrorKind kind;
     const char* message;
@@ -334,13 +294,13 @@ TEST(Rmsnorm, BackwardOnlyErrorsWriteNothing) {
   };
   for (const Case& bad : cases) {
     SCOPED_TRACE(bad.message);
-    for (HostTensor* t : {&k.dx, &k.d_weight, &k.d_shift, &k.d_scale}) t->fill_bytes(kCanary);
-    HostTensor grad_before = testing::clone(k.grad);
     RmsnormBackwardParams b = k.backward_params();
     bad.mutate(&b);
-    EXPECT_TRUE(testing::refused(rmsnorm_backward(b), bad.kind, bad.message));
-    EXPECT_TRUE(testing::still_canary({&k.dx, &k.d_weight, &k.d_shift, &k.d_scale}));
-    EXPECT_BITWISE_EQ(grad_before, k.grad);
+    EXPECT_TRUE(refused(rmsnorm_backward(b), bad.kind, bad.message));
+    HostTensor dx = k.current("dx"), d_weight = k.current("d_weight"), d_shift = k.current("d_shift"),
+               d_scale = k.current("d_scale");
+    EXPECT_TRUE(still_canary({&dx, &d_weight, &d_shift, &d_scale}));
+    EXPECT_BITWISE_EQ(k["grad"], k.current("grad"));
   }
 }
 
@@ -361,4 +321,5 @@ TEST(Rmsnorm, TableGradientsWithOverlappingRowsAreRefused) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit

@@ -2,6 +2,9 @@
 #include "support/cases.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
 
 namespace detdit {
 namespace testing {
@@ -51,6 +54,66 @@ IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int
   for (std::size_t i = 0; i < outputs.size(); ++i)
     if (!all_bytes_are(*outputs[i], kCanary))
       return ::testing::AssertionFailure() << "output " << i << " of " << outputs.size() << " was written";
+  return ::testing::AssertionSuccess();
+}
+
+CpuCase::CpuCase(OpCase c, const std::map<std::string, HostTensor>* inputs) : case_(std::move(c)) {
+  const Status s = instantiate(case_, Device::cpu(), nullptr, &instance_, inputs);
+  EXPECT_TRUE(s.ok()) << case_.full_name() << ": " << s.to_string();
+  if (s.ok()) EXPECT_TRUE(download(case_, instance_, &host_).ok());
+}
+
+Status CpuCase::run(Phase phase) {
+  DETDIT_RETURN_IF_ERROR(cases::run(case_, phase, instance_));
+  return download(case_, instance_, &host_);
+}
+
+Status CpuCase::run() {
+  DETDIT_RETURN_IF_ERROR(run(Phase::kForward));
+  return case_.has(Phase::kBackward) ? run(Phase::kBackward) : Status();
+}
+
+const HostTensor& CpuCase::operator[](const std::string& name) const {
+  const auto it = host_.find(name);
+  if (it == host_.end()) {
+    std::fprintf(stderr, "detdit tests: %s has no tensor %s\n", case_.full_name().c_str(), name.c_str());
+    std::abort();
+  }
+  return it->second;
+}
+
+HostTensor CpuCase::current(const std::string& name) const {
+  HostTensor t;
+  const Status s = instance_.tensor(name).to_host(&t);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return t;
+}
+
+std::vector<HostTensor*> CpuCase::outputs() {
+  const Status s = download_outputs(case_, instance_, &outputs_);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  std::vector<HostTensor*> all;
+  for (auto& [name, t] : outputs_) all.push_back(&t);
+  return all;
+}
+
+::testing::AssertionResult outputs_bitwise_equal(const CpuCase& a, const CpuCase& b) {
+  for (const TensorSpec& spec : a.op_case().tensors) {
+    if (!spec.output) continue;
+    const Mismatch m = compare(a[spec.name], b[spec.name]);
+    if (!m.equal()) return ::testing::AssertionFailure() << spec.name << ": " << m.describe();
+    if (all_bytes_are(a[spec.name], kCanary)) return ::testing::AssertionFailure() << spec.name << " was not written";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult positions_alone_match(const OpCase& c, const std::vector<int64_t>& positions) {
+  std::vector<OutputReport> reports;
+  const Status s = compare_positions_alone(c, Device::cpu(), positions, &reports);
+  if (!s.ok()) return ::testing::AssertionFailure() << s.to_string();
+  if (reports.empty()) return ::testing::AssertionFailure() << c.full_name() << ": no per-position output compared";
+  for (const OutputReport& r : reports)
+    if (!r.mismatch.equal()) return ::testing::AssertionFailure() << r.output << ": " << r.mismatch.describe();
   return ::testing::AssertionSuccess();
 }
 

@@ -1,13 +1,17 @@
-// GoogleTest helpers over the op-case library's index cases and oracles:
-// plans built on the host (a failed build fails the test), tolerance and
-// canary assertions.
+// GoogleTest helpers over the op-case library (cases/): one op case run on
+// the CPU (CpuCase), plans built on the host (a failed build fails the test),
+// tolerance, canary, repeatability and row-invariance assertions.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
+#include "cases/case_builders.h"
+#include "cases/op_case.h"
 #include "support/test_util.h"
 #include "detdit/plan.h"
 
@@ -25,6 +29,41 @@ IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int
                                             double rtol);
 // Every byte of every tensor is still kCanary (names the first one written).
 ::testing::AssertionResult still_canary(const std::vector<HostTensor*>& outputs);
+
+// One op case on the CPU: its inputs from the case's generator (make_inputs)
+// or the given host tensors, its outputs the canary, its plans built from its
+// index cases (instantiate; a failure fails the test). A test builds the op's
+// params from the case's views (view, plan), or runs the case's own calls
+// (run); operator[] gives host copies of every tensor as of the last run (the
+// inputs before one).
+class CpuCase {
+ public:
+  explicit CpuCase(OpCase c, const std::map<std::string, HostTensor>* inputs = nullptr);
+  const OpCase& op_case() const { return case_; }
+  const TensorView& view(const std::string& name) const { return instance_[name]; }
+  const IndexPlan& plan(const std::string& name = "plan") const { return instance_.plan(name); }
+  // The forward, then the backward where the case has one; then the host copies.
+  Status run();
+  Status run(Phase phase);
+  const HostTensor& operator[](const std::string& name) const;
+  // A fresh host copy of a tensor as it is now (after a call that ran outside run()).
+  HostTensor current(const std::string& name) const;
+  const std::map<std::string, HostTensor>& tensors() const { return host_; }
+  // Fresh host copies of the case's outputs (for still_canary after a refused call).
+  std::vector<HostTensor*> outputs();
+
+ private:
+  OpCase case_;
+  Instance instance_;
+  std::map<std::string, HostTensor> host_, outputs_;
+};
+
+// Every output of two runs of one case holds the same bytes, and each was
+// written (not still the canary).
+::testing::AssertionResult outputs_bitwise_equal(const CpuCase& a, const CpuCase& b);
+// Row invariance on the CPU (compare_positions_alone): each listed position
+// run alone gives the bytes of the full case's per-position outputs.
+::testing::AssertionResult positions_alone_match(const OpCase& c, const std::vector<int64_t>& positions);
 
 }  // namespace testing
 }  // namespace detdit
