@@ -15,124 +15,84 @@
 #include "detdit/gate_residual.h"
 
 namespace detdit {
+namespace testing {
 namespace {
 
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::kCanary;
-using testing::random_tensor;
+// The library's gate_residual case at this shape, with a contiguous (R, H)
+// gate and d_gate in `gate_grad_dtype`.
+OpCase gate_case(const IndexCase& c, int64_t h, DType dtype, DType gate_grad_dtype) {
+  return gate_residual_case({dtype, h, c, false, gate_grad_dtype}, 7);
+}
 
-struct Gate {
-  IndexCase c;
-  IndexPlan plan;
-  DType dtype;
-  int64_t hidden;
-  HostTensor residual, y, gate, grad, out, d_residual, d_y, d_gate;
-  Gate(const IndexCase& index, int64_t h, DType d, DType gate_grad_dtype, uint64_t seed = 7)
-      : c(index), plan(testing::adaln_plan(index)), dtype(d), hidden(h),
-        residual(random_tensor(d, {index.positions(), h}, seed, 0, 4)),
-        y(random_tensor(d, {index.positions(), h}, seed + 1, 0, 3)),
-        gate(random_tensor(d, {index.num_rows(), h}, seed + 2, 0, 0.5)),
-        grad(random_tensor(d, {index.positions(), h}, seed + 3)), out(d, {index.positions(), h}),
-        d_residual(d, {index.positions(), h}), d_y(d, {index.positions(), h}),
-        d_gate(gate_grad_dtype, {index.num_rows(), h}) {
-    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
-  }
-  std::vector<HostTensor*> outputs() { return {&out, &d_residual, &d_y, &d_gate}; }
-  GateResidualParams forward_params() const {
-    GateResidualParams p;
-    p.in.residual = residual.view();
-    p.in.y = y.view();
-    p.in.gate = gate.view();
-    p.in.plan = plan;
-    p.out = out.view();
-    return p;
-  }
+// The fail-closed fixture: the case's params, from its views.
+struct Gate : CpuCase {
+  Gate(const IndexCase& c, int64_t h, DType dtype, DType gate_grad_dtype)
+      : CpuCase(gate_case(c, h, dtype, gate_grad_dtype)) {}
+  GateResidualInputs inputs() const { return {view("residual"), view("y"), view("table"), plan()}; }
+  GateResidualParams forward_params() const { return {inputs(), view("out")}; }
   GateResidualBackwardParams backward_params() const {
-    GateResidualBackwardParams p;
-    p.grad = grad.view();
-    p.in.y = y.view();
-    p.in.gate = gate.view();
-    p.in.plan = plan;
-    p.d_residual = d_residual.view();
-    p.d_y = d_y.view();
-    p.d_gate = d_gate.view();
+    GateResidualBackwardParams p{inputs(), view("grad"), view("d_residual"), view("d_y"), view("d_gate")};
+    p.in.residual = TensorView();  // the backward does not read it
     return p;
-  }
-  Status run() {
-    DETDIT_RETURN_IF_ERROR(gate_residual_forward(forward_params()));
-    return gate_residual_backward(backward_params());
   }
 };
 
 TEST(GateResidual, RowLocalResultsFollowTheContractBitwise) {
-  IndexCase c = testing::make_index_case(Packing::kInterleaved, 257, 4, 2);
+  IndexCase c = make_index_case(Packing::kInterleaved, 257, 4, 2);
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
     SCOPED_TRACE(dtype_name(dtype));
-    Gate k(c, 20, dtype, DType::kF32);
+    CpuCase k(gate_case(c, 20, dtype, DType::kF32));
     DETDIT_ASSERT_OK(k.run());
-    auto R = [&](float v) { return testing::round_as(v, dtype); };
+    const HostTensor &gates = k["table"], &residual = k["residual"], &y = k["y"], &grad = k["grad"];
+    auto R = [&](float v) { return round_as(v, dtype); };
     HostTensor out(dtype, {c.positions(), 20}), d_y(dtype, {c.positions(), 20});
     for (int64_t p = 0; p < c.positions(); ++p)
       for (int64_t i = 0; i < 20; ++i) {
-        const float gate = static_cast<float>(k.gate.get(c.row(p % c.seq_len) * 20 + i));
+        const float gate = static_cast<float>(gates.get(c.row(p % c.seq_len) * 20 + i));
         const int64_t e = p * 20 + i;
-        out.set(e, num::add32(static_cast<float>(k.residual.get(e)), R(num::mul32(gate, static_cast<float>(k.y.get(e))))));
-        d_y.set(e, num::mul32(static_cast<float>(k.grad.get(e)), gate));
+        out.set(e, num::add32(static_cast<float>(residual.get(e)), R(num::mul32(gate, static_cast<float>(y.get(e))))));
+        d_y.set(e, num::mul32(static_cast<float>(grad.get(e)), gate));
       }
-    EXPECT_BITWISE_EQ(out, k.out);
-    EXPECT_BITWISE_EQ(d_y, k.d_y);
-    EXPECT_BITWISE_EQ(k.grad, k.d_residual);
+    EXPECT_BITWISE_EQ(out, k["out"]);
+    EXPECT_BITWISE_EQ(d_y, k["d_y"]);
+    EXPECT_BITWISE_EQ(k["grad"], k["d_residual"]);
   }
 }
 
 TEST(GateResidual, GateGradientMeetsTheReductionContract) {
-  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 4097, 3, 2),
-                             testing::make_index_case(Packing::kInterleaved, 4097, 4, 1),
-                             testing::make_index_case(Packing::kBlock, 4097, 1, 1)})
+  for (const IndexCase& c : {make_index_case(Packing::kBlock, 4097, 3, 2),
+                             make_index_case(Packing::kInterleaved, 4097, 4, 1),
+                             make_index_case(Packing::kBlock, 4097, 1, 1)})
     for (DType dtype : {DType::kBF16, DType::kF32}) {
       SCOPED_TRACE(c.name() + " " + dtype_name(dtype));
-      Gate k(c, 64, dtype, dtype);
+      CpuCase k(gate_case(c, 64, dtype, dtype));
       DETDIT_ASSERT_OK(k.run());
+      const HostTensor &grad = k["grad"], &y = k["y"];
       std::vector<double> ref(c.num_rows() * 64, 0.0);
       for (int64_t p = 0; p < c.positions(); ++p)
-        for (int64_t i = 0; i < 64; ++i) ref[c.row(p % c.seq_len) * 64 + i] += k.grad.get(p * 64 + i) * k.y.get(p * 64 + i);
+        for (int64_t i = 0; i < 64; ++i) ref[c.row(p % c.seq_len) * 64 + i] += grad.get(p * 64 + i) * y.get(p * 64 + i);
       if (dtype == DType::kF32)
-        EXPECT_TRUE(testing::within_tolerance(k.d_gate, ref, 1e-4, 1e-4));
+        EXPECT_TRUE(within_tolerance(k["d_gate"], ref, 1e-4, 1e-4));
       else
-        EXPECT_TRUE(testing::within_tolerance(k.d_gate, ref, 1e-1, 2e-2));
+        EXPECT_TRUE(within_tolerance(k["d_gate"], ref, 1e-1, 2e-2));
     }
 }
 
+// Row p of the batch computed alone (a one-position plan with the same gate)
+// gives the same bytes for out, d_y and d_residual.
 TEST(GateResidual, RowLocalOutputsAreInvariantToBatchAndNeighbours) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 300, 3, 3);
-  Gate batch(c, 12, DType::kBF16, DType::kF32);
-  DETDIT_ASSERT_OK(batch.run());
-  for (int64_t p : {int64_t{0}, int64_t{299}, int64_t{300}, int64_t{555}, c.positions() - 1}) {
-    SCOPED_TRACE(p);
-    Gate one(testing::single_position_case(c, p), 12, DType::kBF16, DType::kF32);
-    testing::copy_row(batch.residual, p, &one.residual, 0);
-    testing::copy_row(batch.y, p, &one.y, 0);
-    testing::copy_row(batch.grad, p, &one.grad, 0);
-    testing::copy_bytes(batch.gate, &one.gate);
-    DETDIT_ASSERT_OK(one.run());
-    EXPECT_TRUE(testing::rows_bitwise_equal(batch.out, p, one.out, 0));
-    EXPECT_TRUE(testing::rows_bitwise_equal(batch.d_y, p, one.d_y, 0));
-    EXPECT_TRUE(testing::rows_bitwise_equal(batch.d_residual, p, one.d_residual, 0));
-  }
+  IndexCase c = make_index_case(Packing::kBlock, 300, 3, 3);
+  EXPECT_TRUE(positions_alone_match(gate_case(c, 12, DType::kBF16, DType::kF32), {0, 299, 300, 555, c.positions() - 1}));
 }
 
 TEST(GateResidual, RepeatableWithExactZerosForUnreferencedRows) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 3, 4, 3);
-  Gate a(c, 12, DType::kBF16, DType::kBF16), b(c, 12, DType::kBF16, DType::kBF16);
+  IndexCase c = make_index_case(Packing::kBlock, 3, 4, 3);
+  CpuCase a(gate_case(c, 12, DType::kBF16, DType::kBF16)), b(gate_case(c, 12, DType::kBF16, DType::kBF16));
   DETDIT_ASSERT_OK(a.run());
   DETDIT_ASSERT_OK(b.run());
-  EXPECT_BITWISE_EQ(a.out, b.out);
-  EXPECT_BITWISE_EQ(a.d_y, b.d_y);
-  EXPECT_BITWISE_EQ(a.d_gate, b.d_gate);
-  const std::vector<int64_t> unreferenced = testing::unreferenced_rows(c);
-  EXPECT_TRUE(testing::rows_are_zero(a.d_gate, unreferenced));
+  EXPECT_TRUE(outputs_bitwise_equal(a, b));
+  const std::vector<int64_t> unreferenced = unreferenced_rows(c);
+  EXPECT_TRUE(rows_are_zero(a["d_gate"], unreferenced));
   EXPECT_GE(unreferenced.size(), 9u);
 }
 
@@ -173,9 +133,9 @@ TEST(GateResidual, BadInputsGetClearErrorsAndWriteNothing) {
   // An output overlapping an input is refused too (the backward reads y while writing d_y).
   Gate k(c, 16, DType::kBF16, DType::kF32);
   GateResidualBackwardParams b = k.backward_params();
-  b.d_y = k.y.view();
+  b.d_y = k.view("y");
   EXPECT_TRUE(testing::refused(gate_residual_backward(b), ErrorKind::kValue, "d_y must not overlap y"));
-  EXPECT_TRUE(testing::all_bytes_are(k.d_gate, kCanary));
+  EXPECT_TRUE(testing::all_bytes_are(k.current("d_gate"), kCanary));
 }
 
 // A d_gate whose rows share memory (row stride 0 or 1 < H) is refused,
@@ -193,4 +153,5 @@ TEST(GateResidual, GateGradientWithOverlappingRowsIsRefused) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit
