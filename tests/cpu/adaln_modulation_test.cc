@@ -15,13 +15,8 @@
 #include "detdit/adaln.h"
 
 namespace detdit {
+namespace testing {
 namespace {
-
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::kCanary;
-using testing::random_tensor;
 
 constexpr int64_t kHidden = 12, kEmbed = 64, kWidth = 18 * kHidden;
 
@@ -169,4 +164,5 @@ TEST(AdalnModulation, BackwardRefusesABroadcastTembBeforeSizingItsScratch) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit

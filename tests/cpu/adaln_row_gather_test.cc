@@ -14,13 +14,8 @@
 #include "detdit/adaln.h"
 
 namespace detdit {
+namespace testing {
 namespace {
-
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::kCanary;
-using testing::random_tensor;
 
 TEST(AdalnRowGather, ForwardEqualsSixIndexSelects) {
   for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 1),
@@ -173,4 +168,5 @@ TEST(AdalnRowGather, BadInputsGetClearErrorsAndWriteNothing) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit

@@ -19,13 +19,8 @@
 #include "detdit/rmsnorm.h"
 
 namespace detdit {
+namespace testing {
 namespace {
-
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::kCanary;
-using testing::random_tensor;
 
 // H = 36 makes N = 2H = 72 a multiple of 18, so adaln_projection can run the
 // same table for the composition check.
@@ -262,4 +257,5 @@ TEST(FinalAdalnOut, OutputsOverlappingInputsAreRefused) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit
