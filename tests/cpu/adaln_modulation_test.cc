@@ -20,92 +20,62 @@ namespace {
 
 constexpr int64_t kHidden = 12, kEmbed = 64, kWidth = 18 * kHidden;
 
-struct Modulation {
-  IndexCase c;
-  IndexPlan plan;
-  HostTensor temb, weight, bias, grad, table, act, out, d_temb, d_weight, d_bias;
-  explicit Modulation(const IndexCase& index, uint64_t seed = 5)
-      : c(index), plan(testing::adaln_plan(index)), temb(random_tensor(DType::kF32, {index.num_timesteps, kEmbed}, seed)),
-        weight(random_tensor(DType::kBF16, {kWidth, kEmbed}, seed + 1, 0, 0.1)),
-        bias(random_tensor(DType::kBF16, {kWidth}, seed + 2, 0, 0.1)),
-        grad(random_tensor(DType::kBF16, {6, index.positions(), kHidden}, seed + 3)),
-        table(DType::kBF16, {index.num_timesteps, kWidth}), act(DType::kBF16, {index.num_timesteps, kEmbed}),
-        out(DType::kBF16, {6, index.seq_len, kHidden}), d_temb(DType::kF32, {index.num_timesteps, kEmbed}),
-        d_weight(DType::kBF16, {kWidth, kEmbed}), d_bias(DType::kBF16, {kWidth}) {
-    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
-  }
-  std::vector<HostTensor*> outputs() { return {&table, &act, &out, &d_temb, &d_weight, &d_bias}; }
-  AdalnModulationParams forward_params() const {
-    AdalnModulationParams p;
-    p.in.temb = temb.view();
-    p.in.weight = weight.view();
-    p.in.bias = bias.view();
-    p.in.plan = plan;
-    p.table = table.view();
-    p.act = act.view();
-    p.out = out.view();
-    return p;
-  }
+// The library's adaln_modulation case (bf16 weight, FP32 temb) at H = 12, D = 64.
+OpCase modulation_case(const IndexCase& c) { return adaln_modulation_case({kHidden, kEmbed, c}); }
+
+// The fail-closed fixture: the case's params, from its views.
+struct Modulation : CpuCase {
+  explicit Modulation(const IndexCase& c) : CpuCase(modulation_case(c)) {}
+  AdalnModulationInputs inputs() const { return {view("temb"), view("weight"), view("bias"), plan()}; }
+  AdalnModulationParams forward_params() const { return {inputs(), view("table"), view("act"), view("out")}; }
   AdalnModulationBackwardParams backward_params() const {
-    AdalnModulationBackwardParams p;
-    p.in.temb = temb.view();
-    p.in.weight = weight.view();
-    p.act = act.view();
-    p.in.plan = plan;
-    p.grad = grad.view();
-    p.d_temb = d_temb.view();
-    p.d_weight = d_weight.view();
-    p.d_bias = d_bias.view();
-    return p;
-  }
-  Status run() {
-    DETDIT_RETURN_IF_ERROR(adaln_modulation_forward(forward_params()));
-    return adaln_modulation_backward(backward_params());
+    return {inputs(), view("act"), view("grad"), view("d_temb"), view("d_weight"), view("d_bias")};
   }
 };
 
 TEST(AdalnModulation, EqualsProjectionThenGatherWithFp32TableGradients) {
-  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 2),
-                             testing::make_index_case(Packing::kInterleaved, 513, 4, 1)}) {
+  for (const IndexCase& c : {make_index_case(Packing::kBlock, 257, 3, 2), make_index_case(Packing::kInterleaved, 513, 4, 1)}) {
     SCOPED_TRACE(c.name());
-    Modulation k(c);
+    CpuCase k(modulation_case(c));
     DETDIT_ASSERT_OK(k.run());
+    const AdalnProjectionInputs projection{k["temb"].view(), k["weight"].view(), k["bias"].view()};
+    const IndexPlan plan = adaln_plan(c);
     HostTensor table(DType::kBF16, {c.num_timesteps, kWidth}), act(DType::kBF16, {c.num_timesteps, kEmbed});
     HostTensor out(DType::kBF16, {6, c.seq_len, kHidden});
-    DETDIT_ASSERT_OK(adaln_projection_forward({{k.temb.view(), k.weight.view(), k.bias.view()}, table.view(), act.view()}));
-    DETDIT_ASSERT_OK(adaln_row_gather_forward({table.view_as({3 * c.num_timesteps, 6 * kHidden}), k.plan, out.view()}));
-    EXPECT_BITWISE_EQ(table, k.table);
-    EXPECT_BITWISE_EQ(act, k.act);
-    EXPECT_BITWISE_EQ(out, k.out);
+    DETDIT_ASSERT_OK(adaln_projection_forward({projection, table.view(), act.view()}));
+    DETDIT_ASSERT_OK(adaln_row_gather_forward({table.view_as({3 * c.num_timesteps, 6 * kHidden}), plan, out.view()}));
+    EXPECT_BITWISE_EQ(table, k["table"]);
+    EXPECT_BITWISE_EQ(act, k["act"]);
+    EXPECT_BITWISE_EQ(out, k["out"]);
 
     HostTensor d_table(DType::kF32, {c.num_timesteps, kWidth});
-    DETDIT_ASSERT_OK(adaln_row_gather_backward({k.grad.view(), k.plan, d_table.view_as({3 * c.num_timesteps, 6 * kHidden})}));
+    DETDIT_ASSERT_OK(adaln_row_gather_backward({k["grad"].view(), plan, d_table.view_as({3 * c.num_timesteps, 6 * kHidden})}));
     HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {kWidth, kEmbed});
     HostTensor d_bias(DType::kBF16, {kWidth});
     DETDIT_ASSERT_OK(adaln_projection_backward(
-        {{k.temb.view(), k.weight.view(), k.bias.view()}, act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
-    EXPECT_BITWISE_EQ(d_temb, k.d_temb);
-    EXPECT_BITWISE_EQ(d_weight, k.d_weight);
-    EXPECT_BITWISE_EQ(d_bias, k.d_bias);
+        {projection, act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
+    EXPECT_BITWISE_EQ(d_temb, k["d_temb"]);
+    EXPECT_BITWISE_EQ(d_weight, k["d_weight"]);
+    EXPECT_BITWISE_EQ(d_bias, k["d_bias"]);
   }
 }
 
 TEST(AdalnModulation, WeightGradientsAreCorrectlyRoundedAndRepeat) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 4097, 3, 2);
-  Modulation k(c), again(c);
+  IndexCase c = make_index_case(Packing::kBlock, 4097, 3, 2);
+  CpuCase k(modulation_case(c)), again(modulation_case(c));
   DETDIT_ASSERT_OK(k.run());
   DETDIT_ASSERT_OK(again.run());
-  for (std::size_t i = 0; i < k.outputs().size(); ++i) EXPECT_BITWISE_EQ(*k.outputs()[i], *again.outputs()[i]);
+  EXPECT_TRUE(outputs_bitwise_equal(k, again));
   // exact d_table (T, 18H) = the gather's (3T, 6H) d_rows: row ti*3 + m, column c*H + h  <->  channel m*6H + c*H + h
   // of timestep ti
-  const std::vector<double> d_table = testing::row_gather_grad_exact(c, k.grad, kHidden);
-  const testing::ProjectionReference ref = testing::projection_reference(k.temb, k.weight, k.bias, &d_table, DType::kBF16);
-  const double dw = testing::fraction_correctly_rounded(k.d_weight, ref.d_weight);
-  const double db = testing::fraction_correctly_rounded(k.d_bias, ref.d_bias);
+  const std::vector<double> d_table = row_gather_grad_exact(c, k["grad"], kHidden);
+  const ProjectionReference ref = projection_reference(k["temb"], k["weight"], k["bias"], &d_table, DType::kBF16);
+  const double dw = fraction_correctly_rounded(k["d_weight"], ref.d_weight);
+  const double db = fraction_correctly_rounded(k["d_bias"], ref.d_bias);
   std::printf("adaln_modulation S=4097 B=2 T=3: dW %.3f %%, db %.3f %% correctly rounded\n", 100 * dw, 100 * db);
   EXPECT_GE(dw, 0.995);
   EXPECT_GE(db, 0.995);
-  EXPECT_TRUE(testing::within_tolerance(k.d_temb, ref.d_temb, 1e-4, 1e-4));
+  EXPECT_TRUE(within_tolerance(k["d_temb"], ref.d_temb, 1e-4, 1e-4));
 }
 
 TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
@@ -124,7 +94,7 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
       {"torch on cpu", ErrorKind::kValue, "numerics=torch exists on CUDA only",
        [](AdalnModulationParams* f, AdalnModulationBackwardParams* b) { f->in.numerics = b->in.numerics = Numerics::kTorch; }},
   };
-  testing::expect_bad_params_refused<Modulation>(cases, adaln_modulation_forward, adaln_modulation_backward, c);
+  expect_bad_params_refused<Modulation>(cases, adaln_modulation_forward, adaln_modulation_backward, c);
   // backward-only: grad of the wrong width / length / dtype
   Modulation k(c);
   const std::pair<const char*, std::function<void(AdalnModulationBackwardParams*)>> backward_cases[] = {
@@ -138,7 +108,7 @@ TEST(AdalnModulation, BadInputsGetClearErrorsAndWriteNothing) {
     Status s = adaln_modulation_backward(b);
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find(message), std::string::npos) << s.to_string();
-    EXPECT_TRUE(testing::still_canary(k.outputs()));
+    EXPECT_TRUE(still_canary(k.outputs()));
   }
 }
 
