@@ -26,153 +26,92 @@ namespace {
 // same table for the composition check.
 constexpr int64_t kHidden = 36, kEmbed = 64;
 
-struct Final {
-  IndexCase c;
-  IndexPlan plan;
-  HostTensor x, norm_weight, temb, weight, bias, grad;
-  HostTensor out, table, act, rstd, dx, d_norm_weight, d_temb, d_weight, d_bias;
-  explicit Final(const IndexCase& index, uint64_t seed = 3)
-      : c(index), plan(testing::timestep_plan(index)),
-        x(random_tensor(DType::kBF16, {index.batch, index.seq_len, kHidden}, seed, 0, 2)),
-        norm_weight(random_tensor(DType::kBF16, {kHidden}, seed + 1, 1, 0.1)),
-        temb(random_tensor(DType::kF32, {index.num_timesteps, kEmbed}, seed + 2)),
-        weight(random_tensor(DType::kBF16, {2 * kHidden, kEmbed}, seed + 3, 0, 0.1)),
-        bias(random_tensor(DType::kBF16, {2 * kHidden}, seed + 4, 0, 0.1)),
-        grad(random_tensor(DType::kBF16, {index.batch, index.seq_len, kHidden}, seed + 5)),
-        out(DType::kBF16, {index.batch, index.seq_len, kHidden}), table(DType::kBF16, {index.num_timesteps, 2 * kHidden}),
-        act(DType::kBF16, {index.num_timesteps, kEmbed}), rstd(DType::kF32, {index.positions()}),
-        dx(DType::kBF16, {index.batch, index.seq_len, kHidden}), d_norm_weight(DType::kF32, {kHidden}),
-        d_temb(DType::kF32, {index.num_timesteps, kEmbed}), d_weight(DType::kBF16, {2 * kHidden, kEmbed}),
-        d_bias(DType::kBF16, {2 * kHidden}) {
-    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
-  }
-  std::vector<HostTensor*> outputs() {
-    return {&out, &table, &act, &rstd, &dx, &d_norm_weight, &d_temb, &d_weight, &d_bias};
+// The library's final_adaln_out case (bf16) at H = 36, D = 64.
+OpCase final_case(const IndexCase& c) { return final_adaln_out_case({DType::kBF16, kHidden, kEmbed, c}); }
+
+// The fail-closed fixture: the case's params, from its views.
+struct Final : CpuCase {
+  explicit Final(const IndexCase& c) : CpuCase(final_case(c)) {}
+  FinalAdalnOutInputs inputs() const {
+    return {view("x"), view("norm_weight"), view("temb"), view("weight"), view("bias"), plan()};
   }
   FinalAdalnOutParams forward_params() const {
-    FinalAdalnOutParams p;
-    p.in.x = x.view();
-    p.in.norm_weight = norm_weight.view();
-    p.in.temb = temb.view();
-    p.in.weight = weight.view();
-    p.in.bias = bias.view();
-    p.in.plan = plan;
-    p.out = out.view();
-    p.table = table.view();
-    p.act = act.view();
-    p.rstd = rstd.view();
-    return p;
+    return {inputs(), view("out"), view("table"), view("act"), view("rstd")};
   }
   FinalAdalnOutBackwardParams backward_params() const {
-    FinalAdalnOutBackwardParams p;
-    p.in.x = x.view();
-    p.in.norm_weight = norm_weight.view();
-    p.in.temb = temb.view();
-    p.in.weight = weight.view();
-    p.table = table.view();
-    p.act = act.view();
-    p.rstd = rstd.view();
-    p.in.plan = plan;
-    p.grad = grad.view();
-    p.dx = dx.view();
-    p.d_norm_weight = d_norm_weight.view();
-    p.d_temb = d_temb.view();
-    p.d_weight = d_weight.view();
-    p.d_bias = d_bias.view();
-    return p;
-  }
-  Status run() {
-    DETDIT_RETURN_IF_ERROR(final_adaln_out_forward(forward_params()));
-    return final_adaln_out_backward(backward_params());
+    return {inputs(),   view("table"), view("act"), view("rstd"), view("grad"), view("dx"), view("d_norm_weight"),
+            view("d_temb"), view("d_weight"), view("d_bias")};
   }
 };
 
 TEST(FinalAdalnOut, EqualsProjectionThenModulatedRmsnormBitwise) {
-  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 2),
-                             testing::make_index_case(Packing::kInterleaved, 300, 4, 1)}) {
+  for (const IndexCase& c : {make_index_case(Packing::kBlock, 257, 3, 2), make_index_case(Packing::kInterleaved, 300, 4, 1)}) {
     SCOPED_TRACE(c.name());
-    Final k(c);
+    CpuCase k(final_case(c));
     DETDIT_ASSERT_OK(k.run());
     // the same sequence through the separate public ops
+    const AdalnProjectionInputs projection{k["temb"].view(), k["weight"].view(), k["bias"].view()};
     HostTensor table(DType::kBF16, {c.num_timesteps, 2 * kHidden}), act(DType::kBF16, {c.num_timesteps, kEmbed});
-    DETDIT_ASSERT_OK(adaln_projection_forward({{k.temb.view(), k.weight.view(), k.bias.view()}, table.view(), act.view()}));
+    DETDIT_ASSERT_OK(adaln_projection_forward({projection, table.view(), act.view()}));
     const TensorView shift = table.view().narrow(1, 0, kHidden), scale = table.view().narrow(1, kHidden, kHidden);
-    HostTensor out(DType::kBF16, {c.batch, c.seq_len, kHidden}), rstd(DType::kF32, {c.positions()});
-    RmsnormParams norm;
-    norm.in.x = k.x.view();
-    norm.in.weight = k.norm_weight.view();
-    norm.in.shift = shift;
-    norm.in.scale = scale;
-    norm.in.plan = k.plan;
-    norm.out = out.view();
-    norm.rstd = rstd.view();
-    DETDIT_ASSERT_OK(rmsnorm_forward(norm));
-    EXPECT_BITWISE_EQ(table, k.table);
-    EXPECT_BITWISE_EQ(act, k.act);
-    EXPECT_BITWISE_EQ(out, k.out);
-    EXPECT_BITWISE_EQ(rstd, k.rstd);
+    const RmsnormInputs norm{k["x"].view(), k["norm_weight"].view(), shift, scale, timestep_plan(c)};
+    HostTensor out(DType::kBF16, {c.positions(), kHidden}), rstd(DType::kF32, {c.positions()});
+    DETDIT_ASSERT_OK(rmsnorm_forward({norm, out.view(), rstd.view()}));
+    EXPECT_BITWISE_EQ(table, k["table"]);
+    EXPECT_BITWISE_EQ(act, k["act"]);
+    EXPECT_BITWISE_EQ(out, k["out"]);
+    EXPECT_BITWISE_EQ(rstd, k["rstd"]);
 
-    HostTensor d_table(DType::kF32, {c.num_timesteps, 2 * kHidden}), dx(DType::kBF16, {c.batch, c.seq_len, kHidden});
+    HostTensor d_table(DType::kF32, {c.num_timesteps, 2 * kHidden}), dx(DType::kBF16, {c.positions(), kHidden});
     HostTensor d_norm_weight(DType::kF32, {kHidden});
-    RmsnormBackwardParams nb;
-    nb.in.x = k.x.view();
-    nb.in.weight = k.norm_weight.view();
-    nb.in.shift = shift;
-    nb.in.scale = scale;
-    nb.in.plan = k.plan;
-    nb.rstd = rstd.view();
-    nb.grad = k.grad.view();
-    nb.dx = dx.view();
-    nb.d_weight = d_norm_weight.view();
-    nb.d_shift = d_table.view().narrow(1, 0, kHidden);
-    nb.d_scale = d_table.view().narrow(1, kHidden, kHidden);
-    DETDIT_ASSERT_OK(rmsnorm_backward(nb));
+    DETDIT_ASSERT_OK(rmsnorm_backward({norm, rstd.view(), k["grad"].view(), dx.view(), d_norm_weight.view(),
+                                       d_table.view().narrow(1, 0, kHidden), d_table.view().narrow(1, kHidden, kHidden)}));
     HostTensor d_temb(DType::kF32, {c.num_timesteps, kEmbed}), d_weight(DType::kBF16, {2 * kHidden, kEmbed});
     HostTensor d_bias(DType::kBF16, {2 * kHidden});
     // d_table is FP32: never rounded to bf16 in between
     DETDIT_ASSERT_OK(adaln_projection_backward(
-        {{k.temb.view(), k.weight.view(), k.bias.view()}, act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
-    EXPECT_BITWISE_EQ(dx, k.dx);
-    EXPECT_BITWISE_EQ(d_norm_weight, k.d_norm_weight);
-    EXPECT_BITWISE_EQ(d_temb, k.d_temb);
-    EXPECT_BITWISE_EQ(d_weight, k.d_weight);
-    EXPECT_BITWISE_EQ(d_bias, k.d_bias);
+        {projection, act.view(), d_table.view(), d_temb.view(), d_weight.view(), d_bias.view()}));
+    EXPECT_BITWISE_EQ(dx, k["dx"]);
+    EXPECT_BITWISE_EQ(d_norm_weight, k["d_norm_weight"]);
+    EXPECT_BITWISE_EQ(d_temb, k["d_temb"]);
+    EXPECT_BITWISE_EQ(d_weight, k["d_weight"]);
+    EXPECT_BITWISE_EQ(d_bias, k["d_bias"]);
   }
 }
 
 TEST(FinalAdalnOut, MatchesTheFp64ReferenceAndRepeats) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 4097, 3, 1);
-  Final k(c), again(c);
+  IndexCase c = make_index_case(Packing::kBlock, 4097, 3, 1);
+  CpuCase k(final_case(c)), again(final_case(c));
   DETDIT_ASSERT_OK(k.run());
   DETDIT_ASSERT_OK(again.run());
-  for (std::size_t i = 0; i < k.outputs().size(); ++i) EXPECT_BITWISE_EQ(*k.outputs()[i], *again.outputs()[i]);
+  EXPECT_TRUE(outputs_bitwise_equal(k, again));
 
-  testing::ProjectionReference proj = testing::projection_reference(k.temb, k.weight, k.bias, nullptr, DType::kBF16);
+  ProjectionReference proj = projection_reference(k["temb"], k["weight"], k["bias"], nullptr, DType::kBF16);
   HostTensor shift(DType::kBF16, {c.num_timesteps, kHidden}), scale(DType::kBF16, {c.num_timesteps, kHidden});
   for (int64_t t = 0; t < c.num_timesteps; ++t)
     for (int64_t i = 0; i < kHidden; ++i) {
       shift.set(t * kHidden + i, proj.table[t * 2 * kHidden + i]);
       scale.set(t * kHidden + i, proj.table[t * 2 * kHidden + kHidden + i]);
     }
-  HostTensor x2 = testing::clone(k.x), g2 = testing::clone(k.grad);
-  const testing::RmsnormReference norm = testing::rmsnorm_reference(
-      x2, k.norm_weight, &shift, &scale, testing::timestep_rows_of_positions(c), c.num_timesteps, g2, 1e-5, DType::kBF16);
+  const RmsnormReference norm = rmsnorm_reference(k["x"], k["norm_weight"], &shift, &scale,
+                                                  timestep_rows_of_positions(c), c.num_timesteps, k["grad"], 1e-5,
+                                                  DType::kBF16);
   std::vector<double> d_table(c.num_timesteps * 2 * kHidden);
   for (int64_t t = 0; t < c.num_timesteps; ++t)
     for (int64_t i = 0; i < kHidden; ++i) {
       d_table[t * 2 * kHidden + i] = norm.d_shift[t * kHidden + i];
       d_table[t * 2 * kHidden + kHidden + i] = norm.d_scale[t * kHidden + i];
     }
-  proj = testing::projection_reference(k.temb, k.weight, k.bias, &d_table, DType::kBF16);
-  EXPECT_GE(testing::fraction_correctly_rounded(k.table, proj.table), 0.999);
-  EXPECT_TRUE(testing::within_tolerance(k.out, norm.out, 5e-2, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.dx, norm.dx, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_norm_weight, norm.d_weight, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_weight, proj.d_weight, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_bias, proj.d_bias, 1e-1, 2e-2));
-  EXPECT_TRUE(testing::within_tolerance(k.d_temb, proj.d_temb, 1e-1, 2e-2));
-  const double dw_rate = testing::fraction_correctly_rounded(k.d_weight, proj.d_weight);
-  const double db_rate = testing::fraction_correctly_rounded(k.d_bias, proj.d_bias);
+  proj = projection_reference(k["temb"], k["weight"], k["bias"], &d_table, DType::kBF16);
+  EXPECT_GE(fraction_correctly_rounded(k["table"], proj.table), 0.999);
+  EXPECT_TRUE(within_tolerance(k["out"], norm.out, 5e-2, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["dx"], norm.dx, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_norm_weight"], norm.d_weight, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_weight"], proj.d_weight, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_bias"], proj.d_bias, 1e-1, 2e-2));
+  EXPECT_TRUE(within_tolerance(k["d_temb"], proj.d_temb, 1e-1, 2e-2));
+  const double dw_rate = fraction_correctly_rounded(k["d_weight"], proj.d_weight);
+  const double db_rate = fraction_correctly_rounded(k["d_bias"], proj.d_bias);
   EXPECT_GE(dw_rate, 0.995);
   EXPECT_GE(db_rate, 0.995);
   std::printf("final_adaln_out S=4097 T=3: dW %.3f %%, db %.3f %% correctly rounded\n", 100 * dw_rate, 100 * db_rate);
