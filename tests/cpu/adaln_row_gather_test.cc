@@ -17,107 +17,92 @@ namespace detdit {
 namespace testing {
 namespace {
 
+// The library's adaln_row_gather case: rows (R, 6H) in `dtype` (a view with
+// row stride 6H + 3 where `strided`), grad (6, B*S, H) in `dtype`, d_rows in `rows_grad_dtype`.
+OpCase gather_case(const IndexCase& c, int64_t h, DType dtype, DType rows_grad_dtype, bool strided = false) {
+  return adaln_row_gather_case({dtype, h, c, strided, rows_grad_dtype}, 5);
+}
+
 TEST(AdalnRowGather, ForwardEqualsSixIndexSelects) {
-  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 257, 3, 1),
-                             testing::make_index_case(Packing::kInterleaved, 513, 4, 1),
-                             testing::make_index_case(Packing::kBlock, 1, 1, 1)})
+  for (const IndexCase& c : {make_index_case(Packing::kBlock, 257, 3, 1), make_index_case(Packing::kInterleaved, 513, 4, 1),
+                             make_index_case(Packing::kBlock, 1, 1, 1)})
     for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
       SCOPED_TRACE(c.name() + " " + dtype_name(dtype));
-      const int64_t h = 20, rows = c.num_rows();
-      // rows as every other row of a (2R, 6H) buffer: row stride 12H, as table[::2]
-      HostTensor buffer = random_tensor(dtype, {2 * rows, 6 * h}, 3);
-      TensorView strided = TensorView::strided(buffer.data(), dtype, {rows, 6 * h}, {12 * h, 1});
-      HostTensor out(dtype, {6, c.seq_len, h});
-      AdalnRowGatherParams p{strided, testing::adaln_plan(c), out.view()};
-      DETDIT_ASSERT_OK(adaln_row_gather_forward(p));
+      const int64_t h = 20, stride = 6 * h + 3;  // the case's rows: a view with row stride 6H + 3
+      CpuCase k(gather_case(c, h, dtype, DType::kF32, true));
+      DETDIT_ASSERT_OK(k.run(Phase::kForward));
       const std::size_t esize = dtype_size(dtype);
       for (int chunk = 0; chunk < 6; ++chunk)
         for (int64_t s = 0; s < c.seq_len; ++s) {
-          const char* want = static_cast<const char*>(buffer.data()) + (2 * c.row(s) * 6 * h + chunk * h) * esize;
-          const char* got = static_cast<const char*>(out.data()) + (chunk * c.seq_len + s) * h * esize;
-          ASSERT_TRUE(testing::bitwise_equal_bytes(want, got, h, dtype)) << "chunk " << chunk << " s " << s;
+          const char* want = static_cast<const char*>(k["rows_storage"].data()) + (c.row(s) * stride + chunk * h) * esize;
+          const char* got = static_cast<const char*>(k["out"].data()) + (chunk * c.seq_len + s) * h * esize;
+          ASSERT_TRUE(bitwise_equal_bytes(want, got, h, dtype)) << "chunk " << chunk << " s " << s;
         }
     }
 }
 
-struct GatherBackward {
-  IndexCase c;
-  int64_t hidden;
-  HostTensor grad, d_rows;
-  GatherBackward(const IndexCase& index, int64_t h, DType out_dtype, uint64_t seed = 5)
-      : c(index), hidden(h), grad(random_tensor(DType::kBF16, {6, index.positions(), h}, seed)),
-        d_rows(out_dtype, {index.num_rows(), 6 * h}) {
-    d_rows.fill_bytes(kCanary);
-  }
-  AdalnRowGatherBackwardParams params() const { return {grad.view(), testing::adaln_plan(c), d_rows.view()}; }
-  std::vector<double> exact() const { return testing::row_gather_grad_exact(c, grad, hidden); }
-};
-
 TEST(AdalnRowGather, TableGradientIsCorrectlyRounded) {
-  for (const IndexCase& c : {testing::make_index_case(Packing::kBlock, 4097, 3, 2),
-                             testing::make_index_case(Packing::kInterleaved, 4097, 3, 1),
-                             testing::make_index_case(Packing::kBlock, 4097, 1, 3)}) {
+  for (const IndexCase& c : {make_index_case(Packing::kBlock, 4097, 3, 2), make_index_case(Packing::kInterleaved, 4097, 3, 1),
+                             make_index_case(Packing::kBlock, 4097, 1, 3)}) {
     SCOPED_TRACE(c.name());
-    GatherBackward k(c, 256, DType::kBF16);
-    DETDIT_ASSERT_OK(adaln_row_gather_backward(k.params()));
-    const double rate = testing::fraction_correctly_rounded(k.d_rows, k.exact());
+    CpuCase k(gather_case(c, 256, DType::kBF16, DType::kBF16));
+    DETDIT_ASSERT_OK(k.run(Phase::kBackward));
+    const double rate = fraction_correctly_rounded(k["d_rows"], row_gather_grad_exact(c, k["grad"], 256));
     EXPECT_GE(rate, 0.9999) << "correctly rounded fraction " << rate;
     std::printf("%s: d_rows %.5f %% correctly rounded\n", c.name().c_str(), 100 * rate);
   }
 }
 
 TEST(AdalnRowGather, H3ShapeTableGradientIsCorrectlyRounded) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 1025, 3, 1);
-  GatherBackward k(c, 5376, DType::kBF16);
-  DETDIT_ASSERT_OK(adaln_row_gather_backward(k.params()));
-  const double rate = testing::fraction_correctly_rounded(k.d_rows, k.exact());
+  IndexCase c = make_index_case(Packing::kBlock, 1025, 3, 1);
+  CpuCase k(gather_case(c, 5376, DType::kBF16, DType::kBF16));
+  DETDIT_ASSERT_OK(k.run(Phase::kBackward));
+  const double rate = fraction_correctly_rounded(k["d_rows"], row_gather_grad_exact(c, k["grad"], 5376));
   EXPECT_GE(rate, 0.9999) << "correctly rounded fraction " << rate;
   std::printf("H3 width (T=3, S=1025, H=5376): d_rows %.5f %% correctly rounded\n", 100 * rate);
 }
 
 TEST(AdalnRowGather, UnreferencedRowsAreExactZerosAndGradientsRepeat) {
-  IndexCase c = testing::make_index_case(Packing::kInterleaved, 3, 4, 2);
-  GatherBackward a(c, 8, DType::kBF16), b(c, 8, DType::kBF16);
-  DETDIT_ASSERT_OK(adaln_row_gather_backward(a.params()));
-  DETDIT_ASSERT_OK(adaln_row_gather_backward(b.params()));
-  EXPECT_BITWISE_EQ(a.d_rows, b.d_rows);
-  EXPECT_TRUE(testing::rows_are_zero(a.d_rows, testing::unreferenced_rows(c)));
+  IndexCase c = make_index_case(Packing::kInterleaved, 3, 4, 2);
+  CpuCase a(gather_case(c, 8, DType::kBF16, DType::kBF16)), b(gather_case(c, 8, DType::kBF16, DType::kBF16));
+  DETDIT_ASSERT_OK(a.run());
+  DETDIT_ASSERT_OK(b.run());
+  EXPECT_TRUE(outputs_bitwise_equal(a, b));
+  EXPECT_TRUE(rows_are_zero(a["d_rows"], unreferenced_rows(c)));
 }
 
 TEST(AdalnRowGather, FourDimensionalGradGivesTheSameRows) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 300, 3, 2);
-  GatherBackward flat(c, 8, DType::kF32), split(c, 8, DType::kF32);
-  DETDIT_ASSERT_OK(adaln_row_gather_backward(flat.params()));
-  AdalnRowGatherBackwardParams p = split.params();
-  p.grad = split.grad.view_as({6, 2, 300, 8});  // (6, B, S, H)
+  IndexCase c = make_index_case(Packing::kBlock, 300, 3, 2);
+  CpuCase flat(gather_case(c, 8, DType::kBF16, DType::kF32)), split(gather_case(c, 8, DType::kBF16, DType::kF32));
+  DETDIT_ASSERT_OK(flat.run(Phase::kBackward));
+  AdalnRowGatherBackwardParams p{split.view("grad").reshaped({6, 2, 300, 8}), split.plan(), split.view("d_rows")};  // (6, B, S, H)
   DETDIT_ASSERT_OK(adaln_row_gather_backward(p));
-  EXPECT_BITWISE_EQ(flat.d_rows, split.d_rows);
-  p.grad = split.grad.view_as({6, 300, 2, 8});  // B and S swapped: refused
+  EXPECT_BITWISE_EQ(flat["d_rows"], split.current("d_rows"));
+  p.grad = split.view("grad").reshaped({6, 300, 2, 8});  // B and S swapped: refused
   EXPECT_EQ(adaln_row_gather_backward(p).kind(), ErrorKind::kValue);
 }
 
 // A row's gradient does not depend on other rows' positions: moving the
 // positions of rows other than r (here: changing their rows) leaves d_rows[r] bitwise unchanged.
 TEST(AdalnRowGather, RowGradientIgnoresOtherRowsPositions) {
-  IndexCase c = testing::make_index_case(Packing::kInterleaved, 700, 3, 1);
-  GatherBackward a(c, 8, DType::kF32);
-  DETDIT_ASSERT_OK(adaln_row_gather_backward(a.params()));
+  IndexCase c = make_index_case(Packing::kInterleaved, 700, 3, 1);
+  CpuCase a(gather_case(c, 8, DType::kBF16, DType::kF32));
+  DETDIT_ASSERT_OK(a.run(Phase::kBackward));
   const int64_t kept = c.row(0);
   IndexCase moved = c;
   for (int64_t s = 0; s < c.seq_len; ++s)
     if (c.row(s) != kept) moved.timestep_indices[s] = (c.timestep_indices[s] + 1) % 3, moved.tags[s] = (c.row(s) + 1) % 3 == kept % 3 ? (c.tags[s] + 2) % 3 : (c.tags[s] + 1) % 3;
   for (int64_t s = 0; s < c.seq_len; ++s) ASSERT_EQ(moved.row(s) == kept, c.row(s) == kept);
-  GatherBackward b(moved, 8, DType::kF32);
-  testing::copy_bytes(a.grad, &b.grad);
-  DETDIT_ASSERT_OK(adaln_row_gather_backward(b.params()));
-  EXPECT_TRUE(testing::rows_bitwise_equal(a.d_rows, kept, b.d_rows, kept));
+  CpuCase b(gather_case(moved, 8, DType::kBF16, DType::kF32), &a.tensors());  // the same grad
+  DETDIT_ASSERT_OK(b.run(Phase::kBackward));
+  EXPECT_TRUE(rows_bitwise_equal(a["d_rows"], kept, b["d_rows"], kept));
 }
 
 TEST(AdalnRowGather, BadInputsGetClearErrorsAndWriteNothing) {
-  IndexCase c = testing::make_index_case(Packing::kBlock, 16, 2, 2);
-  IndexPlan plan = testing::adaln_plan(c), sharded = testing::adaln_plan(testing::make_index_case(Packing::kBlock, 8, 2, 2));
-  HostTensor rows = random_tensor(DType::kBF16, {6, 48}, 1), out(DType::kBF16, {6, 16, 8});
-  HostTensor grad = random_tensor(DType::kBF16, {6, 32, 8}, 2), d_rows(DType::kF32, {6, 48});
+  IndexCase c = make_index_case(Packing::kBlock, 16, 2, 2);
+  IndexPlan sharded = adaln_plan(make_index_case(Packing::kBlock, 8, 2, 2));
+  // rows (6, 48) and grad (6, 32, 8) bf16, out (6, 16, 8), d_rows (6, 48) fp32
+  CpuCase k(gather_case(c, 8, DType::kBF16, DType::kF32));
   const std::vector<testing::BadParams<AdalnRowGatherParams, AdalnRowGatherBackwardParams>> cases = {
       {"rows dtype", ErrorKind::kType, "must be float32, bfloat16 or float16, got int32",
        [](AdalnRowGatherParams* f, AdalnRowGatherBackwardParams* b) { f->rows.dtype = b->grad.dtype = DType::kI32; }},
@@ -156,14 +141,12 @@ TEST(AdalnRowGather, BadInputsGetClearErrorsAndWriteNothing) {
   };
   for (const auto& bad : cases) {
     SCOPED_TRACE(bad.what);
-    out.fill_bytes(kCanary);
-    d_rows.fill_bytes(kCanary);
-    AdalnRowGatherParams f{rows.view(), plan, out.view()};
-    AdalnRowGatherBackwardParams b{grad.view(), plan, d_rows.view()};
+    AdalnRowGatherParams f{k.view("rows_storage"), k.plan(), k.view("out")};
+    AdalnRowGatherBackwardParams b{k.view("grad"), k.plan(), k.view("d_rows")};
     bad.mutate(&f, &b);
     EXPECT_TRUE(testing::refused(adaln_row_gather_forward(f), bad.kind, bad.message)) << "forward";
     EXPECT_TRUE(testing::refused(adaln_row_gather_backward(b), bad.kind, bad.message)) << "backward";
-    EXPECT_TRUE(testing::still_canary({&out, &d_rows}));
+    EXPECT_TRUE(still_canary(k.outputs()));
   }
 }
 
