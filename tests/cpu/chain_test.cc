@@ -13,91 +13,19 @@
 #include <vector>
 
 #include "support/cases.h"
+#include "support/chain_fixture.h"
 #include "support/rowwise_fixture.h"
 #include "support/test_util.h"
 #include "detdit/chain.h"
 
 namespace detdit {
+namespace testing {
 namespace {
-
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::random_tensor;
-
-using testing::kCanary;
 
 constexpr int64_t kHidden = 12, kFrequencies = 32, kMlpHidden = 64, kEmbed = 64, kBlocks = 2;
 
-struct Chain {
-  IndexCase c;
-  HostTensor timesteps, w1, b1, w2, b2, norm_out, out_w, out_b;
-  std::vector<HostTensor> adaln_w, adaln_b, norm1, norm2;
-  HostTensor x, sub_out, sub_grad, grad_out, out, dx, d_t, d_w1, d_b1, d_w2, d_b2, d_norm_out, d_out_w, d_out_b;
-  std::vector<HostTensor> d_adaln_w, d_adaln_b, d_norm1, d_norm2;
-  std::vector<ChainBlockWeights> block_weights;
-  std::vector<ChainBlockGrads> block_grads;
-
-  explicit Chain(const IndexCase& index, uint64_t seed = 11)
-      : c(index), timesteps(DType::kF32, {index.num_timesteps}),
-        w1(random_tensor(DType::kF32, {kMlpHidden, kFrequencies}, seed, 0, 0.2)),
-        b1(random_tensor(DType::kF32, {kMlpHidden}, seed + 1, 0, 0.1)),
-        w2(random_tensor(DType::kF32, {kEmbed, kMlpHidden}, seed + 2, 0, 0.2)),
-        b2(random_tensor(DType::kF32, {kEmbed}, seed + 3, 0, 0.1)),
-        norm_out(random_tensor(DType::kBF16, {kHidden}, seed + 4, 1, 0.1)),
-        out_w(random_tensor(DType::kBF16, {2 * kHidden, kEmbed}, seed + 5, 0, 0.1)),
-        out_b(random_tensor(DType::kBF16, {2 * kHidden}, seed + 6, 0, 0.1)),
-        x(random_tensor(DType::kBF16, {index.positions(), kHidden}, seed + 7)),
-        sub_out(DType::kBF16, {2 * kBlocks, index.positions(), kHidden}),
-        sub_grad(DType::kBF16, {2 * kBlocks, index.positions(), kHidden}),
-        grad_out(random_tensor(DType::kBF16, {index.positions(), kHidden}, seed + 8)),
-        out(DType::kBF16, {index.positions(), kHidden}), dx(DType::kBF16, {index.positions(), kHidden}),
-        d_t(DType::kF32, {index.num_timesteps}), d_w1(DType::kF32, {kMlpHidden, kFrequencies}),
-        d_b1(DType::kF32, {kMlpHidden}), d_w2(DType::kF32, {kEmbed, kMlpHidden}), d_b2(DType::kF32, {kEmbed}),
-        d_norm_out(DType::kF32, {kHidden}), d_out_w(DType::kBF16, {2 * kHidden, kEmbed}),
-        d_out_b(DType::kBF16, {2 * kHidden}) {
-    for (int64_t t = 0; t < index.num_timesteps; ++t) timesteps.set(t, (t + 1.0) / (index.num_timesteps + 1.0));
-    for (int64_t l = 0; l < kBlocks; ++l) {
-      adaln_w.push_back(random_tensor(DType::kBF16, {18 * kHidden, kEmbed}, seed + 20 + l, 0, 0.1));
-      adaln_b.push_back(random_tensor(DType::kBF16, {18 * kHidden}, seed + 30 + l, 0, 0.1));
-      norm1.push_back(random_tensor(DType::kBF16, {kHidden}, seed + 40 + l, 1, 0.1));
-      norm2.push_back(random_tensor(DType::kBF16, {kHidden}, seed + 50 + l, 1, 0.1));
-      d_adaln_w.emplace_back(DType::kBF16, std::vector<int64_t>{18 * kHidden, kEmbed});
-      d_adaln_b.emplace_back(DType::kBF16, std::vector<int64_t>{18 * kHidden});
-      d_norm1.emplace_back(DType::kF32, std::vector<int64_t>{kHidden});
-      d_norm2.emplace_back(DType::kF32, std::vector<int64_t>{kHidden});
-    }
-    for (int64_t l = 0; l < kBlocks; ++l) {
-      block_weights.push_back({adaln_w[l].view(), adaln_b[l].view(), norm1[l].view(), norm2[l].view()});
-      block_grads.push_back({d_adaln_w[l].view(), d_adaln_b[l].view(), d_norm1[l].view(), d_norm2[l].view()});
-    }
-    Status s = chain_stand_ins(seed + 9, sub_out.view(), sub_grad.view());
-    EXPECT_TRUE(s.ok()) << s.to_string();
-    for (HostTensor* t : outputs()) t->fill_bytes(kCanary);
-  }
-  std::vector<HostTensor*> outputs() {
-    std::vector<HostTensor*> all = {&out, &dx, &d_t, &d_w1, &d_b1, &d_w2, &d_b2, &d_norm_out, &d_out_w, &d_out_b};
-    for (int64_t l = 0; l < kBlocks; ++l)
-      for (HostTensor* t : {&d_adaln_w[l], &d_adaln_b[l], &d_norm1[l], &d_norm2[l]}) all.push_back(t);
-    return all;
-  }
-  ChainParams params() const {
-    ChainParams p;
-    p.weights = {w1.view(), b1.view(), w2.view(), b2.view(), block_weights.data(), kBlocks,
-                 norm_out.view(), out_w.view(), out_b.view()};
-    p.timesteps = timesteps.view();
-    p.adaln_plan = testing::adaln_plan(c);
-    p.timestep_plan = testing::timestep_plan(c);
-    p.x = x.view();
-    p.sublayer_out = sub_out.view();
-    p.sublayer_grad = sub_grad.view();
-    p.grad_out = grad_out.view();
-    p.out = out.view();
-    p.grads = {d_t.view(), d_w1.view(), d_b1.view(), d_w2.view(), d_b2.view(), block_grads.data(),
-               d_norm_out.view(), d_out_w.view(), d_out_b.view(), dx.view()};
-    return p;
-  }
-};
+// The chain at these sizes (ChainShape's defaults), two blocks.
+using Chain = ChainProblem;
 
 TEST(Chain, EveryOutputAndGradientRepeatsBitwise) {
   IndexCase c = testing::make_index_case(Packing::kInterleaved, 257, 3, 2);
@@ -258,4 +186,5 @@ TEST(Chain, BadInputsGetClearErrorsAndWriteNothing) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit
