@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "support/cases.h"
@@ -64,10 +66,8 @@ TEST(AdalnRowGather, H3ShapeTableGradientIsCorrectlyRounded) {
 
 TEST(AdalnRowGather, UnreferencedRowsAreExactZerosAndGradientsRepeat) {
   IndexCase c = make_index_case(Packing::kInterleaved, 3, 4, 2);
-  CpuCase a(gather_case(c, 8, DType::kBF16, DType::kBF16)), b(gather_case(c, 8, DType::kBF16, DType::kBF16));
-  DETDIT_ASSERT_OK(a.run());
-  DETDIT_ASSERT_OK(b.run());
-  EXPECT_TRUE(outputs_bitwise_equal(a, b));
+  std::map<std::string, HostTensor> a;
+  ASSERT_TRUE(repeats_bitwise(gather_case(c, 8, DType::kBF16, DType::kBF16), &a));
   EXPECT_TRUE(rows_are_zero(a["d_rows"], unreferenced_rows(c)));
 }
 

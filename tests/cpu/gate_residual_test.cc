@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "support/cases.h"
@@ -87,10 +89,8 @@ TEST(GateResidual, RowLocalOutputsAreInvariantToBatchAndNeighbours) {
 
 TEST(GateResidual, RepeatableWithExactZerosForUnreferencedRows) {
   IndexCase c = make_index_case(Packing::kBlock, 3, 4, 3);
-  CpuCase a(gate_case(c, 12, DType::kBF16, DType::kBF16)), b(gate_case(c, 12, DType::kBF16, DType::kBF16));
-  DETDIT_ASSERT_OK(a.run());
-  DETDIT_ASSERT_OK(b.run());
-  EXPECT_TRUE(outputs_bitwise_equal(a, b));
+  std::map<std::string, HostTensor> a;
+  ASSERT_TRUE(repeats_bitwise(gate_case(c, 12, DType::kBF16, DType::kBF16), &a));
   const std::vector<int64_t> unreferenced = unreferenced_rows(c);
   EXPECT_TRUE(rows_are_zero(a["d_gate"], unreferenced));
   EXPECT_GE(unreferenced.size(), 9u);

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <utility>
 
+#include "detdit/adaln.h"
+
 namespace detdit {
 namespace testing {
 namespace {
@@ -60,7 +62,9 @@ IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int
 CpuCase::CpuCase(OpCase c, const std::map<std::string, HostTensor>* inputs) : case_(std::move(c)) {
   const Status s = instantiate(case_, Device::cpu(), nullptr, &instance_, inputs);
   EXPECT_TRUE(s.ok()) << case_.full_name() << ": " << s.to_string();
-  if (s.ok()) EXPECT_TRUE(download(case_, instance_, &host_).ok());
+  if (s.ok()) {
+    EXPECT_TRUE(download(case_, instance_, &host_).ok());
+  }
 }
 
 Status CpuCase::run(Phase phase) {
@@ -97,14 +101,50 @@ std::vector<HostTensor*> CpuCase::outputs() {
   return all;
 }
 
-::testing::AssertionResult outputs_bitwise_equal(const CpuCase& a, const CpuCase& b) {
-  for (const TensorSpec& spec : a.op_case().tensors) {
+::testing::AssertionResult repeats_bitwise(const OpCase& c, std::map<std::string, HostTensor>* first) {
+  CpuCase a(c), b(c);
+  for (CpuCase* k : {&a, &b}) {
+    const Status s = k->run();
+    if (!s.ok()) return ::testing::AssertionFailure() << c.full_name() << ": " << s.to_string();
+  }
+  for (const TensorSpec& spec : c.tensors) {
     if (!spec.output) continue;
     const Mismatch m = compare(a[spec.name], b[spec.name]);
     if (!m.equal()) return ::testing::AssertionFailure() << spec.name << ": " << m.describe();
     if (all_bytes_are(a[spec.name], kCanary)) return ::testing::AssertionFailure() << spec.name << " was not written";
   }
+  if (first) *first = a.tensors();
   return ::testing::AssertionSuccess();
+}
+
+namespace {
+// Each named pair holds the same bytes.
+::testing::AssertionResult all_equal(const std::vector<std::pair<const char*, std::pair<const HostTensor*, const HostTensor*>>>& pairs) {
+  for (const auto& [name, tensors] : pairs) {
+    const Mismatch m = compare(*tensors.first, *tensors.second);
+    if (!m.equal()) return ::testing::AssertionFailure() << name << ": " << m.describe();
+  }
+  return ::testing::AssertionSuccess();
+}
+}  // namespace
+
+::testing::AssertionResult projection_forward_matches(const CpuCase& k) {
+  const HostTensor &table = k["table"], &act = k["act"];
+  HostTensor want_table(table.dtype(), table.shape()), want_act(act.dtype(), act.shape());
+  const Status s = adaln_projection_forward(
+      {{k["temb"].view(), k["weight"].view(), k["bias"].view()}, want_table.view(), want_act.view()});
+  if (!s.ok()) return ::testing::AssertionFailure() << s.to_string();
+  return all_equal({{"table", {&want_table, &table}}, {"act", {&want_act, &act}}});
+}
+
+::testing::AssertionResult projection_backward_matches(const CpuCase& k, const HostTensor& d_table) {
+  const HostTensor &d_temb = k["d_temb"], &d_weight = k["d_weight"], &d_bias = k["d_bias"];
+  HostTensor want_temb(d_temb.dtype(), d_temb.shape()), want_weight(d_weight.dtype(), d_weight.shape());
+  HostTensor want_bias(d_bias.dtype(), d_bias.shape());
+  const Status s = adaln_projection_backward({{k["temb"].view(), k["weight"].view(), k["bias"].view()}, k["act"].view(),
+                                              d_table.view(), want_temb.view(), want_weight.view(), want_bias.view()});
+  if (!s.ok()) return ::testing::AssertionFailure() << s.to_string();
+  return all_equal({{"d_temb", {&want_temb, &d_temb}}, {"d_weight", {&want_weight, &d_weight}}, {"d_bias", {&want_bias, &d_bias}}});
 }
 
 ::testing::AssertionResult positions_alone_match(const OpCase& c, const std::vector<int64_t>& positions) {

@@ -58,9 +58,17 @@ class CpuCase {
   std::map<std::string, HostTensor> host_, outputs_;
 };
 
-// Every output of two runs of one case holds the same bytes, and each was
-// written (not still the canary).
-::testing::AssertionResult outputs_bitwise_equal(const CpuCase& a, const CpuCase& b);
+// Two runs of a case on fresh instances: every output holds the same bytes
+// in both, and each was written (not still the canary). `first`: the host
+// tensors of the first run.
+::testing::AssertionResult repeats_bitwise(const OpCase& c, std::map<std::string, HostTensor>* first = nullptr);
+// The projection half of a fused AdaLN op's run case (adaln_modulation,
+// final_adaln_out) through adaln_projection: the forward from the case's
+// temb, weight and bias gives its table and act; the backward from an FP32
+// table gradient d_table (T, N), never rounded in between, gives its d_temb,
+// d_weight and d_bias; all bitwise.
+::testing::AssertionResult projection_forward_matches(const CpuCase& k);
+::testing::AssertionResult projection_backward_matches(const CpuCase& k, const HostTensor& d_table);
 // Row invariance on the CPU (compare_positions_alone): each listed position
 // run alone gives the bytes of the full case's per-position outputs.
 ::testing::AssertionResult positions_alone_match(const OpCase& c, const std::vector<int64_t>& positions);
