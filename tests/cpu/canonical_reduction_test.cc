@@ -27,13 +27,8 @@
 #include "detdit/rmsnorm.h"
 
 namespace detdit {
+namespace testing {
 namespace {
-
-using testing::HostTensor;
-using testing::IndexCase;
-using testing::Packing;
-using testing::random_tensor;
-using testing::round_as;
 
 // The definition: out[r, j] = R(fold over every chunk c of partial(c, r, j)),
 // partial = chain from +0.0 over the positions of c with row r.
@@ -56,48 +51,39 @@ HostTensor reduce_by_definition(const IndexCase& c, int64_t rows, int64_t width,
   return out;
 }
 
-struct NormCase {
+// The library's modulated rmsnorm case at this shape (shift and scale:
+// chunks 0 and 1 of its AdaLN table), its forward run; backward() gives the
+// op's params with the test's own gradient outputs.
+struct NormCase : CpuCase {
   IndexCase index;
-  IndexPlan plan;
   int64_t hidden;
   DType dtype;
-  HostTensor x, weight, shift, scale, grad, rstd, out;
-  NormCase(const IndexCase& c, int64_t h, DType d)
-      : index(c), plan(testing::adaln_plan(c)), hidden(h), dtype(d),
-        x(random_tensor(d, {c.positions(), h}, 1, 0.0, 2.0)), weight(random_tensor(d, {h}, 2, 1.0, 0.1)),
-        shift(random_tensor(d, {c.num_rows(), h}, 3)), scale(random_tensor(d, {c.num_rows(), h}, 4, 0.0, 0.5)),
-        grad(random_tensor(d, {c.positions(), h}, 5)), rstd(DType::kF32, {c.positions()}), out(d, {c.positions(), h}) {
-    RmsnormParams p;
-    p.in.x = x.view();
-    p.in.weight = weight.view();
-    p.in.shift = shift.view();
-    p.in.scale = scale.view();
-    p.in.plan = plan;
-    p.out = out.view();
-    p.rstd = rstd.view();
-    Status s = rmsnorm_forward(p);
+  NormCase(const IndexCase& c, int64_t h, DType d) : CpuCase(rmsnorm_case({d, h, c}, 1)), index(c), hidden(h), dtype(d) {
+    const Status s = run(Phase::kForward);
     EXPECT_TRUE(s.ok()) << s.to_string();
   }
   RmsnormBackwardParams backward(HostTensor* d_weight, HostTensor* d_shift, HostTensor* d_scale) const {
     RmsnormBackwardParams p;
-    p.in.x = x.view();
-    p.in.weight = weight.view();
-    p.in.shift = shift.view();
-    p.in.scale = scale.view();
-    p.in.plan = plan;
-    p.rstd = rstd.view();
-    p.grad = grad.view();
+    p.in.x = view("x");
+    p.in.weight = view("weight");
+    EXPECT_TRUE(adaln_table_chunk(view("table"), hidden, 0, &p.in.shift).ok());
+    EXPECT_TRUE(adaln_table_chunk(view("table"), hidden, 1, &p.in.scale).ok());
+    p.in.plan = plan();
+    p.rstd = view("rstd");
+    p.grad = view("grad");
     if (d_weight) p.d_weight = d_weight->view();
     if (d_shift) p.d_shift = d_shift->view();
     if (d_scale) p.d_scale = d_scale->view();
     return p;
   }
   float t1(int64_t p, int64_t i) const {
-    return round_as(num::add32(1.0f, static_cast<float>(scale.get(index.row(p % index.seq_len) * hidden + i))), dtype);
+    const int64_t row = index.row(p % index.seq_len);
+    return round_as(num::add32(1.0f, static_cast<float>((*this)["table"].get(row * 6 * hidden + hidden + i))), dtype);
   }
   float n(int64_t p, int64_t i) const {
-    const float r = rstd.ptr<float>()[p];
-    return round_as(num::mul32(static_cast<float>(weight.get(i)), num::mul32(r, static_cast<float>(x.get(p * hidden + i)))),
+    const float r = (*this)["rstd"].ptr<float>()[p];
+    return round_as(num::mul32(static_cast<float>((*this)["weight"].get(i)),
+                               num::mul32(r, static_cast<float>((*this)["x"].get(p * hidden + i)))),
                     dtype);
   }
 };
@@ -131,9 +117,9 @@ TEST(CanonicalReduction, RmsnormTableAndWeightGradientsEqualTheDefinition) {
         const int64_t h = k.hidden;
         HostTensor d_weight(out_dtype, {h}), d_shift(out_dtype, {c.num_rows(), h}), d_scale(out_dtype, {c.num_rows(), h});
         DETDIT_ASSERT_OK(rmsnorm_backward(k.backward(&d_weight, &d_shift, &d_scale)));
-        auto g = [&](int64_t p, int64_t i) { return static_cast<float>(k.grad.get(p * h + i)); };
+        auto g = [&](int64_t p, int64_t i) { return static_cast<float>(k["grad"].get(p * h + i)); };
         HostTensor want_weight = reduce_by_definition(c, 1, h, true, out_dtype, [&](float acc, int64_t p, int64_t i) {
-          const float xr = num::mul32(static_cast<float>(k.x.get(p * h + i)), k.rstd.ptr<float>()[p]);
+          const float xr = num::mul32(static_cast<float>(k["x"].get(p * h + i)), k["rstd"].ptr<float>()[p]);
           return num::fma32(num::mul32(g(p, i), k.t1(p, i)), xr, acc);
         });
         HostTensor want_shift = reduce_by_definition(c, c.num_rows(), h, false, out_dtype,
@@ -157,8 +143,8 @@ TEST(CanonicalReduction, PlainRmsnormWeightGradientEqualsTheDefinition) {
   p.d_weight = d_weight.view();
   DETDIT_ASSERT_OK(rmsnorm_backward(p));
   HostTensor want = reduce_by_definition(c, 1, 20, true, DType::kF32, [&](float acc, int64_t pos, int64_t i) {
-    const float xr = num::mul32(static_cast<float>(k.x.get(pos * 20 + i)), k.rstd.ptr<float>()[pos]);
-    return num::fma32(static_cast<float>(k.grad.get(pos * 20 + i)), xr, acc);
+    const float xr = num::mul32(static_cast<float>(k["x"].get(pos * 20 + i)), k["rstd"].ptr<float>()[pos]);
+    return num::fma32(static_cast<float>(k["grad"].get(pos * 20 + i)), xr, acc);
   });
   EXPECT_BITWISE_EQ(want, d_weight);
 }
@@ -274,14 +260,14 @@ TEST(CanonicalReduction, SplitHalvesOfRmsnormComposeToTheFullBackward) {
       HostTensor d_weight(DType::kBF16, {h}), d_shift(DType::kF32, {rows, h}), d_scale(DType::kBF16, {rows, h});
       DETDIT_ASSERT_OK(rmsnorm_backward(k.backward(&d_weight, &d_shift, &d_scale)));
 
-      HostTensor weight_partials(DType::kF32, {k.plan.num_chunks(), h});
-      HostTensor table_partials(DType::kF32, {k.plan.num_segments(), 2 * h});
-      const PlanTables& tables = k.plan.host_tables();
+      HostTensor weight_partials(DType::kF32, {k.plan().num_chunks(), h});
+      HostTensor table_partials(DType::kF32, {k.plan().num_segments(), 2 * h});
+      const PlanTables& tables = k.plan().host_tables();
       for (const Rank& rank : split(c, world)) {
-        HostTensor x = take_rows(k.x, rank.own_positions), grad = take_rows(k.grad, rank.own_positions);
-        HostTensor rstd = take_rows(k.rstd, rank.own_positions);
-        HostTensor extra_x = take_rows(k.x, rank.extra_positions), extra_grad = take_rows(k.grad, rank.extra_positions);
-        HostTensor extra_rstd = take_rows(k.rstd, rank.extra_positions);
+        HostTensor x = take_rows(k["x"], rank.own_positions), grad = take_rows(k["grad"], rank.own_positions);
+        HostTensor rstd = take_rows(k["rstd"], rank.own_positions);
+        HostTensor extra_x = take_rows(k["x"], rank.extra_positions), extra_grad = take_rows(k["grad"], rank.extra_positions);
+        HostTensor extra_rstd = take_rows(k["rstd"], rank.extra_positions);
         int64_t segments = 0;
         for (int32_t chunk : rank.chunks) segments += tables.chunk_segment_begin[chunk + 1] - tables.chunk_segment_begin[chunk];
         HostTensor w_part(DType::kF32, {std::max<int64_t>(1, static_cast<int64_t>(rank.chunks.size())), h});
@@ -305,8 +291,8 @@ TEST(CanonicalReduction, SplitHalvesOfRmsnormComposeToTheFullBackward) {
       HostTensor folded_weight(DType::kBF16, {h}), folded_shift(DType::kF32, {rows, h}), folded_scale(DType::kBF16, {rows, h});
       DETDIT_ASSERT_OK(cpu::fold_chunk_partials(weight_partials.view(), folded_weight.view(), nullptr));
       const TensorView all = table_partials.view();
-      DETDIT_ASSERT_OK(cpu::fold_segment_partials(k.plan, all.narrow(1, 0, h), folded_shift.view(), nullptr));
-      DETDIT_ASSERT_OK(cpu::fold_segment_partials(k.plan, all.narrow(1, h, h), folded_scale.view(), nullptr));
+      DETDIT_ASSERT_OK(cpu::fold_segment_partials(k.plan(), all.narrow(1, 0, h), folded_shift.view(), nullptr));
+      DETDIT_ASSERT_OK(cpu::fold_segment_partials(k.plan(), all.narrow(1, h, h), folded_scale.view(), nullptr));
       EXPECT_BITWISE_EQ(d_weight, folded_weight);
       EXPECT_BITWISE_EQ(d_shift, folded_shift);
       EXPECT_BITWISE_EQ(d_scale, folded_scale);
@@ -350,4 +336,5 @@ TEST(CanonicalReduction, SplitHalvesOfGateResidualComposeToTheFullBackward) {
 }
 
 }  // namespace
+}  // namespace testing
 }  // namespace detdit
