@@ -168,6 +168,7 @@ DETDIT_VERIFY_CASE("rmsnorm", "modulated, norm1 of block 0", true, true, nullptr
 DETDIT_VERIFY_CASE("adaln_row_gather", "six chunks", true, true, nullptr);
 DETDIT_VERIFY_CASE("gate_residual", "gate_msa, 3 randn sublayer", true, true, nullptr);
 DETDIT_VERIFY_CASE("gate_residual_rmsnorm", "gate_msa then norm2, d_h", true, true, nullptr);
+DETDIT_VERIFY_CASE("chain", "blocks 0..1, fwd+bwd, T=2", true, true, nullptr);
 
 }  // namespace cli
 }  // namespace detdit
