@@ -415,6 +415,12 @@ double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t h
   return 0;
 }
 
+std::vector<double> sp_send_rows_per_rank(const SpPlan& sp) {
+  std::vector<double> send_rows;
+  for (const SpPlan::RankTraffic& t : sp.traffic()) send_rows.push_back(static_cast<double>(t.send_rows));
+  return send_rows;
+}
+
 std::vector<SpRegionCase> sp_region_cases(const CaseContext& context, const ParallelSetting& setting) {
   const bool mpi = setting.mpi_world > 0;
   std::vector<SpRegionCase> all;
@@ -443,6 +449,44 @@ std::vector<SpRegionCase> sp_region_cases(const CaseContext& context, const Para
         if (!setting.cuda && !mpi && seq_len > 4097) continue;
         if (w == 2 || w == 4 || w == 8 || (mpi && w > 1)) c.naive_worlds.push_back(w);
       }
+      all.push_back(std::move(c));
+    }
+  }
+  return all;
+}
+
+std::vector<SpRegionCase> sp_region_matrix_cases(const CaseContext& context, const std::vector<int64_t>& seq_lens,
+                                                 const std::vector<int>& worlds) {
+  std::vector<SpRegionCase> all;
+  for (int64_t seq_len : seq_lens)
+    for (int64_t batch : {int64_t{1}, int64_t{2}})
+      for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+        SpRegionCase c;
+        c.shape.packing = packing;
+        c.shape.seq_len = seq_len;
+        c.shape.batch = batch;
+        c.shape.hidden = context.hidden;
+        c.name = c.shape.name();
+        c.worlds = worlds;
+        for (int w : worlds)
+          if (w == 2 || w == 4 || w == 8) c.naive_worlds.push_back(w);
+        all.push_back(std::move(c));
+      }
+  return all;
+}
+
+std::vector<SpRegionCase> sp_region_bench_cases(const CaseContext& context, const ParallelSetting& setting) {
+  std::vector<int64_t> lengths = {4097};
+  if (setting.cuda) lengths = setting.quick ? std::vector<int64_t>{32768} : std::vector<int64_t>{32768, 131072};
+  std::vector<SpRegionCase> all;
+  for (int64_t seq_len : lengths) {
+    for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
+      SpRegionCase c;
+      c.name = "S=" + std::to_string(seq_len) + " " + packing_name(packing);
+      c.shape.packing = packing;
+      c.shape.seq_len = seq_len;
+      c.shape.hidden = context.hidden;
+      c.worlds = setting.mpi_world > 0 ? std::vector<int>{setting.mpi_world} : std::vector<int>{2, 4, 8};
       all.push_back(std::move(c));
     }
   }
@@ -579,6 +623,39 @@ std::vector<TpCase> tp_adaln_projection_cases(const CaseContext& context, const 
     all.push_back(std::move(c));
   }
   return all;
+}
+
+std::vector<TpCase> tp_adaln_projection_matrix_cases(const CaseContext& context, const std::vector<int>& worlds) {
+  std::vector<TpCase> all;
+  for (int64_t t : context.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 2, 3, 4}) {
+    TpCase c;
+    c.name = "T=" + std::to_string(t);
+    c.shape = tp_adaln_projection_shape(context, t);
+    c.worlds = worlds;
+    all.push_back(std::move(c));
+  }
+  return all;
+}
+
+std::vector<TpCase> tp_adaln_projection_bench_cases(const CaseContext& context, const ParallelSetting& setting) {
+  std::vector<TpCase> all;
+  for (int64_t t : setting.cuda && !setting.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{4}) {
+    TpCase c;
+    c.name = "T=" + std::to_string(t);
+    c.shape = tp_adaln_projection_shape(context, t);
+    c.worlds = setting.mpi_world > 0 ? std::vector<int>{setting.mpi_world} : std::vector<int>{2, 4, 8};
+    all.push_back(std::move(c));
+  }
+  return all;
+}
+
+Status tp_bytes_sent_per_rank(const TpShape& shape, int world, double* forward, double* backward) {
+  int64_t begin = 0, end = 0;
+  DETDIT_RETURN_IF_ERROR(tp_column_shard(shape.out_features, world, 0, &begin, &end));
+  const double columns = static_cast<double>(end - begin), timesteps = static_cast<double>(shape.timesteps);
+  *forward = timesteps * columns * static_cast<double>(dtype_size(shape.dtype));
+  *backward = std::ceil(columns / 64) * timesteps * static_cast<double>(shape.in_features) * 4;
+  return Status::ok_status();
 }
 
 }  // namespace cases

@@ -108,6 +108,8 @@ struct SpShape {
 // memory of H3 shapes: residual = x, y = grad and its incoming gradient = x;
 // the fused region likewise, with the gradients of out and h = x and grad.
 // The weight is the context's norm1 of block 0 when it has one of the shape.
+// Element i of x and grad depends on i alone, so the B = 1 problem is batch
+// item 0 of the B = 2 one.
 struct SpProblem {
   SpShape shape;
   HostTensor rows;                // (S,) int32 AdaLN rows of the packing
@@ -151,6 +153,8 @@ Status sp_naive_fractions(const SpProblem& problem, const SpIndex& index, const 
 // the fold chain's FP32 running sums per link (each rank receives every
 // broadcast; a link's owner sends it).
 double sp_backward_bytes_per_rank(const SpPlan& sp, SpVariant variant, int64_t hidden);
+// The rows each rank of the plan sends (its send_rows, rank order).
+std::vector<double> sp_send_rows_per_rank(const SpPlan& sp);
 
 // verify's sp_region cases (B = 2, T = 3, H of the context): S = 4097 always
 // (world sizes 1..8; in-process on the CPU with --quick 1, 2, 3, 8); S =
@@ -167,6 +171,16 @@ struct SpRegionCase {
   bool enabled = true;
 };
 std::vector<SpRegionCase> sp_region_cases(const CaseContext& context, const ParallelSetting& setting);
+// verify --matrix's sp_region problems: each S of `seq_lens` x B in {1, 2} x
+// both packings (named by SpShape::name), T = 3 at the context's H, the
+// worlds `worlds`, the naive contrast at those of them that are 2, 4 or 8.
+std::vector<SpRegionCase> sp_region_matrix_cases(const CaseContext& context, const std::vector<int64_t>& seq_lens,
+                                                 const std::vector<int>& worlds);
+// bench's sp_region cases (the fused gate_residual_rmsnorm region, forward and
+// backward; B = 2, T = 3, H of the context), both packings: on CUDA S = 32768
+// and 131072 (--quick 32768); on the CPU S = 4097 (a smoke test of the timing
+// path). Worlds: in-process 2, 4, 8; a multi-process run its world. No naive worlds.
+std::vector<SpRegionCase> sp_region_bench_cases(const CaseContext& context, const ParallelSetting& setting);
 
 // ---- tp_adaln_projection -----------------------------------------------------
 
@@ -217,6 +231,18 @@ struct TpCase {
   bool enabled = true;
 };
 std::vector<TpCase> tp_adaln_projection_cases(const CaseContext& context, const ParallelSetting& setting);
+// verify --matrix's tp_adaln_projection problems: T = 1..4 (--quick 1 and 4) at
+// the context's N and D, the worlds `worlds`.
+std::vector<TpCase> tp_adaln_projection_matrix_cases(const CaseContext& context, const std::vector<int>& worlds);
+// bench's tp_adaln_projection cases: T = 1 and 4 on CUDA without --quick, else
+// T = 4; worlds in-process 2, 4, 8, a multi-process run its world.
+std::vector<TpCase> tp_adaln_projection_bench_cases(const CaseContext& context, const ParallelSetting& setting);
+// The bytes each rank of a `world`-rank tp_adaln_projection sends: every rank
+// sends a block of rank 0's size (the most columns and 64-column chunks any
+// rank owns), T x columns weight-dtype values in the forward, and in the
+// backward one FP32 (T, D) partial per chunk. An error: `world` cannot split
+// N (more ranks than 64-column chunks; what the op says).
+Status tp_bytes_sent_per_rank(const TpShape& shape, int world, double* forward, double* backward);
 
 }  // namespace cases
 }  // namespace detdit

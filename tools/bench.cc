@@ -40,25 +40,6 @@ struct BenchResult {
   std::string error;
 };
 
-// The median of `repeats` timed calls of `call` after `warmup` untimed ones.
-Status time_calls(const BenchContext& context, int warmup, int repeats, const std::function<Status()>& call,
-                  double* median_seconds) {
-  std::unique_ptr<BenchTimer> timer;
-  DETDIT_RETURN_IF_ERROR(make_bench_timer(context, &timer));
-  std::vector<double> times;
-  for (int i = 0; i < warmup + repeats; ++i) {
-    double seconds = 0;
-    DETDIT_RETURN_IF_ERROR(timer->start());
-    DETDIT_RETURN_IF_ERROR(call());
-    DETDIT_RETURN_IF_ERROR(timer->stop(&seconds));
-    if (i >= warmup) times.push_back(seconds);
-  }
-  std::sort(times.begin(), times.end());
-  *median_seconds = times[times.size() / 2];
-  return Status::ok_status();
-}
-
-// Elements compared and differing over the outputs of one phase.
 void count_wrong(const std::vector<cases::OutputReport>& reports, BenchResult* r) {
   for (const cases::OutputReport& o : reports) {
     r->compared += o.mismatch.compared;
@@ -180,6 +161,23 @@ void print_parallel(const std::vector<ParallelBenchResult>& results, const std::
 }
 
 }  // namespace
+
+Status time_calls(const BenchContext& context, int warmup, int repeats, const std::function<Status()>& call,
+                  double* median_seconds) {
+  std::unique_ptr<BenchTimer> timer;
+  DETDIT_RETURN_IF_ERROR(make_bench_timer(context, &timer));
+  std::vector<double> times;
+  for (int i = 0; i < warmup + repeats; ++i) {
+    double seconds = 0;
+    DETDIT_RETURN_IF_ERROR(timer->start());
+    DETDIT_RETURN_IF_ERROR(call());
+    DETDIT_RETURN_IF_ERROR(timer->stop(&seconds));
+    if (i >= warmup) times.push_back(seconds);
+  }
+  std::sort(times.begin(), times.end());
+  *median_seconds = times[times.size() / 2];
+  return Status::ok_status();
+}
 
 int run_bench(int argc, char** argv) {
   Args args("detdit bench [--ops LIST] [--cases LIST] [--device cpu|cuda] [--format table|csv|json]",

@@ -55,6 +55,9 @@ class BenchTimer {
   virtual Status stop(double* seconds) = 0;  // waits for the work to finish
 };
 Status make_bench_timer(const BenchContext& context, std::unique_ptr<BenchTimer>* timer);
+// The median of `repeats` timed calls of `call` (on context.stream) after `warmup` untimed ones.
+Status time_calls(const BenchContext& context, int warmup, int repeats, const std::function<Status()>& call,
+                  double* median_seconds);
 
 // ---- parallel regions (bench_parallel.cc) -------------------------------------
 // Not registry cases: each times WS1 and several world sizes in one go.

@@ -12,11 +12,10 @@
 // output. #wrong: elements of the last timed outputs that differ bitwise from
 // WS1's on the same device.
 //
-// Sizes (B = 2, T = 3 timesteps for SP; H, N and D from the weights):
-//   CUDA: SP S = 32768 and 131072 (--quick: 32768), both packings; TP T = 1 and
-//     4 (--quick: 4). In-process world sizes 2, 4, 8; --comm mpi: the MPI world.
-//   CPU (only when --ops names these ops): SP S = 4097, TP T = 4, world sizes 2,
-//     4, 8: a smoke test of the timing path, not a performance claim.
+// The problems, their sizes and world sizes are cases/parallel_cases.h's
+// (sp_region_bench_cases, tp_adaln_projection_bench_cases; on the CPU, run only
+// when --ops names these ops, a smoke test of the timing path, not a
+// performance claim), and so are the bytes each rank sends.
 // Targets (docs/design.md): SP8 >= 6x faster than WS1 at S = 131072; never
 // slower than WS1 at S = 32768 (every world size, both packings).
 //
@@ -98,19 +97,7 @@ Status median_of_steps(const BenchContext& ctx, Stream stream, int warmup, int r
                        const std::function<Status()>& step, double* median) {
   BenchContext rank_ctx = ctx;
   rank_ctx.stream = stream;
-  std::unique_ptr<BenchTimer> timer;
-  DETDIT_RETURN_IF_ERROR(make_bench_timer(rank_ctx, &timer));
-  std::vector<double> times;
-  for (int i = 0; i < warmup + repeats; ++i) {
-    double seconds = 0;
-    DETDIT_RETURN_IF_ERROR(timer->start());
-    DETDIT_RETURN_IF_ERROR(step());
-    DETDIT_RETURN_IF_ERROR(timer->stop(&seconds));
-    if (i >= warmup) times.push_back(seconds);
-  }
-  std::sort(times.begin(), times.end());
-  *median = times[times.size() / 2];
-  return Status::ok_status();
+  return time_calls(rank_ctx, warmup, repeats, step, median);
 }
 
 // Every rank's `median` over `comm` into *medians (rank order) and their
@@ -322,17 +309,13 @@ void time_worlds(const BenchContext& ctx, Communicator* mpi, int warmup, int rep
 
 bool wanted(const std::set<std::string>& filter, const std::string& item) { return filter.empty() || filter.count(item); }
 
-// The sizes timed: sp_region's sequence lengths, tp_adaln_projection's timestep counts.
-std::vector<int64_t> sp_lengths(const BenchContext& ctx) {
-  if (!ctx.device.is_cuda()) return {4097};
-  return ctx.quick ? std::vector<int64_t>{32768} : std::vector<int64_t>{32768, 131072};
-}
-std::vector<int64_t> tp_timestep_counts(const BenchContext& ctx) {
-  return ctx.device.is_cuda() && !ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{4};
-}
-
-std::string sp_case_name(int64_t seq_len, Packing packing) {
-  return "S=" + std::to_string(seq_len) + " " + packing_name(packing);
+// The problems bench times (cases/parallel_cases.h) on this run's device.
+cases::ParallelSetting setting_of(const BenchContext& ctx, Communicator* mpi) {
+  cases::ParallelSetting s;
+  s.cuda = ctx.device.is_cuda();
+  s.quick = ctx.quick;
+  s.mpi_world = mpi != nullptr ? mpi->world_size() : 0;
+  return s;
 }
 
 }  // namespace
@@ -368,82 +351,72 @@ Status measure_link(const BenchContext& ctx, Communicator& comm, int warmup, int
 
 std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::string>& ops,
                                  const std::set<std::string>& names) {
+  const cases::CaseContext context = case_context(*ctx.weights, ctx.quick, ctx.seed);
   std::size_t count = 0;
-  if (wanted(ops, "sp_region")) {
-    for (int64_t seq_len : sp_lengths(ctx))
-      for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) count += wanted(names, sp_case_name(seq_len, packing));
-  }
-  if (wanted(ops, "tp_adaln_projection")) {
-    for (int64_t timesteps : tp_timestep_counts(ctx)) count += wanted(names, "T=" + std::to_string(timesteps)) ? 2 : 0;
-  }
+  if (wanted(ops, "sp_region"))
+    for (const cases::SpRegionCase& c : cases::sp_region_bench_cases(context, setting_of(ctx, nullptr)))
+      count += wanted(names, c.name);
+  if (wanted(ops, "tp_adaln_projection"))
+    for (const cases::TpCase& c : cases::tp_adaln_projection_bench_cases(context, setting_of(ctx, nullptr)))
+      count += wanted(names, c.name) ? 2 : 0;  // fwd and fwd+bwd
   return count;
 }
 
 Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup, int repeats,
                           const std::set<std::string>& ops, const std::set<std::string>& names,
                           Progress* progress, std::vector<ParallelBenchResult>* results) {
-  // Measured: the MPI world, or in-process 2, 4, 8 unless predicting; predicted: --predict-world's.
-  const std::vector<int> worlds = mpi != nullptr               ? std::vector<int>{mpi->world_size()}
-                                  : ctx.predict != nullptr ? std::vector<int>{}
-                                                           : std::vector<int>{2, 4, 8};
+  const cases::CaseContext context = case_context(*ctx.weights, ctx.quick, ctx.seed);
+  // Measured: the case's worlds (the MPI world, or in-process 2, 4, 8) unless
+  // predicting in-process; predicted: --predict-world's.
+  auto measured = [&](const std::vector<int>& worlds) {
+    return mpi == nullptr && ctx.predict != nullptr ? std::vector<int>{} : worlds;
+  };
   const std::vector<int> predicted = ctx.predict != nullptr ? ctx.predict->worlds : std::vector<int>{};
   if (wanted(ops, "sp_region")) {
-    for (int64_t seq_len : sp_lengths(ctx)) {
-      for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
-        const std::string name = sp_case_name(seq_len, packing);
-        if (!wanted(names, name)) continue;
-        cases::SpShape shape;
-        shape.packing = packing;
-        shape.seq_len = seq_len;
-        shape.hidden = ctx.weights->config.hidden;
-        SpProblem pr;
-        DETDIT_RETURN_IF_ERROR(cases::make_sp_problem(case_context(*ctx.weights, ctx.quick, ctx.seed), shape, &pr));
-        SpIndex index;
-        DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, ctx.device, &index));
-        Timed timed;
-        timed.prepare = [&](Stream stream, Communicator* comm, RankWork* work) {
-          return prepare_sp_work(pr, index, ctx.device, stream, comm, work);
-        };
-        auto describe = [&](int world, ParallelBenchResult* r) {
-          SpPlan sp;
-          if (!SpPlan::create(index.plan, world, 0, &sp).ok()) return;
-          std::vector<double> send_rows;
-          for (const SpPlan::RankTraffic& t : sp.traffic()) send_rows.push_back(static_cast<double>(t.send_rows));
-          r->metrics.push_back({"send_rows_per_rank", send_rows});
-          r->metrics.push_back(
-              {"bytes_sent_per_rank", {cases::sp_backward_bytes_per_rank(sp, SpVariant::kGateResidualRmsnorm, shape.hidden)}});
-        };
-        progress->started("sp_region " + name + " fwd+bwd");
-        time_worlds(ctx, mpi, warmup, repeats, "sp_region", name, "fwd+bwd", timed, worlds, predicted, describe,
-                    results);
-        progress->finished("sp_region " + name + " fwd+bwd");
-      }
+    for (const cases::SpRegionCase& c : cases::sp_region_bench_cases(context, setting_of(ctx, mpi))) {
+      if (!wanted(names, c.name)) continue;
+      SpProblem pr;
+      DETDIT_RETURN_IF_ERROR(cases::make_sp_problem(context, c.shape, &pr));
+      SpIndex index;
+      DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, ctx.device, &index));
+      Timed timed;
+      timed.prepare = [&](Stream stream, Communicator* comm, RankWork* work) {
+        return prepare_sp_work(pr, index, ctx.device, stream, comm, work);
+      };
+      auto describe = [&](int world, ParallelBenchResult* r) {
+        SpPlan sp;
+        if (!SpPlan::create(index.plan, world, 0, &sp).ok()) return;
+        r->metrics.push_back({"send_rows_per_rank", cases::sp_send_rows_per_rank(sp)});
+        r->metrics.push_back(
+            {"bytes_sent_per_rank", {cases::sp_backward_bytes_per_rank(sp, SpVariant::kGateResidualRmsnorm, c.shape.hidden)}});
+      };
+      progress->started("sp_region " + c.name + " fwd+bwd");
+      time_worlds(ctx, mpi, warmup, repeats, "sp_region", c.name, "fwd+bwd", timed, measured(c.worlds), predicted,
+                  describe, results);
+      progress->finished("sp_region " + c.name + " fwd+bwd");
     }
   }
   if (wanted(ops, "tp_adaln_projection")) {
-    for (int64_t timesteps : tp_timestep_counts(ctx)) {
-      const std::string name = "T=" + std::to_string(timesteps);
-      if (!wanted(names, name)) continue;
-      const cases::CaseContext cases_context = case_context(*ctx.weights, ctx.quick, ctx.seed);
-      const cases::TpShape shape = cases::tp_adaln_projection_shape(cases_context, timesteps);
+    for (const cases::TpCase& c : cases::tp_adaln_projection_bench_cases(context, setting_of(ctx, mpi))) {
+      if (!wanted(names, c.name)) continue;
       TpProblem pr;
-      DETDIT_RETURN_IF_ERROR(cases::make_tp_problem(cases_context, shape, &pr));
+      DETDIT_RETURN_IF_ERROR(cases::make_tp_problem(context, c.shape, &pr));
       TpWeights weights;
       DETDIT_RETURN_IF_ERROR(cases::upload_tp_weights(pr, ctx.device, &weights));
       // A world size that cannot split N (more ranks than 64-column chunks) is an error row.
       std::vector<int> valid, valid_predicted;
       std::vector<ParallelBenchResult> refused;
       for (bool prediction : {false, true}) {
-        for (int world : prediction ? predicted : worlds) {
-          int64_t begin = 0, end = 0;
-          const Status split = tp_column_shard(shape.out_features, world, 0, &begin, &end);
+        for (int world : prediction ? predicted : measured(c.worlds)) {
+          double forward = 0, backward = 0;
+          const Status split = cases::tp_bytes_sent_per_rank(c.shape, world, &forward, &backward);
           if (split.ok()) {
             (prediction ? valid_predicted : valid).push_back(world);
             continue;
           }
           ParallelBenchResult r;
           r.op = "tp_adaln_projection";
-          r.name = name;
+          r.name = c.name;
           r.world = world;
           r.simulated = !prediction && mpi == nullptr;
           r.predicted = prediction;
@@ -451,30 +424,25 @@ Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, int warmup
           refused.push_back(r);
         }
       }
-      const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
       for (bool backward : {false, true}) {
         Timed timed;
         timed.prepare = [&, backward](Stream stream, Communicator* comm, RankWork* work) {
           return prepare_tp_work(pr, weights, ctx.device, stream, comm, backward, work);
         };
         auto describe = [&, backward](int world, ParallelBenchResult* r) {
-          // Every rank sends a block of rank 0's size (the most columns and chunks any rank owns).
-          int64_t begin = 0, end = 0;
-          if (!tp_column_shard(shape.out_features, world, 0, &begin, &end).ok()) return;  // `valid` holds only splits
-          const double columns = static_cast<double>(end - begin);
-          double bytes = static_cast<double>(timesteps) * columns * element;
-          if (backward) bytes += std::ceil(columns / 64) * static_cast<double>(timesteps * shape.in_features) * 4;
-          r->metrics.push_back({"bytes_sent_per_rank", {bytes}});
+          double forward_bytes = 0, backward_bytes = 0;
+          if (!cases::tp_bytes_sent_per_rank(c.shape, world, &forward_bytes, &backward_bytes).ok()) return;
+          r->metrics.push_back({"bytes_sent_per_rank", {forward_bytes + (backward ? backward_bytes : 0)}});
         };
         const std::string phase = backward ? "fwd+bwd" : "fwd";
-        progress->started("tp_adaln_projection " + name + " " + phase);
-        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", name, phase, timed, valid, valid_predicted,
+        progress->started("tp_adaln_projection " + c.name + " " + phase);
+        time_worlds(ctx, mpi, warmup, repeats, "tp_adaln_projection", c.name, phase, timed, valid, valid_predicted,
                     describe, results);
         for (ParallelBenchResult r : refused) {
           r.phase = phase;
           results->push_back(r);
         }
-        progress->finished("tp_adaln_projection " + name + " " + phase);
+        progress->finished("tp_adaln_projection " + c.name + " " + phase);
       }
     }
   }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cases/op_case.h"
+#include "cases/parallel_cases.h"
 #include "cases/tensor.h"
 #include "detdit/comm.h"
 #include "detdit/numerics.h"
@@ -96,6 +97,9 @@ inline std::vector<VerifyCase>& verify_registry() { return registry<VerifyCase>(
 // (first differing element index and both values in hex).
 void compare_bytes(const void* expected, const void* actual, std::size_t bytes, DType dtype, const std::string& what,
                    CheckRow* row);
+// One bitwise comparison per report (an op case's or a rank's outputs), the
+// first difference (or an expected output never written) as the detail.
+void add_output_reports(const std::vector<cases::OutputReport>& reports, CheckRow* row);
 // pass = all bitwise comparisons matched and (no bound, or max_error <= bound;
 // a NaN max_error fails).
 void finish_row(CheckRow* row);
@@ -122,8 +126,8 @@ Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vec
 
 // ---- the exactness matrix (verify_matrix.cc; verify_parallel.cc) ------------------
 
-// One sp_region problem of the matrix (packing, B in {1, 2}, S at the
-// weights' H, the norms' profile), in-process on ctx.device: per variant
+// One sp_region problem of the matrix (cases::sp_region_matrix_cases' shape,
+// in the norms' profile shape.numerics), in-process on ctx.device: per variant
 // ("rmsnorm", "modulated rmsnorm", "gate_residual", "gate_residual_rmsnorm";
 // in the torch profile not gate_residual, which takes none) a row "ws=N" per world (every rank equal to WS1 on the device), "naive ws=N
 // (info)" per naive world (the modulated norm and the gate only) and, on CUDA
@@ -136,13 +140,13 @@ struct SpMatrixRows {
   std::vector<CheckRow> rows;
   std::vector<int> worlds;  // each row's world size (1: the CPU comparison)
 };
-Status verify_sp_matrix(const VerifyContext& ctx, cases::Packing packing, int64_t batch, int64_t seq_len,
-                        Numerics numerics, const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
-                        const std::string& corrupt_variant, std::vector<SpMatrixRows>* out);
-// tp_adaln_projection at `timesteps` in the SiLU's `numerics` for each of
-// `worlds`: rows "tp=N"; with cpu_check (portable only) then "ws1 = cpu ws1"
-// (the device's WS1 equal to the CPU's).
-Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics numerics, const std::vector<int>& worlds,
+Status verify_sp_matrix(const VerifyContext& ctx, const cases::SpShape& shape, const std::vector<int>& worlds,
+                        const std::vector<int>& naive_worlds, const std::string& corrupt_variant,
+                        std::vector<SpMatrixRows>* out);
+// tp_adaln_projection of `shape` (in the SiLU's profile shape.numerics) for
+// each of `worlds`: rows "tp=N"; with cpu_check (portable only) then "ws1 =
+// cpu ws1" (the device's WS1 equal to the CPU's).
+Status verify_tp_worlds(const VerifyContext& ctx, const cases::TpShape& shape, const std::vector<int>& worlds,
                         bool cpu_check, std::vector<CheckRow>* rows);
 
 // verify --matrix: what the matrix runs (verify_matrix.cc).

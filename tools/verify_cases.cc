@@ -40,17 +40,6 @@ std::vector<int64_t> probe_positions(int64_t positions, int64_t count) {
   return probes;
 }
 
-void add_reports(const std::vector<cases::OutputReport>& reports, CheckRow* row) {
-  for (const cases::OutputReport& r : reports) {
-    ++row->bitwise_run;
-    if (r.mismatch.equal() && !r.still_canary) {
-      ++row->bitwise_passed;
-    } else if (row->detail.empty()) {
-      row->detail = r.output + ": " + (r.still_canary ? "the reference output was never written" : r.mismatch.describe());
-    }
-  }
-}
-
 // The case on `device` through `phases`; host copies of every tensor.
 Status run_phases(const cases::OpCase& c, const Device& device, int phases, std::map<std::string, HostTensor>* host) {
   cases::Instance t;
@@ -108,7 +97,7 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
     rows->push_back(timed_check(std::string(phase == 0 ? "forward" : "backward") + " repeatability", [&](CheckRow* row) {
       if (phase == 0) ran_again = run_phases(c, ctx.device, phases, &again);
       DETDIT_RETURN_IF_ERROR(ran_again);
-      add_reports(cases::compare_outputs(c, p, first, again), row);
+      add_output_reports(cases::compare_outputs(c, p, first, again), row);
       return Status::ok_status();
     }));
   }
@@ -118,7 +107,7 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       std::map<std::string, HostTensor> expected;
       DETDIT_RETURN_IF_ERROR(c.equivalent.compute(first, &expected));
       for (int phase = 0; phase < (c.equivalent.forward_only ? 1 : phases); ++phase)
-        add_reports(cases::compare_outputs(c, static_cast<cases::Phase>(phase), expected, first), row);
+        add_output_reports(cases::compare_outputs(c, static_cast<cases::Phase>(phase), expected, first), row);
       return Status::ok_status();
     }));
   }
@@ -127,7 +116,7 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       std::vector<cases::OutputReport> reports;
       const std::vector<int64_t> probes = probe_positions(c.positions, c.alone_probes);
       DETDIT_RETURN_IF_ERROR(cases::compare_positions_alone(c, ctx.device, probes, &reports, &first));
-      add_reports(reports, row);
+      add_output_reports(reports, row);
       return Status::ok_status();
     }));
   }
@@ -136,7 +125,7 @@ Status verify_op_case(const VerifyContext& ctx, const cases::OpCase& c, std::vec
       std::map<std::string, HostTensor> reference;
       DETDIT_RETURN_IF_ERROR(run_phases(c, Device::cpu(), phases, &reference));
       for (int phase = 0; phase < phases; ++phase)
-        add_reports(cases::compare_outputs(c, static_cast<cases::Phase>(phase), reference, first), row);
+        add_output_reports(cases::compare_outputs(c, static_cast<cases::Phase>(phase), reference, first), row);
       return Status::ok_status();
     }));
   }

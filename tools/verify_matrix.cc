@@ -186,70 +186,69 @@ std::string sp_variant_of(const std::string& op) {
 }
 
 void plan_sp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
-  std::vector<int> portable_naive;
-  for (int w : options.worlds)
-    if (w == 2 || w == 4 || w == 8) portable_naive.push_back(w);
+  const std::vector<cases::SpRegionCase> problems =
+      cases::sp_region_matrix_cases(case_context(*ctx.weights, ctx.quick, ctx.seed), options.seq_lens, options.worlds);
   for (Numerics numerics : profiles_on(ctx.device)) {
-    for (int64_t seq_len : options.seq_lens)
-      for (int64_t batch : {int64_t{1}, int64_t{2}})
-        for (cases::Packing packing : {cases::Packing::kBlock, cases::Packing::kInterleaved}) {
-          // The naive contrast once, in the portable profile (informational; the profile changes no order).
-          const std::vector<int> naive = numerics == Numerics::kPortable ? portable_naive : std::vector<int>{};
-          Planned p;
-          p.head.op = "sp_region";
-          p.head.name = "S=" + std::to_string(seq_len) + " B=" + std::to_string(batch) + " " + cases::packing_name(packing);
-          set_profile(numerics, &p.head);
-          p.head.packing = cases::packing_name(packing);
-          p.head.batch = batch;
-          p.head.seq_len = seq_len;
-          p.cost = static_cast<double>(batch * seq_len * ctx.weights->config.hidden);
-          for (int w : options.worlds) {
-            p.row_checks.push_back("ws=" + std::to_string(w));
-            p.row_worlds.push_back(w);
-          }
-          for (int w : naive) {
-            p.row_checks.push_back("naive ws=" + std::to_string(w) + " (info)");
-            p.row_worlds.push_back(w);
-          }
-          if (ctx.device.is_cuda() && numerics == Numerics::kPortable) {
-            p.row_checks.push_back("ws1 = cpu ws1");
-            p.row_worlds.push_back(1);
-          }
-          const VerifyContext* context = &ctx;
-          const std::vector<int> worlds = options.worlds;
-          const std::string corrupt = options.corrupt;
-          p.run = [context, worlds, naive, corrupt, packing, batch, seq_len, numerics,
-                   head = p.head](std::vector<MatrixGroup>* out) {
-            std::vector<SpMatrixRows> rows;
-            // The hook names an op of the matrix; the SP runs know their variants.
-            DETDIT_RETURN_IF_ERROR(verify_sp_matrix(*context, packing, batch, seq_len, numerics, worlds, naive,
-                                                    sp_variant_of(corrupt), &rows));
-            for (SpMatrixRows& r : rows) {
-              MatrixGroup g = head;
-              g.op = sp_op(r.variant);
-              g.rows = std::move(r.rows);
-              g.worlds = std::move(r.worlds);
-              out->push_back(std::move(g));
-            }
-            return Status::ok_status();
-          };
-          plan->push_back(std::move(p));
+    for (const cases::SpRegionCase& c : problems) {
+      // The naive contrast once, in the portable profile (informational; the profile changes no order).
+      const std::vector<int> naive = numerics == Numerics::kPortable ? c.naive_worlds : std::vector<int>{};
+      cases::SpShape shape = c.shape;
+      shape.numerics = numerics;
+      Planned p;
+      p.head.op = "sp_region";
+      p.head.name = c.name;
+      set_profile(numerics, &p.head);
+      p.head.packing = cases::packing_name(shape.packing);
+      p.head.batch = shape.batch;
+      p.head.seq_len = shape.seq_len;
+      p.cost = static_cast<double>(shape.batch * shape.seq_len * shape.hidden);
+      for (int w : c.worlds) {
+        p.row_checks.push_back("ws=" + std::to_string(w));
+        p.row_worlds.push_back(w);
+      }
+      for (int w : naive) {
+        p.row_checks.push_back("naive ws=" + std::to_string(w) + " (info)");
+        p.row_worlds.push_back(w);
+      }
+      if (ctx.device.is_cuda() && numerics == Numerics::kPortable) {
+        p.row_checks.push_back("ws1 = cpu ws1");
+        p.row_worlds.push_back(1);
+      }
+      const VerifyContext* context = &ctx;
+      const std::vector<int> worlds = c.worlds;
+      const std::string corrupt = options.corrupt;
+      p.run = [context, shape, worlds, naive, corrupt, head = p.head](std::vector<MatrixGroup>* out) {
+        std::vector<SpMatrixRows> rows;
+        // The hook names an op of the matrix; the SP runs know their variants.
+        DETDIT_RETURN_IF_ERROR(verify_sp_matrix(*context, shape, worlds, naive, sp_variant_of(corrupt), &rows));
+        for (SpMatrixRows& r : rows) {
+          MatrixGroup g = head;
+          g.op = sp_op(r.variant);
+          g.rows = std::move(r.rows);
+          g.worlds = std::move(r.worlds);
+          out->push_back(std::move(g));
         }
+        return Status::ok_status();
+      };
+      plan->push_back(std::move(p));
+    }
   }
 }
 
 void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector<Planned>* plan) {
-  const std::vector<int64_t> timesteps = ctx.quick ? std::vector<int64_t>{1, 4} : std::vector<int64_t>{1, 2, 3, 4};
+  const std::vector<cases::TpCase> problems =
+      cases::tp_adaln_projection_matrix_cases(case_context(*ctx.weights, ctx.quick, ctx.seed), options.worlds);
   for (Numerics numerics : profiles_on(ctx.device)) {
-    for (int64_t t : timesteps) {
+    for (const cases::TpCase& c : problems) {
+      cases::TpShape shape = c.shape;
+      shape.numerics = numerics;
       Planned p;
       p.head.op = "tp_adaln_projection";
-      p.head.name = "T=" + std::to_string(t);
+      p.head.name = c.name;
       set_profile(numerics, &p.head);
-      p.head.timesteps = t;
-      p.cost = 18.0 * static_cast<double>(ctx.weights->config.hidden) *
-               static_cast<double>(ctx.weights->config.time_embed_dim);
-      for (int w : options.worlds) {
+      p.head.timesteps = shape.timesteps;
+      p.cost = static_cast<double>(shape.out_features) * static_cast<double>(shape.in_features);
+      for (int w : c.worlds) {
         p.row_checks.push_back("tp=" + std::to_string(w));
         p.row_worlds.push_back(w);
       }
@@ -259,10 +258,10 @@ void plan_tp(const VerifyContext& ctx, const MatrixOptions& options, std::vector
         p.row_worlds.push_back(1);
       }
       const VerifyContext* context = &ctx;
-      const std::vector<int> worlds = options.worlds;
-      p.run = [context, worlds, t, numerics, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
+      const std::vector<int> worlds = c.worlds;
+      p.run = [context, worlds, shape, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
         MatrixGroup g = head;
-        DETDIT_RETURN_IF_ERROR(verify_tp_worlds(*context, t, numerics, worlds, cpu_check, &g.rows));
+        DETDIT_RETURN_IF_ERROR(verify_tp_worlds(*context, shape, worlds, cpu_check, &g.rows));
         g.worlds = worlds;
         if (cpu_check) g.worlds.push_back(1);
         if (g.rows.size() != g.worlds.size()) return Status::runtime_error("tp: a row per world size expected");

@@ -23,9 +23,7 @@
 // summed in rank order (FP32) and compared with WS1's bits: the fraction of
 // elements that differ is what the sp_region's plan prevents.
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -39,19 +37,6 @@ namespace {
 
 using cases::OutputReport;
 using cases::SpVariant;
-
-// The reports of one rank's comparisons with WS1 into its row: one bitwise
-// comparison per output, the first difference as the detail.
-void add_reports(const std::vector<OutputReport>& reports, CheckRow* row) {
-  for (const OutputReport& r : reports) {
-    ++row->bitwise_run;
-    if (r.mismatch.equal()) {
-      ++row->bitwise_passed;
-    } else if (row->detail.empty()) {
-      row->detail = r.output + ": " + (r.mismatch.shape_error.empty() ? r.mismatch.describe() : r.mismatch.shape_error);
-    }
-  }
-}
 
 // A world's row: the comparisons of every rank, plus errors (a rank that
 // failed fails the row with its message).
@@ -82,7 +67,7 @@ void run_ranks(const VerifyContext& ctx, int world, Fn&& rank, WorldRow* out) {
   for (std::size_t r = 0; r < reports.size(); ++r) {
     if (reports[r].empty()) continue;
     CheckRow mine;
-    add_reports(reports[r], &mine);
+    add_output_reports(reports[r], &mine);
     out->row.bitwise_run += mine.bitwise_run;
     out->row.bitwise_passed += mine.bitwise_passed;
     if (out->row.detail.empty() && !mine.detail.empty()) out->row.detail = "rank " + std::to_string(r) + ": " + mine.detail;
@@ -118,12 +103,9 @@ cases::CaseContext case_context_of(const VerifyContext& ctx) { return case_conte
 Status sp_world_metrics(const cases::SpIndex& index, int world, int64_t hidden, CheckRow* row) {
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(index.plan, world, 0, &sp));
-  std::vector<double> send_rows;
+  const std::vector<double> send_rows = cases::sp_send_rows_per_rank(sp);
   double moved = 0;
-  for (const SpPlan::RankTraffic& t : sp.traffic()) {
-    send_rows.push_back(static_cast<double>(t.send_rows));
-    moved += static_cast<double>(t.send_rows);
-  }
+  for (double rows : send_rows) moved += rows;
   row->metrics.push_back({"send_rows_per_rank", send_rows});
   row->metrics.push_back({"rows_moved_all_ranks", {moved}});
   row->metrics.push_back({"max_send_rows", {static_cast<double>(sp.max_send())}});
@@ -340,28 +322,25 @@ Status verify_tp(const VerifyContext& ctx, const std::string& name, std::vector<
   std::vector<cases::TpCase> all;
   const cases::TpCase* c = find_tp_case(ctx, name, &all);
   if (c == nullptr) return Status::value_error("no tp_adaln_projection case " + name);
-  return verify_tp_worlds(ctx, c->shape.timesteps, Numerics::kPortable, c->worlds, false, rows);
+  return verify_tp_worlds(ctx, c->shape, c->worlds, false, rows);
 }
 
 }  // namespace
 
-Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics numerics, const std::vector<int>& worlds,
+Status verify_tp_worlds(const VerifyContext& ctx, const cases::TpShape& shape, const std::vector<int>& worlds,
                         bool cpu_check, std::vector<CheckRow>* rows) {
   const Device device = ctx.device;
-  if (cpu_check && numerics != Numerics::kPortable)
+  if (cpu_check && shape.numerics != Numerics::kPortable)
     return Status::value_error("tp: the CPU comparison needs the portable profile (the CPU has no torch profile)");
-  cases::TpShape shape = cases::tp_adaln_projection_shape(case_context_of(ctx), timesteps);
-  shape.numerics = numerics;
   cases::TpProblem pr;
   DETDIT_RETURN_IF_ERROR(cases::make_tp_problem(case_context_of(ctx), shape, &pr));
   cases::TpWeights weights;
   DETDIT_RETURN_IF_ERROR(cases::upload_tp_weights(pr, device, &weights));
   std::vector<HostTensor> ws1;
   DETDIT_RETURN_IF_ERROR(cases::tp_ws1(pr, weights, device, &ws1));
-  const double element = static_cast<double>(dtype_size(weights.weight_view.dtype));
   for (int world : worlds) {
-    int64_t begin = 0, end = 0;
-    Status split = tp_column_shard(shape.out_features, world, 0, &begin, &end);
+    double forward = 0, backward = 0;
+    const Status split = cases::tp_bytes_sent_per_rank(shape, world, &forward, &backward);
     WorldRow check;
     check.row.check = "tp=" + std::to_string(world);
     if (!split.ok()) {
@@ -373,12 +352,8 @@ Status verify_tp_worlds(const VerifyContext& ctx, int64_t timesteps, Numerics nu
       rows->push_back(check.row);
       continue;
     }
-    // Every rank sends a block of rank 0's size (the most columns and chunks any rank owns).
-    const double columns = static_cast<double>(end - begin);
-    check.row.metrics.push_back({"bytes_sent_per_rank_forward", {static_cast<double>(timesteps) * columns * element}});
-    check.row.metrics.push_back(
-        {"bytes_sent_per_rank_backward",
-         {std::ceil(columns / 64) * static_cast<double>(timesteps) * static_cast<double>(shape.in_features) * 4}});
+    check.row.metrics.push_back({"bytes_sent_per_rank_forward", {forward}});
+    check.row.metrics.push_back({"bytes_sent_per_rank_backward", {backward}});
     run_ranks(
         ctx, world,
         [&](Communicator& comm, std::vector<OutputReport>* reports) {
@@ -420,31 +395,16 @@ DETDIT_TP_CASE(4, "T=4");
 
 }  // namespace
 
-Status verify_sp_matrix(const VerifyContext& ctx, cases::Packing packing, int64_t batch, int64_t seq_len,
-                        Numerics numerics, const std::vector<int>& worlds, const std::vector<int>& naive_worlds,
-                        const std::string& corrupt_variant, std::vector<SpMatrixRows>* out) {
-  if (batch != 1 && batch != 2) return Status::value_error("the sp_region problems have B = 1 or 2");
-  cases::SpShape shape;
-  shape.packing = packing;
-  shape.seq_len = seq_len;
-  shape.hidden = ctx.weights->config.hidden;
-  shape.numerics = numerics;
+Status verify_sp_matrix(const VerifyContext& ctx, const cases::SpShape& shape, const std::vector<int>& worlds,
+                        const std::vector<int>& naive_worlds, const std::string& corrupt_variant,
+                        std::vector<SpMatrixRows>* out) {
   cases::SpProblem pr;
   DETDIT_RETURN_IF_ERROR(cases::make_sp_problem(case_context_of(ctx), shape, &pr));
-  if (batch == 1) {
-    // B = 1 is batch item 0 of the B = 2 problem.
-    for (HostTensor* t : {&pr.x, &pr.grad}) {
-      HostTensor first(t->dtype(), {1, seq_len, shape.hidden});
-      std::memcpy(first.data(), t->data(), first.nbytes());
-      *t = std::move(first);
-    }
-    pr.shape.batch = 1;
-  }
   cases::SpIndex index;
   DETDIT_RETURN_IF_ERROR(cases::make_sp_index(pr, ctx.device, &index));
   std::vector<SpVariantResult> results;
   // The CPU comparison of a GPU run needs the portable profile: the CPU has no torch profile.
-  const bool cpu_check = ctx.device.is_cuda() && numerics == Numerics::kPortable;
+  const bool cpu_check = ctx.device.is_cuda() && shape.numerics == Numerics::kPortable;
   DETDIT_RETURN_IF_ERROR(run_sp_problem(ctx, pr, index, worlds, naive_worlds, cpu_check, corrupt_variant, &results));
   // What each world's plan moves, once for every variant's row of that world.
   std::vector<CheckRow> world_metrics(worlds.size());

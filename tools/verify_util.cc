@@ -31,6 +31,17 @@ void compare_bytes(const void* expected, const void* actual, std::size_t bytes, 
   if (row->detail.empty()) row->detail = what + ": " + m.describe();
 }
 
+void add_output_reports(const std::vector<cases::OutputReport>& reports, CheckRow* row) {
+  for (const cases::OutputReport& r : reports) {
+    ++row->bitwise_run;
+    if (r.mismatch.equal() && !r.still_canary) {
+      ++row->bitwise_passed;
+    } else if (row->detail.empty()) {
+      row->detail = r.output + ": " + (r.still_canary ? "the reference output was never written" : r.mismatch.describe());
+    }
+  }
+}
+
 void finish_row(CheckRow* row) {
   const bool bitwise_ok = row->bitwise_passed == row->bitwise_run;
   // A check with a bound measured an error: NaN or above the bound fails it.
