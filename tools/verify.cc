@@ -429,7 +429,7 @@ int run_verify(int argc, char** argv) {
   for (const VerifyCase& c : cases) {
     if (matrix) break;
     const bool on_device = device.is_cuda() ? c.cuda : c.cpu;
-    const bool applies = (world == nullptr || c.comm) && (c.enabled == nullptr || c.enabled(context));
+    const bool applies = (world == nullptr || c.comm) && (c.enabled == nullptr || c.enabled(context, c.name));
     if (on_device && applies && (wanted_ops.empty() || wanted_ops.count(c.op))) selected.push_back(&c);
   }
   std::vector<CaseResult> results;
@@ -442,7 +442,7 @@ int run_verify(int argc, char** argv) {
     r.op = c->op;
     r.name = c->name;
     const double t0 = now_seconds();
-    Status s = c->run ? c->run(context, &r.rows) : verify_op_cases(context, c->op, &r.rows);
+    Status s = c->run ? c->run(context, c->name, &r.rows) : verify_op_cases(context, c->op, &r.rows);
     r.seconds = now_seconds() - t0;
     if (!s.ok()) {
       CheckRow row;

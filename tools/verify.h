@@ -67,7 +67,8 @@ struct VerifyContext {
   Communicator* comm = nullptr;
 };
 
-using VerifyFn = Status (*)(const VerifyContext& context, std::vector<CheckRow>* rows);
+// `name`: the registered case's name (one function may serve several cases).
+using VerifyFn = Status (*)(const VerifyContext& context, const std::string& name, std::vector<CheckRow>* rows);
 
 struct VerifyCase {
   const char* op;    // the op's snake_case name, or "weights" / "chain"
@@ -78,7 +79,7 @@ struct VerifyCase {
   bool comm = false;  // runs under --comm mpi too (uses context.comm)
   // Whether the case applies to this run (e.g. a size only without --quick);
   // nullptr: always.
-  bool (*enabled)(const VerifyContext& context) = nullptr;
+  bool (*enabled)(const VerifyContext& context, const std::string& name) = nullptr;
 };
 
 inline std::vector<VerifyCase>& verify_registry() { return registry<VerifyCase>(); }
@@ -87,7 +88,7 @@ inline std::vector<VerifyCase>& verify_registry() { return registry<VerifyCase>(
 #define DETDIT_VERIFY_CASE(op, name, cpu, cuda, fn) \
   DETDIT_CLI_REGISTER(::detdit::cli::VerifyCase, detdit_verify_case_, op, name, cpu, cuda, fn)
 // A case that also runs under --comm mpi (one rank per process), and only
-// where enabled(context) says so.
+// where enabled(context, name) says so.
 #define DETDIT_VERIFY_PARALLEL_CASE(op, name, cpu, cuda, fn, enabled) \
   DETDIT_CLI_REGISTER(::detdit::cli::VerifyCase, detdit_verify_case_, op, name, cpu, cuda, fn, true, enabled)
 

@@ -288,26 +288,13 @@ bool sp_enabled(const VerifyContext& ctx, const std::string& name) {
   return c != nullptr && c->enabled;
 }
 
-// The registry takes plain functions: one pair per case of sp_region_cases.
-#define DETDIT_SP_CASE(id, name)                                                                      \
-  Status sp_##id(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, name, r); } \
-  bool sp_##id##_enabled(const VerifyContext& c) { return sp_enabled(c, name); }                      \
-  DETDIT_VERIFY_PARALLEL_CASE("sp_region", name, true, true, sp_##id, sp_##id##_enabled)
-DETDIT_SP_CASE(4097_block, "S=4097 block");
-DETDIT_SP_CASE(4097_interleaved, "S=4097 interleaved");
-DETDIT_SP_CASE(32768_block, "S=32768 block");
-DETDIT_SP_CASE(32768_interleaved, "S=32768 interleaved");
-#undef DETDIT_SP_CASE
-// S = 131072 runs on CUDA only (mpirun, one GPU per rank).
-Status sp_131072_block(const VerifyContext& c, std::vector<CheckRow>* r) { return verify_sp(c, "S=131072 block", r); }
-bool sp_131072_block_enabled(const VerifyContext& c) { return sp_enabled(c, "S=131072 block"); }
-Status sp_131072_interleaved(const VerifyContext& c, std::vector<CheckRow>* r) {
-  return verify_sp(c, "S=131072 interleaved", r);
-}
-bool sp_131072_interleaved_enabled(const VerifyContext& c) { return sp_enabled(c, "S=131072 interleaved"); }
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 block", false, true, sp_131072_block, sp_131072_block_enabled);
-DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 interleaved", false, true, sp_131072_interleaved,
-                            sp_131072_interleaved_enabled);
+// The cases of sp_region_cases, by name (S = 131072 on CUDA only: mpirun, one GPU per rank).
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=4097 block", true, true, verify_sp, sp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=4097 interleaved", true, true, verify_sp, sp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=32768 block", true, true, verify_sp, sp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=32768 interleaved", true, true, verify_sp, sp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 block", false, true, verify_sp, sp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("sp_region", "S=131072 interleaved", false, true, verify_sp, sp_enabled);
 
 // ---- tp_adaln_projection -----------------------------------------------------------
 
@@ -377,21 +364,16 @@ Status verify_tp_worlds(const VerifyContext& ctx, const cases::TpShape& shape, c
 
 namespace {
 
-Status tp_case(const VerifyContext& c, const char* name, std::vector<CheckRow>* r) { return verify_tp(c, name, r); }
-bool tp_enabled(const VerifyContext& ctx, const char* name) {
+bool tp_enabled(const VerifyContext& ctx, const std::string& name) {
   std::vector<cases::TpCase> all;
   const cases::TpCase* c = find_tp_case(ctx, name, &all);
   return c != nullptr && c->enabled;
 }
-#define DETDIT_TP_CASE(id, name)                                                                     \
-  Status tp_##id(const VerifyContext& c, std::vector<CheckRow>* r) { return tp_case(c, name, r); }  \
-  bool tp_##id##_enabled(const VerifyContext& c) { return tp_enabled(c, name); }                     \
-  DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", name, true, true, tp_##id, tp_##id##_enabled)
-DETDIT_TP_CASE(1, "T=1");
-DETDIT_TP_CASE(2, "T=2");
-DETDIT_TP_CASE(3, "T=3");
-DETDIT_TP_CASE(4, "T=4");
-#undef DETDIT_TP_CASE
+// The cases of tp_adaln_projection_cases, by name.
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=1", true, true, verify_tp, tp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=2", true, true, verify_tp, tp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=3", true, true, verify_tp, tp_enabled);
+DETDIT_VERIFY_PARALLEL_CASE("tp_adaln_projection", "T=4", true, true, verify_tp, tp_enabled);
 
 }  // namespace
 
