@@ -274,7 +274,7 @@ int run_verify(int argc, char** argv) {
   args.flag("--quick", "smaller sweeps (under a minute on 2 CPU cores)");
   args.flag("--full",
             "the synthetic default at H3's dimensions (H = 5376) and the sp_region at S = 32768 too\n"
-            "(about 12 minutes on 2 CPU cores)");
+            "(about 3 minutes on 2 CPU cores)");
   args.option("--device", "cpu|cuda", "where the ops run", "cuda when a GPU is present, else cpu");
   args.option("--weights", "DIR", "weights directory or file", "synthetic, cached");
   args.option("--blocks", "N", "blocks of the synthetic default", "1");
