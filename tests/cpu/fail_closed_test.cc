@@ -23,6 +23,7 @@
 #include "detdit/linear.h"
 #include "detdit/rmsnorm.h"
 #include "support/rowwise_fixture.h"
+#include "support/cases.h"
 #include "support/test_util.h"
 
 namespace detdit {
@@ -41,16 +42,6 @@ struct Entry {
   std::function<Status(const Args&, const Instance&)> call;
 };
 
-int64_t elements(const OpCase& c) {
-  int64_t total = 0;
-  for (const TensorSpec& t : c.tensors) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    total += n;
-  }
-  return total;
-}
-
 bool has_tensor(const OpCase& c, const std::string& name) {
   for (const TensorSpec& t : c.tensors)
     if (t.name == name) return true;
@@ -66,9 +57,9 @@ OpCase pick_case(const Entry& entry, const std::vector<std::string>& without = {
     bool fits = true;
     for (const std::string& n : entry.needs) fits = fits && has_tensor(c, n);
     for (const std::string& n : without) fits = fits && !has_tensor(c, n);
-    if (fits && (best_elements < 0 || elements(c) < best_elements)) {
+    if (fits && (best_elements < 0 || case_elements(c) < best_elements)) {
       best = c;
-      best_elements = elements(c);
+      best_elements = case_elements(c);
     }
   }
   EXPECT_GE(best_elements, 0) << "no " << entry.op << " test case has the tensors " << entry.name << " needs";

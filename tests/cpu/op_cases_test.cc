@@ -10,24 +10,14 @@
 #include <vector>
 
 #include "cases/op_case.h"
+#include "support/cases.h"
 #include "support/test_util.h"
 
 namespace detdit {
 namespace testing {
 namespace {
 
-// Elements of every tensor of the case: the small ones run here (the H3-sized
-// test cases are for the GPU).
-int64_t elements(const OpCase& c) {
-  int64_t total = 0;
-  for (const TensorSpec& t : c.tensors) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    total += n;
-  }
-  return total;
-}
-
+// The cases small enough to run here (the H3-sized test cases are for the GPU).
 constexpr int64_t kMaxElements = 4 << 20;
 
 TEST(OpCases, EveryOpHasTestCases) {
@@ -40,7 +30,7 @@ TEST(OpCases, EveryOpHasTestCases) {
 TEST(OpCases, EveryCaseRunsAndWritesEveryOutput) {
   int ran = 0;
   for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
-    if (elements(c) > kMaxElements) continue;
+    if (case_elements(c) > kMaxElements) continue;
     SCOPED_TRACE(c.full_name());
     Instance t;
     DETDIT_ASSERT_OK(instantiate(c, Device::cpu(), nullptr, &t));
@@ -63,7 +53,7 @@ TEST(OpCases, EveryCaseRunsAndWritesEveryOutput) {
 TEST(OpCases, PositionAloneEqualsPositionInBatch) {
   int checked = 0;
   for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
-    if (!c.alone || c.positions < 2 || elements(c) > kMaxElements) continue;
+    if (!c.alone || c.positions < 2 || case_elements(c) > kMaxElements) continue;
     SCOPED_TRACE(c.full_name());
     std::vector<OutputReport> reports;
     DETDIT_ASSERT_OK(compare_positions_alone(c, Device::cpu(), {0, c.positions / 2, c.positions - 1}, &reports));
@@ -82,7 +72,7 @@ TEST(OpCases, PositionAloneEqualsPositionInBatch) {
 TEST(OpCases, TheTorchProfileReachesTheOpOfEveryCaseThatTakesOne) {
   int checked = 0;
   for (OpCase c : op_cases("", Suite::kTest, CaseContext{})) {
-    if (!c.takes_profile || elements(c) > kMaxElements) continue;
+    if (!c.takes_profile || case_elements(c) > kMaxElements) continue;
     SCOPED_TRACE(c.full_name());
     c.numerics = Numerics::kTorch;
     Instance t;

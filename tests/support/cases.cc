@@ -157,5 +157,15 @@ namespace {
   return ::testing::AssertionSuccess();
 }
 
+int64_t case_elements(const OpCase& c) {
+  int64_t total = 0;
+  for (const TensorSpec& t : c.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    total += n;
+  }
+  return total;
+}
+
 }  // namespace testing
 }  // namespace detdit

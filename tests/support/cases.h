@@ -24,6 +24,9 @@ IndexPlan adaln_plan(const IndexCase& c);
 IndexPlan timestep_plan(const IndexCase& c);
 IndexPlan plan_from_rows(const std::vector<int64_t>& rows, int64_t num_rows, int64_t batch);
 
+// Elements of every tensor of the case (tests pick the small cases by it).
+int64_t case_elements(const OpCase& c);
+
 // |got - ref| <= atol + rtol*|ref| for every element (reports the worst one).
 ::testing::AssertionResult within_tolerance(const HostTensor& got, const std::vector<double>& ref, double atol,
                                             double rtol);
