@@ -1,4 +1,4 @@
-// What the parallel verify and bench drivers share (verify_parallel.cc,
+// What the parallel verify and bench drivers share (verify_cases.cc, verify.cc,
 // bench_parallel.cc): the world of a `--comm mpi` run, the agreement on the
 // command line and an all-gather of small host records through any
 // communicator. The problems they drive are cases/parallel_cases.h's.

@@ -5,6 +5,7 @@
 #include "verify.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <cstdlib>
@@ -253,7 +254,7 @@ Json matrix_json(const std::vector<MatrixGroup>& groups, const Device& device, c
     }
   }
   Json notes = Json::array();
-  for (const MatrixNote& note : matrix_not_enumerated(device)) notes.push_back({{"what", note.what}, {"reason", note.reason}});
+  for (const cases::MatrixNote& note : cases::matrix_not_enumerated(device)) notes.push_back({{"what", note.what}, {"reason", note.reason}});
   Json out = {{"coordinates", {"op", "device", "profile", "world", "packing", "batch", "seq_len", "timesteps"}},
               {"counts", {{"pass", counts[0]}, {"fail", counts[1]}, {"skipped", counts[2]}, {"info", counts[3]}}},
               {"budget_elements", options.budget},
@@ -583,7 +584,7 @@ int run_verify(int argc, char** argv) {
     }
   }
   if (matrix) {
-    for (const MatrixNote& note : matrix_not_enumerated(device))
+    for (const cases::MatrixNote& note : cases::matrix_not_enumerated(device))
       print_wrapped("not in this matrix: " + note.what + ": ", note.reason);
     std::printf("detdit verify --matrix: %s, %lld/%lld cells passed (%s, %.1f s); %lld cells skipped%s\n",
                 pass ? "PASS" : "FAIL", static_cast<long long>(passed), static_cast<long long>(checks),

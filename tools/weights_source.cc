@@ -107,6 +107,19 @@ Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std:
   return Status::ok_status();
 }
 
+cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed) {
+  cases::CaseContext ctx;
+  ctx.hidden = weights.config.hidden;
+  ctx.time_embed_dim = weights.config.time_embed_dim;
+  ctx.time_embed_hidden = weights.config.time_embed_hidden;
+  ctx.freq_dim = weights.config.freq_dim;
+  const Weights* w = &weights;
+  ctx.weight = [w](const std::string& name, TensorView* view) { return w->view(name, view); };
+  ctx.quick = quick;
+  ctx.seed = seed;
+  return ctx;
+}
+
 Status make_directories(const std::string& dir) {
   for (std::size_t at = 1; at <= dir.size(); ++at) {
     if (at != dir.size() && dir[at] != '/') continue;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cases/op_case.h"
 #include "detdit/status.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
@@ -50,6 +51,10 @@ Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std:
 // (`announce` is told when that happens: it takes a while).
 Status resolve_weights(const std::string& weights_option, const io::ManifestConfig& config, uint64_t seed,
                        bool announce, Weights* weights);
+
+// The op-case library's context of a run on `weights`: their dimensions and
+// tensors, --quick and the seed of the inputs.
+cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed);
 
 // mkdir -p.
 Status make_directories(const std::string& dir);

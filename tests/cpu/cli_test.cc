@@ -639,7 +639,7 @@ TEST(Cli, BenchQuickJson) {
   EXPECT_EQ(r.code, 0) << r.output;
 }
 
-// ---- parallel regions (tools/verify_parallel.cc, tools/bench_parallel.cc) ----
+// ---- parallel regions (cases/checks.cc, tools/bench_parallel.cc) ----
 
 // The rows each rank sends at `world` for the packing, from the op cases'
 // packing definition (cases/index_case.h) and the library's SpPlan: the

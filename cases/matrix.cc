@@ -1,0 +1,252 @@
+// The matrix's plan (matrix.h).
+#include "cases/matrix.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+
+namespace detdit {
+namespace cases {
+namespace {
+
+double largest_tensor(const OpCase& c) {
+  double most = 0;
+  for (const TensorSpec& t : c.tensors) {
+    double n = 1;
+    for (int64_t d : t.shape) n *= static_cast<double>(d);
+    most = std::max(most, n);
+  }
+  return most;
+}
+
+void set_index(const IndexCase& index, MatrixGroup* g) {
+  g->packing = packing_name(index.packing);
+  g->batch = index.batch;
+  g->seq_len = index.seq_len;
+}
+
+// The profiles a matrix on `device` runs: the torch profile runs on CUDA only.
+std::vector<Numerics> profiles_on(const Device& device) {
+  if (device.is_cuda()) return {Numerics::kPortable, Numerics::kTorch};
+  return {Numerics::kPortable};
+}
+
+// A group's name and profile coordinate; the torch profile's groups say so in their name too.
+void set_profile(Numerics numerics, MatrixGroup* g) {
+  if (numerics == Numerics::kPortable) return;
+  g->profile = "torch";
+  g->name += " torch";
+}
+
+// The op-case library's groups: one per verify or bench case (world 1).
+void plan_op_cases(const CaseContext& context, const Device& device, std::vector<MatrixPlan>* plan) {
+  CaseContext cc = context;
+  cc.small = context.quick;
+  for (const std::string& op : case_ops()) {
+    std::vector<OpCase> all = op_cases(op, Suite::kVerify, cc);
+    for (OpCase& c : op_cases(op, Suite::kBench, cc)) all.push_back(std::move(c));
+    const bool test_suite = all.empty();
+    if (test_suite) all = op_cases(op, Suite::kTest, cc);
+    if (all.empty()) continue;
+    auto add_group = [&](std::vector<OpCase> group, const std::string& name, Numerics numerics) {
+      MatrixPlan p;
+      p.head.op = op;
+      p.head.name = name;
+      set_profile(numerics, &p.head);
+      if (group.size() == 1 && !group[0].plans.empty()) set_index(group[0].plans[0].index, &p.head);
+      for (const OpCase& c : group) p.cost = std::max(p.cost, largest_tensor(c));
+      p.row_checks = {"op case checks"};
+      p.row_worlds = {1};
+      p.run = [device, group, head = p.head](std::vector<MatrixGroup>* out) {
+        MatrixGroup g = head;
+        if (group.size() == 1) {
+          DETDIT_RETURN_IF_ERROR(check_op_case(group[0], device, &g.rows));
+        } else {
+          // Many small cases: one row per check name, the comparisons summed,
+          // the first failing case's detail.
+          for (const OpCase& c : group) {
+            std::vector<CheckRow> rows;
+            DETDIT_RETURN_IF_ERROR(check_op_case(c, device, &rows));
+            for (CheckRow& r : rows) {
+              if (!r.pass) r.detail = c.name + ": " + r.detail;
+              auto it = std::find_if(g.rows.begin(), g.rows.end(), [&](const CheckRow& x) { return x.check == r.check; });
+              if (it == g.rows.end()) {
+                g.rows.push_back(std::move(r));
+                continue;
+              }
+              it->bitwise_run += r.bitwise_run;
+              it->bitwise_passed += r.bitwise_passed;
+              it->seconds += r.seconds;
+              if (!std::isnan(r.max_error) && !(r.max_error <= it->max_error)) it->max_error = r.max_error;
+              if (!r.pass && it->pass) it->detail = r.detail;
+              it->pass = it->pass && r.pass;
+            }
+          }
+        }
+        g.worlds.assign(g.rows.size(), 1);
+        out->push_back(std::move(g));
+        return Status::ok_status();
+      };
+      plan->push_back(std::move(p));
+    };
+    // A group per profile: on CUDA the cases that take a profile run again in
+    // the torch profile. name_of(n): the group's name when it holds n cases.
+    auto add = [&](const std::vector<OpCase>& cases_of_group,
+                   const std::function<std::string(std::size_t)>& name_of) {
+      for (Numerics numerics : profiles_on(device)) {
+        std::vector<OpCase> group;
+        for (const OpCase& c : cases_of_group) {
+          if (numerics != Numerics::kPortable && !c.takes_profile) continue;
+          group.push_back(c);
+          group.back().numerics = numerics;
+        }
+        if (group.empty()) continue;
+        const std::string name = name_of(group.size());
+        add_group(std::move(group), name, numerics);
+      }
+    };
+    if (test_suite) {
+      add(all, [](std::size_t n) { return "test suite, " + std::to_string(n) + " cases (no verify or bench cases)"; });
+      continue;
+    }
+    for (OpCase& c : all) add({c}, [&c](std::size_t) { return c.name; });
+    if (op == "rmsnorm") {
+      // The verify and bench cases are modulated; the plain norm alone from the test suite.
+      std::vector<OpCase> plain;
+      for (OpCase& c : op_cases(op, Suite::kTest, cc))
+        if (c.name.rfind("plain ", 0) == 0) plain.push_back(std::move(c));
+      if (!plain.empty()) add(plain, [](std::size_t n) { return "plain, test suite, " + std::to_string(n) + " cases"; });
+    }
+  }
+}
+
+static_assert(std::size(kSpOps) == std::size(kSpVariants), "an op name per sp_region variant");
+
+// The op of a variant (by its sp_variant_name), and the variant of an op ("" for none).
+std::string sp_op(const std::string& variant) {
+  for (std::size_t i = 0; i < std::size(kSpOps); ++i)
+    if (variant == sp_variant_name(kSpVariants[i])) return kSpOps[i];
+  return variant;
+}
+std::string sp_variant_of(const std::string& op) {
+  for (std::size_t i = 0; i < std::size(kSpOps); ++i)
+    if (op == kSpOps[i]) return sp_variant_name(kSpVariants[i]);
+  return "";
+}
+
+void plan_sp(const CaseContext& context, const Device& device, const std::vector<int64_t>& seq_lens,
+             const std::vector<int>& worlds_of_run, const std::string& corrupt, std::vector<MatrixPlan>* plan) {
+  const std::vector<SpRegionCase> problems = sp_region_matrix_cases(context, seq_lens, worlds_of_run);
+  for (Numerics numerics : profiles_on(device)) {
+    for (const SpRegionCase& c : problems) {
+      // The naive contrast once, in the portable profile (informational; the profile changes no order).
+      const std::vector<int> naive = numerics == Numerics::kPortable ? c.naive_worlds : std::vector<int>{};
+      SpShape shape = c.shape;
+      shape.numerics = numerics;
+      MatrixPlan p;
+      p.head.op = "sp_region";
+      p.head.name = c.name;
+      set_profile(numerics, &p.head);
+      p.head.packing = packing_name(shape.packing);
+      p.head.batch = shape.batch;
+      p.head.seq_len = shape.seq_len;
+      p.cost = static_cast<double>(shape.batch * shape.seq_len * shape.hidden);
+      for (int w : c.worlds) {
+        p.row_checks.push_back("ws=" + std::to_string(w));
+        p.row_worlds.push_back(w);
+      }
+      for (int w : naive) {
+        p.row_checks.push_back("naive ws=" + std::to_string(w) + " (info)");
+        p.row_worlds.push_back(w);
+      }
+      if (device.is_cuda() && numerics == Numerics::kPortable) {
+        p.row_checks.push_back("ws1 = cpu ws1");
+        p.row_worlds.push_back(1);
+      }
+      p.run = [context, device, shape, worlds = c.worlds, naive, corrupt, head = p.head](std::vector<MatrixGroup>* out) {
+        std::vector<SpVariantRows> rows;
+        // The hook names an op of the matrix; the SP runs know their variants.
+        DETDIT_RETURN_IF_ERROR(check_sp_matrix(context, device, shape, worlds, naive, sp_variant_of(corrupt), &rows));
+        for (SpVariantRows& r : rows) {
+          MatrixGroup g = head;
+          g.op = sp_op(r.variant);
+          g.rows = std::move(r.rows);
+          g.worlds = std::move(r.worlds);
+          out->push_back(std::move(g));
+        }
+        return Status::ok_status();
+      };
+      plan->push_back(std::move(p));
+    }
+  }
+}
+
+void plan_tp(const CaseContext& context, const Device& device, const std::vector<int>& worlds_of_run,
+             std::vector<MatrixPlan>* plan) {
+  const std::vector<TpCase> problems = tp_adaln_projection_matrix_cases(context, worlds_of_run);
+  for (Numerics numerics : profiles_on(device)) {
+    for (const TpCase& c : problems) {
+      TpShape shape = c.shape;
+      shape.numerics = numerics;
+      MatrixPlan p;
+      p.head.op = "tp_adaln_projection";
+      p.head.name = c.name;
+      set_profile(numerics, &p.head);
+      p.head.timesteps = shape.timesteps;
+      p.cost = static_cast<double>(shape.out_features) * static_cast<double>(shape.in_features);
+      for (int w : c.worlds) {
+        p.row_checks.push_back("tp=" + std::to_string(w));
+        p.row_worlds.push_back(w);
+      }
+      const bool cpu_check = device.is_cuda() && numerics == Numerics::kPortable;
+      if (cpu_check) {
+        p.row_checks.push_back("ws1 = cpu ws1");
+        p.row_worlds.push_back(1);
+      }
+      p.run = [context, device, worlds = c.worlds, shape, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
+        MatrixGroup g = head;
+        DETDIT_RETURN_IF_ERROR(check_tp_worlds(context, device, nullptr, shape, worlds, cpu_check, &g.rows));
+        g.worlds = worlds;
+        if (cpu_check) g.worlds.push_back(1);
+        if (g.rows.size() != g.worlds.size()) return Status::runtime_error("tp: a row per world size expected");
+        out->push_back(std::move(g));
+        return Status::ok_status();
+      };
+      plan->push_back(std::move(p));
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<MatrixPlan> plan_matrix(const CaseContext& context, const Device& device,
+                                    const std::vector<int64_t>& seq_lens, const std::vector<int>& worlds,
+                                    const std::string& corrupt) {
+  std::vector<MatrixPlan> plan;
+  plan_op_cases(context, device, &plan);
+  plan_sp(context, device, seq_lens, worlds, corrupt, &plan);
+  plan_tp(context, device, worlds, &plan);
+  return plan;
+}
+
+std::vector<MatrixNote> matrix_not_enumerated(const Device& device) {
+  std::vector<MatrixNote> notes;
+  if (device.is_cuda()) {
+    notes.push_back({"the torch profile against PyTorch eager, and its accuracy",
+                     "the torch-profile cells check repeatability, row invariance and SP/TP = WS1 on this GPU; "
+                     "the CPU reference, the FP64 oracle's bounds and the equivalent routes define the portable "
+                     "profile only; scripts/torch_parity.py and scripts/torch_compare.py compare the torch profile "
+                     "with PyTorch eager, outside this report"});
+  } else {
+    notes.push_back({"profile torch", "CUDA only (the torch profile on the CPU is a ValueError)"});
+    notes.push_back({"device cuda and the CPU comparison of each GPU result",
+                     "this run is on the CPU; run detdit verify --matrix --device cuda on a GPU"});
+  }
+  notes.push_back({"world sizes over a real communicator",
+                   "the matrix runs its ranks in-process (threads sharing one device); detdit verify --comm mpi "
+                   "writes its own report, which nothing merges into the matrix"});
+  return notes;
+}
+
+}  // namespace cases
+}  // namespace detdit
