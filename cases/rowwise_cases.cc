@@ -422,11 +422,20 @@ OpCase adaln_row_gather_case(const GatherShape& s, const Values& v) {
 
 constexpr int64_t kH3Hidden = 5376;
 
-// The benchmark's sequence lengths (B = 2): S = 4097 (33 chunks, fewer than the
-// GPU's multiprocessors), 32768 and 131072.
-std::vector<int64_t> bench_lengths(const CaseContext& ctx) {
-  if (ctx.small) return {4097};
-  return {4097, 32768, 131072};
+// The benchmark's indexes of every row-wise op: T = 3, B = 2, both packings at
+// S = 4097 (33 chunks, fewer than the GPU's multiprocessors), 32768 and 131072
+// (small: 4097 alone).
+std::vector<IndexCase> bench_indexes(const CaseContext& ctx) {
+  std::vector<IndexCase> indexes;
+  for (int64_t seq_len : ctx.small ? std::vector<int64_t>{4097} : std::vector<int64_t>{4097, 32768, 131072})
+    for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) indexes.push_back(make_index_case(packing, seq_len, 3, 2));
+  return indexes;
+}
+
+// verify's index of the norms and the gate: block packing, T = 3, S = 4097 and
+// B = 2 (--quick: S = 257, B = 1).
+IndexCase verify_index(const CaseContext& ctx) {
+  return make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2);
 }
 
 std::vector<OpCase> rmsnorm_cases(Suite suite, const CaseContext& ctx) {
@@ -462,15 +471,12 @@ std::vector<OpCase> rmsnorm_cases(Suite suite, const CaseContext& ctx) {
   }
   if (suite == Suite::kBench) {
     const Values v{false, ctx.seed + 300};
-    for (int64_t seq_len : bench_lengths(ctx))
-      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
-        cases.push_back(rmsnorm_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2), true}, v));
+    for (const IndexCase& index : bench_indexes(ctx)) cases.push_back(rmsnorm_case({DType::kBF16, ctx.hidden, index, true}, v));
     return cases;
   }
   // kVerify: block 0's norm1 weight, modulated, bf16.
   const Values v{true, ctx.seed + 30};
-  NormShape s{DType::kBF16, ctx.hidden,
-              make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2), true};
+  NormShape s{DType::kBF16, ctx.hidden, verify_index(ctx), true};
   s.weight = weight_or(ctx, "transformer_blocks.0.norm1.weight", v(2, 1.0, 0.5));
   OpCase c = rmsnorm_case(s, v);
   c.name = "modulated, norm1 of block 0";
@@ -500,14 +506,11 @@ std::vector<OpCase> gate_residual_cases(Suite suite, const CaseContext& ctx) {
   }
   if (suite == Suite::kBench) {
     const Values v{false, ctx.seed + 400};
-    for (int64_t seq_len : bench_lengths(ctx))
-      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
-        cases.push_back(gate_residual_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2)}, v));
+    for (const IndexCase& index : bench_indexes(ctx)) cases.push_back(gate_residual_case({DType::kBF16, ctx.hidden, index}, v));
     return cases;
   }
   const Values v{true, ctx.seed + 40};
-  const GateShape s{DType::kBF16, ctx.hidden,
-                    make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2), true};
+  const GateShape s{DType::kBF16, ctx.hidden, verify_index(ctx), true};
   OpCase c = gate_residual_case(s, v);
   c.name = "gate_msa, 3 randn sublayer";
   c.accuracy.push_back(gate_residual_forward_accuracy(s.index, ctx.hidden));
@@ -535,9 +538,8 @@ std::vector<OpCase> adaln_row_gather_cases(Suite suite, const CaseContext& ctx) 
   }
   if (suite == Suite::kBench) {
     const Values v{false, ctx.seed + 500};
-    for (int64_t seq_len : bench_lengths(ctx))
-      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
-        cases.push_back(adaln_row_gather_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2)}, v));
+    for (const IndexCase& index : bench_indexes(ctx))
+      cases.push_back(adaln_row_gather_case({DType::kBF16, ctx.hidden, index}, v));
     return cases;
   }
   // kVerify: the weights' H, block packing, S = 4097 (--quick: 257), T = 3,
@@ -585,16 +587,12 @@ std::vector<OpCase> gate_residual_rmsnorm_cases(Suite suite, const CaseContext& 
   }
   if (suite == Suite::kBench) {
     const Values v{false, ctx.seed + 700};
-    for (int64_t seq_len : bench_lengths(ctx))
-      for (Packing packing : {Packing::kBlock, Packing::kInterleaved})
-        cases.push_back(
-            gate_residual_rmsnorm_case({DType::kBF16, ctx.hidden, make_index_case(packing, seq_len, 3, 2), true, true}, v));
+    for (const IndexCase& index : bench_indexes(ctx))
+      cases.push_back(gate_residual_rmsnorm_case({DType::kBF16, ctx.hidden, index, true, true}, v));
     return cases;
   }
   const Values v{true, ctx.seed + 70};
-  OpCase c = gate_residual_rmsnorm_case(
-      {DType::kBF16, ctx.hidden, make_index_case(Packing::kBlock, ctx.quick ? 257 : 4097, 3, ctx.quick ? 1 : 2), true, true},
-      v);
+  OpCase c = gate_residual_rmsnorm_case({DType::kBF16, ctx.hidden, verify_index(ctx), true, true}, v);
   c.name = "gate_msa then norm2, d_h";
   cases.push_back(std::move(c));
   return cases;
