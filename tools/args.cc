@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <sstream>
 #include <vector>
 
 namespace detdit {
@@ -52,6 +51,19 @@ bool is_decimal(const std::string& text, bool sign_allowed) {
   for (std::size_t i = first; i < text.size(); ++i)
     if (text[i] < '0' || text[i] > '9') return false;
   return true;
+}
+
+// The items of a comma-separated text, empty ones included ("a," -> {a, ""}).
+std::vector<std::string> items_of(const std::string& text) {
+  std::vector<std::string> items(1);
+  for (char c : text) {
+    if (c == ',') {
+      items.emplace_back();
+    } else {
+      items.back().push_back(c);
+    }
+  }
+  return items;
 }
 
 }  // namespace
@@ -155,14 +167,20 @@ std::string Args::get(const std::string& name, const std::string& fallback) cons
   return has(name) ? parser_->values.at(name) : fallback;
 }
 
-std::set<std::string> Args::get_set(const std::string& name) const {
-  std::set<std::string> items;
-  std::stringstream in(get(name));
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) items.insert(item);
+bool Args::get_set(const std::string& name, std::set<std::string>* items) {
+  items->clear();
+  if (!has(name)) return true;
+  for (const std::string& item : items_of(get(name))) {
+    if (item.empty()) {
+      error_ = name + " has an empty item in '" + get(name) + "'";
+      return false;
+    }
+    if (!items->insert(item).second) {
+      error_ = name + " lists '" + item + "' twice";
+      return false;
+    }
   }
-  return items;
+  return true;
 }
 
 bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value) {
@@ -185,11 +203,8 @@ bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_
 
 bool Args::get_int_list(const std::string& name, const std::string& fallback, int64_t lo, int64_t hi,
                         const std::string& what, std::vector<int64_t>* values) {
-  const std::string text = get(name, fallback);
-  std::stringstream in(text);
-  std::string item;
   values->clear();
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : items_of(get(name, fallback))) {
     char* end = nullptr;
     errno = 0;
     const long long v = is_decimal(item, false) ? std::strtoll(item.c_str(), &end, 10) : 0;
@@ -198,7 +213,11 @@ bool Args::get_int_list(const std::string& name, const std::string& fallback, in
                item + "'";
       return false;
     }
-    if (std::find(values->begin(), values->end(), v) == values->end()) values->push_back(v);
+    if (std::find(values->begin(), values->end(), v) != values->end()) {
+      error_ = name + " lists " + what + " " + item + " twice";
+      return false;
+    }
+    values->push_back(v);
   }
   if (values->empty()) {
     error_ = name + " needs at least one " + what;

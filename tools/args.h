@@ -39,16 +39,17 @@ class Args {
 
   bool has(const std::string& name) const;  // option given, or positional present
   std::string get(const std::string& name, const std::string& fallback = "") const;
-  // The non-empty items of a comma-separated value ("a,,b" -> {a, b}); empty when not given.
-  std::set<std::string> get_set(const std::string& name) const;
+  // The items of a comma-separated value (empty when not given); false (with
+  // error()) for an empty item ("a,,b", "a,") or one given twice.
+  bool get_set(const std::string& name, std::set<std::string>* items);
   // Integer values; false (with error()) when the text is not decimal digits
   // (get_int: after an optional '-') of a value in [lo, hi] (get_uint64: < 2^64).
   bool get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value);
   bool get_uint64(const std::string& name, uint64_t fallback, uint64_t* value);
   // A comma-separated list of integers in [lo, hi] (`fallback` when not given),
-  // each item decimal digits; repeats dropped, first order kept. False (with
-  // error(): "<name> must list <what>s in [lo, hi], got '<item>'") for any
-  // other item, an empty one included, or no item at all.
+  // each item decimal digits, in the order given. False (with error():
+  // "<name> must list <what>s in [lo, hi], got '<item>'") for any other item,
+  // an empty one included, for no item at all and for an item given twice.
   bool get_int_list(const std::string& name, const std::string& fallback, int64_t lo, int64_t hi,
                     const std::string& what, std::vector<int64_t>* values);
   // A finite decimal number > 0 (e.g. "360", "2.5").

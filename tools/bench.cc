@@ -312,7 +312,11 @@ int run_bench(int argc, char** argv) {
     }
   }
   const bool leader = world == nullptr || world->rank() == 0;
-  const std::set<std::string> ops = args.get_set("--ops"), names = args.get_set("--cases");
+  std::set<std::string> ops, names;
+  if (!args.get_set("--ops", &ops) || !args.get_set("--cases", &names)) {
+    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
+    return 2;
+  }
   const std::vector<std::string> case_ops = cases::case_ops();
   bool any_op_case = false;
   for (const std::string& op : case_ops) any_op_case = any_op_case || ops.empty() || ops.count(op) > 0;
@@ -334,9 +338,12 @@ int run_bench(int argc, char** argv) {
     return 2;
   }
   Weights weights;
-  // Under MPI rank 0 resolves (and on first use generates) the cache first.
-  Status status = leader ? resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, /*announce=*/true, &weights)
-                         : Status::ok_status();
+  // The report's destination first (one that cannot be replaced is refused
+  // before the run, not after it); then under MPI rank 0 resolves (and on
+  // first use generates) the cache first.
+  Status status = leader && !out_path.empty() ? io::check_replaceable(out_path) : Status::ok_status();
+  if (leader && status.ok())
+    status = resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, /*announce=*/true, &weights);
   if (world != nullptr) {
     status = all_ranks_ok(*world, status);
     if (status.ok() && !leader) {

@@ -384,7 +384,11 @@ int run_verify(int argc, char** argv) {
   }
   const bool leader = world == nullptr || world->rank() == 0;
 
-  const std::set<std::string> wanted_ops = args.get_set("--ops");
+  std::set<std::string> wanted_ops;
+  if (!args.get_set("--ops", &wanted_ops)) {
+    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
+    return 2;
+  }
   for (const std::string& op : matrix ? std::set<std::string>() : wanted_ops) {
     bool known = false;
     for (const VerifyCase& c : cases) known = known || op == c.op;

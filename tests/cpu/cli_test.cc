@@ -305,6 +305,12 @@ TEST(Cli, VerifyWritesItsReportAtomically) {
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(read_file(fifo))["kind"], "detdit_verify_report");
   EXPECT_EQ(directory_entries(dir), std::vector<std::string>{"report.json"});
+  // bench's report likewise: a destination it cannot replace is refused before any case runs.
+  r = detdit("bench --quick --device cpu --ops timestep_mlp --repeats 1 --warmup 0 --weights '" + small_weights() +
+             "' --out '" + dir + "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(dir + ": exists and is not a regular file (a directory)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("timestep_mlp"), std::string::npos) << "the run went ahead:\n" << r.output;
 }
 
 // Input that used to throw out of the CLI (exit 134, SIGABRT) is an input
@@ -590,7 +596,13 @@ TEST(Cli, OutputsFitAndSayWhereTheyRan) {
   expect_usage_errors({
       {"verify --quick=1", "option --quick takes no value"},
       {"verify --out a.json --out b.json", "option --out given twice"},
-      {"verify --weights=", "--weights: needs a non-empty value DIR, got ''"}});
+      {"verify --weights=", "--weights: needs a non-empty value DIR, got ''"},
+      {"verify --ops rmsnorm,,rmsnorm", "--ops has an empty item in 'rmsnorm,,rmsnorm'"},
+      {"verify --ops rmsnorm,", "--ops has an empty item in 'rmsnorm,'"},
+      {"verify --ops rmsnorm,gate_residual,rmsnorm", "--ops lists 'rmsnorm' twice"},
+      {"verify --matrix --worlds 2,4,2", "--worlds lists world size 2 twice"},
+      {"verify --matrix --seq 4097,", "--seq must list sequence lengths in [1, 16777216], got ''"},
+      {"bench --cases a,a", "--cases lists 'a' twice"}});
 }
 
 TEST(Cli, BenchQuickJson) {
