@@ -204,5 +204,20 @@ void remove_temporaries_on_signals() {
   }
 }
 
+Status make_directories(const std::string& dir) {
+  for (std::size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string prefix = dir.substr(0, at);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return Status::runtime_error(prefix + ": cannot create directory: " + std::strerror(errno));
+    }
+  }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return Status::runtime_error(dir + ": not a directory");
+  }
+  return Status::ok_status();
+}
+
 }  // namespace io
 }  // namespace detdit

@@ -40,6 +40,10 @@ Status check_replaceable(const std::string& path);
 // (check_replaceable first, stale temporaries removed).
 Status write_file_atomically(const std::string& path, const std::string& contents);
 
+// mkdir -p: `dir` and every missing parent (0755); a RuntimeError naming the
+// first that cannot be made, or `dir` when it is not a directory.
+Status make_directories(const std::string& dir);
+
 // "<path>.tmp.<pid of this process>".
 std::string temporary_path(const std::string& path);
 // Registers / unregisters a temporary being written. At most kMaxRegistered

@@ -343,11 +343,11 @@ int run_bench(int argc, char** argv) {
   // first use generates) the cache first.
   Status status = leader && !out_path.empty() ? io::check_replaceable(out_path) : Status::ok_status();
   if (leader && status.ok())
-    status = resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, /*announce=*/true, &weights);
+    status = io::resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, /*announce=*/true, &weights);
   if (world != nullptr) {
     status = all_ranks_ok(*world, status);
     if (status.ok() && !leader) {
-      status = resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, false, &weights);
+      status = io::resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, false, &weights);
       // A rank whose own resolve failed says why; rank 0 reports the rest.
       if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
     }

@@ -22,7 +22,7 @@
 #include "detdit/status.h"
 #include "detdit/tensor.h"
 #include "progress.h"
-#include "weights_source.h"
+#include "io/weights.h"
 
 namespace detdit {
 namespace cli {
@@ -42,7 +42,7 @@ struct BenchContext {
   Device device;
   Stream stream = nullptr;
   bool quick = false;
-  const Weights* weights = nullptr;
+  const io::Weights* weights = nullptr;
   uint64_t seed = 0;
   const LinkModel* predict = nullptr;  // set: the parallel regions are predicted, not simulated
 };

@@ -25,6 +25,21 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
+// The dimensions of `detdit verify`'s synthetic default without --full: the
+// H3 tensors and ratios (Ht = H, D = H / 2, F = 256) at H = 1536 (Wan 2.1
+// 1.3B's and SD3 Medium's hidden size), so that the default run fits three
+// minutes on 2 CPU cores. --full, `detdit bench` and `detdit weights synth`
+// use H3's dimensions (ManifestConfig's defaults).
+io::ManifestConfig verify_dimensions(int64_t blocks) {
+  io::ManifestConfig c;
+  c.blocks = blocks;
+  c.hidden = 1536;
+  c.time_embed_hidden = 1536;
+  c.time_embed_dim = 768;
+  c.freq_dim = 256;
+  return c;
+}
+
 // Report order: the conditioning path from the timestep to the output.
 const char* const kOpOrder[] = {"weights",         "timestep_sinusoid", "linear",          "timestep_mlp",
                                 "adaln_projection", "adaln_row_gather", "rmsnorm",         "gate_residual",
@@ -407,11 +422,11 @@ int run_verify(int argc, char** argv) {
   Status status = Status::ok_status();
   for (const char* option : {"--out", "--figure"})
     if (leader && status.ok() && args.has(option)) status = io::check_replaceable(args.get(option));
-  if (leader && status.ok()) status = resolve_weights(args.get("--weights"), dimensions, seed, /*announce=*/true, &weights);
+  if (leader && status.ok()) status = io::resolve_weights(args.get("--weights"), dimensions, seed, /*announce=*/true, &weights);
   if (world != nullptr) {
     status = all_ranks_ok(*world, status);
     if (status.ok() && !leader) {
-      status = resolve_weights(args.get("--weights"), dimensions, seed, false, &weights);
+      status = io::resolve_weights(args.get("--weights"), dimensions, seed, false, &weights);
       // A rank whose own resolve failed says why; rank 0 reports the rest.
       if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
     }

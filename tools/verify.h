@@ -17,7 +17,7 @@
 #include "detdit/status.h"
 #include "detdit/tensor.h"
 #include "registry.h"
-#include "weights_source.h"
+#include "io/weights.h"
 
 namespace detdit {
 namespace cli {
@@ -27,6 +27,7 @@ using cases::CheckRow;
 using cases::now_seconds;
 using cases::DeviceTensor;
 using cases::HostTensor;
+using io::Weights;
 
 struct VerifyContext {
   bool quick = false;
@@ -68,7 +69,9 @@ inline std::vector<VerifyCase>& verify_registry() { return registry<VerifyCase>(
 #define DETDIT_VERIFY_PARALLEL_CASE(op, name, cpu, cuda, fn, enabled) \
   DETDIT_CLI_REGISTER(::detdit::cli::VerifyCase, detdit_verify_case_, op, name, cpu, cuda, fn, true, enabled)
 
-// The case context of a run on `weights` is case_context (weights_source.h).
+// The op-case library's context of a run on `weights`: their dimensions and
+// tensors, --quick and the seed of the inputs.
+cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed);
 // verify_op_cases: cases::check_op_cases of every verify-suite case of `op`.
 Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vector<CheckRow>* rows);
 

@@ -10,6 +10,19 @@
 namespace detdit {
 namespace cli {
 
+cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed) {
+  cases::CaseContext ctx;
+  ctx.hidden = weights.config.hidden;
+  ctx.time_embed_dim = weights.config.time_embed_dim;
+  ctx.time_embed_hidden = weights.config.time_embed_hidden;
+  ctx.freq_dim = weights.config.freq_dim;
+  const Weights* w = &weights;
+  ctx.weight = [w](const std::string& name, TensorView* view) { return w->view(name, view); };
+  ctx.quick = quick;
+  ctx.seed = seed;
+  return ctx;
+}
+
 Status verify_op_cases(const VerifyContext& ctx, const std::string& op, std::vector<CheckRow>* rows) {
   const std::vector<cases::OpCase> all =
       cases::op_cases(op, cases::Suite::kVerify, case_context(*ctx.weights, ctx.quick, ctx.seed));

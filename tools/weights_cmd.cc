@@ -10,7 +10,7 @@
 #include "io/safetensors.h"
 #include "io/sha256.h"
 #include "io/synth.h"
-#include "weights_source.h"
+#include "io/weights.h"
 
 namespace detdit {
 namespace cli {
@@ -77,12 +77,12 @@ int run_synth(int argc, char** argv) {
   options.only = args.get("--only");
   const std::string dir = args.get("--out");
   io::remove_temporaries_on_signals();  // an interrupted synth leaves no partial file
-  Status status = make_directories(dir);
+  Status status = io::make_directories(dir);
   auto start = std::chrono::steady_clock::now();
   if (status.ok()) status = io::write_synthetic_weights(dir, options);
   if (!status.ok()) return input_error(status);
   io::SafetensorsFile file;
-  status = io::SafetensorsFile::open(weights_file_path(dir), &file);
+  status = io::SafetensorsFile::open(io::weights_file_path(dir), &file);
   if (!status.ok()) return input_error(status);
   std::printf("wrote %s: %zu tensors, %.3f GB in %.1f s (seed %llu, blocks %lld)\n", file.path().c_str(),
               file.entries().size(), file.file_size() / 1e9,
@@ -157,7 +157,7 @@ int run_verify_weights(int argc, char** argv) {
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
   io::SafetensorsFile file;
-  Status status = io::SafetensorsFile::open(weights_file_path(args.get("DIR")), &file);
+  Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("DIR")), &file);
   if (!status.ok()) return input_error(status);
   int64_t blocks_in_file = 0;
   while (file.find("transformer_blocks." + std::to_string(blocks_in_file) + ".adaln_proj.linear.weight")) {
@@ -197,7 +197,7 @@ int run_inspect(int argc, char** argv) {
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
   io::SafetensorsFile file;
-  Status status = io::SafetensorsFile::open(weights_file_path(args.get("FILE")), &file);
+  Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("FILE")), &file);
   if (!status.ok()) return input_error(status);
   std::printf("%s: %llu bytes, header %llu bytes, data section at byte %llu, %zu tensors\n", file.path().c_str(),
               static_cast<unsigned long long>(file.file_size()), static_cast<unsigned long long>(file.header_bytes()),

@@ -1,4 +1,4 @@
-#include "weights_source.h"
+#include "io/weights.h"
 
 #include <sys/stat.h>
 
@@ -12,12 +12,12 @@
 #include "io/synth.h"
 
 namespace detdit {
-namespace cli {
+namespace io {
 
 std::string weights_file_path(const std::string& dir_or_file) {
   struct stat st;
   if (::stat(dir_or_file.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-    return dir_or_file + "/" + io::kWeightsFileName;
+    return dir_or_file + "/" + kWeightsFileName;
   }
   return dir_or_file;
 }
@@ -27,7 +27,7 @@ namespace {
 // What the ops that verify and bench run need of the dimensions, checked when
 // the weights are loaded: weights the ops must refuse are bad input (exit 2),
 // not failed checks (exit 1).
-Status check_op_dimensions(const std::string& path, const io::ManifestConfig& c) {
+Status check_op_dimensions(const std::string& path, const ManifestConfig& c) {
   struct Need {
     const char* name;
     int64_t value, multiple;
@@ -54,16 +54,16 @@ Status check_op_dimensions(const std::string& path, const io::ManifestConfig& c)
 Status load_weights(const std::string& dir_or_file, Weights* weights) {
   Weights w;
   w.path = weights_file_path(dir_or_file);
-  DETDIT_RETURN_IF_ERROR(io::SafetensorsFile::open(w.path, &w.file));
-  DETDIT_RETURN_IF_ERROR(io::infer_manifest_config(w.file, &w.config));
+  DETDIT_RETURN_IF_ERROR(SafetensorsFile::open(w.path, &w.file));
+  DETDIT_RETURN_IF_ERROR(infer_manifest_config(w.file, &w.config));
   if (w.config.blocks == 0) {
     return Status::value_error(w.path + ": has no transformer_blocks.0.adaln_proj.linear.weight");
   }
   DETDIT_RETURN_IF_ERROR(check_op_dimensions(w.path, w.config));
   std::vector<std::string> differences, extras;
-  io::compare_to_manifest(w.file, w.config, &differences, &extras);
+  compare_to_manifest(w.file, w.config, &differences, &extras);
   if (!differences.empty()) {
-    std::string message = w.path + ": does not match manifest " + io::kManifestVersion + ":";
+    std::string message = w.path + ": does not match manifest " + kManifestVersion + ":";
     for (const std::string& d : differences) message += "\n  " + d;
     return Status::value_error(message);
   }
@@ -73,17 +73,7 @@ Status load_weights(const std::string& dir_or_file, Weights* weights) {
   return Status::ok_status();
 }
 
-io::ManifestConfig verify_dimensions(int64_t blocks) {
-  io::ManifestConfig c;
-  c.blocks = blocks;
-  c.hidden = 1536;
-  c.time_embed_hidden = 1536;
-  c.time_embed_dim = 768;
-  c.freq_dim = 256;
-  return c;
-}
-
-Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std::string* dir) {
+Status synthetic_cache_dir(const ManifestConfig& config, uint64_t seed, std::string* dir) {
   std::string root;
   const char* xdg = std::getenv("XDG_CACHE_HOME");
   const char* home = std::getenv("HOME");
@@ -96,42 +86,14 @@ Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std:
         "cannot place the synthetic weights cache: neither XDG_CACHE_HOME nor HOME is set (pass --weights DIR)");
   }
   // H3's dimensions keep the directory name they always had.
-  io::ManifestConfig h3;
+  ManifestConfig h3;
   h3.blocks = config.blocks;
   const std::string dims = config == h3 ? "" : "-H" + std::to_string(config.hidden) + "-Ht" +
                                                    std::to_string(config.time_embed_hidden) + "-D" +
                                                    std::to_string(config.time_embed_dim) + "-F" +
                                                    std::to_string(config.freq_dim);
-  *dir = root + "/synth-v" + std::to_string(io::kSynthVersion) + "-" + io::kManifestVersion + dims + "-b" +
+  *dir = root + "/synth-v" + std::to_string(kSynthVersion) + "-" + kManifestVersion + dims + "-b" +
          std::to_string(config.blocks) + "-s" + std::to_string(seed);
-  return Status::ok_status();
-}
-
-cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed) {
-  cases::CaseContext ctx;
-  ctx.hidden = weights.config.hidden;
-  ctx.time_embed_dim = weights.config.time_embed_dim;
-  ctx.time_embed_hidden = weights.config.time_embed_hidden;
-  ctx.freq_dim = weights.config.freq_dim;
-  const Weights* w = &weights;
-  ctx.weight = [w](const std::string& name, TensorView* view) { return w->view(name, view); };
-  ctx.quick = quick;
-  ctx.seed = seed;
-  return ctx;
-}
-
-Status make_directories(const std::string& dir) {
-  for (std::size_t at = 1; at <= dir.size(); ++at) {
-    if (at != dir.size() && dir[at] != '/') continue;
-    const std::string prefix = dir.substr(0, at);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      return Status::runtime_error(prefix + ": cannot create directory: " + std::strerror(errno));
-    }
-  }
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return Status::runtime_error(dir + ": not a directory");
-  }
   return Status::ok_status();
 }
 
@@ -139,7 +101,7 @@ namespace {
 
 // A cached file is used only when it is the synthetic weights of exactly
 // this (version, blocks, seed, dimensions) and matches the manifest.
-bool cache_is_usable(const std::string& dir, const io::ManifestConfig& config, uint64_t seed, Weights* weights) {
+bool cache_is_usable(const std::string& dir, const ManifestConfig& config, uint64_t seed, Weights* weights) {
   Weights w;
   if (!load_weights(dir, &w).ok() || !w.synthetic) return false;
   const auto& m = w.file.metadata();
@@ -147,7 +109,7 @@ bool cache_is_usable(const std::string& dir, const io::ManifestConfig& config, u
     auto it = m.find(key);
     return it != m.end() && it->second == value;
   };
-  if (!(w.config == config) || !is("detdit.synth_version", std::to_string(io::kSynthVersion)) ||
+  if (!(w.config == config) || !is("detdit.synth_version", std::to_string(kSynthVersion)) ||
       !is("detdit.seed", std::to_string(seed)) || !is("detdit.only", "")) {
     return false;
   }
@@ -157,24 +119,24 @@ bool cache_is_usable(const std::string& dir, const io::ManifestConfig& config, u
 
 }  // namespace
 
-Status resolve_weights(const std::string& weights_option, const io::ManifestConfig& config, uint64_t seed,
+Status resolve_weights(const std::string& weights_option, const ManifestConfig& config, uint64_t seed,
                        bool announce, Weights* weights) {
   if (!weights_option.empty()) return load_weights(weights_option, weights);
   std::string dir;
   DETDIT_RETURN_IF_ERROR(synthetic_cache_dir(config, seed, &dir));
   if (cache_is_usable(dir, config, seed, weights)) return Status::ok_status();
   DETDIT_RETURN_IF_ERROR(make_directories(dir));
-  io::remove_temporaries_on_signals();  // an interrupted generation leaves no partial cache entry
+  remove_temporaries_on_signals();  // an interrupted generation leaves no partial cache entry
   if (announce) {
     std::fprintf(stderr, "detdit: generating the default synthetic weights (H=%lld, blocks=%lld, seed=%llu) into %s ...\n",
                  static_cast<long long>(config.hidden), static_cast<long long>(config.blocks),
                  static_cast<unsigned long long>(seed), dir.c_str());
   }
   auto start = std::chrono::steady_clock::now();
-  io::SynthOptions options;
+  SynthOptions options;
   options.config = config;
   options.seed = seed;
-  DETDIT_RETURN_IF_ERROR(io::write_synthetic_weights(dir, options));
+  DETDIT_RETURN_IF_ERROR(write_synthetic_weights(dir, options));
   if (announce) {
     std::fprintf(stderr, "detdit: done in %.1f s (cached for later runs)\n",
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -182,5 +144,5 @@ Status resolve_weights(const std::string& weights_option, const io::ManifestConf
   return load_weights(dir, weights);
 }
 
-}  // namespace cli
+}  // namespace io
 }  // namespace detdit

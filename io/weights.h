@@ -4,25 +4,24 @@
 // ~/.cache/detdit) in synth-v<version>-<manifest>[-<dims>]-b<blocks>-s<seed>/
 // (<dims> only for dimensions other than H3's). At H3's dimensions with
 // blocks = 1, seed = 0 it is about 0.6 GB; verify's default dimensions
-// (kVerifyDimensions) are smaller.
+// are smaller.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "cases/op_case.h"
 #include "detdit/status.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
 
 namespace detdit {
-namespace cli {
+namespace io {
 
 struct Weights {
   std::string path;       // the safetensors file
   bool synthetic = false; // metadata says detdit.kind = synthetic
-  io::SafetensorsFile file;
-  io::ManifestConfig config;  // read from the file's shapes
+  SafetensorsFile file;
+  ManifestConfig config;  // read from the file's shapes
   // A CPU view of a manifest tensor (ValueError naming the file when absent).
   Status view(const std::string& name, TensorView* view) const { return file.view(name, view); }
 };
@@ -36,28 +35,14 @@ std::string weights_file_path(const std::string& dir_or_file);
 // in a ValueError naming the file).
 Status load_weights(const std::string& dir_or_file, Weights* weights);
 
-// The dimensions of `detdit verify`'s synthetic default without --full: the
-// H3 tensors and ratios (Ht = H, D = H / 2, F = 256) at H = 1536 (Wan 2.1
-// 1.3B's and SD3 Medium's hidden size), so that the default run fits three
-// minutes on 2 CPU cores. --full, `detdit bench` and `detdit weights synth`
-// use H3's dimensions (ManifestConfig's defaults).
-io::ManifestConfig verify_dimensions(int64_t blocks);
-
 // The cache directory of the synthetic default of `config` (not created).
-Status synthetic_cache_dir(const io::ManifestConfig& config, uint64_t seed, std::string* dir);
+Status synthetic_cache_dir(const ManifestConfig& config, uint64_t seed, std::string* dir);
 
 // --weights DIR when given, else the cached synthetic default of `config`
 // (its dimensions and blocks), generated now if absent or unusable
 // (`announce` is told when that happens: it takes a while).
-Status resolve_weights(const std::string& weights_option, const io::ManifestConfig& config, uint64_t seed,
+Status resolve_weights(const std::string& weights_option, const ManifestConfig& config, uint64_t seed,
                        bool announce, Weights* weights);
 
-// The op-case library's context of a run on `weights`: their dimensions and
-// tensors, --quick and the seed of the inputs.
-cases::CaseContext case_context(const Weights& weights, bool quick, uint64_t seed);
-
-// mkdir -p.
-Status make_directories(const std::string& dir);
-
-}  // namespace cli
+}  // namespace io
 }  // namespace detdit
