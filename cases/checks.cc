@@ -50,6 +50,73 @@ void finish_row(CheckRow* row) {
   }
 }
 
+namespace {
+
+// A row crosses ranks as this fixed-size record (an all-gather of the
+// communicator; the detail truncated).
+struct RowRecord {
+  int64_t present, bitwise_run, bitwise_passed;
+  double max_error, seconds;
+  int32_t pass, informational;
+  char detail[440];
+};
+static_assert(sizeof(RowRecord) % 8 == 0, "RowRecord is gathered as whole words");
+
+}  // namespace
+
+Status merge_rank_rows(Communicator& comm, std::vector<CheckRow>* rows) {
+  const int world = comm.world_size();
+  int64_t count[2] = {static_cast<int64_t>(rows->size()), 0};
+  std::vector<char> gathered;
+  DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, count, sizeof count, &gathered));
+  int64_t most = 0;
+  for (int r = 0; r < world; ++r) most = std::max(most, reinterpret_cast<const int64_t*>(gathered.data())[2 * r]);
+  std::vector<CheckRow> merged;
+  for (int64_t i = 0; i < most; ++i) {
+    RowRecord mine{};
+    if (i < static_cast<int64_t>(rows->size())) {
+      const CheckRow& row = (*rows)[static_cast<std::size_t>(i)];
+      mine = RowRecord{1, row.bitwise_run, row.bitwise_passed, row.max_error, row.seconds, row.pass ? 1 : 0,
+                       row.informational ? 1 : 0, {}};
+      std::snprintf(mine.detail, sizeof mine.detail, "%s", row.detail.c_str());
+    }
+    DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, &mine, sizeof mine, &gathered));
+    const RowRecord* all = reinterpret_cast<const RowRecord*>(gathered.data());
+    CheckRow row = i < static_cast<int64_t>(rows->size()) ? (*rows)[static_cast<std::size_t>(i)] : CheckRow();
+    row.bitwise_run = row.bitwise_passed = 0;
+    row.pass = true;
+    row.informational = all[0].present && all[0].informational;
+    row.detail = all[0].present ? all[0].detail : "";
+    bool failed_detail = false;
+    for (int r = 0; r < world; ++r) {
+      const RowRecord& rec = all[r];
+      if (!rec.present) {
+        row.pass = false;
+        if (!failed_detail) row.detail = "rank " + std::to_string(r) + " ran fewer checks of this case";
+        failed_detail = true;
+        continue;
+      }
+      row.bitwise_run += rec.bitwise_run;
+      row.bitwise_passed += rec.bitwise_passed;
+      row.seconds = std::max(row.seconds, rec.seconds);
+      if (!std::isnan(rec.max_error) && !(rec.max_error <= row.max_error)) row.max_error = rec.max_error;
+      if (!rec.pass) {
+        row.pass = false;
+        if (!failed_detail) {
+          const std::string detail = rec.detail;
+          row.detail = detail.rfind("rank ", 0) == 0 ? detail : "rank " + std::to_string(r) + ": " + detail;
+          failed_detail = true;
+        }
+      }
+    }
+    if (!row.pass) row.informational = false;
+    merged.push_back(std::move(row));
+  }
+  *rows = std::move(merged);
+  return Status::ok_status();
+}
+
+
 // ---- op cases ------------------------------------------------------------------
 
 namespace {

@@ -91,6 +91,14 @@ CheckRow timed_check(const std::string& name, Fn&& fn) {
   return row;
 }
 
+// The rows of one case on every rank of `comm` (a multi-process run: each rank
+// ran the same checks on its share), merged on every rank: bitwise counts
+// summed, pass only if every rank passed, the first failing rank's detail
+// ("rank r: ..."), the largest error and time; check names, bounds and
+// metrics are rank 0's (metrics come from plans every rank knows). A rank
+// with fewer rows fails the rows it lacks.
+Status merge_rank_rows(Communicator& comm, std::vector<CheckRow>* rows);
+
 // The checks of one op case on `device` (see the top of the file); an error
 // Status only when the checks could not be made at all.
 Status check_op_case(const OpCase& c, const Device& device, std::vector<CheckRow>* rows);

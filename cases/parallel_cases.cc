@@ -142,6 +142,32 @@ Status run_world(int world, const Device& device, Communicator* comm,
   return InProcessGroup::run(world, rank, device);
 }
 
+Status gather_host_bytes(Communicator& comm, const void* record, std::size_t bytes, std::vector<char>* all) {
+  if (bytes % 4 != 0) return Status::value_error("gather_host_bytes needs a multiple of 4 bytes, got " + std::to_string(bytes));
+  const std::size_t world = static_cast<std::size_t>(comm.world_size());
+  all->assign(bytes * world, 0);
+  if (!comm.device().is_cuda()) return comm.all_gather(record, bytes, all->data(), DType::kI32, nullptr);
+#ifdef DETDIT_WITH_CUDA
+  void* device = nullptr;
+  if (cudaMalloc(&device, bytes * (world + 1)) != cudaSuccess) {
+    return Status::runtime_error(std::string("cudaMalloc: ") + cudaGetErrorString(cudaGetLastError()));
+  }
+  char* send = static_cast<char*>(device);
+  Status status = cudaMemcpy(send, record, bytes, cudaMemcpyHostToDevice) == cudaSuccess
+                      ? comm.all_gather(send, bytes, send + bytes, DType::kI32, nullptr)
+                      : Status::runtime_error("cudaMemcpy of a record to the device failed");
+  if (status.ok() && (cudaDeviceSynchronize() != cudaSuccess ||
+                      cudaMemcpy(all->data(), send + bytes, bytes * world, cudaMemcpyDeviceToHost) != cudaSuccess)) {
+    status = Status::runtime_error(std::string("gathered records to the host: ") +
+                                   cudaGetErrorString(cudaGetLastError()));
+  }
+  cudaFree(device);
+  return status;
+#else
+  return Status::runtime_error("a CUDA communicator needs a CUDA build of detdit");
+#endif
+}
+
 // ---- sp_region -------------------------------------------------------------
 
 const char* sp_variant_name(SpVariant variant) {

@@ -72,6 +72,10 @@ Status compare_with_ws1(const ParallelRun& run, const std::vector<HostTensor>& w
 Status run_world(int world, const Device& device, Communicator* comm,
                  const std::function<Status(Communicator& comm)>& rank);
 
+// Rank-ordered all-gather of `bytes` host bytes per rank (staged through
+// device memory on a CUDA communicator): all gets world * bytes.
+Status gather_host_bytes(Communicator& comm, const void* record, std::size_t bytes, std::vector<char>* all);
+
 // ---- sp_region -------------------------------------------------------------
 
 // The three sp ops and the fused region (gate_residual_rmsnorm: h = residual +

@@ -35,6 +35,7 @@ using cases::sp_variant_name;
 using cases::sp_variant_takes_profile;
 using cases::TpProblem;
 using cases::TpWeights;
+using cases::gather_host_bytes;
 
 // ---- --comm mpi ---------------------------------------------------------------
 
@@ -61,9 +62,6 @@ int agree_on_command_line(int argc, char** argv);
 // communicator without its call check skips agree's exchange).
 Status all_ranks_ok(Communicator& comm, const Status& local);
 
-// Rank-ordered all-gather of `bytes` host bytes per rank (staged through
-// device memory on a CUDA communicator): all gets world * bytes.
-Status gather_host_bytes(Communicator& comm, const void* record, std::size_t bytes, std::vector<char>* all);
 
 }  // namespace cli
 }  // namespace detdit

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cases/checks.h"
+#include "detdit/parallel.h"
 #include "support/test_util.h"
 
 namespace detdit {
@@ -157,6 +158,37 @@ TEST(Checks, ACorruptWs1FailsItsVariantsWorldRows) {
         EXPECT_TRUE(row.pass) << v.variant << " " << row.check << ": " << row.detail;
       }
     }
+  }
+}
+
+// The rows of a multi-process run, merged on every rank: counts summed, the
+// first failing rank named, a rank with fewer rows failing the rows it lacks.
+TEST(Checks, RowsOfEveryRankMergeOnEveryRank) {
+  std::vector<std::vector<CheckRow>> merged(3);
+  DETDIT_ASSERT_OK(InProcessGroup::run(3, [&](Communicator& comm) {
+    std::vector<CheckRow> rows(comm.rank() == 2 ? 1 : 2);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      rows[i].check = "check " + std::to_string(i);
+      rows[i].bitwise_run = 2;
+      rows[i].bitwise_passed = comm.rank() == 1 && i == 1 ? 1 : 2;
+      rows[i].seconds = comm.rank();
+      cases::finish_row(&rows[i]);
+      if (!rows[i].pass) rows[i].detail = "x differs";
+    }
+    DETDIT_RETURN_IF_ERROR(cases::merge_rank_rows(comm, &rows));
+    merged[static_cast<std::size_t>(comm.rank())] = rows;
+    return Status::ok_status();
+  }, Device::cpu()));
+  for (const std::vector<CheckRow>& rows : merged) {
+    ASSERT_EQ(rows.size(), 2u);
+    EXPECT_TRUE(rows[0].pass) << rows[0].detail;
+    EXPECT_EQ(rows[0].bitwise_run, 6);
+    EXPECT_EQ(rows[0].bitwise_passed, 6);
+    EXPECT_EQ(rows[0].seconds, 2.0);
+    EXPECT_FALSE(rows[1].pass);
+    EXPECT_EQ(rows[1].bitwise_run, 4);
+    EXPECT_EQ(rows[1].bitwise_passed, 3);
+    EXPECT_EQ(rows[1].detail, "rank 1: x differs");
   }
 }
 
