@@ -796,7 +796,9 @@ TEST(Cli, VerifyMatrixCellsSkipsAndFigure) {
       EXPECT_NE(cell["detail"].get<std::string>().find("over this run's budget of 300,000"), std::string::npos);
     }
     // Only the modulated norm and the gate have a naive contrast (run or skipped).
-    if (check.rfind("naive", 0) == 0) EXPECT_TRUE(op == "sp_rmsnorm_modulated" || op == "sp_gate_residual") << op;
+    if (check.rfind("naive", 0) == 0) {
+      EXPECT_TRUE(op == "sp_rmsnorm_modulated" || op == "sp_gate_residual") << op;
+    }
     if (op.rfind("sp_", 0) != 0 || check.rfind("ws=", 0) != 0) continue;
     const int world = cell["world"], batch = cell["batch"], seq_len = cell["seq_len"];
     EXPECT_EQ(check, "ws=" + std::to_string(world));
