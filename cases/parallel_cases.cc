@@ -684,5 +684,28 @@ Status tp_bytes_sent_per_rank(const TpShape& shape, int world, double* forward, 
   return Status::ok_status();
 }
 
+// ---- predicting a world ------------------------------------------------------
+
+Status PredictionComm::all_gather(const void*, std::size_t bytes, void*, DType, Stream) {
+  calls.push_back({true, bytes});
+  return Status::ok_status();
+}
+
+Status PredictionComm::broadcast(void*, std::size_t bytes, int, DType, Stream) {
+  calls.push_back({false, bytes});
+  return Status::ok_status();
+}
+
+double PredictionComm::link_seconds(double bus_bytes_per_second, double latency_seconds, double* bus_bytes) const {
+  double seconds = 0;
+  *bus_bytes = 0;
+  for (const Call& call : calls) {
+    const double bytes = static_cast<double>(call.bytes) * (call.all_gather ? world_ - 1 : 1);
+    seconds += latency_seconds + bytes / bus_bytes_per_second;
+    *bus_bytes += bytes;
+  }
+  return seconds;
+}
+
 }  // namespace cases
 }  // namespace detdit

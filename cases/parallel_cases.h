@@ -14,6 +14,7 @@
 // replicated one); compare_with_ws1 makes one OutputReport per output.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -247,6 +248,41 @@ std::vector<TpCase> tp_adaln_projection_bench_cases(const CaseContext& context, 
 // backward one FP32 (T, D) partial per chunk. An error: `world` cannot split
 // N (more ranks than 64-column chunks; what the op says).
 Status tp_bytes_sent_per_rank(const TpShape& shape, int world, double* forward, double* backward);
+
+// ---- predicting a world ------------------------------------------------------
+
+// A communicator of rank `rank` of `world` that moves nothing and logs each
+// collective: a rank of a predicted world (detdit bench --predict-world) runs
+// its share alone on the device, its real rows, straddling rows and chunk
+// partials, whatever values it would have received.
+class PredictionComm final : public Communicator {
+ public:
+  struct Call {
+    bool all_gather;    // else a broadcast
+    std::size_t bytes;  // per rank
+  };
+  PredictionComm(int world, int rank, Device device) : world_(world), rank_(rank), device_(device) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  Device device() const override { return device_; }
+  const char* backend_id() const override { return "prediction"; }
+  Status all_gather(const void*, std::size_t bytes, void*, DType, Stream) override;
+  Status broadcast(void*, std::size_t bytes, int, DType, Stream) override;
+  Status agree(const Status& local, const std::string&) override { return local; }
+
+  // The link model's time for the logged calls, one after another: each costs
+  // `latency_seconds` plus its bus bytes over `bus_bytes_per_second`
+  // (nccl-tests' bus-bandwidth convention: (world - 1) * bytes for an
+  // all-gather, bytes for a broadcast, whichever rank is the root); *bus_bytes:
+  // their sum.
+  double link_seconds(double bus_bytes_per_second, double latency_seconds, double* bus_bytes) const;
+
+  std::vector<Call> calls;
+
+ private:
+  int world_, rank_;
+  Device device_;
+};
 
 }  // namespace cases
 }  // namespace detdit

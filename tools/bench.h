@@ -1,24 +1,17 @@
-// detdit bench: the op cases of the op-case library (cases/, Suite::kBench)
-// timed forward, backward and both, each checked bitwise against the CPU
-// reference (#wrong), with the bytes floor of each case; and the parallel
-// regions (bench_parallel.cc).
-//
-// Timing: BenchTimer measures one call. On the CPU it is the wall clock; on
-// CUDA it is a pair of CUDA events on the stream (bench_timer.cc), so timed
-// work must only be enqueued on context.stream.
+// detdit bench (bench.cc): the op cases of the op-case library (cases/,
+// Suite::kBench) timed forward, backward and both, each checked bitwise
+// against the CPU reference (#wrong), with the bytes floor of each case; and
+// the parallel regions (bench_parallel.cc), simulated in-process, measured
+// under --comm mpi or predicted (--predict-world). Timing is cases/timing.h's.
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <limits>
-#include <memory>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "detdit/comm.h"
-#include "detdit/numerics.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
 #include "progress.h"
@@ -30,7 +23,8 @@ namespace cli {
 // The link model of a prediction (--predict-world): a collective of `bytes`
 // per rank costs latency + (world - 1) * bytes / bus bandwidth (all_gather) or
 // latency + bytes / bus bandwidth (broadcast), nccl-tests' bus-bandwidth
-// convention, one after another in the order the region calls them.
+// convention, one after another in the order the region calls them
+// (cases::PredictionComm::link_seconds).
 struct LinkModel {
   std::vector<int> worlds;          // the world sizes predicted
   double bus_bytes_per_second = 0;  // bus bandwidth
@@ -38,53 +32,43 @@ struct LinkModel {
   std::string source;               // where the two figures come from
 };
 
+// What every timed call of a run shares. The op cases run on the device's
+// default stream; each rank of a parallel region on a stream of its own.
 struct BenchContext {
   Device device;
-  Stream stream = nullptr;
+  int warmup = 0, repeats = 1;
   bool quick = false;
   const io::Weights* weights = nullptr;
   uint64_t seed = 0;
   const LinkModel* predict = nullptr;  // set: the parallel regions are predicted, not simulated
 };
 
-// Times one call on the context's device.
-class BenchTimer {
- public:
-  virtual ~BenchTimer() = default;
-  virtual Status start() = 0;
-  virtual Status stop(double* seconds) = 0;  // waits for the work to finish
-};
-Status make_bench_timer(const BenchContext& context, std::unique_ptr<BenchTimer>* timer);
-// The median of `repeats` timed calls of `call` (on context.stream) after `warmup` untimed ones.
-Status time_calls(const BenchContext& context, int warmup, int repeats, const std::function<Status()>& call,
-                  double* median_seconds);
+// One row of the report: one phase of an op case, or one world of a parallel
+// region (WS1 included).
+struct BenchRow {
+  BenchRow() = default;
+  BenchRow(std::string op_, std::string name_, std::string phase_, bool parallel_)
+      : op(std::move(op_)), name(std::move(name_)), phase(std::move(phase_)), parallel(parallel_) {}
 
-// ---- parallel regions (bench_parallel.cc) -------------------------------------
-// Not registry cases: each times WS1 and several world sizes in one go.
-
-struct ParallelBenchResult {
   std::string op, name, phase;  // "sp_region", "S=32768 block", "fwd+bwd"
+  double median_seconds = 0;    // a region: its slowest rank's (predicted: plus the link model's time)
+  int64_t wrong = 0, compared = 0;  // elements vs the CPU reference (an op case) or WS1 on the same device
+  std::string error;
+  // An op case: its bytes floor and the tensors it counts.
+  double bytes = 0;
+  std::string byte_model;
+  // A parallel region.
+  bool parallel = false;
   int world = 1;
   bool ws1 = false;             // the public single-device ops on the whole problem
   bool simulated = true;        // in-process ranks sharing one device
-  bool predicted = false;       // each rank alone on the device + the link model (not checked: #wrong 0 of 0)
-  double median_seconds = 0;    // the slowest rank's median (predicted: plus the link model's time)
+  bool predicted = false;       // each rank alone on the device + the link model (not checked)
   std::vector<double> rank_medians;
   double ws1_median_seconds = 0;  // WS1 on the same device in the same run
-  std::vector<std::pair<std::string, std::vector<double>>> metrics;  // rows / bytes each rank sends
-  int64_t wrong = 0, compared = 0;  // elements vs WS1's outputs on the same device
-  std::string error;
+  std::vector<std::pair<std::string, std::vector<double>>> metrics;  // rows / bytes each rank sends, ...
 };
 
-// A target of docs/design.md: measured_speedup = WS1 time / world time (NaN
-// when this run did not measure it).
-struct ParallelTarget {
-  std::string target;
-  double required_speedup = 0;
-  double measured_speedup = std::numeric_limits<double>::quiet_NaN();
-  bool simulated = true;
-  bool predicted = false;
-};
+// ---- parallel regions (bench_parallel.cc) -------------------------------------
 
 bool is_parallel_op(const std::string& op);  // sp_region, tp_adaln_projection
 // mpi: this process's rank of a --comm mpi run (nullptr: in-process ranks on
@@ -92,17 +76,11 @@ bool is_parallel_op(const std::string& op);  // sp_region, tp_adaln_projection
 // timed is reported to `progress`; parallel_bench_count says how many there are.
 std::size_t parallel_bench_count(const BenchContext& context, const std::set<std::string>& ops,
                                  const std::set<std::string>& names);
-Status run_parallel_bench(const BenchContext& context, Communicator* mpi, int warmup, int repeats,
-                          const std::set<std::string>& ops, const std::set<std::string>& names, Progress* progress,
-                          std::vector<ParallelBenchResult>* results);
-std::vector<ParallelTarget> parallel_targets(const std::vector<ParallelBenchResult>& results);
+Status run_parallel_bench(const BenchContext& context, Communicator* mpi, const std::set<std::string>& ops,
+                          const std::set<std::string>& names, Progress* progress, std::vector<BenchRow>* rows);
 // The link model of `comm`'s world, measured on this rank's device (every
 // rank calls it): the latency and bus bandwidth of its all-gather.
 Status measure_link(const BenchContext& context, Communicator& comm, int warmup, int repeats, LinkModel* link);
-
-// Copy bandwidth of the device in bytes/s (read + write counted), measured now:
-// memcpy on the CPU, a device-to-device copy on CUDA; median of `repeats`.
-Status measure_copy_bandwidth(const BenchContext& context, std::size_t bytes, int repeats, double* bytes_per_second);
 
 }  // namespace cli
 }  // namespace detdit

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cmath>
@@ -1044,6 +1045,20 @@ TEST(Cli, BenchPredictWorldIsAPredictionFromEachRankAloneAndTheLinkModel) {
     EXPECT_NE(row["error"].get<std::string>().find("tp=64 is more ranks than the 18"), std::string::npos) << row.dump();
   }
   EXPECT_EQ(refused, 2);  // fwd and fwd+bwd
+  // CSV: every line has the header's 11 columns; a region's case names its world.
+  r = detdit("bench --device cpu --ops tp_adaln_projection --predict-world 2 --repeats 1 --warmup 0 --format csv "
+             "--weights '" + small_weights() + "'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::istringstream csv(r.stdout_text);
+  std::vector<std::string> csv_rows;
+  for (std::string line; std::getline(csv, line);) {
+    EXPECT_EQ(std::count(line.begin(), line.end(), ','), 10) << line;
+    csv_rows.push_back(line.substr(0, line.find(",cpu,")));
+  }
+  EXPECT_EQ(csv_rows, (std::vector<std::string>{"op,case,phase,device,median_us,bytes,gbps,percent_of_copy,wrong,compared,error",
+                                                "tp_adaln_projection,T=4 WS1,fwd", "tp_adaln_projection,T=4 ws=2 predicted,fwd",
+                                                "tp_adaln_projection,T=4 WS1,fwd+bwd",
+                                                "tp_adaln_projection,T=4 ws=2 predicted,fwd+bwd"}));
   expect_usage_errors({
       {"bench --device cpu --ops sp_region --predict-world 1", "--predict-world must list world sizes in [2, 1024], got '1'"},
       {"bench --device cpu --ops sp_region --predict-world 2x", "--predict-world must list world sizes in [2, 1024], got '2x'"},
