@@ -14,6 +14,7 @@ const char* op_name(int32_t op) {
   switch (static_cast<CallOp>(op)) {
     case CallOp::kAgree: return "agree";
     case CallOp::kBroadcast: return "broadcast";
+    case CallOp::kLeave: return "leave";
     default: return "all_gather";
   }
 }
@@ -68,7 +69,31 @@ CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dt
   return h;
 }
 
+bool any_rank_left(const CallHeader* headers, int world) {
+  for (int r = 0; r < world; ++r)
+    if (headers[r].op == static_cast<int32_t>(CallOp::kLeave)) return true;
+  return false;
+}
+
 Status check_call_headers(const CallHeader* headers, int world, const Status& local) {
+  // A rank that left never makes the others' call: name it (before any other
+  // check, whatever the others' arguments), unless every rank left.
+  std::string left;
+  int leavers = 0, caller = -1;
+  for (int r = 0; r < world; ++r) {
+    if (headers[r].op == static_cast<int32_t>(CallOp::kLeave)) {
+      left += (left.empty() ? "" : ", ") + std::to_string(r);
+      ++leavers;
+    } else if (caller < 0) {
+      caller = r;
+    }
+  }
+  if (leavers > 0 && caller >= 0)
+    return Status::runtime_error(std::string(leavers == 1 ? "rank " : "ranks ") + left +
+                                 " left the communicator (destroyed it, or its process ended) while " +
+                                 describe(headers[caller], caller) +
+                                 "; a communicator that a rank has left cannot be used again");
+  if (leavers > 0) return Status();
   for (int r = 1; r < world; ++r) {
     const CallHeader& a = headers[0];
     const CallHeader& b = headers[r];

@@ -5,6 +5,9 @@
 // every rank runs check_call_headers on the same gathered headers, so all
 // ranks reach the same verdict: either every rank copies, or every rank
 // returns the same error. agree() gathers fixed-size AgreeRecords the same way.
+// A rank that leaves (the MPI backend: destroys its communicator, or ends its
+// process with it alive) contributes one last header of op kLeave: a peer
+// waiting in a call learns from it who left, instead of waiting forever.
 #pragma once
 
 #include <cstddef>
@@ -17,7 +20,7 @@
 namespace detdit {
 namespace comm_detail {
 
-enum class CallOp : int32_t { kAllGather = 1, kAgree = 2, kBroadcast = 3 };
+enum class CallOp : int32_t { kAllGather = 1, kAgree = 2, kBroadcast = 3, kLeave = 4 };
 
 struct CallHeader {
   uint64_t sequence = 0;   // this rank's collective call count, from 0
@@ -44,10 +47,15 @@ Status check_local_all_gather(const void* send, std::size_t bytes, const void* r
 Status check_local_broadcast(const void* buffer, std::size_t bytes, int root, DType dtype, int world);
 CallHeader make_header(uint64_t sequence, CallOp op, std::size_t bytes, DType dtype, bool local_error,
                        int root = 0);
-// The verdict on the gathered headers of `world` ranks: ValueError naming the
-// first two disagreeing calls, or naming the ranks with invalid arguments
-// (`local` is returned unchanged on a rank whose own arguments were invalid).
+// The verdict on the gathered headers of `world` ranks: RuntimeError naming
+// the ranks that left while the others made a call (every rank, the leaving
+// ones included, gets it), ValueError naming the first two disagreeing calls,
+// or naming the ranks with invalid arguments (`local` is returned unchanged
+// on a rank whose own arguments were invalid). Ranks that all leave agree.
 Status check_call_headers(const CallHeader* headers, int world, const Status& local);
+// Whether any of the gathered headers is a leave: the communicator cannot be
+// used again on any rank.
+bool any_rank_left(const CallHeader* headers, int world);
 
 AgreeRecord make_record(const Status& local, const std::string& signature);
 // The verdict on the gathered records (see Communicator::agree).

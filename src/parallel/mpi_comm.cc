@@ -2,8 +2,20 @@
 // MPI_Allgather and MPI_Bcast of MPI_BYTE (copies; MPI never reduces here).
 // Every call first all-gathers the 32-byte CallHeader and checks it on every
 // rank.
+//
+// Leaving is the communicator's last collective: its destructor, or MPI
+// finalisation (the library's at exit, or the caller's) for every
+// communicator still alive, exchanges one kLeave header. A peer waiting in a
+// call (the rank that left skipped it) gets a RuntimeError naming the rank
+// that left, and so does every later call on that peer, without MPI traffic;
+// the rank that left prints the same line on stderr and goes on to
+// MPI_Finalize, which its peers reach once they stop. A process that ends
+// without finalising (a crash, a signal) is the launcher's to end: Open MPI's
+// mpirun aborts the job.
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,13 +59,59 @@ void finalize_at_exit() {
   if (!finalized) MPI_Finalize();
 }
 
+class MpiCommunicator;
+
+// The communicators alive in this process, in creation order, for the leave at
+// MPI finalisation. Never destroyed: a static communicator may outlive the
+// other statics.
+struct LiveCommunicators {
+  std::mutex mutex;
+  std::vector<MpiCommunicator*> comms;
+  bool leave_at_finalize = false;  // the MPI_COMM_SELF attribute is set
+};
+LiveCommunicators& live_communicators() {
+  static LiveCommunicators* live = new LiveCommunicators;
+  return *live;
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   // The gathered headers and records are allocated here, once: a call
   // allocates nothing, so none can fail on one rank while its peers wait.
   MpiCommunicator(MPI_Comm comm, int rank, int world)
       : comm_(comm), rank_(rank), world_(world), headers_(static_cast<std::size_t>(world)),
-        records_(static_cast<std::size_t>(world)) {}
+        records_(static_cast<std::size_t>(world)) {
+    LiveCommunicators& live = live_communicators();
+    std::lock_guard<std::mutex> lock(live.mutex);
+    live.comms.push_back(this);
+  }
+
+  // Destroying a communicator leaves it: a collective, like MPI_Comm_free.
+  // After MPI_Finalize the finalisation has left it already.
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) leave();
+    LiveCommunicators& live = live_communicators();
+    std::lock_guard<std::mutex> lock(live.mutex);
+    for (auto it = live.comms.begin(); it != live.comms.end(); ++it)
+      if (*it == this) {
+        live.comms.erase(it);
+        break;
+      }
+  }
+
+  // This rank's last collective (see the top of the file); once only.
+  void leave() {
+    if (!closed_.ok()) return;
+    closed_ = Status::runtime_error("this rank has left the MPI communicator");
+    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kLeave, 0, DType::kI32, false);
+    Status verdict = gather_bytes(&mine, sizeof(CallHeader), headers_.data());
+    if (verdict.ok()) verdict = comm_detail::check_call_headers(headers_.data(), world_, Status());
+    // A destructor or MPI_Finalize has no caller to return to: the rank that
+    // left while its peers called says so here.
+    if (!verdict.ok()) std::fprintf(stderr, "detdit: %s\n", verdict.message().c_str());
+  }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
@@ -68,9 +126,7 @@ class MpiCommunicator final : public Communicator {
     if (local.ok() && bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
       local = Status::value_error("the MPI all_gather moves at most 2^31 - 1 bytes per rank, got " +
                                   std::to_string(bytes));
-    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAllGather, bytes, dtype, !local.ok());
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
-    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, local));
+    DETDIT_RETURN_IF_ERROR(exchange_headers(CallOp::kAllGather, bytes, dtype, local));
     if (bytes == 0) return Status();
     return gather_bytes(send, bytes, recv);
   }
@@ -79,9 +135,7 @@ class MpiCommunicator final : public Communicator {
     Status local = comm_detail::check_local_broadcast(buffer, bytes, root, dtype, world_);
     if (local.ok() && bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
       local = Status::value_error("the MPI broadcast moves at most 2^31 - 1 bytes, got " + std::to_string(bytes));
-    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kBroadcast, bytes, dtype, !local.ok(), root);
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
-    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, local));
+    DETDIT_RETURN_IF_ERROR(exchange_headers(CallOp::kBroadcast, bytes, dtype, local, root));
     if (bytes == 0) return Status();
     int code = MPI_Bcast(buffer, static_cast<int>(bytes), MPI_BYTE, root, comm_);
     if (code != MPI_SUCCESS) return mpi_error("MPI_Bcast", code);
@@ -89,15 +143,24 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status agree(const Status& local, const std::string& signature) override {
-    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kAgree, 0, DType::kI32, false);
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
-    DETDIT_RETURN_IF_ERROR(comm_detail::check_call_headers(headers_.data(), world_, Status()));
+    DETDIT_RETURN_IF_ERROR(exchange_headers(CallOp::kAgree, 0, DType::kI32, Status()));
     AgreeRecord record = comm_detail::make_record(local, signature);
     DETDIT_RETURN_IF_ERROR(gather_bytes(&record, sizeof(AgreeRecord), records_.data()));
     return comm_detail::resolve_agreement(records_.data(), world_, local, signature);
   }
 
  private:
+  // Gathers this call's header and checks the gathered headers. Once a rank
+  // has left, this call and every later one fail, the later ones at once.
+  Status exchange_headers(CallOp op, std::size_t bytes, DType dtype, const Status& local, int root = 0) {
+    if (!closed_.ok()) return closed_;
+    CallHeader mine = comm_detail::make_header(sequence_++, op, bytes, dtype, !local.ok(), root);
+    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
+    Status verdict = comm_detail::check_call_headers(headers_.data(), world_, local);
+    if (comm_detail::any_rank_left(headers_.data(), world_)) closed_ = verdict;
+    return verdict;
+  }
+
   Status gather_bytes(const void* send, std::size_t bytes, void* recv) {
     const int count = static_cast<int>(bytes);
     int code = MPI_Allgather(send, count, MPI_BYTE, recv, count, MPI_BYTE, comm_);
@@ -110,7 +173,30 @@ class MpiCommunicator final : public Communicator {
   std::vector<CallHeader> headers_;
   std::vector<AgreeRecord> records_;
   uint64_t sequence_ = 0;
+  Status closed_;  // not ok once a rank (this one or a peer) has left
 };
+
+// MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still
+// works: the communicators still alive leave there, the newest first.
+int leave_at_finalize(MPI_Comm, int, void*, void*) {
+  LiveCommunicators& live = live_communicators();
+  std::lock_guard<std::mutex> lock(live.mutex);
+  for (auto it = live.comms.rbegin(); it != live.comms.rend(); ++it) (*it)->leave();
+  return MPI_SUCCESS;
+}
+
+Status set_leave_at_finalize() {
+  LiveCommunicators& live = live_communicators();
+  std::lock_guard<std::mutex> lock(live.mutex);
+  if (live.leave_at_finalize) return Status();
+  int keyval = MPI_KEYVAL_INVALID;
+  int code = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, leave_at_finalize, &keyval, nullptr);
+  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_create_keyval", code);
+  code = MPI_Comm_set_attr(MPI_COMM_SELF, keyval, nullptr);
+  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_set_attr", code);
+  live.leave_at_finalize = true;
+  return Status();
+}
 
 }  // namespace
 
@@ -123,6 +209,7 @@ Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* 
     if (code != MPI_SUCCESS) return mpi_error("MPI_Init_thread", code);
     std::atexit(finalize_at_exit);
   }
+  DETDIT_RETURN_IF_ERROR(set_leave_at_finalize());
   MPI_Comm handle = mpi_comm ? *static_cast<const MPI_Comm*>(mpi_comm) : MPI_COMM_WORLD;
   // Errors come back as codes (turned into RuntimeErrors), never an abort.
   MPI_Comm_set_errhandler(handle, MPI_ERRORS_RETURN);

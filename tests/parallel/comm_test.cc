@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -24,6 +26,12 @@ namespace detdit {
 namespace {
 
 using testing::run_under_mpi;
+
+int count_of_text(const std::string& text, const std::string& needle) {
+  int count = 0;
+  for (std::size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++count;
+  return count;
+}
 
 // Rank r's payload byte i: distinct per rank and position.
 uint8_t payload_byte(int rank, std::size_t i) { return static_cast<uint8_t>(rank * 37 + i * 11 + 5); }
@@ -406,6 +414,64 @@ TEST(DISABLED_MpiWorker, AllGather) {
 TEST(MpiComm, AllGatherAcrossProcesses) {
 #if defined(DETDIT_WITH_MPI)
   for (int ranks : {2, 3}) EXPECT_TRUE(run_under_mpi(ranks, "DISABLED_MpiWorker.AllGather"));
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
+// ---- MPI: a rank that leaves. Rank 1 makes one call with its peers, then
+// leaves instead of making the next one: it destroys its communicator (or
+// ends its process with the communicator alive); its peers call agree, the
+// first collective of a region's backward. The peers run as a program that
+// stops on an error (exit code 3); the launcher checks that the job ends.
+
+void rank_one_leaves(bool destroy_first) {
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_mpi_communicator(&comm));
+  DETDIT_ASSERT_OK(gather_and_check(*comm, 16));
+  if (comm->rank() == 1) {
+    if (destroy_first) comm.reset();
+    std::fprintf(stderr, "rank 1 leaves\n");
+    std::exit(0);
+  }
+  Status s = comm->agree(Status());
+  // The communicator stays failed: the next call returns at once.
+  Status again = comm->all_gather(nullptr, 0, nullptr, DType::kF32, nullptr);
+  std::fprintf(stderr, "rank %d: agree: %s; then all_gather: %s\n", comm->rank(), s.to_string().c_str(),
+               again.to_string().c_str());
+  if (!s.ok()) std::exit(3);
+}
+
+TEST(DISABLED_MpiLeaveWorker, DestroysItsCommunicator) { rank_one_leaves(true); }
+TEST(DISABLED_MpiLeaveWorker, ExitsWithItsCommunicator) { rank_one_leaves(false); }
+
+TEST(MpiComm, RankThatLeavesEndsTheJobWithAnError) {
+#if defined(DETDIT_WITH_MPI)
+  for (const char* worker : {"DestroysItsCommunicator", "ExitsWithItsCommunicator"}) {
+    for (int ranks : {2, 3}) {
+      SCOPED_TRACE(std::string(worker) + ", " + std::to_string(ranks) + " ranks");
+      std::string output;
+      // A hang is a failure after 60 s (killed: 124 or 137), not at ctest's clock.
+      const int code = testing::launch_under_mpi(ranks, std::string("DISABLED_MpiLeaveWorker.") + worker, 60, &output);
+      EXPECT_NE(code, 0) << output;
+      EXPECT_NE(code, 124) << "hung; output:\n" << output;
+      EXPECT_NE(code, 137) << "hung; output:\n" << output;
+      EXPECT_EQ(count_of_text(output, "rank 1 leaves"), 1) << output;
+      // Every waiting rank gets a RuntimeError naming the rank that left, from
+      // agree and again from the next call.
+      const std::string left = "RuntimeError: rank 1 left the communicator";
+      for (int r = 0; r < ranks; ++r) {
+        if (r == 1) continue;
+        EXPECT_NE(output.find("rank " + std::to_string(r) + ": agree: " + left), std::string::npos) << output;
+      }
+      EXPECT_EQ(count_of_text(output, "then all_gather: " + left), ranks - 1) << output;
+      // The rank that left says so on its stderr.
+      EXPECT_EQ(count_of_text(output, "detdit: " + left.substr(std::strlen("RuntimeError: ")) +
+                                          " (destroyed it, or its process ended) while rank 0 called agree #1"),
+                1)
+          << output;
+    }
+  }
 #else
   GTEST_SKIP() << "built without MPI";
 #endif

@@ -67,6 +67,12 @@ void expect_every_rank_refused(int world, ErrorKind kind, const std::string& nee
                                const std::function<Status(Communicator& comm, bool* untouched)>& call);
 
 // Runs `worker_test` (e.g. "DISABLED_MpiWorker.AllGather") of this binary on
+// `ranks` MPI processes under `timeout -k 5 timeout_s` and returns the exit
+// code of the whole run (124 or 137: killed at the timeout; -1: no exit code),
+// with the command line and every rank's stdout and stderr in *output.
+int launch_under_mpi(int ranks, const std::string& worker_test, int timeout_s, std::string* output);
+
+// Runs `worker_test` (e.g. "DISABLED_MpiWorker.AllGather") of this binary on
 // `ranks` MPI processes and succeeds only if mpirun exits 0 and every rank
 // reports that exactly one test passed. The output is attached on failure.
 // A run past timeout_s is killed and fails (a hung rank is a failure).
