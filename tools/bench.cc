@@ -445,6 +445,8 @@ int run_bench(int argc, char** argv) {
       if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
     }
     status = all_ranks_ok(*world, status);
+    // The same text may name other files on other ranks: compare the bytes.
+    if (status.ok()) status = agree_on_weights(*world, weights);
   }
   if (!status.ok()) {
     if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());

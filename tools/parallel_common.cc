@@ -2,11 +2,14 @@
 #include "parallel_common.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 
 #include "environment.h"
+#include "io/sha256.h"
 
 #ifdef DETDIT_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -82,6 +85,49 @@ int agree_on_command_line(int argc, char** argv) {
   if (status.ok()) return -1;
   std::fprintf(stderr, "detdit: rank %d of %d: %s\n", mpi->rank(), mpi->world_size(), status.to_string().c_str());
   return 2;
+}
+
+namespace {
+// One rank's weights as the ranks exchange them: the digest in hex and the
+// absolute path, NUL-padded (a longer path is cut: it only names the file).
+struct WeightsRecord {
+  char sha256[64];
+  char path[448];
+};
+static_assert(sizeof(WeightsRecord) % 4 == 0, "gather_host_bytes moves multiples of 4 bytes");
+
+std::string record_text(const char* field, std::size_t size) { return std::string(field, strnlen(field, size)); }
+}  // namespace
+
+Status agree_on_weights(Communicator& comm, const io::Weights& weights) {
+  WeightsRecord mine{};
+  Status local = Status::ok_status();
+  // The whole file, header included: the same bytes in, the same results out.
+  try {
+    const std::string digest = io::sha256_hex(weights.file.file_bytes(), weights.file.file_size());
+    std::memcpy(mine.sha256, digest.data(), std::min(digest.size(), sizeof mine.sha256));
+  } catch (const std::runtime_error& e) {
+    local = Status::runtime_error(std::string("SHA-256 of the weights: ") + e.what());
+  }
+  char resolved[PATH_MAX];
+  const std::string path = realpath(weights.path.c_str(), resolved) != nullptr ? resolved : weights.path;
+  std::memcpy(mine.path, path.data(), std::min(path.size(), sizeof mine.path - 1));
+  DETDIT_RETURN_IF_ERROR(all_ranks_ok(comm, local));
+  std::vector<char> all;
+  DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, &mine, sizeof mine, &all));
+  const auto* records = reinterpret_cast<const WeightsRecord*>(all.data());
+  auto describe = [&](int r) {
+    return "rank " + std::to_string(r) + " loaded " + record_text(records[r].path, sizeof records[r].path) +
+           " (SHA-256 " + record_text(records[r].sha256, sizeof records[r].sha256) + ")";
+  };
+  std::string differ;
+  for (int r = 1; r < comm.world_size(); ++r)
+    if (std::memcmp(records[r].sha256, records[0].sha256, sizeof records[0].sha256) != 0)
+      differ += (differ.empty() ? "" : ", ") + describe(r);
+  if (differ.empty()) return Status::ok_status();
+  return Status::value_error("the ranks loaded different weights: " + describe(0) + ", but " + differ +
+                             "; under mpirun every rank must load the same weights (--weights resolves on each "
+                             "rank, relative to its working directory)");
 }
 
 Status all_ranks_ok(Communicator& comm, const Status& local) {

@@ -1,7 +1,8 @@
 // What the parallel verify and bench drivers share (verify_cases.cc, verify.cc,
 // bench_parallel.cc): the world of a `--comm mpi` run, the agreement on the
-// command line and an all-gather of small host records through any
-// communicator. The problems they drive are cases/parallel_cases.h's.
+// command line and on the weights' content, and an all-gather of small host
+// records through any communicator. The problems they drive are
+// cases/parallel_cases.h's.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "cases/parallel_cases.h"
 #include "detdit/comm.h"
 #include "detdit/parallel.h"
+#include "io/weights.h"
 #include "verify.h"
 
 namespace detdit {
@@ -55,6 +57,15 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
 // -1 (go on) when they are equal or this is no multi-process MPI run (or
 // detdit has no MPI); else 2 (a usage error, on every rank, each saying so).
 int agree_on_command_line(int argc, char** argv);
+
+// Under mpirun every rank must also compute on the same weights, whatever
+// path its --weights resolved to (a relative path under another working
+// directory, another host's copy): after loading, the ranks all-gather the
+// SHA-256 of their weights file (and its absolute path) and compare the
+// digests. Returns the same ValueError on every rank when they differ, naming
+// each rank whose file differs from rank 0's with both paths and digests (a
+// usage error: the CLI exits 2 instead of reporting FAIL rows).
+Status agree_on_weights(Communicator& comm, const io::Weights& weights);
 
 // A barrier that also agrees on success: every rank learns whether any rank's
 // `local` failed (that rank's own error, else a RuntimeError naming the first

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include "detdit/parallel.h"
 #include "io/manifest.h"
 #include "io/safetensors.h"
+#include "io/sha256.h"
 
 namespace detdit {
 namespace {
@@ -960,6 +962,51 @@ TEST(Cli, RanksWithDifferentCommandLinesUnderMpirunFailTogether) {
                 std::string::npos)
           << command << "\n" << output;
   }
+}
+
+// The same --weights text resolving to other bytes on another rank (each rank
+// started in its own working directory: an MPMD launch with -wdir) is refused
+// with exit 2 on every rank, naming both files and digests, instead of
+// reporting FAIL rows; identical bytes at other paths run.
+TEST(Cli, RanksWithDifferentWeightsUnderMpirunFailTogether) {
+#if !defined(DETDIT_WITH_MPI)
+  GTEST_SKIP() << "detdit was built without MPI";
+#endif
+  if (!have_mpirun()) GTEST_SKIP() << "mpirun is not on PATH";
+  // The ranks name their files by absolute path, without symbolic links.
+  char canonical[PATH_MAX];
+  ASSERT_NE(realpath(temp_dir("mpi_weights").c_str(), canonical), nullptr);
+  const std::string root = canonical;
+  // Rank 0's and rank 2's files are byte copies; rank 1's has another seed.
+  for (const auto& [dir, seed] : {std::pair<const char*, int>{"a", 1}, {"b", 2}}) {
+    Result r = detdit("weights synth --out '" + root + "/" + dir + "/w' --seed " + std::to_string(seed) + kSmallDims);
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  ASSERT_EQ(std::system(("mkdir -p '" + root + "/c' && cp -r '" + root + "/a/w' '" + root + "/c/w'").c_str()), 0);
+  const std::string file_a = read_file(root + "/a/w/h3_conditioning.safetensors");
+  const std::string sha_a = io::sha256_hex(file_a.data(), file_a.size());
+  const std::string out = root + "/output.txt";
+  auto launch = [&](const std::string& second_dir) {
+    const std::string app = std::string("'") + DETDIT_CLI_PATH + "' verify --comm mpi --device cpu --quick " +
+                            "--ops tp_adaln_projection --weights w";
+    const std::string command = std::string("XDG_CACHE_HOME='") + temp_dir("cache") +
+                                "' timeout -k 5 60 mpirun --oversubscribe --allow-run-as-root --mca btl self,vader "
+                                "--mca btl_vader_single_copy_mechanism none -np 1 -wdir '" + root + "/a' " + app +
+                                " : -np 1 -wdir '" + root + "/" + second_dir + "' " + app + " > '" + out + "' 2>&1";
+    const int status = std::system(command.c_str());
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, command + "\n" + read_file(out));
+  };
+  auto [code, output] = launch("b");
+  EXPECT_EQ(code, 2) << "(124: timed out) " << output;
+  EXPECT_NE(output.find("detdit: ValueError: the ranks loaded different weights: rank 0 loaded " + root +
+                        "/a/w/h3_conditioning.safetensors (SHA-256 " + sha_a + "), but rank 1 loaded " + root +
+                        "/b/w/h3_conditioning.safetensors (SHA-256 "),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("FAIL"), std::string::npos) << output;
+  std::tie(code, output) = launch("c");
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_NE(output.find("detdit verify: PASS"), std::string::npos) << output;
 }
 
 TEST(Cli, BenchParallelCpuJson) {
