@@ -103,6 +103,11 @@ class InProcessGroup {
 // MPI: this process is rank MPI_Comm_rank of `mpi_comm` (a pointer to an
 // MPI_Comm; nullptr = MPI_COMM_WORLD). CPU buffers only. MPI is initialised
 // here if the caller has not done so (and then finalised at exit).
+// Destroying the communicator is a collective on `mpi_comm` (like
+// MPI_Comm_free), and MPI_Finalize makes it for every MPI communicator still
+// alive: a peer waiting in a call that this rank skipped gets a RuntimeError
+// naming this rank, as does every later call there, and this rank prints
+// that error on stderr (docs/parallel.md).
 Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* mpi_comm = nullptr);
 // True when this process was started by mpirun/mpiexec with more than one
 // rank (from the launcher's environment; does not initialise MPI).
