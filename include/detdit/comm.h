@@ -107,7 +107,8 @@ class InProcessGroup {
 // MPI_Comm_free), and MPI_Finalize makes it for every MPI communicator still
 // alive: a peer waiting in a call that this rank skipped gets a RuntimeError
 // naming this rank, as does every later call there, and this rank prints
-// that error on stderr (docs/parallel.md).
+// that error on stderr (docs/parallel.md). So `mpi_comm` must stay valid
+// (not MPI_Comm_free'd) until the communicator is destroyed or MPI finalised.
 Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* mpi_comm = nullptr);
 // True when this process was started by mpirun/mpiexec with more than one
 // rank (from the launcher's environment; does not initialise MPI).
