@@ -387,12 +387,8 @@ int run_bench(int argc, char** argv) {
     if (!measured) link.source += "; neither measured on this machine";
     context.predict = &link;
   }
-  const int gpus = cuda_device_count();
-  const std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
-  if (device_name != "cpu" && device_name != "cuda")
-    return usage_error("--device must be cpu or cuda, got '" + device_name + "'");
-  if (device_name == "cuda" && gpus == 0) return usage_error("--device cuda: no usable CUDA device (or a CPU-only build)");
-  context.device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
+  std::string error;
+  if (!parse_device(args.get("--device"), &context.device, &error)) return usage_error(error);
   // --comm mpi: one rank per process on GPU local rank % count. The NCCL call check
   // (a host synchronisation per collective) is off for timing: every rank
   // runs the same calls.
@@ -428,26 +424,13 @@ int run_bench(int argc, char** argv) {
     return usage_error("--predict-world predicts the parallel regions, and none runs here (on --device cpu "
                        "name them with --ops sp_region,tp_adaln_projection)");
   if (!any_op_case && !parallel)
-    return usage_error("no bench case matches --device " + device_name + (ops.empty() ? "" : " --ops") +
-                       (names.empty() ? "" : " --cases") + " (detdit bench --list shows them)");
+    return usage_error("no bench case matches --device " + std::string(context.device.is_cuda() ? "cuda" : "cpu") +
+                       (ops.empty() ? "" : " --ops") + (names.empty() ? "" : " --cases") +
+                       " (detdit bench --list shows them)");
   Weights weights;
-  // The report's destination first (one that cannot be replaced is refused
-  // before the run, not after it); then under MPI rank 0 resolves (and on
-  // first use generates) the cache first.
-  Status status = leader && !out_path.empty() ? io::check_replaceable(out_path) : Status::ok_status();
-  if (leader && status.ok())
-    status = io::resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, /*announce=*/true, &weights);
-  if (world != nullptr) {
-    status = all_ranks_ok(*world, status);
-    if (status.ok() && !leader) {
-      status = io::resolve_weights(args.get("--weights"), io::ManifestConfig(), 0, false, &weights);
-      // A rank whose own resolve failed says why; rank 0 reports the rest.
-      if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
-    }
-    status = all_ranks_ok(*world, status);
-    // The same text may name other files on other ranks: compare the bytes.
-    if (status.ok()) status = agree_on_weights(*world, weights);
-  }
+  std::vector<std::string> destinations;
+  if (!out_path.empty()) destinations.push_back(out_path);
+  Status status = resolve_run_weights(world.get(), destinations, args.get("--weights"), io::ManifestConfig(), 0, &weights);
   if (!status.ok()) {
     if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
     return 2;
@@ -478,7 +461,7 @@ int run_bench(int argc, char** argv) {
   if (!unmatched.empty()) {
     if (leader)
       std::fprintf(stderr, "detdit: --cases: no case named '%s' on --device %s%s (detdit bench --list shows them)\n",
-                   unmatched.begin()->c_str(), device_name.c_str(), ops.empty() ? "" : " for --ops");
+                   unmatched.begin()->c_str(), context.device.is_cuda() ? "cuda" : "cpu", ops.empty() ? "" : " for --ops");
     return 2;
   }
   // Progress on stderr (the report waits for the last case): a large case

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "environment.h"
+#include "io/files.h"
 #include "io/sha256.h"
 
 #ifdef DETDIT_WITH_CUDA
@@ -128,6 +129,44 @@ Status agree_on_weights(Communicator& comm, const io::Weights& weights) {
   return Status::value_error("the ranks loaded different weights: " + describe(0) + ", but " + differ +
                              "; under mpirun every rank must load the same weights (--weights resolves on each "
                              "rank, relative to its working directory)");
+}
+
+bool parse_device(const std::string& name, Device* device, std::string* error) {
+  const int gpus = cuda_device_count();
+  const std::string chosen = name.empty() ? (gpus > 0 ? "cuda" : "cpu") : name;
+  if (chosen != "cpu" && chosen != "cuda") {
+    *error = "--device must be cpu or cuda, got '" + chosen + "'";
+    return false;
+  }
+  if (chosen == "cuda" && gpus == 0) {
+#ifdef DETDIT_WITH_CUDA
+    *error = "--device cuda: no usable CUDA device on this machine";
+#else
+    *error = "--device cuda: this detdit was built without CUDA (no nvcc at configure time)";
+#endif
+    return false;
+  }
+  *device = chosen == "cuda" ? Device::cuda(0) : Device::cpu();
+  return true;
+}
+
+Status resolve_run_weights(Communicator* world, const std::vector<std::string>& destinations,
+                           const std::string& option, const io::ManifestConfig& config, uint64_t seed,
+                           io::Weights* weights) {
+  const bool leader = world == nullptr || world->rank() == 0;
+  Status status;
+  for (const std::string& path : destinations)
+    if (leader && status.ok()) status = io::check_replaceable(path);
+  if (leader && status.ok()) status = io::resolve_weights(option, config, seed, /*announce=*/true, weights);
+  if (world == nullptr) return status;
+  status = all_ranks_ok(*world, status);
+  if (status.ok() && !leader) {
+    status = io::resolve_weights(option, config, seed, false, weights);
+    if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
+  }
+  status = all_ranks_ok(*world, status);
+  // The same text may name other files on other ranks: compare the bytes.
+  return status.ok() ? agree_on_weights(*world, *weights) : status;
 }
 
 Status all_ranks_ok(Communicator& comm, const Status& local) {

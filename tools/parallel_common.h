@@ -67,6 +67,22 @@ int agree_on_command_line(int argc, char** argv);
 // usage error: the CLI exits 2 instead of reporting FAIL rows).
 Status agree_on_weights(Communicator& comm, const io::Weights& weights);
 
+// The device of --device `name` ("cpu", "cuda", or empty: cuda when a GPU is
+// present); false with *error (a usage error) otherwise.
+bool parse_device(const std::string& name, Device* device, std::string* error);
+
+// The run's weights on every rank of `world` (nullptr: this process alone).
+// First the leader checks that `destinations` (the reports it will write) can
+// be replaced, so a bad one is refused before the run; then rank 0 resolves
+// --weights `option` (io::resolve_weights: the cached synthetic default of
+// `config` and `seed` when empty, generated on first use) before the others,
+// so no two ranks write the cache at once; then the ranks agree that they
+// loaded the same bytes (agree_on_weights). Every rank gets the same verdict;
+// a rank whose own resolve failed prints why.
+Status resolve_run_weights(Communicator* world, const std::vector<std::string>& destinations,
+                           const std::string& option, const io::ManifestConfig& config, uint64_t seed,
+                           io::Weights* weights);
+
 // A barrier that also agrees on success: every rank learns whether any rank's
 // `local` failed (that rank's own error, else a RuntimeError naming the first
 // failing rank). Unlike Communicator::agree it always communicates (a NCCL

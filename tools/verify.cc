@@ -307,21 +307,12 @@ int run_verify(int argc, char** argv) {
     if (const char* corrupt = std::getenv("DETDIT_TEST_CORRUPT_CELLS")) matrix_options.corrupt = corrupt;
   }
 
-  const int gpus = cuda_device_count();
-  std::string device_name = args.get("--device", gpus > 0 ? "cuda" : "cpu");
-  if (device_name != "cpu" && device_name != "cuda") {
-    std::fprintf(stderr, "detdit: --device must be cpu or cuda, got '%s'\n", device_name.c_str());
+  Device device;
+  std::string error;
+  if (!parse_device(args.get("--device"), &device, &error)) {
+    std::fprintf(stderr, "detdit: %s\n", error.c_str());
     return 2;
   }
-  if (device_name == "cuda" && gpus == 0) {
-#ifdef DETDIT_WITH_CUDA
-    std::fprintf(stderr, "detdit: --device cuda: no usable CUDA device on this machine\n");
-#else
-    std::fprintf(stderr, "detdit: --device cuda: this detdit was built without CUDA (no nvcc at configure time)\n");
-#endif
-    return 2;
-  }
-  Device device = device_name == "cuda" ? Device::cuda(0) : Device::cpu();
   // --comm mpi: this process is one rank; its device is GPU local rank % count.
   std::unique_ptr<Communicator> world;
   if (comm_name == "mpi") {
@@ -349,25 +340,10 @@ int run_verify(int argc, char** argv) {
   }
 
   Weights weights;
-  // The leader's destinations first: one that is not a regular file (a FIFO
-  // would block the write) is refused before the run, not after it. Then
-  // under MPI rank 0 resolves (and on first use generates) the cached default
-  // first, so the ranks never write the cache at the same time.
-  Status status = Status::ok_status();
+  std::vector<std::string> destinations;
   for (const char* option : {"--out", "--figure"})
-    if (leader && status.ok() && args.has(option)) status = io::check_replaceable(args.get(option));
-  if (leader && status.ok()) status = io::resolve_weights(args.get("--weights"), dimensions, seed, /*announce=*/true, &weights);
-  if (world != nullptr) {
-    status = all_ranks_ok(*world, status);
-    if (status.ok() && !leader) {
-      status = io::resolve_weights(args.get("--weights"), dimensions, seed, false, &weights);
-      // A rank whose own resolve failed says why; rank 0 reports the rest.
-      if (!status.ok()) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
-    }
-    status = all_ranks_ok(*world, status);
-    // The same text may name other files on other ranks: compare the bytes.
-    if (status.ok()) status = agree_on_weights(*world, weights);
-  }
+    if (args.has(option)) destinations.push_back(args.get(option));
+  const Status status = resolve_run_weights(world.get(), destinations, args.get("--weights"), dimensions, seed, &weights);
   if (!status.ok()) {
     if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
     return 2;
