@@ -214,13 +214,17 @@ RmsnormInputs norm_inputs(const FinalAdalnOutInputs& in, const TensorView& table
 
 // H of x, norm_weight (H,) and weight (2H, D) in x's dtype, temb on x's
 // device, before anything else uses them. norm_weight first under its own
-// name: the rmsnorm half's checks call it weight.
+// name, its layout (contiguous, aligned) included: the rmsnorm half's checks
+// call it weight.
 Status check_final_shapes(const FinalAdalnOutInputs& in, int64_t* hidden) {
   DETDIT_RETURN_IF_ERROR(rowwise::check_rows(in.x, "x", &in.plan, hidden));
   DETDIT_RETURN_IF_ERROR(check::present(in.norm_weight, "norm_weight"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(in.norm_weight, "norm_weight", in.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::same_device(in.norm_weight, "norm_weight", in.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::shape(in.norm_weight, "norm_weight", {*hidden}, "(H,)"));
+  DETDIT_RETURN_IF_ERROR(check::contiguous(in.norm_weight, "norm_weight"));
+  DETDIT_RETURN_IF_ERROR(check::aligned(in.norm_weight, "norm_weight", 4 * dtype_size(in.x.dtype),
+                                        "PyTorch's vectorized RMSNorm path"));
   DETDIT_RETURN_IF_ERROR(check::present(in.weight, "weight"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(in.weight, "weight", in.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::shape(in.weight, "weight", {2 * *hidden, -1}, "(2H, D)"));

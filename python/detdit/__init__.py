@@ -63,10 +63,14 @@ def _check(op, **args):
     """The TypeError naming op's argument, what it takes and what it got, for the first of
     ``name=(value, kind)`` whose value is not of its kind: torch.ops would report it as a
     RuntimeError (or, for a missing tensor, as one about a device), float() would turn a string
-    into a ValueError. bool is an int subclass, but a bool passes only where the kind is _BOOL."""
+    into a ValueError. bool is an int subclass, but a bool passes only where the kind is _BOOL.
+    An int outside int64 (what torch.ops takes) is a ValueError naming the argument: torch.ops
+    would report it as a RuntimeError about types."""
     for name, (value, (types, expected)) in args.items():
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise TypeError(f"{op}: {name} must be {expected}, got {type(value).__name__}")
+        if type(value) is int and not -2 ** 63 <= value < 2 ** 63:
+            raise ValueError(f"{op}: {name} must fit in a 64-bit int, got {value}")
 
 
 def plan(timestep_indices, token_tags, num_timesteps, batch=1):
@@ -153,15 +157,16 @@ def _profile(numerics):
     return numerics
 
 
-def timestep_sinusoid(t, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable", check_range=True):
+def timestep_sinusoid(timesteps, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable",
+                      check_range=True):
     """``(T,)`` timesteps in [0, 1] (t = 1 - sigma, unscaled) -> ``(T, C)`` float32 ``[cos | sin]``
     features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``).
 
     ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
     the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
-    _check("timestep_sinusoid", t=(t, _TENSOR), num_channels=(num_channels, _INT), max_period=(max_period, _REAL),
-           check_range=(check_range, _BOOL))
-    return _ops.timestep_sinusoid.default(t, num_channels, float(max_period), _profile(numerics), check_range)
+    _check("timestep_sinusoid", timesteps=(timesteps, _TENSOR), num_channels=(num_channels, _INT),
+           max_period=(max_period, _REAL), check_range=(check_range, _BOOL))
+    return _ops.timestep_sinusoid.default(timesteps, num_channels, float(max_period), _profile(numerics), check_range)
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):
@@ -197,6 +202,13 @@ def adaln_table_chunks(table, hidden):
     if not table.is_contiguous():
         raise ValueError(f"adaln_table_chunks: table must be contiguous (its chunks are views of it), got strides "
                          f"{table.stride()}")
+    # no kernel runs, so these are the checks a kernel's argument gets: a projection's dtype, and
+    # a device detdit runs on (tracing's fake tensors pass: _compile.refuse_meta)
+    if table.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"adaln_table_chunks: table must be float32, bfloat16 or float16 (an adaln_projection "
+                        f"table), got {table.dtype}")
+    if _compile.is_eager_meta(table):
+        raise ValueError("adaln_table_chunks: table must be a CPU or CUDA tensor, got one on meta")
     return table.view(-1, ADALN_CHUNKS * hidden).chunk(ADALN_CHUNKS, -1)
 
 
@@ -266,8 +278,19 @@ def release_scratch_memory(device="cuda"):
     temporaries from that pool, which keeps them mapped between calls; torch's
     ``torch.cuda.empty_cache()`` does not reach it. Call it when no detdit op is in flight on
     the device (after ``torch.cuda.synchronize()``). ``"cuda"`` without an index means the
-    current device; a CPU device has no pool (nothing to do). Other devices: ValueError."""
-    torch.ops.detdit.release_scratch_memory(torch.device(device))
+    current device; a CPU device has no pool (nothing to do). ``device`` is a
+    :class:`torch.device` or a str (``"cpu"``, ``"cuda"``, ``"cuda:N"``); anything else,
+    an int included, is a TypeError (torch.device(5) would read 5 as cuda:5); a str that
+    names no device, or a device other than the CPU or CUDA, is a ValueError."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"release_scratch_memory: device must be a torch.device or a str, got "
+                        f"{type(device).__name__}")
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:  # torch's parse error of a device string
+            raise ValueError(f"release_scratch_memory: device must be a cpu or cuda device, got '{device}'") from None
+    torch.ops.detdit.release_scratch_memory(device)
 
 
 from . import nn, safetensors  # noqa: E402,F401  (after the ops nn wraps)

@@ -36,6 +36,9 @@ Contract:
   need (docs/python.md). Its fake kernel is the plan overload's (S from the tables' length);
   its Autograd kernel, on every torch, is :func:`autograd_function` of ``TABLES_AUTOGRAD``,
   which saves the tables as they are and calls the backward's ``.tables`` overload.
+- A meta tensor given to an op eagerly is the ValueError naming the argument that any other
+  device detdit does not run on is (:func:`refuse_meta`), on every torch; tracing's fake
+  tensors (meta underneath) pass.
 """
 import torch
 
@@ -384,6 +387,52 @@ FAKE_KERNELS.update({"plan_handle": _plan_handle, "plan_handle.sp": _plan_handle
 
 
 # ---------------------------------------------------------------------------
+# Meta tensors given to an op eagerly
+
+# The type of torch's fake tensors (torch.compile's tracing, FakeTensorMode); None where this
+# torch has none.
+try:
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+except ImportError:
+    _FakeTensor = None
+
+
+def is_eager_meta(value):
+    """Whether value is a meta tensor that is not tracing's (see refuse_meta)."""
+    return (isinstance(value, torch.Tensor) and value.is_meta
+            and not (_FakeTensor is not None and isinstance(value, _FakeTensor)))
+
+
+def refuse_meta(name, args, kwargs):
+    """The ValueError that tensors.cpp's view() raises for a tensor on neither the CPU nor CUDA,
+    for the first argument of the op overload `name` (a key of FAKE_KERNELS) that is a meta
+    tensor, in the schema's order; nothing when none is.
+
+    A meta tensor never reaches the C++ kernels: the dispatcher sends a call with one to the
+    op's Meta kernel. Torch without fake kernels has none (the call would be the dispatcher's
+    NotImplementedError), so _register_meta_refusals registers this there; from torch 2.4 the
+    Meta kernel is the fake kernel (torch.library.register_fake registers it at Meta too),
+    which calls this first. The two callers of a fake kernel are told apart by the tensors'
+    type: tracing (torch.compile, FakeTensorMode) passes FakeTensors, which are meta tensors
+    underneath (their device reads "meta" inside a kernel) and are let through; a plain meta
+    tensor is a caller's eager call, refused like any other device detdit does not run on."""
+    names = [argument.name for argument in _overload(name)._schema.arguments]
+    values = {**dict(zip(names, args)), **kwargs}
+    for argument in names:
+        if is_eager_meta(values.get(argument)):
+            raise ValueError(f"{argument} must be a CPU or CUDA tensor, got one on meta")
+
+
+def _refusing_meta(name, kernel):
+    """The fake kernel `kernel` of `name`, refusing a plain meta tensor first (refuse_meta)."""
+    def fake_kernel(*args, **kwargs):
+        refuse_meta(name, args, kwargs)
+        return kernel(*args, **kwargs)
+
+    return fake_kernel
+
+
+# ---------------------------------------------------------------------------
 # The autograd of ops traced with a fake plan: autograd.h's Functions, in Python
 
 def _contiguous(grad):
@@ -519,6 +568,24 @@ def _register_autograd():
 _TABLES_LIBRARY = []
 
 
+# The Meta kernels of _register_meta_refusals, kept alive with the module.
+_META_LIBRARY = []
+
+
+def _register_meta_refusals():
+    """On a torch without fake kernels, the Meta and AutogradMeta kernels of every op with a
+    tensor argument: refuse_meta (plan_handle takes none; the plan constructors validate their
+    tensors' device in C++, release_scratch_memory takes none). AutogradMeta too: torch 1.x has
+    no fallthrough there, so an op without an Autograd kernel (the backward ops) would stop at
+    it with the dispatcher's NotImplementedError; torch 2.x falls through to Meta."""
+    library = torch.library.Library("detdit", "IMPL")
+    for name in FAKE_KERNELS:
+        if not name.startswith("plan_handle"):
+            for key in ("Meta", "AutogradMeta"):
+                library.impl(name, lambda *args, _name=name, **kwargs: refuse_meta(_name, args, kwargs), key)
+    _META_LIBRARY.append(library)
+
+
 def _register_tables_autograd():
     """The Autograd kernel of each `.tables` overload: its Function (autograd_function), on every
     torch. No plan object takes part, so the C++ dispatcher runs it in eager and in tracing alike."""
@@ -532,7 +599,7 @@ def _register():
     from torch._library.fake_class_registry import register_fake_class
     from torch._higher_order_ops import effects
     for name, kernel in FAKE_KERNELS.items():
-        torch.library.register_fake(f"detdit::{name}", kernel)
+        torch.library.register_fake(f"detdit::{name}", _refusing_meta(name, kernel))
         # torch takes an op with a torch-class argument (a plan) for one with side effects and
         # threads ordering tokens through the graph around it; a detdit op is a pure function
         # of its arguments (a plan never changes once built), so it declares no effect. Not
@@ -560,4 +627,6 @@ if REASON is None:
     from torch._library.fake_class_registry import FakeScriptObject
     FAKE_PLAN_TYPES = (FakeScriptObject,)
     _register()
+else:
+    _register_meta_refusals()
 _register_tables_autograd()

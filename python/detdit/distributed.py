@@ -23,7 +23,7 @@ checked across ranks, and a validation error on one rank fails the call on every
 import torch
 import torch.distributed as dist
 
-from . import _C, H3_NORM_EPS, _OPTIONAL_INT, _check, _profile
+from . import _C, H3_NORM_EPS, _INT, _OPTIONAL_INT, _check, _profile
 
 __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection", "shard_rows"]
 
@@ -96,7 +96,10 @@ def shard_rows(out_features, world, rank):
     """The ``slice`` of the ``out_features`` weight rows (table columns) that rank ``rank`` of
     a ``world``-way tp_adaln_projection owns: whole 64-row chunks, ``C // world`` of the
     ``C = ceil(out_features / 64)`` chunks and one more for each of the first ``C % world``
-    ranks; the last rank's last chunk may be short. ValueError when ``world`` exceeds ``C``."""
+    ranks; the last rank's last chunk may be short. ValueError when ``world`` exceeds ``C``
+    (or an int is out of range: world and rank must fit in a 32-bit int); TypeError for a
+    non-int."""
+    _check("shard_rows", out_features=(out_features, _INT), world=(world, _INT), rank=(rank, _INT))
     return slice(*_C._tp_column_shard(out_features, world, rank))
 
 

@@ -28,8 +28,8 @@ class Timesteps(nn.Module):
         self.num_channels, self.max_period, self.numerics = num_channels, max_period, numerics
         self.check_range = check_range  # False: t pre-validated (no host read; CUDA-graph capturable)
 
-    def forward(self, t):
-        return timestep_sinusoid(t, self.num_channels, self.max_period, self.numerics, self.check_range)
+    def forward(self, timesteps):
+        return timestep_sinusoid(timesteps, self.num_channels, self.max_period, self.numerics, self.check_range)
 
 
 class TimestepEmbedding(nn.Module):

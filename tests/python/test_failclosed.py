@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import detdit
+import detdit.distributed
 from conftest import normal, packing
 
 ops = torch.ops.detdit
@@ -239,6 +240,74 @@ def test_register_communicator_takes_cpu_and_cuda_ordinals():
     for device in ["cpu", "cuda", "cuda:0", "cuda:3"]:
         handle = detdit._C._register_communicator(lambda s, r: None, 0, 1, device)
         detdit._C._release_communicator(handle)
+
+
+# ---------------------------------------------------------------------------
+# Python-level mistakes get their kind: meta tensors, ints past int64, a missing plan, a device
+# that is not one (the table of tests/python/test_mutation.py mutates every tensor argument)
+
+def test_every_op_with_a_tensor_argument_refuses_a_meta_tensor_at_the_meta_key():
+    from detdit import _compile
+    for name in _compile.FAKE_KERNELS:
+        if not name.startswith("plan_handle"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"detdit::{name}", "Meta"), name
+    meta = torch.empty(4, 8, device="meta")
+    # a backward op has no Autograd kernel: torch 1.x would stop at AutogradMeta
+    with pytest.raises(ValueError, match="^grad must be a CPU or CUDA tensor, got one on meta$"):
+        ops.linear_backward(meta, torch.zeros(4, 8), torch.zeros(8, 8), torch.empty(0), "none", "portable",
+                            [True, True, True])
+    with pytest.raises(ValueError, match="^weight must be a CPU or CUDA tensor, got one on meta$"):
+        detdit.linear(torch.zeros(4, 8), torch.empty(8, 8, device="meta").requires_grad_())
+
+
+def test_fake_tensors_still_pass_the_fake_kernels():
+    # the meta refusal is for eager calls: tracing's FakeTensors are meta tensors underneath
+    from detdit import _compile
+    if _compile.REASON is not None:
+        pytest.skip(_compile.REASON)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        out = detdit.linear(torch.empty(4, 16), torch.empty(8, 16))
+    assert out.shape == (4, 8)
+
+
+def test_ints_past_int64_are_value_errors_naming_them():
+    t = torch.tensor([0.5])
+    for value in (2 ** 63, -2 ** 63 - 1):
+        with pytest.raises(ValueError, match=f"^timestep_sinusoid: num_channels must fit in a 64-bit int, got {value}$"):
+            detdit.timestep_sinusoid(t, num_channels=value)
+    # in int64, but (T, num_channels) float32 would overflow torch's byte count
+    with pytest.raises(ValueError, match="^num_channels = 4611686018427387904 makes the"):
+        detdit.timestep_sinusoid(t, num_channels=2 ** 62)
+    with pytest.raises(ValueError, match="^plan: num_timesteps must fit in a 64-bit int"):
+        detdit.plan(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 2 ** 63)
+
+
+def test_shard_rows_range_checks_and_type_checks():
+    shard_rows = detdit.distributed.shard_rows
+    with pytest.raises(ValueError, match="^world must fit in a 32-bit int, got 4294967298$"):
+        shard_rows(1152, 2 ** 32 + 2, 0)
+    with pytest.raises(ValueError, match="^rank must fit in a 32-bit int, got 4294967296$"):
+        shard_rows(1152, 2, 2 ** 32)
+    with pytest.raises(ValueError, match="^shard_rows: out_features must fit in a 64-bit int"):
+        shard_rows(2 ** 64, 2, 0)
+    with pytest.raises(TypeError, match="^shard_rows: world must be an int, got float$"):
+        shard_rows(1152, 2.0, 0)
+    assert shard_rows(1152, 2, 1) == slice(576, 1152)
+
+
+def test_a_missing_plan_to_the_raw_sp_plan_op_is_the_librarys_value_error():
+    with pytest.raises(ValueError, match=r"^sp_plan needs an IndexPlan \(detdit.plan\(...\)\), got None$"):
+        ops.sp_plan(None, 2, 0)
+
+
+def test_release_scratch_memory_takes_a_device_or_a_str_only():
+    with pytest.raises(ValueError, match="^release_scratch_memory: device must be a cpu or cuda device, got 'gpu'$"):
+        detdit.release_scratch_memory("gpu")
+    for value in (5, True, None):  # torch.device(5) is cuda:5: an int is refused, not read as an index
+        with pytest.raises(TypeError, match="^release_scratch_memory: device must be a torch.device or a str"):
+            detdit.release_scratch_memory(value)
+    assert detdit.release_scratch_memory(torch.device("cpu")) is None
 
 
 def test_every_listed_case_is_parametrized(case):

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -275,7 +276,7 @@ bool SpPlanHolder::equals(const SpPlanHolder& other) const {
 
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state) {
   const auto& [row_index, num_rows, batch, device, world, rank] = state;
-  return make_sp_plan(plan_from_state(PlanHolder::State(row_index, num_rows, batch, device)), world, rank);
+  return make_sp_plan(OptPlan(plan_from_state(PlanHolder::State(row_index, num_rows, batch, device))), world, rank);
 }
 
 SpPlanHolder::Flat SpPlanHolder::flatten() const {
@@ -288,8 +289,8 @@ SpPlanHolder::Flat SpPlanHolder::flatten() const {
           Field("max_send", std::to_string(max_send()))};
 }
 
-SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank) {
-  const IndexPlan& index = required_plan(plan, "sp_plan")->plan;
+SpPlanPtr make_sp_plan(const OptPlan& plan, int64_t world, int64_t rank) {
+  const IndexPlan& index = required_plan(plan.value_or(PlanPtr()), "sp_plan")->plan;
   detdit::Stream stream = nullptr;
 #ifdef DETDIT_TORCH_CUDA
   if (index.device().is_cuda()) stream = c10::cuda::getCurrentCUDAStream(index.device().index).stream();
@@ -491,12 +492,21 @@ PyObject* release_communicator(PyObject*, PyObject* args) {
 }
 
 // Python: _C._tp_column_shard(columns, world, rank) -> (begin, end), detdit::tp_column_shard.
+// world and rank are parsed as 64-bit and range-checked as to_int does: a
+// value past int is a ValueError naming it, not CPython's OverflowError.
 PyObject* tp_column_shard(PyObject*, PyObject* args) {
-  long long columns;
-  int world, rank;
-  if (!PyArg_ParseTuple(args, "Lii", &columns, &world, &rank)) return nullptr;
+  long long columns, world, rank;
+  if (!PyArg_ParseTuple(args, "LLL", &columns, &world, &rank)) return nullptr;
+  for (const auto& [value, name] : {std::pair<long long, const char*>(world, "world"), {rank, "rank"}}) {
+    if (value < std::numeric_limits<int>::min() || value > std::numeric_limits<int>::max()) {
+      PyErr_SetString(PyExc_ValueError,
+                      (std::string(name) + " must fit in a 32-bit int, got " + std::to_string(value)).c_str());
+      return nullptr;
+    }
+  }
   int64_t begin = 0, end = 0;
-  const Status status = detdit::tp_column_shard(columns, world, rank, &begin, &end);
+  const Status status =
+      detdit::tp_column_shard(columns, static_cast<int>(world), static_cast<int>(rank), &begin, &end);
   if (!status.ok()) {
     PyErr_SetString(PyExc_ValueError, status.message().c_str());
     return nullptr;

@@ -65,7 +65,9 @@ Tensor sp_plan_handle(const SpPlanPtr& sp);
 SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op);
 
 // detdit::sp_plan: the SpPlan of rank `rank` of `world` for the replicated plan.
-SpPlanPtr make_sp_plan(const PlanPtr& plan, int64_t world, int64_t rank);
+// The plan is optional in the schema only so that a missing one is
+// required_plan's ValueError rather than the dispatcher's RuntimeError.
+SpPlanPtr make_sp_plan(const OptPlan& plan, int64_t world, int64_t rank);
 // The SpPlan of a pickled state (SpPlanHolder::state), through sp_plan.
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state);
 

@@ -11,6 +11,8 @@
 // that only feeds the forward (a bias, the residual): an absent view.
 #include "ops.h"
 
+#include <algorithm>
+#include <limits>
 #include <string>
 
 namespace detdit_torch {
@@ -35,6 +37,12 @@ Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double m
   if (num_channels < 1 || num_channels % 2 != 0)
     C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
   require_contiguous(timesteps, "timesteps");
+  // the (T, num_channels) float32 features' byte count must be an int64, or torch's allocator
+  // reports the overflow as a RuntimeError
+  const int64_t count = std::max<int64_t>(dim_or_zero(timesteps, 0), 1);
+  if (num_channels > std::numeric_limits<int64_t>::max() / static_cast<int64_t>(sizeof(float)) / count)
+    C10_THROW_ERROR(ValueError, "num_channels = " + std::to_string(num_channels) + " makes the (" +
+                                    std::to_string(count) + ", num_channels) float32 features larger than 2^63 bytes");
   DeviceScope scope(timesteps);
   Tensor features = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0), num_channels}, at::kFloat);
   detdit::TimestepSinusoidParams p;
