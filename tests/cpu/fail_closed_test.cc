@@ -9,12 +9,14 @@
 // canary; an output pointed at an input must not have written it either). The
 // valid call then runs, so a case whose arguments were wrong anyway fails.
 //
-// Public entry points that take tensors and are not in the table: the chain
-// (chain_forward_backward, chain_stand_ins: the op-case library has no test
-// case of it; chain_fail_closed_test.cc), adaln_table_chunk (it makes a view
-// and touches no memory; adaln_projection_test.cc), the IndexPlan builders
-// (index tensors, not Params; plan_test.cc) and the parallel ops (tp_*, sp_*:
-// a communicator; tests/parallel).
+// The parallel ops (tp_adaln_projection, sp_*) are in it at world 1, rank 0
+// of an in-process group, on the WS1 ops' cases (their collective refusals at
+// larger worlds: tests/parallel). Public entry points that take tensors and
+// are not in it: the chain (chain_forward_backward, chain_stand_ins: the
+// op-case library has no test-suite case of it; chain_fail_closed_test.cc),
+// adaln_table_chunk (it makes a view and touches no memory;
+// adaln_projection_test.cc) and the IndexPlan builders (index tensors, not an
+// op's Params; plan_test.cc).
 #include <gtest/gtest.h>
 
 #include <cctype>
@@ -23,6 +25,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -30,9 +33,11 @@
 
 #include "cases/op_case.h"
 #include "detdit/adaln.h"
+#include "detdit/comm.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/linear.h"
+#include "detdit/parallel.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/timestep.h"
 #include "support/cases.h"
@@ -395,20 +400,70 @@ void region_tables(Args* a) {
   }
 }
 
-Status region_forward(const Args& a, const IndexPlan& plan) {
-  return gate_residual_rmsnorm_forward({region_inputs(a, plan), arg(a, "h"), arg(a, "out"), arg(a, "rstd")});
+// The Params of the ops that also have a parallel form (parallel.h), from the arguments.
+AdalnProjectionParams projection_params(const Args& a) {
+  return {{arg(a, "temb"), arg(a, "weight"), arg(a, "bias")}, arg(a, "table"), arg(a, "act")};
 }
-Status region_backward(const Args& a, const IndexPlan& plan) {
+AdalnProjectionBackwardParams projection_backward_params(const Args& a) {
+  return {{arg(a, "temb"), arg(a, "weight"), {}},       arg(a, "act"),      arg(a, "grad_table"),
+          arg(a, "d_temb"),                             arg(a, "d_weight"), arg(a, "d_bias")};
+}
+RmsnormParams norm_params(const Args& a, const IndexPlan& plan) {
+  return {norm_inputs(a, plan), arg(a, "out"), arg(a, "rstd")};
+}
+RmsnormBackwardParams norm_backward_params(const Args& a, const IndexPlan& plan) {
+  return {norm_inputs(a, plan), arg(a, "rstd"),     arg(a, "grad"),   arg(a, "dx"),
+          arg(a, "d_weight"),   arg(a, "d_shift"), arg(a, "d_scale")};
+}
+GateResidualParams gate_params(const Args& a, const IndexPlan& plan) {
+  return {{arg(a, "residual"), arg(a, "y"), arg(a, "gate"), plan}, arg(a, "out")};
+}
+// residual is not read by the backward (gate_residual.h).
+GateResidualBackwardParams gate_backward_params(const Args& a, const IndexPlan& plan) {
+  GateResidualBackwardParams p;
+  p.in.y = arg(a, "y");
+  p.in.gate = arg(a, "gate");
+  p.in.plan = plan;
+  p.grad = arg(a, "grad");
+  p.d_residual = arg(a, "d_residual");
+  p.d_y = arg(a, "d_y");
+  p.d_gate = arg(a, "d_gate");
+  return p;
+}
+GateResidualRmsnormParams region_params(const Args& a, const IndexPlan& plan) {
+  return {region_inputs(a, plan), arg(a, "h"), arg(a, "out"), arg(a, "rstd")};
+}
+GateResidualRmsnormBackwardParams region_backward_params(const Args& a, const IndexPlan& plan) {
   GateResidualRmsnormInputs in = region_inputs(a, plan);
   in.residual = TensorView();  // not read by the backward (gate_residual_rmsnorm.h)
-  return gate_residual_rmsnorm_backward({in, arg(a, "h"), arg(a, "rstd"), arg(a, "d_out"), arg(a, "d_h"),
-                                         arg(a, "d_residual"), arg(a, "d_y"), arg(a, "d_gate"), arg(a, "d_weight"),
-                                         arg(a, "d_shift"), arg(a, "d_scale")});
+  return {in,
+          arg(a, "h"),
+          arg(a, "rstd"),
+          arg(a, "d_out"),
+          arg(a, "d_h"),
+          arg(a, "d_residual"),
+          arg(a, "d_y"),
+          arg(a, "d_gate"),
+          arg(a, "d_weight"),
+          arg(a, "d_shift"),
+          arg(a, "d_scale")};
+}
+Status region_forward(const Args& a, const IndexPlan& plan) {
+  return gate_residual_rmsnorm_forward(region_params(a, plan));
+}
+Status region_backward(const Args& a, const IndexPlan& plan) {
+  return gate_residual_rmsnorm_backward(region_backward_params(a, plan));
 }
 
 bool modulated(const OpCase& c) { return has_tensor(c, "d_shift"); }
 bool plain(const OpCase& c) { return !modulated(c); }
 bool has_fp32_out(const OpCase& c) { return has_tensor(c, "out") && c.spec("out").dtype == DType::kF32; }
+
+// The gate: the case's (R, H) table, or chunk 2 of its (R, 6H) one.
+void gate_table(Args* a) {
+  const TensorView& t = a->at("table");
+  (*a)["gate"] = t.shape[1] == a->at("y").shape[1] ? t : chunk(*a, "table", "y", 2);
+}
 
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = {
@@ -442,20 +497,15 @@ const std::vector<Entry>& entries() {
        [](Args* a) { (*a)["d_pre"] = a->at("out"); }, has_fp32_out},
       {"adaln_projection_forward", "adaln_projection", {"temb", "weight", "bias", "table", "act"}, {"table", "act"},
        {"act"}, {"weight", "act"},
-       [](const Args& a, const IndexPlan&) {
-         return adaln_projection_forward(
-             {{arg(a, "temb"), arg(a, "weight"), arg(a, "bias")}, arg(a, "table"), arg(a, "act")});
-       }},
+       [](const Args& a, const IndexPlan&) { return adaln_projection_forward(projection_params(a)); }},
       {"adaln_projection_backward", "adaln_projection",
        {"temb", "weight", "act", "grad_table", "d_temb", "d_weight", "d_bias"}, {"d_temb", "d_weight", "d_bias"},
        {"d_temb", "d_weight", "d_bias"}, {"weight"},
-       [](const Args& a, const IndexPlan&) {
-         return adaln_projection_backward({{arg(a, "temb"), arg(a, "weight"), {}}, arg(a, "act"),
-                                           arg(a, "grad_table"), arg(a, "d_temb"), arg(a, "d_weight"),
-                                           arg(a, "d_bias")});
-       }},
+       [](const Args& a, const IndexPlan&) { return adaln_projection_backward(projection_backward_params(a)); }},
       {"adaln_row_gather_forward", "adaln_row_gather", {"rows", "out"}, {"out"}, {}, {},
-       [](const Args& a, const IndexPlan& plan) { return adaln_row_gather_forward({arg(a, "rows"), plan, arg(a, "out")}); },
+       [](const Args& a, const IndexPlan& plan) {
+         return adaln_row_gather_forward({arg(a, "rows"), plan, arg(a, "out")});
+       },
        [](Args* a) {
          // The case's (R, 6H) rows at their storage's row stride.
          const TensorView& s = a->at("rows_storage");
@@ -501,10 +551,8 @@ const std::vector<Entry>& entries() {
        }},
       {"rmsnorm_forward", "rmsnorm", {"x", "weight", "shift", "scale", "out", "rstd"}, {"out", "rstd"}, {"rstd"},
        {"x", "weight", "out"},
-       [](const Args& a, const IndexPlan& plan) {
-         return rmsnorm_forward({norm_inputs(a, plan), arg(a, "out"), arg(a, "rstd")});
-       },
-       norm_tables, modulated},
+       [](const Args& a, const IndexPlan& plan) { return rmsnorm_forward(norm_params(a, plan)); }, norm_tables,
+       modulated},
       {"rmsnorm_forward_plain", "rmsnorm", {"x", "weight", "out", "rstd"}, {"out", "rstd"}, {"rstd"},
        {"x", "weight", "out"},
        [](const Args& a, const IndexPlan&) {
@@ -514,10 +562,7 @@ const std::vector<Entry>& entries() {
       {"rmsnorm_backward", "rmsnorm",
        {"x", "weight", "shift", "scale", "rstd", "grad", "dx", "d_weight", "d_shift", "d_scale"},
        {"dx", "d_weight", "d_shift", "d_scale"}, {"dx", "d_weight", "d_shift", "d_scale"}, {"x", "weight"},
-       [](const Args& a, const IndexPlan& plan) {
-         return rmsnorm_backward({norm_inputs(a, plan), arg(a, "rstd"), arg(a, "grad"), arg(a, "dx"),
-                                  arg(a, "d_weight"), arg(a, "d_shift"), arg(a, "d_scale")});
-       },
+       [](const Args& a, const IndexPlan& plan) { return rmsnorm_backward(norm_backward_params(a, plan)); },
        norm_tables, modulated},
       {"rmsnorm_backward_plain", "rmsnorm", {"x", "weight", "rstd", "grad", "dx", "d_weight"}, {"dx", "d_weight"},
        {"dx", "d_weight"}, {"x", "weight"},
@@ -527,24 +572,13 @@ const std::vector<Entry>& entries() {
        },
        nullptr, plain},
       {"gate_residual_forward", "gate_residual", {"residual", "y", "gate", "out"}, {"out"}, {}, {},
-       [](const Args& a, const IndexPlan& plan) {
-         return gate_residual_forward({{arg(a, "residual"), arg(a, "y"), arg(a, "gate"), plan}, arg(a, "out")});
-       },
-       [](Args* a) {
-         const TensorView& t = a->at("table");
-         (*a)["gate"] = t.shape[1] == a->at("y").shape[1] ? t : chunk(*a, "table", "y", 2);
-       }},
+       [](const Args& a, const IndexPlan& plan) { return gate_residual_forward(gate_params(a, plan)); },
+       gate_table},
       // residual is not read by the backward (gate_residual.h).
       {"gate_residual_backward", "gate_residual", {"y", "gate", "grad", "d_residual", "d_y", "d_gate"},
        {"d_residual", "d_y", "d_gate"}, {"d_residual", "d_y", "d_gate"}, {},
-       [](const Args& a, const IndexPlan& plan) {
-         return gate_residual_backward({{{}, arg(a, "y"), arg(a, "gate"), plan}, arg(a, "grad"),
-                                        arg(a, "d_residual"), arg(a, "d_y"), arg(a, "d_gate")});
-       },
-       [](Args* a) {
-         const TensorView& t = a->at("table");
-         (*a)["gate"] = t.shape[1] == a->at("y").shape[1] ? t : chunk(*a, "table", "y", 2);
-       }},
+       [](const Args& a, const IndexPlan& plan) { return gate_residual_backward(gate_backward_params(a, plan)); },
+       gate_table},
       {"gate_residual_rmsnorm_forward", "gate_residual_rmsnorm",
        {"residual", "y", "gate", "weight", "shift", "scale", "h", "out", "rstd"}, {"h", "out", "rstd"}, {},
        {"weight", "h", "out"}, region_forward, region_tables, modulated},
@@ -594,13 +628,93 @@ const std::vector<Entry>& entries() {
   return table;
 }
 
+// ---- the parallel ops at world 1 ---------------------------------------------------
+
+// Rank 0 of a one-rank in-process group: the parallel ops then take the WS1
+// arguments (the whole table, every position) and run every check of the WS1
+// op and their own.
+Communicator& solo() {
+  static std::shared_ptr<InProcessGroup> group;
+  static std::unique_ptr<Communicator> comm;
+  if (!comm) {
+    DETDIT_EXPECT_OK(InProcessGroup::create(1, Device::cpu(), &group));
+    DETDIT_EXPECT_OK(group->communicator(0, &comm));
+  }
+  return *comm;
+}
+
+SpPlan solo_plan(const IndexPlan& plan) {
+  SpPlan sp;
+  DETDIT_EXPECT_OK(SpPlan::create(plan, 1, 0, &sp));
+  return sp;
+}
+
+Status region_sp_forward(const Args& a, const IndexPlan& plan) {
+  return sp_gate_residual_rmsnorm_forward(solo_plan(plan), region_params(a, plan));
+}
+Status region_sp_backward(const Args& a, const IndexPlan& plan) {
+  return sp_gate_residual_rmsnorm_backward(solo(), solo_plan(plan), region_backward_params(a, plan));
+}
+
+// Every entry: the table's, then each parallel op as the table's WS1 entry
+// (its arguments and cases; the SpPlan needs the index plan, so the modulated
+// norms and the regions).
+const std::vector<Entry>& all_entries() {
+  struct Parallel {
+    const char* ws1;
+    const char* name;
+    std::function<Status(const Args&, const IndexPlan& plan)> call;
+  };
+  static const std::vector<Entry> all = [] {
+    const Parallel parallel[] = {
+        {"adaln_projection_forward", "tp_adaln_projection_forward",
+         [](const Args& a, const IndexPlan&) {
+           return tp_adaln_projection_forward(solo(), projection_params(a));
+         }},
+        {"adaln_projection_backward", "tp_adaln_projection_backward",
+         [](const Args& a, const IndexPlan&) {
+           return tp_adaln_projection_backward(solo(), projection_backward_params(a));
+         }},
+        {"rmsnorm_forward", "sp_rmsnorm_forward",
+         [](const Args& a, const IndexPlan& plan) { return sp_rmsnorm_forward(solo_plan(plan), norm_params(a, plan)); }},
+        {"rmsnorm_backward", "sp_rmsnorm_backward",
+         [](const Args& a, const IndexPlan& plan) {
+           return sp_rmsnorm_backward(solo(), solo_plan(plan), norm_backward_params(a, plan));
+         }},
+        {"gate_residual_forward", "sp_gate_residual_forward",
+         [](const Args& a, const IndexPlan& plan) {
+           return sp_gate_residual_forward(solo_plan(plan), gate_params(a, plan));
+         }},
+        {"gate_residual_backward", "sp_gate_residual_backward",
+         [](const Args& a, const IndexPlan& plan) {
+           return sp_gate_residual_backward(solo(), solo_plan(plan), gate_backward_params(a, plan));
+         }},
+        {"gate_residual_rmsnorm_forward", "sp_gate_residual_rmsnorm_forward", region_sp_forward},
+        {"gate_residual_rmsnorm_forward_plain", "sp_gate_residual_rmsnorm_forward_plain", region_sp_forward},
+        {"gate_residual_rmsnorm_backward", "sp_gate_residual_rmsnorm_backward", region_sp_backward},
+        {"gate_residual_rmsnorm_backward_plain", "sp_gate_residual_rmsnorm_backward_plain", region_sp_backward},
+    };
+    std::vector<Entry> v = entries();
+    for (const Parallel& p : parallel) {
+      for (const Entry& e : entries()) {
+        if (std::string(e.name) != p.ws1) continue;
+        v.push_back(e);
+        v.back().name = p.name;
+        v.back().call = p.call;
+      }
+    }
+    return v;
+  }();
+  return all;
+}
+
 void PrintTo(const Entry& entry, std::ostream* os) { *os << entry.name; }
 
 class Mutations : public ::testing::TestWithParam<Entry> {};
 
 TEST_P(Mutations, EveryArgumentRefusedBeforeAnyWrite) { expect_mutations_refused(GetParam()); }
 
-INSTANTIATE_TEST_SUITE_P(FailClosed, Mutations, ::testing::ValuesIn(entries()),
+INSTANTIATE_TEST_SUITE_P(FailClosed, Mutations, ::testing::ValuesIn(all_entries()),
                          [](const ::testing::TestParamInfo<Entry>& info) { return std::string(info.param.name); });
 
 // ---- sizes that only one rule contradicts -------------------------------------------
@@ -615,9 +729,13 @@ TEST(FailClosed, AdalnModulationBackwardChecksSizesBeforeScratch) {
   const TensorView& w = k.view("weight");
   const TensorView huge =
       TensorView::contiguous(w.data, w.dtype, {18 * ((int64_t{1} << 40) / 16), w.shape[1]}, w.device);
-  const Status s =
-      adaln_modulation_backward({{k.view("temb"), huge, {}, k.plan()}, k.view("act"), k.view("grad"), {}, {}, {}});
-  EXPECT_TRUE(refused(s, ErrorKind::kValue, "grad must be (6, B*S, H)"));
+  AdalnModulationBackwardParams p;
+  p.in.temb = k.view("temb");
+  p.in.weight = huge;
+  p.in.plan = k.plan();
+  p.act = k.view("act");
+  p.grad = k.view("grad");
+  EXPECT_TRUE(refused(adaln_modulation_backward(p), ErrorKind::kValue, "grad must be (6, B*S, H)"));
   EXPECT_TRUE(still_canary(k.outputs()));
 }
 
