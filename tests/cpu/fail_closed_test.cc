@@ -608,7 +608,7 @@ const std::vector<Entry>& entries() {
        },
        nullptr, nullptr, {{"grad_features", 1}}},
       {"timestep_mlp_forward", "timestep_mlp", {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"},
-       {"temb", "pre", "hidden"}, {"pre", "hidden"}, {"features", "w1", "w2"},
+       {"temb", "pre", "hidden"}, {"pre", "hidden"}, {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"},
        [](const Args& a, const IndexPlan&) {
          return timestep_mlp_forward({mlp_inputs(a), arg(a, "temb"), arg(a, "pre"), arg(a, "hidden")});
        }},
@@ -616,7 +616,7 @@ const std::vector<Entry>& entries() {
       {"timestep_mlp_backward", "timestep_mlp",
        {"features", "w1", "w2", "pre", "hidden", "grad_temb", "d_features", "d_w1", "d_b1", "d_w2", "d_b2"},
        {"d_features", "d_w1", "d_b1", "d_w2", "d_b2"}, {"d_features", "d_w1", "d_b1", "d_w2", "d_b2"},
-       {"features", "w1", "w2"},
+       {"features", "w1", "w2", "pre", "hidden", "grad_temb", "d_features", "d_w1", "d_b1", "d_w2", "d_b2"},
        [](const Args& a, const IndexPlan&) {
          TimestepMlpInputs in = mlp_inputs(a);
          in.b1 = in.b2 = TensorView();
