@@ -301,37 +301,36 @@ void expect_mutations_refused(const Entry& entry) {
       if (p.name == "plan") plan = instance.plan("plan");
     const Snapshot before = snapshot(c, instance);
 
-    auto expect_refused = [&](const Args& broken, ErrorKind kind, const std::vector<std::string>& any_of) {
-      EXPECT_TRUE(refused_naming(entry.call(broken, plan), kind, any_of));
+    // The call is refused with `kind`, its message naming one of each of `namings`, nothing written.
+    auto expect_refused = [&](const Args& broken, ErrorKind kind,
+                              const std::vector<std::vector<std::string>>& namings) {
+      const Status s = entry.call(broken, plan);
+      for (const std::vector<std::string>& any_of : namings) EXPECT_TRUE(refused_naming(s, kind, any_of));
       EXPECT_TRUE(unchanged(before, instance));
     };
-    std::vector<std::string> present;
-    for (const auto& [argument, view] : args) present.push_back(argument);
     for (const auto& [argument, view] : args) {
+      std::vector<std::string> others;
+      for (const auto& [other, other_view] : args)
+        if (other != argument) others.push_back(other);
       for (const Mutation& m : mutations()) {
         if (!m.applies(entry, argument, view)) continue;
         SCOPED_TRACE(std::string(m.name) + " " + argument);
         Args broken = args;
         broken[argument] = m.mutate(view);
         std::vector<std::string> named = {argument};
-        if (m.contradicts)
-          for (const std::string& other : present)
-            if (other != argument) named.push_back(other);
-        expect_refused(broken, m.kind, named);
+        if (m.contradicts) named.insert(named.end(), others.begin(), others.end());
+        expect_refused(broken, m.kind, {named});
       }
-      // An output on the memory of any other argument (the same extent as its own).
+      // An output on the memory of any other argument (the same extent as its
+      // own), named with the other side or an argument sharing its memory
+      // (table chunks interleave).
       if (!contains(entry.outputs, argument)) continue;
       for (const auto& [other, other_view] : args) {
         if (other == argument) continue;
         SCOPED_TRACE(argument + " overlapping " + other);
         Args broken = args;
         broken[argument].data = other_view.data;
-        // The other side may be reported as an argument sharing its memory (table chunks interleave).
-        std::vector<std::string> others;
-        for (const std::string& o : present)
-          if (o != argument) others.push_back(o);
-        expect_refused(broken, ErrorKind::kValue, {argument});
-        expect_refused(broken, ErrorKind::kValue, others);
+        expect_refused(broken, ErrorKind::kValue, {{argument}, others});
       }
     }
     DETDIT_EXPECT_OK(entry.call(args, plan));
