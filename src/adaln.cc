@@ -37,7 +37,7 @@ Status check_gather_rows(const TensorView& rows, const char* name, const IndexPl
   return check::unit_column_stride(rows, name);
 }
 
-Status validate_adaln_row_gather_forward(const AdalnRowGatherParams& p) {
+Status check_adaln_row_gather_forward_arguments(const AdalnRowGatherParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check::present(p.rows, "rows"));
   DETDIT_RETURN_IF_ERROR(check_gather_rows(p.rows, "rows", p.plan, p.rows.dtype, &hidden));
@@ -48,7 +48,11 @@ Status validate_adaln_row_gather_forward(const AdalnRowGatherParams& p) {
       p.out.shape[2] != hidden)
     return Status::value_error("out must be (6, S, H) with S = plan.seq_len() = " + std::to_string(p.plan.seq_len()) +
                                ", H = rows width / 6 = " + std::to_string(hidden) + ", got " + p.out.describe());
-  DETDIT_RETURN_IF_ERROR(check::contiguous(p.out, "out"));
+  return check::contiguous(p.out, "out");
+}
+
+Status validate_adaln_row_gather_forward(const AdalnRowGatherParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_adaln_row_gather_forward_arguments(p));
   return check_outputs_disjoint({{&p.rows, "rows"}}, {{&p.out, "out"}});
 }
 
@@ -157,7 +161,7 @@ Status validate_modulation_forward(const AdalnModulationParams& p) {
                                ", whose first dim is not a multiple of 18");
   DETDIT_RETURN_IF_ERROR(rowwise::check_plan_rows(p.in.plan, p.in.temb, "temb", 3 * p.in.temb.shape[0], "3T"));
   AdalnRowGatherParams gather{rowwise::rows_view(p.table), p.in.plan, p.out};
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_adaln_row_gather_forward(gather));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_adaln_row_gather_forward_arguments(gather));
   return rowwise::check_outputs_disjoint(
       {{&p.in.temb, "temb"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.table, "table"}, {&p.act, "act"}},
       {{&p.out, "out"}});
@@ -223,8 +227,7 @@ Status check_final_shapes(const FinalAdalnOutInputs& in, int64_t* hidden) {
   DETDIT_RETURN_IF_ERROR(check::same_device(in.norm_weight, "norm_weight", in.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::shape(in.norm_weight, "norm_weight", {*hidden}, "(H,)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(in.norm_weight, "norm_weight"));
-  DETDIT_RETURN_IF_ERROR(check::aligned(in.norm_weight, "norm_weight", 4 * dtype_size(in.x.dtype),
-                                        "PyTorch's vectorized RMSNorm path"));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_norm_aligned(in.norm_weight, "norm_weight"));
   DETDIT_RETURN_IF_ERROR(check::present(in.weight, "weight"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(in.weight, "weight", in.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::shape(in.weight, "weight", {2 * *hidden, -1}, "(2H, D)"));
@@ -244,7 +247,7 @@ Status final_adaln_out_forward(const FinalAdalnOutParams& params, Stream stream)
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
   DETDIT_RETURN_IF_ERROR(validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, p.table, p.act, p.in.numerics));
   const RmsnormParams norm{norm_inputs(p.in, p.table, hidden), p.out, p.rstd};
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(norm));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rmsnorm_forward_arguments(norm));
   // Every output against every input of both halves (table and act are
   // outputs here, the norm's shift/scale a view of table).
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
@@ -261,6 +264,7 @@ Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Strea
   DETDIT_RETURN_IF_ERROR(check_final_shapes(p.in, &hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.table, "table"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(p.table, "table", p.in.weight, "weight"));
+  DETDIT_RETURN_IF_ERROR(check::same_device(p.table, "table", p.in.x, "x"));
   DETDIT_RETURN_IF_ERROR(check::shape(p.table, "table", {p.in.temb.shape[0], 2 * hidden}, "(T, 2H)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(p.table, "table"));
   if (p.d_norm_weight.present()) {
@@ -274,7 +278,7 @@ Status final_adaln_out_backward(const FinalAdalnOutBackwardParams& params, Strea
                                                       p.d_weight, p.d_bias, p.in.numerics));
   RmsnormBackwardParams norm{norm_inputs(p.in, p.table, hidden), p.rstd, p.grad, p.dx, p.d_norm_weight,
                              TensorView(), TensorView()};
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(norm));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rmsnorm_backward_arguments(norm));
   DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
       {{&p.in.x, "x"}, {&p.in.norm_weight, "norm_weight"}, {&p.in.temb, "temb"}, {&p.in.weight, "weight"},
        {&p.table, "table"}, {&p.act, "act"}, {&p.rstd, "rstd"}, {&p.grad, "grad"}},

@@ -15,18 +15,22 @@
 
 namespace detdit {
 namespace rowwise {
-Status validate_gate_residual_forward(const GateResidualParams& p) {
+Status check_gate_residual_forward_arguments(const GateResidualParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.in.residual, "residual"));
   DETDIT_RETURN_IF_ERROR(check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(check_like(p.in.y, "y", p.in.residual, "residual"));
   DETDIT_RETURN_IF_ERROR(
       check_table(p.in.gate, "gate", p.in.plan.num_rows(), hidden, p.in.residual, "residual", {p.in.residual.dtype}));
-  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.residual, "residual"));
+  return check_like(p.out, "out", p.in.residual, "residual");
+}
+
+Status validate_gate_residual_forward(const GateResidualParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_gate_residual_forward_arguments(p));
   return check_outputs_disjoint({{&p.in.residual, "residual"}, {&p.in.y, "y"}, {&p.in.gate, "gate"}}, {{&p.out, "out"}});
 }
 
-Status validate_gate_residual_backward(const GateResidualBackwardParams& p) {
+Status check_gate_residual_backward_arguments(const GateResidualBackwardParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.grad, "grad"));
   DETDIT_RETURN_IF_ERROR(check_rows(p.grad, "grad", &p.in.plan, &hidden));
@@ -37,6 +41,11 @@ Status validate_gate_residual_backward(const GateResidualBackwardParams& p) {
   if (p.d_gate.present())
     DETDIT_RETURN_IF_ERROR(
         check_table_grad(p.d_gate, "d_gate", p.in.plan.num_rows(), hidden, p.grad.dtype, p.grad, "grad"));
+  return Status();
+}
+
+Status validate_gate_residual_backward(const GateResidualBackwardParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_gate_residual_backward_arguments(p));
   return check_outputs_disjoint({{&p.grad, "grad"}, {&p.in.y, "y"}, {&p.in.gate, "gate"}},
                                 {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}});
 }

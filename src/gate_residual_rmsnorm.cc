@@ -40,15 +40,19 @@ namespace detdit {
 namespace {
 
 // The halves' validations name the tensors as the separate ops do (x, out,
-// grad, dx); the fused op's own names are checked first, so its errors name them.
+// grad, dx); the fused op's own names are checked first (h as the norm's x
+// included), so its errors name them, and the outputs' overlaps are checked
+// once, under its own names.
 Status validate_forward(const GateResidualRmsnormParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(rowwise::check_rows(p.in.residual, "residual", &p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.h, "h", p.in.residual, "residual"));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_norm_aligned(p.h, "h"));
   DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.out, "out", p.in.residual, "residual"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward({rowwise::gate_inputs(p.in), p.h}));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_gate_residual_forward_arguments({rowwise::gate_inputs(p.in), p.h}));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward({rowwise::norm_inputs(p.in, p.h), p.out, p.rstd}));
+  DETDIT_RETURN_IF_ERROR(
+      rowwise::check_rmsnorm_forward_arguments({rowwise::norm_inputs(p.in, p.h), p.out, p.rstd}));
   const GateResidualRmsnormInputs& in = p.in;
   return rowwise::check_outputs_disjoint({{&in.residual, "residual"}, {&in.y, "y"}, {&in.gate, "gate"},
                                           {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"}},
@@ -62,13 +66,14 @@ namespace rowwise {
 Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check_rows(p.h, "h", &p.in.plan, &hidden));
+  DETDIT_RETURN_IF_ERROR(check_norm_aligned(p.h, "h"));
   DETDIT_RETURN_IF_ERROR(check_like(p.d_out, "d_out", p.h, "h"));
   if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(check_like(p.d_h, "d_h", p.h, "h"));
   if (p.d_residual.present()) DETDIT_RETURN_IF_ERROR(check_like(p.d_residual, "d_residual", p.h, "h"));
-  DETDIT_RETURN_IF_ERROR(validate_rmsnorm_backward(norm_backward(p, p.d_residual)));
+  DETDIT_RETURN_IF_ERROR(check_rmsnorm_backward_arguments(norm_backward(p, p.d_residual)));
   GateResidualBackwardParams gate = gate_backward(p, p.d_out);
   gate.d_residual = p.d_residual;
-  DETDIT_RETURN_IF_ERROR(validate_gate_residual_backward(gate));
+  DETDIT_RETURN_IF_ERROR(check_gate_residual_backward_arguments(gate));
   const GateResidualRmsnormInputs& in = p.in;
   return check_outputs_disjoint(
       {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"},

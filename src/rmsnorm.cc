@@ -24,14 +24,13 @@ Status check_norm_input(const TensorView& x, const TensorView& weight, const Ind
   if (*hidden % 4 != 0)
     return Status::value_error("H=" + std::to_string(*hidden) +
                                " must be a multiple of 4 (PyTorch's vectorized RMSNorm path), got x " + x.describe());
-  const std::size_t vector_bytes = 4 * dtype_size(x.dtype);
-  DETDIT_RETURN_IF_ERROR(check::aligned(x, "x", vector_bytes, "PyTorch's vectorized RMSNorm path"));
+  DETDIT_RETURN_IF_ERROR(check_norm_aligned(x, "x"));
   DETDIT_RETURN_IF_ERROR(check::present(weight, "weight"));
   DETDIT_RETURN_IF_ERROR(check::same_dtype(weight, "weight", x, "x"));
   DETDIT_RETURN_IF_ERROR(check::same_device(weight, "weight", x, "x"));
   DETDIT_RETURN_IF_ERROR(check::shape(weight, "weight", {*hidden}, "(H,)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(weight, "weight"));
-  return check::aligned(weight, "weight", vector_bytes, "PyTorch's vectorized RMSNorm path");
+  return check_norm_aligned(weight, "weight");
 }
 
 // shift/scale: both or neither; with them a plan on x's device and (R, H) views.
@@ -58,20 +57,25 @@ Status check_rstd(const TensorView& rstd, const TensorView& x, int64_t hidden) {
 
 }  // namespace
 
-Status validate_rmsnorm_forward(const RmsnormParams& p) {
+Status check_rmsnorm_forward_arguments(const RmsnormParams& p) {
   int64_t hidden = 0;
   DETDIT_RETURN_IF_ERROR(check_norm_input(p.in.x, p.in.weight, p.in.plan, &hidden));
   DETDIT_RETURN_IF_ERROR(check_modulation(p.in.x, p.in.shift, p.in.scale, p.in.plan, hidden));
   DETDIT_RETURN_IF_ERROR(check_eps(p.in.eps));
   DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.x.device));
   DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.x, "x"));
-  DETDIT_RETURN_IF_ERROR(check::aligned(p.out, "out", 4 * dtype_size(p.in.x.dtype), "PyTorch's vectorized RMSNorm path"));
+  DETDIT_RETURN_IF_ERROR(check_norm_aligned(p.out, "out"));
   if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.in.x, hidden));
+  return Status();
+}
+
+Status validate_rmsnorm_forward(const RmsnormParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_rmsnorm_forward_arguments(p));
   return check_outputs_disjoint({{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"}},
                                 {{&p.out, "out"}, {&p.rstd, "rstd"}});
 }
 
-Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
+Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p) {
   int64_t hidden = 0;
   const bool modulated = p.in.shift.present() || p.in.scale.present();
   DETDIT_RETURN_IF_ERROR(check_norm_input(p.in.x, p.in.weight, p.in.plan, &hidden));
@@ -94,6 +98,11 @@ Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
     DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_shift, "d_shift", p.in.plan.num_rows(), hidden, p.in.x.dtype, p.in.x, "x"));
   if (p.d_scale.present())
     DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_scale, "d_scale", p.in.plan.num_rows(), hidden, p.in.x.dtype, p.in.x, "x"));
+  return Status();
+}
+
+Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_rmsnorm_backward_arguments(p));
   return check_outputs_disjoint({{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"},
                                  {&p.rstd, "rstd"}, {&p.grad, "grad"}},
                                 {{&p.dx, "dx"}, {&p.d_weight, "d_weight"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});

@@ -15,8 +15,9 @@
 //   Bitwise equal to autograd through the two separate ops (docs/numerics.md 6.10).
 // Layout: as rmsnorm and gate_residual (include/detdit/rmsnorm.h,
 //   gate_residual.h): residual, y, h, out, d_out, d_h (M, H) or (B, S, H)
-//   contiguous in one float dtype T, H a multiple of 4, aligned to 4*sizeof(T)
-//   bytes; gate, shift, scale (R, H) views in T with unit column stride.
+//   contiguous in one float dtype T, H a multiple of 4; h, out and weight (the
+//   norm's x, out and weight) aligned to 4*sizeof(T) bytes, the others at any
+//   address; gate, shift, scale (R, H) views in T with unit column stride.
 // Determinism: every output is a pure function of the inputs (row-local ones
 //   of their row; the cross-row gradients by the canonical reduction), the
 //   same on every CUDA GPU and the CPU in the portable profile.

@@ -12,7 +12,9 @@
 //   already (or captures a CUDA graph) sets check_range = false; the op then
 //   never synchronises and trusts that every value is finite and in [0, 1].
 // timestep_mlp: temb = W2 silu(W1 f + b1) + b2, all FP32 (the H3 time
-//   embedder is an FP32 module; a bf16 operand is a TypeError).
+//   embedder is an FP32 module; a bf16 operand is a TypeError). Every tensor
+//   is contiguous and 16-byte aligned (linear reads its rows as 16-byte
+//   vectors; a ValueError otherwise).
 #pragma once
 
 #include "detdit/numerics.h"

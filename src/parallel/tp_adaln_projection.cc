@@ -35,17 +35,19 @@ Status check_columns(const TensorView& t, const char* name) {
   return Status();
 }
 
-// The shard rows of weight-like tensors: (end - begin) rows.
-Status check_shard_rows(const TensorView& weight, const TensorView& bias, int rank, int world, int64_t begin,
-                        int64_t end) {
+// The shard rows of weight-like tensors: (end - begin) rows; the message
+// names them as the caller did (weight and bias, or d_weight and d_bias).
+Status check_shard_rows(const TensorView& weight, const char* weight_name, const TensorView& bias,
+                        const char* bias_name, int rank, int world, int64_t begin, int64_t end) {
   const int64_t rows = end - begin;
   const bool weight_ok = weight.present() && weight.rank == 2 && weight.shape[0] == rows;
   const bool bias_ok = !bias.present() || (bias.rank == 1 && bias.shape[0] == rows);
   if (weight_ok && bias_ok) return Status();
   return Status::value_error("rank " + std::to_string(rank) + " of tp=" + std::to_string(world) + " owns W rows [" +
                              std::to_string(begin) + ", " + std::to_string(end) + ") = " + std::to_string(rows) +
-                             " rows (pass the shard, not the full weight), got weight " + weight.describe() +
-                             " and bias " + (bias.present() ? bias.describe() : std::string("absent")));
+                             " rows (pass the shard, not the full weight), got " + weight_name + " " +
+                             weight.describe() + " and " + bias_name + " " +
+                             (bias.present() ? bias.describe() : std::string("absent")));
 }
 
 // The first (T, columns) of t as a contiguous view: the shape a local call
@@ -117,7 +119,7 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   int64_t begin = 0, end = 0;
   Status valid = check_columns(p.table, "table");
   if (valid.ok()) valid = tp_column_shard(p.table.shape[1], world, rank, &begin, &end);
-  if (valid.ok()) valid = check_shard_rows(p.in.weight, p.in.bias, rank, world, begin, end);
+  if (valid.ok()) valid = check_shard_rows(p.in.weight, "weight", p.in.bias, "bias", rank, world, begin, end);
   if (valid.ok())
     valid = validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, local_shape(p.table, end - begin), p.act, p.in.numerics);
   if (valid.ok()) valid = check::same_device(p.table, "table", p.in.temb, "temb");
@@ -160,9 +162,10 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   int64_t begin = 0, end = 0;
   Status valid = check_columns(p.grad_table, "grad_table");
   if (valid.ok()) valid = tp_column_shard(p.grad_table.shape[1], world, rank, &begin, &end);
-  if (valid.ok()) valid = check_shard_rows(p.in.weight, TensorView(), rank, world, begin, end);
+  if (valid.ok()) valid = check_shard_rows(p.in.weight, "weight", TensorView(), "bias", rank, world, begin, end);
   if (valid.ok() && (p.d_weight.present() || p.d_bias.present()))
-    valid = check_shard_rows(p.d_weight.present() ? p.d_weight : p.in.weight, p.d_bias, rank, world, begin, end);
+    valid = check_shard_rows(p.d_weight.present() ? p.d_weight : p.in.weight,
+                             p.d_weight.present() ? "d_weight" : "weight", p.d_bias, "d_bias", rank, world, begin, end);
   if (valid.ok())
     valid = validate_projection_backward(p.in.temb, p.in.weight, p.act, local_shape(p.grad_table, end - begin), p.d_temb,
                                          p.d_weight, p.d_bias, p.in.numerics);

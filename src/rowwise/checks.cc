@@ -117,6 +117,10 @@ Status check_outputs_disjoint(std::initializer_list<Named> inputs, std::initiali
   return Status();
 }
 
+Status check_norm_aligned(const TensorView& t, const char* name) {
+  return check::aligned(t, name, 4 * dtype_size(t.dtype), "PyTorch's vectorized RMSNorm path");
+}
+
 Status check_eps(float eps) {
   if (!(std::isfinite(eps) && eps > 0.0f))
     return Status::value_error("eps must be finite and > 0, got " + std::to_string(eps));

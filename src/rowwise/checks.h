@@ -39,16 +39,27 @@ using Named = std::pair<const TensorView*, const char*>;
 Status check_outputs_disjoint(std::initializer_list<Named> inputs, std::initializer_list<Named> outputs);
 // eps finite and > 0.
 Status check_eps(float eps);
+// Aligned to 4 elements, as PyTorch's vectorized RMSNorm path reads x, weight
+// and out (numerics.md 7).
+Status check_norm_aligned(const TensorView& t, const char* name);
 
-// The complete validation of the public rmsnorm entry points (also run by
-// final_adaln_out on its table's shift/scale views before it writes anything).
+// The complete validation of the public entry points, each in two steps: the
+// arguments one by one (`check_*_arguments`), then every output against
+// every input and output (`validate_*` runs both). A fused op (final_adaln_out,
+// adaln_modulation, gate_residual_rmsnorm) runs its halves' first steps, then
+// the second step once over its own arguments under its own names, so that an
+// overlap is reported as the caller's tensors (h, table, d_norm_weight), never
+// as a half's (x, rows, d_weight).
+Status check_rmsnorm_forward_arguments(const RmsnormParams& p);
+Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p);
 Status validate_rmsnorm_forward(const RmsnormParams& p);
 Status validate_rmsnorm_backward(const RmsnormBackwardParams& p);
 // The gather backward's grad and d_rows (also run by adaln_modulation).
 Status validate_adaln_row_gather_backward(const AdalnRowGatherBackwardParams& p);
-// The complete validation of the public gate_residual entry points (the
-// backward's also run by sp_gate_residual_backward on the local rows with the
-// local plan; both by gate_residual_rmsnorm on its halves).
+// The backward's validation is also run by sp_gate_residual_backward on the
+// local rows with the local plan.
+Status check_gate_residual_forward_arguments(const GateResidualParams& p);
+Status check_gate_residual_backward_arguments(const GateResidualBackwardParams& p);
 Status validate_gate_residual_forward(const GateResidualParams& p);
 Status validate_gate_residual_backward(const GateResidualBackwardParams& p);
 // The fused backward's: both halves, the fused op's own names first, every
