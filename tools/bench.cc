@@ -441,7 +441,16 @@ int run_bench(int argc, char** argv) {
   report.device = context.device.to_string();
   status = cases::measure_copy_bandwidth(context.device, nullptr, std::size_t(context.quick ? 64 : 256) << 20,
                                          context.quick ? 3 : 7, &report.copy_bandwidth);
-  if (!status.ok()) return usage_error("copy baseline: " + status.to_string());
+  if (!status.ok()) {
+    status = Status(status.kind(), "copy baseline: " + status.message());
+    if (!leader) std::fprintf(stderr, "detdit: rank %d: %s\n", world->rank(), status.to_string().c_str());
+  }
+  // Every rank agrees before any returns: a peer must not wait in its next collective.
+  if (world != nullptr) status = all_ranks_ok(*world, status);
+  if (!status.ok()) {
+    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
+    return 2;
+  }
   // The benchmark sizes: the smallest only with --quick or on the CPU.
   cases::CaseContext case_context_of_run = case_context(weights, context.quick, context.seed);
   case_context_of_run.small = context.quick || !context.device.is_cuda();

@@ -113,6 +113,8 @@ Status agree_on_weights(Communicator& comm, const io::Weights& weights) {
   char resolved[PATH_MAX];
   const std::string path = realpath(weights.path.c_str(), resolved) != nullptr ? resolved : weights.path;
   std::memcpy(mine.path, path.data(), std::min(path.size(), sizeof mine.path - 1));
+  // A rank whose own digest failed says why; rank 0 reports the rest.
+  if (!local.ok() && comm.rank() != 0) std::fprintf(stderr, "detdit: rank %d: %s\n", comm.rank(), local.to_string().c_str());
   DETDIT_RETURN_IF_ERROR(all_ranks_ok(comm, local));
   std::vector<char> all;
   DETDIT_RETURN_IF_ERROR(gather_host_bytes(comm, &mine, sizeof mine, &all));
