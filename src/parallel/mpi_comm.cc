@@ -128,17 +128,17 @@ class MpiCommunicator final : public Communicator {
   void post_leave(LiveCommunicators* live) {
     if (!closed_.ok()) return;
     closed_ = Status::runtime_error("this rank has left the MPI communicator");
-    // A record that cannot be allocated, or a leave MPI refuses, leaves the
-    // peers without this rank's last header: MPI finalisation then ends
-    // the job as a process that ends without finalising would.
+    // A record that cannot be allocated, or a leave MPI refuses, is reported
+    // on stderr and not posted: a peer's call that would meet it waits, as
+    // for a rank that never left.
     std::unique_ptr<PendingLeave> leave;
-    Status allocated = out_of_memory_is_an_error([] { return std::string("out of memory leaving the MPI communicator"); },
-                                                 [&] {
-                                                   leave = std::make_unique<PendingLeave>();
-                                                   leave->headers.resize(static_cast<std::size_t>(world_));
-                                                   live->pending.reserve(live->pending.size() + 1);
-                                                   return Status();
-                                                 });
+    auto what = [] { return std::string("out of memory leaving the MPI communicator"); };
+    Status allocated = out_of_memory_is_an_error(what, [&] {
+      leave = std::make_unique<PendingLeave>();
+      leave->headers.resize(static_cast<std::size_t>(world_));
+      live->pending.reserve(live->pending.size() + 1);
+      return Status();
+    });
     if (!allocated.ok()) {
       std::fprintf(stderr, "detdit: %s\n", allocated.message().c_str());
       return;
@@ -225,8 +225,9 @@ class MpiCommunicator final : public Communicator {
 
 // MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still
 // works: the communicators still alive leave there, the newest first, and
-// every pending leave is waited for. A destructor or MPI_Finalize has no caller to return to: a
-// rank that left while its peers called says so here, in the order it left.
+// every pending leave is waited for. A destructor or MPI_Finalize has no
+// caller to return to: a rank that left while its peers called says so here,
+// in the order it left.
 int leave_at_finalize(MPI_Comm, int, void*, void*) {
   LiveCommunicators& live = live_communicators();
   std::lock_guard<std::mutex> lock(live.mutex);
@@ -237,9 +238,9 @@ int leave_at_finalize(MPI_Comm, int, void*, void*) {
   bool all_completed = true;
   for (const auto& leave : live.pending) {
     int code = MPI_Wait(&leave->request, MPI_STATUS_IGNORE);
+    const int world = static_cast<int>(leave->headers.size());
     Status verdict = code != MPI_SUCCESS ? mpi_error("MPI_Wait for the leave", code)
-                                         : comm_detail::check_call_headers(
-                                               leave->headers.data(), static_cast<int>(leave->headers.size()), Status());
+                                         : comm_detail::check_call_headers(leave->headers.data(), world, Status());
     if (!verdict.ok()) std::fprintf(stderr, "detdit: %s\n", verdict.message().c_str());
     all_completed = all_completed && code == MPI_SUCCESS;
   }

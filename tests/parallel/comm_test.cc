@@ -587,7 +587,8 @@ TEST(MpiComm, LeaveOfOneCommunicatorFailsOnlyItsOwnCalls) {
   const std::string output = expect_leave_order_job_completes("TwoCommunicatorsOnOneMpiComm");
   EXPECT_EQ(count_of_text(output, "rank 0: A.agree: ok"), 1) << output;
   EXPECT_EQ(count_of_text(output, "rank 1: A.agree: ok"), 1) << output;
-  const std::string left = "rank 1 left the communicator (destroyed it, or its process ended) while rank 0 called agree #0";
+  const std::string left =
+      "rank 1 left the communicator (destroyed it, or its process ended) while rank 0 called agree #0";
   EXPECT_EQ(count_of_text(output, "rank 0: B.agree: RuntimeError: " + left), 1) << output;
   // The rank that left prints the verdict when MPI finalises.
   EXPECT_EQ(count_of_text(output, "detdit: " + left), 1) << output;
