@@ -102,13 +102,24 @@ class InProcessGroup {
 
 // MPI: this process is rank MPI_Comm_rank of `mpi_comm` (a pointer to an
 // MPI_Comm; nullptr = MPI_COMM_WORLD). CPU buffers only. MPI is initialised
-// here if the caller has not done so (and then finalised at exit).
-// Destroying the communicator is a collective on `mpi_comm` (like
-// MPI_Comm_free), and MPI_Finalize makes it for every MPI communicator still
-// alive: a peer waiting in a call that this rank skipped gets a RuntimeError
-// naming this rank, as does every later call there, and this rank prints
-// that error on stderr (docs/parallel.md). So `mpi_comm` must stay valid
-// (not MPI_Comm_free'd) until the communicator is destroyed or MPI finalised.
+// here if the caller has not done so (with MPI_THREAD_SERIALIZED, a
+// RuntimeError if MPI provides less; then finalised at exit). Creating is a
+// collective on `mpi_comm`: the communicator works on a private MPI_Comm_dup
+// of it, so its calls never meet the caller's own MPI calls or another
+// communicator's, and the caller may free `mpi_comm` once this returns.
+// Destroying the communicator does not wait for the peers: it posts this
+// rank's leave and frees the duplicate (MPI completes both later), and
+// MPI_Finalize leaves every MPI communicator still alive and waits for all
+// leaves. A peer waiting in a call that this rank skipped gets a RuntimeError
+// naming this rank, as does every later call there, and this rank prints that
+// error on stderr when MPI finalises (docs/parallel.md).
+// Threads: a communicator is used, and destroyed, by one thread at a time,
+// any thread. With MPI initialised here, or by the caller at
+// MPI_THREAD_SERIALIZED, no two MPI calls of the process may overlap: a
+// communicator's call or destruction must not run while another thread is in
+// another communicator's or in the caller's own MPI call. A caller's
+// MPI_THREAD_MULTIPLE lifts that; its MPI_THREAD_FUNNELED or
+// MPI_THREAD_SINGLE restricts every call and destruction to the main thread.
 Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* mpi_comm = nullptr);
 // True when this process was started by mpirun/mpiexec with more than one
 // rank (from the launcher's environment; does not initialise MPI).

@@ -1,20 +1,27 @@
-// The MPI communicator: CPU ranks as processes. Payloads move with
-// MPI_Allgather and MPI_Bcast of MPI_BYTE (copies; MPI never reduces here).
-// Every call first all-gathers the 32-byte CallHeader and checks it on every
-// rank.
+// The MPI communicator: CPU ranks as processes, on a private MPI_Comm_dup of
+// the caller's MPI_Comm (so its collectives never match another detdit
+// communicator's or the caller's own). Payloads move with MPI_Allgather and
+// MPI_Bcast of MPI_BYTE (copies; MPI never reduces here). Every call first
+// all-gathers the 32-byte CallHeader with MPI_Iallgather + MPI_Wait and checks
+// it on every rank.
 //
 // Leaving is the communicator's last collective: its destructor, or MPI
 // finalisation (the library's at exit, or the caller's) for every
-// communicator still alive, exchanges one kLeave header. A peer waiting in a
-// call (the rank that left skipped it) gets a RuntimeError naming the rank
-// that left, and so does every later call on that peer, without MPI traffic;
-// the rank that left prints the same line on stderr and goes on to
-// MPI_Finalize, which its peers reach once they stop. A process that ends
-// without finalising (a crash, a signal) is the launcher's to end: Open MPI's
-// mpirun aborts the job.
+// communicator still alive, posts one kLeave header with MPI_Iallgather and
+// does not wait (the destructor then frees the duplicate; MPI frees it once
+// the leave completes). A non-blocking collective matches only the peers'
+// header exchanges, which are non-blocking too, never a blocking payload
+// collective. A peer waiting in a call (the rank that left skipped it) gets a
+// RuntimeError naming the rank that left, and so does every later call on
+// that peer, without MPI traffic. MPI finalisation waits for every pending
+// leave and the rank that left prints that verdict on stderr there; its
+// MPI_Finalize completes once its peers, having stopped, finalise too. A
+// process that ends without finalising (a crash, a signal) is the launcher's
+// to end: Open MPI's mpirun aborts the job.
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -61,12 +68,21 @@ void finalize_at_exit() {
 
 class MpiCommunicator;
 
+// A leave posted and not yet waited for: MPI reads and writes its buffers
+// until the request completes, so they live here, not in the communicator.
+struct PendingLeave {
+  MPI_Request request = MPI_REQUEST_NULL;
+  CallHeader mine;
+  std::vector<CallHeader> headers;  // one per rank
+};
+
 // The communicators alive in this process, in creation order, for the leave at
-// MPI finalisation. Never destroyed: a static communicator may outlive the
-// other statics.
+// MPI finalisation, and the leaves still pending. Never destroyed: a static
+// communicator may outlive the other statics.
 struct LiveCommunicators {
   std::mutex mutex;
   std::vector<MpiCommunicator*> comms;
+  std::vector<std::unique_ptr<PendingLeave>> pending;
   bool leave_at_finalize = false;  // the MPI_COMM_SELF attribute is set
 };
 LiveCommunicators& live_communicators() {
@@ -86,14 +102,19 @@ class MpiCommunicator final : public Communicator {
     live.comms.push_back(this);
   }
 
-  // Destroying a communicator leaves it: a collective, like MPI_Comm_free.
-  // After MPI_Finalize the finalisation has left it already.
+  // Destroying a communicator leaves it without waiting for the peers (see
+  // the top of the file), and marks the duplicate for freeing, which MPI
+  // defers until the leave completes. After MPI_Finalize the finalisation has
+  // left it already and MPI has freed everything.
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) leave();
     LiveCommunicators& live = live_communicators();
     std::lock_guard<std::mutex> lock(live.mutex);
+    if (!finalized) {
+      post_leave(&live);
+      MPI_Comm_free(&comm_);
+    }
     for (auto it = live.comms.begin(); it != live.comms.end(); ++it)
       if (*it == this) {
         live.comms.erase(it);
@@ -101,16 +122,36 @@ class MpiCommunicator final : public Communicator {
       }
   }
 
-  // This rank's last collective (see the top of the file); once only.
-  void leave() {
+  // Posts this rank's last collective (see the top of the file) into
+  // live->pending; once only, and not after a peer has left (the peers
+  // finished with the communicator then). The caller holds live->mutex.
+  void post_leave(LiveCommunicators* live) {
     if (!closed_.ok()) return;
     closed_ = Status::runtime_error("this rank has left the MPI communicator");
-    CallHeader mine = comm_detail::make_header(sequence_++, CallOp::kLeave, 0, DType::kI32, false);
-    Status verdict = gather_bytes(&mine, sizeof(CallHeader), headers_.data());
-    if (verdict.ok()) verdict = comm_detail::check_call_headers(headers_.data(), world_, Status());
-    // A destructor or MPI_Finalize has no caller to return to: the rank that
-    // left while its peers called says so here.
-    if (!verdict.ok()) std::fprintf(stderr, "detdit: %s\n", verdict.message().c_str());
+    // A record that cannot be allocated, or a leave MPI refuses, is reported
+    // on stderr and not posted: a peer's call that would meet it waits, as
+    // for a rank that never left.
+    std::unique_ptr<PendingLeave> leave;
+    auto what = [] { return std::string("out of memory leaving the MPI communicator"); };
+    Status allocated = out_of_memory_is_an_error(what, [&] {
+      leave = std::make_unique<PendingLeave>();
+      leave->headers.resize(static_cast<std::size_t>(world_));
+      live->pending.reserve(live->pending.size() + 1);
+      return Status();
+    });
+    if (!allocated.ok()) {
+      std::fprintf(stderr, "detdit: %s\n", allocated.message().c_str());
+      return;
+    }
+    leave->mine = comm_detail::make_header(sequence_++, CallOp::kLeave, 0, DType::kI32, false);
+    const int count = static_cast<int>(sizeof(CallHeader));
+    int code = MPI_Iallgather(&leave->mine, count, MPI_BYTE, leave->headers.data(), count, MPI_BYTE, comm_,
+                              &leave->request);
+    if (code != MPI_SUCCESS) {
+      std::fprintf(stderr, "detdit: %s\n", mpi_error("MPI_Iallgather of the leave", code).message().c_str());
+      return;
+    }
+    live->pending.push_back(std::move(leave));
   }
 
   int rank() const override { return rank_; }
@@ -155,7 +196,13 @@ class MpiCommunicator final : public Communicator {
   Status exchange_headers(CallOp op, std::size_t bytes, DType dtype, const Status& local, int root = 0) {
     if (!closed_.ok()) return closed_;
     CallHeader mine = comm_detail::make_header(sequence_++, op, bytes, dtype, !local.ok(), root);
-    DETDIT_RETURN_IF_ERROR(gather_bytes(&mine, sizeof(CallHeader), headers_.data()));
+    // Non-blocking, as the leave it may meet is (blocking and non-blocking
+    // collectives never match each other).
+    const int count = static_cast<int>(sizeof(CallHeader));
+    MPI_Request request = MPI_REQUEST_NULL;
+    int code = MPI_Iallgather(&mine, count, MPI_BYTE, headers_.data(), count, MPI_BYTE, comm_, &request);
+    if (code == MPI_SUCCESS) code = MPI_Wait(&request, MPI_STATUS_IGNORE);
+    if (code != MPI_SUCCESS) return mpi_error("MPI_Iallgather", code);
     Status verdict = comm_detail::check_call_headers(headers_.data(), world_, local);
     if (comm_detail::any_rank_left(headers_.data(), world_)) closed_ = verdict;
     return verdict;
@@ -177,11 +224,30 @@ class MpiCommunicator final : public Communicator {
 };
 
 // MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still
-// works: the communicators still alive leave there, the newest first.
+// works: the communicators still alive leave there, the newest first, and
+// every pending leave is waited for. A destructor or MPI_Finalize has no
+// caller to return to: a rank that left while its peers called says so here,
+// in the order it left.
 int leave_at_finalize(MPI_Comm, int, void*, void*) {
   LiveCommunicators& live = live_communicators();
   std::lock_guard<std::mutex> lock(live.mutex);
-  for (auto it = live.comms.rbegin(); it != live.comms.rend(); ++it) (*it)->leave();
+  for (auto it = live.comms.rbegin(); it != live.comms.rend(); ++it) (*it)->post_leave(&live);
+  // Every leave of this rank is posted before the first wait, and MPI
+  // progresses all of them while it waits for one: waiting in order is
+  // waiting for all.
+  bool all_completed = true;
+  for (const auto& leave : live.pending) {
+    int code = MPI_Wait(&leave->request, MPI_STATUS_IGNORE);
+    const int world = static_cast<int>(leave->headers.size());
+    Status verdict = code != MPI_SUCCESS ? mpi_error("MPI_Wait for the leave", code)
+                                         : comm_detail::check_call_headers(leave->headers.data(), world, Status());
+    if (!verdict.ok()) std::fprintf(stderr, "detdit: %s\n", verdict.message().c_str());
+    all_completed = all_completed && code == MPI_SUCCESS;
+  }
+  // A failed wait may leave its request active: then the buffers stay
+  // (reachable, in live.pending) for MPI to finish with.
+  if (!all_completed) return MPI_SUCCESS;
+  live.pending.clear();
   return MPI_SUCCESS;
 }
 
@@ -204,26 +270,40 @@ Status create_mpi_communicator(std::unique_ptr<Communicator>* comm, const void* 
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
+    // Serialized: a communicator may be used, and destroyed, from any
+    // thread, one MPI call at a time in the process (include/detdit/comm.h).
     int provided = 0;
     int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     if (code != MPI_SUCCESS) return mpi_error("MPI_Init_thread", code);
     std::atexit(finalize_at_exit);
+    if (provided < MPI_THREAD_SERIALIZED)
+      return Status::runtime_error("this MPI provides thread level " + std::to_string(provided) +
+                                   ", below MPI_THREAD_SERIALIZED (" + std::to_string(MPI_THREAD_SERIALIZED) +
+                                   "), which the MPI communicator needs");
   }
   DETDIT_RETURN_IF_ERROR(set_leave_at_finalize());
-  MPI_Comm handle = mpi_comm ? *static_cast<const MPI_Comm*>(mpi_comm) : MPI_COMM_WORLD;
-  // Errors come back as codes (turned into RuntimeErrors), never an abort.
+  MPI_Comm caller = mpi_comm ? *static_cast<const MPI_Comm*>(mpi_comm) : MPI_COMM_WORLD;
+  MPI_Comm handle = MPI_COMM_NULL;
+  int code = MPI_Comm_dup(caller, &handle);
+  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_dup", code);
+  // Errors come back as codes (turned into RuntimeErrors), never an abort; on
+  // the duplicate only, the caller's MPI_Comm keeps its own handler.
   MPI_Comm_set_errhandler(handle, MPI_ERRORS_RETURN);
   int rank = 0, world = 0;
-  int code = MPI_Comm_rank(handle, &rank);
-  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_rank", code);
+  Status made;
+  code = MPI_Comm_rank(handle, &rank);
+  if (code != MPI_SUCCESS) made = mpi_error("MPI_Comm_rank", code);
   code = MPI_Comm_size(handle, &world);
-  if (code != MPI_SUCCESS) return mpi_error("MPI_Comm_size", code);
-  return out_of_memory_is_an_error(
-      [&] { return "out of memory creating the MPI communicator of " + std::to_string(world) + " ranks"; },
-      [&] {
-        *comm = std::make_unique<MpiCommunicator>(handle, rank, world);
-        return Status();
-      });
+  if (made.ok() && code != MPI_SUCCESS) made = mpi_error("MPI_Comm_size", code);
+  if (made.ok())
+    made = out_of_memory_is_an_error(
+        [&] { return "out of memory creating the MPI communicator of " + std::to_string(world) + " ranks"; },
+        [&] {
+          *comm = std::make_unique<MpiCommunicator>(handle, rank, world);
+          return Status();
+        });
+  if (!made.ok()) MPI_Comm_free(&handle);
+  return made;
 }
 
 #else
