@@ -31,11 +31,28 @@ std::vector<Numerics> profiles_on(const Device& device) {
   return {Numerics::kPortable};
 }
 
-// A group's name and profile coordinate; the torch profile's groups say so in their name too.
-void set_profile(Numerics numerics, MatrixGroup* g) {
-  if (numerics == Numerics::kPortable) return;
-  g->profile = "torch";
-  g->name += " torch";
+// An empty plan of `op`'s group `name` in the profile of `numerics`; the
+// torch profile's groups say so in their name too.
+MatrixPlan group_plan(const std::string& op, const std::string& name, Numerics numerics) {
+  MatrixPlan p;
+  p.head.op = op;
+  p.head.name = name;
+  if (numerics != Numerics::kPortable) {
+    p.head.profile = "torch";
+    p.head.name += " torch";
+  }
+  return p;
+}
+
+// The rows a plan lists when skipped: `check` at `world`, or one
+// `prefix`N`suffix` per world N of `worlds`.
+void add_row(const std::string& check, int world, MatrixPlan* p) {
+  p->row_checks.push_back(check);
+  p->row_worlds.push_back(world);
+}
+void add_world_rows(const std::string& prefix, const std::vector<int>& worlds, const std::string& suffix,
+                    MatrixPlan* p) {
+  for (int w : worlds) add_row(prefix + std::to_string(w) + suffix, w, p);
 }
 
 // The op-case library's groups: one per verify or bench case (world 1).
@@ -49,14 +66,10 @@ void plan_op_cases(const CaseContext& context, const Device& device, std::vector
     if (test_suite) all = op_cases(op, Suite::kTest, cc);
     if (all.empty()) continue;
     auto add_group = [&](std::vector<OpCase> group, const std::string& name, Numerics numerics) {
-      MatrixPlan p;
-      p.head.op = op;
-      p.head.name = name;
-      set_profile(numerics, &p.head);
+      MatrixPlan p = group_plan(op, name, numerics);
       if (group.size() == 1 && !group[0].plans.empty()) set_index(group[0].plans[0].index, &p.head);
       for (const OpCase& c : group) p.cost = std::max(p.cost, largest_tensor(c));
-      p.row_checks = {"op case checks"};
-      p.row_worlds = {1};
+      add_row("op case checks", 1, &p);
       p.run = [device, group, head = p.head](std::vector<MatrixGroup>* out) {
         MatrixGroup g = head;
         if (group.size() == 1) {
@@ -143,26 +156,14 @@ void plan_sp(const CaseContext& context, const Device& device, const std::vector
       const std::vector<int> naive = numerics == Numerics::kPortable ? c.naive_worlds : std::vector<int>{};
       SpShape shape = c.shape;
       shape.numerics = numerics;
-      MatrixPlan p;
-      p.head.op = "sp_region";
-      p.head.name = c.name;
-      set_profile(numerics, &p.head);
+      MatrixPlan p = group_plan("sp_region", c.name, numerics);
       p.head.packing = packing_name(shape.packing);
       p.head.batch = shape.batch;
       p.head.seq_len = shape.seq_len;
       p.cost = static_cast<double>(shape.batch * shape.seq_len * shape.hidden);
-      for (int w : c.worlds) {
-        p.row_checks.push_back("ws=" + std::to_string(w));
-        p.row_worlds.push_back(w);
-      }
-      for (int w : naive) {
-        p.row_checks.push_back("naive ws=" + std::to_string(w) + " (info)");
-        p.row_worlds.push_back(w);
-      }
-      if (device.is_cuda() && numerics == Numerics::kPortable) {
-        p.row_checks.push_back("ws1 = cpu ws1");
-        p.row_worlds.push_back(1);
-      }
+      add_world_rows("ws=", c.worlds, "", &p);
+      add_world_rows("naive ws=", naive, " (info)", &p);
+      if (device.is_cuda() && numerics == Numerics::kPortable) add_row("ws1 = cpu ws1", 1, &p);
       p.run = [context, device, shape, worlds = c.worlds, naive, corrupt, head = p.head](std::vector<MatrixGroup>* out) {
         std::vector<SpVariantRows> rows;
         // The hook names an op of the matrix; the SP runs know their variants.
@@ -188,21 +189,12 @@ void plan_tp(const CaseContext& context, const Device& device, const std::vector
     for (const TpCase& c : problems) {
       TpShape shape = c.shape;
       shape.numerics = numerics;
-      MatrixPlan p;
-      p.head.op = "tp_adaln_projection";
-      p.head.name = c.name;
-      set_profile(numerics, &p.head);
+      MatrixPlan p = group_plan("tp_adaln_projection", c.name, numerics);
       p.head.timesteps = shape.timesteps;
       p.cost = static_cast<double>(shape.out_features) * static_cast<double>(shape.in_features);
-      for (int w : c.worlds) {
-        p.row_checks.push_back("tp=" + std::to_string(w));
-        p.row_worlds.push_back(w);
-      }
+      add_world_rows("tp=", c.worlds, "", &p);
       const bool cpu_check = device.is_cuda() && numerics == Numerics::kPortable;
-      if (cpu_check) {
-        p.row_checks.push_back("ws1 = cpu ws1");
-        p.row_worlds.push_back(1);
-      }
+      if (cpu_check) add_row("ws1 = cpu ws1", 1, &p);
       p.run = [context, device, worlds = c.worlds, shape, cpu_check, head = p.head](std::vector<MatrixGroup>* out) {
         MatrixGroup g = head;
         DETDIT_RETURN_IF_ERROR(check_tp_worlds(context, device, nullptr, shape, worlds, cpu_check, &g.rows));

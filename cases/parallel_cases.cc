@@ -447,16 +447,26 @@ std::vector<double> sp_send_rows_per_rank(const SpPlan& sp) {
   return send_rows;
 }
 
+namespace {
+
+// An sp_region case named "S=<seq_len> <packing>" at the context's H (B = 2, T = 3).
+SpRegionCase sp_case(const CaseContext& context, int64_t seq_len, Packing packing) {
+  SpRegionCase c;
+  c.name = "S=" + std::to_string(seq_len) + " " + packing_name(packing);
+  c.shape.packing = packing;
+  c.shape.seq_len = seq_len;
+  c.shape.hidden = context.hidden;
+  return c;
+}
+
+}  // namespace
+
 std::vector<SpRegionCase> sp_region_cases(const CaseContext& context, const ParallelSetting& setting) {
   const bool mpi = setting.mpi_world > 0;
   std::vector<SpRegionCase> all;
   for (int64_t seq_len : {int64_t{4097}, int64_t{32768}, int64_t{131072}}) {
     for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
-      SpRegionCase c;
-      c.name = "S=" + std::to_string(seq_len) + " " + packing_name(packing);
-      c.shape.packing = packing;
-      c.shape.seq_len = seq_len;
-      c.shape.hidden = context.hidden;
+      SpRegionCase c = sp_case(context, seq_len, packing);
       // In-process runs do 32768 with --full; multi-process runs always
       // (every rank then holds a share of it).
       c.enabled = seq_len == 4097 || (seq_len == 32768 && (setting.full || mpi)) ||
@@ -507,11 +517,7 @@ std::vector<SpRegionCase> sp_region_bench_cases(const CaseContext& context, cons
   std::vector<SpRegionCase> all;
   for (int64_t seq_len : lengths) {
     for (Packing packing : {Packing::kBlock, Packing::kInterleaved}) {
-      SpRegionCase c;
-      c.name = "S=" + std::to_string(seq_len) + " " + packing_name(packing);
-      c.shape.packing = packing;
-      c.shape.seq_len = seq_len;
-      c.shape.hidden = context.hidden;
+      SpRegionCase c = sp_case(context, seq_len, packing);
       c.worlds = setting.mpi_world > 0 ? std::vector<int>{setting.mpi_world} : std::vector<int>{2, 4, 8};
       all.push_back(std::move(c));
     }

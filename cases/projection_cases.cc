@@ -377,6 +377,12 @@ std::vector<OpCase> adaln_projection_cases(Suite suite, const CaseContext& ctx) 
   return cases;
 }
 
+// The sequence of the fused ops' kBench (block packing, S = 32768, small:
+// 4097, B = 2, T = 3) or kVerify (fused_verify_index) case.
+IndexCase fused_index(const CaseContext& ctx, bool bench) {
+  return bench ? make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2) : fused_verify_index(ctx);
+}
+
 std::vector<OpCase> adaln_modulation_cases(Suite suite, const CaseContext& ctx) {
   std::vector<OpCase> cases;
   if (suite == Suite::kTest) {
@@ -392,9 +398,7 @@ std::vector<OpCase> adaln_modulation_cases(Suite suite, const CaseContext& ctx) 
   const std::string weight = "transformer_blocks.0.adaln_proj.linear.weight";
   const bool bench = suite == Suite::kBench;
   const uint64_t seed = ctx.seed + (bench ? 1610 : 1620);
-  ModulationShape s{ctx.hidden, ctx.time_embed_dim,
-                    bench ? make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2) : fused_verify_index(ctx),
-                    seed};
+  ModulationShape s{ctx.hidden, ctx.time_embed_dim, fused_index(ctx, bench), seed};
   if (!bench) s.dtype = weight_dtype(ctx, weight);
   s.weight = weight_or(ctx, weight, uniform_values(seed + 1, 0.0, 0.02));
   s.bias = weight_or(ctx, "transformer_blocks.0.adaln_proj.linear.bias", uniform_values(seed + 2, 0.0, 1.0));
@@ -433,8 +437,7 @@ std::vector<OpCase> final_adaln_out_cases(Suite suite, const CaseContext& ctx) {
   const bool bench = suite == Suite::kBench;
   const uint64_t seed = ctx.seed + (bench ? 1710 : 1720);
   FinalShape s{bench ? DType::kBF16 : weight_dtype(ctx, norm_weight), ctx.hidden, ctx.time_embed_dim,
-               bench ? make_index_case(Packing::kBlock, ctx.small ? 4097 : 32768, 3, 2) : fused_verify_index(ctx),
-               seed};
+               fused_index(ctx, bench), seed};
   s.norm_weight = weight_or(ctx, norm_weight, uniform_values(seed + 1, 1.0, 0.3));
   s.weight = weight_or(ctx, "norm_out.linear.weight", uniform_values(seed + 2, 0.0, 0.02));
   s.bias = weight_or(ctx, "norm_out.linear.bias", uniform_values(seed + 3, 0.0, 1.0));
