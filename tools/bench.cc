@@ -4,11 +4,14 @@
 // of the case (each input read once, each output written once), GB/s, the % of
 // a copy bandwidth measured in the same run, and #wrong: the outputs of the
 // timed calls compared bitwise with a CPU reference run of the same case.
-// Then the parallel regions (bench_parallel.cc). Output as a table, CSV or
+// Then the parallel regions (sp_region, tp_adaln_projection; their problems,
+// sizes and world sizes are cases/parallel_cases.h's, their timing
+// cases/timing.h's), per world size next to WS1 on the same device:
+// simulated in-process, measured under --comm mpi, or predicted
+// (--predict-world). On the CPU they run only when --ops names them, a smoke
+// test of the timing path, not a performance claim. Output as a table, CSV or
 // JSON (docs/cli.md gives the schema). Exit 0 when no output is wrong, 1 when
 // one is, 2 on usage or input errors.
-#include "bench.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,16 +26,49 @@
 #include "args.h"
 #include "cases/timing.h"
 #include "cli.h"
-#include "environment.h"
 #include "io/files.h"
-#include "parallel_common.h"
-#include "progress.h"
 
 namespace detdit {
 namespace cli {
 namespace {
 
 using Json = nlohmann::ordered_json;
+using cases::HostTensor;
+
+// What every timed call of a run shares. The op cases run on the device's
+// default stream; each rank of a parallel region on a stream of its own.
+struct BenchContext {
+  Device device;
+  int warmup = 0, repeats = 1;
+  bool quick = false;
+  cases::CaseContext cases;  // the weights' dimensions and tensors, --quick and the seed
+  const cases::LinkModel* predict = nullptr;  // set: the parallel regions are predicted, not simulated
+};
+
+// One row of the report: one phase of an op case, or one world of a parallel
+// region (WS1 included).
+struct BenchRow {
+  BenchRow() = default;
+  BenchRow(std::string op_, std::string name_, std::string phase_, bool parallel_)
+      : op(std::move(op_)), name(std::move(name_)), phase(std::move(phase_)), parallel(parallel_) {}
+
+  std::string op, name, phase;  // "sp_region", "S=32768 block", "fwd+bwd"
+  double median_seconds = 0;    // a region: its slowest rank's (predicted: plus the link model's time)
+  int64_t wrong = 0, compared = 0;  // elements vs the CPU reference (an op case) or WS1 on the same device
+  std::string error;
+  // An op case: its bytes floor and the tensors it counts.
+  double bytes = 0;
+  std::string byte_model;
+  // A parallel region.
+  bool parallel = false;
+  int world = 1;
+  bool ws1 = false;             // the public single-device ops on the whole problem
+  bool simulated = true;        // in-process ranks sharing one device
+  bool predicted = false;       // each rank alone on the device + the link model (not checked)
+  std::vector<double> rank_medians;
+  double ws1_median_seconds = 0;  // WS1 on the same device in the same run
+  cases::Metrics metrics;         // rows / bytes each rank sends, ...
+};
 
 void count_wrong(const std::vector<cases::OutputReport>& reports, BenchRow* r) {
   for (const cases::OutputReport& o : reports) {
@@ -89,6 +125,119 @@ Status bench_op_case(const cases::OpCase& c, const BenchContext& ctx, std::vecto
   }
   rows->insert(rows->end(), timed.begin(), timed.end());
   return Status::ok_status();
+}
+
+// One row per world of the region: WS1 first, then every world of `worlds`
+// (in-process, or the MPI world) unless predicting in-process, then every
+// world of ctx.predict (each process of an MPI world predicts alone on its
+// device). A prediction of a world that was also measured records the
+// measurement and its error; a world that cannot split the problem is an
+// error row; when WS1 fails nothing else is timed.
+void time_region(const BenchContext& ctx, Communicator* mpi, const cases::TimedRegion& region, const std::vector<int>& worlds,
+                 std::vector<BenchRow>* rows) {
+  const cases::RegionTiming timing{ctx.device, ctx.warmup, ctx.repeats, ctx.predict};
+  std::vector<std::pair<int, cases::RegionRun>> runs = {{1, cases::RegionRun::kWs1}};
+  if (mpi != nullptr || ctx.predict == nullptr)
+    for (int world : worlds) runs.push_back({world, cases::RegionRun::kMeasured});
+  if (ctx.predict != nullptr)
+    for (int world : ctx.predict->worlds) runs.push_back({world, cases::RegionRun::kPredicted});
+  const std::size_t first = rows->size();  // the WS1 row
+  std::vector<HostTensor> ws1;             // WS1's outputs on this device, for #wrong
+  for (const auto& [world, how] : runs) {
+    BenchRow r(region.op, region.name, region.phase, true);
+    r.world = world;
+    r.ws1 = how == cases::RegionRun::kWs1;
+    r.simulated = mpi == nullptr && how != cases::RegionRun::kPredicted;
+    r.predicted = how == cases::RegionRun::kPredicted;
+    std::vector<cases::RankTiming> ranks;
+    Status s = r.ws1 ? Status::ok_status() : region.describe(world, &r.metrics);
+    if (s.ok()) s = cases::time_world(timing, mpi, region, how, world, &ws1, &ranks);
+    if (!s.ok()) {
+      r.error = s.to_string();
+      rows->push_back(r);
+      if (r.ws1) return;
+      continue;
+    }
+    if (!r.ws1 || mpi != nullptr)  // in-process WS1 is one run, not ranks
+      for (const cases::RankTiming& rank : ranks) r.rank_medians.push_back(rank.median);
+    for (const cases::RankTiming& rank : ranks) r.median_seconds = std::max(r.median_seconds, rank.median);
+    r.ws1_median_seconds = r.ws1 ? r.median_seconds : (*rows)[first].median_seconds;
+    if (!r.predicted) {
+      for (const cases::RankTiming& rank : ranks) {
+        r.wrong += static_cast<int64_t>(rank.wrong);
+        r.compared += static_cast<int64_t>(rank.compared);
+      }
+      rows->push_back(r);
+      continue;
+    }
+    // The slowest rank's compute plus the longest link time of a rank.
+    const cases::RankTiming link = *std::max_element(ranks.begin(), ranks.end(), [](const cases::RankTiming& a, const cases::RankTiming& b) {
+      return a.link_seconds < b.link_seconds;
+    });
+    r.metrics.push_back({"predicted_compute_us", {r.median_seconds * 1e6}});
+    r.metrics.push_back({"predicted_link_us", {link.link_seconds * 1e6}});
+    r.metrics.push_back({"collectives_per_step", {link.collectives}});
+    r.metrics.push_back({"link_bytes_per_rank", {link.link_bytes}});
+    r.median_seconds += link.link_seconds;
+    for (std::size_t i = first; i < rows->size(); ++i) {
+      const BenchRow& m = (*rows)[i];
+      if (m.ws1 || m.predicted || m.world != world || !m.error.empty()) continue;
+      r.metrics.push_back({"measured_us", {m.median_seconds * 1e6}});
+      r.metrics.push_back({"prediction_error_percent", {100.0 * (r.median_seconds - m.median_seconds) / m.median_seconds}});
+    }
+    rows->push_back(r);
+  }
+}
+
+
+bool wanted(const std::set<std::string>& filter, const std::string& item) { return filter.empty() || filter.count(item); }
+bool is_parallel_op(const std::string& op) { return op == "sp_region" || op == "tp_adaln_projection"; }
+
+// The parallel bench cases of this run's device (mpi: this process's rank of a --comm mpi run).
+cases::ParallelSetting setting_of(const BenchContext& ctx, Communicator* mpi) {
+  cases::ParallelSetting s;
+  s.cuda = ctx.device.is_cuda();
+  s.quick = ctx.quick;
+  s.mpi_world = mpi != nullptr ? mpi->world_size() : 0;
+  return s;
+}
+
+// Each region of the cases of `ops` and `names` (empty: all) timed (time_region),
+// or with `count` only counted. Each (op, case, phase) timed is reported to `progress`.
+Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, const std::set<std::string>& ops,
+                          const std::set<std::string>& names, Progress* progress, std::vector<BenchRow>* rows,
+                          std::size_t* count = nullptr) {
+  const cases::ParallelSetting setting = setting_of(ctx, count != nullptr ? nullptr : mpi);
+  auto time_cases = [&](const auto& all, const auto& make_regions, std::size_t phases) -> Status {
+    for (const auto& c : all) {
+      if (!wanted(names, c.name)) continue;
+      if (count != nullptr) {
+        *count += phases;
+        continue;
+      }
+      std::vector<cases::TimedRegion> regions;
+      DETDIT_RETURN_IF_ERROR(make_regions(ctx.cases, c, ctx.device, &regions));
+      for (const cases::TimedRegion& region : regions) {
+        const std::string label = region.op + " " + region.name + " " + region.phase;
+        progress->started(label);
+        time_region(ctx, mpi, region, c.worlds, rows);
+        progress->finished(label);
+      }
+    }
+    return Status::ok_status();
+  };
+  if (wanted(ops, "sp_region"))
+    DETDIT_RETURN_IF_ERROR(time_cases(cases::sp_region_bench_cases(ctx.cases, setting), cases::sp_region_bench_regions, 1));
+  if (wanted(ops, "tp_adaln_projection"))
+    DETDIT_RETURN_IF_ERROR(time_cases(cases::tp_adaln_projection_bench_cases(ctx.cases, setting),
+                                      cases::tp_adaln_projection_bench_regions, 2));  // fwd and fwd+bwd
+  return Status::ok_status();
+}
+
+std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::string>& ops,
+                                 const std::set<std::string>& names) {
+  std::size_t count = 0;  // counting makes no problem, so it cannot fail
+  return run_parallel_bench(ctx, nullptr, ops, names, nullptr, nullptr, &count).ok() ? count : 0;
 }
 
 // A row passes when it has no error and no wrong element, and compared some
@@ -339,10 +488,11 @@ int run_bench(int argc, char** argv) {
   BenchContext context;
   context.quick = args.has("--quick");
   int64_t repeats = 0, warmup = 0;
+  uint64_t seed = 0;
   double link_gbps = 0, link_latency_us = 0;
   if (!args.get_int("--repeats", context.quick ? 5 : 20, 1, 100000, &repeats) ||
       !args.get_int("--warmup", context.quick ? 1 : 3, 0, 100000, &warmup) ||
-      !args.get_uint64("--seed", 0, &context.seed))
+      !args.get_uint64("--seed", 0, &seed))
     return usage_error(args.error());
   context.repeats = static_cast<int>(repeats);
   context.warmup = static_cast<int>(warmup);
@@ -350,7 +500,6 @@ int run_bench(int argc, char** argv) {
   if (format != "table" && format != "csv" && format != "json")
     return usage_error("--format must be table, csv or json, got '" + format + "'");
   const std::string out_path = args.get("--out", "");
-  if (args.has("--out") && out_path.empty()) return usage_error("--out needs a file name, got an empty one");
   if (args.has("--list")) {
     // The cases at the H3 shape (the weights' dimensions name them at run time).
     cases::CaseContext h3;
@@ -360,14 +509,11 @@ int run_bench(int argc, char** argv) {
     std::printf("%-20s %-24s %s\n", "tp_adaln_projection", "T=1|4", "cuda mpi (cpu: T=4 with --ops)");
     return 0;
   }
-  const std::string comm_name = args.get("--comm", "inprocess");
-  if (comm_name != "inprocess" && comm_name != "mpi")
-    return usage_error("--comm must be inprocess or mpi, got '" + comm_name + "'");
   if (!args.get_positive("--link-gbps", 360, &link_gbps) || !args.get_positive("--link-latency-us", 10, &link_latency_us))
     return usage_error(args.error());
   if (!args.has("--predict-world") && (args.has("--link-gbps") || args.has("--link-latency-us")))
     return usage_error("--link-gbps and --link-latency-us are the model of --predict-world, which is not given");
-  LinkModel link;
+  cases::LinkModel link;
   if (args.has("--predict-world")) {
     std::vector<int64_t> worlds;
     if (!args.get_int_list("--predict-world", "", 2, 1024, "world size", &worlds)) return usage_error(args.error());
@@ -376,7 +522,7 @@ int run_bench(int argc, char** argv) {
     link.bus_bytes_per_second = link_gbps * 1e9;
     link.latency_seconds = link_latency_us * 1e-6;
     // Under --comm mpi the figures not given are measured on the MPI world (below).
-    const bool measured = comm_name == "mpi";
+    const bool measured = args.get("--comm") == "mpi";
     link.source = std::string(args.has("--link-gbps") ? "bandwidth given (--link-gbps)"
                               : measured ? "bandwidth measured"
                                          : "bandwidth assumed (the order of NCCL all-gather bus bandwidth "
@@ -387,20 +533,17 @@ int run_bench(int argc, char** argv) {
     if (!measured) link.source += "; neither measured on this machine";
     context.predict = &link;
   }
-  std::string error;
-  if (!parse_device(args.get("--device"), &context.device, &error)) return usage_error(error);
-  // --comm mpi: one rank per process on GPU local rank % count. The NCCL call check
-  // (a host synchronisation per collective) is off for timing: every rank
-  // runs the same calls.
+  // The NCCL call check (a host synchronisation per collective) is off for
+  // timing: every rank runs the same calls.
+  NcclOptions nccl;
+  nccl.check_calls = false;
   std::unique_ptr<Communicator> world;
-  if (comm_name == "mpi") {
-    NcclOptions nccl;
-    nccl.check_calls = false;
-    Status opened = open_mpi_world(context.device.is_cuda(), &world, &context.device, nccl);
-    if (!opened.ok()) return usage_error("--comm mpi: " + opened.to_string());
+  code = open_run(args, nccl, &context.device, &world);
+  if (code >= 0) return code;
+  if (world != nullptr) {
     if (context.predict != nullptr && (!args.has("--link-gbps") || !args.has("--link-latency-us"))) {
-      LinkModel measured;
-      const Status s = measure_link(context, *world, 2, 5, &measured);
+      cases::LinkModel measured;
+      const Status s = cases::measure_link(context.device, *world, 2, 5, &measured);
       if (!s.ok()) return usage_error("measuring the link of --comm mpi: " + s.to_string());
       if (!args.has("--link-gbps")) link.bus_bytes_per_second = measured.bus_bytes_per_second;
       if (!args.has("--link-latency-us")) link.latency_seconds = measured.latency_seconds;
@@ -427,7 +570,7 @@ int run_bench(int argc, char** argv) {
     return usage_error("no bench case matches --device " + std::string(context.device.is_cuda() ? "cuda" : "cpu") +
                        (ops.empty() ? "" : " --ops") + (names.empty() ? "" : " --cases") +
                        " (detdit bench --list shows them)");
-  Weights weights;
+  io::Weights weights;
   std::vector<std::string> destinations;
   if (!out_path.empty()) destinations.push_back(out_path);
   Status status = resolve_run_weights(world.get(), destinations, args.get("--weights"), io::ManifestConfig(), 0, &weights);
@@ -435,7 +578,7 @@ int run_bench(int argc, char** argv) {
     if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
     return 2;
   }
-  context.weights = &weights;
+  context.cases = case_context(weights, context.quick, seed);
 
   Report report;
   report.device = context.device.to_string();
@@ -452,7 +595,7 @@ int run_bench(int argc, char** argv) {
     return 2;
   }
   // The benchmark sizes: the smallest only with --quick or on the CPU.
-  cases::CaseContext case_context_of_run = case_context(weights, context.quick, context.seed);
+  cases::CaseContext case_context_of_run = context.cases;
   case_context_of_run.small = context.quick || !context.device.is_cuda();
   std::vector<cases::OpCase> selected;
   std::set<std::string> unmatched = names;  // --cases names that no case of this run has
@@ -502,7 +645,7 @@ int run_bench(int argc, char** argv) {
     for (const BenchRow& r : *rows) all_right = all_right && passed(r);
   if (!leader) return all_right ? 0 : 1;  // rank 0 reports for every rank
   report.env = collect_environment(context.device);
-  report.options = {{"repeats", repeats}, {"warmup", warmup}, {"quick", context.quick}, {"seed", context.seed}};
+  report.options = {{"repeats", repeats}, {"warmup", warmup}, {"quick", context.quick}, {"seed", seed}};
   report.parallel = parallel;
   report.predicted = context.predict != nullptr;
   const bool simulated = world == nullptr && context.predict == nullptr;

@@ -6,7 +6,6 @@
 #include <string>
 
 #include "cli.h"
-#include "parallel_common.h"
 
 namespace detdit {
 namespace cli {
