@@ -1,7 +1,6 @@
 // detdit weights synth | verify | inspect.
 #include <chrono>
 #include <cstdio>
-#include <sstream>
 
 #include "args.h"
 #include "cli.h"
@@ -77,9 +76,8 @@ int run_synth(int argc, char** argv) {
   options.only = args.get("--only");
   const std::string dir = args.get("--out");
   io::remove_temporaries_on_signals();  // an interrupted synth leaves no partial file
-  Status status = io::make_directories(dir);
   auto start = std::chrono::steady_clock::now();
-  if (status.ok()) status = io::write_synthetic_weights(dir, options);
+  Status status = io::write_synthetic_weights(dir, options);
   if (!status.ok()) return input_error(status);
   io::SafetensorsFile file;
   status = io::SafetensorsFile::open(io::weights_file_path(dir), &file);
@@ -89,60 +87,6 @@ int run_synth(int argc, char** argv) {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
               static_cast<unsigned long long>(options.seed), static_cast<long long>(options.config.blocks));
   return 0;
-}
-
-// Lines "<hex>  <name>" (sha256sum format; "*name" too; hex in either case, as
-// sha256sum reads it, and may be a prefix of at least 8 digits, as the
-// reference manifest prints them). <name> is a tensor of the file, or the
-// file's own name for a whole-file digest. A list without one such line is an
-// input error: checking nothing must not read as "OK".
-int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, std::vector<std::string>* differences,
-                 int* checked) {
-  std::string text;
-  Status read = io::read_regular_file(sums_path, &text);
-  if (!read.ok()) return input_error(read);
-  std::istringstream in(text);
-  std::string line;
-  int line_number = 0, listed = 0;
-  const std::string base = file.path().substr(file.path().find_last_of('/') + 1);
-  while (std::getline(in, line)) {
-    ++line_number;
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream fields(line);
-    std::string hex, name;
-    fields >> hex >> name;
-    if (!name.empty() && name[0] == '*') name.erase(0, 1);
-    bool hex_ok = hex.size() >= 8 && hex.size() <= 64;
-    for (char& ch : hex) {
-      if (ch >= 'A' && ch <= 'F') ch = static_cast<char>(ch - 'A' + 'a');
-      hex_ok = hex_ok && ((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'));
-    }
-    if (!hex_ok || name.empty()) {
-      std::fprintf(stderr, "detdit: %s:%d: expected '<sha256 hex>  <tensor or file name>', got '%s'\n",
-                   sums_path.c_str(), line_number, line.c_str());
-      return 2;
-    }
-    ++listed;
-    std::string actual;
-    if (name == base) {
-      actual = io::sha256_hex(file.file_bytes(), file.file_size());
-    } else if (const io::TensorEntry* e = file.find(name)) {
-      actual = io::sha256_hex(file.data(*e), e->nbytes());
-    } else {
-      differences->push_back("sha256: " + name + " is listed in " + sums_path + " but not in the file");
-      continue;
-    }
-    ++*checked;
-    if (actual.compare(0, hex.size(), hex) != 0) {
-      differences->push_back("sha256: " + name + " is " + actual + ", expected " + hex);
-    }
-  }
-  if (listed == 0) {
-    std::fprintf(stderr, "detdit: %s: holds no checksum line ('<sha256 hex>  <tensor or file name>')\n",
-                 sums_path.c_str());
-    return 2;
-  }
-  return -1;
 }
 
 int run_verify_weights(int argc, char** argv) {
@@ -169,8 +113,8 @@ int run_verify_weights(int argc, char** argv) {
   io::compare_to_manifest(file, config, &differences, &extras);
   int checked = 0;
   if (args.has("--sha256")) {
-    code = check_sha256(args.get("--sha256"), file, &differences, &checked);
-    if (code >= 0) return code;
+    status = io::check_sha256_list(args.get("--sha256"), file, &differences, &checked);
+    if (!status.ok()) return input_error(status);
   }
   const size_t expected = io::manifest_entries(config).size();
   std::printf("%s: manifest %s, blocks %lld, H %lld, Ht %lld, D %lld, F %lld: %zu tensors expected, %zu in file\n",
