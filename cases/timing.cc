@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -185,6 +186,14 @@ Status tp_adaln_projection_bench_regions(const CaseContext& context, const TpCas
 
 namespace {
 
+// One rank's result.
+struct RankTiming {
+  double median = 0;  // NaN: the rank failed
+  double wrong = 0, compared = 0;
+  double link_seconds = 0, link_bytes = 0, collectives = 0;  // a prediction's collectives of one step
+};
+enum class RegionRun { kWs1, kMeasured, kPredicted };
+
 double slowest(const std::vector<RankTiming>& ranks) {
   double worst = 0;
   for (const RankTiming& r : ranks) worst = std::max(worst, r.median);
@@ -249,8 +258,9 @@ Status time_rank(const RegionTiming& timing, const TimedRegion& region, Communic
   return Status::ok_status();
 }
 
-}  // namespace
-
+// The ranks of one world into *ranks: WS1 (every process of `mpi` times its
+// own; its outputs into *ws1), `mpi`'s world or `world` in-process ranks
+// (kMeasured, compared with *ws1), or a prediction of `world`.
 Status time_world(const RegionTiming& timing, Communicator* mpi, const TimedRegion& region, RegionRun how, int world,
                   std::vector<HostTensor>* ws1, std::vector<RankTiming>* ranks) {
   ranks->assign(static_cast<std::size_t>(world), RankTiming{});
@@ -272,6 +282,120 @@ Status time_world(const RegionTiming& timing, Communicator* mpi, const TimedRegi
     return time_rank(timing, region, &comm, ws1, &(*ranks)[static_cast<std::size_t>(comm.rank())]);
   }, timing.device);
 }
+
+void count_wrong(const std::vector<OutputReport>& reports, BenchRow* r) {
+  for (const OutputReport& o : reports) {
+    r->compared += o.mismatch.compared;
+    r->wrong += o.mismatch.shape_error.empty() ? o.mismatch.count : o.mismatch.compared;
+    if (o.still_canary && r->error.empty()) r->error = o.output + ": the CPU reference never wrote it";
+  }
+}
+
+}  // namespace
+
+Status bench_op_case(const OpCase& c, const Device& device, int warmup, int repeats, std::vector<BenchRow>* rows) {
+  // At the H3 shapes a case is tens of GB on the host: the inputs are filled
+  // once for both runs, the device's outputs downloaded and its tensors freed
+  // before the CPU reference runs.
+  std::map<std::string, HostTensor> inputs, got, expected;
+  make_inputs(c, &inputs);
+  auto t = std::make_unique<Instance>();
+  DETDIT_RETURN_IF_ERROR(instantiate(c, device, nullptr, t.get(), &inputs));
+  auto forward = [&] { return run(c, Phase::kForward, *t); };
+  auto backward = [&] { return run(c, Phase::kBackward, *t); };
+  std::vector<BenchRow> timed;  // fwd, then bwd and fwd+bwd where the case has a backward
+  auto time = [&](const char* phase, double bytes, const std::string& byte_model, const std::function<Status()>& call) {
+    timed.push_back(BenchRow(c.op, c.name, phase, false));
+    timed.back().bytes = bytes;
+    timed.back().byte_model = byte_model;
+    return time_calls(device, nullptr, warmup, repeats, call, &timed.back().median_seconds);
+  };
+  const bool has_backward = c.has(Phase::kBackward);
+  DETDIT_RETURN_IF_ERROR(time("fwd", c.bytes[0], c.byte_model[0], forward));
+  if (has_backward) {
+    DETDIT_RETURN_IF_ERROR(time("bwd", c.bytes[1], c.byte_model[1], backward));
+    DETDIT_RETURN_IF_ERROR(time("fwd+bwd", c.bytes[0] + c.bytes[1], "fwd + bwd floors", [&] {
+      DETDIT_RETURN_IF_ERROR(forward());
+      return backward();
+    }));
+  }
+  DETDIT_RETURN_IF_ERROR(download_outputs(c, *t, &got));
+  t.reset();
+  auto reference = std::make_unique<Instance>();
+  DETDIT_RETURN_IF_ERROR(instantiate(c, Device::cpu(), nullptr, reference.get(), &inputs));
+  inputs.clear();
+  DETDIT_RETURN_IF_ERROR(run(c, Phase::kForward, *reference));
+  if (has_backward) DETDIT_RETURN_IF_ERROR(run(c, Phase::kBackward, *reference));
+  DETDIT_RETURN_IF_ERROR(download_outputs(c, *reference, &expected));
+  reference.reset();
+  const auto forward_reports = compare_outputs(c, Phase::kForward, expected, got);
+  count_wrong(forward_reports, &timed[0]);
+  if (has_backward) {
+    const auto backward_reports = compare_outputs(c, Phase::kBackward, expected, got);
+    count_wrong(backward_reports, &timed[1]);
+    count_wrong(forward_reports, &timed[2]);
+    count_wrong(backward_reports, &timed[2]);
+  }
+  rows->insert(rows->end(), timed.begin(), timed.end());
+  return Status::ok_status();
+}
+
+void time_region(const RegionTiming& timing, Communicator* mpi, const TimedRegion& region, const std::vector<int>& worlds,
+                 std::vector<BenchRow>* rows) {
+  std::vector<std::pair<int, RegionRun>> runs = {{1, RegionRun::kWs1}};
+  if (mpi != nullptr || timing.predict == nullptr)
+    for (int world : worlds) runs.push_back({world, RegionRun::kMeasured});
+  if (timing.predict != nullptr)
+    for (int world : timing.predict->worlds) runs.push_back({world, RegionRun::kPredicted});
+  const std::size_t first = rows->size();  // the WS1 row
+  std::vector<HostTensor> ws1;             // WS1's outputs on this device, for #wrong
+  for (const auto& [world, how] : runs) {
+    BenchRow r(region.op, region.name, region.phase, true);
+    r.world = world;
+    r.ws1 = how == RegionRun::kWs1;
+    r.simulated = mpi == nullptr && how != RegionRun::kPredicted;
+    r.predicted = how == RegionRun::kPredicted;
+    std::vector<RankTiming> ranks;
+    Status s = r.ws1 ? Status::ok_status() : region.describe(world, &r.metrics);
+    if (s.ok()) s = time_world(timing, mpi, region, how, world, &ws1, &ranks);
+    if (!s.ok()) {
+      r.error = s.to_string();
+      rows->push_back(r);
+      if (r.ws1) return;
+      continue;
+    }
+    if (!r.ws1 || mpi != nullptr)  // in-process WS1 is one run, not ranks
+      for (const RankTiming& rank : ranks) r.rank_medians.push_back(rank.median);
+    for (const RankTiming& rank : ranks) r.median_seconds = std::max(r.median_seconds, rank.median);
+    r.ws1_median_seconds = r.ws1 ? r.median_seconds : (*rows)[first].median_seconds;
+    if (!r.predicted) {
+      for (const RankTiming& rank : ranks) {
+        r.wrong += static_cast<int64_t>(rank.wrong);
+        r.compared += static_cast<int64_t>(rank.compared);
+      }
+      rows->push_back(r);
+      continue;
+    }
+    // The slowest rank's compute plus the longest link time of a rank.
+    const RankTiming link = *std::max_element(ranks.begin(), ranks.end(), [](const RankTiming& a, const RankTiming& b) {
+      return a.link_seconds < b.link_seconds;
+    });
+    r.metrics.push_back({"predicted_compute_us", {r.median_seconds * 1e6}});
+    r.metrics.push_back({"predicted_link_us", {link.link_seconds * 1e6}});
+    r.metrics.push_back({"collectives_per_step", {link.collectives}});
+    r.metrics.push_back({"link_bytes_per_rank", {link.link_bytes}});
+    r.median_seconds += link.link_seconds;
+    for (std::size_t i = first; i < rows->size(); ++i) {
+      const BenchRow& m = (*rows)[i];
+      if (m.ws1 || m.predicted || m.world != world || !m.error.empty()) continue;
+      r.metrics.push_back({"measured_us", {m.median_seconds * 1e6}});
+      r.metrics.push_back({"prediction_error_percent", {100.0 * (r.median_seconds - m.median_seconds) / m.median_seconds}});
+    }
+    rows->push_back(r);
+  }
+}
+
+
 
 Status measure_link(const Device& device, Communicator& comm, int warmup, int repeats, LinkModel* link) {
   // An all-gather of 8 bytes per rank is the latency; one of `large` bytes per

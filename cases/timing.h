@@ -1,7 +1,8 @@
 // Timing on a device, for `detdit bench`: the median of repeated calls (the
 // wall clock on the CPU; on CUDA a pair of events on the given stream, so the
 // timed work must be enqueued on that stream), the copy bandwidth of a
-// device, the baseline of a bench row's "% of copy", and the ranks of a
+// device, the baseline of a bench row's "% of copy", an op case's phases
+// timed and their outputs checked against a CPU run, and the ranks of a
 // parallel region (sp_region, tp_adaln_projection) timed per world size next
 // to WS1 (the public single-device op) on the same device.
 //
@@ -26,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "cases/op_case.h"
 #include "cases/parallel_cases.h"
 #include "detdit/comm.h"
 #include "detdit/numerics.h"
@@ -78,23 +80,53 @@ Status sp_region_bench_regions(const CaseContext& context, const SpRegionCase& c
 Status tp_adaln_projection_bench_regions(const CaseContext& context, const TpCase& c, const Device& device,
                                          std::vector<TimedRegion>* regions);
 
-// One rank's result.
-struct RankTiming {
-  double median = 0;  // NaN: the rank failed
-  double wrong = 0, compared = 0;
-  double link_seconds = 0, link_bytes = 0, collectives = 0;  // a prediction's collectives of one step
-};
 struct RegionTiming {
   Device device;
   int warmup = 0, repeats = 1;
-  const LinkModel* predict = nullptr;  // the model of RegionRun::kPredicted
+  const LinkModel* predict = nullptr;  // set: the worlds of predict->worlds are predicted
 };
-enum class RegionRun { kWs1, kMeasured, kPredicted };
-// The ranks of one world into *ranks: WS1 (every process of `mpi` times its
-// own; its outputs into *ws1), `mpi`'s world or `world` in-process ranks
-// (kMeasured, compared with *ws1), or a prediction of `world`.
-Status time_world(const RegionTiming& timing, Communicator* mpi, const TimedRegion& region, RegionRun how, int world,
-                  std::vector<HostTensor>* ws1, std::vector<RankTiming>* ranks);
+
+// One row of a bench report: one phase of an op case, or one world of a
+// parallel region (WS1 included).
+struct BenchRow {
+  BenchRow() = default;
+  BenchRow(std::string op_, std::string name_, std::string phase_, bool parallel_)
+      : op(std::move(op_)), name(std::move(name_)), phase(std::move(phase_)), parallel(parallel_) {}
+
+  std::string op, name, phase;  // "sp_region", "S=32768 block", "fwd+bwd"
+  double median_seconds = 0;    // a region: its slowest rank's (predicted: plus the link model's time)
+  int64_t wrong = 0, compared = 0;  // elements vs the CPU reference (an op case) or WS1 on the same device
+  std::string error;
+  // An op case: its bytes floor and the tensors it counts.
+  double bytes = 0;
+  std::string byte_model;
+  // A parallel region.
+  bool parallel = false;
+  int world = 1;
+  bool ws1 = false;             // the public single-device ops on the whole problem
+  bool simulated = true;        // in-process ranks sharing one device
+  bool predicted = false;       // each rank alone on the device + the link model (not checked)
+  std::vector<double> rank_medians;
+  double ws1_median_seconds = 0;  // WS1 on the same device in the same run
+  Metrics metrics;                // rows / bytes each rank sends, ...
+};
+
+// An op case's phases timed on `device` (its default stream): rows fwd, and
+// bwd and fwd+bwd where the case has a backward, each with its bytes floor;
+// then the outputs of the timed calls compared bitwise with a CPU run of the
+// same case (wrong / compared).
+Status bench_op_case(const OpCase& c, const Device& device, int warmup, int repeats, std::vector<BenchRow>* rows);
+
+// One row per world of the region: WS1 first (every process of `mpi` times
+// its own), then every world of `worlds` (in-process ranks, or `mpi`'s world)
+// unless predicting in-process, then every world of timing.predict (each
+// process of an MPI world predicts alone on its device). A prediction of a
+// world that was also measured records the measurement and its error; a
+// world that cannot split the problem is an error row; when WS1 fails nothing
+// else is timed.
+void time_region(const RegionTiming& timing, Communicator* mpi, const TimedRegion& region, const std::vector<int>& worlds,
+                 std::vector<BenchRow>* rows);
+
 // The link model of `comm`'s world, measured on this rank's device (every
 // rank calls it): the latency and bus bandwidth of its all-gather.
 Status measure_link(const Device& device, Communicator& comm, int warmup, int repeats, LinkModel* link);

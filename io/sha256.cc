@@ -65,7 +65,8 @@ Status check_sha256_list(const std::string& sums_path, const SafetensorsFile& fi
       continue;
     }
     ++*checked;
-    if (actual.compare(0, hex.size(), hex) != 0) differences->push_back("sha256: " + name + " is " + actual + ", expected " + hex);
+    if (actual.compare(0, hex.size(), hex) != 0)
+      differences->push_back("sha256: " + name + " is " + actual + ", expected " + hex);
   }
   if (listed == 0) {
     return Status::value_error(sums_path + ": holds no checksum line ('<sha256 hex>  <tensor or file name>')");

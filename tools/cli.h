@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "args.h"
@@ -28,30 +30,29 @@ int run_bench(int argc, char** argv);    // bench.cc
 int run_report(int argc, char** argv);   // report.cc
 int run_weights(int argc, char** argv);  // weights_cmd.cc
 
+// Runs the command argv[1] names among `commands` on argv[1..argc). No
+// command: `usage` on stderr (exit 2); --help or -h: `usage` on stdout;
+// another: "unknown <kind>command" (2).
+int run_command(int argc, char** argv, const char* usage, const char* kind,
+                std::initializer_list<std::pair<const char*, int (*)(int, char**)>> commands);
+
+// A usage or input error: prints "detdit: <message>" to stderr where `print`
+// (e.g. on the leader rank alone) and returns exit code 2.
+int fail(const std::string& message, bool print = true);
+
 // The figure of a verify report (report.cc).
 Status write_report_svg(const nlohmann::json& report, const std::string& path);
 
 // ---- the run (run.cc) ---------------------------------------------------------
 
-// Where a report ran and what ran.
-struct Environment {
-  // The git state of the source tree when this binary was built
-  // (tools/build_commit.cmake): HEAD, or "unknown" where the source was no git
-  // clone (then dirty is false); dirty: tracked files differed from HEAD.
-  std::string commit;
-  bool dirty = false;
-  std::string compiler;      // e.g. "GCC 12.2.0"
-  std::string cuda_runtime;  // "12.8" or "none" (CPU-only build)
-  std::string cuda_driver;   // "12.8" or "none"
-  std::string device_name;   // "cpu (2 threads)" or "cuda:0 NVIDIA H200"
-  std::string host;
-};
-Environment collect_environment(const Device& device);
-// The part every JSON report (verify, bench) shares: "detdit_version",
-// "git": {"commit", "dirty"} and "environment": {"host", "device", "compiler",
-// "cuda_runtime", "cuda_driver"} ("none" where a CPU-only build or a machine
-// without a driver has none).
-void record_environment(const Environment& env, nlohmann::ordered_json* report);
+// What every JSON report (verify, bench) records of where it ran and what
+// ran: "detdit_version", "git": {"commit", "dirty"} (the git state of the
+// source tree when this binary was built, tools/build_commit.cmake: HEAD, or
+// "unknown" where the source was no git clone; dirty: tracked files differed
+// from HEAD) and "environment": {"host", "device" ("cpu (2 threads)",
+// "cuda:0 NVIDIA H200 (sm_90)"), "compiler", "cuda_runtime", "cuda_driver"}
+// ("none" where a CPU-only build or a machine without a driver has none).
+void record_environment(const Device& device, nlohmann::ordered_json* report);
 
 // Under mpirun (launched_by_mpi()) every process must run the same command
 // line: the collectives of a command follow from its options, so ranks

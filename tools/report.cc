@@ -319,10 +319,7 @@ int run_report(int argc, char** argv) {
     error = report.is_null() ? in_path + ": not valid JSON: " + e.what()
                              : Status::value_error(in_path + ": unexpected report structure: " + e.what()).to_string();
   }
-  if (!error.empty()) {
-    std::fprintf(stderr, "detdit: %s\n", error.c_str());
-    return 2;
-  }
+  if (!error.empty()) return fail(error);
   std::printf("wrote %s\n", out_path.c_str());
   return 0;
 }

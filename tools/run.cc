@@ -48,48 +48,39 @@ int cuda_device_count() {
 
 }  // namespace
 
-Environment collect_environment(const Device& device) {
-  Environment env;
-  env.commit = DETDIT_BUILD_COMMIT;
-  env.dirty = DETDIT_BUILD_DIRTY != 0;
+void record_environment(const Device& device, nlohmann::ordered_json* report) {
 #if defined(__clang__)
-  env.compiler = "Clang " __clang_version__;
+  const std::string compiler = "Clang " __clang_version__;
 #elif defined(__GNUC__)
-  env.compiler = "GCC " __VERSION__;
+  const std::string compiler = "GCC " __VERSION__;
 #else
-  env.compiler = "unknown";
+  const std::string compiler = "unknown";
 #endif
-  env.cuda_runtime = env.cuda_driver = "none";
-  env.device_name = "cpu (" + std::to_string(std::thread::hardware_concurrency()) + " threads)";
+  std::string runtime = "none", driver = "none", host;
+  std::string device_name = "cpu (" + std::to_string(std::thread::hardware_concurrency()) + " threads)";
 #ifdef DETDIT_WITH_CUDA
   int v = 0;
-  if (cudaRuntimeGetVersion(&v) == cudaSuccess) env.cuda_runtime = version_string(v);
-  if (cudaDriverGetVersion(&v) == cudaSuccess && v > 0) env.cuda_driver = version_string(v);
-  if (device.is_cuda()) {
-    cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, device.index) == cudaSuccess) {
-      env.device_name = device.to_string() + " " + prop.name + " (sm_" + std::to_string(prop.major) +
-                        std::to_string(prop.minor) + ")";
-    }
+  if (cudaRuntimeGetVersion(&v) == cudaSuccess) runtime = version_string(v);
+  if (cudaDriverGetVersion(&v) == cudaSuccess && v > 0) driver = version_string(v);
+  cudaDeviceProp prop;
+  if (device.is_cuda() && cudaGetDeviceProperties(&prop, device.index) == cudaSuccess) {
+    device_name = device.to_string() + " " + prop.name + " (sm_" + std::to_string(prop.major) +
+                  std::to_string(prop.minor) + ")";
   }
   cudaGetLastError();
 #else
   (void)device;
   (void)version_string;
 #endif
-  char host[256] = {0};
-  if (::gethostname(host, sizeof host - 1) == 0) env.host = host;
-  return env;
-}
-
-void record_environment(const Environment& env, nlohmann::ordered_json* report) {
+  char name[256] = {0};
+  if (::gethostname(name, sizeof name - 1) == 0) host = name;
   (*report)["detdit_version"] = DETDIT_VERSION;
-  (*report)["git"] = {{"commit", env.commit}, {"dirty", env.dirty}};
-  (*report)["environment"] = {{"host", env.host},
-                              {"device", env.device_name},
-                              {"compiler", env.compiler},
-                              {"cuda_runtime", env.cuda_runtime},
-                              {"cuda_driver", env.cuda_driver}};
+  (*report)["git"] = {{"commit", DETDIT_BUILD_COMMIT}, {"dirty", DETDIT_BUILD_DIRTY != 0}};
+  (*report)["environment"] = {{"host", host},
+                              {"device", device_name},
+                              {"compiler", compiler},
+                              {"cuda_runtime", runtime},
+                              {"cuda_driver", driver}};
 }
 
 // ---- --device and --comm ----------------------------------------------------
@@ -158,9 +149,7 @@ int open_run(const Args& args, const NcclOptions& nccl, Device* device, std::uni
   } else {
     *device = chosen == "cuda" ? Device::cuda(0) : Device::cpu();
   }
-  if (error.empty()) return -1;
-  std::fprintf(stderr, "detdit: %s\n", error.c_str());
-  return 2;
+  return error.empty() ? -1 : fail(error);
 }
 
 int agree_on_command_line(int argc, char** argv) {

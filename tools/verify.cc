@@ -38,21 +38,6 @@ struct MatrixOptions {
   std::string corrupt;
 };
 
-// The dimensions of `detdit verify`'s synthetic default without --full: the
-// H3 tensors and ratios (Ht = H, D = H / 2, F = 256) at H = 1536 (Wan 2.1
-// 1.3B's and SD3 Medium's hidden size), so that the default run fits three
-// minutes on 2 CPU cores. --full, `detdit bench` and `detdit weights synth`
-// use H3's dimensions (ManifestConfig's defaults).
-io::ManifestConfig verify_dimensions(int64_t blocks) {
-  io::ManifestConfig c;
-  c.blocks = blocks;
-  c.hidden = 1536;
-  c.time_embed_hidden = 1536;
-  c.time_embed_dim = 768;
-  c.freq_dim = 256;
-  return c;
-}
-
 // One case of the report: an op's verify op cases together, named by their
 // situation, or one parallel problem, which also runs under --comm mpi (each
 // rank its share); `enabled`: whether it applies to this run.
@@ -92,17 +77,8 @@ std::vector<VerifyCase> verify_cases(const cases::CaseContext& context, const ca
     all.push_back({"tp_adaln_projection", c.name, true, c.enabled, [=](std::vector<CheckRow>* rows) {
                      return cases::check_tp_worlds(context, device, comm, c.shape, c.worlds, false, rows);
                    }});
-  op_cases("gate_residual_rmsnorm", "gate_msa then norm2, d_h");
+  op_cases("gate_residual_rmsnorm", "gate_msa then norm2, d_h");  // last, where every earlier report lists it
   return all;
-}
-
-cases::ParallelSetting parallel_setting(bool cuda, bool quick, bool full, int mpi_world) {
-  cases::ParallelSetting s;
-  s.cuda = cuda;
-  s.quick = quick;
-  s.full = full;
-  s.mpi_world = mpi_world;
-  return s;
 }
 
 Json number_or_null(double v) { return std::isnan(v) ? Json(nullptr) : Json(v); }
@@ -113,6 +89,22 @@ std::string format_error(double v) {
   std::snprintf(text, sizeof text, v == 0 ? "0" : "%.2e", v);
   return text;
 }
+
+// The checks of rows: a skipped or informational row is none.
+struct Tally {
+  int64_t checks = 0, passed = 0, skipped = 0;
+  void add(const std::vector<CheckRow>& rows) {
+    for (const CheckRow& row : rows) {
+      skipped += row.skipped ? 1 : 0;
+      checks += row.skipped || row.informational ? 0 : 1;
+      passed += !row.skipped && !row.informational && row.pass ? 1 : 0;
+    }
+  }
+  std::string outcome(const std::string& what) const {  // "3/3 checks ok", "2/3 cells FAIL, 1 skipped"
+    return std::to_string(passed) + "/" + std::to_string(checks) + " " + what + (passed == checks ? " ok" : " FAIL") +
+           (skipped > 0 ? ", " + std::to_string(skipped) + " skipped" : "");
+  }
+};
 
 struct CaseResult {
   std::string op, name;
@@ -299,22 +291,24 @@ int run_verify(int argc, char** argv) {
   if (code >= 0) return code;
   int64_t blocks = 1;
   uint64_t seed = 0;
-  if (!args.get_int("--blocks", 1, 1, 1000, &blocks) || !args.get_uint64("--seed", 0, &seed)) {
-    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-    return 2;
-  }
-  if (args.has("--quick") && args.has("--full")) {
-    std::fprintf(stderr, "detdit: --quick and --full exclude each other\n");
-    return 2;
-  }
+  if (!args.get_int("--blocks", 1, 1, 1000, &blocks) || !args.get_uint64("--seed", 0, &seed)) return fail(args.error());
+  if (args.has("--quick") && args.has("--full")) return fail("--quick and --full exclude each other");
   const bool full = args.has("--full");
-  io::ManifestConfig dimensions = full ? io::ManifestConfig() : verify_dimensions(blocks);
+  // The synthetic default: H3's dimensions with --full (as bench and weights
+  // synth use them), else the H3 tensors and ratios (Ht = H, D = H / 2,
+  // F = 256) at H = 1536 (Wan 2.1 1.3B's and SD3 Medium's hidden size), so
+  // that the default run fits three minutes on 2 CPU cores.
+  io::ManifestConfig dimensions;
   dimensions.blocks = blocks;
+  if (!full) {
+    dimensions.hidden = dimensions.time_embed_hidden = 1536;
+    dimensions.time_embed_dim = 768;
+  }
 
   if (args.has("--list")) {
     // Where each case runs: under --comm mpi, or in-process with --full (the H3 shape names them).
-    const auto cpu = verify_cases({}, parallel_setting(false, false, true, 2), Device::cpu(), nullptr);
-    const auto cuda = verify_cases({}, parallel_setting(true, false, true, 2), Device::cpu(), nullptr);
+    const auto cpu = verify_cases({}, cases::ParallelSetting{false, false, true, 2}, Device::cpu(), nullptr);
+    const auto cuda = verify_cases({}, cases::ParallelSetting{true, false, true, 2}, Device::cpu(), nullptr);
     for (std::size_t i = 0; i < cpu.size(); ++i) {
       std::printf("%-20s %-32s %s%s%s\n", cpu[i].op.c_str(), cpu[i].name.c_str(), cpu[i].enabled ? "cpu " : "",
                   cuda[i].enabled ? "cuda " : "", cpu[i].parallel ? "mpi" : "");
@@ -323,15 +317,9 @@ int run_verify(int argc, char** argv) {
   }
   const bool matrix = args.has("--matrix");
   MatrixOptions matrix_options;
-  if (matrix && args.get("--comm") == "mpi") {
-    std::fprintf(stderr, "detdit: --matrix runs its ranks in-process (without --comm mpi)\n");
-    return 2;
-  }
+  if (matrix && args.get("--comm") == "mpi") return fail("--matrix runs its ranks in-process (without --comm mpi)");
   for (const char* option : {"--seq", "--worlds", "--matrix-budget"}) {
-    if (!matrix && args.has(option)) {
-      std::fprintf(stderr, "detdit: %s applies to --matrix only\n", option);
-      return 2;
-    }
+    if (!matrix && args.has(option)) return fail(std::string(option) + " applies to --matrix only");
   }
   if (matrix) {
     const bool quick = args.has("--quick");
@@ -340,10 +328,8 @@ int run_verify(int argc, char** argv) {
     if (!args.get_int_list("--seq", quick ? "4097" : "4097,32768,131072", 1, int64_t{1} << 24, "sequence length",
                            &matrix_options.seq_lens) ||
         !args.get_int_list("--worlds", quick ? "1,2,3,8" : "1,2,3,4,5,6,7,8", 1, 64, "world size", &worlds) ||
-        !args.get_int("--matrix-budget", -1, 0, int64_t{1} << 50, &budget)) {
-      if (!args.error().empty()) std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-      return 2;
-    }
+        !args.get_int("--matrix-budget", -1, 0, int64_t{1} << 50, &budget))
+      return fail(args.error());
     for (int64_t w : worlds) matrix_options.worlds.push_back(static_cast<int>(w));
     matrix_options.budget = static_cast<double>(budget);
     if (const char* corrupt = std::getenv("DETDIT_TEST_CORRUPT_CELLS")) matrix_options.corrupt = corrupt;
@@ -356,19 +342,12 @@ int run_verify(int argc, char** argv) {
   const bool leader = world == nullptr || world->rank() == 0;
 
   std::set<std::string> wanted_ops;
-  if (!args.get_set("--ops", &wanted_ops)) {
-    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-    return 2;
-  }
+  if (!args.get_set("--ops", &wanted_ops)) return fail(args.error());
   const bool quick = args.has("--quick");
   for (const std::string& op : matrix ? std::set<std::string>() : wanted_ops) {
     bool known = false;
     for (const VerifyCase& c : verify_cases({}, {}, device, nullptr)) known = known || op == c.op;
-    if (!known) {
-      std::fprintf(stderr, "detdit: --ops: no verify case for op '%s' (detdit verify --list shows them)\n",
-                   op.c_str());
-      return 2;
-    }
+    if (!known) return fail("--ops: no verify case for op '" + op + "' (detdit verify --list shows them)");
   }
 
   io::Weights weights;
@@ -376,16 +355,13 @@ int run_verify(int argc, char** argv) {
   for (const char* option : {"--out", "--figure"})
     if (args.has(option)) destinations.push_back(args.get(option));
   const Status status = resolve_run_weights(world.get(), destinations, args.get("--weights"), dimensions, seed, &weights);
-  if (!status.ok()) {
-    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-    return 2;
-  }
+  if (!status.ok()) return fail(status.to_string(), leader);
 
   const cases::CaseContext context = case_context(weights, quick, seed);
   if (matrix && matrix_options.budget < 0) matrix_options.budget = device.is_cuda() ? 0 : 2.0 * 4097 * 5376;
   std::vector<VerifyCase> selected;
-  for (VerifyCase& c : verify_cases(context, parallel_setting(device.is_cuda(), quick, full, world ? world->world_size() : 0),
-                                    device, world.get())) {
+  const cases::ParallelSetting setting{device.is_cuda(), quick, full, world ? world->world_size() : 0};
+  for (VerifyCase& c : verify_cases(context, setting, device, world.get())) {
     if (!matrix && c.enabled && (world == nullptr || c.parallel) && (wanted_ops.empty() || wanted_ops.count(c.op)))
       selected.push_back(std::move(c));
   }
@@ -401,18 +377,11 @@ int run_verify(int argc, char** argv) {
     const double t0 = cases::now_seconds();
     Status s = c.run(&r.rows);
     r.seconds = cases::now_seconds() - t0;
-    if (!s.ok()) {
+    if (!s.ok() || r.rows.empty()) {  // a failed check
       CheckRow row;
       row.check = "case ran";
-      row.seconds = r.seconds;
-      row.detail = s.to_string();
-      row.pass = false;
-      r.rows.push_back(row);
-    }
-    if (r.rows.empty()) {
-      CheckRow row;
-      row.check = "case ran";
-      row.detail = "the case returned no checks";
+      row.seconds = s.ok() ? 0 : r.seconds;
+      row.detail = s.ok() ? "the case returned no checks" : s.to_string();
       r.rows.push_back(row);
     }
     // An informational row whose measurement failed is a failed check.
@@ -425,13 +394,9 @@ int run_verify(int argc, char** argv) {
       }
       r.seconds = r.rows.empty() ? r.seconds : std::max(r.seconds, r.rows.front().seconds);
     }
-    int64_t case_checks = 0, case_passed = 0;
-    for (const CheckRow& row : r.rows) {
-      case_checks += row.informational ? 0 : 1;
-      case_passed += !row.informational && row.pass ? 1 : 0;
-    }
-    progress.finished(name, std::to_string(case_passed) + "/" + std::to_string(case_checks) + " checks " +
-                                (case_passed == case_checks ? "ok" : "FAIL"));
+    Tally tally;
+    tally.add(r.rows);
+    progress.finished(name, tally.outcome("checks"));
     results.push_back(std::move(r));
   }
   progress.clear();
@@ -442,47 +407,29 @@ int run_verify(int argc, char** argv) {
         cases::plan_matrix(context, device, matrix_options.seq_lens, matrix_options.worlds, matrix_options.corrupt);
     std::vector<const cases::MatrixPlan*> planned;
     Status s = cases::select_matrix(plan, wanted_ops, matrix_options.corrupt, &planned);
-    if (!s.ok()) {
-      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    if (!s.ok()) return fail(s.to_string());
     Progress cells("detdit verify --matrix", planned.size(), leader);
     for (const cases::MatrixPlan* p : planned) {
       const std::string name = p->head.op + " / " + p->head.name;
       cells.started(name);
       const std::size_t first = groups.size();
       cases::run_matrix_group(*p, wanted_ops, matrix_options.budget, &groups);
-      int64_t checks = 0, passed = 0, skipped = 0;
-      for (std::size_t i = first; i < groups.size(); ++i) {
-        for (const CheckRow& row : groups[i].rows) {
-          skipped += row.skipped ? 1 : 0;
-          checks += row.skipped || row.informational ? 0 : 1;
-          passed += !row.skipped && !row.informational && row.pass ? 1 : 0;
-        }
-      }
-      cells.finished(name, std::to_string(passed) + "/" + std::to_string(checks) + " cells " +
-                               (passed == checks ? "ok" : "FAIL") +
-                               (skipped > 0 ? ", " + std::to_string(skipped) + " skipped" : ""));
+      Tally tally;
+      for (std::size_t i = first; i < groups.size(); ++i) tally.add(groups[i].rows);
+      cells.finished(name, tally.outcome("cells"));
     }
     cells.clear();
     for (const MatrixGroup& g : groups) results.push_back({g.op, g.name, g.rows, g.seconds});
   }
   const double total_seconds = cases::now_seconds() - start;
 
-  int64_t checks = 0, passed = 0, skipped = 0;
-  for (const CaseResult& r : results) {
-    for (const CheckRow& row : r.rows) {
-      skipped += row.skipped ? 1 : 0;
-      if (row.informational || row.skipped) continue;
-      ++checks;
-      passed += row.pass ? 1 : 0;
-    }
-  }
+  Tally total;
+  for (const CaseResult& r : results) total.add(r.rows);
+  const int64_t checks = total.checks, passed = total.passed, skipped = total.skipped;
   const bool pass = checks > 0 && passed == checks;
   if (!leader) return pass ? 0 : 1;  // rank 0 reports for every rank
   print_table(results);
 
-  const Environment env = collect_environment(device);
   Json report;
   report["kind"] = "detdit_verify_report";
   // 2: "git" is the commit built (no run-time "build_commit"), "detdit_version" added.
@@ -491,7 +438,7 @@ int run_verify(int argc, char** argv) {
   report["checks_total"] = checks;
   report["checks_passed"] = passed;
   report["seconds"] = total_seconds;
-  record_environment(env, &report);
+  record_environment(device, &report);
   report["options"] = {{"quick", quick},
                        {"full", full},
                        {"device", device.to_string()},
@@ -550,17 +497,11 @@ int run_verify(int argc, char** argv) {
   if (args.has("--out")) {
     // A temporary renamed into place: a failed write leaves the previous report or none.
     Status s = io::write_file_atomically(args.get("--out"), report.dump(2) + "\n");
-    if (!s.ok()) {
-      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    if (!s.ok()) return fail(s.to_string());
   }
   if (args.has("--figure")) {
     Status s = write_report_svg(nlohmann::json::parse(report.dump()), args.get("--figure"));
-    if (!s.ok()) {
-      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    if (!s.ok()) return fail(s.to_string());
   }
   if (matrix) {
     for (const cases::MatrixNote& note : cases::matrix_not_enumerated(device))

@@ -45,16 +45,6 @@ bool read_dimensions(Args* args, io::ManifestConfig* c, int64_t default_blocks) 
          args->get_int("--freq-dim", c->freq_dim, 1, kMax, &c->freq_dim);
 }
 
-int usage_error(const Args& args) {
-  std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-  return 2;
-}
-
-int input_error(const Status& status) {
-  std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-  return 2;
-}
-
 int run_synth(int argc, char** argv) {
   Args args("detdit weights synth --out DIR [--blocks N] [--seed N] [--only PATTERN]",
             "Writes DIR/h3_conditioning.safetensors with deterministic synthetic weights of the manifest's\n"
@@ -67,21 +57,18 @@ int run_synth(int argc, char** argv) {
   if (code >= 0) return code;
   io::SynthOptions options;
   if (!read_dimensions(&args, &options.config, 1) || !args.get_uint64("--seed", 0, &options.seed)) {
-    return usage_error(args);
+    return fail(args.error());
   }
-  if (!args.has("--out")) {
-    std::fprintf(stderr, "detdit: weights synth needs --out DIR\n");
-    return 2;
-  }
+  if (!args.has("--out")) return fail("weights synth needs --out DIR");
   options.only = args.get("--only");
   const std::string dir = args.get("--out");
   io::remove_temporaries_on_signals();  // an interrupted synth leaves no partial file
   auto start = std::chrono::steady_clock::now();
   Status status = io::write_synthetic_weights(dir, options);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   io::SafetensorsFile file;
   status = io::SafetensorsFile::open(io::weights_file_path(dir), &file);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   std::printf("wrote %s: %zu tensors, %.3f GB in %.1f s (seed %llu, blocks %lld)\n", file.path().c_str(),
               file.entries().size(), file.file_size() / 1e9,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
@@ -102,19 +89,19 @@ int run_verify_weights(int argc, char** argv) {
   if (code >= 0) return code;
   io::SafetensorsFile file;
   Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("DIR")), &file);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   int64_t blocks_in_file = 0;
   while (file.find("transformer_blocks." + std::to_string(blocks_in_file) + ".adaln_proj.linear.weight")) {
     ++blocks_in_file;
   }
   io::ManifestConfig config;
-  if (!read_dimensions(&args, &config, std::max<int64_t>(1, blocks_in_file))) return usage_error(args);
+  if (!read_dimensions(&args, &config, std::max<int64_t>(1, blocks_in_file))) return fail(args.error());
   std::vector<std::string> differences, extras;
   io::compare_to_manifest(file, config, &differences, &extras);
   int checked = 0;
   if (args.has("--sha256")) {
     status = io::check_sha256_list(args.get("--sha256"), file, &differences, &checked);
-    if (!status.ok()) return input_error(status);
+    if (!status.ok()) return fail(status.to_string());
   }
   const size_t expected = io::manifest_entries(config).size();
   std::printf("%s: manifest %s, blocks %lld, H %lld, Ht %lld, D %lld, F %lld: %zu tensors expected, %zu in file\n",
@@ -142,7 +129,7 @@ int run_inspect(int argc, char** argv) {
   if (code >= 0) return code;
   io::SafetensorsFile file;
   Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("FILE")), &file);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   std::printf("%s: %llu bytes, header %llu bytes, data section at byte %llu, %zu tensors\n", file.path().c_str(),
               static_cast<unsigned long long>(file.file_size()), static_cast<unsigned long long>(file.header_bytes()),
               static_cast<unsigned long long>(file.data_start()), file.entries().size());
@@ -172,21 +159,9 @@ int run_manifest(int argc, char** argv) {
 }  // namespace
 
 int run_weights(int argc, char** argv) {
-  if (argc < 2) {
-    std::fputs(kWeightsUsage, stderr);
-    return 2;
-  }
-  const std::string command = argv[1];
-  if (command == "--help" || command == "-h") {
-    std::fputs(kWeightsUsage, stdout);
-    return 0;
-  }
-  if (command == "synth") return run_synth(argc - 1, argv + 1);
-  if (command == "verify") return run_verify_weights(argc - 1, argv + 1);
-  if (command == "inspect") return run_inspect(argc - 1, argv + 1);
-  if (command == "manifest") return run_manifest(argc - 1, argv + 1);
-  std::fprintf(stderr, "detdit: unknown weights command '%s'\n\n%s", command.c_str(), kWeightsUsage);
-  return 2;
+  return run_command(argc, argv, kWeightsUsage, "weights ",
+                     {{"synth", run_synth}, {"verify", run_verify_weights}, {"inspect", run_inspect},
+                      {"manifest", run_manifest}});
 }
 
 }  // namespace cli
