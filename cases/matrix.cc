@@ -9,6 +9,23 @@ namespace detdit {
 namespace cases {
 namespace {
 
+std::string with_commas(double v) {
+  std::string digits = std::to_string(static_cast<long long>(v)), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+bool matrix_wants(const std::set<std::string>& ops, const std::string& op) {
+  if (ops.empty() || ops.count(op)) return true;
+  if (op != "sp_region") return false;
+  for (const char* sp : kSpOps)
+    if (ops.count(sp)) return true;
+  return false;
+}
+
 double largest_tensor(const OpCase& c) {
   double most = 0;
   for (const TensorSpec& t : c.tensors) {
@@ -238,6 +255,81 @@ std::vector<MatrixNote> matrix_not_enumerated(const Device& device) {
                    "the matrix runs its ranks in-process (threads sharing one device); detdit verify --comm mpi "
                    "writes its own report, which nothing merges into the matrix"});
   return notes;
+}
+
+Status select_matrix(const std::vector<MatrixPlan>& plan, const std::set<std::string>& ops, const std::string& corrupt,
+                     std::vector<const MatrixPlan*>* selected) {
+  std::set<std::string> known;
+  for (const MatrixPlan& p : plan) {
+    known.insert(p.head.op);
+    if (p.head.op == "sp_region") known.insert(std::begin(kSpOps), std::end(kSpOps));
+  }
+  for (const std::string& op : ops)
+    if (!known.count(op)) return Status::value_error("--ops: no matrix cells for op '" + op + "'");
+  if (!corrupt.empty() && !known.count(corrupt))
+    return Status::value_error("DETDIT_TEST_CORRUPT_CELLS: no matrix cells for op '" + corrupt + "'");
+  for (const MatrixPlan& p : plan)
+    if (matrix_wants(ops, p.head.op)) selected->push_back(&p);
+  return Status::ok_status();
+}
+
+void run_matrix_group(const MatrixPlan& p, const std::set<std::string>& ops, double budget,
+                      std::vector<MatrixGroup>* groups) {
+  const std::size_t first = groups->size();
+  const double start = now_seconds();
+  if (budget > 0 && p.cost > budget) {
+    const std::string reason = "skipped: its largest tensor has " + with_commas(p.cost) +
+                               " elements, over this run's budget of " + with_commas(budget) +
+                               " (--matrix-budget; 0: no budget)";
+    const bool sp = p.head.op == "sp_region";
+    for (std::size_t v = 0; v < (sp ? std::size(kSpOps) : 1); ++v) {
+      const std::string op = sp ? kSpOps[v] : p.head.op;
+      if (!matrix_wants(ops, op)) continue;
+      if (sp && p.head.profile != "portable" && !sp_variant_takes_profile(kSpVariants[v])) continue;
+      MatrixGroup g = p.head;
+      g.op = op;
+      for (std::size_t i = 0; i < p.row_checks.size(); ++i) {
+        if (sp && !sp_variant_has_naive_contrast(kSpVariants[v]) && p.row_checks[i].rfind("naive", 0) == 0) continue;
+        CheckRow row;
+        row.check = p.row_checks[i];
+        row.skipped = true;
+        row.detail = reason;
+        g.rows.push_back(row);
+        g.worlds.push_back(p.row_worlds[i]);
+      }
+      groups->push_back(std::move(g));
+    }
+  } else {
+    Status s = p.run(groups);
+    if (!s.ok()) {
+      MatrixGroup g = p.head;
+      CheckRow row;
+      row.check = "cells ran";
+      row.detail = s.to_string();
+      g.rows.push_back(row);
+      g.worlds.push_back(0);
+      groups->push_back(std::move(g));
+    }
+  }
+  for (std::size_t i = first; i < groups->size(); ++i) {
+    MatrixGroup& g = (*groups)[i];
+    for (std::size_t r = g.rows.size(); r-- > 0;) {
+      const CheckRow& row = g.rows[r];
+      if (row.pass && !row.skipped && !row.informational && row.bitwise_run == 0 && std::isnan(row.bound)) {
+        g.rows.erase(g.rows.begin() + static_cast<std::ptrdiff_t>(r));
+        if (r < g.worlds.size()) g.worlds.erase(g.worlds.begin() + static_cast<std::ptrdiff_t>(r));
+      }
+    }
+  }
+  const double seconds = now_seconds() - start;
+  const double made = static_cast<double>(groups->size() - first);
+  groups->erase(std::remove_if(groups->begin() + static_cast<std::ptrdiff_t>(first), groups->end(),
+                               [&](const MatrixGroup& g) { return !matrix_wants(ops, g.op); }),
+                groups->end());
+  for (std::size_t i = first; i < groups->size(); ++i) {
+    (*groups)[i].seconds = seconds / made;
+    for (CheckRow& row : (*groups)[i].rows) row.informational = row.informational && row.pass;
+  }
 }
 
 }  // namespace cases

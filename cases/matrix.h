@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,21 @@ constexpr const char* kSpOps[] = {"sp_rmsnorm_plain", "sp_rmsnorm_modulated", "s
 std::vector<MatrixPlan> plan_matrix(const CaseContext& context, const Device& device,
                                     const std::vector<int64_t>& seq_lens, const std::vector<int>& worlds,
                                     const std::string& corrupt);
+
+// The groups of `ops` (empty: all; an sp_* op or sp_region keeps the
+// sp_region's groups). An error: an op of `ops`, or the test hook `corrupt`,
+// that has no cells.
+Status select_matrix(const std::vector<MatrixPlan>& plan, const std::set<std::string>& ops, const std::string& corrupt,
+                     std::vector<const MatrixPlan*>* selected);
+// Runs one planned group into *groups (only the groups of `ops`' ops), or,
+// when its cost is over `budget` (> 0; 0: no budget), lists every row it would
+// have as skipped with the reason, never as passing. A group that could not
+// run is one failed row "cells ran". Rows that compared no bytes and measured
+// no error (an op case's "run") are no cells and are dropped unless they
+// failed; an informational row that failed counts as a failed check; the
+// groups of one problem share its time.
+void run_matrix_group(const MatrixPlan& plan, const std::set<std::string>& ops, double budget,
+                      std::vector<MatrixGroup>* groups);
 
 // What the byte-equality matrix has that a run on `device` does not enumerate, and why.
 struct MatrixNote {

@@ -112,6 +112,7 @@ Status write_synthetic_weights(const std::string& dir, const SynthOptions& optio
                                " time_embed_dim=" + std::to_string(c.time_embed_dim) +
                                " freq_dim=" + std::to_string(c.freq_dim));
   }
+  DETDIT_RETURN_IF_ERROR(make_directories(dir));
   std::vector<ManifestEntry> entries;
   for (ManifestEntry& e : manifest_entries(c)) {
     if (options.only.empty() || e.name.find(options.only) != std::string::npos) entries.push_back(std::move(e));

@@ -49,7 +49,7 @@ struct SynthOptions {
 
 // Writes DIR/h3_conditioning.safetensors (metadata records the kind, manifest
 // version, synth version, seed and dimensions) and DIR/SHA256SUMS (one
-// "<sha256>  <tensor name>" line per tensor). DIR must exist.
+// "<sha256>  <tensor name>" line per tensor). DIR is made (mkdir -p) when missing.
 Status write_synthetic_weights(const std::string& dir, const SynthOptions& options);
 
 }  // namespace io

@@ -125,7 +125,6 @@ Status resolve_weights(const std::string& weights_option, const ManifestConfig& 
   std::string dir;
   DETDIT_RETURN_IF_ERROR(synthetic_cache_dir(config, seed, &dir));
   if (cache_is_usable(dir, config, seed, weights)) return Status::ok_status();
-  DETDIT_RETURN_IF_ERROR(make_directories(dir));
   remove_temporaries_on_signals();  // an interrupted generation leaves no partial cache entry
   if (announce) {
     std::fprintf(stderr, "detdit: generating the default synthetic weights (H=%lld, blocks=%lld, seed=%llu) into %s ...\n",

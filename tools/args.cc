@@ -47,10 +47,16 @@ class HelpFormatter : public CLI::Formatter {
 // unsigned number was 2^64 - 1.
 bool is_decimal(const std::string& text, bool sign_allowed) {
   const std::size_t first = sign_allowed && !text.empty() && text[0] == '-' ? 1 : 0;
-  if (text.size() == first) return false;
-  for (std::size_t i = first; i < text.size(); ++i)
-    if (text[i] < '0' || text[i] > '9') return false;
-  return true;
+  return text.size() > first && text.find_first_not_of("0123456789", first) == std::string::npos;
+}
+
+// `text` as an integer in [lo, hi] (decimal digits, a '-' first where `sign_allowed`).
+bool read_integer(const std::string& text, bool sign_allowed, int64_t lo, int64_t hi, int64_t* value) {
+  if (!is_decimal(text, sign_allowed)) return false;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), nullptr, 10);
+  *value = v;
+  return errno == 0 && v >= lo && v <= hi;
 }
 
 // The items of a comma-separated text, empty ones included ("a," -> {a, ""}).
@@ -184,31 +190,19 @@ bool Args::get_set(const std::string& name, std::set<std::string>* items) {
 }
 
 bool Args::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi, int64_t* value) {
-  if (!has(name)) {
-    *value = fallback;
-    return true;
-  }
-  const std::string text = get(name);
-  char* end = nullptr;
-  errno = 0;
-  long long v = std::strtoll(text.c_str(), &end, 10);
-  if (!is_decimal(text, true) || *end != '\0' || errno != 0 || v < lo || v > hi) {
-    error_ = name + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
-             text + "'";
-    return false;
-  }
-  *value = v;
-  return true;
+  *value = fallback;
+  if (!has(name) || read_integer(get(name), true, lo, hi, value)) return true;
+  error_ = name + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + get(name) +
+           "'";
+  return false;
 }
 
 bool Args::get_int_list(const std::string& name, const std::string& fallback, int64_t lo, int64_t hi,
                         const std::string& what, std::vector<int64_t>* values) {
   values->clear();
   for (const std::string& item : items_of(get(name, fallback))) {
-    char* end = nullptr;
-    errno = 0;
-    const long long v = is_decimal(item, false) ? std::strtoll(item.c_str(), &end, 10) : 0;
-    if (!is_decimal(item, false) || *end != '\0' || errno != 0 || v < lo || v > hi) {
+    int64_t v = 0;
+    if (!read_integer(item, false, lo, hi, &v)) {
       error_ = name + " must list " + what + "s in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
                item + "'";
       return false;
@@ -227,37 +221,25 @@ bool Args::get_int_list(const std::string& name, const std::string& fallback, in
 }
 
 bool Args::get_positive(const std::string& name, double fallback, double* value) {
-  if (!has(name)) {
-    *value = fallback;
-    return true;
-  }
+  *value = fallback;
+  if (!has(name)) return true;
   const std::string text = get(name);
   char* end = nullptr;
   errno = 0;
-  const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || errno != 0 || !std::isfinite(v) || v <= 0) {
-    error_ = name + " must be a number > 0, got '" + text + "'";
-    return false;
-  }
-  *value = v;
-  return true;
+  *value = std::strtod(text.c_str(), &end);
+  if (*end == '\0' && errno == 0 && std::isfinite(*value) && *value > 0) return true;
+  error_ = name + " must be a number > 0, got '" + text + "'";
+  return false;
 }
 
 bool Args::get_uint64(const std::string& name, uint64_t fallback, uint64_t* value) {
-  if (!has(name)) {
-    *value = fallback;
-    return true;
-  }
-  const std::string text = get(name);
-  char* end = nullptr;
+  *value = fallback;
+  if (!has(name)) return true;
   errno = 0;
-  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (!is_decimal(text, false) || *end != '\0' || errno != 0) {
-    error_ = name + " must be a non-negative integer, got '" + text + "'";
-    return false;
-  }
-  *value = v;
-  return true;
+  *value = is_decimal(get(name), false) ? std::strtoull(get(name).c_str(), nullptr, 10) : 0;
+  if (is_decimal(get(name), false) && errno == 0) return true;
+  error_ = name + " must be a non-negative integer, got '" + get(name) + "'";
+  return false;
 }
 
 int parse_or_exit_code(Args* args, int argc, char** argv, int first) {

@@ -4,91 +4,85 @@
 // of the case (each input read once, each output written once), GB/s, the % of
 // a copy bandwidth measured in the same run, and #wrong: the outputs of the
 // timed calls compared bitwise with a CPU reference run of the same case.
-// Then the parallel regions (bench_parallel.cc). Output as a table, CSV or
-// JSON (docs/cli.md gives the schema). Exit 0 when no output is wrong, 1 when
-// one is, 2 on usage or input errors.
-#include "bench.h"
-
+// Then the parallel regions (sp_region, tp_adaln_projection; their problems,
+// sizes and world sizes are cases/parallel_cases.h's), per world size next to
+// WS1 on the same device: simulated in-process, measured under --comm mpi, or
+// predicted (--predict-world). On the CPU they run only when --ops names them,
+// a smoke test of the timing path, not a performance claim. The timing and
+// the checks of both are cases/timing.h's. Output as a table, CSV or JSON
+// (docs/cli.md gives the schema). Exit 0 when no output is wrong, 1 when one
+// is, 2 on usage or input errors.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <functional>
 #include <iterator>
 #include <limits>
-#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "args.h"
 #include "cases/timing.h"
 #include "cli.h"
-#include "environment.h"
 #include "io/files.h"
-#include "parallel_common.h"
-#include "progress.h"
 
 namespace detdit {
 namespace cli {
 namespace {
 
 using Json = nlohmann::ordered_json;
+using cases::BenchRow;
 
-void count_wrong(const std::vector<cases::OutputReport>& reports, BenchRow* r) {
-  for (const cases::OutputReport& o : reports) {
-    r->compared += o.mismatch.compared;
-    r->wrong += o.mismatch.shape_error.empty() ? o.mismatch.count : o.mismatch.compared;
-    if (o.still_canary && r->error.empty()) r->error = o.output + ": the CPU reference never wrote it";
-  }
+// What every timed call of a run shares. The op cases run on the device's
+// default stream; each rank of a parallel region on a stream of its own.
+struct BenchContext {
+  Device device;
+  int warmup = 0, repeats = 1;
+  bool quick = false;
+  cases::CaseContext cases;  // the weights' dimensions and tensors, --quick and the seed
+  const cases::LinkModel* predict = nullptr;  // set: the parallel regions are predicted, not simulated
+};
+
+bool wanted(const std::set<std::string>& filter, const std::string& item) { return filter.empty() || filter.count(item); }
+bool is_parallel_op(const std::string& op) { return op == "sp_region" || op == "tp_adaln_projection"; }
+
+// Each region of the cases of `ops` and `names` (empty: all) timed (time_region),
+// or with `count` only counted. Each (op, case, phase) timed is reported to `progress`.
+Status run_parallel_bench(const BenchContext& ctx, Communicator* mpi, const std::set<std::string>& ops,
+                          const std::set<std::string>& names, Progress* progress, std::vector<BenchRow>* rows,
+                          std::size_t* count = nullptr) {
+  // The parallel bench cases of this run's device (counting: those of an in-process run).
+  const int mpi_world = mpi != nullptr && count == nullptr ? mpi->world_size() : 0;
+  const cases::ParallelSetting setting{ctx.device.is_cuda(), ctx.quick, false, mpi_world};
+  auto time_cases = [&](const auto& all, const auto& make_regions, std::size_t phases) -> Status {
+    for (const auto& c : all) {
+      if (!wanted(names, c.name)) continue;
+      if (count != nullptr) {
+        *count += phases;
+        continue;
+      }
+      std::vector<cases::TimedRegion> regions;
+      DETDIT_RETURN_IF_ERROR(make_regions(ctx.cases, c, ctx.device, &regions));
+      for (const cases::TimedRegion& region : regions) {
+        const std::string label = region.op + " " + region.name + " " + region.phase;
+        progress->started(label);
+        cases::time_region({ctx.device, ctx.warmup, ctx.repeats, ctx.predict}, mpi, region, c.worlds, rows);
+        progress->finished(label);
+      }
+    }
+    return Status::ok_status();
+  };
+  if (wanted(ops, "sp_region"))
+    DETDIT_RETURN_IF_ERROR(time_cases(cases::sp_region_bench_cases(ctx.cases, setting), cases::sp_region_bench_regions, 1));
+  if (wanted(ops, "tp_adaln_projection"))
+    DETDIT_RETURN_IF_ERROR(time_cases(cases::tp_adaln_projection_bench_cases(ctx.cases, setting),
+                                      cases::tp_adaln_projection_bench_regions, 2));  // fwd and fwd+bwd
+  return Status::ok_status();
 }
 
-// Times the case's phases on the context's device (its default stream), then
-// compares the outputs of the timed calls with a CPU run of the same case.
-Status bench_op_case(const cases::OpCase& c, const BenchContext& ctx, std::vector<BenchRow>* rows) {
-  // At the H3 shapes a case is tens of GB on the host: the inputs are filled
-  // once for both runs, the device's outputs downloaded and its tensors freed
-  // before the CPU reference runs.
-  std::map<std::string, HostTensor> inputs, got, expected;
-  cases::make_inputs(c, &inputs);
-  auto t = std::make_unique<cases::Instance>();
-  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, ctx.device, nullptr, t.get(), &inputs));
-  auto forward = [&] { return cases::run(c, cases::Phase::kForward, *t); };
-  auto backward = [&] { return cases::run(c, cases::Phase::kBackward, *t); };
-  std::vector<BenchRow> timed;  // fwd, then bwd and fwd+bwd where the case has a backward
-  auto time = [&](const char* phase, double bytes, const std::string& byte_model, const std::function<Status()>& call) {
-    timed.push_back(BenchRow(c.op, c.name, phase, false));
-    timed.back().bytes = bytes;
-    timed.back().byte_model = byte_model;
-    return cases::time_calls(ctx.device, nullptr, ctx.warmup, ctx.repeats, call, &timed.back().median_seconds);
-  };
-  const bool has_backward = c.has(cases::Phase::kBackward);
-  DETDIT_RETURN_IF_ERROR(time("fwd", c.bytes[0], c.byte_model[0], forward));
-  if (has_backward) {
-    DETDIT_RETURN_IF_ERROR(time("bwd", c.bytes[1], c.byte_model[1], backward));
-    DETDIT_RETURN_IF_ERROR(time("fwd+bwd", c.bytes[0] + c.bytes[1], "fwd + bwd floors", [&] {
-      DETDIT_RETURN_IF_ERROR(forward());
-      return backward();
-    }));
-  }
-  DETDIT_RETURN_IF_ERROR(cases::download_outputs(c, *t, &got));
-  t.reset();
-  auto reference = std::make_unique<cases::Instance>();
-  DETDIT_RETURN_IF_ERROR(cases::instantiate(c, Device::cpu(), nullptr, reference.get(), &inputs));
-  inputs.clear();
-  DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kForward, *reference));
-  if (has_backward) DETDIT_RETURN_IF_ERROR(cases::run(c, cases::Phase::kBackward, *reference));
-  DETDIT_RETURN_IF_ERROR(cases::download_outputs(c, *reference, &expected));
-  reference.reset();
-  const auto forward_reports = cases::compare_outputs(c, cases::Phase::kForward, expected, got);
-  count_wrong(forward_reports, &timed[0]);
-  if (has_backward) {
-    const auto backward_reports = cases::compare_outputs(c, cases::Phase::kBackward, expected, got);
-    count_wrong(backward_reports, &timed[1]);
-    count_wrong(forward_reports, &timed[2]);
-    count_wrong(backward_reports, &timed[2]);
-  }
-  rows->insert(rows->end(), timed.begin(), timed.end());
-  return Status::ok_status();
+std::size_t parallel_bench_count(const BenchContext& ctx, const std::set<std::string>& ops,
+                                 const std::set<std::string>& names) {
+  std::size_t count = 0;  // counting makes no problem, so it cannot fail
+  return run_parallel_bench(ctx, nullptr, ops, names, nullptr, nullptr, &count).ok() ? count : 0;
 }
 
 // A row passes when it has no error and no wrong element, and compared some
@@ -148,7 +142,7 @@ std::vector<ParallelTarget> parallel_targets(const std::vector<BenchRow>& rows, 
 // What the report shows, in every format.
 struct Report {
   std::string device;  // "cpu", "cuda:0"
-  Environment env;
+  Json recorded;  // record_environment's keys
   Json options;
   double copy_bandwidth = 0;
   std::vector<BenchRow> rows, parallel_rows;
@@ -240,7 +234,7 @@ Json report_json(const Report& report) {
   Json out;
   out["kind"] = "detdit_bench_report";
   out["format_version"] = 2;
-  record_environment(report.env, &out);
+  out.update(report.recorded);
   out["options"] = report.options;
   out["copy_gbps"] = report.copy_bandwidth / 1e9;
   out["cases"] = Json::array();
@@ -270,7 +264,8 @@ void print_csv(const Report& report) {
 
 void print_table(const Report& report) {
   std::printf("copy bandwidth %.1f GB/s (%s, measured now); commit %.12s%s\n", report.copy_bandwidth / 1e9,
-              report.env.device_name.c_str(), report.env.commit.c_str(), report.env.dirty ? " (dirty)" : "");
+              report.recorded["environment"]["device"].get<std::string>().c_str(),
+              report.recorded["git"]["commit"].get<std::string>().c_str(), report.recorded["git"]["dirty"] ? " (dirty)" : "");
   if (!report.rows.empty()) {
     std::printf("%-18s %-36s %-7s %11s %13s %8s %8s %8s\n", "op", "case", "phase", "median us", "bytes floor", "GB/s",
                 "% copy", "#wrong");
@@ -332,25 +327,21 @@ int run_bench(int argc, char** argv) {
   args.flag("--list", "list the registered cases and exit");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
-  auto usage_error = [](const std::string& message) {
-    std::fprintf(stderr, "detdit: %s\n", message.c_str());
-    return 2;
-  };
   BenchContext context;
   context.quick = args.has("--quick");
   int64_t repeats = 0, warmup = 0;
+  uint64_t seed = 0;
   double link_gbps = 0, link_latency_us = 0;
   if (!args.get_int("--repeats", context.quick ? 5 : 20, 1, 100000, &repeats) ||
       !args.get_int("--warmup", context.quick ? 1 : 3, 0, 100000, &warmup) ||
-      !args.get_uint64("--seed", 0, &context.seed))
-    return usage_error(args.error());
+      !args.get_uint64("--seed", 0, &seed))
+    return fail(args.error());
   context.repeats = static_cast<int>(repeats);
   context.warmup = static_cast<int>(warmup);
   const std::string format = args.get("--format", "table");
   if (format != "table" && format != "csv" && format != "json")
-    return usage_error("--format must be table, csv or json, got '" + format + "'");
+    return fail("--format must be table, csv or json, got '" + format + "'");
   const std::string out_path = args.get("--out", "");
-  if (args.has("--out") && out_path.empty()) return usage_error("--out needs a file name, got an empty one");
   if (args.has("--list")) {
     // The cases at the H3 shape (the weights' dimensions name them at run time).
     cases::CaseContext h3;
@@ -360,23 +351,20 @@ int run_bench(int argc, char** argv) {
     std::printf("%-20s %-24s %s\n", "tp_adaln_projection", "T=1|4", "cuda mpi (cpu: T=4 with --ops)");
     return 0;
   }
-  const std::string comm_name = args.get("--comm", "inprocess");
-  if (comm_name != "inprocess" && comm_name != "mpi")
-    return usage_error("--comm must be inprocess or mpi, got '" + comm_name + "'");
   if (!args.get_positive("--link-gbps", 360, &link_gbps) || !args.get_positive("--link-latency-us", 10, &link_latency_us))
-    return usage_error(args.error());
+    return fail(args.error());
   if (!args.has("--predict-world") && (args.has("--link-gbps") || args.has("--link-latency-us")))
-    return usage_error("--link-gbps and --link-latency-us are the model of --predict-world, which is not given");
-  LinkModel link;
+    return fail("--link-gbps and --link-latency-us are the model of --predict-world, which is not given");
+  cases::LinkModel link;
   if (args.has("--predict-world")) {
     std::vector<int64_t> worlds;
-    if (!args.get_int_list("--predict-world", "", 2, 1024, "world size", &worlds)) return usage_error(args.error());
+    if (!args.get_int_list("--predict-world", "", 2, 1024, "world size", &worlds)) return fail(args.error());
     for (int64_t world : worlds) link.worlds.push_back(static_cast<int>(world));
     std::sort(link.worlds.begin(), link.worlds.end());
     link.bus_bytes_per_second = link_gbps * 1e9;
     link.latency_seconds = link_latency_us * 1e-6;
     // Under --comm mpi the figures not given are measured on the MPI world (below).
-    const bool measured = comm_name == "mpi";
+    const bool measured = args.get("--comm") == "mpi";
     link.source = std::string(args.has("--link-gbps") ? "bandwidth given (--link-gbps)"
                               : measured ? "bandwidth measured"
                                          : "bandwidth assumed (the order of NCCL all-gather bus bandwidth "
@@ -387,21 +375,18 @@ int run_bench(int argc, char** argv) {
     if (!measured) link.source += "; neither measured on this machine";
     context.predict = &link;
   }
-  std::string error;
-  if (!parse_device(args.get("--device"), &context.device, &error)) return usage_error(error);
-  // --comm mpi: one rank per process on GPU local rank % count. The NCCL call check
-  // (a host synchronisation per collective) is off for timing: every rank
-  // runs the same calls.
+  // The NCCL call check (a host synchronisation per collective) is off for
+  // timing: every rank runs the same calls.
+  NcclOptions nccl;
+  nccl.check_calls = false;
   std::unique_ptr<Communicator> world;
-  if (comm_name == "mpi") {
-    NcclOptions nccl;
-    nccl.check_calls = false;
-    Status opened = open_mpi_world(context.device.is_cuda(), &world, &context.device, nccl);
-    if (!opened.ok()) return usage_error("--comm mpi: " + opened.to_string());
+  code = open_run(args, nccl, &context.device, &world);
+  if (code >= 0) return code;
+  if (world != nullptr) {
     if (context.predict != nullptr && (!args.has("--link-gbps") || !args.has("--link-latency-us"))) {
-      LinkModel measured;
-      const Status s = measure_link(context, *world, 2, 5, &measured);
-      if (!s.ok()) return usage_error("measuring the link of --comm mpi: " + s.to_string());
+      cases::LinkModel measured;
+      const Status s = cases::measure_link(context.device, *world, 2, 5, &measured);
+      if (!s.ok()) return fail("measuring the link of --comm mpi: " + s.to_string());
       if (!args.has("--link-gbps")) link.bus_bytes_per_second = measured.bus_bytes_per_second;
       if (!args.has("--link-latency-us")) link.latency_seconds = measured.latency_seconds;
       link.source += " over " + std::string(world->backend_id()) + " between " + std::to_string(world->world_size()) +
@@ -410,7 +395,7 @@ int run_bench(int argc, char** argv) {
   }
   const bool leader = world == nullptr || world->rank() == 0;
   std::set<std::string> ops, names;
-  if (!args.get_set("--ops", &ops) || !args.get_set("--cases", &names)) return usage_error(args.error());
+  if (!args.get_set("--ops", &ops) || !args.get_set("--cases", &names)) return fail(args.error());
   bool any_op_case = false;
   for (const std::string& op : cases::case_ops()) any_op_case = any_op_case || ops.empty() || ops.count(op) > 0;
   if (world != nullptr) any_op_case = false;  // under mpirun only the parallel regions run
@@ -421,21 +406,18 @@ int run_bench(int argc, char** argv) {
   }
   const bool parallel = world != nullptr || !parallel_ops.empty() || (ops.empty() && context.device.is_cuda());
   if (context.predict != nullptr && !parallel)
-    return usage_error("--predict-world predicts the parallel regions, and none runs here (on --device cpu "
+    return fail("--predict-world predicts the parallel regions, and none runs here (on --device cpu "
                        "name them with --ops sp_region,tp_adaln_projection)");
   if (!any_op_case && !parallel)
-    return usage_error("no bench case matches --device " + std::string(context.device.is_cuda() ? "cuda" : "cpu") +
+    return fail("no bench case matches --device " + std::string(context.device.is_cuda() ? "cuda" : "cpu") +
                        (ops.empty() ? "" : " --ops") + (names.empty() ? "" : " --cases") +
                        " (detdit bench --list shows them)");
-  Weights weights;
+  io::Weights weights;
   std::vector<std::string> destinations;
   if (!out_path.empty()) destinations.push_back(out_path);
   Status status = resolve_run_weights(world.get(), destinations, args.get("--weights"), io::ManifestConfig(), 0, &weights);
-  if (!status.ok()) {
-    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-    return 2;
-  }
-  context.weights = &weights;
+  if (!status.ok()) return fail(status.to_string(), leader);
+  context.cases = case_context(weights, context.quick, seed);
 
   Report report;
   report.device = context.device.to_string();
@@ -447,12 +429,9 @@ int run_bench(int argc, char** argv) {
   }
   // Every rank agrees before any returns: a peer must not wait in its next collective.
   if (world != nullptr) status = all_ranks_ok(*world, status);
-  if (!status.ok()) {
-    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-    return 2;
-  }
+  if (!status.ok()) return fail(status.to_string(), leader);
   // The benchmark sizes: the smallest only with --quick or on the CPU.
-  cases::CaseContext case_context_of_run = case_context(weights, context.quick, context.seed);
+  cases::CaseContext case_context_of_run = context.cases;
   case_context_of_run.small = context.quick || !context.device.is_cuda();
   std::vector<cases::OpCase> selected;
   std::set<std::string> unmatched = names;  // --cases names that no case of this run has
@@ -468,10 +447,9 @@ int run_bench(int argc, char** argv) {
              ? unmatched.erase(it)
              : std::next(it);
   if (!unmatched.empty()) {
-    if (leader)
-      std::fprintf(stderr, "detdit: --cases: no case named '%s' on --device %s%s (detdit bench --list shows them)\n",
-                   unmatched.begin()->c_str(), context.device.is_cuda() ? "cuda" : "cpu", ops.empty() ? "" : " for --ops");
-    return 2;
+    return fail("--cases: no case named '" + *unmatched.begin() + "' on --device " +
+                    (context.device.is_cuda() ? "cuda" : "cpu") + (ops.empty() ? "" : " for --ops") +
+                    " (detdit bench --list shows them)", leader);
   }
   // Progress on stderr (the report waits for the last case): a large case
   // takes seconds, most of it the CPU reference.
@@ -480,7 +458,7 @@ int run_bench(int argc, char** argv) {
   for (const cases::OpCase& c : selected) {
     const std::size_t before = report.rows.size();
     progress.started(c.full_name());
-    Status s = bench_op_case(c, context, &report.rows);
+    Status s = cases::bench_op_case(c, context.device, context.warmup, context.repeats, &report.rows);
     if (!s.ok()) {
       report.rows.resize(before);
       report.rows.push_back(BenchRow(c.op, c.name, "", false));
@@ -501,8 +479,8 @@ int run_bench(int argc, char** argv) {
   for (const auto* rows : {&report.rows, &report.parallel_rows})
     for (const BenchRow& r : *rows) all_right = all_right && passed(r);
   if (!leader) return all_right ? 0 : 1;  // rank 0 reports for every rank
-  report.env = collect_environment(context.device);
-  report.options = {{"repeats", repeats}, {"warmup", warmup}, {"quick", context.quick}, {"seed", context.seed}};
+  record_environment(context.device, &report.recorded);
+  report.options = {{"repeats", repeats}, {"warmup", warmup}, {"quick", context.quick}, {"seed", seed}};
   report.parallel = parallel;
   report.predicted = context.predict != nullptr;
   const bool simulated = world == nullptr && context.predict == nullptr;
@@ -537,7 +515,7 @@ int run_bench(int argc, char** argv) {
     if (format == "json") std::printf("%s\n", json.c_str());
     if (!out_path.empty()) {
       const Status written = io::write_file_atomically(out_path, json + "\n");
-      if (!written.ok()) return usage_error(written.to_string());
+      if (!written.ok()) return fail(written.to_string());
     }
   }
   if (format == "csv") print_csv(report);

@@ -6,7 +6,6 @@
 #include <string>
 
 #include "cli.h"
-#include "parallel_common.h"
 
 namespace detdit {
 namespace cli {
@@ -23,6 +22,25 @@ const char* const kUsage =
     "detdit <command> --help describes each command's options; detdit --version prints the version.\n"
     "Exit codes: 0 every check passes, 1 a check fails, 2 usage or input error.\n";
 
+int run_command(int argc, char** argv, const char* usage, const char* kind,
+                std::initializer_list<std::pair<const char*, int (*)(int, char**)>> commands) {
+  const std::string command = argc < 2 ? "" : argv[1];
+  for (const auto& [name, run] : commands)
+    if (command == name) return run(argc - 1, argv + 1);
+  const bool help = command == "--help" || command == "-h";
+  if (argc < 2 || help) {
+    std::fputs(usage, help ? stdout : stderr);
+    return help ? 0 : 2;
+  }
+  std::fprintf(stderr, "detdit: unknown %scommand '%s'\n\n%s", kind, command.c_str(), usage);
+  return 2;
+}
+
+int fail(const std::string& message, bool print) {
+  if (print) std::fprintf(stderr, "detdit: %s\n", message.c_str());
+  return 2;
+}
+
 }  // namespace cli
 }  // namespace detdit
 
@@ -33,25 +51,13 @@ int dispatch(int argc, char** argv) {
   // Before any command can exit: under mpirun every rank takes part.
   const int mismatch = agree_on_command_line(argc, argv);
   if (mismatch >= 0) return mismatch;
-  if (argc < 2) {
-    std::fputs(kUsage, stderr);
-    return 2;
-  }
-  const std::string command = argv[1];
-  if (command == "--help" || command == "-h" || command == "help") {
-    std::fputs(kUsage, stdout);
+  const std::string command = argc < 2 ? "" : argv[1];
+  if (command == "help" || command == "--version") {
+    std::printf("%s", command == "help" ? kUsage : "detdit " DETDIT_VERSION "\n");
     return 0;
   }
-  if (command == "--version") {
-    std::printf("detdit %s\n", DETDIT_VERSION);
-    return 0;
-  }
-  if (command == "verify") return run_verify(argc - 1, argv + 1);
-  if (command == "bench") return run_bench(argc - 1, argv + 1);
-  if (command == "report") return run_report(argc - 1, argv + 1);
-  if (command == "weights") return run_weights(argc - 1, argv + 1);
-  std::fprintf(stderr, "detdit: unknown command '%s'\n\n%s", command.c_str(), kUsage);
-  return 2;
+  return run_command(argc, argv, kUsage, "",
+                     {{"verify", run_verify}, {"bench", run_bench}, {"report", run_report}, {"weights", run_weights}});
 }
 
 }  // namespace

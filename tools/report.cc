@@ -98,6 +98,8 @@ class Svg {
   std::ostringstream out_;
 };
 
+std::string case_name(const Json& c) { return c["op"].get<std::string>() + " / " + c["case"].get<std::string>(); }
+
 double number(const Json& v, double fallback = NAN) { return v.is_number() ? v.get<double>() : fallback; }
 
 // What the figure needs of a report; the messages are about the report (the
@@ -142,9 +144,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
   y += 12;
   const double cell_font = 9, cell_pad = 8, matrix_right = kWidth - kMargin;
   for (const Json& c : cases) {
-    svg.text(kLabelWidth - 8, y + 16, fit(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(),
-                                          kLabelWidth - 8 - kMargin, 11),
-             11, "end");
+    svg.text(kLabelWidth - 8, y + 16, fit(case_name(c), kLabelWidth - 8 - kMargin, 11), 11, "end");
     double x = kLabelWidth;
     for (const Json& row : c["checks"]) {
       const bool pass = row.value("pass", false);
@@ -169,16 +169,16 @@ Status write_report_svg(const Json& report, const std::string& path) {
     y += row_height;
   }
   y += 10;
-  svg.rect(kLabelWidth, y, 12, 12, kGreen);
-  svg.text(kLabelWidth + 16, y + 10, "bitwise equal", 11);
-  svg.rect(kLabelWidth + 120, y, 12, 12, kBlue);
-  svg.text(kLabelWidth + 136, y + 10, "accuracy within bound", 11);
-  svg.rect(kLabelWidth + 300, y, 12, 12, kRed);
-  svg.text(kLabelWidth + 316, y + 10, "failed", 11);
-  svg.rect(kLabelWidth + 380, y, 12, 12, kGrey);
-  svg.text(kLabelWidth + 396, y + 10, "informational", 11);
-  svg.rect(kLabelWidth + 490, y, 12, 12, "#fff", kGrey);
-  svg.text(kLabelWidth + 506, y + 10, "skipped (not run)", 11);
+  const struct {
+    double x;
+    const char *fill, *stroke, *what;
+  } legend[] = {{0, kGreen, "none", "bitwise equal"},  {120, kBlue, "none", "accuracy within bound"},
+                {300, kRed, "none", "failed"},         {380, kGrey, "none", "informational"},
+                {490, "#fff", kGrey, "skipped (not run)"}};
+  for (const auto& l : legend) {
+    svg.rect(kLabelWidth + l.x, y, 12, 12, l.fill, l.stroke);
+    svg.text(kLabelWidth + l.x + 16, y + 10, l.what, 11);
+  }
   y += 40;
 
   // Panel 2: time per case.
@@ -190,9 +190,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
   y += 12;
   for (const Json& c : cases) {
     const double seconds = number(c.value("seconds", Json()), 0);
-    svg.text(kLabelWidth - 8, y + 15, fit(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(),
-                                          kLabelWidth - 8 - kMargin, 11),
-             11, "end");
+    svg.text(kLabelWidth - 8, y + 15, fit(case_name(c), kLabelWidth - 8 - kMargin, 11), 11, "end");
     svg.rect(kLabelWidth, y + 4, std::max(1.0, bar_span * seconds / max_seconds), row_height - 8, kBlue);
     svg.text(kLabelWidth + bar_span * seconds / max_seconds + 6, y + 15, fmt("%.3g s", seconds), 10);
     y += row_height;
@@ -227,9 +225,7 @@ Status write_report_svg(const Json& report, const std::string& path) {
       const double err = number(row.value("max_error_vs_fp64", Json()));
       if (std::isnan(err)) continue;
       if (!case_shown) {
-        svg.text(kMargin, y + 15, fit(c["op"].get<std::string>() + " / " + c["case"].get<std::string>(),
-                                      axis_left - 8 - kMargin, 10),
-                 10, "start", "bold");
+        svg.text(kMargin, y + 15, fit(case_name(c), axis_left - 8 - kMargin, 10), 10, "start", "bold");
         y += row_height * 0.8;
         case_shown = true;
       }
@@ -308,33 +304,22 @@ int run_report(int argc, char** argv) {
     const std::size_t dot = in_path.rfind('.');
     out_path = (dot == std::string::npos ? in_path : in_path.substr(0, dot)) + ".svg";
   }
-  std::string text;
-  Status read = io::read_regular_file(in_path, &text);
-  if (!read.ok()) {
-    std::fprintf(stderr, "detdit: %s\n", read.to_string().c_str());
-    return 2;
-  }
+  std::string text, error;
+  Status status = io::read_regular_file(in_path, &text);
   Json report;
   try {
-    report = Json::parse(text);
-  } catch (const Json::exception& e) {
-    std::fprintf(stderr, "detdit: %s: not valid JSON: %s\n", in_path.c_str(), e.what());
-    return 2;
+    if (!status.ok()) {
+      error = status.to_string();
+    } else if (report = Json::parse(text); !(status = check_drawable(report)).ok()) {
+      error = in_path + ": " + status.to_string();
+    } else if (!(status = write_report_svg(report, out_path)).ok()) {
+      error = status.to_string();
+    }
+  } catch (const Json::exception& e) {  // parse_error: no JSON; else a value of an unexpected type
+    error = report.is_null() ? in_path + ": not valid JSON: " + e.what()
+                             : Status::value_error(in_path + ": unexpected report structure: " + e.what()).to_string();
   }
-  Status status = check_drawable(report);
-  if (!status.ok()) {
-    std::fprintf(stderr, "detdit: %s: %s\n", in_path.c_str(), status.to_string().c_str());
-    return 2;
-  }
-  try {
-    status = write_report_svg(report, out_path);
-  } catch (const Json::exception& e) {
-    status = Status::value_error(in_path + ": unexpected report structure: " + e.what());
-  }
-  if (!status.ok()) {
-    std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-    return 2;
-  }
+  if (!error.empty()) return fail(error);
   std::printf("wrote %s\n", out_path.c_str());
   return 0;
 }

@@ -1,58 +1,84 @@
-// detdit verify: runs every registered verify case for one device, prints a
-// table and a one-line verdict, and writes a JSON report (and an SVG figure).
-// Exit code 0 when every check passes, 1 when one fails, 2 on usage or input
-// errors (bad options, unreadable weights).
-#include "verify.h"
-
+// detdit verify: runs the verify cases of the op-case library for one device
+// (each op's Suite::kVerify cases, the sp_region and tp_adaln_projection
+// problems; their problems, sizes, world sizes and every check are cases/'s),
+// or the byte-equality matrix (--matrix, cases/matrix.h), prints a table and a
+// one-line verdict, and writes a JSON report (and an SVG figure). Exit code 0
+// when every check passes, 1 when one fails, 2 on usage or input errors (bad
+// options, unreadable weights).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <nlohmann/json.hpp>
 #include <cstdlib>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <set>
 
-#include "args.h"
+#include "cases/checks.h"
+#include "cases/matrix.h"
 #include "cli.h"
-#include "environment.h"
 #include "io/files.h"
 #include "io/manifest.h"
-#include "parallel_common.h"
-#include "progress.h"
 
 namespace detdit {
 namespace cli {
 namespace {
 
 using Json = nlohmann::ordered_json;
+using cases::CheckRow;
+using cases::MatrixGroup;
 
-// The dimensions of `detdit verify`'s synthetic default without --full: the
-// H3 tensors and ratios (Ht = H, D = H / 2, F = 256) at H = 1536 (Wan 2.1
-// 1.3B's and SD3 Medium's hidden size), so that the default run fits three
-// minutes on 2 CPU cores. --full, `detdit bench` and `detdit weights synth`
-// use H3's dimensions (ManifestConfig's defaults).
-io::ManifestConfig verify_dimensions(int64_t blocks) {
-  io::ManifestConfig c;
-  c.blocks = blocks;
-  c.hidden = 1536;
-  c.time_embed_hidden = 1536;
-  c.time_embed_dim = 768;
-  c.freq_dim = 256;
-  return c;
-}
+// verify --matrix: what the matrix runs.
+struct MatrixOptions {
+  std::vector<int64_t> seq_lens;  // S of the sp_region problems
+  std::vector<int> worlds;        // world sizes (sp_region, tp_adaln_projection)
+  // A cell whose largest tensor has more elements is listed as skipped; 0: none.
+  double budget = 0;
+  // Test hook (DETDIT_TEST_CORRUPT_CELLS): an sp_* op whose WS1 output gets one
+  // bit flipped, so its cells must fail.
+  std::string corrupt;
+};
 
-// Report order: the conditioning path from the timestep to the output.
-const char* const kOpOrder[] = {"weights",         "timestep_sinusoid", "linear",          "timestep_mlp",
-                                "adaln_projection", "adaln_row_gather", "rmsnorm",         "gate_residual",
-                                "final_adaln_out",  "adaln_modulation", "chain",           "sp_region",
-                                "tp_adaln_projection"};
+// One case of the report: an op's verify op cases together, named by their
+// situation, or one parallel problem, which also runs under --comm mpi (each
+// rank its share); `enabled`: whether it applies to this run.
+struct VerifyCase {
+  std::string op, name;
+  bool parallel = false, enabled = true;
+  std::function<Status(std::vector<CheckRow>*)> run;
+};
 
-int op_rank(const std::string& op) {
-  int i = 0;
-  for (const char* name : kOpOrder) {
-    if (op == name) return i;
-    ++i;
-  }
-  return i;
+// The cases in report order. comm: this process's rank of a --comm mpi run.
+std::vector<VerifyCase> verify_cases(const cases::CaseContext& context, const cases::ParallelSetting& setting,
+                                     const Device& device, Communicator* comm) {
+  std::vector<VerifyCase> all;
+  auto op_cases = [&](const char* op, const char* name) {
+    all.push_back({op, name, false, true, [=](std::vector<CheckRow>* rows) {
+                     const auto cases = cases::op_cases(op, cases::Suite::kVerify, context);
+                     if (cases.empty()) return Status::value_error(std::string("no verify cases registered for ") + op);
+                     return cases::check_op_cases(cases, device, rows);
+                   }});
+  };
+  for (const auto& [op, name] : {std::make_pair("timestep_sinusoid", "F from weights"),
+                                 {"timestep_mlp", "weights T=4"},
+                                 {"adaln_projection", "block 0, weights' shape"},
+                                 {"adaln_row_gather", "six chunks"},
+                                 {"rmsnorm", "modulated, norm1 of block 0"},
+                                 {"gate_residual", "gate_msa, 3 randn sublayer"},
+                                 {"final_adaln_out", "norm_out, fwd+bwd"},
+                                 {"adaln_modulation", "block 0, fwd+bwd"},
+                                 {"chain", "blocks 0..1, fwd+bwd, T=2"}})
+    op_cases(op, name);
+  // The parallel problems: every rank byte-equal to WS1 on the same device.
+  for (const cases::SpRegionCase& c : cases::sp_region_cases(context, setting))
+    all.push_back({"sp_region", c.name, true, c.enabled, [=](std::vector<CheckRow>* rows) {
+                     return cases::check_sp_region(context, device, comm, c, rows);
+                   }});
+  for (const cases::TpCase& c : cases::tp_adaln_projection_cases(context, setting))
+    all.push_back({"tp_adaln_projection", c.name, true, c.enabled, [=](std::vector<CheckRow>* rows) {
+                     return cases::check_tp_worlds(context, device, comm, c.shape, c.worlds, false, rows);
+                   }});
+  op_cases("gate_residual_rmsnorm", "gate_msa then norm2, d_h");  // last, where every earlier report lists it
+  return all;
 }
 
 Json number_or_null(double v) { return std::isnan(v) ? Json(nullptr) : Json(v); }
@@ -63,6 +89,22 @@ std::string format_error(double v) {
   std::snprintf(text, sizeof text, v == 0 ? "0" : "%.2e", v);
   return text;
 }
+
+// The checks of rows: a skipped or informational row is none.
+struct Tally {
+  int64_t checks = 0, passed = 0, skipped = 0;
+  void add(const std::vector<CheckRow>& rows) {
+    for (const CheckRow& row : rows) {
+      skipped += row.skipped ? 1 : 0;
+      checks += row.skipped || row.informational ? 0 : 1;
+      passed += !row.skipped && !row.informational && row.pass ? 1 : 0;
+    }
+  }
+  std::string outcome(const std::string& what) const {  // "3/3 checks ok", "2/3 cells FAIL, 1 skipped"
+    return std::to_string(passed) + "/" + std::to_string(checks) + " " + what + (passed == checks ? " ok" : " FAIL") +
+           (skipped > 0 ? ", " + std::to_string(skipped) + " skipped" : "");
+  }
+};
 
 struct CaseResult {
   std::string op, name;
@@ -249,47 +291,35 @@ int run_verify(int argc, char** argv) {
   if (code >= 0) return code;
   int64_t blocks = 1;
   uint64_t seed = 0;
-  if (!args.get_int("--blocks", 1, 1, 1000, &blocks) || !args.get_uint64("--seed", 0, &seed)) {
-    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-    return 2;
-  }
-  if (args.has("--quick") && args.has("--full")) {
-    std::fprintf(stderr, "detdit: --quick and --full exclude each other\n");
-    return 2;
-  }
+  if (!args.get_int("--blocks", 1, 1, 1000, &blocks) || !args.get_uint64("--seed", 0, &seed)) return fail(args.error());
+  if (args.has("--quick") && args.has("--full")) return fail("--quick and --full exclude each other");
   const bool full = args.has("--full");
-  io::ManifestConfig dimensions = full ? io::ManifestConfig() : verify_dimensions(blocks);
+  // The synthetic default: H3's dimensions with --full (as bench and weights
+  // synth use them), else the H3 tensors and ratios (Ht = H, D = H / 2,
+  // F = 256) at H = 1536 (Wan 2.1 1.3B's and SD3 Medium's hidden size), so
+  // that the default run fits three minutes on 2 CPU cores.
+  io::ManifestConfig dimensions;
   dimensions.blocks = blocks;
+  if (!full) {
+    dimensions.hidden = dimensions.time_embed_hidden = 1536;
+    dimensions.time_embed_dim = 768;
+  }
 
-  std::vector<VerifyCase> cases = verify_registry();
-  // Within an op, registration order (a file registers its sizes ascending).
-  std::stable_sort(cases.begin(), cases.end(), [](const VerifyCase& a, const VerifyCase& b) {
-    if (op_rank(a.op) != op_rank(b.op)) return op_rank(a.op) < op_rank(b.op);
-    return std::string(a.op) < b.op;
-  });
   if (args.has("--list")) {
-    for (const VerifyCase& c : cases) {
-      std::printf("%-20s %-32s %s%s%s\n", c.op, c.name, c.cpu ? "cpu " : "", c.cuda ? "cuda " : "",
-                  c.comm ? "mpi" : "");
+    // Where each case runs: under --comm mpi, or in-process with --full (the H3 shape names them).
+    const auto cpu = verify_cases({}, cases::ParallelSetting{false, false, true, 2}, Device::cpu(), nullptr);
+    const auto cuda = verify_cases({}, cases::ParallelSetting{true, false, true, 2}, Device::cpu(), nullptr);
+    for (std::size_t i = 0; i < cpu.size(); ++i) {
+      std::printf("%-20s %-32s %s%s%s\n", cpu[i].op.c_str(), cpu[i].name.c_str(), cpu[i].enabled ? "cpu " : "",
+                  cuda[i].enabled ? "cuda " : "", cpu[i].parallel ? "mpi" : "");
     }
     return 0;
   }
-  const std::string comm_name = args.get("--comm", "inprocess");
-  if (comm_name != "inprocess" && comm_name != "mpi") {
-    std::fprintf(stderr, "detdit: --comm must be inprocess or mpi, got '%s'\n", comm_name.c_str());
-    return 2;
-  }
   const bool matrix = args.has("--matrix");
   MatrixOptions matrix_options;
-  if (matrix && comm_name != "inprocess") {
-    std::fprintf(stderr, "detdit: --matrix runs its ranks in-process (without --comm mpi)\n");
-    return 2;
-  }
+  if (matrix && args.get("--comm") == "mpi") return fail("--matrix runs its ranks in-process (without --comm mpi)");
   for (const char* option : {"--seq", "--worlds", "--matrix-budget"}) {
-    if (!matrix && args.has(option)) {
-      std::fprintf(stderr, "detdit: %s applies to --matrix only\n", option);
-      return 2;
-    }
+    if (!matrix && args.has(option)) return fail(std::string(option) + " applies to --matrix only");
   }
   if (matrix) {
     const bool quick = args.has("--quick");
@@ -298,96 +328,60 @@ int run_verify(int argc, char** argv) {
     if (!args.get_int_list("--seq", quick ? "4097" : "4097,32768,131072", 1, int64_t{1} << 24, "sequence length",
                            &matrix_options.seq_lens) ||
         !args.get_int_list("--worlds", quick ? "1,2,3,8" : "1,2,3,4,5,6,7,8", 1, 64, "world size", &worlds) ||
-        !args.get_int("--matrix-budget", -1, 0, int64_t{1} << 50, &budget)) {
-      if (!args.error().empty()) std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-      return 2;
-    }
+        !args.get_int("--matrix-budget", -1, 0, int64_t{1} << 50, &budget))
+      return fail(args.error());
     for (int64_t w : worlds) matrix_options.worlds.push_back(static_cast<int>(w));
     matrix_options.budget = static_cast<double>(budget);
     if (const char* corrupt = std::getenv("DETDIT_TEST_CORRUPT_CELLS")) matrix_options.corrupt = corrupt;
   }
 
   Device device;
-  std::string error;
-  if (!parse_device(args.get("--device"), &device, &error)) {
-    std::fprintf(stderr, "detdit: %s\n", error.c_str());
-    return 2;
-  }
-  // --comm mpi: this process is one rank; its device is GPU local rank % count.
   std::unique_ptr<Communicator> world;
-  if (comm_name == "mpi") {
-    Status opened = open_mpi_world(device.is_cuda(), &world, &device);
-    if (!opened.ok()) {
-      std::fprintf(stderr, "detdit: --comm mpi: %s\n", opened.to_string().c_str());
-      return 2;
-    }
-  }
+  code = open_run(args, NcclOptions(), &device, &world);
+  if (code >= 0) return code;
   const bool leader = world == nullptr || world->rank() == 0;
 
   std::set<std::string> wanted_ops;
-  if (!args.get_set("--ops", &wanted_ops)) {
-    std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-    return 2;
-  }
+  if (!args.get_set("--ops", &wanted_ops)) return fail(args.error());
+  const bool quick = args.has("--quick");
   for (const std::string& op : matrix ? std::set<std::string>() : wanted_ops) {
     bool known = false;
-    for (const VerifyCase& c : cases) known = known || op == c.op;
-    if (!known) {
-      std::fprintf(stderr, "detdit: --ops: no verify case for op '%s' (detdit verify --list shows them)\n",
-                   op.c_str());
-      return 2;
-    }
+    for (const VerifyCase& c : verify_cases({}, {}, device, nullptr)) known = known || op == c.op;
+    if (!known) return fail("--ops: no verify case for op '" + op + "' (detdit verify --list shows them)");
   }
 
-  Weights weights;
+  io::Weights weights;
   std::vector<std::string> destinations;
   for (const char* option : {"--out", "--figure"})
     if (args.has(option)) destinations.push_back(args.get(option));
   const Status status = resolve_run_weights(world.get(), destinations, args.get("--weights"), dimensions, seed, &weights);
-  if (!status.ok()) {
-    if (leader) std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-    return 2;
-  }
+  if (!status.ok()) return fail(status.to_string(), leader);
 
-  VerifyContext context;
-  context.quick = args.has("--quick");
-  context.full = full;
-  context.device = device;
-  context.weights = &weights;
-  context.seed = seed;
-  context.comm = world.get();
+  const cases::CaseContext context = case_context(weights, quick, seed);
   if (matrix && matrix_options.budget < 0) matrix_options.budget = device.is_cuda() ? 0 : 2.0 * 4097 * 5376;
-  std::vector<const VerifyCase*> selected;
-  for (const VerifyCase& c : cases) {
-    if (matrix) break;
-    const bool on_device = device.is_cuda() ? c.cuda : c.cpu;
-    const bool applies = (world == nullptr || c.comm) && (c.enabled == nullptr || c.enabled(context, c.name));
-    if (on_device && applies && (wanted_ops.empty() || wanted_ops.count(c.op))) selected.push_back(&c);
+  std::vector<VerifyCase> selected;
+  const cases::ParallelSetting setting{device.is_cuda(), quick, full, world ? world->world_size() : 0};
+  for (VerifyCase& c : verify_cases(context, setting, device, world.get())) {
+    if (!matrix && c.enabled && (world == nullptr || c.parallel) && (wanted_ops.empty() || wanted_ops.count(c.op)))
+      selected.push_back(std::move(c));
   }
   std::vector<CaseResult> results;
-  const double start = now_seconds();
+  const double start = cases::now_seconds();
   Progress progress("detdit verify", selected.size(), leader);
-  for (const VerifyCase* c : selected) {
-    const std::string name = std::string(c->op) + " / " + c->name;
+  for (const VerifyCase& c : selected) {
+    const std::string name = c.op + " / " + c.name;
     progress.started(name);
     CaseResult r;
-    r.op = c->op;
-    r.name = c->name;
-    const double t0 = now_seconds();
-    Status s = c->run ? c->run(context, c->name, &r.rows) : verify_op_cases(context, c->op, &r.rows);
-    r.seconds = now_seconds() - t0;
-    if (!s.ok()) {
+    r.op = c.op;
+    r.name = c.name;
+    const double t0 = cases::now_seconds();
+    Status s = c.run(&r.rows);
+    r.seconds = cases::now_seconds() - t0;
+    if (!s.ok() || r.rows.empty()) {  // a failed check
       CheckRow row;
       row.check = "case ran";
-      row.seconds = r.seconds;
-      row.detail = s.to_string();
-      row.pass = false;
-      r.rows.push_back(row);
-    }
-    if (r.rows.empty()) {
-      CheckRow row;
-      row.check = "case ran";
-      row.detail = "the case returned no checks";
+      row.seconds = s.ok() ? 0 : r.seconds;
+      row.detail = s.ok() ? "the case returned no checks" : s.to_string();
       r.rows.push_back(row);
     }
     // An informational row whose measurement failed is a failed check.
@@ -400,41 +394,42 @@ int run_verify(int argc, char** argv) {
       }
       r.seconds = r.rows.empty() ? r.seconds : std::max(r.seconds, r.rows.front().seconds);
     }
-    int64_t case_checks = 0, case_passed = 0;
-    for (const CheckRow& row : r.rows) {
-      case_checks += row.informational ? 0 : 1;
-      case_passed += !row.informational && row.pass ? 1 : 0;
-    }
-    progress.finished(name, std::to_string(case_passed) + "/" + std::to_string(case_checks) + " checks " +
-                                (case_passed == case_checks ? "ok" : "FAIL"));
+    Tally tally;
+    tally.add(r.rows);
+    progress.finished(name, tally.outcome("checks"));
     results.push_back(std::move(r));
   }
   progress.clear();
   std::vector<MatrixGroup> groups;
   if (matrix) {
-    Status s = run_matrix(context, matrix_options, wanted_ops, leader, &groups);
-    if (!s.ok()) {
-      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
-      return 2;
+    // Each group that fits the budget, each other one listed as skipped cells.
+    const std::vector<cases::MatrixPlan> plan =
+        cases::plan_matrix(context, device, matrix_options.seq_lens, matrix_options.worlds, matrix_options.corrupt);
+    std::vector<const cases::MatrixPlan*> planned;
+    Status s = cases::select_matrix(plan, wanted_ops, matrix_options.corrupt, &planned);
+    if (!s.ok()) return fail(s.to_string());
+    Progress cells("detdit verify --matrix", planned.size(), leader);
+    for (const cases::MatrixPlan* p : planned) {
+      const std::string name = p->head.op + " / " + p->head.name;
+      cells.started(name);
+      const std::size_t first = groups.size();
+      cases::run_matrix_group(*p, wanted_ops, matrix_options.budget, &groups);
+      Tally tally;
+      for (std::size_t i = first; i < groups.size(); ++i) tally.add(groups[i].rows);
+      cells.finished(name, tally.outcome("cells"));
     }
+    cells.clear();
     for (const MatrixGroup& g : groups) results.push_back({g.op, g.name, g.rows, g.seconds});
   }
-  const double total_seconds = now_seconds() - start;
+  const double total_seconds = cases::now_seconds() - start;
 
-  int64_t checks = 0, passed = 0, skipped = 0;
-  for (const CaseResult& r : results) {
-    for (const CheckRow& row : r.rows) {
-      skipped += row.skipped ? 1 : 0;
-      if (row.informational || row.skipped) continue;
-      ++checks;
-      passed += row.pass ? 1 : 0;
-    }
-  }
+  Tally total;
+  for (const CaseResult& r : results) total.add(r.rows);
+  const int64_t checks = total.checks, passed = total.passed, skipped = total.skipped;
   const bool pass = checks > 0 && passed == checks;
   if (!leader) return pass ? 0 : 1;  // rank 0 reports for every rank
   print_table(results);
 
-  const Environment env = collect_environment(device);
   Json report;
   report["kind"] = "detdit_verify_report";
   // 2: "git" is the commit built (no run-time "build_commit"), "detdit_version" added.
@@ -443,9 +438,9 @@ int run_verify(int argc, char** argv) {
   report["checks_total"] = checks;
   report["checks_passed"] = passed;
   report["seconds"] = total_seconds;
-  record_environment(env, &report);
-  report["options"] = {{"quick", context.quick},
-                       {"full", context.full},
+  record_environment(device, &report);
+  report["options"] = {{"quick", quick},
+                       {"full", full},
                        {"device", device.to_string()},
                        {"weights", args.get("--weights", "synthetic default")},
                        {"blocks", blocks},
@@ -502,17 +497,11 @@ int run_verify(int argc, char** argv) {
   if (args.has("--out")) {
     // A temporary renamed into place: a failed write leaves the previous report or none.
     Status s = io::write_file_atomically(args.get("--out"), report.dump(2) + "\n");
-    if (!s.ok()) {
-      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    if (!s.ok()) return fail(s.to_string());
   }
   if (args.has("--figure")) {
     Status s = write_report_svg(nlohmann::json::parse(report.dump()), args.get("--figure"));
-    if (!s.ok()) {
-      std::fprintf(stderr, "detdit: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    if (!s.ok()) return fail(s.to_string());
   }
   if (matrix) {
     for (const cases::MatrixNote& note : cases::matrix_not_enumerated(device))

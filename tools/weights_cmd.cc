@@ -1,7 +1,6 @@
 // detdit weights synth | verify | inspect.
 #include <chrono>
 #include <cstdio>
-#include <sstream>
 
 #include "args.h"
 #include "cli.h"
@@ -46,16 +45,6 @@ bool read_dimensions(Args* args, io::ManifestConfig* c, int64_t default_blocks) 
          args->get_int("--freq-dim", c->freq_dim, 1, kMax, &c->freq_dim);
 }
 
-int usage_error(const Args& args) {
-  std::fprintf(stderr, "detdit: %s\n", args.error().c_str());
-  return 2;
-}
-
-int input_error(const Status& status) {
-  std::fprintf(stderr, "detdit: %s\n", status.to_string().c_str());
-  return 2;
-}
-
 int run_synth(int argc, char** argv) {
   Args args("detdit weights synth --out DIR [--blocks N] [--seed N] [--only PATTERN]",
             "Writes DIR/h3_conditioning.safetensors with deterministic synthetic weights of the manifest's\n"
@@ -68,81 +57,23 @@ int run_synth(int argc, char** argv) {
   if (code >= 0) return code;
   io::SynthOptions options;
   if (!read_dimensions(&args, &options.config, 1) || !args.get_uint64("--seed", 0, &options.seed)) {
-    return usage_error(args);
+    return fail(args.error());
   }
-  if (!args.has("--out")) {
-    std::fprintf(stderr, "detdit: weights synth needs --out DIR\n");
-    return 2;
-  }
+  if (!args.has("--out")) return fail("weights synth needs --out DIR");
   options.only = args.get("--only");
   const std::string dir = args.get("--out");
   io::remove_temporaries_on_signals();  // an interrupted synth leaves no partial file
-  Status status = io::make_directories(dir);
   auto start = std::chrono::steady_clock::now();
-  if (status.ok()) status = io::write_synthetic_weights(dir, options);
-  if (!status.ok()) return input_error(status);
+  Status status = io::write_synthetic_weights(dir, options);
+  if (!status.ok()) return fail(status.to_string());
   io::SafetensorsFile file;
   status = io::SafetensorsFile::open(io::weights_file_path(dir), &file);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   std::printf("wrote %s: %zu tensors, %.3f GB in %.1f s (seed %llu, blocks %lld)\n", file.path().c_str(),
               file.entries().size(), file.file_size() / 1e9,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
               static_cast<unsigned long long>(options.seed), static_cast<long long>(options.config.blocks));
   return 0;
-}
-
-// Lines "<hex>  <name>" (sha256sum format; "*name" too; hex in either case, as
-// sha256sum reads it, and may be a prefix of at least 8 digits, as the
-// reference manifest prints them). <name> is a tensor of the file, or the
-// file's own name for a whole-file digest. A list without one such line is an
-// input error: checking nothing must not read as "OK".
-int check_sha256(const std::string& sums_path, const io::SafetensorsFile& file, std::vector<std::string>* differences,
-                 int* checked) {
-  std::string text;
-  Status read = io::read_regular_file(sums_path, &text);
-  if (!read.ok()) return input_error(read);
-  std::istringstream in(text);
-  std::string line;
-  int line_number = 0, listed = 0;
-  const std::string base = file.path().substr(file.path().find_last_of('/') + 1);
-  while (std::getline(in, line)) {
-    ++line_number;
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream fields(line);
-    std::string hex, name;
-    fields >> hex >> name;
-    if (!name.empty() && name[0] == '*') name.erase(0, 1);
-    bool hex_ok = hex.size() >= 8 && hex.size() <= 64;
-    for (char& ch : hex) {
-      if (ch >= 'A' && ch <= 'F') ch = static_cast<char>(ch - 'A' + 'a');
-      hex_ok = hex_ok && ((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'));
-    }
-    if (!hex_ok || name.empty()) {
-      std::fprintf(stderr, "detdit: %s:%d: expected '<sha256 hex>  <tensor or file name>', got '%s'\n",
-                   sums_path.c_str(), line_number, line.c_str());
-      return 2;
-    }
-    ++listed;
-    std::string actual;
-    if (name == base) {
-      actual = io::sha256_hex(file.file_bytes(), file.file_size());
-    } else if (const io::TensorEntry* e = file.find(name)) {
-      actual = io::sha256_hex(file.data(*e), e->nbytes());
-    } else {
-      differences->push_back("sha256: " + name + " is listed in " + sums_path + " but not in the file");
-      continue;
-    }
-    ++*checked;
-    if (actual.compare(0, hex.size(), hex) != 0) {
-      differences->push_back("sha256: " + name + " is " + actual + ", expected " + hex);
-    }
-  }
-  if (listed == 0) {
-    std::fprintf(stderr, "detdit: %s: holds no checksum line ('<sha256 hex>  <tensor or file name>')\n",
-                 sums_path.c_str());
-    return 2;
-  }
-  return -1;
 }
 
 int run_verify_weights(int argc, char** argv) {
@@ -158,19 +89,19 @@ int run_verify_weights(int argc, char** argv) {
   if (code >= 0) return code;
   io::SafetensorsFile file;
   Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("DIR")), &file);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   int64_t blocks_in_file = 0;
   while (file.find("transformer_blocks." + std::to_string(blocks_in_file) + ".adaln_proj.linear.weight")) {
     ++blocks_in_file;
   }
   io::ManifestConfig config;
-  if (!read_dimensions(&args, &config, std::max<int64_t>(1, blocks_in_file))) return usage_error(args);
+  if (!read_dimensions(&args, &config, std::max<int64_t>(1, blocks_in_file))) return fail(args.error());
   std::vector<std::string> differences, extras;
   io::compare_to_manifest(file, config, &differences, &extras);
   int checked = 0;
   if (args.has("--sha256")) {
-    code = check_sha256(args.get("--sha256"), file, &differences, &checked);
-    if (code >= 0) return code;
+    status = io::check_sha256_list(args.get("--sha256"), file, &differences, &checked);
+    if (!status.ok()) return fail(status.to_string());
   }
   const size_t expected = io::manifest_entries(config).size();
   std::printf("%s: manifest %s, blocks %lld, H %lld, Ht %lld, D %lld, F %lld: %zu tensors expected, %zu in file\n",
@@ -198,7 +129,7 @@ int run_inspect(int argc, char** argv) {
   if (code >= 0) return code;
   io::SafetensorsFile file;
   Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("FILE")), &file);
-  if (!status.ok()) return input_error(status);
+  if (!status.ok()) return fail(status.to_string());
   std::printf("%s: %llu bytes, header %llu bytes, data section at byte %llu, %zu tensors\n", file.path().c_str(),
               static_cast<unsigned long long>(file.file_size()), static_cast<unsigned long long>(file.header_bytes()),
               static_cast<unsigned long long>(file.data_start()), file.entries().size());
@@ -228,21 +159,9 @@ int run_manifest(int argc, char** argv) {
 }  // namespace
 
 int run_weights(int argc, char** argv) {
-  if (argc < 2) {
-    std::fputs(kWeightsUsage, stderr);
-    return 2;
-  }
-  const std::string command = argv[1];
-  if (command == "--help" || command == "-h") {
-    std::fputs(kWeightsUsage, stdout);
-    return 0;
-  }
-  if (command == "synth") return run_synth(argc - 1, argv + 1);
-  if (command == "verify") return run_verify_weights(argc - 1, argv + 1);
-  if (command == "inspect") return run_inspect(argc - 1, argv + 1);
-  if (command == "manifest") return run_manifest(argc - 1, argv + 1);
-  std::fprintf(stderr, "detdit: unknown weights command '%s'\n\n%s", command.c_str(), kWeightsUsage);
-  return 2;
+  return run_command(argc, argv, kWeightsUsage, "weights ",
+                     {{"synth", run_synth}, {"verify", run_verify_weights}, {"inspect", run_inspect},
+                      {"manifest", run_manifest}});
 }
 
 }  // namespace cli

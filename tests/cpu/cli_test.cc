@@ -654,7 +654,7 @@ TEST(Cli, BenchQuickJson) {
   EXPECT_EQ(r.code, 0) << r.output;
 }
 
-// ---- parallel regions (cases/checks.cc, tools/bench_parallel.cc) ----
+// ---- parallel regions (cases/checks.cc, cases/timing.cc) ----
 
 // The rows each rank sends at `world` for the packing, from the op cases'
 // packing definition (cases/index_case.h) and the library's SpPlan: the
@@ -759,7 +759,7 @@ TEST(Cli, VerifyParallelQuickInProcess) {
   EXPECT_NE(r.output.find("naive rank-order sum differs from WS1"), std::string::npos) << r.output;
 }
 
-// ---- verify --matrix (tools/verify_matrix.cc) --------------------------------------
+// ---- verify --matrix (cases/matrix.cc) ----------------------------------------------
 
 // The matrix on the small weights (H = 64): S = 257 and 4097, a budget that
 // B = 2 at S = 4097 (524,416 elements) exceeds and B = 1 (262,208) does not.

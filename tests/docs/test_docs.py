@@ -8,8 +8,8 @@ A fenced block's info string says what it is:
 - ``python``: run by this interpreter (/usr/bin/python3 in CI) with the extension from
   python/, in the same scratch copy;
 - ``cpp`` / ``c++``: a block with ``main()`` is compiled against include/ and libdetdit.a,
-  linked and run; one without is a verify case for tools/ and is compiled (-fsyntax-only)
-  against tools/verify.h, not run, since a case only runs linked into the CLI;
+  linked and run; one without is an op case (cases/) and is compiled (-fsyntax-only)
+  against the repository's headers, not run, since a case only runs linked into a driver;
 - ``text``: pseudo-code, synopses, output, trees: not run.
 A block without an info string fails test_every_block_says_what_it_is, so no example is
 left unrun by omission. A comment on the line before a fence changes that block:
@@ -150,7 +150,7 @@ def test_example_runs(block, scratch, tmp_path):
         run([str(source)], scratch)
     else:
         source.with_suffix(".cc").write_text(block.code)
-        run(["g++", "-std=c++17", "-fsyntax-only", *(f"-I{os.path.join(REPO, d)}" for d in ("include", "src", "", "tools")),
+        run(["g++", "-std=c++17", "-fsyntax-only", *(f"-I{os.path.join(REPO, d)}" for d in ("include", "src", "")),
              str(source.with_suffix(".cc"))], scratch)
 
 

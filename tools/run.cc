@@ -1,14 +1,19 @@
-// The MPI world of the CLI and the exchanges of its drivers (parallel_common.h).
-#include "parallel_common.h"
+// The run of a verify or bench command (cli.h): the environment a report
+// records, the device and MPI world, and the weights every rank agrees on.
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <thread>
 
-#include "environment.h"
+#include "build_commit.h"  // generated: DETDIT_BUILD_COMMIT, DETDIT_BUILD_DIRTY
+#include "cases/parallel_cases.h"
+#include "cli.h"
 #include "io/files.h"
 #include "io/sha256.h"
 
@@ -19,9 +24,70 @@
 namespace detdit {
 namespace cli {
 
-// ---- --comm mpi ---------------------------------------------------------------
+using cases::gather_host_bytes;
 
-Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* device, NcclOptions options) {
+namespace {
+
+std::string version_string(int v) {
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
+// Usable CUDA devices (0 in a CPU-only build or without a GPU).
+int cuda_device_count() {
+#ifdef DETDIT_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+void record_environment(const Device& device, nlohmann::ordered_json* report) {
+#if defined(__clang__)
+  const std::string compiler = "Clang " __clang_version__;
+#elif defined(__GNUC__)
+  const std::string compiler = "GCC " __VERSION__;
+#else
+  const std::string compiler = "unknown";
+#endif
+  std::string runtime = "none", driver = "none", host;
+  std::string device_name = "cpu (" + std::to_string(std::thread::hardware_concurrency()) + " threads)";
+#ifdef DETDIT_WITH_CUDA
+  int v = 0;
+  if (cudaRuntimeGetVersion(&v) == cudaSuccess) runtime = version_string(v);
+  if (cudaDriverGetVersion(&v) == cudaSuccess && v > 0) driver = version_string(v);
+  cudaDeviceProp prop;
+  if (device.is_cuda() && cudaGetDeviceProperties(&prop, device.index) == cudaSuccess) {
+    device_name = device.to_string() + " " + prop.name + " (sm_" + std::to_string(prop.major) +
+                  std::to_string(prop.minor) + ")";
+  }
+  cudaGetLastError();
+#else
+  (void)device;
+  (void)version_string;
+#endif
+  char name[256] = {0};
+  if (::gethostname(name, sizeof name - 1) == 0) host = name;
+  (*report)["detdit_version"] = DETDIT_VERSION;
+  (*report)["git"] = {{"commit", DETDIT_BUILD_COMMIT}, {"dirty", DETDIT_BUILD_DIRTY != 0}};
+  (*report)["environment"] = {{"host", host},
+                              {"device", device_name},
+                              {"compiler", compiler},
+                              {"cuda_runtime", runtime},
+                              {"cuda_driver", driver}};
+}
+
+// ---- --device and --comm ----------------------------------------------------
+
+namespace {
+
+Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* device, const NcclOptions& options) {
   std::unique_ptr<Communicator> mpi;
   DETDIT_RETURN_IF_ERROR(create_mpi_communicator(&mpi));
   if (!cuda) {
@@ -57,6 +123,33 @@ Status open_mpi_world(bool cuda, std::unique_ptr<Communicator>* comm, Device* de
   // variable in ncclCommInitRank. A value the user set wins.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   return create_nccl_communicator_mpi(*device, comm, options);
+}
+
+}  // namespace
+
+int open_run(const Args& args, const NcclOptions& nccl, Device* device, std::unique_ptr<Communicator>* world) {
+  const std::string comm = args.get("--comm", "inprocess"), name = args.get("--device");
+  const int gpus = cuda_device_count();
+  const std::string chosen = name.empty() ? (gpus > 0 ? "cuda" : "cpu") : name;
+  std::string error;
+  if (comm != "inprocess" && comm != "mpi") {
+    error = "--comm must be inprocess or mpi, got '" + comm + "'";
+  } else if (chosen != "cpu" && chosen != "cuda") {
+    error = "--device must be cpu or cuda, got '" + chosen + "'";
+  } else if (chosen == "cuda" && gpus == 0) {
+#ifdef DETDIT_WITH_CUDA
+    error = "--device cuda: no usable CUDA device on this machine";
+#else
+    error = "--device cuda: this detdit was built without CUDA (no nvcc at configure time)";
+#endif
+  } else if (comm == "mpi") {
+    // This process is one rank; its device is GPU local rank % count.
+    const Status opened = open_mpi_world(chosen == "cuda", world, device, nccl);
+    if (!opened.ok()) error = "--comm mpi: " + opened.to_string();
+  } else {
+    *device = chosen == "cuda" ? Device::cuda(0) : Device::cpu();
+  }
+  return error.empty() ? -1 : fail(error);
 }
 
 int agree_on_command_line(int argc, char** argv) {
@@ -98,8 +191,8 @@ struct WeightsRecord {
 static_assert(sizeof(WeightsRecord) % 4 == 0, "gather_host_bytes moves multiples of 4 bytes");
 
 std::string record_text(const char* field, std::size_t size) { return std::string(field, strnlen(field, size)); }
-}  // namespace
 
+// Every rank's weights the same bytes (resolve_run_weights), compared by digest.
 Status agree_on_weights(Communicator& comm, const io::Weights& weights) {
   WeightsRecord mine{};
   Status local = Status::ok_status();
@@ -133,24 +226,7 @@ Status agree_on_weights(Communicator& comm, const io::Weights& weights) {
                              "rank, relative to its working directory)");
 }
 
-bool parse_device(const std::string& name, Device* device, std::string* error) {
-  const int gpus = cuda_device_count();
-  const std::string chosen = name.empty() ? (gpus > 0 ? "cuda" : "cpu") : name;
-  if (chosen != "cpu" && chosen != "cuda") {
-    *error = "--device must be cpu or cuda, got '" + chosen + "'";
-    return false;
-  }
-  if (chosen == "cuda" && gpus == 0) {
-#ifdef DETDIT_WITH_CUDA
-    *error = "--device cuda: no usable CUDA device on this machine";
-#else
-    *error = "--device cuda: this detdit was built without CUDA (no nvcc at configure time)";
-#endif
-    return false;
-  }
-  *device = chosen == "cuda" ? Device::cuda(0) : Device::cpu();
-  return true;
-}
+}  // namespace
 
 Status resolve_run_weights(Communicator* world, const std::vector<std::string>& destinations,
                            const std::string& option, const io::ManifestConfig& config, uint64_t seed,
@@ -184,6 +260,18 @@ Status all_ranks_ok(Communicator& comm, const Status& local) {
   return Status::ok_status();
 }
 
+cases::CaseContext case_context(const io::Weights& weights, bool quick, uint64_t seed) {
+  cases::CaseContext ctx;
+  ctx.hidden = weights.config.hidden;
+  ctx.time_embed_dim = weights.config.time_embed_dim;
+  ctx.time_embed_hidden = weights.config.time_embed_hidden;
+  ctx.freq_dim = weights.config.freq_dim;
+  const io::Weights* w = &weights;
+  ctx.weight = [w](const std::string& name, TensorView* view) { return w->view(name, view); };
+  ctx.quick = quick;
+  ctx.seed = seed;
+  return ctx;
+}
 
 }  // namespace cli
 }  // namespace detdit
