@@ -33,13 +33,14 @@ namespace {
 constexpr double kBf16Roundoff = 0x1p-8;  // u: one bf16 rounding errs by at most u relative
 
 // verify's oracle of the forward: out against the FP64 layer norm (no affine,
-// bf16), in units of u = 2^-8 of max(|out|, 2^-4): one rounding to bf16 (u/2),
-// plus the FP32 statistics (~1e-6 of the row's scale; the floor 2^-4 keeps
-// values near zero, whose error is the statistics' absolute one, measurable).
+// bf16), in units of u = 2^-8 of max(|out|, 2^-4): one rounding to bf16 (at
+// most u relative), plus the FP32 statistics (~1e-6 of the row's scale; the
+// floor 2^-4 keeps values near zero, whose error is the statistics' absolute
+// one, measurable).
 AccuracyCheck layernorm_forward_accuracy() {
   AccuracyCheck a;
   a.name = "accuracy vs fp64";
-  a.bound = 0.51;
+  a.bound = 1.01;
   a.unit = "u=2^-8 of max(|out|, 2^-4)";
   a.error = [](const std::map<std::string, HostTensor>& t) {
     const HostTensor& x = t.at("x");
