@@ -4,7 +4,8 @@
 // vector boundary) byte-equal to the CPU reference, forward and every
 // gradient. Torch profile: its only difference is the hardware rsqrtf, so the
 // CPU's formulas given the device's rstd are its bytes: mean equals the
-// CPU's, rstd is within rsqrtf's 2 ulp of the portable one, out is the CPU
+// CPU's, rstd is within 3 ulp of the portable one (rsqrtf errs by up to 2 ulp,
+// the portable rsqrt by up to 1, docs/numerics.md 4), out is the CPU
 // formula of the device's (mean, rstd), and the backward (which reads the
 // saved mean and rstd and calls no profile function) equals the CPU backward
 // run on the device's saved statistics.
@@ -65,7 +66,7 @@ TEST(LayernormCuda, TorchProfileIsTheCpuFormulasWithTheDevicesRsqrt) {
     int64_t out_diff = 0;
     for (int64_t m = 0; m < s.rows; ++m) {
       const float mean = static_cast<float>(got.at("mean").get(m)), rstd = static_cast<float>(got.at("rstd").get(m));
-      EXPECT_LE(ulps_apart(rstd, static_cast<float>(cpu["rstd"].get(m))), 2) << "rstd row " << m;
+      EXPECT_LE(ulps_apart(rstd, static_cast<float>(cpu["rstd"].get(m))), 3) << "rstd row " << m;
       for (int64_t i = 0; i < h; ++i) {
         const float y = layernorm::normalised(static_cast<float>(got.at("x").get(m * h + i)), mean, rstd, weight,
                                               weight ? static_cast<float>(got.at("weight").get(i)) : 1.0f, bias,
