@@ -369,5 +369,44 @@ double bias_grad_fraction_not_rn(const std::vector<double>& d_table, const HostT
   return static_cast<double>(wrong) / static_cast<double>(outputs);
 }
 
+LayernormReference layernorm_reference(const HostTensor& x, const HostTensor* weight, const HostTensor* bias,
+                                       const HostTensor& grad, double eps, DType dtype) {
+  const int64_t hidden = x.shape().back(), rows = x.numel() / hidden;
+  LayernormReference ref;
+  ref.exact_out.resize(x.numel());
+  ref.out.resize(x.numel());
+  ref.dx.resize(x.numel());
+  ref.mean.resize(rows);
+  ref.rstd.resize(rows);
+  ref.d_weight.assign(hidden, 0.0);
+  ref.d_bias.assign(hidden, 0.0);
+  std::vector<double> xhat(hidden), gw(hidden);
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t base = m * hidden;
+    double sum = 0;
+    for (int64_t i = 0; i < hidden; ++i) sum += x.get(base + i);
+    const double mean = sum / hidden;
+    double sq = 0;
+    for (int64_t i = 0; i < hidden; ++i) sq += (x.get(base + i) - mean) * (x.get(base + i) - mean);
+    const double rstd = 1.0 / std::sqrt(sq / hidden + eps);
+    ref.mean[m] = mean;
+    ref.rstd[m] = rstd;
+    double mean_gw = 0, mean_gw_xhat = 0;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const double w = weight ? weight->get(i) : 1.0, b = bias ? bias->get(i) : 0.0, g = grad.get(base + i);
+      xhat[i] = (x.get(base + i) - mean) * rstd;
+      gw[i] = g * w;
+      ref.exact_out[base + i] = w * xhat[i] + b;
+      ref.out[base + i] = correctly_rounded(ref.exact_out[base + i], dtype);
+      mean_gw += gw[i] / hidden;
+      mean_gw_xhat += gw[i] * xhat[i] / hidden;
+      ref.d_weight[i] += g * xhat[i];
+      ref.d_bias[i] += g;
+    }
+    for (int64_t i = 0; i < hidden; ++i) ref.dx[base + i] = rstd * (gw[i] - mean_gw - xhat[i] * mean_gw_xhat);
+  }
+  return ref;
+}
+
 }  // namespace cases
 }  // namespace detdit

@@ -123,5 +123,18 @@ double weight_grad_fraction_not_rn(const std::vector<double>& d_table, const std
                                    const HostTensor& d_weight, int64_t stride);
 double bias_grad_fraction_not_rn(const std::vector<double>& d_table, const HostTensor& d_bias);
 
+// ---- layernorm ---------------------------------------------------------------------
+
+// F.layer_norm over the last dimension in FP64: mean, var = mean((x - mean)^2),
+// rstd = 1 / sqrt(var + eps), xhat = (x - mean) rstd, out = R(w xhat + b)
+// (rounded once to `dtype`, as the model stores it; w = 1, b = 0 when absent);
+// backward with gw = g w: dx = rstd (gw - mean(gw) - xhat mean(gw xhat)),
+// d_weight = sum_p g xhat, d_bias = sum_p g. weight / bias null when absent.
+struct LayernormReference {
+  std::vector<double> exact_out, out, mean, rstd, dx, d_weight, d_bias;  // exact_out: w xhat + b unrounded
+};
+LayernormReference layernorm_reference(const HostTensor& x, const HostTensor* weight, const HostTensor* bias,
+                                       const HostTensor& grad, double eps, DType dtype);
+
 }  // namespace cases
 }  // namespace detdit

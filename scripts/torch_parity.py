@@ -143,6 +143,26 @@ def main():
                 ["gather", "bf16", seq, rows, hidden, p.write("table.bin", table), p.write("idx.bin", gidx),
                  p.path("out.bin")], ref, "out.bin")
 
+        # layernorm vs F.layer_norm (eps 1e-6): out, the saved mean and rstd (aten.native_layer_norm) and dx
+        # (aten.native_layer_norm_backward); x = 3 randn + 50 (a mean far from 0), without affine, with weight,
+        # with weight and bias.
+        for name, dtype in DTYPES.items():
+            for hidden in (1536, 2432, 3072, 5120):
+                for affine in ("none", "weight", "weight+bias"):
+                    x, grad = randn(1000, hidden, dtype=dtype, std=3.0, mean=50.0), randn(1000, hidden, dtype=dtype)
+                    w = randn(hidden, dtype=dtype, mean=1.0, std=0.5) if affine != "none" else None
+                    b = randn(hidden, dtype=dtype, std=0.5) if affine == "weight+bias" else None
+                    out, mean, rstd = torch.ops.aten.native_layer_norm(x, [hidden], w, b, 1e-6)
+                    dx = torch.ops.aten.native_layer_norm_backward(grad, x, [hidden], mean, rstd, w, b,
+                                                                   [True, False, False])[0]
+                    args = ["layernorm", name, 1000, hidden, p.write("x.bin", x),
+                            p.write("w.bin", w) if w is not None else "-", p.write("b.bin", b) if b is not None else "-",
+                            p.write("grad.bin", grad), p.path("out.bin"), p.path("mean.bin"), p.path("rstd.bin"),
+                            p.path("dx.bin")]
+                    for label, ref, file in (("out", out, "out.bin"), ("mean", mean.reshape(1000), "mean.bin"),
+                                             ("rstd", rstd.reshape(1000), "rstd.bin"), ("dx", dx, "dx.bin")):
+                        p.check(f"layernorm {affine} {name} M=1000 N={hidden} {label}", args, ref, file)
+
         print(f"torch parity: {p.passed}/{p.total} cases bitwise equal")
         return 0 if p.passed == p.total else 1
 

@@ -4,6 +4,7 @@
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
+#include "detdit/layernorm.h"
 #include "detdit/linear.h"
 #include "detdit/memory.h"
 #include "detdit/numerics.h"

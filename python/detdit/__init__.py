@@ -23,7 +23,7 @@ from ._version import __version__  # noqa: F401  (written by setup.py from the r
 __all__ = [
     "IndexPlan", "PlanTables", "plan", "plan_from_rows", "plan_tables", "timestep_sinusoid", "linear", "timestep_mlp",
     "adaln_projection", "adaln_table_chunks", "adaln_row_gather", "rmsnorm", "gate_residual",
-    "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation",
+    "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation", "layernorm",
     "H3_HIDDEN_SIZE", "H3_FREQ_DIM", "H3_TIME_EMBED_HIDDEN_DIM", "H3_TIME_EMBED_DIM",
     "H3_MAX_PERIOD", "H3_NORM_EPS", "ADALN_CHUNKS", "NUM_MODALITIES",
 ]
@@ -270,6 +270,16 @@ def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
     _check("adaln_modulation", temb=(temb, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _TENSOR))
     op, plan = _by_plan(_ops.adaln_modulation, plan, "adaln_modulation")
     return op(temb, weight, bias, plan, _profile(numerics))[0]
+
+
+def layernorm(x, weight=None, bias=None, *, eps=1e-5, numerics="portable"):
+    """``F.layer_norm(x, (H,), weight, bias, eps)`` over the last dimension of ``(M, H)`` /
+    ``(B, S, H)`` rows: without affine, with weight, or with weight and bias (bias needs
+    weight). ``numerics="torch"`` (CUDA) is eager's forward and dx on the same GPU; d_weight
+    and d_bias are detdit's chunked reduction in both profiles (docs/numerics.md 9)."""
+    _check("layernorm", x=(x, _TENSOR), weight=(weight, _OPTIONAL_TENSOR), bias=(bias, _OPTIONAL_TENSOR),
+           eps=(eps, _REAL))
+    return _ops.layernorm.default(x, weight, bias, float(eps), _profile(numerics))[0]
 
 
 def release_scratch_memory(device="cuda"):

@@ -345,6 +345,17 @@ def _adaln_row_gather_backward_handle(grad, plan_handle, num_rows):
     return _empty(grad, (num_rows, 6 * _dim(grad, -1)), grad.dtype)
 
 
+def _layernorm(x, weight, bias, eps, numerics):
+    return _like(x), _empty(x, (_rows(x),), torch.float32), _empty(x, (_rows(x),), torch.float32)
+
+
+def _layernorm_backward(grad, x, weight, bias, mean, rstd, eps, numerics, output_mask):
+    # a parameter's gradient only where it is asked for and the parameter is given (ops.cpp)
+    return (_like(x, output_mask[0]),
+            _maybe(output_mask[1] and weight is not None, x, (_dim(x, -1),), weight.dtype if weight is not None else x.dtype),
+            _maybe(output_mask[2] and bias is not None, x, (_dim(x, -1),), bias.dtype if bias is not None else x.dtype))
+
+
 FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
@@ -362,6 +373,7 @@ FAKE_KERNELS = {
     "sp_gate_residual": _sp_gate_residual, "sp_gate_residual_backward": _sp_gate_residual_backward,
     "sp_gate_residual_rmsnorm": _sp_gate_residual_rmsnorm,
     "sp_gate_residual_rmsnorm_backward": _sp_gate_residual_rmsnorm_backward,
+    "layernorm": _layernorm, "layernorm_backward": _layernorm_backward,
 }
 # The `.handle` overloads of the backward ops (the plan's handle in its place, registration.cpp):
 # the same outputs, which no fake kernel reads from the plan but adaln_row_gather's (num_rows).

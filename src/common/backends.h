@@ -19,6 +19,7 @@
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
+#include "detdit/layernorm.h"
 #include "detdit/linear.h"
 #include "detdit/numerics.h"
 #include "detdit/rmsnorm.h"
@@ -116,7 +117,12 @@ struct ExtraRows {
   X(upcast_to_f32, const TensorView&, const TensorView&, Stream)                                         \
   /* allocate_scratch(device, bytes, stream, owner): `bytes` of memory, freed with *owner */             \
   /* (stream-ordered on CUDA) */                                                                         \
-  X(allocate_scratch, const Device&, std::size_t, Stream, std::shared_ptr<void>*)
+  X(allocate_scratch, const Device&, std::size_t, Stream, std::shared_ptr<void>*)                       \
+  /* layernorm (src/layernorm.cc composes the backward): forward (out, mean, rstd); backward rows (dx */  \
+  /* only); partials (p, weight_partials, bias_partials): (chunks, H) fp32 each, or absent */            \
+  X(layernorm_forward, const LayernormParams&, Stream)                                                   \
+  X(layernorm_backward_rows, const LayernormBackwardParams&, Stream)                                     \
+  X(layernorm_backward_partials, const LayernormBackwardParams&, const TensorView&, const TensorView&, Stream)
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \

@@ -419,6 +419,28 @@ struct SpGateResidualRmsnormFunction : torch::autograd::Function<SpGateResidualR
   }
 };
 
+struct LayernormFunction : torch::autograd::Function<LayernormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                               double eps, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, mean, rstd] = DETDIT_OP(layernorm)(x, weight, bias, eps, numerics);
+    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), mean, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(bias)});
+    ctx->mark_non_differentiable({mean, rstd});
+    return {out, mean, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_bias] = DETDIT_OP(layernorm_backward)(
+        contiguous_grad(grads[0]), s[0], saved_optional(s[1]), saved_optional(s[2]), s[3], s[4],
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
+    return {dx, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
 // ---------------------------------------------------------------------------
 // The Autograd kernel of a forward op: Function::apply with the forward
 // kernel's signature (the schema's), its variable_list unpacked into the

@@ -708,4 +708,63 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad,
   return {d_temb, d_weight, d_bias};
 }
 
+// ---------------------------------------------------------------------------
+// layernorm
+
+namespace {
+detdit::LayernormInputs layernorm_inputs(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
+                                         const std::string& numerics) {
+  detdit::LayernormInputs in;
+  in.x = view(x, "x");
+  in.weight = view(weight, "weight");
+  in.bias = view(bias, "bias");
+  in.eps = static_cast<float>(eps);
+  in.numerics = parse_numerics(numerics);
+  return in;
+}
+
+// A parameter's gradient (H,) in its dtype, when wanted and the parameter is given.
+Tensor parameter_grad(bool wanted, const OptTensor& parameter, const Tensor& like) {
+  if (!wanted || !parameter.has_value() || !parameter->defined()) return Tensor();
+  return empty_like_shape(like, {dim_or_zero(like, -1)}, parameter->scalar_type());
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                             double eps, const std::string& numerics) {
+  require_contiguous(x, "x");
+  DeviceScope scope(x);
+  Tensor out = output_like(x);
+  Tensor mean = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::LayernormParams p;
+  p.in = layernorm_inputs(x, weight, bias, eps, numerics);
+  p.out = view(out, "out");
+  p.mean = view(mean, "mean");
+  p.rstd = view(rstd, "rstd");
+  check_ok(detdit::layernorm_forward(p, scope.stream()));
+  return {out, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& grad, const Tensor& x, const OptTensor& weight,
+                                                      const OptTensor& bias, const Tensor& mean, const Tensor& rstd,
+                                                      double eps, const std::string& numerics,
+                                                      std::array<bool, 3> output_mask) {
+  require_contiguous(x, "x");
+  DeviceScope scope(x);
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_weight = parameter_grad(output_mask[1], weight, x);
+  Tensor d_bias = parameter_grad(output_mask[2], bias, x);
+  detdit::LayernormBackwardParams p;
+  p.in = layernorm_inputs(x, weight, bias, eps, numerics);
+  p.mean = view(mean, "mean");
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  check_ok(detdit::layernorm_backward(p, scope.stream()));
+  return {dx, d_weight, d_bias};
+}
+
 }  // namespace detdit_torch

@@ -177,4 +177,14 @@ std::tuple<Tensor, Tensor, Tensor> adaln_modulation_backward(const Tensor& grad,
                                                              const PlanPtr& plan, const std::string& numerics,
                                                              std::array<bool, 3> output_mask);
 
+// layernorm: (out like x, mean (M,) fp32, rstd (M,) fp32); weight and bias
+// optional (bias needs weight). Backward: (dx like x, d_weight, d_bias in the
+// parameters' dtype; each only where the mask asks and the parameter exists).
+std::tuple<Tensor, Tensor, Tensor> layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                             double eps, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& grad, const Tensor& x, const OptTensor& weight,
+                                                      const OptTensor& bias, const Tensor& mean, const Tensor& rstd,
+                                                      double eps, const std::string& numerics,
+                                                      std::array<bool, 3> output_mask);
+
 }  // namespace detdit_torch

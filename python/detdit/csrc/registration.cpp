@@ -423,6 +423,13 @@ TORCH_LIBRARY(detdit, m) {
       kSpGateResidualRmsnormBackwardSchema.c_str(),
       &sp_gate_residual_rmsnorm_backward);
 
+  def_op<LayernormFunction>(
+      m, "layernorm(Tensor x, Tensor? weight, Tensor? bias, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
+      &layernorm,
+      "layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, float eps, "
+      "str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &layernorm_backward);
+
   // The `.handle` and `.tables` overloads (plan.h, registration above).
   // adaln_row_gather_backward's also take the plan's num_rows, which its fake
   // kernel needs.

@@ -8,6 +8,7 @@
 //   torch_parity_main gate      DT B S N R       res y gate index.i64 out
 //   torch_parity_main silu_cast T D              temb.f32 act.bf16
 //   torch_parity_main gather    DT S R H         rows index.i64 out
+//   torch_parity_main layernorm DT M N           x w|- b|- grad out mean.f32 rstd.f32 dx  (eps 1e-6)
 // DT is f32, bf16 or f16; files are raw little-endian, contiguous. Exit 0 on
 // success; any Status error or I/O failure prints it and exits 1.
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/layernorm.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/timestep.h"
@@ -144,6 +146,24 @@ int main(int argc, char** argv) {
     Buffer out(dt, {6, seq, hidden});
     ok(adaln_row_gather_forward(AdalnRowGatherParams{table.view, plan_of(index, rows, 1), out.view}));
     out.save(argv[8]);
+  } else if (op == "layernorm") {
+    need(13);
+    const DType dt = parse_dtype(argv[2]);
+    const int64_t rows = arg(argv, 3), hidden = arg(argv, 4);
+    const bool has_w = std::string(argv[6]) != "-", has_b = std::string(argv[7]) != "-";
+    Buffer x(dt, {rows, hidden}, argv[5]), w(dt, {hidden}, has_w ? argv[6] : nullptr);
+    Buffer b(dt, {hidden}, has_b ? argv[7] : nullptr), grad(dt, {rows, hidden}, argv[8]);
+    Buffer out(dt, {rows, hidden}), mean(DType::kF32, {rows}), rstd(DType::kF32, {rows}), dx(dt, {rows, hidden});
+    LayernormInputs in;
+    in.x = x.view, in.eps = 1e-6f, in.numerics = Numerics::kTorch;
+    if (has_w) in.weight = w.view;
+    if (has_b) in.bias = b.view;
+    ok(layernorm_forward(LayernormParams{in, out.view, mean.view, rstd.view}));
+    ok(layernorm_backward(LayernormBackwardParams{in, mean.view, rstd.view, grad.view, dx.view, TensorView(), TensorView()}));
+    out.save(argv[9]);
+    mean.save(argv[10]);
+    rstd.save(argv[11]);
+    dx.save(argv[12]);
   } else {
     fail("unknown op " + op);
   }
