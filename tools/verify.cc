@@ -63,6 +63,7 @@ std::vector<VerifyCase> verify_cases(const cases::CaseContext& context, const ca
                                  {"adaln_projection", "block 0, weights' shape"},
                                  {"adaln_row_gather", "six chunks"},
                                  {"rmsnorm", "modulated, norm1 of block 0"},
+                                 {"layernorm", "no affine, weights' H"},
                                  {"gate_residual", "gate_msa, 3 randn sublayer"},
                                  {"final_adaln_out", "norm_out, fwd+bwd"},
                                  {"adaln_modulation", "block 0, fwd+bwd"},
