@@ -93,12 +93,15 @@ DETDIT_HD float normalised(float x, float mean, float rstd, bool has_weight, flo
 }
 
 // One element into a thread's dx sums (w = 1 without a weight):
-// s1 = fma(g, w, s1); s2 = fma(rn(rn(g * w) * rn(x - mean)), rstd, s2).
+// s1 = rn(s1 + rn(g * w)); s2 = fma(rn(rn(g * w) * rn(x - mean)), rstd, s2).
+// The product g * w feeds both sums and is not fused into s1's add (the
+// fused s1 differs from eager's fp32 dx on an H100; with bf16 and fp16
+// inputs the product is exact and both readings agree).
 struct DxSums {
   float s1, s2;
 };
 DETDIT_HD DxSums dx_sums_step(DxSums s, float g, float w, float x, float mean, float rstd) {
-  return DxSums{num::fma32(g, w, s.s1),
+  return DxSums{num::add32(s.s1, num::mul32(g, w)),
                 num::fma32(num::mul32(num::mul32(g, w), num::sub32(x, mean)), rstd, s.s2)};
 }
 

@@ -158,8 +158,9 @@ std::vector<float> pytorch_dx(const std::vector<float>& x, const std::vector<flo
     for (int l = 4 * t; l + 3 < n; l += 128 * 4)
       for (int k = 0; k < 4; ++k) {
         const float g = gamma[l + k], c_h = x[l + k], c_loss = dy[l + k];
-        x1 = std::fmaf(c_loss, g, x1);
-        x2 = std::fmaf(c_loss * g * (c_h - mean), rstd, x2);
+        const float loss_gamma = c_loss * g;  // one rounded product feeds both sums
+        x1 += loss_gamma;
+        x2 = std::fmaf(loss_gamma * (c_h - mean), rstd, x2);
       }
     s1[t] = x1;
     s2[t] = x2;
