@@ -6,7 +6,6 @@
 #include "detdit/gate_residual.h"
 
 #include <memory>
-#include <string>
 
 #include "common/backends.h"
 #include "common/scratch.h"
@@ -97,6 +96,7 @@ Status validate_gate_residual_backward(const GateResidualBackwardParams& p, Form
 
 ResolvedModulation gate_modulation(const GateResidualInputs& in) {
   ResolvedModulation mod;
+  mod.dtype = in.y.dtype;
   // Validated inputs: this is the validation's own resolution again, and succeeds.
   (void)resolve_modulation(in.y, "y", {{&in.gate, "gate"}}, in.plan, &mod);
   return mod;
@@ -104,26 +104,14 @@ ResolvedModulation gate_modulation(const GateResidualInputs& in) {
 
 }  // namespace rowwise
 
-namespace {
-// CUDA: today's rule only (rowwise::check_cuda_recipe), and a gate.
-Status check_cuda_gate(const GateResidualInputs& in, const char* op) {
-  if (in.y.device.is_cuda() && !in.gate.present())
-    return Status::value_error(std::string(op) + " on CUDA takes a gate (the plain residual add runs on the CPU "
-                               "backend), got an absent gate");
-  return rowwise::check_cuda_recipe(in.y.device, rowwise::gate_modulation(in), in.y.dtype, in.upcast,
-                                    in.k.has_value(), op);
-}
-}  // namespace
 
 Status gate_residual_forward(const GateResidualParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_forward(params, rowwise::Forms::kAll));
-  DETDIT_RETURN_IF_ERROR(check_cuda_gate(params.in, "gate_residual_forward"));
   return backend::gate_residual_forward(params.in.residual.device, params, stream);
 }
 
 Status gate_residual_backward(const GateResidualBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_gate_residual_backward(params, rowwise::Forms::kAll));
-  DETDIT_RETURN_IF_ERROR(check_cuda_gate(params.in, "gate_residual_backward"));
   return rowwise::run_gate_residual_backward(params, stream);
 }
 

@@ -132,6 +132,7 @@ Status validate_rmsnorm_backward(const RmsnormBackwardParams& p, Forms forms) {
 
 ResolvedModulation rmsnorm_modulation(const RmsnormInputs& in) {
   ResolvedModulation mod;
+  mod.dtype = in.x.dtype;
   // Validated inputs: this is the validation's own resolution again, and succeeds.
   (void)resolve_modulation(in.x, "x", {{&in.shift, "shift"}, {&in.scale, "scale"}}, in.plan, &mod);
   return mod;
@@ -141,15 +142,11 @@ ResolvedModulation rmsnorm_modulation(const RmsnormInputs& in) {
 
 Status rmsnorm_forward(const RmsnormParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(params, rowwise::Forms::kAll));
-  DETDIT_RETURN_IF_ERROR(rowwise::check_cuda_recipe(params.in.x.device, rowwise::rmsnorm_modulation(params.in),
-                                                    params.in.x.dtype, params.in.upcast, false, "rmsnorm_forward"));
   return backend::rmsnorm_forward(params.in.x.device, params, stream);
 }
 
 Status rmsnorm_backward(const RmsnormBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(params, rowwise::Forms::kAll));
-  DETDIT_RETURN_IF_ERROR(rowwise::check_cuda_recipe(params.in.x.device, rowwise::rmsnorm_modulation(params.in),
-                                                    params.in.x.dtype, params.in.upcast, false, "rmsnorm_backward"));
   return rowwise::run_rmsnorm_backward(params, stream);
 }
 

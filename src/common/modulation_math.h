@@ -55,21 +55,14 @@ struct Recipe {
 };
 
 // Host-side dispatch: fn(T{}, M{}, std::bool_constant<upcast>{}) with T the
-// storage type of x_dtype and M that of m_dtype (fp32 or x_dtype, validated).
+// storage type of x_dtype and M that of m_dtype (fp32 or x_dtype, validated);
+// returns fn's result (one type for every instantiation).
 template <typename Fn>
-void dispatch_recipe(DType x_dtype, DType m_dtype, bool upcast, Fn&& fn) {
-  dispatch_float_dtype(x_dtype, [&](auto t) {
+auto dispatch_recipe(DType x_dtype, DType m_dtype, bool upcast, Fn&& fn) {
+  return dispatch_float_dtype(x_dtype, [&](auto t) {
     using T = decltype(t);
-    auto with_m = [&](auto m) {
-      if (upcast)
-        fn(T{}, m, std::true_type{});
-      else
-        fn(T{}, m, std::false_type{});
-    };
-    if (m_dtype == DType::kF32)
-      with_m(float{});
-    else
-      with_m(T{});
+    auto with_m = [&](auto m) { return upcast ? fn(T{}, m, std::true_type{}) : fn(T{}, m, std::false_type{}); };
+    return m_dtype == DType::kF32 ? with_m(float{}) : with_m(T{});
   });
 }
 

@@ -144,19 +144,6 @@ Status check_norm_aligned(const TensorView& t, const char* name) {
   return check::aligned(t, name, 4 * dtype_size(t.dtype), "PyTorch's vectorized RMSNorm path");
 }
 
-Status check_cuda_recipe(const Device& device, const ResolvedModulation& mod, DType x, bool upcast, bool has_k,
-                         const char* op) {
-  if (!device.is_cuda()) return Status();
-  std::string cpu_only;
-  if (mod.grouped()) cpu_only = std::string("the ") + modulation_form_name(mod.form) + " form";
-  else if (mod.form != ModulationForm::kNone && mod.dtype != x) cpu_only = "a modulation dtype other than x's";
-  else if (upcast) cpu_only = "upcast = true";
-  else if (has_k) cpu_only = "k";
-  if (cpu_only.empty()) return Status();
-  return Status::value_error(std::string(op) + " on CUDA takes the indexed form in the activations' dtype only (" +
-                             cpu_only + " runs on the CPU backend), got " + cpu_only + " on " + device.to_string());
-}
-
 Status check_eps(float eps) {
   if (!(std::isfinite(eps) && eps > 0.0f))
     return Status::value_error("eps must be finite and > 0, got " + std::to_string(eps));

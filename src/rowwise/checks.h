@@ -85,12 +85,6 @@ Status validate_gate_residual_backward(const GateResidualBackwardParams& p, Form
 // sp_gate_residual_rmsnorm_backward on the local rows with the local plan).
 Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p);
 
-// The CUDA kernels implement today's rule only (the indexed form or none in
-// x's dtype, upcast = false, no k, a gate when gated): anything else on a
-// CUDA device is a ValueError naming what is CPU-only (op: the entry point).
-Status check_cuda_recipe(const Device& device, const ResolvedModulation& mod, DType x, bool upcast, bool has_k,
-                         const char* op);
-
 // The resolved modulation of validated inputs (resolve_modulation, which
 // cannot fail on them).
 ResolvedModulation rmsnorm_modulation(const RmsnormInputs& in);

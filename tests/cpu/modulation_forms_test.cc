@@ -499,13 +499,6 @@ TEST(ModulationForms, FormAndShapeErrorsAreRefusedBeforeAnyWrite) {
        [&](RmsnormParams* f, RmsnormBackwardParams* b) { f->in.upcast = b->in.upcast = true; }},
       {"d_shift shape", ErrorKind::kValue, "d_shift must have shift's shape (2, 2, 32)",
        [&](RmsnormParams*, RmsnormBackwardParams* b) { b->d_shift = wrong_grad.view(); }},
-      {"cuda", ErrorKind::kValue, "on CUDA takes the indexed form",
-       [&](RmsnormParams* f, RmsnormBackwardParams* b) {
-         for (TensorView* t : {&f->in.x, &f->in.weight, &f->in.shift, &f->in.scale, &f->out, &f->rstd, &b->in.x,
-                               &b->in.weight, &b->in.shift, &b->in.scale, &b->rstd, &b->grad, &b->dx, &b->d_weight,
-                               &b->d_shift, &b->d_scale})
-           t->device = Device::cuda(0);
-       }},
   };
   for (const Bad& bad : cases) {
     SCOPED_TRACE(bad.what);
