@@ -31,8 +31,8 @@ Status check_gate(const GateResidualInputs& in, const TensorView& rows, const ch
     DETDIT_RETURN_IF_ERROR(check_table(in.gate, "gate", in.plan.num_rows(), *hidden, rows, rows_name, {rows.dtype}));
     if (in.upcast)
       return Status::value_error("upcast must be false: this op takes the indexed gate in its rows' dtype only");
-    if (in.k.has_value())
-      return Status::value_error("k must be absent: this op takes the indexed gate without a constant only");
+    if (in.has_k)
+      return Status::value_error("has_k must be false: this op takes the indexed gate without a constant only");
   } else {
     if (in.plan.valid()) DETDIT_RETURN_IF_ERROR(check::plan_on(in.plan, "plan", rows, rows_name));
     DETDIT_RETURN_IF_ERROR(check_rows(rows, rows_name, &in.plan, hidden));
@@ -59,11 +59,11 @@ Status check_gate_residual_backward_arguments(const GateResidualBackwardParams& 
   int64_t hidden = 0;
   ResolvedModulation mod;
   if (forms == Forms::kIndexedOnly) {
-    // Today's order: grad carries the rows, y and gate follow it.
+    // grad carries the rows, y and gate follow it (the checks' order before the forms).
     DETDIT_RETURN_IF_ERROR(check_gate(p.in, p.grad, "grad", forms, &hidden, &mod));
     DETDIT_RETURN_IF_ERROR(check_like(p.in.y, "y", p.grad, "grad"));
   } else {
-    // grad first (today's order), then y: grad's dtype too, but where an fp32
+    // grad first (as above), then y: grad's dtype too, but where an fp32
     // gate promotes grad to fp32 (upcast = false), any float dtype.
     if (p.in.plan.valid()) DETDIT_RETURN_IF_ERROR(check::plan_on(p.in.plan, "plan", p.grad, "grad"));
     DETDIT_RETURN_IF_ERROR(check_rows(p.grad, "grad", &p.in.plan, &hidden));

@@ -12,15 +12,13 @@
 // Modulation forms and recipes (detdit/modulation.h, docs/numerics.md 5.12,
 // 6.11): gate may be absent (out = R_T(residual + y)), indexed as above, or
 // without a plan per sample, per frame or per token, fp32 or residual's dtype;
-// k (optional) makes the gate term k + gate (SGLang's MulAdd, c + a * (k + b)).
+// has_k and k make the gate term k + gate (SGLang's MulAdd, c + a * (k + b)).
 // upcast = false rounds each op to its operands' promoted dtype (out, grad:
 // fp32 for an fp32 gate, else residual's dtype); upcast = true computes in
 // FP32 and rounds once to residual's dtype. d_residual = R_T(grad); d_gate has
 // gate's shape. The indexed form, residual's dtype, no k, upcast = false is
 // the rule above, bit for bit.
 #pragma once
-
-#include <optional>
 
 #include "detdit/modulation.h"
 #include "detdit/numerics.h"
@@ -37,7 +35,8 @@ struct GateResidualInputs {
   TensorView y;         // (M, H) residual's dtype (the sublayer output)
   TensorView gate;      // (R, H) with plan, (B, H), (B, F, H), (B, S, H)...; or absent
   IndexPlan plan;       // required for the indexed form
-  std::optional<float> k = std::nullopt;  // the gate term is rn(k + gate) when set, gate itself when not
+  bool has_k = false;      // the gate term is R(k + gate) when true, gate itself when false
+  float k = 0.0f;
   bool upcast = false;     // false: each op rounds (eager); true: FP32 throughout, one rounding
 };
 

@@ -21,6 +21,9 @@
 // The group of position p (per sample, frame or token) is g = p / L, the
 // groups of item b are [b*F, (b+1)*F); a group is a contiguous run of L
 // positions, which is what the batch-invariant gradient reduction uses.
+// "The H3 rule" in the sources: the indexed form (or none) with the
+// modulation in x's dtype, upcast = false and no k, i.e. numerics 5.6 / 5.7
+// exactly; the fused ops and the sequence-parallel backwards take only that.
 #pragma once
 
 #include <cstdint>

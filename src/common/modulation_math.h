@@ -45,7 +45,7 @@ struct Promoted<T, float> {
 //   Factor: 1 + scale and k + gate (the modulation's own dtype)
 //   Mid:    n * t1, gate * y and the final sum before the store
 //   Out:    the stored output (and the gradient's dtype)
-// With M = T and upcast = false every one of them is T: today's rule.
+// With M = T and upcast = false every one of them is T: the H3 rule.
 template <typename T, typename M, bool kUpcast>
 struct Recipe {
   using Norm = std::conditional_t<kUpcast, float, T>;

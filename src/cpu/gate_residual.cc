@@ -44,8 +44,8 @@ Gate gate_of(const GateResidualInputs& in) {
   g.mod = rowwise::gate_modulation(in);
   g.gate = modulation_operand(in.gate, g.mod);
   if (g.mod.form == ModulationForm::kIndexed) g.row_of_seq = in.plan.host_tables().row_of_seq;
-  g.has_k = in.k.has_value();
-  g.k = in.k.value_or(0.0f);
+  g.has_k = in.has_k;
+  g.k = in.k;
   return g;
 }
 

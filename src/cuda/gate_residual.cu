@@ -6,7 +6,7 @@
 //             d_gate = canonical reduction of fma(grad, y, acc): segment
 //             partials (grid (selected chunk, column block), each segment's
 //             positions ascending) then fold_segment_partials.
-// The modulation forms and recipes (numerics 5.12, 6.11): today's rule (the
+// The modulation forms and recipes (numerics 5.12, 6.11): the H3 rule (the
 // indexed gate in the rows' dtype, upcast = false, no k) runs the vector
 // kernels above; every other call runs the generic rows kernels (one element
 // per thread, templates over the recipe <T, M, upcast>, the form's row from
@@ -130,7 +130,7 @@ struct GatePartialArgs {
 };
 
 // grid (selected chunk k, column block); thread owns columns [i0, i0 + kCols).
-// G: grad's storage type (the recipe's Out; T for today's rule).
+// G: grad's storage type (the recipe's Out; T for the H3 rule).
 template <typename T, typename G, int kCols>
 __global__ void gate_residual_backward_partials_kernel(GatePartialArgs a) {
   __shared__ int warp_counts[32];
@@ -182,9 +182,9 @@ int64_t hidden_of(const TensorView& t) { return t.shape[t.rank - 1]; }
 
 // ---- the modulation forms and recipes (numerics 5.12, 6.11) ----------------------
 
-// Today's rule: the vector kernels above.
-bool todays_rule(const GateResidualInputs& in, const ResolvedModulation& mod) {
-  return mod.form == ModulationForm::kIndexed && mod.dtype == in.y.dtype && !in.upcast && !in.k.has_value();
+// The H3 rule: the vector kernels above.
+bool h3_rule(const GateResidualInputs& in, const ResolvedModulation& mod) {
+  return mod.form == ModulationForm::kIndexed && mod.dtype == in.y.dtype && !in.upcast && !in.has_k;
 }
 
 struct GateFormArgs {
@@ -248,8 +248,8 @@ GateFormArgs form_args(const GateResidualInputs& in, const ResolvedModulation& m
   f.frame_len = mod.frame_len;
   f.hidden = hidden_of(in.y);
   f.elements = elements;
-  f.has_k = in.k.has_value();
-  f.k = in.k.value_or(0.0f);
+  f.has_k = in.has_k;
+  f.k = in.k;
   f.out = out;
   f.copy = copy;
   return f;
@@ -295,7 +295,7 @@ Status gate_residual_forward(const GateResidualParams& p, Stream stream) {
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.residual.device));
   const ResolvedModulation mod = rowwise::gate_modulation(p.in);
-  if (!todays_rule(p.in, mod))
+  if (!h3_rule(p.in, mod))
     return launch_form_rows<true>(
         p.in, mod, form_args(p.in, mod, p.in.residual.data, p.in.y.data, p.in.residual.numel(), p.out.data, nullptr),
         as_cuda_stream(stream));
@@ -311,7 +311,7 @@ Status gate_residual_backward_rows(const GateResidualBackwardParams& p, Stream s
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.grad.device));
   const ResolvedModulation mod = rowwise::gate_modulation(p.in);
-  if (!todays_rule(p.in, mod))
+  if (!h3_rule(p.in, mod))
     return launch_form_rows<false>(p.in, mod,
                                    form_args(p.in, mod, p.grad.data, nullptr, p.grad.numel(),
                                              p.d_y.present() ? p.d_y.data : nullptr,

@@ -187,7 +187,7 @@ DType modulation_dtype(const RmsnormInputs& in) { return in.shift.present() ? in
 
 }  // namespace
 
-bool rmsnorm_todays_rule(const RmsnormInputs& in, const ResolvedModulation& mod) {
+bool rmsnorm_h3_rule(const RmsnormInputs& in, const ResolvedModulation& mod) {
   return (mod.form == ModulationForm::kNone || mod.form == ModulationForm::kIndexed) && mod.dtype == in.x.dtype &&
          !in.upcast;
 }

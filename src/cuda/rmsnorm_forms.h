@@ -1,7 +1,7 @@
 // rmsnorm on CUDA for the modulation forms and recipes (numerics 5.12, 6.11)
-// other than today's rule (src/cuda/rmsnorm_forms.cu). The backend entry
-// points of src/cuda/rmsnorm.cu hand a call here when rmsnorm_todays_rule is
-// false, so today's kernels and their bits are untouched.
+// other than the H3 rule (src/cuda/rmsnorm_forms.cu). The backend entry
+// points of src/cuda/rmsnorm.cu hand a call here when rmsnorm_h3_rule is
+// false, so the H3 rule's kernels and their bits are untouched.
 #pragma once
 
 #include "detdit/modulation.h"
@@ -12,11 +12,11 @@ namespace detdit {
 namespace cuda {
 
 // The indexed form or none, the modulation in x's dtype, upcast = false.
-bool rmsnorm_todays_rule(const RmsnormInputs& in, const ResolvedModulation& mod);
+bool rmsnorm_h3_rule(const RmsnormInputs& in, const ResolvedModulation& mod);
 
 Status rmsnorm_forms_forward(const RmsnormParams& p, Stream stream);
 Status rmsnorm_forms_backward_rows(const RmsnormBackwardParams& p, Stream stream);
-// Every chunk (the public backward; the SP region runs today's rule only).
+// Every chunk (the public backward; the SP region runs the H3 rule only).
 Status rmsnorm_forms_backward_partials(const RmsnormBackwardParams& p, const TensorView& weight_partials,
                                        const TensorView& table_partials, Stream stream);
 

@@ -57,7 +57,7 @@ Status check_modulated_out(const TensorView& t, const char* name, const TensorVi
 
 // Which modulation an entry point takes: the public rmsnorm and gate_residual
 // every form and recipe (detdit/modulation.h); the fused ops and the sequence-
-// parallel region today's indexed form only (the modulation in x's dtype,
+// parallel region the H3 rule only: the indexed form (the modulation in x's dtype,
 // upcast = false, no k), which is what their kernels implement.
 enum class Forms { kIndexedOnly, kAll };
 

@@ -270,7 +270,8 @@ struct GateRun {
         d_gate(grad_like(problem, problem.mod_dtype)) {}
   GateResidualInputs inputs() const {
     GateResidualInputs in{residual.view(), y.view(), gated ? mod.chunk(2) : TensorView(), IndexPlan()};
-    in.k = p.k;
+    in.has_k = p.k.has_value();
+    in.k = p.k.value_or(0.0f);
     in.upcast = p.upcast;
     return in;
   }

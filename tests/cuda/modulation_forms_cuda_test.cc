@@ -126,7 +126,8 @@ TEST(ModulationFormsCuda, GateResidualEqualsTheCpu) {
           auto v = [&](const Pair& p) { return gpu ? p.d() : p.h(); };
           GateResidualInputs in{v(residual), v(y), chunk(v(parent), 2, f),
                                 indexed ? (gpu ? plans.dev : plans.host) : IndexPlan()};
-          in.k = k;
+          in.has_k = k.has_value();
+          in.k = k.value_or(0.0f);
           in.upcast = r.upcast;
           DETDIT_ASSERT_OK(gate_residual_forward({in, v(out)}));
           DETDIT_ASSERT_OK(gate_residual_backward({in, v(grad), v(d_residual), v(d_y), v(d_gate)}));
