@@ -11,6 +11,7 @@
 #include "common/backends.h"
 #include "common/scratch.h"
 #include "common/validate.h"
+#include "detdit/modulation.h"
 #include "rowwise/backward.h"
 #include "rowwise/checks.h"
 
@@ -33,19 +34,25 @@ Status check_norm_input(const TensorView& x, const TensorView& weight, const Ind
   return check_norm_aligned(weight, "weight");
 }
 
-// shift/scale: both or neither; with them a plan on x's device and (R, H) views.
-Status check_modulation(const TensorView& x, const TensorView& shift, const TensorView& scale, const IndexPlan& plan,
-                        int64_t hidden) {
+// shift/scale: both or neither. Indexed only: with them a plan on x's device
+// and (R, H) views of x's dtype (the fused ops' and the SP region's rule);
+// every form: resolve_modulation (modulation.h). *resolved receives the form.
+Status check_modulation(const RmsnormInputs& in, int64_t hidden, Forms forms, ResolvedModulation* resolved) {
+  const TensorView &x = in.x, &shift = in.shift, &scale = in.scale;
+  const IndexPlan& plan = in.plan;
   if (shift.present() != scale.present())
     return Status::value_error(std::string("modulation needs both shift and scale, got ") +
                                (shift.present() ? "shift without scale" : "scale without shift"));
+  if (forms == Forms::kIndexedOnly && in.upcast)
+    return Status::value_error("upcast must be false: this op takes the indexed form in x's dtype only, got true");
   if (!shift.present()) {
     if (plan.valid()) DETDIT_RETURN_IF_ERROR(check::plan_on(plan, "plan", x, "x"));
-    return Status();
+  } else if (forms == Forms::kIndexedOnly) {
+    DETDIT_RETURN_IF_ERROR(check::plan_on(plan, "plan", x, "x"));
+    DETDIT_RETURN_IF_ERROR(check_table(shift, "shift", plan.num_rows(), hidden, x, "x", {x.dtype}));
+    DETDIT_RETURN_IF_ERROR(check_table(scale, "scale", plan.num_rows(), hidden, x, "x", {x.dtype}));
   }
-  DETDIT_RETURN_IF_ERROR(check::plan_on(plan, "plan", x, "x"));
-  DETDIT_RETURN_IF_ERROR(check_table(shift, "shift", plan.num_rows(), hidden, x, "x", {x.dtype}));
-  return check_table(scale, "scale", plan.num_rows(), hidden, x, "x", {x.dtype});
+  return resolve_modulation(x, "x", {{&shift, "shift"}, {&scale, "scale"}}, plan, resolved);
 }
 
 Status check_rstd(const TensorView& rstd, const TensorView& x, int64_t hidden) {
@@ -57,34 +64,49 @@ Status check_rstd(const TensorView& rstd, const TensorView& x, int64_t hidden) {
 
 }  // namespace
 
-Status check_rmsnorm_forward_arguments(const RmsnormParams& p) {
+Status check_rmsnorm_forward_arguments(const RmsnormParams& p, Forms forms) {
   int64_t hidden = 0;
+  ResolvedModulation mod;
   DETDIT_RETURN_IF_ERROR(check_norm_input(p.in.x, p.in.weight, p.in.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_modulation(p.in.x, p.in.shift, p.in.scale, p.in.plan, hidden));
+  DETDIT_RETURN_IF_ERROR(check_modulation(p.in, hidden, forms, &mod));
   DETDIT_RETURN_IF_ERROR(check_eps(p.in.eps));
   DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.x.device));
-  DETDIT_RETURN_IF_ERROR(check_like(p.out, "out", p.in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check_modulated_out(p.out, "out", p.in.x, "x", mod, p.in.upcast, "shift"));
   DETDIT_RETURN_IF_ERROR(check_norm_aligned(p.out, "out"));
   if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.in.x, hidden));
   return Status();
 }
 
-Status validate_rmsnorm_forward(const RmsnormParams& p) {
-  DETDIT_RETURN_IF_ERROR(check_rmsnorm_forward_arguments(p));
+Status validate_rmsnorm_forward(const RmsnormParams& p, Forms forms) {
+  DETDIT_RETURN_IF_ERROR(check_rmsnorm_forward_arguments(p, forms));
   return check_outputs_disjoint({{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"}},
                                 {{&p.out, "out"}, {&p.rstd, "rstd"}});
 }
 
-Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p) {
+namespace {
+
+// d_shift / d_scale of a modulated norm: (R, H) table gradients (indexed) or
+// the modulation tensor's shape (grouped).
+Status check_modulation_grad_of(const TensorView& grad, const char* name, const TensorView& m, const char* m_name,
+                                const RmsnormInputs& in, const ResolvedModulation& mod, int64_t hidden) {
+  if (mod.form == ModulationForm::kIndexed)
+    return check_table_grad(grad, name, in.plan.num_rows(), hidden, mod.dtype, in.x, "x");
+  return check_modulation_grad(grad, name, m, m_name, mod);
+}
+
+}  // namespace
+
+Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p, Forms forms) {
   int64_t hidden = 0;
+  ResolvedModulation mod;
   const bool modulated = p.in.shift.present() || p.in.scale.present();
   DETDIT_RETURN_IF_ERROR(check_norm_input(p.in.x, p.in.weight, p.in.plan, &hidden));
-  DETDIT_RETURN_IF_ERROR(check_modulation(p.in.x, p.in.shift, p.in.scale, p.in.plan, hidden));
+  DETDIT_RETURN_IF_ERROR(check_modulation(p.in, hidden, forms, &mod));
   DETDIT_RETURN_IF_ERROR(check_eps(p.in.eps));
   DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.x.device));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
   DETDIT_RETURN_IF_ERROR(check_rstd(p.rstd, p.in.x, hidden));
-  DETDIT_RETURN_IF_ERROR(check_like(p.grad, "grad", p.in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check_modulated_out(p.grad, "grad", p.in.x, "x", mod, p.in.upcast, "shift"));
   if (p.dx.present()) DETDIT_RETURN_IF_ERROR(check_like(p.dx, "dx", p.in.x, "x"));
   if (p.d_weight.present()) {
     DETDIT_RETURN_IF_ERROR(check::dtype(p.d_weight, "d_weight", {DType::kF32, p.in.x.dtype}));
@@ -95,28 +117,36 @@ Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p) {
   if ((p.d_shift.present() || p.d_scale.present()) && !modulated)
     return Status::value_error("d_shift/d_scale need a modulated norm (shift and scale), got a plain norm");
   if (p.d_shift.present())
-    DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_shift, "d_shift", p.in.plan.num_rows(), hidden, p.in.x.dtype, p.in.x, "x"));
+    DETDIT_RETURN_IF_ERROR(check_modulation_grad_of(p.d_shift, "d_shift", p.in.shift, "shift", p.in, mod, hidden));
   if (p.d_scale.present())
-    DETDIT_RETURN_IF_ERROR(check_table_grad(p.d_scale, "d_scale", p.in.plan.num_rows(), hidden, p.in.x.dtype, p.in.x, "x"));
+    DETDIT_RETURN_IF_ERROR(check_modulation_grad_of(p.d_scale, "d_scale", p.in.scale, "scale", p.in, mod, hidden));
   return Status();
 }
 
-Status validate_rmsnorm_backward(const RmsnormBackwardParams& p) {
-  DETDIT_RETURN_IF_ERROR(check_rmsnorm_backward_arguments(p));
+Status validate_rmsnorm_backward(const RmsnormBackwardParams& p, Forms forms) {
+  DETDIT_RETURN_IF_ERROR(check_rmsnorm_backward_arguments(p, forms));
   return check_outputs_disjoint({{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"},
                                  {&p.rstd, "rstd"}, {&p.grad, "grad"}},
                                 {{&p.dx, "dx"}, {&p.d_weight, "d_weight"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
 }
 
+ResolvedModulation rmsnorm_modulation(const RmsnormInputs& in) {
+  ResolvedModulation mod;
+  mod.dtype = in.x.dtype;
+  // Validated inputs: this is the validation's own resolution again, and succeeds.
+  (void)resolve_modulation(in.x, "x", {{&in.shift, "shift"}, {&in.scale, "scale"}}, in.plan, &mod);
+  return mod;
+}
+
 }  // namespace rowwise
 
 Status rmsnorm_forward(const RmsnormParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(params));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_forward(params, rowwise::Forms::kAll));
   return backend::rmsnorm_forward(params.in.x.device, params, stream);
 }
 
 Status rmsnorm_backward(const RmsnormBackwardParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(params));
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_rmsnorm_backward(params, rowwise::Forms::kAll));
   return rowwise::run_rmsnorm_backward(params, stream);
 }
 

@@ -21,6 +21,7 @@
 #include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/layernorm.h"
 #include "detdit/linear.h"
+#include "detdit/modulation.h"
 #include "detdit/numerics.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -94,6 +95,10 @@ struct ExtraRows {
   X(fold_segment_partials, const IndexPlan&, const TensorView&, const TensorView&, Stream)               \
   /* (partials, out): out[:] = rounded ascending fold over chunks of partials (C, W) fp32; out (W,) */   \
   X(fold_chunk_partials, const TensorView&, const TensorView&, Stream)                                   \
+  /* (partials, per_group, mod, out): the grouped modulation forms' fold (numerics 6.11): out's row of */ \
+  /* group g = rounded ascending fold of partial rows [g*per_group, (g+1)*per_group) of (G*per_group, */ \
+  /* W) fp32; out a grouped modulation view (modulation.h) of W columns */                               \
+  X(fold_group_partials, const TensorView&, int64_t, const ResolvedModulation&, const TensorView&, Stream) \
   /* The folds continued from running sums (the SP region's chain over the ranks, one link of */         \
   /* consecutive chunks at a time): the same ascending chains, starting from running instead of +0.0. */ \
   /* (plan, partials, first, running, out): out[r, j] = R(chain from running[r, j] over row r's */        \

@@ -35,11 +35,12 @@ DETDIT_HD float normalised(float w, float rstd, float x) {
   return round_to<T>(num::mul32(w, num::mul32(rstd, x)));
 }
 
-// The modulated output before its final rounding: rn(R_T(rn(n * t1)) + shift);
-// the caller stores R_T of it.
-template <typename T>
+// The modulated output before its final rounding: rn(R_Mid(rn(n * t1)) + shift)
+// with t1 = R_Factor(rn(1 + scale)); the caller stores R_Out of it
+// (modulation_math.h Recipe; the H3 rule: Mid = Factor = T).
+template <typename Mid, typename Factor = Mid>
 DETDIT_HD float modulated(float n, float scale, float shift) {
-  return num::add32(round_to<T>(num::mul32(n, one_plus<T>(scale))), shift);
+  return num::add32(round_to<Mid>(num::mul32(n, one_plus<Factor>(scale))), shift);
 }
 
 // d_n = rn(g * t1) of a modulated norm (a plain norm's d_n is g itself).
@@ -73,10 +74,17 @@ DETDIT_HD float scale_grad_step(float g, float n, float acc) { return num::fma32
 
 // ---- gate_residual (numerics 5.7 forward, 6.8 backward) --------------------
 
-// out = rn(residual + R_T(rn(gate * y))); the caller stores R_T of it.
+// out = rn(residual + R_T(rn(gate * y))); the caller stores R_T of it (T is
+// the recipe's Mid type, modulation_math.h; the H3 rule: the rows' type).
 template <typename T>
 DETDIT_HD float gated_sum(float residual, float gate, float y) {
   return num::add32(residual, round_to<T>(num::mul32(gate, y)));
+}
+
+// The gate term with SGLang's constant: R_Factor(rn(k + gate)) (numerics 5.12).
+template <typename Factor>
+DETDIT_HD float gate_with_constant(float k, float gate) {
+  return round_to<Factor>(num::add32(k, gate));
 }
 
 // d_y = rn(grad * gate); the caller stores R_T of it.

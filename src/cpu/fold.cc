@@ -4,13 +4,16 @@
 // chunk partials: ascending chunk), rounded once to the output dtype. The
 // chain starts from +0.0, or, for the continued folds of the SP region, from
 // a given FP32 running sum (then over a range of segments or chunks only).
-// Rows of a segment fold that have no segment are exactly +0.0. The partials
+// Rows of a segment fold that have no segment are exactly +0.0. The group
+// fold (the grouped modulation forms, numerics 6.11) is the chunk fold of
+// each group's own chunks. The partials
 // and running sums are the ops' own FP32 scratch (aligned); the outputs are
 // the caller's gradients, which may sit at any byte address (cpu::store).
 #include <algorithm>
 #include <cstdint>
 
 #include "common/backends.h"
+#include "common/modulation_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cpu/parallel.h"
@@ -85,6 +88,30 @@ Status fold_segment_partials(const IndexPlan& plan, const TensorView& partials, 
 // partials (C, W) fp32 in chunk order; out (W,) fp32/bf16/fp16.
 Status fold_chunk_partials(const TensorView& partials, const TensorView& out, Stream) {
   chunk_fold(partials, TensorView(), out);
+  return Status();
+}
+
+// partials (G*per_group, W) fp32, group g's chunks at rows [g*per_group, (g+1)*per_group);
+// out: a grouped modulation view, group g's row at group_offset.
+Status fold_group_partials(const TensorView& partials, int64_t per_group, const ResolvedModulation& mod,
+                           const TensorView& out, Stream) {
+  const int64_t width = partials.shape[1];
+  const ModulationOperand dst = modulation_operand(out, mod);
+  dispatch_float_dtype(out.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    parallel_for(0, mod.groups(), [&](int64_t g) {
+      // bounds and bases in locals (unaligned.h)
+      const int64_t w = width, n = per_group, row = partials.strides[0];
+      const float* first = partials.ptr<const float>() + g * n * row;
+      void* base = static_cast<char*>(out.data) +
+                   group_offset(dst, mod.frames, g) * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0; j < w; ++j) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < n; ++c) acc = num::add32(acc, first[c * row + j]);
+        store(base, j, from_float<T>(acc));
+      }
+    });
+  });
   return Status();
 }
 

@@ -14,12 +14,15 @@
 //                          warp (chunk_fold says why).
 //   continue_segment_fold / continue_chunk_fold: the same over a range of
 //                          segments / the given chunk rows, from running.
+//   fold_group_partials:   the grouped modulation forms' fold: each group's
+//                          own chunk partials, one thread per (group, column).
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "common/backends.h"
+#include "common/modulation_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
@@ -221,7 +224,35 @@ Status chunk_fold(const TensorView& partials, const TensorView& running, const T
   });
 }
 
+template <typename Out>
+__global__ void fold_group_partials_kernel(const float* partials, int64_t partial_stride, int64_t per_group,
+                                           int64_t width, int64_t groups, ModulationOperand out, int64_t frames) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= groups * width) return;
+  const int64_t g = t / width, j = t % width;
+  const float* first = partials + g * per_group * partial_stride + j;
+  const float acc = add_ascending(0.0f, per_group, [&](int64_t c) { return first[c * partial_stride]; });
+  static_cast<Out*>(const_cast<void*>(out.data))[group_offset(out, frames, g) + j] = from_float<Out>(acc);
+}
+
 }  // namespace
+
+Status fold_group_partials(const TensorView& partials, int64_t per_group, const ResolvedModulation& mod,
+                           const TensorView& out, Stream stream) {
+  DeviceGuard guard;
+  DETDIT_RETURN_IF_ERROR(guard.enter(out.device));
+  const int64_t width = partials.shape[1], total = mod.groups() * width;
+  if (total == 0) return Status();
+  const int threads = launch_tuning().elementwise_threads;
+  const cudaStream_t s = as_cuda_stream(stream);
+  return dispatch_float_dtype(out.dtype, [&](auto tag) {
+    using Out = decltype(tag);
+    fold_group_partials_kernel<Out><<<blocks_for(total, threads), threads, 0, s>>>(
+        partials.ptr<const float>(), partials.strides[0], per_group, width, mod.groups(),
+        modulation_operand(out, mod), mod.frames);
+    return launch_status("fold_group_partials_kernel");
+  });
+}
 
 Status fold_segment_partials(const IndexPlan& plan, const TensorView& partials, const TensorView& out,
                              Stream stream) {

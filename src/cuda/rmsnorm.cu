@@ -17,7 +17,9 @@
 // The public rmsnorm_backward composes rows + partials(all) + folds
 // (src/rowwise/backward.h). The rows kernels and the row arguments are shared
 // with gate_residual_rmsnorm (src/cuda/rmsnorm_rows.cuh), whose kernels are
-// in src/cuda/gate_residual_rmsnorm.cu.
+// in src/cuda/gate_residual_rmsnorm.cu. Calls outside the H3 rule (a
+// grouped modulation form, fp32 modulation on bf16/fp16 x, upcast = true)
+// run the kernels of src/cuda/rmsnorm_forms.cu instead.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,9 +33,11 @@
 #include "cuda/cuda_util.cuh"
 #include "cuda/profile_math.cuh"
 #include "cuda/reduction.cuh"
+#include "cuda/rmsnorm_forms.h"
 #include "cuda/rmsnorm_rows.cuh"
 #include "cuda/row_tree.cuh"
 #include "cuda/tuning.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace cuda {
@@ -367,6 +371,7 @@ Status launch_rmsnorm_forward(const RmsnormRowArgs& a, int64_t rows, std::initia
 }  // namespace
 
 Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
+  if (!rmsnorm_h3_rule(p.in, rowwise::rmsnorm_modulation(p.in))) return rmsnorm_forms_forward(p, stream);
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
   RmsnormRowArgs a = row_args(p.in.x, p.in.weight, p.in.shift, p.in.scale, p.in.plan, p.in.eps, p.in.numerics);
@@ -382,6 +387,7 @@ Status rmsnorm_forward(const RmsnormParams& p, Stream stream) {
 
 Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream) {
   if (!p.dx.present()) return Status();
+  if (!rmsnorm_h3_rule(p.in, rowwise::rmsnorm_modulation(p.in))) return rmsnorm_forms_backward_rows(p, stream);
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
   RmsnormRowArgs a = row_args(p.in.x, p.in.weight, p.in.shift, p.in.scale, p.in.plan, p.in.eps, p.in.numerics);
@@ -400,6 +406,12 @@ Status rmsnorm_backward_rows(const RmsnormBackwardParams& p, Stream stream) {
 Status rmsnorm_backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel, const ExtraRows& extra,
                                  const TensorView& weight_partials, const TensorView& table_partials,
                                  Stream stream) {
+  if (!rmsnorm_h3_rule(p.in, rowwise::rmsnorm_modulation(p.in))) {
+    // The SP region (a chunk selection, received rows) runs the H3 rule only (its validation).
+    if (sel.chunks != nullptr || sel.position_row != nullptr)
+      return Status::runtime_error("rmsnorm_backward_partials: a chunk selection takes the H3 rule only");
+    return rmsnorm_forms_backward_partials(p, weight_partials, table_partials, stream);
+  }
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
   const bool tables = is_modulated(p.in.shift) && table_partials.present();

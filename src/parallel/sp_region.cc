@@ -440,7 +440,10 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
 Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
   const bool modulated = params.in.shift.present() || params.in.scale.present();
   NormBackward norm;
-  Status valid = validate_backward(comm, sp, params, modulated, params.in.x, "x", rowwise::validate_rmsnorm_backward);
+  Status valid = validate_backward(comm, sp, params, modulated, params.in.x, "x", [](const RmsnormBackwardParams& p) {
+    // the indexed form only: the region's exchanges and chains are the plan's
+    return rowwise::validate_rmsnorm_backward(p, rowwise::Forms::kIndexedOnly);
+  });
   if (valid.ok()) valid = prepare_norm(sp, params, stream, &norm);
   const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("sp_rmsnorm_backward", sp, params.in.x,
@@ -453,7 +456,10 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
                                  Stream stream) {
   GateBackward gate;
   Status valid =
-      validate_backward(comm, sp, params, true, params.grad, "grad", rowwise::validate_gate_residual_backward);
+      validate_backward(comm, sp, params, true, params.grad, "grad", [](const GateResidualBackwardParams& p) {
+    // the indexed form only: the region's exchanges and chains are the plan's
+    return rowwise::validate_gate_residual_backward(p, rowwise::Forms::kIndexedOnly);
+  });
   if (valid.ok()) valid = prepare_gate(sp, params, stream, &gate);
   DETDIT_RETURN_IF_ERROR(
       comm.agree(valid, call_signature("sp_gate_residual_backward", sp, params.grad, "", {params.d_gate.present()})));

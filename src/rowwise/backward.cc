@@ -8,6 +8,7 @@
 #include "common/backends.h"
 #include "common/scratch.h"
 #include "detdit/plan.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace rowwise {
@@ -20,13 +21,26 @@ Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& w
     DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, weight_partials, p.d_weight, stream));
   if (!table_partials.present()) return Status();
   // d_shift from columns [0, H), d_scale from [H, 2H) of the (G, 2H) partials.
+  const ResolvedModulation mod = rmsnorm_modulation(p.in);
   const std::pair<const TensorView*, int64_t> outputs[] = {{&p.d_shift, 0}, {&p.d_scale, hidden}};
   for (const auto& [out, column] : outputs) {
     if (!out->present()) continue;
     const TensorView part = table_partials.narrow(1, column, hidden);
-    DETDIT_RETURN_IF_ERROR(backend::fold_segment_partials(device, p.in.plan, part, *out, stream));
+    if (mod.grouped())
+      DETDIT_RETURN_IF_ERROR(backend::fold_group_partials(device, part, chunks_per_group(mod), mod, *out, stream));
+    else
+      DETDIT_RETURN_IF_ERROR(backend::fold_segment_partials(device, p.in.plan, part, *out, stream));
   }
   return Status();
+}
+
+int64_t chunks_per_group(const ResolvedModulation& mod) {
+  return (mod.frame_len + kReductionChunk - 1) / kReductionChunk;
+}
+
+int64_t table_partial_rows(const IndexPlan& plan, const ResolvedModulation& mod) {
+  if (mod.grouped()) return mod.groups() * chunks_per_group(mod);
+  return mod.form == ModulationForm::kIndexed ? plan.num_segments() : 0;
 }
 
 Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, RmsnormPartials* partials) {
@@ -36,8 +50,9 @@ Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, 
   const int64_t positions = p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden;
   const int64_t chunks = (positions + kReductionChunk - 1) / kReductionChunk;
   const bool tables = p.in.shift.present() && (p.d_shift.present() || p.d_scale.present());
+  const int64_t table_rows = tables ? table_partial_rows(p.in.plan, rmsnorm_modulation(p.in)) : 0;
   const int64_t weight_floats = p.d_weight.present() ? chunks * hidden : 0;
-  const int64_t table_floats = tables ? p.in.plan.num_segments() * 2 * hidden : 0;
+  const int64_t table_floats = table_rows * 2 * hidden;
   *partials = RmsnormPartials();
   if (weight_floats + table_floats == 0) return Status();
   TensorView scratch;
@@ -47,7 +62,7 @@ Status allocate_rmsnorm_partials(const RmsnormBackwardParams& p, Stream stream, 
     partials->weight = TensorView::contiguous(scratch.ptr<float>(), DType::kF32, {chunks, hidden}, device);
   if (tables)
     partials->table = TensorView::contiguous(scratch.ptr<float>() + weight_floats, DType::kF32,
-                                             {p.in.plan.num_segments(), 2 * hidden}, device);
+                                             {table_rows, 2 * hidden}, device);
   return Status();
 }
 
@@ -72,8 +87,8 @@ Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream
   *partials = GatePartials();
   if (!p.d_gate.present()) return Status();
   const int64_t hidden = p.grad.shape[p.grad.rank - 1];
-  return scratch_tensor(p.grad.device, DType::kF32, {p.in.plan.num_segments(), hidden}, stream, &partials->owner,
-                        &partials->gate);
+  return scratch_tensor(p.grad.device, DType::kF32, {table_partial_rows(p.in.plan, gate_modulation(p.in)), hidden},
+                        stream, &partials->owner, &partials->gate);
 }
 
 Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream) {
@@ -90,6 +105,9 @@ Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream st
   DETDIT_RETURN_IF_ERROR(allocate_gate_partials(p, stream, &partials));
   DETDIT_RETURN_IF_ERROR(gate_rows_and_partials(p, partials, stream));
   if (!p.d_gate.present()) return Status();
+  const ResolvedModulation mod = gate_modulation(p.in);
+  if (mod.grouped())
+    return backend::fold_group_partials(p.grad.device, partials.gate, chunks_per_group(mod), mod, p.d_gate, stream);
   return backend::fold_segment_partials(p.grad.device, p.in.plan, partials.gate, p.d_gate, stream);
 }
 

@@ -62,6 +62,14 @@ GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in);
 RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g);
 GateResidualBackwardParams gate_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g);
 
+// The grouped modulation forms' partials (numerics 6.11): chunks of 256
+// counted from each group's first position, Cg = ceil(L / 256) per group,
+// group g's at partial rows [g*Cg, (g+1)*Cg).
+int64_t chunks_per_group(const ResolvedModulation& mod);
+// The rows of a table-gradient partials scratch: G*Cg (grouped), the plan's
+// segments (indexed), 0 (none).
+int64_t table_partial_rows(const IndexPlan& plan, const ResolvedModulation& mod);
+
 // d_weight = fold of the chunk partials (C, H); d_shift / d_scale = folds of
 // the [shift | scale] column halves of the segment partials (G, 2H) over
 // p.plan. Absent partials or outputs are skipped; p.d_weight first, then

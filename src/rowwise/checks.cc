@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/validate.h"
+#include "detdit/modulation.h"
 
 namespace detdit {
 namespace rowwise {
@@ -43,6 +44,28 @@ Status check_like(const TensorView& t, const char* name, const TensorView& ref, 
     return Status::value_error(std::string(name) + " must have " + ref_name + "'s shape " + ref.shape_string() +
                                ", got " + t.describe());
   return check::contiguous(t, name);
+}
+
+Status check_like_as(const TensorView& t, const char* name, const TensorView& ref, const char* ref_name, DType dtype,
+                     const char* why) {
+  DETDIT_RETURN_IF_ERROR(check::present(t, name));
+  if (t.dtype != dtype)
+    return Status::type_error(std::string(name) + " must be " + dtype_name(dtype) + " (" + why + "), got " +
+                              dtype_name(t.dtype));
+  TensorView as = ref;
+  as.dtype = dtype;
+  return check_like(t, name, as, ref_name);
+}
+
+Status check_modulated_out(const TensorView& t, const char* name, const TensorView& ref, const char* ref_name,
+                           const ResolvedModulation& mod, bool upcast, const char* m_name) {
+  const DType expected = modulated_out_dtype(ref.dtype, mod, upcast);
+  if (t.present() && t.dtype == ref.dtype && expected != ref.dtype)
+    return Status::type_error(std::string(m_name) + " must be " + dtype_name(ref.dtype) + ", got " +
+                              dtype_name(mod.dtype) + " (" + name + " is " + dtype_name(t.dtype) +
+                              " and upcast = false: a float32 modulation makes a float32 " + name + ")");
+  return check_like_as(t, name, ref, ref_name, expected,
+                       "the promoted dtype of the rows and the modulation, or the rows' with upcast = true");
 }
 
 Status check_table(const TensorView& t, const char* name, int64_t rows, int64_t hidden, const TensorView& ref,

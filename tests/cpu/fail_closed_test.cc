@@ -570,12 +570,13 @@ const std::vector<Entry>& entries() {
                                   arg(a, "d_weight"), {}, {}});
        },
        nullptr, plain},
-      {"gate_residual_forward", "gate_residual", {"residual", "y", "gate", "out"}, {"out"}, {}, {},
+      // gate is optional: absent, the op is the plain residual add (modulation.h).
+      {"gate_residual_forward", "gate_residual", {"residual", "y", "gate", "out"}, {"out"}, {"gate"}, {},
        [](const Args& a, const IndexPlan& plan) { return gate_residual_forward(gate_params(a, plan)); },
        gate_table},
       // residual is not read by the backward (gate_residual.h).
       {"gate_residual_backward", "gate_residual", {"y", "gate", "grad", "d_residual", "d_y", "d_gate"},
-       {"d_residual", "d_y", "d_gate"}, {"d_residual", "d_y", "d_gate"}, {},
+       {"d_residual", "d_y", "d_gate"}, {"gate", "d_residual", "d_y", "d_gate"}, {},
        [](const Args& a, const IndexPlan& plan) { return gate_residual_backward(gate_backward_params(a, plan)); },
        gate_table},
       {"gate_residual_rmsnorm_forward", "gate_residual_rmsnorm",
