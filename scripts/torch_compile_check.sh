@@ -23,8 +23,10 @@
 # the checkout's files (tracked and untracked, not ignored); there setup.py
 # builds the library with its own CMake build (as `pip install ./python` does:
 # no prebuilt library; incremental, python/build/ is kept between runs) and
-# the extension in place against torch 2.6, and the tests run. Needs root
-# (debootstrap, unshare, chroot), through sudo when not root.
+# the extension in place against torch 2.6, and the tests run, on the op cases
+# that the main build's tests/detdit_export_cases writes into DIR-torch-compile/tmp
+# first (DETDIT_OP_CASES: the chroot builds no IO library, so no exporter). Needs
+# root (debootstrap, unshare, chroot), through sudo when not root.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -77,6 +79,15 @@ rm -rf "$run_dir/src" "$run_dir/tmp"
 mkdir -p "$run_dir/src" "$run_dir/tmp" "$run_dir/home"
 git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -C "$run_dir/src" -xf -
 if [ -d "$run_dir/python-build" ]; then mv "$run_dir/python-build" "$run_dir/src/python/build"; fi
+# The op cases the tests take their inputs from, written by the main build's program
+# (tests/support/export_cases.cc; the chroot builds the library alone): scripts/test.sh's
+# build job has built it.
+exporter="$build_dir/tests/detdit_export_cases"
+if [ ! -x "$exporter" ]; then
+  echo "detdit: $exporter is missing: build it first (cmake --build $build_dir --target detdit_export_cases)" >&2
+  exit 1
+fi
+"$exporter" --out "$run_dir/tmp/op_cases"
 
 # shellcheck disable=SC2016  # $1 and $2 are the inner shell's
 unshare --mount bash -c '
@@ -87,7 +98,7 @@ unshare --mount bash -c '
   mount --bind "$1" "$2/detdit"
   mount --bind "$1/tmp" "$2/tmp"
   exec chroot "$2" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/detdit/home TMPDIR=/tmp LANG=C.UTF-8 \
-    PYTHONDONTWRITEBYTECODE=1 /bin/bash -c "$3"' _ "$run_dir" "$system" "
+    PYTHONDONTWRITEBYTECODE=1 DETDIT_OP_CASES=/tmp/op_cases /bin/bash -c "$3"' _ "$run_dir" "$system" "
   set -euo pipefail
   python3 -c 'import torch; print(\"detdit: torch\", torch.__version__, \"in Debian\", open(\"/etc/debian_version\").read().strip())'
   cd /detdit/src/python

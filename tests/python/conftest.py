@@ -72,3 +72,25 @@ def packed(kind, seq_len, num_timesteps):
         ti[begin:end] = t
         tags[begin:end] = torch.where(run - begin < text, 1, torch.where(end - run <= audio, 2, 0))
     return ti, tags
+
+
+@pytest.fixture(scope="session")
+def op_cases(tmp_path_factory):
+    """The C++ op cases of the test suite (cases/), exported once per session by the build's
+    tests/detdit_export_cases (op_cases.py): inputs, plans' indexes, arguments and the outputs
+    of the CPU reference. $DETDIT_OP_CASES names a directory the program wrote already (the
+    torch 2.6 job's chroot has no C++ build of it: scripts/torch_compile_check.sh). Without
+    either (DETDIT_BUILD_DIR unset, or the target not built) every test that uses them fails,
+    naming what to build: it is never skipped."""
+    import op_cases as cases  # after sys.path has this directory
+    if os.environ.get("DETDIT_OP_CASES"):
+        return cases.load(os.environ["DETDIT_OP_CASES"])
+    path, why = cases.program_path()
+    if path is None:
+        pytest.fail(why, pytrace=False)
+    directory = tmp_path_factory.mktemp("op_cases")
+    try:
+        cases.export(directory)
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    return cases.load(directory)

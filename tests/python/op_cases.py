@@ -1,0 +1,118 @@
+"""The C++ op cases (cases/) as the Python tests and scripts/torch_compare.py read them.
+
+tests/support/export_cases.cc (the build's tests/detdit_export_cases) writes a suite's cases
+as one safetensors file each and an index.json: per case its inputs (the bytes of the case's
+own generator), its plans' index tensors, its non-tensor arguments (eps, activation, ...) and,
+unless exported --forward-only, every output as the case computes it on the CPU (the
+reference backend the C++ suites, `detdit verify` and `detdit bench` compare with). load()
+reads them back as Case objects; export() runs the program.
+"""
+import json
+import os
+import subprocess
+
+import torch
+
+import detdit
+from detdit.safetensors import load_file
+
+PROGRAM = "detdit_export_cases"
+
+
+def program_path(build_dir=None):
+    """The exporter of the build in build_dir (default $DETDIT_BUILD_DIR), or a message saying
+    why there is none."""
+    build_dir = build_dir or os.environ.get("DETDIT_BUILD_DIR")
+    if not build_dir:
+        return None, (f"DETDIT_BUILD_DIR is not set: the op cases come from the C++ build's "
+                      f"tests/{PROGRAM} (build it: cmake --build build --target {PROGRAM})")
+    path = os.path.join(build_dir, "tests", PROGRAM)
+    if not os.access(path, os.X_OK):
+        return None, (f"{path} is missing: build it (cmake --build {build_dir} --target {PROGRAM}); "
+                      f"the op-case tests need the C++ cases' inputs and outputs")
+    return path, None
+
+
+def export(out_dir, *args, build_dir=None):
+    """Runs the exporter into out_dir with the given arguments (e.g. "--op", "rmsnorm");
+    raises RuntimeError with its output when it fails or is missing."""
+    path, why = program_path(build_dir)
+    if path is None:
+        raise RuntimeError(why)
+    run = subprocess.run([path, "--out", str(out_dir), *args], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{PROGRAM} failed (exit {run.returncode}): {run.stdout}{run.stderr}")
+    return out_dir
+
+
+class Case:
+    """One exported op case: ``tensors`` {name: CPU tensor} (inputs, and the expected outputs
+    where the export ran the case), ``inputs`` and ``outputs`` the specs of each (name, phase,
+    dtype, shape, position_dim), ``arguments`` {name: str}, ``plans`` {name: spec}."""
+
+    def __init__(self, directory, entry):
+        self.op, self.name, self.file = entry["op"], entry["name"], entry["file"]
+        self.numerics = entry["numerics"]
+        self.arguments = entry["arguments"]
+        self.has_backward = entry["has_backward"]
+        self.outputs_written = entry["outputs_written"]
+        self.inputs = [t for t in entry["tensors"] if not t["output"]]
+        self.outputs = [t for t in entry["tensors"] if t["output"]]
+        self.plans = {p["name"]: p for p in entry["plans"]}
+        # copies: the mapped views would keep the file open and are not resizable
+        self.tensors = {k: v.clone() for k, v in load_file(os.path.join(directory, self.file)).items()}
+
+    def __repr__(self):
+        return f"{self.op} {self.name}"
+
+    def __getitem__(self, name):
+        return self.tensors[name]
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def eps(self):
+        return float(self.arguments["eps"])
+
+    def index(self, name="plan"):
+        """(timestep_indices, token_tags) int64 (S,) of the plan's index case."""
+        return self.tensors[name + ".timestep_indices"], self.tensors[name + ".token_tags"]
+
+    def rows(self, name="plan"):
+        """The (S,) row of each position: ti*3 + tag (AdaLN rows) or ti (timestep rows)."""
+        ti, tags = self.index(name)
+        return ti * 3 + tags if self.plans[name]["rows"] == "adaln" else ti
+
+    def plan(self, name="plan", device="cpu"):
+        """The binding's plan of the case's plan `name`, as the C++ case builds it."""
+        spec = self.plans[name]
+        ti, tags = (t.to(device) for t in self.index(name))
+        if spec["rows"] == "adaln":
+            return detdit.plan(ti, tags, spec["num_timesteps"], batch=spec["batch"])
+        return detdit.plan_from_rows(ti, spec["num_timesteps"], batch=spec["batch"])
+
+
+def load(directory):
+    """Every case of an export, in the index's order."""
+    with open(os.path.join(directory, "index.json")) as f:
+        index = json.load(f)
+    return [Case(directory, entry) for entry in index["cases"]]
+
+
+def find(cases, op, name=None):
+    """The first case of op (whose name is `name`, when given); a KeyError naming what the
+    export has otherwise."""
+    for c in cases:
+        if c.op == op and (name is None or c.name == name):
+            return c
+    raise KeyError(f"no exported {op} case named {name!r}; the export has: "
+                   f"{[c.name for c in cases if c.op == op]}")
+
+
+def table_chunk(table, hidden, chunk):
+    """Chunk `chunk` of (R, 6H) AdaLN rows as the (R, H) strided view the C++ case reads."""
+    return table[:, chunk * hidden:(chunk + 1) * hidden]
+
+
+DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
+               "I64": torch.int64}
