@@ -84,13 +84,13 @@ def op_cases(tmp_path_factory):
     naming what to build: it is never skipped."""
     import op_cases as cases  # after sys.path has this directory
     if os.environ.get("DETDIT_OP_CASES"):
-        return cases.load(os.environ["DETDIT_OP_CASES"])
+        return cases.load_for_tests(os.environ["DETDIT_OP_CASES"])
     path, why = cases.program_path()
     if path is None:
         pytest.fail(why, pytrace=False)
     directory = tmp_path_factory.mktemp("op_cases")
     try:
-        cases.export(directory)
+        cases.export_for_tests(directory)
     except RuntimeError as e:
         pytest.fail(str(e), pytrace=False)
-    return cases.load(directory)
+    return cases.load_for_tests(directory)

@@ -5,18 +5,22 @@ as one safetensors file each and an index.json: per case its inputs (the bytes o
 own generator), its plans' index tensors, its non-tensor arguments (eps, activation, ...) and,
 unless exported --forward-only, every output as the case computes it on the CPU (the
 reference backend the C++ suites, `detdit verify` and `detdit bench` compare with). load()
-reads them back as Case objects; export() runs the program.
+reads them back as Case objects; export() runs the program, export_for_tests() with the
+cases the tests read (also as ``python3 tests/python/op_cases.py DIR``, which needs no
+extension: scripts/torch_compile_check.sh runs it outside its chroot).
 """
 import json
 import os
 import subprocess
+import sys
 
 import torch
 
-import detdit
-from detdit.safetensors import load_file
-
 PROGRAM = "detdit_export_cases"
+# Cases the tests read beyond the export's default size (op and name: export()'s --case).
+NAMED = [f"{op} {dtype} H=20 interleaved_S257_T3_B2{suffix}"
+         for op, suffix in (("gate_residual", " contiguous gate"), ("adaln_row_gather", ""))
+         for dtype in ("float32", "bfloat16", "float16")]
 
 
 def program_path(build_dir=None):
@@ -45,12 +49,25 @@ def export(out_dir, *args, build_dir=None):
     return out_dir
 
 
+def export_for_tests(out_dir, build_dir=None):
+    """The export the tests read (load_for_tests): the default set in out_dir/default, NAMED in
+    out_dir/named."""
+    export(os.path.join(out_dir, "default"), build_dir=build_dir)
+    export(os.path.join(out_dir, "named"), *(arg for name in NAMED for arg in ("--case", name)), build_dir=build_dir)
+    return out_dir
+
+
+def load_for_tests(directory):
+    """The cases export_for_tests wrote."""
+    return load(os.path.join(directory, "default")) + load(os.path.join(directory, "named"))
+
+
 class Case:
     """One exported op case: ``tensors`` {name: CPU tensor} (inputs, and the expected outputs
     where the export ran the case), ``inputs`` and ``outputs`` the specs of each (name, phase,
     dtype, shape, position_dim), ``arguments`` {name: str}, ``plans`` {name: spec}."""
 
-    def __init__(self, directory, entry):
+    def __init__(self, directory, entry, copy=True):
         self.op, self.name, self.file = entry["op"], entry["name"], entry["file"]
         self.numerics = entry["numerics"]
         self.arguments = entry["arguments"]
@@ -59,8 +76,11 @@ class Case:
         self.inputs = [t for t in entry["tensors"] if not t["output"]]
         self.outputs = [t for t in entry["tensors"] if t["output"]]
         self.plans = {p["name"]: p for p in entry["plans"]}
-        # copies: the mapped views would keep the file open and are not resizable
-        self.tensors = {k: v.clone() for k, v in load_file(os.path.join(directory, self.file)).items()}
+        from detdit.safetensors import load_file  # here: export() runs without the extension
+        # copies: the mapped views would keep the file open and are not resizable (copy=False: the
+        # views, for cases of gigabytes that are copied to a device anyway)
+        tensors = load_file(os.path.join(directory, self.file))
+        self.tensors = {k: v.clone() for k, v in tensors.items()} if copy else tensors
 
     def __repr__(self):
         return f"{self.op} {self.name}"
@@ -85,6 +105,7 @@ class Case:
 
     def plan(self, name="plan", device="cpu"):
         """The binding's plan of the case's plan `name`, as the C++ case builds it."""
+        import detdit
         spec = self.plans[name]
         ti, tags = (t.to(device) for t in self.index(name))
         if spec["rows"] == "adaln":
@@ -92,11 +113,12 @@ class Case:
         return detdit.plan_from_rows(ti, spec["num_timesteps"], batch=spec["batch"])
 
 
-def load(directory):
-    """Every case of an export, in the index's order."""
+def load(directory, copy=True):
+    """Every case of an export, in the index's order (copy=False: tensors are views of the
+    mapped files)."""
     with open(os.path.join(directory, "index.json")) as f:
         index = json.load(f)
-    return [Case(directory, entry) for entry in index["cases"]]
+    return [Case(directory, entry, copy) for entry in index["cases"]]
 
 
 def find(cases, op, name=None):
@@ -116,3 +138,12 @@ def table_chunk(table, hidden, chunk):
 
 DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
                "I64": torch.int64}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: DETDIT_BUILD_DIR=build python3 tests/python/op_cases.py DIR")
+    try:
+        export_for_tests(sys.argv[1])
+    except RuntimeError as e:
+        sys.exit(f"op_cases.py: {e}")

@@ -3,18 +3,27 @@
 // that take their inputs from the same cases as the C++ suites.
 //
 //   detdit_export_cases --out DIR [--suite test|verify|bench] [--op NAME]...
-//                       [--max-elements N] [--quick] [--small] [--forward-only]
+//                       [--case "OP NAME"]... [--max-elements N] [--quick]
+//                       [--small] [--forward-only] [--list] [--hidden N]
+//                       [--time-embed-dim N] [--time-embed-hidden N] [--freq-dim N]
 //
+// --quick, --small and the sizes set the CaseContext the verify and bench
+// suites' generators read (the sizes default to H3's, as with no weights).
 // For each case of the suite (the named ops' cases, or every op's) whose
 // tensors hold at most --max-elements elements together (0: no limit; default
-// 16384: 3.9 MB for the test suite), and each op's smallest case whatever its
-// size, DIR/<op>/<k>.safetensors holds the
+// 16384: 3.5 MB for the test suite) and each op's smallest case whatever its
+// size, or with --case the cases named (full name, op and name; a name no
+// case has is an error) and no others, whatever their size, DIR/<op>/<k>.safetensors holds the
 // case's inputs (made by the case's own fills), its plans' index tensors
 // ("<plan>.timestep_indices", "<plan>.token_tags", int64) and every output as
 // the case computes it on the CPU (the reference backend; forward, then
 // backward where the case has one, the backward reading what the forward
 // wrote). With --forward-only the cases are not run and only the inputs are
-// written (the benchmark's sizes, where the CPU would take minutes). Each
+// written (the benchmark's sizes, where the CPU would take minutes); with
+// --list no case is made, and index.json alone lists them (file null, tensors
+// as they would be written with --forward-only): a caller then exports the
+// cases one at a time by name (scripts/torch_compare.py, whose cases are
+// gigabytes each). Each
 // tensor has the case's name for it. DIR/index.json lists every case: op,
 // name, file, profile, its arguments (OpCase::arguments), its tensors (name,
 // input or output, phase, dtype, shape, the position dimension) and its plans
@@ -44,15 +53,17 @@ using namespace detdit::cases;
 struct Options {
   std::string out;
   Suite suite = Suite::kTest;
-  std::vector<std::string> ops;
+  std::vector<std::string> ops, named;
   int64_t max_elements = 16384;
-  bool quick = false, small = false, forward_only = false;
+  bool quick = false, small = false, forward_only = false, list = false;
+  CaseContext context;
 };
 
 int usage(const char* message) {
   std::fprintf(stderr,
                "detdit_export_cases: %s\nusage: detdit_export_cases --out DIR [--suite test|verify|bench] "
-               "[--op NAME]... [--max-elements N] [--quick] [--small] [--forward-only]\n",
+               "[--op NAME]... [--case \"OP NAME\"]... [--max-elements N] [--quick] [--small] [--forward-only] [--list]\n"
+               "       [--hidden N] [--time-embed-dim N] [--time-embed-hidden N] [--freq-dim N]\n",
                message);
   return 2;
 }
@@ -86,10 +97,10 @@ HostTensor int64_tensor(const std::vector<int64_t>& values) {
 
 // The case's inputs and index tensors, and (unless forward_only) its outputs
 // after a CPU run, into `file`; its description into `entry`.
-Status export_case(const OpCase& c, const std::string& file, bool forward_only, nlohmann::json* entry) {
+Status export_case(const OpCase& c, const std::string& file, bool forward_only, bool list, nlohmann::json* entry) {
   std::map<std::string, HostTensor> inputs, outputs;
-  make_inputs(c, &inputs);
-  if (!forward_only) {
+  if (!list) make_inputs(c, &inputs);
+  if (!forward_only && !list) {
     Instance cpu;
     DETDIT_RETURN_IF_ERROR(instantiate(c, detdit::Device::cpu(), nullptr, &cpu, &inputs));
     for (Phase phase : {Phase::kForward, Phase::kBackward})
@@ -99,8 +110,9 @@ Status export_case(const OpCase& c, const std::string& file, bool forward_only, 
   std::vector<detdit::io::TensorToWrite> tensors;
   nlohmann::json specs = nlohmann::json::array(), plans = nlohmann::json::array();
   for (const TensorSpec& spec : c.tensors) {
-    if (spec.output && forward_only) continue;
-    tensors.push_back(tensor_to_write(spec.name, spec.output ? outputs.at(spec.name) : inputs.at(spec.name)));
+    if (spec.output && (forward_only || list)) continue;
+    if (!list)
+      tensors.push_back(tensor_to_write(spec.name, spec.output ? outputs.at(spec.name) : inputs.at(spec.name)));
     specs.push_back({{"name", spec.name},
                      {"output", spec.output},
                      {"phase", phase_name(spec.phase)},
@@ -118,24 +130,24 @@ Status export_case(const OpCase& c, const std::string& file, bool forward_only, 
                      {"num_timesteps", plan.index.num_timesteps},
                      {"batch", plan.index.batch}});
   }
-  DETDIT_RETURN_IF_ERROR(detdit::io::write_safetensors(file, tensors, {{"op", c.op}, {"name", c.name}}));
+  if (!list) DETDIT_RETURN_IF_ERROR(detdit::io::write_safetensors(file, tensors, {{"op", c.op}, {"name", c.name}}));
   *entry = {{"op", c.op},
             {"name", c.name},
             {"numerics", c.takes_profile ? nlohmann::json(numerics_name(c.numerics)) : nlohmann::json()},
             {"arguments", c.arguments},
             {"has_backward", c.has(Phase::kBackward)},
-            {"outputs_written", !forward_only},
+            {"outputs_written", !forward_only && !list},
             {"tensors", specs},
             {"plans", plans}};
   return Status();
 }
 
 int export_cases(const Options& o) {
-  CaseContext context;
+  CaseContext context = o.context;
   context.quick = o.quick;
   context.small = o.small;
   std::vector<std::string> ops = o.ops;
-  if (ops.empty()) ops.push_back("");  // every op
+  if (ops.empty() || !o.named.empty()) ops = {""};  // every op (a named case may be any op's)
   std::vector<OpCase> cases;
   for (const std::string& op : ops) {
     if (!op.empty() && case_ops().end() == std::find(case_ops().begin(), case_ops().end(), op)) {
@@ -153,21 +165,32 @@ int export_cases(const Options& o) {
   }
   nlohmann::json index = nlohmann::json::array();
   std::map<std::string, int> per_op;
+  std::vector<std::string> unmatched = o.named;
   for (const OpCase& c : cases) {
     const int64_t elements = case_elements(c);
-    if (o.max_elements > 0 && elements > o.max_elements && elements != smallest[c.op]) continue;
-    smallest[c.op] = -1;  // one case at most past the limit
+    const auto named = std::find(unmatched.begin(), unmatched.end(), c.full_name());
+    const bool chosen = named != unmatched.end();
+    if (chosen) unmatched.erase(named);
+    const bool listed = o.ops.empty() || std::find(o.ops.begin(), o.ops.end(), c.op) != o.ops.end();
+    if (!o.named.empty() ? !chosen
+                         : !listed || (o.max_elements > 0 && elements > o.max_elements && elements != smallest[c.op]))
+      continue;
+    if (elements == smallest[c.op]) smallest[c.op] = -1;  // one case at most past the limit
     const std::string dir = o.out + "/" + c.op;
-    Status s = detdit::io::make_directories(dir);
+    Status s = detdit::io::make_directories(o.list ? o.out : dir);
     const std::string file = c.op + "/" + std::to_string(per_op[c.op]++) + ".safetensors";
     nlohmann::json entry;
-    if (s.ok()) s = export_case(c, o.out + "/" + file, o.forward_only, &entry);
+    if (s.ok()) s = export_case(c, o.out + "/" + file, o.forward_only, o.list, &entry);
     if (!s.ok()) {
       std::fprintf(stderr, "detdit_export_cases: %s: %s\n", c.full_name().c_str(), s.to_string().c_str());
       return 1;
     }
-    entry["file"] = file;
+    entry["file"] = o.list ? nlohmann::json() : nlohmann::json(file);
     index.push_back(std::move(entry));
+  }
+  if (!unmatched.empty()) {
+    std::fprintf(stderr, "detdit_export_cases: no case named '%s' in the suite\n", unmatched[0].c_str());
+    return 1;
   }
   const char* suite = o.suite == Suite::kTest ? "test" : o.suite == Suite::kVerify ? "verify" : "bench";
   const nlohmann::json document = {{"suite", suite}, {"max_elements", o.max_elements}, {"cases", index}};
@@ -191,6 +214,8 @@ int main(int argc, char** argv) {
       o.out = argv[++i];
     } else if (arg == "--op" && has_value) {
       o.ops.push_back(argv[++i]);
+    } else if (arg == "--case" && has_value) {
+      o.named.push_back(argv[++i]);
     } else if (arg == "--suite" && has_value) {
       const std::string suite = argv[++i];
       if (suite == "test") o.suite = Suite::kTest;
@@ -201,12 +226,24 @@ int main(int argc, char** argv) {
       char* end = nullptr;
       o.max_elements = std::strtoll(argv[++i], &end, 10);
       if (*end != '\0' || o.max_elements < 0) return usage("--max-elements takes a count >= 0");
+    } else if ((arg == "--hidden" || arg == "--time-embed-dim" || arg == "--time-embed-hidden" ||
+                arg == "--freq-dim") &&
+               has_value) {
+      char* end = nullptr;
+      const int64_t size = std::strtoll(argv[++i], &end, 10);
+      if (*end != '\0' || size < 1) return usage((arg + " takes a size >= 1").c_str());
+      (arg == "--hidden" ? o.context.hidden
+       : arg == "--time-embed-dim" ? o.context.time_embed_dim
+       : arg == "--time-embed-hidden" ? o.context.time_embed_hidden
+                                      : o.context.freq_dim) = size;
     } else if (arg == "--quick") {
       o.quick = true;
     } else if (arg == "--small") {
       o.small = true;
     } else if (arg == "--forward-only") {
       o.forward_only = true;
+    } else if (arg == "--list") {
+      o.list = true;
     } else {
       return usage(("unknown argument " + arg).c_str());
     }
