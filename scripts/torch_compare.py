@@ -87,7 +87,8 @@ at a time limit keeps the cases it finished. The default --ops is every op above
 Needs torch (CUDA unless --device cpu; torch.compile needs triton on CUDA), the detdit
 extension (docs/python.md) and the build's tests/detdit_export_cases ($DETDIT_BUILD_DIR, or
 --build-dir; not with --cases). A case's exported inputs take disk space while it runs
-(--export-dir; the region's: 0.4 GB at S = 4097, 11 GB at S = 131072). The rmsnorm ops' eager form needs F.rms_norm (torch >= 2.4).
+(--export-dir; the region's: 0.4 GB at S = 4097, 11 GB at S = 131072). The rmsnorm ops' eager
+form needs F.rms_norm (torch >= 2.4).
 """
 import argparse
 import contextlib

@@ -94,3 +94,18 @@ def op_cases(tmp_path_factory):
     except RuntimeError as e:
         pytest.fail(str(e), pytrace=False)
     return cases.load_for_tests(directory)
+
+
+@pytest.fixture
+def modulated_rows(op_cases):
+    """One valid set of a modulated row-wise op's inputs, from the exported C++ case "rmsnorm
+    modulated bfloat16 H=12 block_S255_T3_B1": "ti", "tags" ((S,) int64), "T", "plan" (batch
+    1), "x" ((1, S, H) bf16), "w" ((H,)), "table" ((3T, H): chunk 0 of the case's AdaLN rows,
+    contiguous). Fresh copies for each test."""
+    import op_cases as cases
+    c = cases.find(op_cases, "rmsnorm", "modulated bfloat16 H=12 block_S255_T3_B1")
+    ti, tags = (t.clone() for t in c.index())
+    hidden = c["x"].shape[-1]
+    return {"ti": ti, "tags": tags, "T": c.plans["plan"]["num_timesteps"], "plan": c.plan(),
+            "x": c["x"].clone().view(1, -1, hidden), "w": c["weight"].clone(),
+            "table": cases.table_chunk(c["table"], hidden, 0).contiguous()}

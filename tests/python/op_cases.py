@@ -6,21 +6,22 @@ own generator), its plans' index tensors, its non-tensor arguments (eps, activat
 unless exported --forward-only, every output as the case computes it on the CPU (the
 reference backend the C++ suites, `detdit verify` and `detdit bench` compare with). load()
 reads them back as Case objects; export() runs the program, export_for_tests() with the
-cases the tests read (also as ``python3 tests/python/op_cases.py DIR``, which needs no
-extension: scripts/torch_compile_check.sh runs it outside its chroot).
+cases the tests read (also as ``python3 tests/python/op_cases.py DIR``, which needs neither
+torch nor the extension: scripts/torch_compile_check.sh runs it outside its chroot).
 """
 import json
 import os
 import subprocess
 import sys
 
-import torch
-
 PROGRAM = "detdit_export_cases"
 # Cases the tests read beyond the export's default size (op and name: export()'s --case).
 NAMED = [f"{op} {dtype} H=20 interleaved_S257_T3_B2{suffix}"
          for op, suffix in (("gate_residual", " contiguous gate"), ("adaln_row_gather", ""))
          for dtype in ("float32", "bfloat16", "float16")]
+NAMED += ["rmsnorm modulated bfloat16 H=20 interleaved_S257_T3_B2",
+          "adaln_modulation bfloat16 H=20 D=24 interleaved_S257_T3_B2",
+          "final_adaln_out bfloat16 H=20 D=24 interleaved_S257_T3_B2"]
 
 
 def program_path(build_dir=None):
@@ -135,9 +136,6 @@ def table_chunk(table, hidden, chunk):
     """Chunk `chunk` of (R, 6H) AdaLN rows as the (R, H) strided view the C++ case reads."""
     return table[:, chunk * hidden:(chunk + 1) * hidden]
 
-
-DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
-               "I64": torch.int64}
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ batch) against the library the C++ suites check; the independent oracles are tes
 
 Where the binding returns a gradient in its input's dtype and the case writes it in FP32 (a
 weight or table gradient of a 16-bit op), the binding's bytes must be the C++ FP32 value
-rounded once to that dtype (torch's round-to-nearest-even cast), the rule docs/numerics.md
-states for every 16-bit gradient. Outputs the binding does not return (linear's chunk partials,
+rounded once to that dtype (torch's round-to-nearest-even cast): docs/numerics.md's rule that
+gradient arithmetic is FP32 and every output is rounded once to its dtype. Outputs the binding does not return (linear's chunk partials,
 scratch inside the op; linear's pre-activation without SiLU) and cases it cannot express
 (linear with an output dtype other than x's) are listed per op below, each with its reason.
 """
@@ -22,7 +22,6 @@ from conftest import assert_bitwise_equal
 from op_cases import table_chunk
 
 ops = torch.ops.detdit
-MASK = True
 
 
 def _linear(c):

@@ -7,28 +7,29 @@
 //                       [--small] [--forward-only] [--list] [--hidden N]
 //                       [--time-embed-dim N] [--time-embed-hidden N] [--freq-dim N]
 //
-// --quick, --small and the sizes set the CaseContext the verify and bench
-// suites' generators read (the sizes default to H3's, as with no weights).
 // For each case of the suite (the named ops' cases, or every op's) whose
 // tensors hold at most --max-elements elements together (0: no limit; default
 // 16384: 3.5 MB for the test suite) and each op's smallest case whatever its
-// size, or with --case the cases named (full name, op and name; a name no
-// case has is an error) and no others, whatever their size, DIR/<op>/<k>.safetensors holds the
-// case's inputs (made by the case's own fills), its plans' index tensors
-// ("<plan>.timestep_indices", "<plan>.token_tags", int64) and every output as
-// the case computes it on the CPU (the reference backend; forward, then
-// backward where the case has one, the backward reading what the forward
-// wrote). With --forward-only the cases are not run and only the inputs are
-// written (the benchmark's sizes, where the CPU would take minutes); with
-// --list no case is made, and index.json alone lists them (file null, tensors
-// as they would be written with --forward-only): a caller then exports the
-// cases one at a time by name (scripts/torch_compare.py, whose cases are
-// gigabytes each). Each
-// tensor has the case's name for it. DIR/index.json lists every case: op,
-// name, file, profile, its arguments (OpCase::arguments), its tensors (name,
-// input or output, phase, dtype, shape, the position dimension) and its plans
-// (name, rows "adaln" = ti*3 + tag or "timestep" = ti, packing, seq_len,
-// num_timesteps, batch). Exit status 1 with a message on any failure.
+// size, or with --case the cases named (full name, op and name; a name no case
+// has is an error) and no others whatever their size, DIR/<op>/<k>.safetensors
+// holds the case's inputs (made by the case's own fills), its plans' index
+// tensors ("<plan>.timestep_indices", "<plan>.token_tags", int64) and every
+// output as the case computes it on the CPU (the reference backend; forward,
+// then backward where the case has one, the backward reading what the forward
+// wrote), each under the case's name for it. DIR/index.json lists every case:
+// op, name, file, profile, its arguments (OpCase::arguments), its tensors
+// (name, input or output, phase, dtype, shape, the position dimension) and its
+// plans (name, rows "adaln" = ti*3 + tag or "timestep" = ti, packing, seq_len,
+// num_timesteps, batch).
+//
+// --forward-only: the cases are not run, only their inputs written (the
+// benchmark's sizes, where the CPU would take minutes). --list: no case is
+// made and index.json alone lists them (file null, the tensors --forward-only
+// would write), for a caller that then exports them one at a time by name
+// (scripts/torch_compare.py: its cases are gigabytes each). --quick, --small
+// and the sizes set the CaseContext the verify and bench suites' generators
+// read (the sizes default to H3's, as with no weights). Exit status 1 with a
+// message on any failure, 2 on a bad argument.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -62,8 +63,8 @@ struct Options {
 int usage(const char* message) {
   std::fprintf(stderr,
                "detdit_export_cases: %s\nusage: detdit_export_cases --out DIR [--suite test|verify|bench] "
-               "[--op NAME]... [--case \"OP NAME\"]... [--max-elements N] [--quick] [--small] [--forward-only] [--list]\n"
-               "       [--hidden N] [--time-embed-dim N] [--time-embed-hidden N] [--freq-dim N]\n",
+               "[--op NAME]... [--case \"OP NAME\"]... [--max-elements N] [--quick] [--small] [--forward-only]\n"
+               "       [--list] [--hidden N] [--time-embed-dim N] [--time-embed-hidden N] [--freq-dim N]\n",
                message);
   return 2;
 }
