@@ -104,6 +104,15 @@ void OpCase::set_bytes(Phase phase, const std::vector<std::string>& names, doubl
   byte_model[static_cast<int>(phase)] = model;
 }
 
+std::string argument_text(double value) {
+  char text[32];
+  for (int digits = 1; digits <= 17; ++digits) {  // %.17g always reads back exactly
+    std::snprintf(text, sizeof text, "%.*g", digits, value);
+    if (std::strtod(text, nullptr) == value) break;
+  }
+  return text;
+}
+
 void PrintTo(const OpCase& c, std::ostream* os) { *os << c.full_name(); }
 
 namespace {

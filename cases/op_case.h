@@ -157,6 +157,11 @@ struct OpCase {
   // then the CPU has no reference to compare with).
   bool takes_profile = false;
   Numerics numerics = Numerics::kPortable;
+  // The op's arguments that are not tensors, plans or the profile, as the
+  // bindings name them (e.g. "eps", "activation"), each as text (numbers:
+  // argument_text's exact decimal): what a binding needs to call the op as
+  // the run functions do (tests/support/export_cases.cc writes them out).
+  std::map<std::string, std::string> arguments;
 
   bool has(Phase phase) const { return phase == Phase::kForward ? static_cast<bool>(forward) : static_cast<bool>(backward); }
   // Adds a tensor; returns *this for chaining.
@@ -170,6 +175,10 @@ struct OpCase {
   void set_bytes(Phase phase, const std::vector<std::string>& names, double extra = 0, const std::string& extra_name = "");
   std::string full_name() const { return op + " " + name; }
 };
+
+// A number as the shortest decimal text that reads back as the same double
+// (an FP32 argument such as eps reads back as the same float).
+std::string argument_text(double value);
 
 // Prints the case as its full name (GoogleTest's parameter printer).
 void PrintTo(const OpCase& c, std::ostream* os);

@@ -62,6 +62,7 @@ OpCase linear_case(const LinearShape& s) {
   c.output("d_bias", Phase::kBackward, s.dtype, {N});
   const bool bias = s.bias, silu = s.silu, partials = s.partials;
   c.takes_profile = silu;  // the SiLU's exp
+  c.arguments["activation"] = silu ? "silu" : "none";
   c.forward = [bias, silu](const Instance& t, Stream stream) {
     return linear_forward({t["x"], t["weight"], bias ? t["bias"] : TensorView(), t["out"], t["pre"],
                            silu ? Activation::kSilu : Activation::kNone, t.numerics},
@@ -238,6 +239,7 @@ OpCase final_adaln_out_case(const FinalShape& s) {
   c.output("d_weight", Phase::kBackward, s.dtype, {2 * H, D});
   c.output("d_bias", Phase::kBackward, s.dtype, {2 * H});
   c.takes_profile = true;  // the SiLU's exp and the norm's rsqrt
+  c.arguments["eps"] = argument_text(FinalAdalnOutInputs{}.eps);
   auto inputs = [](const Instance& t) {
     FinalAdalnOutInputs in{t["x"], t["norm_weight"], t["temb"], t["weight"], t["bias"], t.plan("plan")};
     in.numerics = t.numerics;

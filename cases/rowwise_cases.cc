@@ -94,6 +94,7 @@ OpCase rmsnorm_case(const NormShape& s, const Values& v) {
   }
   const bool modulated = s.modulated, offset = s.offset_table;
   c.takes_profile = true;  // rsqrt
+  c.arguments["eps"] = argument_text(RmsnormInputs{}.eps);
   auto inputs = [modulated, offset, H](const Instance& t) {
     RmsnormInputs in;
     in.x = t["x"];
@@ -300,6 +301,7 @@ OpCase gate_residual_rmsnorm_case(const RegionShape& s, const Values& v) {
   }
   const bool modulated = s.modulated, d_h = s.d_h, offset = s.offset_table;
   c.takes_profile = true;  // the norm's rsqrt
+  c.arguments["eps"] = argument_text(GateResidualRmsnormInputs{}.eps);
   auto inputs = [modulated, offset, H](const Instance& t) {
     const RegionTables r = region_tables([&t](const char* name) { return t[name]; }, modulated, offset, H);
     GateResidualRmsnormInputs in{t["residual"], t["y"], r.gate, t["weight"], r.shift, r.scale, t.plan("plan")};

@@ -54,6 +54,7 @@ OpCase timestep_sinusoid_case(DType dtype, int64_t count, int64_t channels, uint
   c.input("grad_features", Phase::kBackward, DType::kF32, {count, channels}, uniform_values(seed + 1, 0.0, 1.0), 0);
   c.output("d_timesteps", Phase::kBackward, dtype, {count}, 0);
   c.takes_profile = true;  // exp, sin, cos
+  c.arguments["max_period"] = argument_text(TimestepSinusoidInputs{}.max_period);
   auto inputs = [](const Instance& t) {
     TimestepSinusoidInputs in{t["timesteps"]};
     in.numerics = t.numerics;

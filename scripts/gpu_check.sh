@@ -109,7 +109,8 @@ for stage in "${stages[@]}"; do
         --predict-world 2,4,8 --out "$out/predict_mpi.json" ;;
     compare)  # eager and torch.compile on the bench's cases, one process per op (docs/benchmarking.md)
       for op in ${DETDIT_COMPARE_OPS:-gate_residual_rmsnorm rmsnorm gate_residual adaln_projection timestep_mlp}; do
-        run "compare_$op" 500 env PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 python3 scripts/torch_compare.py \
+        run "compare_$op" 500 env DETDIT_BUILD_DIR="$PWD/$build" PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 \
+          python3 scripts/torch_compare.py \
           --ops "$op" --out "$out/compare_$op.json" &&
           "$build/detdit" report "$out/compare_$op.json" --out "$out/compare_$op.svg"
       done ;;

@@ -67,9 +67,13 @@ print_skip_reasons "$build_dir"
 # ---- Python: the PyTorch extension (python/, docs/python.md) ----------------
 # Builds detdit._C with /usr/bin/python3 and Debian's python3-torch (installed by
 # bootstrap.sh) against the library just built, then runs the pytest suite (CPU;
-# its GPU tests skip with the reason on a machine without a GPU).
+# its GPU tests skip with the reason on a machine without a GPU). The suite takes
+# its op inputs from the C++ op cases, which the build's tests/detdit_export_cases
+# writes out (tests/python/op_cases.py): built here too when a build of fewer
+# targets left it out.
 job python+docs
 build_abs="$(cd "$build_dir" && pwd)"
+cmake --build "$build_dir" --target detdit_export_cases
 echo "detdit: building the PyTorch extension against $build_abs/libdetdit.a"
 DETDIT_BUILD_DIR="$build_abs" /usr/bin/python3 python/setup.py -q build_ext --inplace
 # tests/docs runs every code example of README.md and docs/*.md (a pip install among them).

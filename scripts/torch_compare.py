@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
 """detdit against PyTorch eager and torch.compile on the cases of `detdit bench`.
 
+The inputs are the bench cases' own bytes: the C++ op cases (cases/, Suite::kBench) written
+out by the build's tests/detdit_export_cases (--suite bench --forward-only: inputs only, one
+case at a time into a temporary directory, deleted before the next; tests/python/op_cases.py
+reads them), or read from --cases DIR, a directory that program wrote.
+
 Row-wise cases (cases/rowwise_cases.cc, Suite::kBench): bf16, H = 5376, B = 2, T = 3
 timesteps x 3 modalities, S in {4097, 32768, 131072}, block and interleaved packing
-(cases/index_case.cc's definitions, replayed below):
+(cases/index_case.cc); the gate, shift and scale are the chunks of the case's (3T, 6H) AdaLN
+rows the C++ op reads, as contiguous leaves:
 
   gate_residual_rmsnorm  h = residual + gate[i] * y; out = rms_norm(h) * w * (1 + scale[i]) + shift[i]
                          (both h and out returned, gradients arriving at both: the H3 block region)
@@ -23,14 +29,18 @@ T in {1, 3, 4, 8, 16, 32}, bias present in every linear:
                     torch.backends.cudnn.allow_tf32 False, restored after; recorded per case
                     in the JSON's "settings")
 
-The incoming gradient of a bf16 output is bf16 (autograd hands a bf16 table a bf16
-gradient; the bench's FP32 grad_table is not reachable through autograd, numerics 8).
---quick: S = 4097 only and T in {1, 4} (the bench's small set). --small (for a CPU run of
-the projection cases; the JSON's options record it): T in {1, 4} and the projections scaled
-down (adaln_projection D = 512, N = 18 * 512; timestep_mlp K = 256, H = 1024, D = 512); the
-row-wise cases are not changed by it.
+The incoming gradients are the cases' (d_out, d_h; grad_table, grad_temb); that of a bf16
+output is bf16 (autograd hands a bf16 table a bf16 gradient; the bench's FP32 grad_table is not
+reachable through autograd, numerics 8: it is rounded once to bf16 here).
+--quick: S = 4097 only and T in {1, 4} (the bench's small set, the exporter's --small).
+--small (for a CPU run of the projection cases; the JSON's options record it): T in {1, 4} and
+the projections scaled down (the exporter's --hidden 512 --time-embed-dim 512
+--time-embed-hidden 1024: adaln_projection D = 512, N = 18 * 512; timestep_mlp K = 256,
+H = 1024, D = 512); the row-wise cases are not changed by it.
+--dry-run: export and load every selected case's inputs on the CPU, build its leaves, plan and
+incoming gradients, print each case's shapes, and run no candidate (what a machine without a
+GPU can check of this script).
 
-The input values are this script's own (normal, fixed seeds), not the bench's bytes.
 Candidates, all in one process on one device: detdit portable, detdit torch profile, PyTorch
 eager (as diffusers writes it), and torch.compile of that same eager function. Each is timed
 forward (autograd on, as in training) and forward + backward (torch.autograd.grad of every
@@ -67,22 +77,29 @@ where torch has none, torch < 2.0, or where it raised) appear in the JSON as ski
 the reason, never as passing: their case has "skipped": true and one check row with
 "skipped": true and "pass": false, counted in "checks_skipped", not in checks_total.
 
-    python3 scripts/torch_compare.py [--quick] [--small] [--device cpu] [--out compare.json] [--ops gate_residual_rmsnorm]
+    DETDIT_BUILD_DIR=build python3 scripts/torch_compare.py [--quick] [--small] [--device cpu] [--out compare.json]
+        [--ops gate_residual_rmsnorm] [--cases DIR] [--dry-run]
     detdit report compare.json --out compare.svg      # the equality matrix and the times
 
 --out is rewritten after every case (verdict "INCOMPLETE" until the last), so a run stopped
 at a time limit keeps the cases it finished. The default --ops is every op above.
 
-Needs torch (CUDA unless --device cpu; torch.compile needs triton on CUDA) and the detdit
-extension (docs/python.md). The rmsnorm ops' eager form needs F.rms_norm (torch >= 2.4).
+Needs torch (CUDA unless --device cpu; torch.compile needs triton on CUDA), the detdit
+extension (docs/python.md) and the build's tests/detdit_export_cases ($DETDIT_BUILD_DIR, or
+--build-dir; not with --cases). A case's exported inputs take disk space while it runs
+(--export-dir; the region's: 0.4 GB at S = 4097, 11 GB at S = 131072). The rmsnorm ops' eager
+form needs F.rms_norm (torch >= 2.4).
 """
 import argparse
 import contextlib
 import json
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -90,11 +107,12 @@ import torch.nn.functional as F
 
 import detdit
 
-HIDDEN, BATCH, TIMESTEPS, EPS = 5376, 2, 3, 1e-5
-INTERLEAVED_TAGS = (0, 1, 0, 2, 0, 0, 1, 0, 2, 0)
-SEQ_LENS, QUICK_SEQ_LENS = (4097, 32768, 131072), (4097,)
-PACKINGS = ("block", "interleaved")
-PROJECTION_ROWS, QUICK_PROJECTION_ROWS = (1, 3, 4, 8, 16, 32), (1, 4)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+import op_cases  # noqa: E402  (the C++ op cases' reader: tests/python/op_cases.py)
+
+EPS = 1e-5
+# The exporter's sizes of --small's projections (the row-wise ops keep H3's).
+SMALL_PROJECTION_SIZES = ("--hidden", "512", "--time-embed-dim", "512", "--time-embed-hidden", "1024")
 CANDIDATES = ("detdit portable", "detdit torch", "eager", "torch.compile")
 DEVICE = "cuda"  # --device
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -117,23 +135,11 @@ def device_name():
     return f"CPU {model or platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def index_case(packing, seq_len, num_timesteps=TIMESTEPS):
-    """(timestep index, tag) of each of S positions: cases/index_case.cc's make_index_case."""
-    if packing == "interleaved":
-        return ([s % num_timesteps for s in range(seq_len)], [INTERLEAVED_TAGS[s % 10] for s in range(seq_len)])
-    timesteps, tags = [0] * seq_len, [0] * seq_len
-    for t in range(num_timesteps):
-        begin, end = t * seq_len // num_timesteps, (t + 1) * seq_len // num_timesteps
-        text, audio = (end - begin) * 5 // 100, (end - begin) * 15 // 100
-        for s in range(begin, end):
-            timesteps[s] = t
-            tags[s] = 1 if s - begin < text else 2 if end - s <= audio else 0
-    return timesteps, tags
-
-
 # ---- the row-wise ops ------------------------------------------------------------------
-# Each op: its inputs (name, shape in (P, H, R) terms, mean, std), its outputs, the number of
-# B*S*H tensors the forward and the backward must move, and its two implementations.
+# Each op: its inputs (name, and the case's tensor: a name, or the chunk of its (3T, 6H)
+# "table" rows the C++ op reads), its outputs, its incoming gradients (name, the case's
+# tensor), the number of B*S*H tensors the forward and the backward must move, and its two
+# implementations.
 def region_eager(residual, y, gate, weight, shift, scale, rows):
     h = residual + gate[rows] * y
     return h, F.rms_norm(h, (h.shape[-1],), weight, EPS) * (1 + scale[rows]) + shift[rows]
@@ -180,35 +186,32 @@ def timestep_mlp_detdit(features, w1, b1, w2, b2, numerics):
 OPS = {
     "gate_residual_rmsnorm": dict(
         kind="rowwise", needs_rms_norm=True,
-        inputs=[("residual", "BSH", 0.0, 1.0), ("y", "BSH", 0.0, 3.0), ("gate", "RH", 0.0, 0.5),
-                ("weight", "H", 1.0, 0.5), ("shift", "RH", 0.0, 0.5), ("scale", "RH", 0.0, 0.5)],
-        outputs=["h", "out"], grads_in=["d_h", "d_out"], floor_forward=4, floor_backward=6,
+        inputs=[("residual", "residual"), ("y", "y"), ("gate", 2), ("weight", "weight"), ("shift", 3), ("scale", 4)],
+        outputs=["h", "out"], grads_in=[("d_h", "d_h"), ("d_out", "d_out")], floor_forward=4, floor_backward=6,
         floor="each B*S*H tensor once: forward residual, y, h, out; backward d_out, d_h, h, y, d_residual, d_y",
         eager=region_eager, detdit=region_detdit,
         eager_source="h = residual + gate[rows] * y; out = F.rms_norm(h, (H,), weight, eps) * (1 + scale[rows]) + shift[rows]"),
     "rmsnorm": dict(
         kind="rowwise", needs_rms_norm=True,
-        inputs=[("x", "BSH", 0.0, 3.0), ("weight", "H", 1.0, 0.5), ("shift", "RH", 0.0, 0.5),
-                ("scale", "RH", 0.0, 0.5)],
-        outputs=["out"], grads_in=["d_out"], floor_forward=2, floor_backward=3,
+        inputs=[("x", "x"), ("weight", "weight"), ("shift", 0), ("scale", 1)],
+        outputs=["out"], grads_in=[("d_out", "grad")], floor_forward=2, floor_backward=3,
         floor="each B*S*H tensor once: forward x, out; backward d_out, x, dx",
         eager=rmsnorm_eager, detdit=rmsnorm_detdit,
         eager_source="F.rms_norm(x, (H,), weight, eps) * (1 + scale[rows]) + shift[rows]"),
     "gate_residual": dict(
         kind="rowwise",
-        inputs=[("residual", "BSH", 0.0, 1.0), ("y", "BSH", 0.0, 3.0), ("gate", "RH", 0.0, 0.5)],
-        outputs=["out"], grads_in=["d_out"], floor_forward=3, floor_backward=4,
+        inputs=[("residual", "residual"), ("y", "y"), ("gate", 2)],
+        outputs=["out"], grads_in=[("d_out", "grad")], floor_forward=3, floor_backward=4,
         floor="each B*S*H tensor once: forward residual, y, out; backward d_out, y, d_residual, d_y",
         eager=gate_residual_eager, detdit=gate_residual_detdit,
         eager_source="residual + gate[rows] * y"),
-    # Inputs: (name, dims, dtype, mean, std); dims name the sizes of the case's shape.
+    # Inputs: the case's tensors of these names; incoming gradients: (name, the case's tensor,
+    # the dtype autograd hands the output); dims: the sizes of the case's shape, by input.
     "adaln_projection": dict(
         kind="projection",
-        inputs=[("temb", ("T", "D"), torch.float32, 0.0, 3.0), ("weight", ("N", "D"), torch.bfloat16, 0.0, 0.02),
-                ("bias", ("N",), torch.bfloat16, 0.0, 1.0)],
-        outputs=["table"], grads_in=[("d_table", ("T", "N"), torch.bfloat16)], weights=["weight"],
-        shape=dict(D=2688, N=18 * HIDDEN), small_shape=dict(D=512, N=18 * 512),
-        name="bfloat16 T={T} D={D} N={N}", settings={},
+        inputs=["temb", "weight", "bias"],
+        outputs=["table"], grads_in=[("d_table", "grad_table", torch.bfloat16)], weights=["weight"],
+        dims=dict(T=("temb", 0), D=("temb", 1), N=("weight", 0)), settings={},
         floor="forward: the weight's bytes (N * K * 2, bf16); forward + backward: three times them "
               "(W read forward; W read for d_temb and d_W written backward); temb, bias, act, table and "
               "the T-row gradients left out",
@@ -216,12 +219,10 @@ OPS = {
         eager_source="F.linear(F.silu(temb).to(torch.bfloat16), weight, bias)"),
     "timestep_mlp": dict(
         kind="projection",
-        inputs=[("features", ("T", "K"), torch.float32, 0.0, 1.0), ("w1", ("H", "K"), torch.float32, 0.0, 0.05),
-                ("b1", ("H",), torch.float32, 0.0, 1.0), ("w2", ("D", "H"), torch.float32, 0.0, 0.02),
-                ("b2", ("D",), torch.float32, 0.0, 1.0)],
-        outputs=["temb"], grads_in=[("d_temb", ("T", "D"), torch.float32)], weights=["w1", "w2"],
-        shape=dict(K=256, H=HIDDEN, D=2688), small_shape=dict(K=256, H=1024, D=512),
-        name="T={T} K={K} H={H} D={D}", settings={flag: False for flag in TF32_FLAGS},
+        inputs=["features", "w1", "b1", "w2", "b2"],
+        outputs=["temb"], grads_in=[("d_temb", "grad_temb", torch.float32)], weights=["w1", "w2"],
+        dims=dict(T=("features", 0), K=("features", 1), H=("w1", 0), D=("w2", 0)),
+        settings={flag: False for flag in TF32_FLAGS},
         floor="forward: both weights' bytes ((H * K + D * H) * 4, fp32); forward + backward: three times "
               "them (W1, W2 read forward; read for the input gradients and d_W1, d_W2 written backward); "
               "features, biases, pre, hidden, temb and the T-row gradients left out",
@@ -350,29 +351,33 @@ class Case:
 
 
 class RowwiseCase(Case):
-    """A row-wise op at one (S, packing)."""
+    """A row-wise op at one (S, packing): an exported bench case (op_cases.Case)."""
 
-    def __init__(self, op, seq_len, packing, compiled):
-        self.op, self.seq_len, self.packing, self.spec = op, seq_len, packing, OPS[op]
-        self.name = f"bf16 H{HIDDEN} {packing}_S{seq_len}_T{TIMESTEPS}_B{BATCH}"
+    def __init__(self, op, case, compiled):
+        self.op, self.spec = op, OPS[op]
+        index = case.plans["plan"]
+        batch, seq_len, timesteps, packing = index["batch"], index["seq_len"], index["num_timesteps"], index["packing"]
+        table = case["table"]
+        hidden = table.shape[1] // 6
+        self.name = f"bf16 H{hidden} {packing}_S{seq_len}_T{timesteps}_B{batch}"
         self.label = f"{packing} S{seq_len}"
-        self.shape = {"B": BATCH, "S": seq_len, "H": HIDDEN, "T": TIMESTEPS, "packing": packing}
+        self.shape = {"B": batch, "S": seq_len, "H": hidden, "T": timesteps, "packing": packing}
         self.settings, self.torch_equals_eager = {}, True
-        timesteps, tags = index_case(packing, seq_len)
-        ti = torch.tensor(timesteps, dtype=torch.int64, device=DEVICE)
-        tg = torch.tensor(tags, dtype=torch.int64, device=DEVICE)
+        ti, tg = (t.to(DEVICE) for t in case.index())
         self.rows = ti * 3 + tg  # (S,) the AdaLN row of each position
-        self.plan = detdit.plan(ti, tg, TIMESTEPS, BATCH)
-        gen = torch.Generator(device=DEVICE).manual_seed(seq_len * 10 + PACKINGS.index(packing))
-        dims = {"BSH": (BATCH, seq_len, HIDDEN), "RH": (3 * TIMESTEPS, HIDDEN), "H": (HIDDEN,)}
+        self.plan = case.plan(device=DEVICE)
 
-        def normal(shape, mean, std):
-            return (torch.randn(shape, device=DEVICE, generator=gen) * std + mean).to(torch.bfloat16)
+        def tensor(source):
+            """A case tensor on the device: (B, S, H) per-position rows, a table chunk (3T, H)."""
+            if isinstance(source, int):
+                return op_cases.table_chunk(table, hidden, source).to(DEVICE).contiguous()
+            t = case[source].to(DEVICE)
+            return t.view(batch, seq_len, hidden) if t.dim() == 2 and t.shape[0] == batch * seq_len else t
 
-        self.leaves = [normal(dims[kind], mean, std).requires_grad_(True) for _, kind, mean, std in self.spec["inputs"]]
-        self.grads_in = [normal(dims["BSH"], 0.0, 1.0) for _ in self.spec["grads_in"]]
+        self.leaves = [tensor(source).requires_grad_(True) for _, source in self.spec["inputs"]]
+        self.grads_in = [tensor(source) for _, source in self.spec["grads_in"]]
         self.tensor_names = self.spec["outputs"] + ["d_" + name for name, *_ in self.spec["inputs"]]
-        self.elements = BATCH * seq_len * HIDDEN
+        self.elements = batch * seq_len * hidden
         self.floor_forward = self.spec["floor_forward"] * self.elements * 2
         self.floor_both = self.floor_forward + self.spec["floor_backward"] * self.elements * 2
         eager = self.spec["eager"]
@@ -385,25 +390,19 @@ class RowwiseCase(Case):
 
 
 class ProjectionCase(Case):
-    """adaln_projection or timestep_mlp at T rows: the bench's shapes (or --small's)."""
+    """adaln_projection or timestep_mlp at T rows: an exported bench case (op_cases.Case) at
+    the bench's shapes (or --small's)."""
 
-    def __init__(self, op, rows, small, compiled):
+    def __init__(self, op, case, small, compiled):
         self.op, self.spec = op, OPS[op]
-        sizes = dict(self.spec["small_shape" if small else "shape"], T=rows)
+        sizes = {d: case[name].shape[axis] for d, (name, axis) in self.spec["dims"].items()}
         self.shape, self.settings, self.torch_equals_eager = sizes, dict(self.spec["settings"]), False
-        self.name = self.spec["name"].format(**sizes)
-        self.label = f"T={rows}" + (" (small)" if small else "")
-        gen = torch.Generator(device=DEVICE).manual_seed(1400 + 100 * list(OPS).index(op) + rows)
-
-        def normal(dims, dtype, mean, std):
-            shape = tuple(sizes[d] for d in dims)
-            return (torch.randn(shape, device=DEVICE, generator=gen) * std + mean).to(dtype)
-
-        self.leaves = [normal(dims, dtype, mean, std).requires_grad_(True)
-                       for _, dims, dtype, mean, std in self.spec["inputs"]]
-        self.grads_in = [normal(dims, dtype, 0.0, 1.0) for _, dims, dtype in self.spec["grads_in"]]
-        self.tensor_names = self.spec["outputs"] + ["d_" + name for name, *_ in self.spec["inputs"]]
-        by_name = dict(zip((name for name, *_ in self.spec["inputs"]), self.leaves))
+        self.name = case.name
+        self.label = f"T={sizes['T']}" + (" (small)" if small else "")
+        self.leaves = [case[name].to(DEVICE).requires_grad_(True) for name in self.spec["inputs"]]
+        self.grads_in = [case[source].to(DEVICE, dtype) for _, source, dtype in self.spec["grads_in"]]
+        self.tensor_names = self.spec["outputs"] + ["d_" + name for name in self.spec["inputs"]]
+        by_name = dict(zip(self.spec["inputs"], self.leaves))
         weight_bytes = sum(by_name[w].numel() * by_name[w].element_size() for w in self.spec["weights"])
         self.floor_forward, self.floor_both = weight_bytes, 3 * weight_bytes
         detdit_fn, eager = self.spec["detdit"], self.spec["eager"]
@@ -533,15 +532,44 @@ def git_state():
     return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(status)}
 
 
+def export_args(op, args):
+    """The exporter's arguments of op's bench cases for these options."""
+    small = ("--small",) if args.quick or args.small else ()
+    sizes = SMALL_PROJECTION_SIZES if args.small and OPS[op]["kind"] == "projection" else ()
+    return ("--suite", "bench", "--forward-only", "--max-elements", "0", *small, *sizes)
+
+
+def exported_cases(op, args):
+    """op's bench cases (op_cases.Case, tensors mapped), one at a time: from --cases, or each
+    exported alone into a temporary directory that is deleted once the next is asked for (a
+    case's inputs take up to 11 GB on disk)."""
+    if args.cases:
+        yield from (c for c in op_cases.load(args.cases, copy=False) if c.op == op)
+        return
+    listing = tempfile.mkdtemp(prefix=f"torch_compare_{op}_", dir=args.export_dir)
+    try:
+        op_cases.export(listing, *export_args(op, args), "--op", op, "--list", build_dir=args.build_dir)
+        with open(os.path.join(listing, "index.json")) as f:
+            names = [entry["name"] for entry in json.load(f)["cases"]]
+    finally:
+        shutil.rmtree(listing, ignore_errors=True)
+    for name in names:
+        directory = tempfile.mkdtemp(prefix=f"torch_compare_{op}_", dir=args.export_dir)
+        try:
+            op_cases.export(directory, *export_args(op, args), "--case", f"{op} {name}", build_dir=args.build_dir)
+            (case,) = op_cases.load(directory, copy=False)
+            yield case
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def cases_of(op, args, compiled):
     """The cases of one op, made one at a time (each frees its tensors before the next)."""
-    if OPS[op]["kind"] == "rowwise":
-        for seq_len in QUICK_SEQ_LENS if args.quick else SEQ_LENS:
-            for packing in PACKINGS:
-                yield RowwiseCase(op, seq_len, packing, compiled)
-    else:
-        for rows in QUICK_PROJECTION_ROWS if args.quick or args.small else PROJECTION_ROWS:
-            yield ProjectionCase(op, rows, args.small, compiled)
+    for case in exported_cases(op, args):
+        if OPS[op]["kind"] == "rowwise":
+            yield RowwiseCase(op, case, compiled)
+        else:
+            yield ProjectionCase(op, case, args.small, compiled)
 
 
 def main():
@@ -559,11 +587,33 @@ def main():
     parser.add_argument("--compile-mode", default="default", help="torch.compile's mode")
     parser.add_argument("--out", help="write the JSON report here (rewritten after every case, verdict "
                                       "INCOMPLETE until the last)")
+    parser.add_argument("--cases", help="a directory detdit_export_cases --suite bench wrote (default: export "
+                                        "each op's cases into a temporary directory)")
+    parser.add_argument("--build-dir", default=os.environ.get("DETDIT_BUILD_DIR"),
+                        help="the build with tests/detdit_export_cases (default $DETDIT_BUILD_DIR)")
+    parser.add_argument("--export-dir", help="where the temporary exports go (default: the system's temporary "
+                                             "directory)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="export and load the selected cases' inputs on the CPU and print their shapes; "
+                             "run no candidate")
     args = parser.parse_args()
     ops = args.ops.split(",")
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         parser.error(f"unknown op {unknown[0]!r}; expected one of {', '.join(OPS)}")
+    if args.dry_run:  # runs no candidate: needs neither a GPU nor F.rms_norm
+        DEVICE = "cpu"
+        for op in ops:
+            count = 0
+            for case in cases_of(op, args, {}):
+                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype)[6:]}" for t in case.leaves + case.grads_in)
+                print(f"{op} {case.name}: leaves and incoming gradients {shapes}")
+                count += 1
+                del case
+            if count == 0:
+                sys.exit(f"torch_compare: no {op} case")
+        print("torch_compare: dry run, no candidate run")
+        return
     if not hasattr(F, "rms_norm"):
         needing = [op for op in ops if OPS[op].get("needs_rms_norm")]
         if needing:

@@ -3,7 +3,8 @@
 # (tests/python/test_compile.py: opcheck of every op, the compiled H3 block,
 # dynamic shapes) on Debian 13's torch 2.6, since Debian 12 (the CI system) has
 # torch 1.13, which has no torch.compile; and the rest of tests/python with
-# them, but for test_nn.py (it runs the detdit CLI, not built here) and
+# them, but for test_nn.py (it runs the detdit CLI, not built here),
+# test_torch_compare.py (it runs the C++ case exporter, not built here) and
 # test_distributed.py (torch 2.6's gloo now and then hangs a process in
 # destroy_process_group; it runs on torch 1.13 in scripts/test.sh). Called by
 # scripts/test.sh; docs/python.md says what it shows.
@@ -23,8 +24,10 @@
 # the checkout's files (tracked and untracked, not ignored); there setup.py
 # builds the library with its own CMake build (as `pip install ./python` does:
 # no prebuilt library; incremental, python/build/ is kept between runs) and
-# the extension in place against torch 2.6, and the tests run. Needs root
-# (debootstrap, unshare, chroot), through sudo when not root.
+# the extension in place against torch 2.6, and the tests run, on the op cases
+# that the main build's tests/detdit_export_cases writes into DIR-torch-compile/tmp
+# first (DETDIT_OP_CASES: the chroot builds no IO library, so no exporter). Needs
+# root (debootstrap, unshare, chroot), through sudo when not root.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -77,6 +80,10 @@ rm -rf "$run_dir/src" "$run_dir/tmp"
 mkdir -p "$run_dir/src" "$run_dir/tmp" "$run_dir/home"
 git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -C "$run_dir/src" -xf -
 if [ -d "$run_dir/python-build" ]; then mv "$run_dir/python-build" "$run_dir/src/python/build"; fi
+# The op cases the tests take their inputs from, written by the main build's program
+# (tests/support/export_cases.cc; the chroot builds the library alone, scripts/test.sh's
+# build job built it), the set tests/python/conftest.py would export.
+DETDIT_BUILD_DIR="$build_dir" python3 tests/python/op_cases.py "$run_dir/tmp/op_cases"
 
 # shellcheck disable=SC2016  # $1 and $2 are the inner shell's
 unshare --mount bash -c '
@@ -87,12 +94,13 @@ unshare --mount bash -c '
   mount --bind "$1" "$2/detdit"
   mount --bind "$1/tmp" "$2/tmp"
   exec chroot "$2" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/detdit/home TMPDIR=/tmp LANG=C.UTF-8 \
-    PYTHONDONTWRITEBYTECODE=1 /bin/bash -c "$3"' _ "$run_dir" "$system" "
+    PYTHONDONTWRITEBYTECODE=1 DETDIT_OP_CASES=/tmp/op_cases /bin/bash -c "$3"' _ "$run_dir" "$system" "
   set -euo pipefail
   python3 -c 'import torch; print(\"detdit: torch\", torch.__version__, \"in Debian\", open(\"/etc/debian_version\").read().strip())'
   cd /detdit/src/python
   python3 setup.py -q build_ext --inplace >/detdit/setup.log 2>&1 || { tail -30 /detdit/setup.log >&2; exit 1; }
   cd /detdit/src && PYTHONPATH=/detdit/src/python python3 -m pytest tests/python -q -rxs \
-    --ignore tests/python/test_nn.py --ignore tests/python/test_distributed.py
+    --ignore tests/python/test_nn.py --ignore tests/python/test_distributed.py \
+    --ignore tests/python/test_torch_compare.py
 "
 echo "detdit: torch.compile job passed in $((SECONDS - start)) s"

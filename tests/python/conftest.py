@@ -1,8 +1,11 @@
 """Shared helpers of the detdit binding tests (pytest). Run from the repo root:
 PYTHONPATH=python /usr/bin/python3 -m pytest tests/python -q (after building the extension,
 see docs/python.md)."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -72,3 +75,54 @@ def packed(kind, seq_len, num_timesteps):
         ti[begin:end] = t
         tags[begin:end] = torch.where(run - begin < text, 1, torch.where(end - run <= audio, 2, 0))
     return ti, tags
+
+
+_exported = []  # the session's export: [cases], made once by exported_cases()
+
+
+def exported_cases():
+    """The C++ op cases of the test suite (cases/), exported once per session by the build's
+    tests/detdit_export_cases (op_cases.py: export_for_tests, the default set and the larger
+    cases op_cases.NAMED names): inputs, plans' indexes, arguments and the outputs of the CPU
+    reference. $DETDIT_OP_CASES names a directory op_cases.py wrote already (the torch 2.6
+    job's chroot has no C++ build of it: scripts/torch_compile_check.sh). Without either
+    (DETDIT_BUILD_DIR unset, or the target not built) every test that uses them fails, naming
+    what to build: it is never skipped. For the functions that build inputs outside a fixture
+    (test_compile.py's inputs()); tests take the op_cases fixture."""
+    import op_cases as cases  # after sys.path has this directory
+    if not _exported:
+        if os.environ.get("DETDIT_OP_CASES"):
+            _exported.append(cases.load_for_tests(os.environ["DETDIT_OP_CASES"]))
+        else:
+            path, why = cases.program_path()
+            if path is None:
+                pytest.fail(why, pytrace=False)
+            directory = tempfile.mkdtemp(prefix="detdit_op_cases_")
+            atexit.register(shutil.rmtree, directory, True)
+            try:
+                cases.export_for_tests(directory)
+            except RuntimeError as e:
+                pytest.fail(str(e), pytrace=False)
+            _exported.append(cases.load_for_tests(directory))
+    return _exported[0]
+
+
+@pytest.fixture(scope="session")
+def op_cases():
+    """exported_cases() as a fixture."""
+    return exported_cases()
+
+
+@pytest.fixture
+def modulated_rows(op_cases):
+    """One valid set of a modulated row-wise op's inputs, from the exported C++ case "rmsnorm
+    modulated bfloat16 H=12 block_S255_T3_B1": "ti", "tags" ((S,) int64), "T", "plan" (batch
+    1), "x" ((1, S, H) bf16), "w" ((H,)), "table" ((3T, H): chunk 0 of the case's AdaLN rows,
+    contiguous). Fresh copies for each test."""
+    import op_cases as cases
+    c = cases.find(op_cases, "rmsnorm", "modulated bfloat16 H=12 block_S255_T3_B1")
+    ti, tags = (t.clone() for t in c.index())
+    hidden = c["x"].shape[-1]
+    return {"ti": ti, "tags": tags, "T": c.plans["plan"]["num_timesteps"], "plan": c.plan(),
+            "x": c["x"].clone().view(1, -1, hidden), "w": c["weight"].clone(),
+            "table": cases.table_chunk(c["table"], hidden, 0).contiguous()}

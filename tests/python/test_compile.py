@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 import detdit
 import detdit.distributed
-from conftest import assert_bitwise_equal, normal, packing, requires_cuda
+from conftest import assert_bitwise_equal, exported_cases, normal, packing, requires_cuda
 from detdit import _compile
+from op_cases import find, table_chunk
 
 ops = torch.ops.detdit
 BATCH, SEQ, TIMESTEPS, HIDDEN, DIM = 2, 40, 2, 64, 16
@@ -67,25 +68,35 @@ def comm():
 
 
 def inputs(device):
-    """Representative inputs of every op on `device` (tensors do not require grad)."""
-    def g(shape, seed, dtype=torch.float32, scale=1.0):
-        return normal(shape, seed, dtype, scale).to(device)
-
-    ti, tags = packing(SEQ, TIMESTEPS, 300)
-    return dict(
-        plan=detdit.plan(ti.to(device), tags.to(device), TIMESTEPS, BATCH),
-        tplan=detdit.plan_from_rows(ti.to(device), TIMESTEPS, BATCH),
-        t=torch.tensor([0.1, 0.7], device=device),
-        x=g((BATCH, SEQ, HIDDEN), 301, BF, 2.0), y=g((BATCH, SEQ, HIDDEN), 302, BF),
-        grad=g((BATCH, SEQ, HIDDEN), 303, BF), w=(1 + normal((HIDDEN,), 304, scale=0.05)).to(BF).to(device),
-        table=g((3 * TIMESTEPS, HIDDEN), 305, BF, 0.3), table2=g((3 * TIMESTEPS, HIDDEN), 306, BF, 0.3),
-        temb=g((TIMESTEPS, DIM), 307, scale=2.0), pw=g((18 * HIDDEN, DIM), 308, BF, 0.15),
-        pb=g((18 * HIDDEN,), 309, BF, 0.02), fw=g((2 * HIDDEN, DIM), 310, BF, 0.15), fb=g((2 * HIDDEN,), 311, BF, 0.02),
-        lx=g((3, 40), 312, BF), lw=g((24, 40), 313, BF, 0.1), lb=g((24,), 314, BF), lg=g((3, 24), 315, BF),
-        f=g((TIMESTEPS, 256), 316), w1=g((32, 256), 317, scale=0.1), b1=g((32,), 318, scale=0.02),
-        w2=g((DIM, 32), 319, scale=0.1), b2=g((DIM,), 320, scale=0.02), rows=g((3 * TIMESTEPS, 6 * HIDDEN), 321, BF),
-        gather_grad=g((6, SEQ, HIDDEN), 322, BF), table_grad=g((TIMESTEPS, 18 * HIDDEN), 323, BF),
-        f_grad=g((TIMESTEPS, 256), 324), temb_grad=g((TIMESTEPS, DIM), 325))
+    """Representative inputs of every op on `device` (tensors do not require grad, fresh copies):
+    the exported C++ op cases (conftest.exported_cases) of the row-wise ops and the AdaLN
+    projections at H = 20, D = 24, T = 3 on the interleaved sequence of S = 257, B = 2, a bf16
+    linear with bias and SiLU, the MLP and the sinusoid (C = 2) cases. gather_grad is item 0 of
+    adaln_modulation's (6, B*S, H) gradient; table_grad, a (T, 18H) table gradient, is the
+    values of adaln_modulation's table output."""
+    cases = exported_cases()
+    norm = find(cases, "rmsnorm", "modulated bfloat16 H=20 interleaved_S257_T3_B2")
+    gate = find(cases, "gate_residual", "bfloat16 H=20 interleaved_S257_T3_B2 contiguous gate")
+    modulation = find(cases, "adaln_modulation", "bfloat16 H=20 D=24 interleaved_S257_T3_B2")
+    final = find(cases, "final_adaln_out", "bfloat16 H=20 D=24 interleaved_S257_T3_B2")
+    gather = find(cases, "adaln_row_gather", "bfloat16 H=20 interleaved_S257_T3_B2")
+    mlp = find(cases, "timestep_mlp", "T=3 K=24 H=72 D=64")
+    linear = find(cases, "linear", "bfloat16 T=3 K=24 N=64 bias silu out bfloat16")
+    sinusoid = find(cases, "timestep_sinusoid", "float32 T=8192 C=2")
+    index = norm.plans["plan"]
+    seq, hidden = index["seq_len"], norm["x"].shape[-1]
+    rows = (index["batch"], seq, hidden)
+    values = dict(
+        t=sinusoid["timesteps"], f_grad=sinusoid["grad_features"],
+        x=norm["x"].view(rows), y=gate["y"].view(rows), grad=norm["grad"].view(rows), w=norm["weight"],
+        table=gate["table"], table2=table_chunk(norm["table"], hidden, 1).contiguous(),
+        temb=modulation["temb"], pw=modulation["weight"], pb=modulation["bias"], fw=final["weight"],
+        fb=final["bias"], lx=linear["x"], lw=linear["weight"], lb=linear["bias"], lg=linear["grad"],
+        f=mlp["features"], w1=mlp["w1"], b1=mlp["b1"], w2=mlp["w2"], b2=mlp["b2"], temb_grad=mlp["grad_temb"],
+        rows=gather["rows_storage"], gather_grad=modulation["grad"][:, :seq], table_grad=modulation["table"])
+    values = {k: v.contiguous().clone().to(device) for k, v in values.items()}
+    values.update(plan=norm.plan(device=device), tplan=final.plan(device=device))
+    return values
 
 
 def op_cases(device, comm=None):
@@ -103,7 +114,7 @@ def op_cases(device, comm=None):
     _, f_table, f_act, f_rstd = ops.final_adaln_out.default(x, w, i["temb"], i["fw"], i["fb"], i["tplan"], eps, p)
     _, _, m_act = ops.adaln_modulation.default(i["temb"], i["pw"], i["pb"], plan, p)
     cases = [
-        ("timestep_sinusoid", ops.timestep_sinusoid.default, (i["t"], 256, 10000.0, p, True)),
+        ("timestep_sinusoid", ops.timestep_sinusoid.default, (i["t"], i["f_grad"].shape[1], 10000.0, p, True)),
         ("timestep_sinusoid_backward", ops.timestep_sinusoid_backward.default, (i["f_grad"], i["t"], 10000.0, p, True)),
         ("linear", ops.linear.default, (i["lx"], i["lw"], i["lb"], "silu", p)),
         ("linear_none", ops.linear.default, (i["lx"], i["lw"], None, "none", p)),
@@ -453,8 +464,8 @@ def test_plan_tables_stand_only_for_the_live_plan_that_made_them():
     refused(lambda t: plan.row_index(), "that no plan made")
     refused(lambda t: torch.cat([t[:1], t[1:]]), "that no plan made")
     refused(lambda t: t[1:], r"a part or a reshaped view .* at offset 1\), expected the whole int32 tensor of "
-                             rf"shape \[{SEQ}\]")
-    refused(lambda t: t.view(SEQ, 1), "a part or a reshaped view")
+                             rf"shape \[{plan.seq_len()}\]")
+    refused(lambda t: t.view(plan.seq_len(), 1), "a part or a reshaped view")
     gate, want = i["table"], ops.gate_residual.default(i["x"], i["y"], i["table"], plan)
     tables.data[0] = 1 - tables[0]  # behind the version counter: no kernel reads the tables
     assert_bitwise_equal(ops.gate_residual.tables(i["x"], i["y"], gate, tables), want, "tables changed through .data")
@@ -479,7 +490,7 @@ def test_plan_tables_wrapper_types():
     with pytest.raises(TypeError, match=r"PlanTables: tables must be a torch.Tensor \(plan.tables\(\)\), got list"):
         detdit.PlanTables([0, 1])
     forged = detdit.PlanTables(i["plan"].row_index())
-    assert repr(forged) == f"PlanTables(seq_len={SEQ}, device=cpu)"
+    assert repr(forged) == f"PlanTables(seq_len={i['plan'].seq_len()}, device=cpu)"
     with pytest.raises(ValueError, match="gate_residual: plan_tables must be the tables of a live IndexPlan"):
         detdit.gate_residual(i["x"], i["y"], i["table"], forged)
 

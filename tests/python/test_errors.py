@@ -5,19 +5,14 @@ import pytest
 import torch
 
 import detdit
-from conftest import normal, packing
+from conftest import normal
 
 ops = torch.ops.detdit
 
 
 @pytest.fixture
-def case():
-    ti, tags = packing(40, 2, 100)
-    return {
-        "ti": ti, "tags": tags, "plan": detdit.plan(ti, tags, 2, batch=1),
-        "x": normal((1, 40, 16), 101, torch.bfloat16), "w": torch.ones(16, dtype=torch.bfloat16),
-        "table": normal((6, 16), 102, torch.bfloat16),
-    }
+def case(modulated_rows):
+    return modulated_rows  # conftest.py: an exported C++ case's inputs, S = 255, T = 3, H = 12
 
 
 def test_type_errors(case):
@@ -31,7 +26,7 @@ def test_type_errors(case):
         detdit.timestep_mlp(normal((1, 8), 4), normal((8, 8), 5, bf), normal((8,), 6, bf), normal((8, 8), 7, bf),
                             normal((8,), 8, bf))
     with pytest.raises(TypeError, match="share an integer dtype"):
-        detdit.plan(case["ti"].int(), case["tags"], 2)
+        detdit.plan(case["ti"].int(), case["tags"], case["T"])
     with pytest.raises(TypeError, match="weight"):
         detdit.rmsnorm(case["x"], case["w"].float())
     with pytest.raises(TypeError, match="numerics"):
@@ -53,19 +48,19 @@ def test_value_errors(case):
     with pytest.raises(ValueError, match="activation must be"):
         detdit.linear(normal((1, 8), 9), normal((4, 8), 10), activation="gelu")
     with pytest.raises(ValueError, match="weight"):
-        detdit.rmsnorm(x, torch.ones(12, dtype=torch.bfloat16))
+        detdit.rmsnorm(x, torch.ones(x.shape[-1] - 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError):  # not contiguous
-        detdit.rmsnorm(normal((1, 16, 40), 11, torch.bfloat16).transpose(1, 2), w)
+        detdit.rmsnorm(x.transpose(1, 2).contiguous().transpose(1, 2), w)
     with pytest.raises(ValueError):  # H % 4 != 0: torch leaves the vectorized path; detdit refuses
         detdit.rmsnorm(normal((1, 40, 18), 12, torch.bfloat16), torch.ones(18, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="needs an IndexPlan"):
         detdit.gate_residual(x, x, case["table"], None)
     with pytest.raises(ValueError):  # modulation without a plan
         detdit.rmsnorm(x, w, case["table"], case["table"])
-    with pytest.raises(ValueError):  # the plan says 1 x 40 positions, x has 2 x 40
+    with pytest.raises(ValueError):  # the plan says 1 x S positions, x has 2 x S
         detdit.gate_residual(torch.cat([x, x]), torch.cat([x, x]), case["table"], plan)
     with pytest.raises(ValueError, match="not a multiple of 6"):
-        detdit.adaln_row_gather(normal((6, 13), 13), plan)
+        detdit.adaln_row_gather(normal((3 * case["T"], 13), 13), plan)  # R right, 13 columns
     with pytest.raises(ValueError, match="num_channels"):
         detdit.timestep_sinusoid(torch.tensor([0.5]), num_channels=0)
     with pytest.raises(ValueError, match="0-D|dimensions"):
@@ -79,11 +74,11 @@ def test_index_errors(case):
     bad_tags = tags.clone()
     bad_tags[7] = 3  # a 4th modality
     with pytest.raises(IndexError, match=r"token_tags\[7\] = 3"):
-        detdit.plan(ti, bad_tags, 2)
+        detdit.plan(ti, bad_tags, case["T"])
     bad_ti = ti.clone()
-    bad_ti[5] = 2  # a timestep offset past T
-    with pytest.raises(IndexError, match=r"timestep_indices\[5\] = 2"):
-        detdit.plan(bad_ti, tags, 2)
+    bad_ti[5] = case["T"]  # a timestep offset past T
+    with pytest.raises(IndexError, match=rf"timestep_indices\[5\] = {case['T']}"):
+        detdit.plan(bad_ti, tags, case["T"])
     with pytest.raises(IndexError, match=r"row_index\[0\] = -1"):
         detdit.plan_from_rows(torch.tensor([-1, 0]), 3)
     with pytest.raises(IndexError):

@@ -14,7 +14,7 @@ import torch
 
 import detdit
 import detdit.distributed
-from conftest import normal, packing
+from conftest import normal
 
 ops = torch.ops.detdit
 HUGE = 2 ** 36
@@ -22,10 +22,8 @@ bf16 = torch.bfloat16
 
 
 @pytest.fixture
-def case():
-    ti, tags = packing(40, 2, 100)
-    return {"ti": ti, "tags": tags, "plan": detdit.plan(ti, tags, 2), "x": normal((1, 40, 16), 101, bf16),
-            "w": torch.ones(16, dtype=bf16), "table": normal((6, 16), 102, bf16)}
+def case(modulated_rows):
+    return modulated_rows  # conftest.py: an exported C++ case's inputs, S = 255, T = 3, H = 12
 
 
 def broadcast(shape, dtype=torch.float32):
@@ -39,23 +37,24 @@ def broadcast(shape, dtype=torch.float32):
 def forward_cases(case):
     """(the argument named, the call) for every forward op given one broadcast input."""
     plan, x, w, table = case["plan"], case["x"], case["w"], case["table"]
+    H, T = x.shape[-1], case["T"]
     return [
-        ("x", lambda: detdit.rmsnorm(broadcast((1, HUGE, 16), bf16), w)),
+        ("x", lambda: detdit.rmsnorm(broadcast((1, HUGE, H), bf16), w)),
         ("x", lambda: detdit.linear(broadcast((HUGE, 16)), normal((8, 16), 1))),
         ("weight", lambda: detdit.linear(normal((4, 16), 1), broadcast((HUGE, 16)))),
         ("temb", lambda: detdit.adaln_projection(broadcast((HUGE, 8)), normal((18, 8), 2, bf16),
                                                  normal((18,), 3, bf16))),
-        ("residual", lambda: detdit.gate_residual(broadcast((1, HUGE, 16), bf16), x, table, plan)),
-        ("residual", lambda: detdit.gate_residual_rmsnorm(broadcast((1, HUGE, 16), bf16), x, table, w,
+        ("residual", lambda: detdit.gate_residual(broadcast((1, HUGE, H), bf16), x, table, plan)),
+        ("residual", lambda: detdit.gate_residual_rmsnorm(broadcast((1, HUGE, H), bf16), x, table, w,
                                                           plan=plan)),
         ("timesteps", lambda: detdit.timestep_sinusoid(torch.zeros(1).expand(HUGE))),
         ("features", lambda: detdit.timestep_mlp(broadcast((HUGE, 8)), normal((8, 8), 4), normal((8,), 5),
                                                  normal((8, 8), 6), normal((8,), 7))),
-        ("temb", lambda: detdit.adaln_modulation(broadcast((HUGE, 8)), normal((18 * 16, 8), 8, bf16),
-                                                 normal((18 * 16,), 9, bf16), plan)),
-        ("x", lambda: detdit.final_adaln_out(broadcast((1, HUGE, 16), bf16), w, normal((2, 8), 10),
-                                             normal((32, 8), 11, bf16), normal((32,), 12, bf16),
-                                             detdit.plan_from_rows(case["ti"], 2))),
+        ("temb", lambda: detdit.adaln_modulation(broadcast((HUGE, 8)), normal((18 * H, 8), 8, bf16),
+                                                 normal((18 * H,), 9, bf16), plan)),
+        ("x", lambda: detdit.final_adaln_out(broadcast((1, HUGE, H), bf16), w, normal((T, 8), 10),
+                                             normal((2 * H, 8), 11, bf16), normal((2 * H,), 12, bf16),
+                                             detdit.plan_from_rows(case["ti"], T))),
     ]
 
 
@@ -81,25 +80,26 @@ def test_adaln_row_gather_refuses_broadcast_columns_before_allocating(case):
 def backward_cases(case):
     """(the error, the raw backward call) for each output sized from an input detdit refuses."""
     plan, x, w = case["plan"], case["x"], case["w"]
-    rstd = torch.ones(40)
+    S, H, T = x.shape[1], x.shape[-1], case["T"]
+    rstd = torch.ones(S)
     # table gradients are sized from the plan's rows, not from a table of the wrong row count
-    big_table = broadcast((HUGE, 16), bf16)
+    big_table = broadcast((HUGE, H), bf16)
     return [
-        (r"gate must be \(R, H\) = \(6, 16\)", lambda: ops.gate_residual_backward(x, x, big_table, plan,
-                                                                                [True, True, True])),
-        (r"shift must be \(R, H\) = \(6, 16\)",
+        (rf"gate must be \(R, H\) = \({3 * T}, {H}\)", lambda: ops.gate_residual_backward(x, x, big_table, plan,
+                                                                                         [True, True, True])),
+        (rf"shift must be \(R, H\) = \({3 * T}, {H}\)",
          lambda: ops.rmsnorm_backward.plan(x, x, w, big_table, big_table, plan, rstd, 1e-5, "portable",
                                            [True, True, True, True])),
         ("x must be contiguous",
-         lambda: ops.rmsnorm_backward(x, broadcast((1, HUGE, 16), bf16), w, None, None, None, rstd, 1e-5,
+         lambda: ops.rmsnorm_backward(x, broadcast((1, HUGE, H), bf16), w, None, None, None, rstd, 1e-5,
                                       "portable", [True, True, False, False])),
         ("grad must be contiguous",
          lambda: ops.linear_backward(broadcast((HUGE, 8)), normal((4, 16), 1), normal((8, 16), 2), torch.empty(0),
                                      "none", "portable", [True, True, True])),
-        ("grad must be contiguous", lambda: ops.adaln_row_gather_backward(broadcast((6, HUGE, 16), bf16), plan)),
+        ("grad must be contiguous", lambda: ops.adaln_row_gather_backward(broadcast((6, HUGE, H), bf16), plan)),
         ("temb must be contiguous",
-         lambda: ops.adaln_modulation_backward(normal((6, 40, 16), 3, bf16), broadcast((HUGE, 8)),
-                                               normal((18 * 16, 8), 4, bf16), normal((2, 8), 5, bf16), plan,
+         lambda: ops.adaln_modulation_backward(normal((6, S, H), 3, bf16), broadcast((HUGE, 8)),
+                                               normal((18 * H, 8), 4, bf16), normal((T, 8), 5, bf16), plan,
                                                "portable", [True, True, True])),
     ]
 
@@ -148,8 +148,8 @@ def type_cases(case):
     x, w, plan, ti, tags, table = case["x"], case["w"], case["plan"], case["ti"], case["tags"], case["table"]
     return [
         ("rmsnorm: weight must be a torch.Tensor, got NoneType", lambda: detdit.rmsnorm(x, None)),
-        ("plan: num_timesteps must be an int, got float", lambda: detdit.plan(ti, tags, 2.0)),
-        ("plan: batch must be an int, got bool", lambda: detdit.plan(ti, tags, 2, batch=True)),
+        ("plan: num_timesteps must be an int, got float", lambda: detdit.plan(ti, tags, float(case["T"]))),
+        ("plan: batch must be an int, got bool", lambda: detdit.plan(ti, tags, case["T"], batch=True)),
         ("plan_from_rows: num_rows must be an int, got str", lambda: detdit.plan_from_rows(ti, "2")),
         ("linear: activation must be a str, got NoneType",
          lambda: detdit.linear(normal((1, 8), 1), normal((4, 8), 2), activation=None)),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import detdit
-from conftest import normal, packing
+from op_cases import find, table_chunk
 
 bf16 = torch.bfloat16
 # The mutations, (name, the kind it raises).
@@ -22,44 +22,59 @@ MUTATIONS = [("dtype", TypeError), ("rank", ValueError), ("size", ValueError), (
              ("float", TypeError)]
 
 
-def inputs():
-    """One valid argument set: S = 40 positions, T = 2 timesteps, H = 16, D = 16."""
-    ti, tags = packing(40, 2, 100)
-    return {"ti": ti, "tags": tags, "plan": detdit.plan(ti, tags, 2), "tplan": detdit.plan_from_rows(ti, 2),
-            "x": normal((1, 40, 16), 1, bf16), "y": normal((1, 40, 16), 2, bf16), "w": normal((16,), 3, bf16),
-            "table": normal((6, 16), 4, bf16), "table2": normal((6, 16), 5, bf16), "t": torch.tensor([0.25, 0.5]),
-            "temb": normal((2, 16), 6), "pw": normal((288, 16), 7, bf16), "pb": normal((288,), 8, bf16),
-            "fw": normal((32, 16), 9, bf16), "fb": normal((32,), 10, bf16), "rows": normal((6, 96), 11, bf16),
-            "f": normal((2, 16), 12), "w1": normal((32, 16), 13), "b1": normal((32,), 14),
-            "w2": normal((16, 32), 15), "b2": normal((16,), 16), "lx": normal((4, 16), 17),
-            "lw": normal((8, 16), 18), "lb": normal((8,), 19), "ptable": normal((2, 288), 20, bf16)}
+def inputs(cases):
+    """One valid argument set (fresh copies), from the exported C++ op cases (op_cases fixture):
+    the row-wise ops and the AdaLN projections at H = 20, D = 24, T = 3 on the interleaved
+    sequence of S = 257, B = 2 (op_cases.NAMED), a linear, the MLP and the sinusoid's small
+    cases. ptable, a (T, 18H) table, is adaln_modulation's table output."""
+    norm = find(cases, "rmsnorm", "modulated bfloat16 H=20 interleaved_S257_T3_B2")
+    gate = find(cases, "gate_residual", "bfloat16 H=20 interleaved_S257_T3_B2 contiguous gate")
+    modulation = find(cases, "adaln_modulation", "bfloat16 H=20 D=24 interleaved_S257_T3_B2")
+    final = find(cases, "final_adaln_out", "bfloat16 H=20 D=24 interleaved_S257_T3_B2")
+    gather = find(cases, "adaln_row_gather", "bfloat16 H=20 interleaved_S257_T3_B2")
+    mlp = find(cases, "timestep_mlp", "T=3 K=24 H=72 D=64")
+    linear = find(cases, "linear", "float32 T=3 K=8 N=64 bias silu out float32")
+    sinusoid = find(cases, "timestep_sinusoid", "float32 T=8192 C=2")
+    index = norm.plans["plan"]
+    rows = (index["batch"], index["seq_len"], norm["x"].shape[-1])
+    ti, tags = norm.index()
+    values = {"ti": ti, "tags": tags, "x": norm["x"].view(rows), "y": gate["y"].view(rows), "w": norm["weight"],
+              "table": gate["table"], "table2": table_chunk(norm["table"], rows[2], 1).contiguous(),
+              "t": sinusoid["timesteps"], "temb": modulation["temb"], "pw": modulation["weight"],
+              "pb": modulation["bias"], "fw": final["weight"], "fb": final["bias"], "rows": gather["rows_storage"],
+              "f": mlp["features"], "w1": mlp["w1"], "b1": mlp["b1"], "w2": mlp["w2"], "b2": mlp["b2"],
+              "lx": linear["x"], "lw": linear["weight"], "lb": linear["bias"], "ptable": modulation["table"]}
+    values = {k: v.clone() for k, v in values.items()}
+    values.update(plan=norm.plan(), tplan=final.plan(), T=index["num_timesteps"], hidden=rows[2],
+                  dim=modulation["temb"].shape[-1])
+    return values
 
 
-def rmsnorm_module(x):
-    module = detdit.nn.RMSNorm(16)
+def rmsnorm_module(x, hidden):
+    module = detdit.nn.RMSNorm(hidden)
     return module(x)
 
 
-def modulation_module(temb, plan):
-    module = detdit.nn.AdaLNModulation(16, 16)
+def modulation_module(temb, plan, hidden, dim):
+    module = detdit.nn.AdaLNModulation(hidden, dim)
     return module(temb, plan)
 
 
-# The table: (call, its arguments by name, a str naming an entry of inputs(), {tensor argument:
+# The table: (call, its arguments by name, each a str naming an entry of inputs(), {tensor argument:
 # what it takes}). What an argument takes: "c" it must be contiguous, "o" None is allowed;
 # "MUTATION=NAME": that mutation's message names NAME, the argument it is checked against (the
 # one the op's shapes are read from: x's K against weight's); "MUTATION=any": that mutation is
 # a valid call (a size nothing else has; the call's only tensor, on CUDA).
 TABLE = [
-    (detdit.plan, dict(timestep_indices="ti", token_tags="tags", num_timesteps=2),
+    (detdit.plan, dict(timestep_indices="ti", token_tags="tags", num_timesteps="T"),
      {"timestep_indices": "c", "token_tags": "c"}),
-    (detdit.plan_from_rows, dict(row_index="ti", num_rows=2), {"row_index": "c size=any cuda=any"}),
+    (detdit.plan_from_rows, dict(row_index="ti", num_rows="T"), {"row_index": "c size=any cuda=any"}),
     (detdit.timestep_sinusoid, dict(timesteps="t"), {"timesteps": "c size=any cuda=any"}),
     (detdit.linear, dict(x="lx", weight="lw", bias="lb"), {"x": "c size=weight", "weight": "c", "bias": "co"}),
     (detdit.timestep_mlp, dict(features="f", w1="w1", b1="b1", w2="w2", b2="b2"),
      {"features": "c size=w1", "w1": "c", "b1": "c", "w2": "c", "b2": "c"}),
     (detdit.adaln_projection, dict(temb="temb", weight="pw", bias="pb"), {"temb": "c", "weight": "c", "bias": "c"}),
-    (detdit.adaln_table_chunks, dict(table="ptable", hidden=16), {"table": "c cuda=any"}),
+    (detdit.adaln_table_chunks, dict(table="ptable", hidden="hidden"), {"table": "c cuda=any"}),
     (detdit.adaln_row_gather, dict(rows="rows", index_plan="plan"), {"rows": ""}),
     (detdit.rmsnorm, dict(x="x", weight="w", shift="table", scale="table2", plan="plan"),
      {"x": "c", "weight": "c", "shift": "co", "scale": "co"}),
@@ -72,8 +87,8 @@ TABLE = [
      {"x": "c size=norm_weight", "norm_weight": "c", "temb": "c", "weight": "c", "bias": "c"}),
     (detdit.adaln_modulation, dict(temb="temb", weight="pw", bias="pb", plan="plan"),
      {"temb": "c", "weight": "c", "bias": "c"}),
-    (rmsnorm_module, dict(x="x"), {"x": "c"}),
-    (modulation_module, dict(temb="temb", plan="plan"), {"temb": "c"}),
+    (rmsnorm_module, dict(x="x", hidden="hidden"), {"x": "c"}),
+    (modulation_module, dict(temb="temb", plan="plan", hidden="hidden", dim="dim"), {"temb": "c"}),
 ]
 
 ROWS = {call.__name__: (call, arguments, tensors) for call, arguments, tensors in TABLE}
@@ -107,7 +122,7 @@ def memory(t):
 
 
 @pytest.mark.parametrize("name,argument,mutation,kind", CASES, ids=[f"{n}-{a}-{m}" for n, a, m, _ in CASES])
-def test_a_mutated_argument_is_refused_naming_it_and_changes_nothing(name, argument, mutation, kind):
+def test_a_mutated_argument_is_refused_naming_it_and_changes_nothing(op_cases, name, argument, mutation, kind):
     call, arguments, tensors = ROWS[name]
     flags, *overrides = tensors[argument].split() or [""]
     named = dict(override.split("=") for override in overrides).get(mutation, argument)
@@ -120,8 +135,8 @@ def test_a_mutated_argument_is_refused_naming_it_and_changes_nothing(name, argum
     if mutation == "cuda" and not torch.cuda.is_available():
         pytest.skip("a CUDA tensor among CPU ones needs a CUDA GPU and a CUDA build of torch "
                     "(torch.cuda.is_available() is False)")
-    values = inputs()
-    args = {key: values[value] if isinstance(value, str) else value for key, value in arguments.items()}
+    values = inputs(op_cases)
+    args = {key: values[value] for key, value in arguments.items()}
     args[argument], base = mutated(args[argument], mutation)
     checked = [t for t in list(args.values()) + [base] if isinstance(t, torch.Tensor) and not t.is_meta]
     before = [memory(t) for t in checked]

@@ -3,6 +3,11 @@
 Bitwise where docs/numerics.md fixes every rounding with IEEE operations only (the exact
 emulations of emulate.py, or eager PyTorch where the contract is eager's arithmetic);
 within stated bounds of an FP64 evaluation where a portable exp/sin/cos is involved.
+
+Inputs: the C++ op cases' (op_cases fixture, op_cases.py) where the C++ test suite has a case
+of the shape a test needs; the rest (a hidden size of 1088 or 528 for every lane of the row
+tree's rounds, a K of 1096 for the linear's lanes, the sinusoid's edge timesteps) are
+built here.
 """
 import math
 
@@ -12,6 +17,7 @@ import torch
 import detdit
 import emulate
 from conftest import assert_bitwise_equal, assert_close_to, normal, packing
+from op_cases import find
 
 ops = torch.ops.detdit
 DTYPES = [torch.float32, torch.bfloat16]
@@ -98,10 +104,9 @@ def test_linear_silu():
 
 # ---------------------------------------------------------------- timestep_mlp
 
-def test_timestep_mlp_forward_bitwise_given_hidden():
-    f = detdit.timestep_sinusoid(torch.tensor([0.1, 0.9, 0.5]), 32)
-    w1, b1 = normal((48, 32), 9, scale=0.2), normal((48,), 10, scale=0.02)
-    w2, b2 = normal((24, 48), 11, scale=0.15), normal((24,), 12, scale=0.02)
+def test_timestep_mlp_forward_bitwise_given_hidden(op_cases):
+    c = find(op_cases, "timestep_mlp", "T=3 K=24 H=72 D=64")
+    f, w1, b1, w2, b2 = (c[n] for n in ("features", "w1", "b1", "w2", "b2"))
     temb, pre, hidden = ops.timestep_mlp(f, w1, b1, w2, b2, "portable")
     assert_bitwise_equal(pre, emulate.linear_forward(f, w1, b1), "mlp pre")
     assert_close_to(hidden, pre.double() * torch.sigmoid(pre.double()), 4 * 2.0 ** -24 * pre.abs().max().item(),
@@ -109,7 +114,7 @@ def test_timestep_mlp_forward_bitwise_given_hidden():
     assert_bitwise_equal(temb, emulate.linear_forward(hidden, w2, b2), "mlp temb from the saved hidden")
 
     params = [t.clone().requires_grad_(True) for t in (f, w1, b1, w2, b2)]
-    g = normal((3, 24), 13)
+    g = c["grad_temb"]
     detdit.timestep_mlp(*params).backward(g)
     d_hidden, d_w2, d_b2 = emulate.linear_backward(g, hidden, w2)
     assert_bitwise_equal(params[3].grad, d_w2, "mlp d_w2")
@@ -118,14 +123,13 @@ def test_timestep_mlp_forward_bitwise_given_hidden():
 
 # ---------------------------------------------------------------- adaln_projection
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_adaln_projection_bitwise_given_act(dtype):
-    hidden, dim = 8, 40
-    temb = normal((2, dim), 14, scale=2.0)
-    w = normal((18 * hidden, dim), 15, dtype, scale=0.15)
-    b = normal((18 * hidden,), 16, dtype, scale=0.02)
+@pytest.mark.parametrize("name", ["float32 T=1 D=8 N=126", "bfloat16 T=3 D=24 N=72"])
+def test_adaln_projection_bitwise_given_act(op_cases, name):
+    c = find(op_cases, "adaln_projection", name)
+    temb, w, b = c["temb"], c["weight"], c["bias"]
+    dtype, rows, hidden = w.dtype, temb.shape[0], w.shape[0] // 18
     table, act = ops.adaln_projection(temb, w, b, "portable")
-    assert table.dtype == dtype and act.dtype == dtype and table.shape == (2, 18 * hidden)
+    assert table.dtype == dtype and act.dtype == dtype and table.shape == (rows, 18 * hidden)
     silu = temb.double() * torch.sigmoid(temb.double())
     # one cast of the FP32 SiLU: within one ulp of dtype of the FP64 SiLU
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
@@ -134,7 +138,7 @@ def test_adaln_projection_bitwise_given_act(dtype):
 
     wg, bg = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
     tg = temb.clone().requires_grad_(True)
-    g = normal((2, 18 * hidden), 17, dtype)
+    g = c["grad_table"].to(dtype)  # autograd hands a table its gradient in the table's dtype
     detdit.adaln_projection(tg, wg, bg).backward(g)
     d_act, d_w, d_b = emulate.linear_backward(g.float(), act, w)
     assert_bitwise_equal(wg.grad, d_w.to(dtype), "projection d_weight")
@@ -160,22 +164,24 @@ def test_plan_tables_and_row_index():
 
 # ---------------------------------------------------------------- adaln_row_gather
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_adaln_row_gather_forward_and_backward(dtype):
-    seq, timesteps, hidden = 300, 3, 8
-    ti, tags = packing(seq, timesteps, 19)
-    rows_index = rows_of(ti, tags)
-    plan = detdit.plan(ti, tags, timesteps, batch=2)
-    table = normal((timesteps, 18 * hidden), 20, dtype)
-    rows = table.view(3 * timesteps, 6 * hidden)
-    strided = normal((6 * timesteps, 6 * hidden), 21, dtype)[::2]  # any row stride
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_adaln_row_gather_forward_and_backward(op_cases, dtype_name):
+    c = find(op_cases, "adaln_row_gather", f"{dtype_name} H=20 interleaved_S257_T3_B2")
+    dtype = c["grad"].dtype
+    spec = c.plans["plan"]
+    seq, timesteps, hidden = spec["seq_len"], spec["num_timesteps"], c["grad"].shape[-1]
+    rows_index = c.rows()
+    plan = c.plan()
+    rows = c["rows_storage"]
+    # the same rows at a row stride of 12H: any row stride
+    strided = torch.stack([rows, torch.zeros_like(rows)], 1).flatten(0, 1)[::2]
     for source, name in ((rows, "rows"), (strided, "strided rows")):
         out = detdit.adaln_row_gather(source, plan)
         expect = torch.stack([source[:, c * hidden:(c + 1) * hidden].index_select(0, rows_index) for c in range(6)])
         assert_bitwise_equal(out, expect, f"gather of {name} vs six index_selects")
 
     rg = rows.clone().requires_grad_(True)
-    grad = normal((6, seq, hidden), 22, dtype)
+    grad = c["grad"][:, :seq]  # autograd's gradient of the (6, S, H) output: item 0's
     detdit.adaln_row_gather(rg, plan).backward(grad)
     g = grad.float()
     ref = torch.cat([emulate.canonical_reduce(lambda p, c=c: g[c, p], rows_index, 3 * timesteps, hidden, False)
@@ -183,9 +189,9 @@ def test_adaln_row_gather_forward_and_backward(dtype):
     assert_bitwise_equal(rg.grad, ref.to(dtype), "d_rows (batch-summed grad, batch-1 index)")
 
     # the raw backward op with the full (6, B*S, H) grad reduces over p = b*S + s
-    grad_b = normal((6, 2 * seq, hidden), 23, dtype).float()
-    full = ops.adaln_row_gather_backward(grad_b.to(dtype), plan)
-    rows_b = rows_index.repeat(2)
+    grad_b = c["grad"].float()
+    full = ops.adaln_row_gather_backward(c["grad"], plan)
+    rows_b = rows_index.repeat(spec["batch"])
     ref_b = torch.cat([emulate.canonical_reduce(lambda p, c=c: grad_b[c, p], rows_b, 3 * timesteps, hidden, False)
                        for c in range(6)], dim=1)
     assert_bitwise_equal(full, ref_b.to(dtype), "d_rows over B*S positions")
@@ -229,20 +235,21 @@ def test_rmsnorm_forward_and_backward_bitwise(dtype, modulated):
 
 # ---------------------------------------------------------------- gate_residual
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gate_residual_forward_and_backward(dtype):
-    batch, seq, timesteps, hidden = 2, 300, 2, 16
-    ti, tags = packing(seq, timesteps, 30)
-    rows_index = rows_of(ti, tags)
-    plan = detdit.plan(ti, tags, timesteps, batch=batch)
-    residual = normal((batch, seq, hidden), 31, dtype)
-    y = normal((batch, seq, hidden), 32, dtype)
-    gate = normal((3 * timesteps, hidden), 33, dtype)
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_gate_residual_forward_and_backward(op_cases, dtype_name):
+    c = find(op_cases, "gate_residual", f"{dtype_name} H=20 interleaved_S257_T3_B2 contiguous gate")
+    dtype = c["y"].dtype
+    spec = c.plans["plan"]
+    batch, seq, timesteps, hidden = spec["batch"], spec["seq_len"], spec["num_timesteps"], c["y"].shape[-1]
+    rows_index = c.rows()
+    plan = c.plan()
+    residual, y = c["residual"].view(batch, seq, hidden), c["y"].view(batch, seq, hidden)
+    gate = c["table"]
     out = detdit.gate_residual(residual, y, gate, plan)
     assert_bitwise_equal(out, residual + gate[rows_index] * y, "out vs eager res + gate[idx] * y")
 
     leaves = [t.clone().requires_grad_(True) for t in (residual, y, gate)]
-    grad = normal((batch, seq, hidden), 34, dtype)
+    grad = c["grad"].view(batch, seq, hidden)
     detdit.gate_residual(*leaves, plan).backward(grad)
     assert_bitwise_equal(leaves[0].grad, grad, "d_residual")
     assert_bitwise_equal(leaves[1].grad, grad * gate[rows_index], "d_y vs eager grad * gate[idx]")

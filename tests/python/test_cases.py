@@ -1,0 +1,198 @@
+"""Every exported C++ op case through the PyTorch binding on the CPU, byte for byte.
+
+The cases are the C++ suites' own (cases/, Suite::kTest, the small ones: op_cases.py): their
+inputs, their plans and the outputs of their CPU run. Each case runs here through the
+binding's operators, ``torch.ops.detdit.<op>`` and ``<op>_backward`` (the kernels autograd
+calls), forward and then backward with the case's incoming gradients, and every output the
+binding returns must hold the C++ run's bytes; a second run must give the same bytes again.
+This checks the binding's plumbing (argument order, views and strides, plans, dtypes, the
+batch) against the library the C++ suites check; the independent oracles are test_ops.py's.
+
+Where the binding returns a gradient in its input's dtype and the case writes it in FP32 (a
+weight or table gradient of a 16-bit op), the binding's bytes must be the C++ FP32 value
+rounded once to that dtype (torch's round-to-nearest-even cast): docs/numerics.md's rule that
+gradient arithmetic is FP32 and every output is rounded once to its dtype. Outputs the binding does not return (linear's chunk partials,
+scratch inside the op; linear's pre-activation without SiLU) and cases it cannot express
+(linear with an output dtype other than x's) are listed per op below, each with its reason.
+"""
+import pytest
+import torch
+
+from conftest import assert_bitwise_equal
+from op_cases import table_chunk
+
+ops = torch.ops.detdit
+
+
+def _linear(c):
+    activation = c.arguments["activation"]
+    bias = c["bias"] if "bias" in c else None
+    out, pre = ops.linear(c["x"], c["weight"], bias, activation, c.numerics or "portable")
+    # the case's backward is the linear's own (its grad is the gradient of pre): no SiLU VJP
+    d_x, d_w, d_b = ops.linear_backward(c["grad"], c["x"], c["weight"], pre, "none", "portable", [True] * 3)
+    got = {"out": out, "d_x": d_x, "d_weight": d_w, "d_bias": d_b}
+    if activation == "silu":
+        got["pre"] = pre  # without an activation the binding returns no pre-activation
+    return got
+
+
+def _linear_unsupported(c):
+    out = next(t for t in c.outputs if t["name"] == "out")
+    x = next(t for t in c.inputs if t["name"] == "x")
+    if out["dtype"] != x["dtype"]:
+        return "the binding's linear returns x's dtype (no output-dtype argument)"
+    return None
+
+
+def _timestep_sinusoid(c):
+    t, max_period = c["timesteps"], float(c.arguments["max_period"])
+    channels = c["grad_features"].shape[1]
+    features = ops.timestep_sinusoid(t, channels, max_period, c.numerics, True)
+    d_t = ops.timestep_sinusoid_backward(c["grad_features"], t, max_period, c.numerics, True)
+    return {"features": features, "d_timesteps": d_t}
+
+
+def _timestep_mlp(c):
+    f, w1, b1, w2, b2 = (c[n] for n in ("features", "w1", "b1", "w2", "b2"))
+    temb, pre, hidden = ops.timestep_mlp(f, w1, b1, w2, b2, c.numerics)
+    grads = ops.timestep_mlp_backward(c["grad_temb"], f, w1, w2, pre, hidden, c.numerics, [True] * 5)
+    return dict(zip(("temb", "pre", "hidden", "d_features", "d_w1", "d_b1", "d_w2", "d_b2"),
+                    (temb, pre, hidden) + tuple(grads)))
+
+
+def _adaln_projection(c):
+    table, act = ops.adaln_projection(c["temb"], c["weight"], c["bias"], c.numerics)
+    grads = ops.adaln_projection_backward(c["grad_table"], c["temb"], c["weight"], act, c.numerics, [True] * 3)
+    return dict(zip(("table", "act", "d_temb", "d_weight", "d_bias"), (table, act) + tuple(grads)))
+
+
+def _adaln_modulation(c):
+    plan = c.plan()
+    out, table, act = ops.adaln_modulation(c["temb"], c["weight"], c["bias"], plan, c.numerics)
+    grads = ops.adaln_modulation_backward(c["grad"], c["temb"], c["weight"], act, plan, c.numerics, [True] * 3)
+    return dict(zip(("out", "table", "act", "d_temb", "d_weight", "d_bias"), (out, table, act) + tuple(grads)))
+
+
+def _final_adaln_out(c):
+    plan, eps = c.plan(), c.eps()
+    x, nw, temb, w, b = (c[n] for n in ("x", "norm_weight", "temb", "weight", "bias"))
+    out, table, act, rstd = ops.final_adaln_out(x, nw, temb, w, b, plan, eps, c.numerics)
+    grads = ops.final_adaln_out_backward(c["grad"], x, nw, temb, w, table, act, rstd, plan, eps, c.numerics,
+                                         [True] * 5)
+    return dict(zip(("out", "table", "act", "rstd", "dx", "d_norm_weight", "d_temb", "d_weight", "d_bias"),
+                    (out, table, act, rstd) + tuple(grads)))
+
+
+def _tables(c, hidden, chunks):
+    """The (R, H) views the C++ case reads: chunks of its (R, 6H) table, or column 1 on of its
+    (R, H + 1) storage tensors (rows that are not vector-aligned)."""
+    views = []
+    for storage, chunk in chunks:
+        views.append(c[storage][:, 1:hidden + 1] if storage in c else table_chunk(c["table"], hidden, chunk))
+    return views
+
+
+def _rmsnorm(c):
+    x, w, eps = c["x"], c["weight"], c.eps()
+    hidden = x.shape[-1]
+    modulated = "plan" in c.plans
+    shift, scale = _tables(c, hidden, (("shift_storage", 0), ("scale_storage", 1))) if modulated else (None, None)
+    plan = c.plan() if modulated else None
+    out, rstd = ops.rmsnorm(x, w, shift, scale, plan, eps, c.numerics)
+    grads = ops.rmsnorm_backward(c["grad"], x, w, shift, scale, plan, rstd, eps, c.numerics,
+                                 [True, True, modulated, modulated])
+    got = dict(zip(("out", "rstd", "dx", "d_weight"), (out, rstd) + tuple(grads[:2])))
+    if modulated:
+        got["d_shift"], got["d_scale"] = grads[2], grads[3]
+    return got
+
+
+def _gate_residual(c):
+    hidden = c["residual"].shape[-1]
+    gate = c["table"] if c["table"].shape[1] == hidden else table_chunk(c["table"], hidden, 2)
+    plan = c.plan()
+    out = ops.gate_residual(c["residual"], c["y"], gate, plan)
+    grads = ops.gate_residual_backward(c["grad"], c["y"], gate, plan, [True] * 3)
+    return dict(zip(("out", "d_residual", "d_y", "d_gate"), (out,) + tuple(grads)))
+
+
+def _gate_residual_rmsnorm(c):
+    residual, y, w, eps = c["residual"], c["y"], c["weight"], c.eps()
+    hidden = residual.shape[-1]
+    modulated = any(t["name"] == "d_shift" for t in c.outputs)
+    (gate,) = _tables(c, hidden, (("gate_storage", 2),))
+    shift, scale = _tables(c, hidden, (("shift_storage", 3), ("scale_storage", 4))) if modulated else (None, None)
+    plan = c.plan()
+    h, out, rstd = ops.gate_residual_rmsnorm(residual, y, gate, w, shift, scale, plan, eps, c.numerics)
+    d_h = c["d_h"] if "d_h" in c else None
+    grads = ops.gate_residual_rmsnorm_backward(c["d_out"], d_h, y, gate, w, shift, scale, plan, h, rstd, eps,
+                                               c.numerics, [True, True, True, True, modulated, modulated])
+    got = dict(zip(("h", "out", "rstd", "d_residual", "d_y", "d_gate", "d_weight"), (h, out, rstd) + tuple(grads[:4])))
+    if modulated:
+        got["d_shift"], got["d_scale"] = grads[4], grads[5]
+    return got
+
+
+def _adaln_row_gather(c):
+    plan = c.plan()
+    width = 6 * c["grad"].shape[-1]
+    out = ops.adaln_row_gather(c["rows_storage"][:, :width], plan)
+    return {"out": out, "d_rows": ops.adaln_row_gather_backward(c["grad"], plan)}
+
+
+# op -> (the binding's run of a case: {output name: tensor}, the outputs it does not return
+# (name -> reason), the cases it cannot express (case -> reason or None)).
+RECIPES = {
+    "linear": (_linear, {"partials": "scratch inside the binding's linear_backward",
+                         "pre": "returned only with activation='silu' (compared there)"}, _linear_unsupported),
+    "timestep_sinusoid": (_timestep_sinusoid, {}, None),
+    "timestep_mlp": (_timestep_mlp, {}, None),
+    "adaln_projection": (_adaln_projection, {}, None),
+    "adaln_modulation": (_adaln_modulation, {}, None),
+    "final_adaln_out": (_final_adaln_out, {}, None),
+    "rmsnorm": (_rmsnorm, {}, None),
+    "gate_residual": (_gate_residual, {}, None),
+    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
+    "adaln_row_gather": (_adaln_row_gather, {}, None),
+}
+# Op cases the binding has no single operator for: the whole conditioning chain (the C++
+# suites run it; in Python it is a composition of the ops above, test_nn.py).
+NOT_BINDING_OPS = {"chain": "no binding operator: a composition of the ops (tests/python/test_nn.py)"}
+
+
+def _expected(case_tensor, actual):
+    """The case's bytes in the binding's dtype: itself, or its FP32 value rounded once."""
+    if actual.dtype == case_tensor.dtype:
+        return case_tensor
+    assert case_tensor.dtype == torch.float32, f"case output is {case_tensor.dtype}, binding gives {actual.dtype}"
+    return case_tensor.to(actual.dtype)
+
+
+def test_every_exported_op_has_a_binding_recipe(op_cases):
+    ops_exported = {c.op for c in op_cases}
+    missing = ops_exported - set(RECIPES) - set(NOT_BINDING_OPS)
+    assert not missing, f"exported op cases with no binding run in test_cases.py: {sorted(missing)}"
+    assert set(RECIPES) <= ops_exported, f"ops with no exported case: {sorted(set(RECIPES) - ops_exported)}"
+
+
+@pytest.mark.parametrize("op", sorted(RECIPES))
+def test_binding_equals_cpp_case_bytes(op_cases, op):
+    run, not_returned, unsupported = RECIPES[op]
+    cases = [c for c in op_cases if c.op == op]
+    compared = 0
+    for c in cases:
+        if unsupported is not None and unsupported(c) is not None:
+            continue
+        assert c.outputs_written, f"{c}: exported without outputs"
+        got = run(c)
+        again = run(c)
+        for spec in c.outputs:
+            name = spec["name"]
+            if name not in got:
+                assert name in not_returned, f"{c}: output {name} neither compared nor listed as not returned"
+                continue
+            assert_bitwise_equal(got[name], _expected(c[name], got[name]), f"{c}: {name}")
+            assert_bitwise_equal(again[name], got[name], f"{c}: {name} run again")
+            compared += 1
+        assert compared > 0, f"{c}: no output compared"
+    assert compared > 0, f"{op}: no exported case ran through the binding"
