@@ -181,6 +181,8 @@ LayernormArgs args_of(const LayernormInputs& in) {
 }  // namespace
 
 Status layernorm_forward(const LayernormParams& p, Stream stream) {
+  if (p.in.shift.present())
+    return Status::value_error("shift and scale: the modulated layernorm runs on the CPU only in this build");
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
   LayernormArgs a = args_of(p.in);
@@ -196,6 +198,8 @@ Status layernorm_forward(const LayernormParams& p, Stream stream) {
 }
 
 Status layernorm_backward_rows(const LayernormBackwardParams& p, Stream stream) {
+  if (p.in.shift.present())
+    return Status::value_error("shift and scale: the modulated layernorm runs on the CPU only in this build");
   if (!p.dx.present()) return Status();
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
@@ -217,8 +221,9 @@ Status layernorm_backward_rows(const LayernormBackwardParams& p, Stream stream) 
   });
 }
 
-Status layernorm_backward_partials(const LayernormBackwardParams& p, const TensorView& weight_partials,
-                                   const TensorView& bias_partials, Stream stream) {
+Status layernorm_backward_partials(const LayernormBackwardParams& p, const LayernormPartials& partials,
+                                   Stream stream) {
+  const TensorView &weight_partials = partials.weight, &bias_partials = partials.bias;
   if (!weight_partials.present() && !bias_partials.present()) return Status();
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
