@@ -164,7 +164,8 @@ template <typename T, typename M, bool kUpcast>
 void table_steps(const LayernormBackwardParams& p, int64_t pos, int64_t hidden, float* acc) {
   using R = Recipe<T, M, kUpcast>;
   const T* xr = static_cast<const T*>(p.in.x.data) + pos * hidden;
-  const void* grad = static_cast<const char*>(p.grad.data) + pos * hidden * static_cast<int64_t>(sizeof(typename R::Out));
+  const int64_t grad_bytes = pos * hidden * static_cast<int64_t>(sizeof(typename R::Out));
+  const void* grad = static_cast<const char*>(p.grad.data) + grad_bytes;
   const float mean = load<float>(p.mean.data, pos), rstd = load<float>(p.rstd.data, pos);
   for (int64_t i = 0; i < hidden; ++i) {
     const float g = to_float(load<typename R::Out>(grad, i));

@@ -90,7 +90,8 @@ struct LnRun {
 
   HostTensor grad_shape(DType dtype) const {
     if (p.kind == Kind::kIndexed) return HostTensor(dtype, {mod_rows, p.hidden});
-    if (p.frames == 1) return p.with_unit ? HostTensor(dtype, {p.batch, 1, p.hidden}) : HostTensor(dtype, {p.batch, p.hidden});
+    if (p.frames == 1)
+      return p.with_unit ? HostTensor(dtype, {p.batch, 1, p.hidden}) : HostTensor(dtype, {p.batch, p.hidden});
     return p.with_unit ? HostTensor(dtype, {p.batch, p.frames, 1, p.hidden})
                        : HostTensor(dtype, {p.batch, p.frames, p.hidden});
   }
