@@ -32,10 +32,10 @@
 // every step in FP32 and rounds once to x's dtype (Wan's FP32 LayerNorm,
 // `(norm(x.float()) * (1 + scale) + shift).type_as(x)`). The backward reads
 // d_n = rn(g * R(1 + scale)) (FP32) where the plain norm reads g (dx,
-// d_weight, d_bias); d_shift / d_scale
-// have shift's / scale's shape: indexed by the canonical reduction over the
-// plan, grouped forms per group (batch-invariant), per token row-local.
-// The plain norm (no shift, scale) has the bytes above in both recipes.
+// d_weight, d_bias); d_shift / d_scale have shift's / scale's shape: indexed
+// by the canonical reduction over the plan, grouped forms per group
+// (batch-invariant), per token row-local. The plain norm (no shift, scale)
+// has the bytes above in both recipes.
 // Streams: CUDA work is enqueued on `stream` (nullptr: the legacy default
 // stream) and the call returns without synchronising; the CPU ignores it.
 // Errors: a Status naming the argument; nothing is written on error.
