@@ -54,6 +54,14 @@ struct ExtraRows {
   TensorView x, grad, y, rstd;
 };
 
+// layernorm's cross-row partials, fp32, each absent when its outputs are:
+// d_weight's and d_bias's chunk partials (C, H), and the [d_shift | d_scale]
+// partials (rows, 2H): the plan's segments (indexed form) or each group's
+// chunks, group g at rows [g*Cg, (g+1)*Cg) (grouped forms, numerics 6.11).
+struct LayernormPartials {
+  TensorView weight, bias, table;
+};
+
 // Every backend entry point, once: X(name, parameter types...). The list
 // declares cpu::name and cuda::name, and generates the dispatch backend::name
 // (below) and the stubs of a build without CUDA (src/no_cuda/), so an entry
@@ -124,10 +132,10 @@ struct ExtraRows {
   /* (stream-ordered on CUDA) */                                                                         \
   X(allocate_scratch, const Device&, std::size_t, Stream, std::shared_ptr<void>*)                       \
   /* layernorm (src/layernorm.cc composes the backward): forward (out, mean, rstd); backward rows (dx */  \
-  /* only); partials (p, weight_partials, bias_partials): (chunks, H) fp32 each, or absent */            \
+  /* only); partials of every chunk (LayernormPartials above) */                                        \
   X(layernorm_forward, const LayernormParams&, Stream)                                                   \
   X(layernorm_backward_rows, const LayernormBackwardParams&, Stream)                                     \
-  X(layernorm_backward_partials, const LayernormBackwardParams&, const TensorView&, const TensorView&, Stream)
+  X(layernorm_backward_partials, const LayernormBackwardParams&, const LayernormPartials&, Stream)
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \

@@ -19,7 +19,9 @@
 #include <cstdint>
 
 #include "common/row_tree.h"
+#include "common/rowwise_math.h"
 #include "common/scalar_math.h"
+#include "common/storage.h"
 
 namespace detdit {
 namespace layernorm {
@@ -127,6 +129,22 @@ DETDIT_HD float dx_value(float g, float w, float x, float mean, float rstd, floa
 // d_bias chain is rn(acc + g)).
 DETDIT_HD float weight_grad_step(float g, float x, float mean, float rstd, float acc) {
   return num::fma32(g, num::mul32(num::sub32(x, mean), rstd), acc);
+}
+
+// ---- modulation (numerics 9.5, 9.6; the recipe's types: modulation_math.h) ----
+
+// The modulated norm's n_i = R_Norm(v), v = normalised(...) unrounded: the
+// value the output's modulation and the d_scale chain read.
+template <typename Norm>
+DETDIT_HD float modulation_input(float v) {
+  return round_to<Norm>(v);
+}
+
+// The modulated output before its rounding to Out: rn(R_Mid(rn(n * t1)) +
+// shift), t1 = R_Factor(rn(1 + scale)) (rmsnorm's steps, rowwise_math.h).
+template <typename Norm, typename Mid, typename Factor>
+DETDIT_HD float modulated(float v, float scale, float shift) {
+  return rowwise::modulated<Mid, Factor>(modulation_input<Norm>(v), scale, shift);
 }
 
 // ---- the host trees -------------------------------------------------------------

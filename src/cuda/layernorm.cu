@@ -11,18 +11,29 @@
 // d_weight / d_bias (canonical reduction 6.5): one thread per (chunk, column)
 // walks the chunk's positions ascending; src/layernorm.cc folds the partials
 // with fold.cu.
+// The modulation (numerics 9.5, 9.6): every kernel is a template over the
+// recipe <T, M, upcast> (common/modulation_math.h; the plain norm runs with
+// M = T, whose steps are the plain ones), reading position p's shift and
+// scale row at modulation_offset. [d_shift | d_scale] partials: one thread
+// per (group chunk, column) for the grouped forms (chunks counted from the
+// group's first position), per (chunk, column) over the chunk's segments in
+// plan order for the indexed form, as src/cuda/rmsnorm_forms.cu does.
+// Bitwise equal to src/cpu/layernorm.cc in the portable profile.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "common/backends.h"
 #include "common/layernorm_math.h"
+#include "common/modulation_math.h"
 #include "common/row_tree.h"
+#include "common/rowwise_math.h"
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
 #include "cuda/profile_math.cuh"
 #include "detdit/plan.h"
+#include "rowwise/checks.h"
 
 namespace detdit {
 namespace cuda {
@@ -44,7 +55,27 @@ struct LayernormArgs {
   void* dx;            // backward (M, H)
   float* weight_partials;  // (chunks, H) or nullptr
   float* bias_partials;    // (chunks, H) or nullptr
+  // modulation (shift.data null: the plain norm)
+  ModulationOperand shift, scale;
+  ModulationForm form;
+  const int32_t* row_of_seq;  // indexed form (device)
+  int64_t seq_len, frame_len, per_group;
+  PlanTables tables;      // indexed form (device)
+  float* table_partials;  // [d_shift | d_scale] (rows, 2H) or nullptr
 };
+
+__device__ __forceinline__ int64_t offset_of(const LayernormArgs& a, const ModulationOperand& m, int64_t p) {
+  return modulation_offset(m, a.form, a.seq_len, a.frame_len, a.row_of_seq, p);
+}
+
+// d_n of element i of position p from its gradient g: g (plain) or
+// rn(g * R_Factor(1 + scale_i)).
+template <typename M, typename Factor>
+__device__ __forceinline__ float d_n_of(const LayernormArgs& a, int64_t p, int64_t i, float g) {
+  if (a.scale.data == nullptr) return g;
+  const M* scale = static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, p);
+  return rowwise::modulated_grad<Factor>(g, to_float(scale[i]));
+}
 
 __device__ __forceinline__ layernorm::Welford shfl_down(const layernorm::Welford& s, int offset) {
   return layernorm::Welford{__shfl_down_sync(kFullMask, s.mean, offset), __shfl_down_sync(kFullMask, s.m2, offset),
@@ -63,8 +94,10 @@ __device__ __forceinline__ void parameter_vec(const void* p, int64_t j, float fi
 }
 
 // x, weight, bias and out are validated aligned to a 4-element vector.
-template <typename T>
+template <typename T, typename M, bool kUpcast>
 __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(LayernormArgs a) {
+  using R = Recipe<T, M, kUpcast>;
+  using Out = typename R::Out;
   __shared__ layernorm::Welford warp_states[kRowTreeWarps];
   const int64_t m = blockIdx.x;
   const int64_t vectors = a.hidden / kVec;
@@ -86,37 +119,48 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(Laye
     if (a.mean) a.mean[m] = moments.mean;
     if (a.rstd) a.rstd[m] = rstd;
   }
-  T* out = static_cast<T*>(a.out) + m * a.hidden;
+  Out* out = static_cast<Out*>(a.out) + m * a.hidden;
   const bool has_weight = a.weight != nullptr, has_bias = a.bias != nullptr;
+  const bool modulated = a.shift.data != nullptr;
+  const M* shift = modulated ? static_cast<const M*>(a.shift.data) + offset_of(a, a.shift, m) : nullptr;
+  const M* scale = modulated ? static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, m) : nullptr;
   for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
     float v[kVec], wv[kVec], bv[kVec], o[kVec];
     load_elems<T, kVec, true>(x + j * kVec, v);
     parameter_vec<T>(a.weight, j, 1.0f, wv);
     parameter_vec<T>(a.bias, j, 0.0f, bv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e)
+    for (int e = 0; e < kVec; ++e) {
       o[e] = layernorm::normalised(v[e], moments.mean, rstd, has_weight, wv[e], has_bias, bv[e]);
-    store_elems<T, kVec, true>(out + j * kVec, o);
+      if (modulated)
+        o[e] = layernorm::modulated<typename R::Norm, typename R::Mid, typename R::Factor>(
+            o[e], to_float(scale[j * kVec + e]), to_float(shift[j * kVec + e]));
+    }
+    store_elems<Out, kVec, true>(out + j * kVec, o);
   }
 }
 
 // kVector: grad and dx rows aligned to a 4-element vector (x and weight always are).
-template <typename T, bool kVector>
+template <typename T, typename M, bool kUpcast, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) layernorm_backward_rows_kernel(LayernormArgs a) {
+  using R = Recipe<T, M, kUpcast>;
+  using Out = typename R::Out;
   __shared__ float warp_sums[2][kRowTreeWarps];
   const int64_t m = blockIdx.x;
   const int64_t vectors = a.hidden / kVec;
   const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
-  const T* g = static_cast<const T*>(a.grad) + m * a.hidden;
+  const Out* g = static_cast<const Out*>(a.grad) + m * a.hidden;
   const float mean = a.mean[m], rstd = a.rstd[m];
   layernorm::DxSums s{0.0f, 0.0f};
   for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
     float xv[kVec], gv[kVec], wv[kVec];
     load_elems<T, kVec, true>(x + j * kVec, xv);
-    load_elems<T, kVec, kVector>(g + j * kVec, gv);
+    load_elems<Out, kVec, kVector>(g + j * kVec, gv);
     parameter_vec<T>(a.weight, j, 1.0f, wv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) s = layernorm::dx_sums_step(s, gv[e], wv[e], xv[e], mean, rstd);
+    for (int e = 0; e < kVec; ++e)
+      s = layernorm::dx_sums_step(s, d_n_of<M, typename R::Factor>(a, m, j * kVec + e, gv[e]), wv[e], xv[e], mean,
+                                  rstd);
   }
   float s1 = s.s1, s2 = s.s2;
   for (int offset = 16; offset >= 1; offset /= 2) {
@@ -135,10 +179,12 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_backward_rows_kerne
   for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
     float xv[kVec], gv[kVec], wv[kVec], o[kVec];
     load_elems<T, kVec, true>(x + j * kVec, xv);
-    load_elems<T, kVec, kVector>(g + j * kVec, gv);
+    load_elems<Out, kVec, kVector>(g + j * kVec, gv);
     parameter_vec<T>(a.weight, j, 1.0f, wv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) o[e] = layernorm::dx_value(gv[e], wv[e], xv[e], mean, rstd, sum1, sum2, term1, a.hidden);
+    for (int e = 0; e < kVec; ++e)
+      o[e] = layernorm::dx_value(d_n_of<M, typename R::Factor>(a, m, j * kVec + e, gv[e]), wv[e], xv[e], mean, rstd,
+                                 sum1, sum2, term1, a.hidden);
     store_elems<T, kVec, kVector>(dx + j * kVec, o);
   }
 }
@@ -147,23 +193,72 @@ constexpr int kPartialThreads = 128;
 
 // Block b: chunk b / column_blocks, columns of block b % column_blocks; one
 // thread per column, the chunk's positions ascending.
-template <typename T>
+template <typename T, typename M, bool kUpcast>
 __global__ void layernorm_backward_partials_kernel(LayernormArgs a, int64_t column_blocks) {
+  using R = Recipe<T, M, kUpcast>;
   const int64_t chunk = blockIdx.x / column_blocks;
   const int64_t i = (blockIdx.x % column_blocks) * kPartialThreads + threadIdx.x;
   if (i >= a.hidden) return;
   const T* x = static_cast<const T*>(a.x);
-  const T* g = static_cast<const T*>(a.grad);
+  const typename R::Out* g = static_cast<const typename R::Out*>(a.grad);
   const int64_t begin = chunk * kReductionChunk;
   const int64_t end = begin + kReductionChunk < a.positions ? begin + kReductionChunk : a.positions;
   float wacc = 0.0f, bacc = 0.0f;
   for (int64_t p = begin; p < end; ++p) {
-    const float gv = to_float(g[p * a.hidden + i]);
-    if (a.weight_partials) wacc = layernorm::weight_grad_step(gv, to_float(x[p * a.hidden + i]), a.mean[p], a.rstd[p], wacc);
-    if (a.bias_partials) bacc = num::add32(bacc, gv);
+    const float d_n = d_n_of<M, typename R::Factor>(a, p, i, to_float(g[p * a.hidden + i]));
+    if (a.weight_partials) wacc = layernorm::weight_grad_step(d_n, to_float(x[p * a.hidden + i]), a.mean[p], a.rstd[p], wacc);
+    if (a.bias_partials) bacc = num::add32(bacc, d_n);
   }
   if (a.weight_partials) a.weight_partials[chunk * a.hidden + i] = wacc;
   if (a.bias_partials) a.bias_partials[chunk * a.hidden + i] = bacc;
+}
+
+// One position's [d_shift | d_scale] steps at column i: rn(acc + g) and
+// fma(g, n, acc), n = R_Norm of the normalised value (the forward's n).
+template <typename T, typename M, bool kUpcast>
+__device__ __forceinline__ void table_step(const LayernormArgs& a, int64_t p, int64_t i, float& d_shift,
+                                           float& d_scale) {
+  using R = Recipe<T, M, kUpcast>;
+  const int64_t h = a.hidden;
+  const float g = to_float(static_cast<const typename R::Out*>(a.grad)[p * h + i]);
+  const float w = a.weight ? to_float(static_cast<const T*>(a.weight)[i]) : 1.0f;
+  const float b = a.bias ? to_float(static_cast<const T*>(a.bias)[i]) : 0.0f;
+  const float v = layernorm::normalised(to_float(static_cast<const T*>(a.x)[p * h + i]), a.mean[p], a.rstd[p],
+                                        a.weight != nullptr, w, a.bias != nullptr, b);
+  d_shift = num::add32(d_shift, g);
+  d_scale = rowwise::scale_grad_step(g, layernorm::modulation_input<typename R::Norm>(v), d_scale);
+}
+
+// Grouped forms: block (group chunk row = g*per_group + c, column block).
+template <typename T, typename M, bool kUpcast>
+__global__ void layernorm_group_partials_kernel(LayernormArgs a, int64_t column_blocks) {
+  const int64_t row = blockIdx.x / column_blocks, h = a.hidden;
+  const int64_t i = (blockIdx.x % column_blocks) * kPartialThreads + threadIdx.x;
+  if (i >= h) return;
+  const int64_t g = row / a.per_group, c = row % a.per_group;
+  const int64_t begin = g * a.frame_len + c * kReductionChunk;
+  const int64_t group_end = (g + 1) * a.frame_len;
+  const int64_t end = begin + kReductionChunk < group_end ? begin + kReductionChunk : group_end;
+  float d_shift = 0.0f, d_scale = 0.0f;
+  for (int64_t p = begin; p < end; ++p) table_step<T, M, kUpcast>(a, p, i, d_shift, d_scale);
+  a.table_partials[row * 2 * h + i] = d_shift;
+  a.table_partials[row * 2 * h + h + i] = d_scale;
+}
+
+// The indexed form: block (chunk, column block), the chunk's segments in plan
+// order (partial row = segment id), each segment's positions ascending.
+template <typename T, typename M, bool kUpcast>
+__global__ void layernorm_segment_partials_kernel(LayernormArgs a, int64_t column_blocks) {
+  const int64_t c = blockIdx.x / column_blocks, h = a.hidden;
+  const int64_t i = (blockIdx.x % column_blocks) * kPartialThreads + threadIdx.x;
+  if (i >= h) return;
+  for (int32_t seg = a.tables.chunk_segment_begin[c]; seg < a.tables.chunk_segment_begin[c + 1]; ++seg) {
+    float d_shift = 0.0f, d_scale = 0.0f;
+    for (int32_t q = a.tables.segment_pos_begin[seg]; q < a.tables.segment_pos_begin[seg + 1]; ++q)
+      table_step<T, M, kUpcast>(a, a.tables.segment_positions[q], i, d_shift, d_scale);
+    a.table_partials[seg * 2 * h + i] = d_shift;
+    a.table_partials[seg * 2 * h + h + i] = d_scale;
+  }
 }
 
 LayernormArgs args_of(const LayernormInputs& in) {
@@ -175,8 +270,19 @@ LayernormArgs args_of(const LayernormInputs& in) {
   a.positions = in.x.numel() / a.hidden;
   a.eps = in.eps;
   a.torch = in.numerics == Numerics::kTorch;
+  const ResolvedModulation mod = rowwise::layernorm_modulation(in);
+  a.shift = modulation_operand(in.shift, mod);
+  a.scale = modulation_operand(in.scale, mod);
+  a.form = mod.form;
+  a.row_of_seq = mod.form == ModulationForm::kIndexed ? in.plan.device_tables().row_of_seq : nullptr;
+  if (mod.form == ModulationForm::kIndexed) a.tables = in.plan.device_tables();
+  a.seq_len = mod.seq_len;
+  a.frame_len = mod.frame_len;
+  a.per_group = mod.grouped() ? (mod.frame_len + kReductionChunk - 1) / kReductionChunk : 0;
   return a;
 }
+
+DType modulation_dtype(const LayernormInputs& in) { return in.shift.present() ? in.shift.dtype : in.x.dtype; }
 
 }  // namespace
 
@@ -188,8 +294,8 @@ Status layernorm_forward(const LayernormParams& p, Stream stream) {
   a.mean = p.mean.present() ? p.mean.ptr<float>() : nullptr;
   a.rstd = p.rstd.present() ? p.rstd.ptr<float>() : nullptr;
   if (a.positions == 0) return Status();
-  return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
-    layernorm_forward_kernel<decltype(tag)>
+  return dispatch_recipe(p.in.x.dtype, modulation_dtype(p.in), p.in.upcast, [&](auto t, auto m, auto up) {
+    layernorm_forward_kernel<decltype(t), decltype(m), decltype(up)::value>
         <<<static_cast<unsigned>(a.positions), kRowTreeThreads, 0, as_cuda_stream(stream)>>>(a);
     return launch_status("layernorm_forward_kernel");
   });
@@ -205,38 +311,57 @@ Status layernorm_backward_rows(const LayernormBackwardParams& p, Stream stream) 
   a.grad = p.grad.data;
   a.dx = p.dx.data;
   if (a.positions == 0) return Status();
-  return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
-    using T = decltype(tag);
+  return dispatch_recipe(p.in.x.dtype, modulation_dtype(p.in), p.in.upcast, [&](auto t, auto m, auto up) {
+    using T = decltype(t);
+    using M = decltype(m);
+    constexpr bool kUp = decltype(up)::value;
+    using Out = typename Recipe<T, M, kUp>::Out;
     const unsigned blocks = static_cast<unsigned>(a.positions);
     // H % 4 == 0, so every row of an aligned grad / dx is aligned too.
-    if (address_aligned(a.grad, kVec * sizeof(T)) && address_aligned(a.dx, kVec * sizeof(T)))
-      layernorm_backward_rows_kernel<T, true><<<blocks, kRowTreeThreads, 0, as_cuda_stream(stream)>>>(a);
+    if (address_aligned(a.grad, kVec * sizeof(Out)) && address_aligned(a.dx, kVec * sizeof(T)))
+      layernorm_backward_rows_kernel<T, M, kUp, true><<<blocks, kRowTreeThreads, 0, as_cuda_stream(stream)>>>(a);
     else
-      layernorm_backward_rows_kernel<T, false><<<blocks, kRowTreeThreads, 0, as_cuda_stream(stream)>>>(a);
+      layernorm_backward_rows_kernel<T, M, kUp, false><<<blocks, kRowTreeThreads, 0, as_cuda_stream(stream)>>>(a);
     return launch_status("layernorm_backward_rows_kernel");
   });
 }
 
-Status layernorm_backward_partials(const LayernormBackwardParams& p, const TensorView& weight_partials,
-                                   const TensorView& bias_partials, Stream stream) {
-  if (!weight_partials.present() && !bias_partials.present()) return Status();
+Status layernorm_backward_partials(const LayernormBackwardParams& p, const LayernormPartials& partials,
+                                   Stream stream) {
+  const bool params = partials.weight.present() || partials.bias.present();
+  const bool tables = partials.table.present() && p.in.shift.present();
+  if (!params && !tables) return Status();
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
   LayernormArgs a = args_of(p.in);
   a.mean = const_cast<float*>(p.mean.ptr<const float>());
   a.rstd = const_cast<float*>(p.rstd.ptr<const float>());
   a.grad = p.grad.data;
-  a.weight_partials = weight_partials.present() ? weight_partials.ptr<float>() : nullptr;
-  a.bias_partials = bias_partials.present() ? bias_partials.ptr<float>() : nullptr;
+  a.weight_partials = partials.weight.present() ? partials.weight.ptr<float>() : nullptr;
+  a.bias_partials = partials.bias.present() ? partials.bias.ptr<float>() : nullptr;
+  a.table_partials = tables ? partials.table.ptr<float>() : nullptr;
   const int64_t chunks = (a.positions + kReductionChunk - 1) / kReductionChunk;
   const int64_t column_blocks = blocks_for(a.hidden, kPartialThreads);
   if (chunks == 0) return Status();
-  return dispatch_float_dtype(p.in.x.dtype, [&](auto tag) {
-    layernorm_backward_partials_kernel<decltype(tag)>
-        <<<static_cast<unsigned>(chunks * column_blocks), kPartialThreads, 0, as_cuda_stream(stream)>>>(
-            a, column_blocks);
-    return launch_status("layernorm_backward_partials_kernel");
+  const cudaStream_t s = as_cuda_stream(stream);
+  // tables: a grouped form (G*Cg partial rows) or the indexed form.
+  const bool grouped = a.form != ModulationForm::kIndexed;
+  const int64_t group_rows = grouped ? rowwise::layernorm_modulation(p.in).groups() * a.per_group : 0;
+  dispatch_recipe(p.in.x.dtype, modulation_dtype(p.in), p.in.upcast, [&](auto t, auto m, auto up) {
+    using T = decltype(t);
+    using M = decltype(m);
+    constexpr bool kUp = decltype(up)::value;
+    if (params)
+      layernorm_backward_partials_kernel<T, M, kUp>
+          <<<static_cast<unsigned>(chunks * column_blocks), kPartialThreads, 0, s>>>(a, column_blocks);
+    if (tables && grouped && group_rows > 0)
+      layernorm_group_partials_kernel<T, M, kUp>
+          <<<static_cast<unsigned>(group_rows * column_blocks), kPartialThreads, 0, s>>>(a, column_blocks);
+    else if (tables && !grouped)
+      layernorm_segment_partials_kernel<T, M, kUp>
+          <<<static_cast<unsigned>(chunks * column_blocks), kPartialThreads, 0, s>>>(a, column_blocks);
   });
+  return launch_status("layernorm partials kernels");
 }
 
 }  // namespace cuda

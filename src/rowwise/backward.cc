@@ -16,20 +16,25 @@ namespace rowwise {
 Status fold_rmsnorm_partials(const RmsnormBackwardParams& p, const TensorView& weight_partials,
                              const TensorView& table_partials, Stream stream) {
   const Device device = p.in.x.device;
-  const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
   if (p.d_weight.present())
     DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, weight_partials, p.d_weight, stream));
   if (!table_partials.present()) return Status();
+  return fold_modulation_partials(p.in.plan, rmsnorm_modulation(p.in), table_partials, p.d_shift, p.d_scale, stream);
+}
+
+Status fold_modulation_partials(const IndexPlan& plan, const ResolvedModulation& mod, const TensorView& table_partials,
+                                const TensorView& d_shift, const TensorView& d_scale, Stream stream) {
+  const Device device = table_partials.device;
+  const int64_t hidden = table_partials.shape[1] / 2;
   // d_shift from columns [0, H), d_scale from [H, 2H) of the (G, 2H) partials.
-  const ResolvedModulation mod = rmsnorm_modulation(p.in);
-  const std::pair<const TensorView*, int64_t> outputs[] = {{&p.d_shift, 0}, {&p.d_scale, hidden}};
+  const std::pair<const TensorView*, int64_t> outputs[] = {{&d_shift, 0}, {&d_scale, hidden}};
   for (const auto& [out, column] : outputs) {
     if (!out->present()) continue;
     const TensorView part = table_partials.narrow(1, column, hidden);
     if (mod.grouped())
       DETDIT_RETURN_IF_ERROR(backend::fold_group_partials(device, part, chunks_per_group(mod), mod, *out, stream));
     else
-      DETDIT_RETURN_IF_ERROR(backend::fold_segment_partials(device, p.in.plan, part, *out, stream));
+      DETDIT_RETURN_IF_ERROR(backend::fold_segment_partials(device, plan, part, *out, stream));
   }
   return Status();
 }

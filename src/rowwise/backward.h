@@ -70,6 +70,13 @@ int64_t chunks_per_group(const ResolvedModulation& mod);
 // segments (indexed), 0 (none).
 int64_t table_partial_rows(const IndexPlan& plan, const ResolvedModulation& mod);
 
+// d_shift / d_scale of a modulated norm from its [shift | scale] partials
+// (rows, 2H): per group (grouped forms, fold_group_partials) or per table
+// row over the plan's segments (indexed). Absent outputs are skipped, d_shift
+// first. (rmsnorm and layernorm.)
+Status fold_modulation_partials(const IndexPlan& plan, const ResolvedModulation& mod, const TensorView& table_partials,
+                                const TensorView& d_shift, const TensorView& d_scale, Stream stream);
+
 // d_weight = fold of the chunk partials (C, H); d_shift / d_scale = folds of
 // the [shift | scale] column halves of the segment partials (G, 2H) over
 // p.plan. Absent partials or outputs are skipped; p.d_weight first, then

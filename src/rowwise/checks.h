@@ -12,6 +12,7 @@
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
+#include "detdit/layernorm.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -89,6 +90,7 @@ Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackward
 // cannot fail on them).
 ResolvedModulation rmsnorm_modulation(const RmsnormInputs& in);
 ResolvedModulation gate_modulation(const GateResidualInputs& in);
+ResolvedModulation layernorm_modulation(const LayernormInputs& in);
 
 }  // namespace rowwise
 }  // namespace detdit
