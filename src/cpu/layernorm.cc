@@ -28,6 +28,7 @@
 #include "common/storage.h"
 #include "cpu/parallel.h"
 #include "cpu/reduction.h"
+#include "cpu/shift_scale.h"
 #include "cpu/unaligned.h"
 #include "rowwise/checks.h"
 
@@ -55,34 +56,8 @@ float normalised_at(const LayernormInputs& in, float x, float mean, float rstd, 
 }
 
 // The shift and scale of a call as the kernels address them.
-struct Modulation {
-  ResolvedModulation mod;
-  ModulationOperand shift, scale;
-  const int32_t* row_of_seq = nullptr;  // the plan's (indexed form)
-  bool on() const { return mod.form != ModulationForm::kNone; }
-  // Element offset of position p's row in shift / scale.
-  int64_t shift_at(int64_t p) const {
-    return modulation_offset(shift, mod.form, mod.seq_len, mod.frame_len, row_of_seq, p);
-  }
-  int64_t scale_at(int64_t p) const {
-    return modulation_offset(scale, mod.form, mod.seq_len, mod.frame_len, row_of_seq, p);
-  }
-};
-Modulation modulation_of(const LayernormInputs& in) {
-  Modulation m;
-  m.mod = rowwise::layernorm_modulation(in);
-  m.shift = modulation_operand(in.shift, m.mod);
-  m.scale = modulation_operand(in.scale, m.mod);
-  if (m.mod.form == ModulationForm::kIndexed) m.row_of_seq = in.plan.host_tables().row_of_seq;
-  return m;
-}
-
-// The gradient of the normalised value, d_n_i: g_i (plain) or rn(g_i * t1_i)
-// (modulated; t1 = R_Factor(1 + scale) from the scale row at element offset `at`).
-template <typename Factor, typename M>
-float grad_normalised(const Modulation& m, int64_t at, int64_t i, float g) {
-  if (!m.on()) return g;
-  return rowwise::modulated_grad<Factor>(g, to_float(load<M>(m.scale.data, at + i)));
+ShiftScale modulation_of(const LayernormInputs& in) {
+  return ShiftScale(rowwise::layernorm_modulation(in), in.shift, in.scale, in.plan);
 }
 
 template <typename T, typename M, bool kUpcast>
@@ -93,7 +68,7 @@ void forward(const LayernormParams& p) {
   const int64_t rows = p.in.x.numel() / hidden;
   const T* x = static_cast<const T*>(p.in.x.data);
   Out* out = static_cast<Out*>(p.out.data);
-  const Modulation m = modulation_of(p.in);
+  const ShiftScale m = modulation_of(p.in);
   parallel_for(0, rows, [&](int64_t pos) {
     const int64_t h = hidden;  // bounds and bases in locals (unaligned.h)
     const T* xr = x + pos * h;   // (H,) row pos
@@ -123,7 +98,7 @@ void backward_rows(const LayernormBackwardParams& p) {
   const int64_t hidden = hidden_of(p.in.x);
   const int64_t rows = p.in.x.numel() / hidden;
   const T* x = static_cast<const T*>(p.in.x.data);
-  const Modulation m = modulation_of(p.in);
+  const ShiftScale m = modulation_of(p.in);
   parallel_for(0, rows, [&](int64_t pos) {
     const int64_t h = hidden;  // bounds and bases in locals (unaligned.h)
     const T* xr = x + pos * h;   // (H,) row pos; grad and dx row pos start at element pos * h
@@ -134,7 +109,7 @@ void backward_rows(const LayernormBackwardParams& p) {
     std::vector<float> d_n_row(static_cast<std::size_t>(h));
     float* d_n = d_n_row.data();
     for (int64_t i = 0; i < h; ++i)
-      d_n[i] = grad_normalised<typename R::Factor, M>(m, scale, i, to_float(load<Out>(grad, i)));
+      d_n[i] = m.grad_normalised<typename R::Factor, M>(scale, i, to_float(load<Out>(grad, i)));
     // Each of the 128 threads' (s1, s2) over its vectors t, t+128, ... in element order.
     float s1[kRowTreeThreads], s2[kRowTreeThreads];
     const int64_t vectors = h / kRowTreeVector;
@@ -184,7 +159,7 @@ void backward_partials(const LayernormBackwardParams& p, const LayernormPartials
   const int64_t positions = p.in.x.numel() / hidden;
   const int64_t chunks = (positions + kReductionChunk - 1) / kReductionChunk;
   const T* x = static_cast<const T*>(p.in.x.data);
-  const Modulation m = modulation_of(p.in);
+  const ShiftScale m = modulation_of(p.in);
   if (partials.weight.present() || partials.bias.present()) {
     // d_weight / d_bias: one partial per chunk of 256 positions, an ascending
     // chain from +0.0 over the chunk's positions of d_n.
@@ -203,7 +178,7 @@ void backward_partials(const LayernormBackwardParams& p, const LayernormPartials
         const float mean = load<float>(p.mean.data, pos), rstd = load<float>(p.rstd.data, pos);
         const int64_t scale = m.on() ? m.scale_at(pos) : 0;
         for (int64_t i = 0; i < h; ++i) {
-          const float d_n = grad_normalised<typename R::Factor, M>(m, scale, i, to_float(load<Out>(grad, i)));
+          const float d_n = m.grad_normalised<typename R::Factor, M>(scale, i, to_float(load<Out>(grad, i)));
           if (wacc) wacc[i] = layernorm::weight_grad_step(d_n, to_float(xr[i]), mean, rstd, wacc[i]);
           if (bacc) bacc[i] = num::add32(bacc[i], d_n);
         }

@@ -27,6 +27,7 @@
 #include "common/storage.h"
 #include "cpu/parallel.h"
 #include "cpu/reduction.h"
+#include "cpu/shift_scale.h"
 #include "cpu/unaligned.h"
 #include "rowwise/checks.h"
 
@@ -43,34 +44,8 @@ float row_rstd(const T* x, int64_t hidden, float eps) {
 }
 
 // The shift and scale of a call as the kernels address them.
-struct Modulation {
-  ResolvedModulation mod;
-  ModulationOperand shift, scale;
-  const int32_t* row_of_seq = nullptr;  // the plan's (indexed form)
-  bool on() const { return mod.form != ModulationForm::kNone; }
-  // Element offset of position p's row in shift / scale.
-  int64_t shift_at(int64_t p) const {
-    return modulation_offset(shift, mod.form, mod.seq_len, mod.frame_len, row_of_seq, p);
-  }
-  int64_t scale_at(int64_t p) const {
-    return modulation_offset(scale, mod.form, mod.seq_len, mod.frame_len, row_of_seq, p);
-  }
-};
-Modulation modulation_of(const RmsnormInputs& in) {
-  Modulation m;
-  m.mod = rowwise::rmsnorm_modulation(in);
-  m.shift = modulation_operand(in.shift, m.mod);
-  m.scale = modulation_operand(in.scale, m.mod);
-  if (m.mod.form == ModulationForm::kIndexed) m.row_of_seq = in.plan.host_tables().row_of_seq;
-  return m;
-}
-
-// d_n_i = g_i (plain) or rn(g_i * t1_i) (modulated; t1 = R_Factor(1 + scale)
-// from the scale row at `scale`, element offset `at`).
-template <typename Factor, typename M>
-float grad_normalised(const Modulation& m, int64_t at, int64_t i, float g) {
-  if (!m.on()) return g;
-  return rowwise::modulated_grad<Factor>(g, to_float(load<M>(m.scale.data, at + i)));
+ShiftScale modulation_of(const RmsnormInputs& in) {
+  return ShiftScale(rowwise::rmsnorm_modulation(in), in.shift, in.scale, in.plan);
 }
 
 template <typename T, typename M, bool kUpcast>
@@ -82,7 +57,7 @@ void forward(const RmsnormParams& p) {
   const T* x = static_cast<const T*>(p.in.x.data);
   const T* w = static_cast<const T*>(p.in.weight.data);
   Out* out = static_cast<Out*>(p.out.data);
-  const Modulation m = modulation_of(p.in);
+  const ShiftScale m = modulation_of(p.in);
   parallel_for(0, rows, [&](int64_t pos) {
     const int64_t h = hidden;  // bounds and bases in locals (unaligned.h)
     const T* xr = x + pos * h;   // (H,) row pos
@@ -110,7 +85,7 @@ void backward_rows(const RmsnormBackwardParams& p) {
   const int64_t rows = p.in.x.numel() / hidden;
   const T* x = static_cast<const T*>(p.in.x.data);
   const T* w = static_cast<const T*>(p.in.weight.data);
-  const Modulation m = modulation_of(p.in);
+  const ShiftScale m = modulation_of(p.in);
   parallel_for(0, rows, [&](int64_t pos) {
     const int64_t h = hidden;  // bounds and bases in locals (unaligned.h)
     const T* xr = x + pos * h;   // (H,) row pos; grad and dx row pos start at element pos * h
@@ -121,7 +96,7 @@ void backward_rows(const RmsnormBackwardParams& p) {
     std::vector<float> d_n_row(static_cast<std::size_t>(h));
     float* d_n = d_n_row.data();
     for (int64_t i = 0; i < h; ++i)
-      d_n[i] = grad_normalised<typename R::Factor, M>(m, scale, i, to_float(load<Out>(grad, i)));
+      d_n[i] = m.grad_normalised<typename R::Factor, M>(scale, i, to_float(load<Out>(grad, i)));
     const float dot = row_tree_sum(h, [&](int64_t i, float* a, float* b) {
       *a = rowwise::dot_term(to_float(w[i]), d_n[i]);
       *b = to_float(xr[i]);
@@ -173,7 +148,7 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
   // positions: the plan's B*S; a norm without a plan reduces its own rows.
   const int64_t positions = p.in.plan.valid() ? p.in.plan.positions() : p.in.x.numel() / hidden;
   const int64_t num_chunks = (positions + kReductionChunk - 1) / kReductionChunk;
-  const Modulation m = modulation_of(p.in);
+  const ShiftScale m = modulation_of(p.in);
   const SelectedChunks selected = select_chunks(p.in.plan, num_chunks, sel);
   const T* w = static_cast<const T*>(p.in.weight.data);
   if (weight_partials.present()) {
@@ -187,8 +162,8 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
         const PositionRows in = position_rows(p, extra, sel, hidden, pos);
         const int64_t scale = m.on() ? m.scale_at(pos) : 0;
         for (int64_t i = 0; i < hidden; ++i) {
-          const float d_n = grad_normalised<typename R::Factor, M>(
-              m, scale, i, to_float(load<typename R::Out>(in.grad, in.first + i)));
+          const float g = to_float(load<typename R::Out>(in.grad, in.first + i));
+          const float d_n = m.grad_normalised<typename R::Factor, M>(scale, i, g);
           acc[i] = rowwise::weight_grad_step(d_n, to_float(load<T>(in.x, in.first + i)), in.rstd, acc[i]);
         }
       }
