@@ -4,8 +4,8 @@
 // over every modulation form (none, per sample, per frame, per token, with
 // and without the unit dimension, indexed) x recipe (modulation in x's dtype
 // or fp32, upcast false / true) x affine variant x which modulation tensors
-// are present, with and without k and d_h, with g in d_residual and in
-// scratch; a sample's outputs and gradients the same bytes alone and in a
+// are present, with and without k and d_h, with g in d_residual, in
+// scratch, and the norm's gradients alone; a sample's outputs and gradients the same bytes alone and in a
 // batch of 3; and bad input refused naming the argument, nothing written.
 #include <gtest/gtest.h>
 
@@ -74,14 +74,19 @@ TEST(GateResidualLayernorm, EqualsTheSeparateOpsComposedAsAutogradDoes) {
                               presence != 2, presence != 1, k, d_h};
           SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
           const GrlnInputs in(p, 1000 + checked);
-          GrlnOutputs composed, fused, fused_scratch;
+          GrlnOutputs composed, fused, fused_scratch, fused_norm_only;
           DETDIT_ASSERT_OK(run_composed(in, &composed));
-          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), true, &fused));
+          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kAll, &fused));
           expect_equal_outputs(composed, fused);
           // g in scratch (no d_residual): the same bytes for every other output.
-          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), false, &fused_scratch));
+          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNoResidual, &fused_scratch));
           composed.erase("d_residual");
           expect_equal_outputs(composed, fused_scratch);
+          // The norm's gradients alone (no g at all): the same bytes.
+          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNormOnly, &fused_norm_only));
+          composed.erase("d_y");
+          composed.erase("d_gate");
+          expect_equal_outputs(composed, fused_norm_only);
           ++checked;
         }
   EXPECT_GT(checked, 300);
@@ -108,8 +113,8 @@ TEST(GateResidualLayernorm, ASampleIsTheSameAloneAndInABatch) {
       const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
       std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
       GrlnOutputs in_batch, on_its_own;
-      DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), true, &in_batch));
-      DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), true, &on_its_own));
+      DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
+      DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
       for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
         SCOPED_TRACE(name);
         EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));

@@ -3,7 +3,7 @@
 // against the two ops composed), forward (h, out, mean, rstd) and every
 // gradient, over every modulation form x recipe x affine variant x which
 // modulation tensors are present, with and without k and d_h, with g in
-// d_residual and in scratch. Portable profile.
+// d_residual, in scratch, and the norm's gradients alone. Portable profile.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -50,11 +50,12 @@ TEST(GateResidualLayernormCuda, EqualsTheCpu) {
                               presence != 2, presence != 1, k, d_h};
           SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
           const GrlnInputs in(p, 2000 + checked);
-          for (bool keep_d_residual : {true, false}) {
-            SCOPED_TRACE(keep_d_residual ? "g in d_residual" : "g in scratch");
+          for (GrlnGrads grads : {GrlnGrads::kAll, GrlnGrads::kNoResidual, GrlnGrads::kNormOnly}) {
+            SCOPED_TRACE(grads == GrlnGrads::kAll ? "every gradient" : grads == GrlnGrads::kNoResidual
+                                                                          ? "g in scratch" : "the norm's gradients");
             GrlnOutputs cpu, gpu;
-            DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), keep_d_residual, &cpu));
-            DETDIT_ASSERT_OK(run_fused(in, Device::cuda(0), keep_d_residual, &gpu));
+            DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), grads, &cpu));
+            DETDIT_ASSERT_OK(run_fused(in, Device::cuda(0), grads, &gpu));
             for (const auto& [name, expected] : cpu) {
               SCOPED_TRACE(name);
               ASSERT_TRUE(gpu.count(name));

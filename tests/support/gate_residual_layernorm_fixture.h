@@ -133,10 +133,16 @@ inline std::vector<GrlnOutputSpec> grln_output_specs(const GrlnInputs& in) {
   return s;
 }
 
-// The fused op on `device`: the forward, then the backward; with
-// keep_d_residual = false the backward leaves d_residual out (g in scratch),
-// and the map has no d_residual.
-inline Status run_fused(const GrlnInputs& in, const Device& device, bool keep_d_residual, GrlnOutputs* outputs) {
+// Which gradients the fused backward is asked for.
+enum class GrlnGrads {
+  kAll,           // every one (g in d_residual where it has h's dtype)
+  kNoResidual,    // all but d_residual (g in scratch)
+  kNormOnly,      // d_weight, d_bias, d_shift, d_scale only (the gate half skipped)
+};
+
+// The fused op on `device`: the forward, then the backward for `grads`; the
+// map holds the forward's outputs and the gradients asked for.
+inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads grads, GrlnOutputs* outputs) {
   const GrlnProblem& p = in.p;
   std::map<std::string, DeviceTensor> dev;
   for (const auto& [name, host] : std::map<std::string, const HostTensor*>{
@@ -167,16 +173,20 @@ inline Status run_fused(const GrlnInputs& in, const Device& device, bool keep_d_
       gate_residual_layernorm_forward({args, view("h"), view("out"), view("mean"), view("rstd")}));
   GateResidualLayernormBackwardParams b{args, view("h"), view("mean"), view("rstd"), view("d_out")};
   if (p.d_h) b.d_h = view("d_h");
-  if (keep_d_residual) b.d_residual = view("d_residual");
-  b.d_y = view("d_y");
-  b.d_gate = view("d_gate");
+  const bool gate_half = grads != GrlnGrads::kNormOnly;
+  if (grads == GrlnGrads::kAll) b.d_residual = view("d_residual");
+  if (gate_half) {
+    b.d_y = view("d_y");
+    b.d_gate = view("d_gate");
+  }
   b.d_weight = view("d_weight");
   b.d_bias = view("d_bias");
   b.d_shift = view("d_shift");
   b.d_scale = view("d_scale");
   DETDIT_RETURN_IF_ERROR(gate_residual_layernorm_backward(b));
   for (const GrlnOutputSpec& s : grln_output_specs(in)) {
-    if (s.name == "d_residual" && !keep_d_residual) continue;
+    if (s.name == "d_residual" && grads != GrlnGrads::kAll) continue;
+    if ((s.name == "d_y" || s.name == "d_gate") && !gate_half) continue;
     DETDIT_RETURN_IF_ERROR(dev[s.name].to_host(&(*outputs)[s.name]));
   }
   return Status();
