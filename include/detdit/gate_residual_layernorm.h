@@ -20,8 +20,8 @@
 //   forms; every present modulation tensor of one call in one form. has_k/k
 //   are the gate's, upcast both halves'. h has gate_residual's output dtype
 //   (residual's, or fp32 for an fp32 gate with upcast = false), and the norm's
-//   rules apply to h as its x: weight and bias in h's dtype, h and out aligned
-//   to 4 * sizeof(h's dtype) bytes, H a multiple of 4.
+//   rules apply to h as its x: weight and bias in h's dtype, H a multiple of
+//   4, h, weight, bias and out each aligned to 4 elements of its dtype.
 // Layout: residual, y, h, d_h (M, H) or (B, S, H) contiguous (the grouped and
 //   per-token forms need (B, S, H)); out and d_out as layernorm's out.
 // Determinism: every output is a pure function of the inputs, the same bytes
