@@ -103,7 +103,11 @@ Status check_modulation_grad_of(const TensorView& grad, const char* name, const 
   return check_modulation_grad(grad, name, m, m_name, mod);
 }
 
-Status validate_forward(const LayernormParams& p) {
+}  // namespace
+
+namespace rowwise {
+
+Status check_layernorm_forward_arguments(const LayernormParams& p) {
   int64_t hidden = 0;
   ResolvedModulation mod;
   DETDIT_RETURN_IF_ERROR(check_inputs(p.in, &hidden, &mod));
@@ -111,12 +115,17 @@ Status validate_forward(const LayernormParams& p) {
   DETDIT_RETURN_IF_ERROR(check_aligned(p.out, "out"));
   if (p.mean.present()) DETDIT_RETURN_IF_ERROR(check_stat(p.mean, "mean", p.in.x, hidden));
   if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_stat(p.rstd, "rstd", p.in.x, hidden));
+  return Status();
+}
+
+Status validate_layernorm_forward(const LayernormParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_layernorm_forward_arguments(p));
   return rowwise::check_outputs_disjoint(
       {{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"}},
       {{&p.out, "out"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}});
 }
 
-Status validate_backward(const LayernormBackwardParams& p) {
+Status check_layernorm_backward_arguments(const LayernormBackwardParams& p) {
   int64_t hidden = 0;
   ResolvedModulation mod;
   DETDIT_RETURN_IF_ERROR(check_inputs(p.in, &hidden, &mod));
@@ -138,6 +147,11 @@ Status validate_backward(const LayernormBackwardParams& p) {
     DETDIT_RETURN_IF_ERROR(check_modulation_grad_of(p.d_shift, "d_shift", p.in.shift, "shift", p.in, mod, hidden));
   if (p.d_scale.present())
     DETDIT_RETURN_IF_ERROR(check_modulation_grad_of(p.d_scale, "d_scale", p.in.scale, "scale", p.in, mod, hidden));
+  return Status();
+}
+
+Status validate_layernorm_backward(const LayernormBackwardParams& p) {
+  DETDIT_RETURN_IF_ERROR(check_layernorm_backward_arguments(p));
   return rowwise::check_outputs_disjoint(
       {{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.in.shift, "shift"},
        {&p.in.scale, "scale"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}, {&p.grad, "grad"}},
@@ -145,15 +159,7 @@ Status validate_backward(const LayernormBackwardParams& p) {
        {&p.d_scale, "d_scale"}});
 }
 
-}  // namespace
-
-Status layernorm_forward(const LayernormParams& params, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(validate_forward(params));
-  return backend::layernorm_forward(params.in.x.device, params, stream);
-}
-
-Status layernorm_backward(const LayernormBackwardParams& p, Stream stream) {
-  DETDIT_RETURN_IF_ERROR(validate_backward(p));
+Status run_layernorm_backward(const LayernormBackwardParams& p, Stream stream) {
   const Device device = p.in.x.device;
   const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
   const int64_t chunks = (p.in.x.numel() / hidden + kReductionChunk - 1) / kReductionChunk;
@@ -188,8 +194,6 @@ Status layernorm_backward(const LayernormBackwardParams& p, Stream stream) {
   return rowwise::fold_modulation_partials(p.in.plan, mod, partials.table, p.d_shift, p.d_scale, stream);
 }
 
-namespace rowwise {
-
 ResolvedModulation layernorm_modulation(const LayernormInputs& in) {
   ResolvedModulation mod;
   mod.dtype = in.x.dtype;
@@ -199,5 +203,15 @@ ResolvedModulation layernorm_modulation(const LayernormInputs& in) {
 }
 
 }  // namespace rowwise
+
+Status layernorm_forward(const LayernormParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_layernorm_forward(params));
+  return backend::layernorm_forward(params.in.x.device, params, stream);
+}
+
+Status layernorm_backward(const LayernormBackwardParams& params, Stream stream) {
+  DETDIT_RETURN_IF_ERROR(rowwise::validate_layernorm_backward(params));
+  return rowwise::run_layernorm_backward(params, stream);
+}
 
 }  // namespace detdit

@@ -3,6 +3,7 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/layernorm.h"
 #include "detdit/linear.h"

@@ -109,6 +109,10 @@ Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream st
   GatePartials partials;
   DETDIT_RETURN_IF_ERROR(allocate_gate_partials(p, stream, &partials));
   DETDIT_RETURN_IF_ERROR(gate_rows_and_partials(p, partials, stream));
+  return fold_gate_partials(p, partials, stream);
+}
+
+Status fold_gate_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream) {
   if (!p.d_gate.present()) return Status();
   const ResolvedModulation mod = gate_modulation(p.in);
   if (mod.grouped())

@@ -16,6 +16,7 @@
 
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
+#include "detdit/layernorm.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
 #include "detdit/tensor.h"
@@ -48,9 +49,18 @@ Status allocate_gate_partials(const GateResidualBackwardParams& p, Stream stream
 // then partials).
 Status gate_rows_and_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream);
 
+// d_gate from the partials of every chunk (per group or per table row);
+// nothing without d_gate.
+Status fold_gate_partials(const GateResidualBackwardParams& p, const GatePartials& partials, Stream stream);
+
 // gate_residual_backward after validate_gate_residual_backward: the scratch,
 // rows and partials, the fold.
 Status run_gate_residual_backward(const GateResidualBackwardParams& p, Stream stream);
+
+// layernorm_backward after validate_layernorm_backward: the partials'
+// scratch, dx, the partials, the folds (also run by gate_residual_layernorm;
+// defined in src/layernorm.cc).
+Status run_layernorm_backward(const LayernormBackwardParams& p, Stream stream);
 
 // gate_residual_rmsnorm's inputs as its halves' (the norm of h, the gate).
 RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h);

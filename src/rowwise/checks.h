@@ -86,6 +86,14 @@ Status validate_gate_residual_backward(const GateResidualBackwardParams& p, Form
 // sp_gate_residual_rmsnorm_backward on the local rows with the local plan).
 Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackwardParams& p);
 
+// layernorm's, in the same two steps (its run after validation:
+// rowwise/backward.h run_layernorm_backward). gate_residual_layernorm runs
+// the argument steps of both halves, then its own overlap check.
+Status check_layernorm_forward_arguments(const LayernormParams& p);
+Status check_layernorm_backward_arguments(const LayernormBackwardParams& p);
+Status validate_layernorm_forward(const LayernormParams& p);
+Status validate_layernorm_backward(const LayernormBackwardParams& p);
+
 // The resolved modulation of validated inputs (resolve_modulation, which
 // cannot fail on them).
 ResolvedModulation rmsnorm_modulation(const RmsnormInputs& in);

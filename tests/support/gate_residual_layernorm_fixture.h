@@ -1,0 +1,234 @@
+// gate_residual_layernorm's test problems, shared by the CPU and CUDA suites:
+// one problem = a modulation form, a recipe (x and modulation dtypes,
+// upcast), an affine variant, which modulation tensors are present (gate,
+// shift and scale), k, d_h. Its inputs are host tensors drawn from a seed; the
+// modulation tensors are chunks 0 (shift), 1 (scale) and 2 (gate) of a
+// (G, 6, H) parent, as the models' `.chunk(6, dim=-2)` views make them.
+// run_fused runs the op on a device; run_composed runs the two separate ops
+// on the CPU as autograd composes them (the d_h sum written out here).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
+#include "detdit/layernorm.h"
+#include "cases/index_case.h"
+#include "support/cases.h"
+#include "support/test_util.h"
+
+namespace detdit {
+namespace testing {
+
+enum class GrlnAffine { kNone, kWeight, kWeightBias };
+// The form of every present modulation tensor: none (gate and norm plain),
+// grouped (F frames: 1 per sample, S per token), indexed (a plan over (R, H)).
+enum class GrlnKind { kNone, kGrouped, kIndexed };
+
+struct GrlnProblem {
+  int64_t batch, seq, hidden;
+  GrlnKind kind;
+  int64_t frames;   // grouped only
+  bool with_unit;   // grouped only: the (B, 1, H) / (B, F, 1, H) views
+  DType x_dtype, mod_dtype;
+  bool upcast;
+  GrlnAffine affine;
+  bool gate, norm_mod;  // gate present; shift and scale present (kind != kNone)
+  bool has_k;
+  bool d_h;
+
+  bool has_gate() const { return kind != GrlnKind::kNone && gate; }
+  bool modulated() const { return kind != GrlnKind::kNone && norm_mod; }
+  // gate_residual's out: fp32 for an fp32 gate when each op rounds.
+  DType h_dtype() const { return has_gate() && mod_dtype == DType::kF32 && !upcast ? DType::kF32 : x_dtype; }
+  // layernorm's out of h.
+  DType out_dtype() const {
+    return !modulated() || upcast || mod_dtype == h_dtype() ? h_dtype() : DType::kF32;
+  }
+  int64_t positions() const { return batch * seq; }
+  std::string describe() const {
+    const char* k = kind == GrlnKind::kNone ? "none" : kind == GrlnKind::kIndexed ? "indexed" : "grouped";
+    const char* a = affine == GrlnAffine::kNone ? "no affine" : affine == GrlnAffine::kWeight ? "weight" : "weight+bias";
+    return std::string(k) + " F=" + std::to_string(frames) + (with_unit ? " (unit dim)" : "") +
+           " B=" + std::to_string(batch) + " S=" + std::to_string(seq) + " H=" + std::to_string(hidden) + " x " +
+           dtype_name(x_dtype) + " modulation " + dtype_name(mod_dtype) + (upcast ? " upcast" : " each-op") + " " + a +
+           (has_gate() ? " gate" : " no gate") + (modulated() ? " shift+scale" : " plain norm") +
+           (has_k ? " k" : "") + (d_h ? " d_h" : "");
+  }
+};
+
+constexpr float kGrlnEps = 1e-6f;
+constexpr float kGrlnK = 1.0f;
+
+// A problem's inputs on the host.
+struct GrlnInputs {
+  GrlnProblem p;
+  IndexCase index;
+  IndexPlan plan;
+  int64_t mod_rows;
+  HostTensor parent, residual, y, w, b, d_out, d_h;
+  GrlnInputs(const GrlnProblem& problem, uint64_t seed)
+      : p(problem),
+        index(make_index_case(Packing::kInterleaved, problem.seq, 3, problem.batch)),
+        plan(problem.kind == GrlnKind::kIndexed ? adaln_plan(index) : IndexPlan()),
+        mod_rows(problem.kind == GrlnKind::kIndexed ? index.num_rows()
+                                                     : problem.batch * std::max<int64_t>(problem.frames, 1)),
+        parent(random_tensor(problem.mod_dtype, {mod_rows, 6, problem.hidden}, seed + 1, 0.0, 0.5)),
+        residual(random_tensor(problem.x_dtype, {problem.batch, problem.seq, problem.hidden}, seed, 0.5, 1.0)),
+        y(random_tensor(problem.x_dtype, {problem.batch, problem.seq, problem.hidden}, seed + 2)),
+        w(random_tensor(problem.h_dtype(), {problem.hidden}, seed + 3, 1.0, 0.1)),
+        b(random_tensor(problem.h_dtype(), {problem.hidden}, seed + 4, 0.0, 0.1)),
+        d_out(random_tensor(problem.out_dtype(), {problem.batch, problem.seq, problem.hidden}, seed + 5)),
+        d_h(random_tensor(problem.h_dtype(), {problem.batch, problem.seq, problem.hidden}, seed + 6)) {}
+
+  std::vector<int64_t> act_shape() const { return {p.batch, p.seq, p.hidden}; }
+  // A modulation gradient: the modulation tensor's shape.
+  std::vector<int64_t> mod_shape() const {
+    if (p.kind == GrlnKind::kIndexed) return {mod_rows, p.hidden};
+    if (p.frames == 1) return p.with_unit ? std::vector<int64_t>{p.batch, 1, p.hidden} : std::vector<int64_t>{p.batch, p.hidden};
+    return p.with_unit ? std::vector<int64_t>{p.batch, p.frames, 1, p.hidden}
+                       : std::vector<int64_t>{p.batch, p.frames, p.hidden};
+  }
+  // Chunk c of a parent holding `parent`'s bytes at `base` on `device`.
+  TensorView chunk(const void* base, int64_t c, const Device& device) const {
+    char* at = static_cast<char*>(const_cast<void*>(base)) + c * p.hidden * static_cast<int64_t>(dtype_size(p.mod_dtype));
+    const int64_t h = p.hidden, sf = 6 * h, sb = p.kind == GrlnKind::kIndexed ? sf : p.frames * sf;
+    const DType d = p.mod_dtype;
+    if (p.kind == GrlnKind::kIndexed) return TensorView::strided(at, d, {mod_rows, h}, {sf, 1}, device);
+    if (p.frames == 1)
+      return p.with_unit ? TensorView::strided(at, d, {p.batch, 1, h}, {sb, sf, 1}, device)
+                         : TensorView::strided(at, d, {p.batch, h}, {sb, 1}, device);
+    return p.with_unit ? TensorView::strided(at, d, {p.batch, p.frames, 1, h}, {sb, sf, h, 1}, device)
+                       : TensorView::strided(at, d, {p.batch, p.frames, h}, {sb, sf, 1}, device);
+  }
+};
+
+// The outputs of one run, by name (absent ones are not in the map).
+using GrlnOutputs = std::map<std::string, HostTensor>;
+
+// The names, dtypes and shapes of a problem's outputs (forward, then backward).
+struct GrlnOutputSpec {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+inline std::vector<GrlnOutputSpec> grln_output_specs(const GrlnInputs& in) {
+  const GrlnProblem& p = in.p;
+  std::vector<GrlnOutputSpec> s = {{"h", p.h_dtype(), in.act_shape()},
+                                   {"out", p.out_dtype(), in.act_shape()},
+                                   {"mean", DType::kF32, {p.positions()}},
+                                   {"rstd", DType::kF32, {p.positions()}},
+                                   {"d_residual", p.x_dtype, in.act_shape()},
+                                   {"d_y", p.x_dtype, in.act_shape()}};
+  if (p.has_gate()) s.push_back({"d_gate", DType::kF32, in.mod_shape()});
+  if (p.affine != GrlnAffine::kNone) s.push_back({"d_weight", DType::kF32, {p.hidden}});
+  if (p.affine == GrlnAffine::kWeightBias) s.push_back({"d_bias", p.h_dtype(), {p.hidden}});
+  if (p.modulated()) {
+    s.push_back({"d_shift", DType::kF32, in.mod_shape()});
+    s.push_back({"d_scale", p.mod_dtype, in.mod_shape()});
+  }
+  return s;
+}
+
+// Which gradients the fused backward is asked for.
+enum class GrlnGrads {
+  kAll,           // every one (g in d_residual where it has h's dtype)
+  kNoResidual,    // all but d_residual (g in scratch)
+  kNormOnly,      // d_weight, d_bias, d_shift, d_scale only (the gate half skipped)
+};
+
+// The fused op on `device`: the forward, then the backward for `grads`; the
+// map holds the forward's outputs and the gradients asked for.
+inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads grads, GrlnOutputs* outputs) {
+  const GrlnProblem& p = in.p;
+  std::map<std::string, DeviceTensor> dev;
+  for (const auto& [name, host] : std::map<std::string, const HostTensor*>{
+           {"parent", &in.parent}, {"residual", &in.residual}, {"y", &in.y}, {"w", &in.w}, {"b", &in.b},
+           {"d_out", &in.d_out}, {"d_h", &in.d_h}})
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(*host, device, &dev[name]));
+  for (const GrlnOutputSpec& s : grln_output_specs(in))
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(s.dtype, s.shape, device, &dev[s.name]));
+  GateResidualLayernormInputs args;
+  args.residual = dev["residual"].view();
+  args.y = dev["y"].view();
+  if (p.has_gate()) args.gate = in.chunk(dev["parent"].view().data, 2, device);
+  if (p.affine != GrlnAffine::kNone) args.weight = dev["w"].view();
+  if (p.affine == GrlnAffine::kWeightBias) args.bias = dev["b"].view();
+  if (p.modulated()) {
+    args.shift = in.chunk(dev["parent"].view().data, 0, device);
+    args.scale = in.chunk(dev["parent"].view().data, 1, device);
+  }
+  args.plan = in.plan;
+  if (p.kind == GrlnKind::kIndexed && device.is_cuda())
+    DETDIT_RETURN_IF_ERROR(cases::adaln_plan(in.index, device, &args.plan));
+  args.has_k = p.has_k;
+  args.k = kGrlnK;
+  args.eps = kGrlnEps;
+  args.upcast = p.upcast;
+  auto view = [&](const char* name) { return dev.count(name) ? dev[name].view() : TensorView(); };
+  DETDIT_RETURN_IF_ERROR(
+      gate_residual_layernorm_forward({args, view("h"), view("out"), view("mean"), view("rstd")}));
+  GateResidualLayernormBackwardParams b{args, view("h"), view("mean"), view("rstd"), view("d_out")};
+  if (p.d_h) b.d_h = view("d_h");
+  const bool gate_half = grads != GrlnGrads::kNormOnly;
+  if (grads == GrlnGrads::kAll) b.d_residual = view("d_residual");
+  if (gate_half) {
+    b.d_y = view("d_y");
+    b.d_gate = view("d_gate");
+  }
+  b.d_weight = view("d_weight");
+  b.d_bias = view("d_bias");
+  b.d_shift = view("d_shift");
+  b.d_scale = view("d_scale");
+  DETDIT_RETURN_IF_ERROR(gate_residual_layernorm_backward(b));
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
+    if (s.name == "d_residual" && grads != GrlnGrads::kAll) continue;
+    if ((s.name == "d_y" || s.name == "d_gate") && !gate_half) continue;
+    DETDIT_RETURN_IF_ERROR(dev[s.name].to_host(&(*outputs)[s.name]));
+  }
+  return Status();
+}
+
+// The two ops composed on the CPU as autograd composes them: gate_residual
+// forward into h, layernorm forward of h; layernorm backward of d_out (dx),
+// g = R(rn(dx + d_h)) in h's dtype (written out here), gate_residual backward
+// of g.
+inline Status run_composed(const GrlnInputs& in, GrlnOutputs* outputs) {
+  const GrlnProblem& p = in.p;
+  GrlnOutputs& o = *outputs;
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
+    o[s.name] = HostTensor(s.dtype, s.shape);
+    o[s.name].fill_bytes(kCanary);
+  }
+  auto view = [&](const char* name) { return o.count(name) ? o[name].view() : TensorView(); };
+  const Device cpu = Device::cpu();
+  GateResidualInputs gate{in.residual.view(), in.y.view(), TensorView(), in.plan, p.has_k, kGrlnK, p.upcast};
+  if (p.has_gate()) gate.gate = in.chunk(in.parent.data(), 2, cpu);
+  DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate, view("h")}));
+  LayernormInputs norm;
+  norm.x = view("h");
+  if (p.affine != GrlnAffine::kNone) norm.weight = in.w.view();
+  if (p.affine == GrlnAffine::kWeightBias) norm.bias = in.b.view();
+  if (p.modulated()) {
+    norm.shift = in.chunk(in.parent.data(), 0, cpu);
+    norm.scale = in.chunk(in.parent.data(), 1, cpu);
+  }
+  norm.plan = in.plan;
+  norm.eps = kGrlnEps;
+  norm.upcast = p.upcast;
+  DETDIT_RETURN_IF_ERROR(layernorm_forward({norm, view("out"), view("mean"), view("rstd")}));
+  HostTensor g(p.h_dtype(), in.act_shape());
+  LayernormBackwardParams nb{norm, view("mean"), view("rstd"), in.d_out.view(), g.view(), view("d_weight"),
+                             view("d_bias"), view("d_shift"), view("d_scale")};
+  DETDIT_RETURN_IF_ERROR(layernorm_backward(nb));
+  if (p.d_h)
+    for (int64_t i = 0; i < g.numel(); ++i)
+      g.set(i, static_cast<float>(static_cast<float>(g.get(i)) + static_cast<float>(in.d_h.get(i))));
+  return gate_residual_backward({gate, g.view(), view("d_residual"), view("d_y"), view("d_gate")});
+}
+
+}  // namespace testing
+}  // namespace detdit
