@@ -133,6 +133,33 @@ def _gate_residual_rmsnorm(c):
     return got
 
 
+def _layernorm(c):
+    """The offset cases' grad and dx are flat (M*H + 1,) storage whose (M, H) rows start at
+    element 1 (off the vector boundary): the binding gets that view of grad, and its dx is
+    compared as the same view of the case's dx (element 0, which the case leaves the canary,
+    is not an output of the op)."""
+    x, eps = c["x"], c.eps()
+    w = c["weight"] if "weight" in c else None
+    b = c["bias"] if "bias" in c else None
+    out, mean, rstd = ops.layernorm(x, w, b, eps, c.numerics)
+    grad = c["grad"]
+    offset = grad.dim() == 1
+    if offset:
+        grad = grad[1:].view(x.shape)
+    dx, d_weight, d_bias = ops.layernorm_backward(grad, x, w, b, mean, rstd, eps, c.numerics,
+                                                  [True, w is not None, b is not None])
+    if offset:
+        whole = c["dx"].clone()  # the case's bytes outside the rows: element 0
+        whole[1:] = dx.reshape(-1)
+        dx = whole
+    got = {"out": out, "mean": mean, "rstd": rstd, "dx": dx}
+    if w is not None:
+        got["d_weight"] = d_weight
+    if b is not None:
+        got["d_bias"] = d_bias
+    return got
+
+
 def _adaln_row_gather(c):
     plan = c.plan()
     width = 6 * c["grad"].shape[-1]
@@ -153,6 +180,7 @@ RECIPES = {
     "rmsnorm": (_rmsnorm, {}, None),
     "gate_residual": (_gate_residual, {}, None),
     "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
+    "layernorm": (_layernorm, {}, None),
     "adaln_row_gather": (_adaln_row_gather, {}, None),
 }
 # Op cases the binding has no single operator for: the whole conditioning chain (the C++
