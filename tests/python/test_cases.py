@@ -92,7 +92,41 @@ def _tables(c, hidden, chunks):
     return views
 
 
+def form_views(c, chunks, grad_name):
+    """The modulation views of a C++ form case (cases/forms_cases.cc): chunk i of its parent
+    ((B, 6, H) per sample, (B, F, 6, H) per frame, (B, S, 6, H) per token) as parent[:, i] /
+    parent[:, :, i], or with the chunk dimension kept (parent[:, i:i+1] / parent[:, :, i:i+1])
+    where the case's gradient output (grad_name, the view's shape) has the parent's rank."""
+    parent = c["modulation"]
+    keep = len(next(t for t in c.outputs if t["name"] == grad_name)["shape"]) == parent.dim()
+    views = []
+    for i in chunks:
+        chunk = slice(i, i + 1) if keep else i
+        views.append(parent[:, chunk] if parent.dim() == 3 else parent[:, :, chunk])
+    return views
+
+
+def is_form_case(c):
+    return "upcast" in c.arguments
+
+
+def _rmsnorm_forms(c):
+    x, w, eps = c["x"], c["weight"], c.eps()
+    upcast = c.arguments["upcast"] == "true"
+    modulated = "modulation" in c
+    shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    out, rstd = ops.rmsnorm.forms(x, w, shift, scale, None, eps, c.numerics, upcast)
+    grads = ops.rmsnorm_backward.forms(c["grad"], x, w, shift, scale, None, rstd, eps, c.numerics, upcast,
+                                       [True, True, modulated, modulated])
+    got = dict(zip(("out", "rstd", "dx", "d_weight"), (out, rstd) + tuple(grads[:2])))
+    if modulated:
+        got["d_shift"], got["d_scale"] = grads[2], grads[3]
+    return got
+
+
 def _rmsnorm(c):
+    if is_form_case(c):
+        return _rmsnorm_forms(c)
     x, w, eps = c["x"], c["weight"], c.eps()
     hidden = x.shape[-1]
     modulated = "plan" in c.plans
@@ -107,7 +141,21 @@ def _rmsnorm(c):
     return got
 
 
+def _gate_residual_forms(c):
+    upcast = c.arguments["upcast"] == "true"
+    k = float(c.arguments["k"]) if "k" in c.arguments else None
+    gate = form_views(c, (2,), "d_gate")[0] if "modulation" in c else None
+    out = ops.gate_residual.forms(c["residual"], c["y"], gate, None, upcast, k)
+    grads = ops.gate_residual_backward.forms(c["grad"], c["y"], gate, None, upcast, k, [True, True, gate is not None])
+    got = dict(zip(("out", "d_residual", "d_y"), (out,) + tuple(grads[:2])))
+    if gate is not None:
+        got["d_gate"] = grads[2]
+    return got
+
+
 def _gate_residual(c):
+    if is_form_case(c):
+        return _gate_residual_forms(c)
     hidden = c["residual"].shape[-1]
     gate = c["table"] if c["table"].shape[1] == hidden else table_chunk(c["table"], hidden, 2)
     plan = c.plan()
