@@ -169,3 +169,30 @@ def test_fake_kernels_give_the_real_outputs_shapes_and_dtypes(op_cases):
                     f"{c}: fake {f.shape} {f.dtype}, real {r.shape} {r.dtype}"
         checked += 1
     assert checked > 50
+
+
+def test_autograd_equals_the_raw_backward(op_cases):
+    """detdit.rmsnorm / detdit.gate_residual's autograd (the `.forms` Functions) gives the raw
+    `_backward.forms` op's gradients, bitwise, on every exported form case with a modulation."""
+    ops = torch.ops.detdit
+    checked = 0
+    for c in op_cases:
+        if not is_form_case(c) or "modulation" not in c:
+            continue
+        upcast = c.arguments["upcast"] == "true"
+        if c.op == "rmsnorm":
+            x, w, eps = c["x"], c["weight"], c.eps()
+            views = form_views(c, (0, 1), "d_shift")
+            leaves = [t.clone().requires_grad_() for t in (x, w, *views)]
+            detdit.rmsnorm(leaves[0], leaves[1], leaves[2], leaves[3], eps=eps, upcast=upcast).backward(c["grad"])
+            rstd = ops.rmsnorm.forms(x, w, *views, None, eps, "portable", upcast)[1]
+            raw = ops.rmsnorm_backward.forms(c["grad"], x, w, *views, None, rstd, eps, "portable", upcast, [True] * 4)
+        else:
+            (gate,) = form_views(c, (2,), "d_gate")
+            leaves = [t.clone().requires_grad_() for t in (c["residual"], c["y"], gate)]
+            detdit.gate_residual(*leaves, k=_k(c), upcast=upcast).backward(c["grad"])
+            raw = ops.gate_residual_backward.forms(c["grad"], c["y"], gate, None, upcast, _k(c), [True] * 3)
+        for leaf, expected in zip(leaves, raw):
+            assert_bitwise_equal(leaf.grad, expected, f"{c}: autograd vs raw backward")
+        checked += 1
+    assert checked > 50
