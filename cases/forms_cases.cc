@@ -89,11 +89,12 @@ std::string form_name(const FormShape& s, const Geometry& g) {
   std::string name = std::string(modulation_form_name(s.form));
   if (s.form == ModulationForm::kPerFrame) name += " F=" + std::to_string(g.frames);
   if (s.form != ModulationForm::kNone) {
+    // no commas: bench and verify take lists of case names separated by commas
     std::string dims;
-    for (int64_t d : g.view_shape()) dims += (dims.empty() ? "" : ",") + std::to_string(d);
-    name += " (" + dims + ") " + dtype_name(s.mod_dtype);
+    for (int64_t d : g.view_shape()) dims += (dims.empty() ? "" : "x") + std::to_string(d);
+    name += " [" + dims + "] " + dtype_name(s.mod_dtype) + " modulation";
   }
-  name += std::string(" x ") + dtype_name(s.dtype) + " H=" + std::to_string(s.hidden) + " B=" +
+  name += std::string(" ") + dtype_name(s.dtype) + " x H=" + std::to_string(s.hidden) + " B=" +
           std::to_string(s.batch) + " S=" + std::to_string(s.seq_len) + (s.upcast ? " upcast" : " each op");
   if (s.has_k) name += " k=" + argument_text(s.k);
   if (s.form != ModulationForm::kNone && s.grad_dtype != DType::kF32)
