@@ -196,3 +196,20 @@ def test_autograd_equals_the_raw_backward(op_cases):
             assert_bitwise_equal(leaf.grad, expected, f"{c}: autograd vs raw backward")
         checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("k", [None, 1.0])
+def test_indexed_gate_in_fp32_equals_eager_bitwise(op_cases, upcast, k):
+    """The indexed form outside the H3 rule (an fp32 (R, H) table with the plan, upcast, k)
+    through detdit.gate_residual (the `.forms` overload with a plan) against eager's
+    ``residual + table[row] * y`` (type promotion) or Wan's FP32 recipe, bitwise."""
+    from op_cases import find
+    c = find(op_cases, "gate_residual", "bfloat16 H=20 interleaved_S257_T3_B2 contiguous gate")
+    table = c["table"].float()
+    rows = c.rows().repeat(c.plans["plan"]["batch"])  # the table row of each of the B*S positions
+    residual, y = c["residual"], c["y"]
+    got = detdit.gate_residual(residual, y, table, c.plan(), k=k, upcast=upcast)
+    term = table[rows] if k is None else k + table[rows]
+    expected = (residual.float() + y.float() * term).type_as(residual) if upcast else residual + term * y
+    assert_bitwise_equal(got, expected, f"{c}: fp32 table, k={k}, upcast={upcast}")
