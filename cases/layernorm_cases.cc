@@ -87,6 +87,7 @@ OpCase layernorm_case(const LayernormShape& s, uint64_t seed) {
   if (weight) c.output("d_weight", Phase::kBackward, s.grad_dtype, {H});
   if (bias) c.output("d_bias", Phase::kBackward, s.grad_dtype, {H});
   c.takes_profile = true;  // rsqrt
+  c.arguments["eps"] = argument_text(1e-6f);
   auto inputs = [weight, bias](const Instance& t) {
     LayernormInputs in;
     in.x = t["x"];

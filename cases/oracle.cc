@@ -369,6 +369,43 @@ double bias_grad_fraction_not_rn(const std::vector<double>& d_table, const HostT
   return static_cast<double>(wrong) / static_cast<double>(outputs);
 }
 
+ModulatedExact rmsnorm_exact64(const HostTensor& x, const HostTensor& weight, const ModulationRows& shift,
+                               const ModulationRows& scale, const std::vector<int64_t>& group_of, double eps) {
+  const int64_t hidden = weight.numel(), positions = x.numel() / hidden;
+  ModulatedExact e;
+  e.exact.resize(x.numel());
+  e.product.resize(x.numel());
+  for (int64_t p = 0; p < positions; ++p) {
+    const int64_t base = p * hidden;
+    double ss = 0;
+    for (int64_t i = 0; i < hidden; ++i) ss += x.get(base + i) * x.get(base + i);
+    const double rstd = 1.0 / std::sqrt(ss / hidden + eps);
+    for (int64_t i = 0; i < hidden; ++i) {
+      const double n = weight.get(i) * x.get(base + i) * rstd;
+      const double product = scale.t ? n * (1.0 + scale.at(group_of[p], i)) : n;
+      e.product[base + i] = product;
+      e.exact[base + i] = shift.t ? product + shift.at(group_of[p], i) : product;
+    }
+  }
+  return e;
+}
+
+ModulatedExact gate_residual_exact64(const HostTensor& residual, const HostTensor& y, const ModulationRows& gate,
+                                     const std::vector<int64_t>& group_of, double k) {
+  const int64_t hidden = residual.shape().back(), positions = residual.numel() / hidden;
+  ModulatedExact e;
+  e.exact.resize(residual.numel());
+  e.product.resize(residual.numel());
+  for (int64_t p = 0; p < positions; ++p)
+    for (int64_t i = 0; i < hidden; ++i) {
+      const int64_t at = p * hidden + i;
+      const double product = gate.t ? (k + gate.at(group_of[p], i)) * y.get(at) : y.get(at);
+      e.product[at] = product;
+      e.exact[at] = residual.get(at) + product;
+    }
+  return e;
+}
+
 LayernormReference layernorm_reference(const HostTensor& x, const HostTensor* weight, const HostTensor* bias,
                                        const HostTensor& grad, double eps, DType dtype) {
   const int64_t hidden = x.shape().back(), rows = x.numel() / hidden;

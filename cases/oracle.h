@@ -123,6 +123,33 @@ double weight_grad_fraction_not_rn(const std::vector<double>& d_table, const std
                                    const HostTensor& d_weight, int64_t stride);
 double bias_grad_fraction_not_rn(const std::vector<double>& d_table, const HostTensor& d_bias);
 
+// ---- the modulation forms of rmsnorm and gate_residual ---------------------------
+
+// A modulation tensor as the oracles read it, whatever its form: element i of
+// modulation row g is t->get(g * row_stride + offset + i) (t null: absent).
+// group_of[p] (below) gives the row of flattened position p: the table row
+// (indexed), b (per sample), b*F + s / (S/F) (per frame), p (per token).
+struct ModulationRows {
+  const HostTensor* t = nullptr;
+  int64_t row_stride = 0, offset = 0;
+  double at(int64_t g, int64_t i) const { return t->get(g * row_stride + offset + i); }
+};
+
+// A modulated op's forward in FP64 without any rounding, and the magnitude
+// its roundings act on (what an accuracy bound is stated in):
+//   rmsnorm:       product = w x rstd (1 + scale), rstd = 1 / sqrt(mean(x^2) + eps),
+//                  exact = product + shift (absent shift and scale: the plain norm,
+//                  exact = product = w x rstd)
+//   gate_residual: product = (k + gate) y (absent gate: y), exact = residual + product
+// x, residual, y (P, H) or (B, S, H); weight (H,).
+struct ModulatedExact {
+  std::vector<double> exact, product;
+};
+ModulatedExact rmsnorm_exact64(const HostTensor& x, const HostTensor& weight, const ModulationRows& shift,
+                               const ModulationRows& scale, const std::vector<int64_t>& group_of, double eps);
+ModulatedExact gate_residual_exact64(const HostTensor& residual, const HostTensor& y, const ModulationRows& gate,
+                                     const std::vector<int64_t>& group_of, double k);
+
 // ---- layernorm ---------------------------------------------------------------------
 
 // F.layer_norm over the last dimension in FP64: mean, var = mean((x - mean)^2),

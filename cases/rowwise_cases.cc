@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cases/case_builders.h"
+#include "cases/forms_cases.h"
 #include "cases/op_case.h"
 #include "cases/oracle.h"
 #include "common/backends.h"
@@ -600,8 +601,20 @@ std::vector<OpCase> gate_residual_rmsnorm_cases(Suite suite, const CaseContext& 
   return cases;
 }
 
-DETDIT_OP_CASES("rmsnorm", rmsnorm_cases);
-DETDIT_OP_CASES("gate_residual", gate_residual_cases);
+// The indexed cases above, then the other modulation forms' (cases/forms_cases.cc).
+std::vector<OpCase> append(std::vector<OpCase> cases, std::vector<OpCase> more) {
+  for (OpCase& c : more) cases.push_back(std::move(c));
+  return cases;
+}
+std::vector<OpCase> rmsnorm_and_form_cases(Suite suite, const CaseContext& ctx) {
+  return append(rmsnorm_cases(suite, ctx), rmsnorm_form_cases(suite, ctx));
+}
+std::vector<OpCase> gate_residual_and_form_cases(Suite suite, const CaseContext& ctx) {
+  return append(gate_residual_cases(suite, ctx), gate_residual_form_cases(suite, ctx));
+}
+
+DETDIT_OP_CASES("rmsnorm", rmsnorm_and_form_cases);
+DETDIT_OP_CASES("gate_residual", gate_residual_and_form_cases);
 DETDIT_OP_CASES("gate_residual_rmsnorm", gate_residual_rmsnorm_cases);
 DETDIT_OP_CASES("adaln_row_gather", adaln_row_gather_cases);
 

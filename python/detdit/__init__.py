@@ -55,6 +55,7 @@ _OPTIONAL_TENSOR = ((torch.Tensor, type(None)), "a torch.Tensor or None")
 _INT = ((int,) + _SYM_INT, "an int")
 _OPTIONAL_INT = ((int, type(None)) + _SYM_INT, "an int or None")
 _REAL = ((numbers.Real,) + _SYM_INT + _SYM_FLOAT, "a real number")
+_OPTIONAL_REAL = ((numbers.Real, type(None)) + _SYM_INT + _SYM_FLOAT, "a real number or None")
 _STR = ((str,), "a str")
 _BOOL = ((bool,), "a bool")
 
@@ -221,24 +222,60 @@ def adaln_row_gather(rows, index_plan):
     return op(rows, index_plan)
 
 
-def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable"):
-    """RMSNorm of ``(M, H)`` / ``(B, S, H)`` rows times weight; with shift and scale ``(R, H)``
-    (and the plan of the positions), ``n * (1 + scale[i]) + shift[i]`` as diffusers rounds it."""
-    _check("rmsnorm", x=(x, _TENSOR), weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR),
-           scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL))
-    # with a plan, the overload whose plan is not optional: torch.compile can pass a traced
-    # plan only there (csrc/ops.h)
+def _h3_rule(x, tables, plan, upcast, k=None):
+    """Whether a modulated call is the H3 rule (numerics 5.6 / 5.7): a plan, every modulation
+    tensor in x's dtype, upcast false and no k. Those calls keep the overloads that take a
+    plan that is not optional (and PlanTables), which torch.compile traces with a fake plan;
+    every other form and recipe goes to the `.forms` overload, whose plan is optional."""
+    return (plan is not None and not upcast and k is None
+            and all(t is None or t.dtype == x.dtype for t in tables))
+
+
+def _forms_plan(plan, op):
+    """The `.forms` overloads' optional plan: an IndexPlan or None (PlanTables serve the H3
+    rule's overloads only)."""
     if plan is None:
+        return None
+    plan = _require_plan(plan, op)
+    if isinstance(plan, PlanTables):
+        raise TypeError(f"{op}: PlanTables take the H3 rule only (modulation in x's dtype, upcast=False, no k); "
+                        f"with this call pass the IndexPlan itself")
+    return plan
+
+
+def rmsnorm(x, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS, numerics="portable", upcast=False):
+    """RMSNorm of ``(M, H)`` / ``(B, S, H)`` rows times weight, modulated by shift and scale as
+    ``n * (1 + scale) + shift``. The form follows from their shapes (docs/numerics.md 5.12):
+    ``(R, H)`` tables with the plan of the positions (indexed), ``(B, H)`` / ``(B, 1, H)`` per
+    sample, ``(B, F, H)`` / ``(B, F, 1, H)`` per frame, ``(B, S, H)`` per token (x then
+    ``(B, S, H)``), any views with innermost stride 1; fp32 or x's dtype. ``upcast=False``
+    rounds each op as eager does (out fp32 for fp32 modulation); ``upcast=True`` computes in
+    FP32 and rounds once to x's dtype."""
+    _check("rmsnorm", x=(x, _TENSOR), weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR),
+           scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL), upcast=(upcast, _BOOL))
+    if shift is None and scale is None and plan is None and not upcast:
         return _ops.rmsnorm.default(x, weight, shift, scale, None, float(eps), _profile(numerics))[0]
-    op, plan = _by_plan(_ops.rmsnorm, plan, "rmsnorm", "plan")
-    return op(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
+    if _h3_rule(x, (shift, scale), plan, upcast):
+        # the overload whose plan is not optional: torch.compile can pass a traced plan only
+        # there (csrc/ops.h)
+        op, plan = _by_plan(_ops.rmsnorm, plan, "rmsnorm", "plan")
+        return op(x, weight, shift, scale, plan, float(eps), _profile(numerics))[0]
+    plan = _forms_plan(plan, "rmsnorm")
+    return _ops.rmsnorm.forms(x, weight, shift, scale, plan, float(eps), _profile(numerics), upcast)[0]
 
 
-def gate_residual(residual, y, gate, plan):
-    """``residual + gate[i] * y`` with ``gate`` ``(R, H)`` indexed by the plan."""
-    _check("gate_residual", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR))
-    op, plan = _by_plan(_ops.gate_residual, plan, "gate_residual")
-    return op(residual, y, gate, plan)
+def gate_residual(residual, y, gate=None, plan=None, k=None, upcast=False):
+    """``residual + gate * y`` (SGLang's ``MulAdd``: ``residual + (k + gate) * y`` when k is
+    given; None: no k step, so the bits are eager's ``residual + gate * y``), gate in any
+    form of :func:`rmsnorm`'s modulation (``(R, H)`` with a plan, per sample, per frame, per
+    token) or None (``residual + y``); fp32 or residual's dtype; ``upcast`` as in rmsnorm."""
+    _check("gate_residual", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _OPTIONAL_TENSOR),
+           k=(k, _OPTIONAL_REAL), upcast=(upcast, _BOOL))
+    if gate is not None and _h3_rule(residual, (gate,), plan, upcast, k):
+        op, plan = _by_plan(_ops.gate_residual, plan, "gate_residual")
+        return op(residual, y, gate, plan)
+    plan = _forms_plan(plan, "gate_residual")
+    return _ops.gate_residual.forms(residual, y, gate, plan, upcast, None if k is None else float(k))
 
 
 def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,

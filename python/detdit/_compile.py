@@ -267,6 +267,37 @@ def _gate_residual_backward(grad, y, gate, plan, output_mask):
             _maybe(output_mask[2], y, _matrix(gate), gate.dtype))
 
 
+def _modulated_out(x, modulation, upcast):
+    # numerics 5.12: fp32 out for fp32 modulation with upcast false, else x's dtype (ops.cpp)
+    fp32 = modulation is not None and modulation.dtype == torch.float32 and not upcast
+    return _empty(x, tuple(x.shape), torch.float32 if fp32 else x.dtype)
+
+
+def _modulation_grad(wanted, modulation, like, plan):
+    # the indexed form's (R, H) table, else the modulation tensor's own shape (ops.cpp)
+    if not wanted or modulation is None:
+        return None
+    shape = _matrix(modulation) if plan is not None else tuple(modulation.shape)
+    return _empty(like, shape, modulation.dtype)
+
+
+def _rmsnorm_forms(x, weight, shift, scale, plan, eps, numerics, upcast):
+    return _modulated_out(x, shift, upcast), _empty(x, (_rows(x),), torch.float32)
+
+
+def _rmsnorm_backward_forms(grad, x, weight, shift, scale, plan, rstd, eps, numerics, upcast, output_mask):
+    return (_like(x, output_mask[0]), _maybe(output_mask[1], x, (_dim(weight, 0),), weight.dtype),
+            _modulation_grad(output_mask[2], shift, x, plan), _modulation_grad(output_mask[3], scale, x, plan))
+
+
+def _gate_residual_forms(residual, y, gate, plan, upcast, k):
+    return _modulated_out(residual, gate, upcast)
+
+
+def _gate_residual_backward_forms(grad, y, gate, plan, upcast, k, output_mask):
+    return (_like(y, output_mask[0]), _like(y, output_mask[1]), _modulation_grad(output_mask[2], gate, y, plan))
+
+
 def _gate_residual_rmsnorm(residual, y, gate, weight, shift, scale, plan, eps, numerics):
     return _like(residual), _like(residual), _empty(residual, (_rows(residual),), torch.float32)
 
@@ -364,6 +395,8 @@ FAKE_KERNELS = {
     "adaln_row_gather": _adaln_row_gather, "adaln_row_gather_backward": _adaln_row_gather_backward,
     "rmsnorm": _rmsnorm, "rmsnorm_backward": _rmsnorm_backward,
     "rmsnorm.plan": _rmsnorm, "rmsnorm_backward.plan": _rmsnorm_backward,
+    "rmsnorm.forms": _rmsnorm_forms, "rmsnorm_backward.forms": _rmsnorm_backward_forms,
+    "gate_residual.forms": _gate_residual_forms, "gate_residual_backward.forms": _gate_residual_backward_forms,
     "gate_residual": _gate_residual, "gate_residual_backward": _gate_residual_backward,
     "gate_residual_rmsnorm": _gate_residual_rmsnorm, "gate_residual_rmsnorm_backward": _gate_residual_rmsnorm_backward,
     "final_adaln_out": _final_adaln_out, "final_adaln_out_backward": _final_adaln_out_backward,

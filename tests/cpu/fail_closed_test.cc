@@ -454,8 +454,12 @@ Status region_backward(const Args& a, const IndexPlan& plan) {
   return gate_residual_rmsnorm_backward(region_backward_params(a, plan));
 }
 
-bool modulated(const OpCase& c) { return has_tensor(c, "d_shift"); }
-bool plain(const OpCase& c) { return !modulated(c); }
+// The modulation forms' cases (cases/forms_cases.cc, the ones with an upcast
+// argument) are left out: their views and refusals are modulation_forms_test's.
+bool forms_case(const OpCase& c) { return c.arguments.count("upcast") > 0; }
+bool indexed(const OpCase& c) { return !forms_case(c); }
+bool modulated(const OpCase& c) { return has_tensor(c, "d_shift") && indexed(c); }
+bool plain(const OpCase& c) { return !has_tensor(c, "d_shift") && indexed(c); }
 bool has_fp32_out(const OpCase& c) { return has_tensor(c, "out") && c.spec("out").dtype == DType::kF32; }
 
 // The gate: the case's (R, H) table, or chunk 2 of its (R, 6H) one.
@@ -573,12 +577,12 @@ const std::vector<Entry>& entries() {
       // gate is optional: absent, the op is the plain residual add (modulation.h).
       {"gate_residual_forward", "gate_residual", {"residual", "y", "gate", "out"}, {"out"}, {"gate"}, {},
        [](const Args& a, const IndexPlan& plan) { return gate_residual_forward(gate_params(a, plan)); },
-       gate_table},
+       gate_table, indexed},
       // residual is not read by the backward (gate_residual.h).
       {"gate_residual_backward", "gate_residual", {"y", "gate", "grad", "d_residual", "d_y", "d_gate"},
        {"d_residual", "d_y", "d_gate"}, {"gate", "d_residual", "d_y", "d_gate"}, {},
        [](const Args& a, const IndexPlan& plan) { return gate_residual_backward(gate_backward_params(a, plan)); },
-       gate_table},
+       gate_table, indexed},
       {"gate_residual_rmsnorm_forward", "gate_residual_rmsnorm",
        {"residual", "y", "gate", "weight", "shift", "scale", "h", "out", "rstd"}, {"h", "out", "rstd"}, {},
        {"weight", "h", "out"}, region_forward, region_tables, modulated},

@@ -64,6 +64,27 @@ TEST(OpCases, PositionAloneEqualsPositionInBatch) {
   EXPECT_GT(checked, 50);
 }
 
+// The FP64 accuracy checks of the test cases (verify runs those of its own
+// suite): each case's CPU output within the bound its check states.
+TEST(OpCases, EveryTestCaseMeetsItsAccuracyBound) {
+  int checked = 0;
+  for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (c.accuracy.empty() || case_elements(c) > kMaxElements) continue;
+    SCOPED_TRACE(c.full_name());
+    Instance t;
+    DETDIT_ASSERT_OK(instantiate(c, Device::cpu(), nullptr, &t));
+    DETDIT_ASSERT_OK(run(c, Phase::kForward, t));
+    std::map<std::string, HostTensor> host;
+    DETDIT_ASSERT_OK(download(c, t, &host));
+    for (const AccuracyCheck& a : c.accuracy) {
+      const double error = a.error(host);
+      EXPECT_LE(error, a.bound) << a.name << " in " << a.unit;  // NaN fails too
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 50);
+}
+
 // A case's profile reaches the op: every case that says its op takes one,
 // asked for the torch profile on the CPU, has its forward refused by the op's
 // own check (the torch profile exists on CUDA only), its forward outputs

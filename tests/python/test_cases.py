@@ -92,7 +92,41 @@ def _tables(c, hidden, chunks):
     return views
 
 
+def form_views(c, chunks, grad_name):
+    """The modulation views of a C++ form case (cases/forms_cases.cc): chunk i of its parent
+    ((B, 6, H) per sample, (B, F, 6, H) per frame, (B, S, 6, H) per token) as parent[:, i] /
+    parent[:, :, i], or with the chunk dimension kept (parent[:, i:i+1] / parent[:, :, i:i+1])
+    where the case's gradient output (grad_name, the view's shape) has the parent's rank."""
+    parent = c["modulation"]
+    keep = len(next(t for t in c.outputs if t["name"] == grad_name)["shape"]) == parent.dim()
+    views = []
+    for i in chunks:
+        chunk = slice(i, i + 1) if keep else i
+        views.append(parent[:, chunk] if parent.dim() == 3 else parent[:, :, chunk])
+    return views
+
+
+def is_form_case(c):
+    return "upcast" in c.arguments
+
+
+def _rmsnorm_forms(c):
+    x, w, eps = c["x"], c["weight"], c.eps()
+    upcast = c.arguments["upcast"] == "true"
+    modulated = "modulation" in c
+    shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    out, rstd = ops.rmsnorm.forms(x, w, shift, scale, None, eps, c.numerics, upcast)
+    grads = ops.rmsnorm_backward.forms(c["grad"], x, w, shift, scale, None, rstd, eps, c.numerics, upcast,
+                                       [True, True, modulated, modulated])
+    got = dict(zip(("out", "rstd", "dx", "d_weight"), (out, rstd) + tuple(grads[:2])))
+    if modulated:
+        got["d_shift"], got["d_scale"] = grads[2], grads[3]
+    return got
+
+
 def _rmsnorm(c):
+    if is_form_case(c):
+        return _rmsnorm_forms(c)
     x, w, eps = c["x"], c["weight"], c.eps()
     hidden = x.shape[-1]
     modulated = "plan" in c.plans
@@ -107,7 +141,21 @@ def _rmsnorm(c):
     return got
 
 
+def _gate_residual_forms(c):
+    upcast = c.arguments["upcast"] == "true"
+    k = float(c.arguments["k"]) if "k" in c.arguments else None
+    gate = form_views(c, (2,), "d_gate")[0] if "modulation" in c else None
+    out = ops.gate_residual.forms(c["residual"], c["y"], gate, None, upcast, k)
+    grads = ops.gate_residual_backward.forms(c["grad"], c["y"], gate, None, upcast, k, [True, True, gate is not None])
+    got = dict(zip(("out", "d_residual", "d_y"), (out,) + tuple(grads[:2])))
+    if gate is not None:
+        got["d_gate"] = grads[2]
+    return got
+
+
 def _gate_residual(c):
+    if is_form_case(c):
+        return _gate_residual_forms(c)
     hidden = c["residual"].shape[-1]
     gate = c["table"] if c["table"].shape[1] == hidden else table_chunk(c["table"], hidden, 2)
     plan = c.plan()
@@ -133,6 +181,33 @@ def _gate_residual_rmsnorm(c):
     return got
 
 
+def _layernorm(c):
+    """The offset cases' grad and dx are flat (M*H + 1,) storage whose (M, H) rows start at
+    element 1 (off the vector boundary): the binding gets that view of grad, and its dx is
+    compared as the same view of the case's dx (element 0, which the case leaves the canary,
+    is not an output of the op)."""
+    x, eps = c["x"], c.eps()
+    w = c["weight"] if "weight" in c else None
+    b = c["bias"] if "bias" in c else None
+    out, mean, rstd = ops.layernorm(x, w, b, eps, c.numerics)
+    grad = c["grad"]
+    offset = grad.dim() == 1
+    if offset:
+        grad = grad[1:].view(x.shape)
+    dx, d_weight, d_bias = ops.layernorm_backward(grad, x, w, b, mean, rstd, eps, c.numerics,
+                                                  [True, w is not None, b is not None])
+    if offset:
+        whole = c["dx"].clone()  # the case's bytes outside the rows: element 0
+        whole[1:] = dx.reshape(-1)
+        dx = whole
+    got = {"out": out, "mean": mean, "rstd": rstd, "dx": dx}
+    if w is not None:
+        got["d_weight"] = d_weight
+    if b is not None:
+        got["d_bias"] = d_bias
+    return got
+
+
 def _adaln_row_gather(c):
     plan = c.plan()
     width = 6 * c["grad"].shape[-1]
@@ -153,6 +228,7 @@ RECIPES = {
     "rmsnorm": (_rmsnorm, {}, None),
     "gate_residual": (_gate_residual, {}, None),
     "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
+    "layernorm": (_layernorm, {}, None),
     "adaln_row_gather": (_adaln_row_gather, {}, None),
 }
 # Op cases the binding has no single operator for: the whole conditioning chain (the C++

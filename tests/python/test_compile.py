@@ -113,7 +113,20 @@ def op_cases(device, comm=None):
     h, _, h_rstd = ops.gate_residual_rmsnorm.default(x, y, T, w, T2, T, plan, eps, p)
     _, f_table, f_act, f_rstd = ops.final_adaln_out.default(x, w, i["temb"], i["fw"], i["fb"], i["tplan"], eps, p)
     _, _, m_act = ops.adaln_modulation.default(i["temb"], i["pw"], i["pb"], plan, p)
+    # the modulation forms (`.forms`): per-sample views of a (B, 6, H) fp32 tensor, no plan
+    batch, hidden = x.shape[0], x.shape[-1]
+    mod = torch.linspace(-0.5, 0.5, batch * 6 * hidden, device=device).view(batch, 6, hidden)
+    shift, scale, gate = mod[:, 0], mod[:, 1], mod[:, 2:3]
+    _, forms_rstd = ops.rmsnorm.forms(x, w, shift, scale, None, eps, p, True)
     cases = [
+        ("rmsnorm_forms", ops.rmsnorm.forms, (x, w, shift, scale, None, eps, p, False)),
+        ("rmsnorm_forms_upcast", ops.rmsnorm.forms, (x, w, shift, scale, None, eps, p, True)),
+        ("rmsnorm_backward_forms", ops.rmsnorm_backward.forms,
+         (grad, x, w, shift, scale, None, forms_rstd, eps, p, True, [True] * 4)),
+        ("gate_residual_forms", ops.gate_residual.forms, (x, y, gate, None, False, 1.0)),
+        ("gate_residual_forms_no_gate", ops.gate_residual.forms, (x, y, None, None, True, None)),
+        ("gate_residual_backward_forms", ops.gate_residual_backward.forms,
+         (grad, y, gate, None, True, 1.0, [True] * 3)),
         ("timestep_sinusoid", ops.timestep_sinusoid.default, (i["t"], i["f_grad"].shape[1], 10000.0, p, True)),
         ("timestep_sinusoid_backward", ops.timestep_sinusoid_backward.default, (i["f_grad"], i["t"], 10000.0, p, True)),
         ("linear", ops.linear.default, (i["lx"], i["lw"], i["lb"], "silu", p)),

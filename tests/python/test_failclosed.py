@@ -167,7 +167,7 @@ def type_cases(case):
          lambda: detdit.timestep_sinusoid(torch.tensor([0.5]), check_range=1)),
         ("adaln_projection: bias must be a torch.Tensor, got NoneType",
          lambda: detdit.adaln_projection(normal((1, 8), 1), normal((18, 8), 2, bf16), None)),
-        ("gate_residual: gate must be a torch.Tensor, got list", lambda: detdit.gate_residual(x, x, [1.0], plan)),
+        ("gate_residual: gate must be a torch.Tensor or None, got list", lambda: detdit.gate_residual(x, x, [1.0], plan)),
         ("adaln_table_chunks: hidden must be an int, got float",
          lambda: detdit.adaln_table_chunks(normal((2, 18 * 16), 3, bf16), 16.0)),
         ("adaln_row_gather: rows must be a torch.Tensor, got NoneType", lambda: detdit.adaln_row_gather(None, plan)),

@@ -183,7 +183,8 @@ def test_bad_input_raises_what_the_separate_ops_raise(bad_case, name):
 def test_bad_plan_names_the_fused_op(bad_case):
     (kind, message), (fused_kind, fused_message) = call_both(bad_case, {"plan": None})
     assert (kind, fused_kind) == (ValueError, ValueError)
-    assert message == "gate_residual needs an IndexPlan (detdit.plan(...)), got None"
+    # gate_residual without a plan takes the grouped forms: an (R, H) table is refused, saying why
+    assert message.startswith("plan is required for an (R, H) table"), message
     assert fused_message == "gate_residual_rmsnorm needs an IndexPlan (detdit.plan(...)), got None"
     (kind, _), (fused_kind, fused_message) = call_both(bad_case, {"plan": bad_case["x"]})
     assert (kind, fused_kind) == (TypeError, TypeError)

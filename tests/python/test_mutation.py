@@ -79,7 +79,7 @@ TABLE = [
     (detdit.rmsnorm, dict(x="x", weight="w", shift="table", scale="table2", plan="plan"),
      {"x": "c", "weight": "c", "shift": "co", "scale": "co"}),
     (detdit.gate_residual, dict(residual="x", y="y", gate="table", plan="plan"),
-     {"residual": "c", "y": "c", "gate": "c"}),
+     {"residual": "c", "y": "c", "gate": "co"}),  # no gate: the plain residual add
     (detdit.gate_residual_rmsnorm, dict(residual="x", y="y", gate="table", weight="w", shift="table",
                                         scale="table2", plan="plan"),
      {"residual": "c", "y": "c", "gate": "c", "weight": "c", "shift": "co", "scale": "co"}),

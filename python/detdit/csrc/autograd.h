@@ -56,13 +56,16 @@ inline bool requires_grad(const OptTensor& t) { return t.has_value() && requires
 // the graph recorder) see each call and record it as one node; a kernel called
 // directly would be handed tensors without data there.
 template <auto* Kernel>
-const auto& dispatched(const char* name) {
+const auto& dispatched(const char* name, const char* overload = "") {
   using Signature = std::remove_pointer_t<decltype(Kernel)>;
-  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).template typed<Signature>();
   return handle;
 }
 // DETDIT_OP(kernel)(args...): the call of detdit::<kernel> through the dispatcher.
 #define DETDIT_OP(kernel) dispatched<&kernel>("detdit::" #kernel).call
+// DETDIT_OP_FORMS(op)(args...): the call of detdit::<op>.forms (kernel <op>_forms).
+#define DETDIT_OP_FORMS(op) dispatched<&op##_forms>("detdit::" #op, "forms").call
 
 // detdit's backward kernels are not differentiable: a double backward
 // (create_graph=True) fails instead of treating first-order grads as constants.
@@ -244,6 +247,58 @@ struct GateResidualFunction : torch::autograd::Function<GateResidualFunction> {
     auto [d_residual, d_y, d_gate] =
         DETDIT_OP(gate_residual_backward)(contiguous_grad(grads[0]), s[0], s[1], saved_plan(ctx), saved_needs<3>(ctx));
     return {d_residual, d_y, d_gate, Tensor()};
+  }
+};
+
+// rmsnorm.forms and gate_residual.forms (ops.h): the arguments of the
+// modulation forms and recipes saved beside the tensors.
+struct RmsnormFormsFunction : torch::autograd::Function<RmsnormFormsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                               const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+                               bool upcast) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, rstd] = DETDIT_OP_FORMS(rmsnorm)(x, weight, shift, scale, plan, eps, numerics, upcast);
+    ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_shift, d_scale] = DETDIT_OP_FORMS(rmsnorm_backward)(
+        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]),
+        plan_from_ivalue(ctx->saved_data["plan"]), s[4], ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["numerics"].toStringRef(), ctx->saved_data["upcast"].toBool(), saved_needs<4>(ctx));
+    return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct GateResidualFormsFunction : torch::autograd::Function<GateResidualFormsFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                        const OptPlan& plan, bool upcast, Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = DETDIT_OP_FORMS(gate_residual)(residual, y, gate, plan, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor())});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate)});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate] = DETDIT_OP_FORMS(gate_residual_backward)(
+        contiguous_grad(grads[0]), s[0], saved_optional(s[1]), plan_from_ivalue(ctx->saved_data["plan"]),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()),
+        saved_needs<3>(ctx));
+    return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor()};
   }
 };
 

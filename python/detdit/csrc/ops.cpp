@@ -478,6 +478,122 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, co
 }
 
 // ---------------------------------------------------------------------------
+// the modulation forms: rmsnorm.forms, gate_residual.forms and their backwards
+
+namespace {
+bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+// out's dtype (numerics 5.12): fp32 for fp32 modulation with upcast = false,
+// else x's. Mixed modulation dtypes are the op's error, raised in the call.
+at::ScalarType modulated_out_type(const Tensor& x, const OptTensor& m, bool upcast) {
+  const bool fp32_modulation = present(m) && m->scalar_type() == at::kFloat;
+  return fp32_modulation && !upcast ? at::kFloat : x.scalar_type();
+}
+
+// The gradient of modulation tensor m (wanted and present): m's shape and
+// dtype, or (R, H) for the indexed form, once resolve_modulation accepted the
+// call's tensors (its error otherwise, as the op would raise it).
+Tensor modulation_grad(bool wanted, const OptTensor& m, const Tensor& x, const char* x_name,
+                       std::initializer_list<detdit::NamedModulation> all, const IndexPlan& plan) {
+  if (!wanted || !present(m)) return Tensor();
+  detdit::ResolvedModulation resolved;
+  check_ok(detdit::resolve_modulation(view(x, x_name), x_name, all, plan, &resolved));
+  if (resolved.form == detdit::ModulationForm::kIndexed)
+    return empty_like_shape(x, {plan.num_rows(), dim_or_zero(x, -1)}, m->scalar_type());
+  return empty_like_shape(x, m->sizes(), m->scalar_type());
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor> rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                         const OptTensor& scale, const OptPlan& plan, double eps,
+                                         const std::string& numerics, bool upcast) {
+  require_contiguous(x, "x");
+  DeviceScope scope(x);
+  Tensor out = empty_like_shape(x, x.sizes(), modulated_out_type(x, shift, upcast));
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::RmsnormParams p;
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan_of(plan), eps, numerics);
+  p.in.upcast = upcast;
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  check_ok(detdit::rmsnorm_forward(p, scope.stream()));
+  return {out, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
+                                                                  const Tensor& weight, const OptTensor& shift,
+                                                                  const OptTensor& scale, const OptPlan& plan,
+                                                                  const Tensor& rstd, double eps,
+                                                                  const std::string& numerics, bool upcast,
+                                                                  std::array<bool, 4> output_mask) {
+  require_contiguous(x, "x");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(x);
+  detdit::RmsnormBackwardParams p;
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan_of(plan), eps, numerics);
+  p.in.upcast = upcast;
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
+  Tensor d_shift = modulation_grad(output_mask[2], shift, x, "x", all, p.in.plan);
+  Tensor d_scale = modulation_grad(output_mask[3], scale, x, "x", all, p.in.plan);
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(detdit::rmsnorm_backward(p, scope.stream()));
+  return {dx, d_weight, d_shift, d_scale};
+}
+
+namespace {
+detdit::GateResidualInputs gate_residual_forms_inputs(const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                                                      const OptPlan& plan, bool upcast, Optional<double> k) {
+  detdit::GateResidualInputs in;
+  in.residual = view(residual, "residual");
+  in.y = view(y, "y");
+  in.gate = view(gate, "gate");
+  in.plan = plan_of(plan);
+  in.has_k = k.has_value();
+  in.k = k.has_value() ? static_cast<float>(*k) : 0.0f;  // an FP32 constant (gate_residual.h)
+  in.upcast = upcast;
+  return in;
+}
+}  // namespace
+
+Tensor gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptPlan& plan,
+                           bool upcast, Optional<double> k) {
+  require_contiguous(residual, "residual");
+  DeviceScope scope(residual);
+  Tensor out = empty_like_shape(residual, residual.sizes(), modulated_out_type(residual, gate, upcast));
+  detdit::GateResidualParams p;
+  p.in = gate_residual_forms_inputs(residual, y, gate, plan, upcast, k);
+  p.out = view(out, "out");
+  check_ok(detdit::gate_residual_forward(p, scope.stream()));
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                const OptTensor& gate, const OptPlan& plan,
+                                                                bool upcast, Optional<double> k,
+                                                                std::array<bool, 3> output_mask) {
+  require_contiguous(y, "y");
+  DeviceScope scope(y);
+  detdit::GateResidualBackwardParams p;
+  p.grad = view(grad, "grad");  // before the inputs, as gate_residual_backward
+  p.in = gate_residual_forms_inputs(Tensor(), y, gate, plan, upcast, k);
+  Tensor d_residual = output_like(y, output_mask[0]);
+  Tensor d_y = output_like(y, output_mask[1]);
+  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan);
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  check_ok(detdit::gate_residual_backward(p, scope.stream()));
+  return {d_residual, d_y, d_gate};
+}
+
+// ---------------------------------------------------------------------------
 // gate_residual_rmsnorm (and sp_gate_residual_rmsnorm through the _with forms)
 
 namespace {

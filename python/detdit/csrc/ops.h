@@ -125,6 +125,31 @@ Tensor gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate
 std::tuple<Tensor, Tensor, Tensor> gate_residual_backward(const Tensor& grad, const Tensor& y, const Tensor& gate,
                                                           const PlanPtr& plan, std::array<bool, 3> output_mask);
 
+// The modulation forms (detdit/modulation.h): the `.forms` overloads of
+// rmsnorm, gate_residual and their backwards take every form (the plan
+// optional: absent for per sample, per frame, per token and none), fp32 or
+// x's-dtype modulation, the recipe (upcast) and gate_residual's constant k
+// (absent: no k step) and optional gate. out: fp32 when the modulation is
+// fp32 and upcast is false, else x's dtype (docs/numerics.md 5.12). The
+// modulation gradients have the modulation tensor's shape ((R, H) for the
+// indexed form) and dtype, allocated once detdit's resolve_modulation has
+// accepted the tensors (their dims are then x's B, F or S, and H).
+std::tuple<Tensor, Tensor> rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                         const OptTensor& scale, const OptPlan& plan, double eps,
+                                         const std::string& numerics, bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
+                                                                  const Tensor& weight, const OptTensor& shift,
+                                                                  const OptTensor& scale, const OptPlan& plan,
+                                                                  const Tensor& rstd, double eps,
+                                                                  const std::string& numerics, bool upcast,
+                                                                  std::array<bool, 4> output_mask);
+Tensor gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptPlan& plan,
+                           bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                const OptTensor& gate, const OptPlan& plan,
+                                                                bool upcast, Optional<double> k,
+                                                                std::array<bool, 3> output_mask);
+
 // gate_residual_rmsnorm (and sp_gate_residual_rmsnorm): h = gate_residual
 // of (residual, y, gate), out = rmsnorm of h; (h, out like residual, rstd
 // (M,) fp32). Backward from d_out and d_h, the gradients of out and of h from

@@ -11,7 +11,9 @@
 // constructors and release_scratch_memory have one kernel for every key
 // (they take no differentiable input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
 // not optional (ops.h says why); rmsnorm.plan's Autograd kernel is rmsnorm's
-// Function. Every op with an IndexPlan also has a `.tables` overload taking
+// Function. rmsnorm, gate_residual and their backwards have a `.forms`
+// overload (every modulation form and recipe, the plan optional; ops.h), whose
+// Autograd kernel is its own Function. Every op with an IndexPlan also has a `.tables` overload taking
 // the plan's tables in its place (plan.h), whose Autograd kernel
 // detdit/_compile.py registers. The classes' __obj_flatten__ (plan.h) and, from torch 2.4, the
 // Python module of the fake kernels (detdit._compile, which torch imports
@@ -381,6 +383,24 @@ TORCH_LIBRARY(detdit, m) {
       m, kGateResidualSchema.c_str(), &gate_residual,
       kGateResidualBackwardSchema.c_str(),
       &gate_residual_backward);
+  // The modulation forms and recipes (ops.h): `.forms` overloads, the plan optional.
+  def_op<RmsnormFormsFunction>(
+      m,
+      "rmsnorm.forms(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      "? plan, float eps, str numerics, bool upcast) -> (Tensor, Tensor)",
+      &rmsnorm_forms,
+      "rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      "? plan, Tensor rstd, float eps, str numerics, bool upcast, bool[4] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor)",
+      &rmsnorm_backward_forms);
+  def_op<GateResidualFormsFunction>(
+      m,
+      "gate_residual.forms(Tensor residual, Tensor y, Tensor? gate, " DETDIT_PLAN
+      "? plan, bool upcast, float? k) -> Tensor",
+      &gate_residual_forms,
+      "gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_PLAN
+      "? plan, bool upcast, float? k, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      &gate_residual_backward_forms);
   def_op<GateResidualRmsnormFunction>(
       m, kGateResidualRmsnormSchema.c_str(), &gate_residual_rmsnorm,
       kGateResidualRmsnormBackwardSchema.c_str(),
