@@ -103,9 +103,11 @@ TEST(OpCases, TheTorchProfileReachesTheOpOfEveryCaseThatTakesOne) {
     EXPECT_NE(s.message().find("numerics=torch exists on CUDA only"), std::string::npos) << s.to_string();
     std::map<std::string, HostTensor> host;
     DETDIT_ASSERT_OK(download(c, t, &host));
-    for (const TensorSpec& spec : c.tensors)
-      if (spec.output && spec.phase == Phase::kForward && host.at(spec.name).nbytes() > 0)
+    for (const TensorSpec& spec : c.tensors) {
+      if (spec.output && spec.phase == Phase::kForward && host.at(spec.name).nbytes() > 0) {
         EXPECT_TRUE(all_bytes_are(host.at(spec.name), kCanary)) << spec.name << " was written";
+      }
+    }
     ++checked;
   }
   EXPECT_GT(checked, 50);

@@ -102,7 +102,10 @@ TEST(FailureCuda, MixedDevicesAreValueErrors) {
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   EXPECT_NE(s.message().find("cpu"), std::string::npos) << s.to_string();
   // A CUDA plan with CPU tensors.
-  s = gate_residual_forward(GateResidualParams{{x.h(), y.h(), gate.h(), plans.dev}, out.h()});
+  GateResidualParams on_host;
+  on_host.in = {x.h(), y.h(), gate.h(), plans.dev};
+  on_host.out = out.h();
+  s = gate_residual_forward(on_host);
   EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
   // One tensor on another GPU (a cuda:1 view; never dereferenced).
   s = gate_residual_forward(

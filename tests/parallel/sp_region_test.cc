@@ -614,7 +614,9 @@ TEST(SpRegion, ForwardRejectsFullSequenceAndShardedIndex) {
   HostTensor out(DType::kF32, {2, 300, 16});
   out.fill_bytes(kCanary);
   // gate_residual with the full sequence instead of the rank's 100 rows.
-  GateResidualParams gf{{pr.sp.x.view(), pr.sp.grad.view(), pr.sp.gate.view(), pr.plan()}, out.view()};
+  GateResidualParams gf;
+  gf.in = {pr.sp.x.view(), pr.sp.grad.view(), pr.sp.gate.view(), pr.plan()};
+  gf.out = out.view();
   Status s = sp_gate_residual_forward(sp, gf);
   EXPECT_TRUE(testing::refused(
       s, ErrorKind::kValue, "residual must be this rank's (B, S_local, H) = (2, 100, H) rows (positions [100, 200)"));

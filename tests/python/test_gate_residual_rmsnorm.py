@@ -140,14 +140,12 @@ BAD_INPUTS = {  # name -> changes to the good arguments (residual, y, gate, weig
     "residual not contiguous": lambda c: {"residual": normal((1, 16, 40), 1, torch.bfloat16).transpose(1, 2)},
     "y dtype": lambda c: {"y": c["y"].float()},
     "y shape": lambda c: {"y": c["y"][:, :20]},
-    "gate dtype": lambda c: {"gate": c["table"].float()},
     "gate rows": lambda c: {"gate": c["table"][:5]},
     "weight dtype": lambda c: {"weight": c["w"].float()},
     "weight float64": lambda c: {"weight": c["w"].double()},
     "weight size": lambda c: {"weight": c["w"][:12]},
     "shift without scale": lambda c: {"scale": None},
     "shift rows": lambda c: {"shift": c["table"][:5]},
-    "scale dtype": lambda c: {"scale": c["table"].float()},
     "positions": lambda c: {"residual": torch.cat([c["x"], c["x"]]), "y": torch.cat([c["y"], c["y"]])},
     "H = 18": lambda c: {"residual": normal((1, 40, 18), 2, torch.bfloat16), "y": normal((1, 40, 18), 3, torch.bfloat16),
                          "gate": normal((6, 18), 4, torch.bfloat16), "weight": torch.ones(18, dtype=torch.bfloat16),
@@ -178,6 +176,18 @@ def test_bad_input_raises_what_the_separate_ops_raise(bad_case, name):
     expected, fused = call_both(bad_case, BAD_INPUTS[name](bad_case))
     assert expected is not None, f"{name}: the separate ops accept it (not a bad input)"
     assert fused == expected
+
+
+# fp32 modulation is a form the separate ops take (the promoted recipe, docs/numerics.md 5.12);
+# the fused op takes the modulation in residual's dtype only, and says so naming the argument.
+@pytest.mark.parametrize("name", ["gate", "shift", "scale"])
+def test_fp32_modulation_is_refused_by_the_fused_op(bad_case, name):
+    changes = {name: bad_case["table"].float()}
+    if name != "gate":
+        changes = {"shift": bad_case["table"].float(), "scale": bad_case["table"].flip(0).float()}
+    expected, fused = call_both(bad_case, changes)
+    assert fused is not None and fused[0] is TypeError, fused
+    assert fused[1].startswith(("gate must be bfloat16, got float32", "shift must be bfloat16, got float32")), fused[1]
 
 
 def test_bad_plan_names_the_fused_op(bad_case):
