@@ -66,4 +66,11 @@ auto dispatch_recipe(DType x_dtype, DType m_dtype, bool upcast, Fn&& fn) {
   });
 }
 
+// The modulation dtype of a norm's inputs (RmsnormInputs, LayernormInputs):
+// shift's (scale shares it, validated), or x's without modulation.
+template <typename NormInputs>
+DType modulation_dtype(const NormInputs& in) {
+  return in.shift.present() ? in.shift.dtype : in.x.dtype;
+}
+
 }  // namespace detdit

@@ -212,8 +212,6 @@ void backward_partials(const LayernormBackwardParams& p, const LayernormPartials
   });
 }
 
-DType modulation_dtype(const LayernormInputs& in) { return in.shift.present() ? in.shift.dtype : in.x.dtype; }
-
 }  // namespace
 
 Status layernorm_forward(const LayernormParams& p, Stream) {

@@ -201,8 +201,6 @@ void backward_partials(const RmsnormBackwardParams& p, const ChunkSelection& sel
   });
 }
 
-DType modulation_dtype(const RmsnormInputs& in) { return in.shift.present() ? in.shift.dtype : in.x.dtype; }
-
 }  // namespace
 
 Status rmsnorm_forward(const RmsnormParams& p, Stream) {

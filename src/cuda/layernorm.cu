@@ -282,8 +282,6 @@ LayernormArgs args_of(const LayernormInputs& in) {
   return a;
 }
 
-DType modulation_dtype(const LayernormInputs& in) { return in.shift.present() ? in.shift.dtype : in.x.dtype; }
-
 }  // namespace
 
 Status layernorm_forward(const LayernormParams& p, Stream stream) {

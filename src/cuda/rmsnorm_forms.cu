@@ -183,8 +183,6 @@ FormArgs form_args(const RmsnormInputs& in, const ResolvedModulation& mod) {
   return a;
 }
 
-DType modulation_dtype(const RmsnormInputs& in) { return in.shift.present() ? in.shift.dtype : in.x.dtype; }
-
 }  // namespace
 
 bool rmsnorm_h3_rule(const RmsnormInputs& in, const ResolvedModulation& mod) {
