@@ -181,11 +181,37 @@ def _gate_residual_rmsnorm(c):
     return got
 
 
+def _layernorm_forms(c):
+    """A modulated case (cases/layernorm_cases.cc): shift and scale as rmsnorm's form cases
+    read them (chunks 0 and 1 of the case's parent, or of its (R, 6H) table with the plan),
+    weight and bias optional, through `layernorm.forms`."""
+    x, eps = c["x"], c.eps()
+    w = c["weight"] if "weight" in c else None
+    b = c["bias"] if "bias" in c else None
+    upcast = c.arguments["upcast"] == "true"
+    plan = c.plan() if "plan" in c.plans else None
+    modulated = "modulation" in c or plan is not None
+    if plan is not None:
+        shift, scale = _tables(c, x.shape[-1], (("shift_storage", 0), ("scale_storage", 1)))
+    else:
+        shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    out, mean, rstd = ops.layernorm.forms(x, w, b, shift, scale, plan, eps, c.numerics, upcast)
+    grads = ops.layernorm_backward.forms(c["grad"], x, w, b, shift, scale, plan, mean, rstd, eps, c.numerics, upcast,
+                                         [True, w is not None, b is not None, modulated, modulated])
+    got = {"out": out, "mean": mean, "rstd": rstd, "dx": grads[0]}
+    for name, grad in zip(("d_weight", "d_bias", "d_shift", "d_scale"), grads[1:]):
+        if grad is not None:
+            got[name] = grad
+    return got
+
+
 def _layernorm(c):
     """The offset cases' grad and dx are flat (M*H + 1,) storage whose (M, H) rows start at
     element 1 (off the vector boundary): the binding gets that view of grad, and its dx is
     compared as the same view of the case's dx (element 0, which the case leaves the canary,
     is not an output of the op)."""
+    if is_form_case(c):
+        return _layernorm_forms(c)
     x, eps = c["x"], c.eps()
     w = c["weight"] if "weight" in c else None
     b = c["bias"] if "bias" in c else None

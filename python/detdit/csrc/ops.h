@@ -212,4 +212,40 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& grad, const 
                                                       double eps, const std::string& numerics,
                                                       std::array<bool, 3> output_mask);
 
+// layernorm.forms: layernorm modulated by shift and scale in every form
+// (rmsnorm_forms' rules: the plan optional, fp32 or x's-dtype modulation, the
+// recipe upcast): (out, mean, rstd); out fp32 when the modulation is fp32 and
+// upcast is false, else x's dtype. Backward: (dx like x, d_weight, d_bias in
+// the parameters' dtype, d_shift / d_scale in the modulation tensors' shape
+// ((R, H) indexed) and dtype), each only where the mask asks and the tensor
+// exists.
+std::tuple<Tensor, Tensor, Tensor> layernorm_forms(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                   const OptTensor& shift, const OptTensor& scale,
+                                                   const OptPlan& plan, double eps, const std::string& numerics,
+                                                   bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, const Tensor& mean, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 5> output_mask);
+
+// gate_residual_layernorm: h = gate_residual.forms of (residual, y, gate, plan,
+// upcast, k), out = layernorm.forms of h; (out, h, mean, rstd): h in
+// gate_residual's out dtype (fp32 for an fp32 gate with upcast false, else
+// residual's), out in layernorm's for x = h, mean and rstd (M,) fp32. Every
+// form of gate_residual_forms / layernorm_forms, all present modulation
+// tensors in one form. Backward from d_out and d_h (the gradient of h from the
+// rest of the network), either absent, as gate_residual_rmsnorm_backward:
+// (d_residual, d_y like y, d_gate, d_weight, d_bias, d_shift, d_scale in
+// their tensors' dtype); no d_out runs gate_residual_backward_forms of d_h
+// alone (no norm gradients); neither: every gradient undefined.
+std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+    bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k, std::array<bool, 7> output_mask);
+
 }  // namespace detdit_torch
