@@ -182,24 +182,21 @@ def _gate_residual_rmsnorm(c):
 
 
 def _layernorm_forms(c):
-    """A modulated case (cases/layernorm_cases.cc): shift and scale as rmsnorm's form cases
-    read them (chunks 0 and 1 of the case's parent, or of its (R, 6H) table with the plan),
-    weight and bias optional, through `layernorm.forms`."""
+    """A form case (cases/layernorm_cases.cc): shift and scale chunks 0 and 1 of the case's
+    parent ((R, 6, H) with the plan for the indexed form), weight and bias optional, through
+    `layernorm.forms`."""
     x, eps = c["x"], c.eps()
     w = c["weight"] if "weight" in c else None
     b = c["bias"] if "bias" in c else None
     upcast = c.arguments["upcast"] == "true"
     plan = c.plan() if "plan" in c.plans else None
-    modulated = "modulation" in c or plan is not None
-    if plan is not None:
-        shift, scale = _tables(c, x.shape[-1], (("shift_storage", 0), ("scale_storage", 1)))
-    else:
-        shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    modulated = "modulation" in c
+    shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
     out, mean, rstd = ops.layernorm.forms(x, w, b, shift, scale, plan, eps, c.numerics, upcast)
     grads = ops.layernorm_backward.forms(c["grad"], x, w, b, shift, scale, plan, mean, rstd, eps, c.numerics, upcast,
                                          [True, w is not None, b is not None, modulated, modulated])
-    got = {"out": out, "mean": mean, "rstd": rstd, "dx": grads[0]}
-    for name, grad in zip(("d_weight", "d_bias", "d_shift", "d_scale"), grads[1:]):
+    got = {"out": out, "mean": mean, "rstd": rstd}
+    for name, grad in zip(("dx", "d_weight", "d_bias", "d_shift", "d_scale"), grads):
         if grad is not None:
             got[name] = grad
     return got
