@@ -85,6 +85,36 @@ TEST(OpCases, EveryTestCaseMeetsItsAccuracyBound) {
   EXPECT_GT(checked, 50);
 }
 
+// The second routes of the test cases (verify runs those of its own suite):
+// every output the route gives, of both phases (the forward's alone where
+// forward_only), equal to the CPU run's, bitwise.
+TEST(OpCases, EveryTestCaseEqualsItsEquivalentRoute) {
+  int checked = 0;
+  for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (!c.equivalent.compute || case_elements(c) > kMaxElements) continue;
+    SCOPED_TRACE(c.full_name() + " " + c.equivalent.name);
+    Instance t;
+    DETDIT_ASSERT_OK(instantiate(c, Device::cpu(), nullptr, &t));
+    const int phases = c.equivalent.forward_only || !c.has(Phase::kBackward) ? 1 : 2;
+    for (Phase phase : {Phase::kForward, Phase::kBackward}) {
+      if (c.has(phase)) DETDIT_ASSERT_OK(run(c, phase, t));
+    }
+    std::map<std::string, HostTensor> got, expected;
+    DETDIT_ASSERT_OK(download(c, t, &got));
+    DETDIT_ASSERT_OK(c.equivalent.compute(got, &expected));
+    int compared = 0;
+    for (int phase = 0; phase < phases; ++phase)
+      for (const OutputReport& r : compare_outputs(c, static_cast<Phase>(phase), expected, got)) {
+        EXPECT_TRUE(r.mismatch.equal()) << r.output << ": " << r.mismatch.describe();
+        EXPECT_FALSE(r.still_canary) << r.output;
+        ++compared;
+      }
+    EXPECT_GT(compared, 0);
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
+}
+
 // A case's profile reaches the op: every case that says its op takes one,
 // asked for the torch profile on the CPU, has its forward refused by the op's
 // own check (the torch profile exists on CUDA only), its forward outputs
