@@ -361,7 +361,7 @@ std::vector<OpCase> layernorm_form_cases(Suite suite, const CaseContext& ctx) {
     // Other dtypes, modulation-dtype gradients, wide rows (H = 1032: 258
     // vectors, threads 0 and 1 hold three) and one vector (H = 4: empty
     // partners in every combine).
-    FormShape f16{DType::kF16, DType::kF32, 1032, 3, 513, ModulationForm::kPerFrame, 3};
+    FormShape f16{DType::kF16, DType::kF32, 1032, 2, 120, ModulationForm::kPerFrame, 3};
     cases.push_back(layernorm_form_case(f16, LayernormAffine::kWeightBias, seed + 10));
     FormShape f16_up{DType::kF16, DType::kF16, 68, 2, 40, ModulationForm::kPerToken};
     f16_up.upcast = true;
