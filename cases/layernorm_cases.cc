@@ -375,6 +375,31 @@ std::vector<OpCase> layernorm_form_cases(Suite suite, const CaseContext& ctx) {
       f32.upcast = upcast;
       cases.push_back(layernorm_form_case(f32, LayernormAffine::kWeightBias, seed + 40));
     }
+    // Wider rows in every form and recipe, fp16 and fp32 too: H = 64 (threads
+    // 0..15 hold one vector each) and H = 1032 at B = 2, S = 300 (per token
+    // S = 300: its (B, S, 6, H) parent is large, for the GPU); the affine
+    // variant rotates.
+    struct WideRecipe {
+      DType x, mod;
+      bool upcast;
+    };
+    const WideRecipe wide[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
+                               {DType::kBF16, DType::kF32, true},   {DType::kF16, DType::kF16, true},
+                               {DType::kF16, DType::kF32, false},   {DType::kF32, DType::kF32, false}};
+    int n = 0;
+    for (int64_t hidden : {64, 1032})
+      for (ModulationForm form : {ModulationForm::kNone, ModulationForm::kPerSample, ModulationForm::kPerFrame,
+                                  ModulationForm::kPerToken, ModulationForm::kIndexed})
+        for (const WideRecipe& r : wide) {
+          FormShape s{r.x, r.mod, hidden, 2, 300, form, 3};
+          s.upcast = r.upcast;
+          if (form == ModulationForm::kNone) {
+            // Without modulation its dtype has no role: bf16 each op is the first recipe's case.
+            if (r.x == DType::kBF16 && r.mod != r.x && !r.upcast) continue;
+            s.mod_dtype = r.x;
+          }
+          cases.push_back(layernorm_form_case(s, affines[n++ % 3], seed + 60));
+        }
     FormShape narrow{DType::kBF16, DType::kF32, 4, 2, 294, ModulationForm::kIndexed};
     narrow.upcast = true;
     cases.push_back(layernorm_form_case(narrow, LayernormAffine::kWeightBias, seed + 50));
