@@ -231,10 +231,30 @@ def _layernorm(c):
     return got
 
 
-def _layernorm_unsupported(c):
-    if is_form_case(c):
-        return "the binding's layernorm takes no modulation and no upcast (its forms have no binding)"
-    return None
+def _gate_residual_layernorm(c):
+    """A case of cases/gate_residual_layernorm_cases.cc: gate, shift and scale chunks 2, 0 and 1
+    of the case's parent ((R, 6, H) with the plan for the indexed form), each present where the
+    case has its gradient; weight, bias and d_h optional."""
+    names = {t["name"] for t in c.outputs}
+    gated, modulated = "d_gate" in names, "d_shift" in names
+    gate = form_views(c, (2,), "d_gate")[0] if gated else None
+    shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    w = c["weight"] if "weight" in c else None
+    b = c["bias"] if "bias" in c else None
+    plan = c.plan() if "plan" in c.plans else None
+    upcast, eps = c.arguments["upcast"] == "true", c.eps()
+    k = float(c.arguments["k"]) if "k" in c.arguments else None
+    y = c["y"]
+    out, h, mean, rstd = ops.gate_residual_layernorm(c["residual"], y, gate, w, b, shift, scale, plan, eps,
+                                                     c.numerics, upcast, k)
+    d_h = c["d_h"] if "d_h" in c else None
+    grads = ops.gate_residual_layernorm_backward(c["d_out"], d_h, y, gate, w, b, shift, scale, plan, h, mean, rstd,
+                                                 eps, c.numerics, upcast, k, [True] * 7)
+    got = {"out": out, "h": h, "mean": mean, "rstd": rstd}
+    for name, grad in zip(("d_residual", "d_y", "d_gate", "d_weight", "d_bias", "d_shift", "d_scale"), grads):
+        if grad is not None:
+            got[name] = grad
+    return got
 
 
 def _adaln_row_gather(c):
@@ -257,13 +277,13 @@ RECIPES = {
     "rmsnorm": (_rmsnorm, {}, None),
     "gate_residual": (_gate_residual, {}, None),
     "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
-    "layernorm": (_layernorm, {}, _layernorm_unsupported),
+    "layernorm": (_layernorm, {}, None),
+    "gate_residual_layernorm": (_gate_residual_layernorm, {}, None),
     "adaln_row_gather": (_adaln_row_gather, {}, None),
 }
 # Op cases the binding has no single operator for: the whole conditioning chain (the C++
 # suites run it; in Python it is a composition of the ops above, test_nn.py).
-NOT_BINDING_OPS = {"chain": "no binding operator: a composition of the ops (tests/python/test_nn.py)",
-                   "gate_residual_layernorm": "no binding operator (the C++ suites, verify and bench run its cases)"}
+NOT_BINDING_OPS = {"chain": "no binding operator: a composition of the ops (tests/python/test_nn.py)"}
 
 
 def _expected(case_tensor, actual):
