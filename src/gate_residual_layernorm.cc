@@ -9,7 +9,9 @@
 // the backward is the layernorm backward of d_out with dx into g (the
 // gradient of h), g = R(rn(g + d_h)), then the gate_residual backward of g
 // (rows, partials, fold). Every bit is the separate ops', so the CPU and CUDA
-// agree wherever the two ops do.
+// agree wherever the two ops do. The checks of h and of the one form, and the
+// backward's sequence, are shared with gate_residual_rmsnorm
+// (src/rowwise/gate_residual_norm.h).
 #include "detdit/gate_residual_layernorm.h"
 
 #include "common/backends.h"

@@ -16,12 +16,12 @@
 //     of the call checked, the overlaps checked once under the op's names.
 // Both routes are the separate ops' bits, so the route changes no output.
 //
-// The H3 rule's backward is the composition autograd runs through the two ops, written
-// once for both devices: the rmsnorm backward of d_out (dx, the partials of
-// d_weight, d_shift, d_scale), g = R_T(rn(dx + d_h)), then the gate_residual
-// backward of g (d_y, the d_gate partials), with d_residual = g itself (g lives
-// in d_residual when the caller wants it); then the folds. Its kernel path,
-// one rule (docs/ops.md), every path the same bits:
+// The H3 rule's backward is the composition autograd runs through the two
+// ops, written once for both devices: the rmsnorm backward of d_out (dx, the
+// partials of d_weight, d_shift, d_scale), g = R_T(rn(dx + d_h)), then the
+// gate_residual backward of g (d_y, the d_gate partials), with d_residual = g
+// itself (g lives in d_residual when the caller wants it); then the folds.
+// Its kernel path, one rule (docs/ops.md), every path the same bits:
 //   1. the row walk (src/cuda/gate_residual_rmsnorm_row_walk.cu), on CUDA
 //      sm_90 and later, when the norm is modulated, the dtype is bf16 or fp16,
 //      H is a multiple of 8 and at most 5632, every tensor is 16-byte aligned

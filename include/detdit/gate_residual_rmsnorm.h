@@ -2,15 +2,15 @@
 //   h   = residual + gate[i] * y                      (gate_residual)
 //   out = rmsnorm(h) * w,  modulated: * (1 + scale[i]) + shift[i]   (rmsnorm)
 // with both h and out returned; i = the table row of the position (plan).
-//
+// The other models' regions are the same op in the forms below.
 // Forward: bitwise equal to gate_residual_forward then rmsnorm_forward on its
 //   output (docs/numerics.md 5.11); rstd (M,) fp32 is saved for the backward.
 // Backward from d_out and, optionally, d_h (the gradient that reaches h from
 //   the rest of the network, e.g. the next residual branch):
-//     dn = the rmsnorm backward's dx of d_out, rounded to T;
+//     dn = the rmsnorm backward's dx of d_out, rounded to h's dtype T;
 //     g  = R_T(rn(d_h + dn)) when d_h is present, else dn (autograd's sum of
 //          the two gradients of h);
-//     d_residual = g; d_y = R_T(rn(g * gate[i])); d_gate = the canonical
+//     d_residual = R(g) in y's dtype; d_y = R(rn(g * gate[i])); d_gate = the canonical
 //     reduction of fma(g, y); d_weight, d_shift, d_scale = rmsnorm's from d_out.
 //   Bitwise equal to autograd through the two separate ops (docs/numerics.md 6.10).
 // Layout: as rmsnorm and gate_residual (include/detdit/rmsnorm.h,

@@ -23,8 +23,13 @@ Status check_region_h(const TensorView& h, const TensorView& rows, const char* r
   // rounds), so the gate is resolved first: its own errors name it.
   ResolvedModulation mod;
   DETDIT_RETURN_IF_ERROR(resolve_modulation(rows, rows_name, {{&gate.gate, "gate"}}, gate.plan, &mod));
-  DETDIT_RETURN_IF_ERROR(check_like_as(h, "h", rows, rows_name, modulated_out_dtype(rows.dtype, mod, gate.upcast),
-                                       "gate_residual's output dtype"));
+  const DType dtype = modulated_out_dtype(rows.dtype, mod, gate.upcast);
+  // h in the rows' dtype where an fp32 gate promotes it: reported as the
+  // gate's error, the way gate_residual reports its out (and the H3 rule's
+  // callers, who pass h in the rows' dtype, read it).
+  if (h.dtype == rows.dtype && dtype != rows.dtype)
+    return check_modulated_out(h, "h", rows, rows_name, mod, gate.upcast, "gate");
+  DETDIT_RETURN_IF_ERROR(check_like_as(h, "h", rows, rows_name, dtype, "gate_residual's output dtype"));
   return check_norm_aligned(h, "h");
 }
 

@@ -136,6 +136,13 @@ TEST(GateResidualRmsnormForms, BadInputIsRefusedAndWritesNothing) {
          f->in.weight = b->in.weight = f32_weight.view();
          b->d_gate = TensorView();
        }},
+      {"an fp32 gate each op with h in x's dtype: the gate is named", ErrorKind::kType,
+       "gate must be bfloat16, got float32",
+       [&](auto* f, auto* b) {
+         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(f32_parent.data()) + 2 * 8 * 4,
+                                                       DType::kF32, {2, 8}, {48, 1});
+         b->d_gate = TensorView();
+       }},
       {"S not a multiple of F", ErrorKind::kValue, "gate has F = 5 frames, which must divide S = 12",
        [&](auto* f, auto* b) {
          // (B, 5, H): 12 positions in 5 frames.
