@@ -57,9 +57,9 @@ Status check_modulated_out(const TensorView& t, const char* name, const TensorVi
                            const ResolvedModulation& mod, bool upcast, const char* m_name);
 
 // Which modulation an entry point takes: the public rmsnorm and gate_residual
-// every form and recipe (detdit/modulation.h); the fused ops and the sequence-
-// parallel region the H3 rule only: the indexed form (the modulation in x's dtype,
-// upcast = false, no k), which is what their kernels implement.
+// every form and recipe (detdit/modulation.h); the fused kernels' routes and the
+// sequence-parallel region the H3 rule only: the indexed form (the modulation in
+// x's dtype, upcast = false, no k), which is what their kernels implement.
 enum class Forms { kIndexedOnly, kAll };
 
 // The complete validation of the public entry points, each in two steps: the

@@ -151,7 +151,8 @@ TEST(GateResidualRmsnormForms, BadInputIsRefusedAndWritesNothing) {
        }},
       {"weight not in h's dtype", ErrorKind::kType, "weight must have h's dtype bfloat16",
        [&](auto* f, auto* b) { f->in.weight = b->in.weight = f32_weight.view(); }},
-      {"h of fp32", ErrorKind::kType, "h must be bfloat16", [](auto* f, auto* b) { f->h.dtype = b->h.dtype = DType::kF32; }},
+      {"h of fp32", ErrorKind::kType, "h must be bfloat16",
+       [](auto* f, auto* b) { f->h.dtype = b->h.dtype = DType::kF32; }},
       {"no h", ErrorKind::kValue, "h is required", [](auto* f, auto* b) { f->h = b->h = TensorView(); }},
       {"shift without scale", ErrorKind::kValue, "shift without scale",
        [](auto* f, auto* b) { f->in.scale = b->in.scale = TensorView(); }},
@@ -160,7 +161,8 @@ TEST(GateResidualRmsnormForms, BadInputIsRefusedAndWritesNothing) {
          f->out = f->in.y;
          b->d_y = b->in.y;
        }},
-      {"rstd shape", ErrorKind::kValue, "rstd must be (M,)", [](auto* f, auto* b) { f->rstd.shape[0] = b->rstd.shape[0] = 5; }},
+      {"rstd shape", ErrorKind::kValue, "rstd must be (M,)",
+       [](auto* f, auto* b) { f->rstd.shape[0] = b->rstd.shape[0] = 5; }},
   };
   for (const Bad& bad : cases) {
     SCOPED_TRACE(bad.what);
