@@ -7,11 +7,14 @@
 // present, with and without k and d_h, with g in d_residual, in scratch, and
 // the norm's gradients alone (the indexed form in x's dtype with a gate and
 // no k is the H3 rule's fused route, every other problem the composed
-// route); and bad input refused naming the argument, nothing written.
+// route); a sample's outputs and gradients the same bytes alone and in a
+// batch of 3; and bad input refused naming the argument, nothing written.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/gate_residual_layernorm_fixture.h"
@@ -92,6 +95,42 @@ TEST(GateResidualRmsnormForms, EqualsTheSeparateOpsComposedAsAutogradDoes) {
         }
   EXPECT_GT(checked, 300);
   EXPECT_GT(h3_rule, 0);  // the fused route is among them
+}
+
+// Sample 1 of a batch of 3 and the same sample alone: the same bytes in every
+// row-local output and in its per-sample / per-frame gradients.
+TEST(GateResidualRmsnormForms, ASampleIsTheSameAloneAndInABatch) {
+  int checked = 0;
+  for (const Form& f : kForms) {
+    if (f.kind != GrlnKind::kGrouped) continue;
+    for (const Recipe& r : kRecipes) {
+      const GrlnProblem batch_p{3,     kS,    72,       f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast,
+                                GrlnAffine::kWeight, true, true, false, true, GrlnNorm::kRmsnorm};
+      GrlnProblem alone_p = batch_p;
+      alone_p.batch = 1;
+      SCOPED_TRACE(std::string(f.name) + ": " + batch_p.describe());
+      const GrlnInputs batch(batch_p, 7);
+      GrlnInputs alone(alone_p, 7);
+      for (auto [from, to] : std::vector<std::pair<const HostTensor*, HostTensor*>>{
+               {&batch.residual, &alone.residual}, {&batch.y, &alone.y}, {&batch.d_out, &alone.d_out},
+               {&batch.d_h, &alone.d_h}})
+        copy_row(*from, 1, to, 0);
+      // The parent (B*F, 6, H): sample 1's F rows.
+      const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
+      std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
+      GrlnOutputs in_batch, on_its_own;
+      DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
+      DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
+      for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
+        SCOPED_TRACE(name);
+        EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));
+      }
+      EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at("rstd").data()) + kS,
+                                      on_its_own.at("rstd").data(), kS, DType::kF32));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 5 * 6);
 }
 
 // The op's arguments broken one at a time (per-sample bf16): refused, forward
