@@ -4,9 +4,17 @@
 // gradient, over every modulation form x recipe x affine variant x which
 // modulation tensors are present, with and without k and d_h, with g in
 // d_residual, in scratch, and the norm's gradients alone. Portable profile.
+// The forward's one kernel against the two ops' kernels it fuses
+// (gate_residual, then layernorm of h) on the GPU, both profiles: every form,
+// recipe, presence and k, widths whose rows take less than one batch of
+// vectors per thread, exactly one, and two and three, rows whose residual, y
+// and modulation tensors allow vector loads and rows that do not, with and
+// without mean and rstd; in the portable profile the CPU's bytes as well.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_test_util.h"
 #include "support/gate_residual_layernorm_fixture.h"
@@ -65,6 +73,156 @@ TEST(GateResidualLayernormCuda, EqualsTheCpu) {
           ++checked;
         }
   EXPECT_GT(checked, 200);
+}
+
+
+// ---- the forward: one kernel against the two ops it fuses --------------------
+
+// A problem's inputs on `device`, the row tensors and the modulation parent
+// `offset` elements past an aligned allocation (1: no vector loads of
+// residual, y, gate, shift or scale).
+struct ForwardInputs {
+  DeviceTensor residual, y, parent, w, b;
+  TensorView residual_view, y_view;
+  const void* parent_base;
+  IndexPlan plan;
+};
+
+Status upload_at(const HostTensor& host, int64_t offset, const Device& device, DeviceTensor* dev, const void** base) {
+  const std::size_t size = dtype_size(host.dtype());
+  HostTensor flat(host.dtype(), {host.numel() + offset});
+  std::memcpy(static_cast<char*>(flat.data()) + offset * size, host.data(), host.nbytes());
+  DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(flat, device, dev));
+  *base = static_cast<const char*>(dev->view().data) + offset * size;
+  return Status();
+}
+
+Status forward_inputs(const GrlnInputs& in, int64_t offset, const Device& device, ForwardInputs* f) {
+  const GrlnProblem& p = in.p;
+  const void *residual, *y;
+  DETDIT_RETURN_IF_ERROR(upload_at(in.residual, offset, device, &f->residual, &residual));
+  DETDIT_RETURN_IF_ERROR(upload_at(in.y, offset, device, &f->y, &y));
+  DETDIT_RETURN_IF_ERROR(upload_at(in.parent, offset, device, &f->parent, &f->parent_base));
+  DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in.w, device, &f->w));
+  DETDIT_RETURN_IF_ERROR(DeviceTensor::from_host(in.b, device, &f->b));
+  f->residual_view = TensorView::contiguous(const_cast<void*>(residual), p.x_dtype, {p.batch, p.seq, p.hidden}, device);
+  f->y_view = TensorView::contiguous(const_cast<void*>(y), p.x_dtype, {p.batch, p.seq, p.hidden}, device);
+  f->plan = in.plan;
+  if (p.kind == GrlnKind::kIndexed && device.is_cuda()) DETDIT_RETURN_IF_ERROR(cases::adaln_plan(in.index, device, &f->plan));
+  return Status();
+}
+
+// The forward on `device`: the fused op, or (fused = false) gate_residual into
+// h then layernorm of h. `stats`: mean and rstd asked for (and returned).
+Status run_forward(const GrlnInputs& in, Numerics numerics, int64_t offset, bool stats, const Device& device,
+                   bool fused, GrlnOutputs* outputs) {
+  const GrlnProblem& p = in.p;
+  ForwardInputs f;
+  DETDIT_RETURN_IF_ERROR(forward_inputs(in, offset, device, &f));
+  std::map<std::string, DeviceTensor> dev;
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
+    if (s.name != "h" && s.name != "out" && !(stats && (s.name == "mean" || s.name == "rstd"))) continue;
+    DETDIT_RETURN_IF_ERROR(DeviceTensor::empty(s.dtype, s.shape, device, &dev[s.name]));
+  }
+  auto view = [&](const char* name) { return dev.count(name) ? dev[name].view() : TensorView(); };
+  GateResidualLayernormInputs args;
+  args.residual = f.residual_view;
+  args.y = f.y_view;
+  if (p.has_gate()) args.gate = in.chunk(f.parent_base, 2, device);
+  if (p.affine != GrlnAffine::kNone) args.weight = f.w.view();
+  if (p.affine == GrlnAffine::kWeightBias) args.bias = f.b.view();
+  if (p.modulated()) {
+    args.shift = in.chunk(f.parent_base, 0, device);
+    args.scale = in.chunk(f.parent_base, 1, device);
+  }
+  args.plan = f.plan;
+  args.has_k = p.has_k;
+  args.k = kGrlnK;
+  args.eps = kGrlnEps;
+  args.numerics = numerics;
+  args.upcast = p.upcast;
+  if (fused) {
+    DETDIT_RETURN_IF_ERROR(
+        gate_residual_layernorm_forward({args, view("h"), view("out"), view("mean"), view("rstd")}));
+  } else {
+    DETDIT_RETURN_IF_ERROR(gate_residual_forward(
+        {GateResidualInputs{args.residual, args.y, args.gate, args.plan, args.has_k, args.k, args.upcast}, view("h")}));
+    DETDIT_RETURN_IF_ERROR(layernorm_forward({LayernormInputs{view("h"), args.weight, args.bias, args.shift, args.scale,
+                                                              args.plan, args.eps, args.numerics, args.upcast},
+                                              view("out"), view("mean"), view("rstd")}));
+  }
+  for (auto& [name, t] : dev) DETDIT_RETURN_IF_ERROR(t.to_host(&(*outputs)[name]));
+  return Status();
+}
+
+struct Width {
+  int64_t hidden;
+  const char* why;
+};
+// Vectors of 4 per row over 128 threads, in batches of 8 per thread.
+const Width kWidths[] = {{72, "18 vectors: threads 18.. idle"},
+                         {1028, "257 vectors: thread 0 has 3, the rest 2"},
+                         {4096, "one whole batch per thread"},
+                         {5376, "a second, partial batch"},
+                         {8196, "three batches for thread 0"}};
+const Recipe kForwardRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
+                                  {DType::kBF16, DType::kF32, true},   {DType::kBF16, DType::kBF16, true},
+                                  {DType::kF16, DType::kF16, false},   {DType::kF16, DType::kF32, false},
+                                  {DType::kF16, DType::kF16, true},    {DType::kF32, DType::kF32, false},
+                                  {DType::kF32, DType::kF32, true}};
+
+// 300 rows: more blocks than one wave of some GPUs' SMs take, and past one
+// 256-position chunk; S divisible by the per-frame form's F = 3.
+constexpr int64_t kForwardS = 150;
+const Form kForwardForms[] = {{"none", GrlnKind::kNone, 0, false},
+                              {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
+                              {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
+                              {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
+                              {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
+                              {"per_token", GrlnKind::kGrouped, kForwardS, false},
+                              {"indexed", GrlnKind::kIndexed, 0, false}};
+
+TEST(GateResidualLayernormCuda, ForwardIsTheComposition) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  int checked = 0;
+  for (const Form& f : kForwardForms)
+    for (const Recipe& r : kForwardRecipes)
+      for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 3); ++presence)
+        for (bool k : {false, true}) {
+          if (k && (f.kind == GrlnKind::kNone || presence == 2)) continue;
+          const Width& width = kWidths[checked % 5];
+          const GrlnAffine affine = static_cast<GrlnAffine>(checked % 3);
+          const int64_t offset = (checked / 2) % 2;  // both alignments at every width
+          const bool stats = checked % 7 != 3;
+          const GrlnProblem p{2, kForwardS, width.hidden, f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast, affine,
+                              presence != 2, presence != 1, k, false};
+          const GrlnInputs in(p, 7000 + checked);
+          for (Numerics numerics : {Numerics::kPortable, Numerics::kTorch}) {
+            SCOPED_TRACE(std::string(f.name) + ": " + p.describe() + " (" + width.why + ")" +
+                         (offset ? ", rows and modulation off a vector boundary" : "") +
+                         (stats ? "" : ", no mean and rstd") +
+                         (numerics == Numerics::kTorch ? ", torch profile" : ", portable profile"));
+            GrlnOutputs fused, composed;
+            DETDIT_ASSERT_OK(run_forward(in, numerics, offset, stats, Device::cuda(0), true, &fused));
+            DETDIT_ASSERT_OK(run_forward(in, numerics, offset, stats, Device::cuda(0), false, &composed));
+            ASSERT_EQ(fused.size(), stats ? 4u : 2u);
+            ASSERT_EQ(composed.size(), fused.size());
+            for (const auto& [name, expected] : composed) {
+              SCOPED_TRACE(name);
+              EXPECT_BITWISE_EQ(expected, fused.at(name));
+            }
+            if (numerics == Numerics::kPortable) {
+              GrlnOutputs cpu;
+              DETDIT_ASSERT_OK(run_forward(in, numerics, offset, stats, Device::cpu(), true, &cpu));
+              for (const auto& [name, expected] : cpu) {
+                SCOPED_TRACE(name + " against the CPU");
+                EXPECT_BITWISE_EQ(expected, fused.at(name));
+              }
+            }
+          }
+          ++checked;
+        }
+  EXPECT_EQ(checked, 279);  // 9 plain, 6 forms x 9 recipes x 5 (presence, k)
 }
 
 }  // namespace
