@@ -3,25 +3,25 @@
 // layernorm of h), so to the CPU in the portable profile and to the composed
 // kernels in the torch profile. Row source, then launcher, then the backend
 // entry point; the kernel is layernorm's forward (src/cuda/layernorm_rows.cuh)
-// with x computed here:
-//   h_i = gate absent: R_H(rn(residual_i + y_i))
-//         else:        R_H(rn(residual_i + R_Mid(rn(gate term_i * y_i))))
-//         gate term = gate_i, or R_Factor(rn(k + gate_i)) with has_k
-// (gate_residual's scalar functions, rowwise_math.h; the recipe's types over
-// y's dtype and the gate's, modulation_math.h; H = h's dtype), stored to h,
-// and the norm's statistics and output read exactly that rounded h: the
-// statistics pass from the value just stored, the output pass from registers
-// (a thread's first batch of vectors) or from the h the thread stored (L2).
-// So the norm sees the bytes of h the composition's second kernel reads.
+// with x computed here: h = gate_residual's out (numerics 5.7, 5.12: the
+// gate absent, indexed or grouped, k, both recipes) from its own scalar
+// functions (rowwise_math.h) over the recipe of y's dtype and the gate's
+// (modulation_math.h), rounded to h's dtype and stored to h; the norm's
+// statistics and output read exactly that rounded h: the statistics pass
+// the value just stored, the output pass registers (a thread's first batch
+// of vectors) or the h the thread stored (L2). So the norm sees the bytes
+// of h the composition's second kernel reads.
 //
-// Bytes per row of H elements (e = the activation dtype's size, e_h = h's,
-// e_o = out's): residual and y read once (2 H e), h written once (H e_h),
-// out written once (H e_o), plus the row's gate, shift and scale rows and
-// weight and bias (L2-resident across rows in every form but per token), and
-// mean and rstd (8 B). bf16 everywhere: 8 H bytes, 43008 B at H = 5376
-// (the two-kernel composition moves 10 H: h written by one and read back
-// by the other). h read back in the output pass past a thread's first batch
-// (H > 4096) comes from L2, not DRAM.
+// Bytes per row of H elements from and to DRAM (e = residual's and y's
+// dtype size, e_h = h's, e_o = out's, e_m = the modulation's): residual and
+// y read once (2 H e), h written once (H e_h), out written once (H e_o),
+// mean and rstd (8 B when asked for); the gate, shift and scale rows and
+// weight and bias are shared by many rows and stay in L2, except per token,
+// where each present one adds H e_m. bf16 everywhere, not per token:
+// 8 H + 8 bytes, 43016 B at H = 5376, 24584 B at H = 3072 (the two-kernel
+// composition moves 10 H + 8: h written by one and read back by the other).
+// h read again in the output pass past a thread's first batch (H > 4096)
+// is the h this thread has just written: L2, not DRAM.
 #include <cuda_runtime.h>
 
 #include <cstdint>

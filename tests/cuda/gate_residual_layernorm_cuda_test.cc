@@ -75,7 +75,6 @@ TEST(GateResidualLayernormCuda, EqualsTheCpu) {
   EXPECT_GT(checked, 200);
 }
 
-
 // ---- the forward: one kernel against the two ops it fuses --------------------
 
 // A problem's inputs on `device`, the row tensors and the modulation parent
