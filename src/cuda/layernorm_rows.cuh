@@ -41,14 +41,15 @@ namespace {
 
 constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
 
-// The forward takes a thread's vectors in batches of this many (j = first +
-// 128*i, ascending i), every load of a batch before its first store, and
-// keeps the first batch in registers between the statistics pass and the
-// output pass (H <= 4096 whole); later batches are read again (x, or the h
-// this thread wrote: L2). A store may alias a later vector's input as far as
-// the compiler knows, so one vector at a time made each vector's loads wait
-// for the previous store: one memory latency per vector (the reason
-// gate_residual_rmsnorm's forward, which this follows, batches too).
+// The forward's statistics pass takes a thread's vectors in batches of this
+// many (j = first + 128*i, ascending i), every load of a batch before its
+// first store, and keeps the first batch in registers for the output pass
+// (H <= 4096 whole); later vectors are read again (x, or the h this thread
+// wrote: L2). A store may alias a later vector's input as far as the
+// compiler knows, so a source that stores (h) would otherwise make each
+// vector's loads wait for the previous store: one memory latency per vector
+// (gate_residual_rmsnorm's forward batches for this reason). Past the cached
+// batch, and in the output pass, the source sets the batch (below).
 constexpr int kForwardBatch = 8;
 
 struct LayernormArgs {
@@ -95,16 +96,25 @@ __device__ __forceinline__ void parameter_vec(const void* p, int64_t j, float fi
 }
 
 // A row source of the forward kernel: Stored, x's storage type (the norm's
-// T); Loads, what vector j's loads bring; row(m, H), the source of row m,
-// whose load(j, loads) issues vector j's loads, finish(j, loads) makes x
-// vector j from them (storing whatever the source writes) and reload(j, x)
-// reads x vector j again in the output pass.
+// T); Loads, what vector j's loads bring; kStatisticsBatch and kOutputBatch,
+// the vectors per batch past the cached batch in the statistics pass and in
+// the output pass (divisors of kForwardBatch); row(m, H), the source
+// of row m, whose load(j, loads) issues vector j's loads, finish(j, loads)
+// makes x vector j from them (storing whatever the source writes) and
+// reload(j, x) reads x vector j again in the output pass.
 //
 // StoredRows: the plain layernorm, x read from memory (validated aligned to a
-// vector).
+// vector). It stores nothing in its statistics pass, so the compiler issues
+// the cached batch's loads together anyway; past it and in the output pass
+// it goes one vector at a time, as rmsnorm's plain forward does: batching
+// both passes raised rmsnorm's registers from 40 to 90 and cut it from
+// 74-82 % to 51-53 % of the copy bandwidth, the first alone made it 0-11 %
+// slower (one H200, dev/README.md).
 template <typename T>
 struct StoredRows {
   using Stored = T;
+  static constexpr int kStatisticsBatch = 1;
+  static constexpr int kOutputBatch = 1;
   struct Loads {
     ElemVec<T, kVec> x;
   };
@@ -138,16 +148,17 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(Laye
   // The first batch of x, in its storage type.
   ElemVec<T, kVec> cached[kForwardBatch];
   layernorm::Welford s{0.0f, 0.0f, 0.0f};
-  // kept: the batch also goes into cached.
-  auto statistics_batch = [&](int64_t first, bool kept) {
-    typename Source::Loads in[kForwardBatch];
+  // Vectors j = first + 128*i, i < width; kept: they also go into cached.
+  auto statistics_batch = [&](auto width, int64_t first, bool kept) {
+    constexpr int kWidth = decltype(width)::value;
+    typename Source::Loads in[kWidth];
 #pragma unroll
-    for (int i = 0; i < kForwardBatch; ++i) {
+    for (int i = 0; i < kWidth; ++i) {
       const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
       if (j < vectors) row.load(j, in[i]);
     }
 #pragma unroll
-    for (int i = 0; i < kForwardBatch; ++i) {
+    for (int i = 0; i < kWidth; ++i) {
       const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
       if (j < vectors) {
         const ElemVec<T, kVec> xv = row.finish(j, in[i]);
@@ -159,9 +170,11 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(Laye
       }
     }
   };
-  statistics_batch(threadIdx.x, true);
-  for (int64_t first = threadIdx.x + kBatchStride; first < vectors; first += kBatchStride)
-    statistics_batch(first, false);
+  statistics_batch(std::integral_constant<int, kForwardBatch>{}, threadIdx.x, true);
+  constexpr int kLater = Source::kStatisticsBatch;
+  for (int64_t first = threadIdx.x + kBatchStride; first < vectors;
+       first += static_cast<int64_t>(kLater) * kRowTreeThreads)
+    statistics_batch(std::integral_constant<int, kLater>{}, first, false);
   for (int offset = 16; offset >= 1; offset /= 2) s = layernorm::welford_combine(s, shfl_down(s, offset));
   if (threadIdx.x % kWarpSize == 0) warp_states[threadIdx.x / kWarpSize] = s;
   __syncthreads();
@@ -178,16 +191,19 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(Laye
   const bool modulated = a.shift.data != nullptr;
   const M* shift = modulated ? static_cast<const M*>(a.shift.data) + offset_of(a, a.shift, m) : nullptr;
   const M* scale = modulated ? static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, m) : nullptr;
-  // Vectors j = first + 128*i, i < kForwardBatch; kept: x is cached[i].
-  auto output_batch = [&](int64_t first, bool kept) {
-    ElemVec<T, kVec> xs[kForwardBatch], ws[kForwardBatch], bs[kForwardBatch];
-    ElemVec<M, kVec> shs[kForwardBatch], scs[kForwardBatch];
+  // Vectors j = first + 128*i, i < kOut; x from cached[c + i] when c >= 0
+  // (the first batch, c a constant once unrolled), else read again.
+  constexpr int kOut = Source::kOutputBatch;
+  static_assert(kForwardBatch % kOut == 0, "the output batches tile the cached batch");
+  auto output_batch = [&](int64_t first, int c) {
+    ElemVec<T, kVec> xs[kOut], ws[kOut], bs[kOut];
+    ElemVec<M, kVec> shs[kOut], scs[kOut];
 #pragma unroll
-    for (int i = 0; i < kForwardBatch; ++i) {
+    for (int i = 0; i < kOut; ++i) {
       const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
       if (j < vectors) {
-        if (kept)
-          xs[i] = cached[i];
+        if (c >= 0)
+          xs[i] = cached[c + i];
         else
           row.reload(j, xs[i]);
         if (weight) load_stored<T, kVec, true>(weight + j * kVec, ws[i]);
@@ -199,7 +215,7 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(Laye
       }
     }
 #pragma unroll
-    for (int i = 0; i < kForwardBatch; ++i) {
+    for (int i = 0; i < kOut; ++i) {
       const int64_t j = first + static_cast<int64_t>(i) * kRowTreeThreads;
       if (j < vectors) {
         float xv[kVec], wv[kVec], bv[kVec], o[kVec];
@@ -222,8 +238,12 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(Laye
       }
     }
   };
-  output_batch(threadIdx.x, true);
-  for (int64_t first = threadIdx.x + kBatchStride; first < vectors; first += kBatchStride) output_batch(first, false);
+#pragma unroll
+  for (int c = 0; c < kForwardBatch; c += kOut)
+    output_batch(threadIdx.x + static_cast<int64_t>(c) * kRowTreeThreads, c);
+  for (int64_t first = threadIdx.x + kBatchStride; first < vectors;
+       first += static_cast<int64_t>(kOut) * kRowTreeThreads)
+    output_batch(first, -1);
 }
 
 // Whether a modulation operand's rows allow vector loads: absent, or its base

@@ -107,7 +107,8 @@ Status forward_inputs(const GrlnInputs& in, int64_t offset, const Device& device
   f->residual_view = TensorView::contiguous(const_cast<void*>(residual), p.x_dtype, {p.batch, p.seq, p.hidden}, device);
   f->y_view = TensorView::contiguous(const_cast<void*>(y), p.x_dtype, {p.batch, p.seq, p.hidden}, device);
   f->plan = in.plan;
-  if (p.kind == GrlnKind::kIndexed && device.is_cuda()) DETDIT_RETURN_IF_ERROR(cases::adaln_plan(in.index, device, &f->plan));
+  if (p.kind == GrlnKind::kIndexed && device.is_cuda())
+    DETDIT_RETURN_IF_ERROR(cases::adaln_plan(in.index, device, &f->plan));
   return Status();
 }
 
