@@ -29,63 +29,61 @@
 
 namespace detdit {
 namespace cases {
-namespace {
 
-// The modulation's layout: parent (B, F, 6, H) (per sample (B, 6, H)), group
-// g = b*F + f at element g*6H, chunk c at +c*H.
-struct Geometry {
-  int64_t batch, seq_len, hidden, frames;  // frames: F (1 per sample, S per token)
-  bool keep_chunk_dim;
-  ModulationForm form;
-
-  std::vector<int64_t> parent_shape() const {
-    if (form == ModulationForm::kPerSample) return {batch, 6, hidden};
-    return {batch, frames, 6, hidden};
-  }
-  // The shape of one chunk's view (and of its gradient).
-  std::vector<int64_t> view_shape() const {
-    if (form == ModulationForm::kPerSample)
-      return keep_chunk_dim ? std::vector<int64_t>{batch, 1, hidden} : std::vector<int64_t>{batch, hidden};
-    return keep_chunk_dim ? std::vector<int64_t>{batch, frames, 1, hidden} : std::vector<int64_t>{batch, frames, hidden};
-  }
-  // parent[:, c] or parent[:, c:c+1] (per sample); parent[:, :, c] or parent[:, :, c:c+1].
-  TensorView chunk(const TensorView& parent, int c) const {
-    char* base = static_cast<char*>(parent.data) + c * hidden * static_cast<int64_t>(dtype_size(parent.dtype));
-    const int64_t group = 6 * hidden, sb = frames * group;
-    if (form == ModulationForm::kPerSample)
-      return keep_chunk_dim
-                 ? TensorView::strided(base, parent.dtype, {batch, 1, hidden}, {sb, hidden, 1}, parent.device)
-                 : TensorView::strided(base, parent.dtype, {batch, hidden}, {sb, 1}, parent.device);
-    return keep_chunk_dim ? TensorView::strided(base, parent.dtype, {batch, frames, 1, hidden},
-                                                {sb, group, hidden, 1}, parent.device)
-                          : TensorView::strided(base, parent.dtype, {batch, frames, hidden}, {sb, group, 1},
-                                                parent.device);
-  }
-  // The modulation row (group) of each flattened position p = b*S + s.
-  std::vector<int64_t> group_of() const {
-    std::vector<int64_t> g(batch * seq_len);
-    const int64_t frame_len = seq_len / frames;
-    for (int64_t p = 0; p < batch * seq_len; ++p) g[p] = (p / seq_len) * frames + (p % seq_len) / frame_len;
-    return g;
-  }
-  ModulationRows rows(const HostTensor& parent, int c) const { return {&parent, 6 * hidden, c * hidden}; }
-  double elements() const { return static_cast<double>(batch * frames * hidden); }
-};
-
-Geometry geometry_of(const FormShape& s) {
-  int64_t frames = s.frames;
-  if (s.form == ModulationForm::kPerSample) frames = 1;
-  if (s.form == ModulationForm::kPerToken) frames = s.seq_len;
-  return {s.batch, s.seq_len, s.hidden, frames, s.keep_chunk_dim, s.form};
+std::vector<int64_t> FormGeometry::parent_shape() const {
+  if (form == ModulationForm::kPerSample) return {batch, 6, hidden};
+  if (form == ModulationForm::kIndexed) return {frames, 6, hidden};
+  return {batch, frames, 6, hidden};
 }
 
-// out's (and grad's) dtype: fp32 for fp32 modulation with upcast = false, else x's (5.12).
-DType out_dtype_of(const FormShape& s) {
+std::vector<int64_t> FormGeometry::view_shape() const {
+  if (form == ModulationForm::kIndexed) return {frames, hidden};
+  if (form == ModulationForm::kPerSample)
+    return keep_chunk_dim ? std::vector<int64_t>{batch, 1, hidden} : std::vector<int64_t>{batch, hidden};
+  return keep_chunk_dim ? std::vector<int64_t>{batch, frames, 1, hidden} : std::vector<int64_t>{batch, frames, hidden};
+}
+
+TensorView FormGeometry::chunk(const TensorView& parent, int c) const {
+  char* base = static_cast<char*>(parent.data) + c * hidden * static_cast<int64_t>(dtype_size(parent.dtype));
+  const int64_t group = 6 * hidden, sb = frames * group;
+  if (form == ModulationForm::kIndexed)
+    return TensorView::strided(base, parent.dtype, {frames, hidden}, {group, 1}, parent.device);
+  if (form == ModulationForm::kPerSample)
+    return keep_chunk_dim
+               ? TensorView::strided(base, parent.dtype, {batch, 1, hidden}, {sb, hidden, 1}, parent.device)
+               : TensorView::strided(base, parent.dtype, {batch, hidden}, {sb, 1}, parent.device);
+  return keep_chunk_dim ? TensorView::strided(base, parent.dtype, {batch, frames, 1, hidden}, {sb, group, hidden, 1},
+                                              parent.device)
+                        : TensorView::strided(base, parent.dtype, {batch, frames, hidden}, {sb, group, 1}, parent.device);
+}
+
+std::vector<int64_t> FormGeometry::group_of() const {
+  if (form == ModulationForm::kIndexed) return adaln_rows_of_positions(index);
+  std::vector<int64_t> g(batch * seq_len);
+  const int64_t frame_len = seq_len / frames;
+  for (int64_t p = 0; p < batch * seq_len; ++p) g[p] = (p / seq_len) * frames + (p % seq_len) / frame_len;
+  return g;
+}
+
+FormGeometry form_geometry(const FormShape& s) {
+  int64_t frames = s.frames;
+  IndexCase index;
+  if (s.form == ModulationForm::kPerSample) frames = 1;
+  if (s.form == ModulationForm::kPerToken) frames = s.seq_len;
+  if (s.form == ModulationForm::kIndexed) {
+    index = make_index_case(Packing::kInterleaved, s.seq_len, 3, s.batch);
+    frames = index.num_rows();
+  }
+  return {s.batch, s.seq_len, s.hidden, frames, s.keep_chunk_dim, s.form, index};
+}
+
+DType form_out_dtype(const FormShape& s) {
   const bool modulated = s.form != ModulationForm::kNone;
   return modulated && !s.upcast && s.mod_dtype == DType::kF32 ? DType::kF32 : s.dtype;
 }
 
-std::string form_name(const FormShape& s, const Geometry& g) {
+std::string form_case_name(const FormShape& s) {
+  const FormGeometry g = form_geometry(s);
   std::string name = std::string(modulation_form_name(s.form));
   if (s.form == ModulationForm::kPerFrame) name += " F=" + std::to_string(g.frames);
   if (s.form != ModulationForm::kNone) {
@@ -102,11 +100,14 @@ std::string form_name(const FormShape& s, const Geometry& g) {
   return name;
 }
 
-// Values: counter-uniform (tests, bench) or verify's synthetic-weights stream.
-Fill values(bool verify_values, uint64_t seed, double mean, double std) {
+Fill form_values(bool verify_values, uint64_t seed, double mean, double std) {
   if (!verify_values) return uniform_values(seed, mean, std);
   return [seed, mean, std](HostTensor* t) { fill_stream_normal(t, seed, "verify", mean, std); };
 }
+
+namespace {
+
+using Geometry = FormGeometry;
 
 // u: the unit roundoff of a 16-bit dtype (one rounding errs by at most u relative).
 double unit_roundoff(DType dtype) { return dtype == DType::kBF16 ? 0x1p-8 : 0x1p-11; }
@@ -174,20 +175,20 @@ AccuracyCheck gate_residual_form_accuracy(const FormShape& s, const Geometry& g)
 }  // namespace
 
 OpCase rmsnorm_form_case(const FormShape& s, uint64_t seed, bool verify_values) {
-  const Geometry g = geometry_of(s);
+  const Geometry g = form_geometry(s);
   const bool modulated = s.form != ModulationForm::kNone, upcast = s.upcast;
   const int64_t B = s.batch, S = s.seq_len, H = s.hidden;
-  const DType od = out_dtype_of(s);
+  const DType od = form_out_dtype(s);
   OpCase c;
   c.op = "rmsnorm";
-  c.name = form_name(s, g);
+  c.name = form_case_name(s);
   c.positions = B * S;
-  c.input("x", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 1, 0.0, 3.0));
-  c.input("weight", Phase::kForward, s.dtype, {H}, values(verify_values, seed + 2, 1.0, 0.5));
-  if (modulated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), values(verify_values, seed + 3, 0.0, 0.5));
+  c.input("x", Phase::kForward, s.dtype, {B, S, H}, form_values(verify_values, seed + 1, 0.0, 3.0));
+  c.input("weight", Phase::kForward, s.dtype, {H}, form_values(verify_values, seed + 2, 1.0, 0.5));
+  if (modulated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), form_values(verify_values, seed + 3, 0.0, 0.5));
   c.output("out", Phase::kForward, od, {B, S, H});
   c.output("rstd", Phase::kForward, DType::kF32, {B * S});
-  c.input("grad", Phase::kBackward, od, {B, S, H}, values(verify_values, seed + 5, 0.0, 1.0));
+  c.input("grad", Phase::kBackward, od, {B, S, H}, form_values(verify_values, seed + 5, 0.0, 1.0));
   c.output("dx", Phase::kBackward, s.dtype, {B, S, H});
   c.output("d_weight", Phase::kBackward, DType::kF32, {H});
   if (modulated) {
@@ -228,20 +229,20 @@ OpCase rmsnorm_form_case(const FormShape& s, uint64_t seed, bool verify_values) 
 }
 
 OpCase gate_residual_form_case(const FormShape& s, uint64_t seed, bool verify_values) {
-  const Geometry g = geometry_of(s);
+  const Geometry g = form_geometry(s);
   const bool gated = s.form != ModulationForm::kNone, upcast = s.upcast, has_k = s.has_k;
   const float k = s.k;
   const int64_t B = s.batch, S = s.seq_len, H = s.hidden;
-  const DType od = out_dtype_of(s);
+  const DType od = form_out_dtype(s);
   OpCase c;
   c.op = "gate_residual";
-  c.name = form_name(s, g);
+  c.name = form_case_name(s);
   c.positions = B * S;
-  c.input("residual", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 11, 0.0, 1.0));
-  c.input("y", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 12, 0.0, 3.0));
-  if (gated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), values(verify_values, seed + 13, 0.0, 0.5));
+  c.input("residual", Phase::kForward, s.dtype, {B, S, H}, form_values(verify_values, seed + 11, 0.0, 1.0));
+  c.input("y", Phase::kForward, s.dtype, {B, S, H}, form_values(verify_values, seed + 12, 0.0, 3.0));
+  if (gated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), form_values(verify_values, seed + 13, 0.0, 0.5));
   c.output("out", Phase::kForward, od, {B, S, H});
-  c.input("grad", Phase::kBackward, od, {B, S, H}, values(verify_values, seed + 14, 0.0, 1.0));
+  c.input("grad", Phase::kBackward, od, {B, S, H}, form_values(verify_values, seed + 14, 0.0, 1.0));
   c.output("d_residual", Phase::kBackward, s.dtype, {B, S, H});
   c.output("d_y", Phase::kBackward, s.dtype, {B, S, H});
   if (gated) c.output("d_gate", Phase::kBackward, s.grad_dtype, g.view_shape());

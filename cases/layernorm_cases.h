@@ -1,9 +1,10 @@
-// The layernorm op's cases (cases/layernorm_cases.cc), for the tests that
-// build one by hand.
+// The cases of layernorm and gate_residual_layernorm (cases/layernorm_cases.cc,
+// cases/gate_residual_layernorm_cases.cc), for the tests that build one by hand.
 #pragma once
 
 #include <cstdint>
 
+#include "cases/forms_cases.h"
 #include "cases/op_case.h"
 #include "detdit/tensor.h"
 
@@ -25,6 +26,28 @@ struct LayernormShape {
 };
 // x ~ uniform(x_mean, std 3), weight ~ (1, 0.5), bias ~ (0, 0.5), grad ~ (0, 1), from `seed`.
 OpCase layernorm_case(const LayernormShape& s, uint64_t seed);
+
+// layernorm with shift = chunk 0 and scale = chunk 1 of the form's parent
+// (cases/forms_cases.h; kNone: the plain norm of a (B, S, H) x), the recipe
+// and dtypes of `s`, weight and bias per `affine` (x's dtype), d_weight and
+// d_bias fp32, d_shift and d_scale s.grad_dtype. Its equivalent route is
+// docs/numerics.md 9 evaluated step by step (cases/oracle.h layernorm_numerics9).
+OpCase layernorm_form_case(const FormShape& s, LayernormAffine affine, uint64_t seed, bool verify_values = false);
+
+// The DiT families' bench shapes of layernorm's and gate_residual_layernorm's
+// form cases (the rule: cases/layernorm_cases.cc).
+std::vector<FormShape> family_bench_forms(const CaseContext& ctx);
+
+// gate_residual_layernorm: the gate = chunk 2, shift and scale chunks 0 and 1
+// of the form's parent, each present or not; d_h present or not. Its
+// equivalent route is gate_residual then layernorm composed on the CPU.
+struct GateLayernormShape {
+  FormShape form;  // kNone: no gate, plain norm
+  LayernormAffine affine = LayernormAffine::kNone;
+  bool gate = true, norm_modulation = true;  // which modulation tensors a grouped / indexed form has
+  bool d_h = false;
+};
+OpCase gate_residual_layernorm_case(const GateLayernormShape& s, uint64_t seed, bool verify_values = false);
 
 }  // namespace cases
 }  // namespace detdit

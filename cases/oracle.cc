@@ -445,5 +445,182 @@ LayernormReference layernorm_reference(const HostTensor& x, const HostTensor* we
   return ref;
 }
 
+namespace {
+
+constexpr int64_t kReductionChunk = 256;  // positions per chunk (6.5)
+
+// v rounded to `dtype` and widened back (exact): R_dtype of an FP32 value.
+float rounded_to(float v, DType dtype) {
+  if (dtype == DType::kBF16) return num::bf16_to_float(num::float_to_bf16(v));
+  if (dtype == DType::kF16) return num::f16_to_float(num::float_to_f16(v));
+  return v;
+}
+
+struct WelfordState {
+  float mean, m2, count;
+};
+
+WelfordState welford_step(WelfordState s, float v) {  // 9.1 step
+  const float delta = num::sub32(v, s.mean);
+  const float count = num::add32(s.count, 1.0f);
+  const float r = num::div32(1.0f, count);
+  const float mean = num::fma32(delta, r, s.mean);
+  return {mean, num::fma32(delta, num::sub32(v, mean), s.m2), count};
+}
+
+WelfordState welford_combine(WelfordState own, WelfordState other) {  // 9.1 combine
+  const float delta = num::sub32(own.mean, other.mean);
+  const float count = num::add32(other.count, own.count);
+  if (!(count > 0.0f)) return {0.0f, 0.0f, count};
+  const float coef = num::div32(1.0f, count);
+  const float n_oth = num::mul32(other.count, coef), n_own = num::mul32(own.count, coef);
+  return {num::fma32(n_oth, other.mean, num::mul32(n_own, own.mean)),
+          num::fma32(num::mul32(num::mul32(delta, delta), other.count), n_own, num::add32(other.m2, own.m2)), count};
+}
+
+// 9.1 row_stats of the H values at row: (mean, var).
+void welford_row_stats(const std::vector<float>& row, float* mean, float* var) {
+  const int64_t h = static_cast<int64_t>(row.size());
+  std::vector<WelfordState> s(128, WelfordState{0.0f, 0.0f, 0.0f});
+  for (int t = 0; t < 128; ++t)
+    for (int64_t j = t; j < h / 4; j += 128)
+      for (int e = 0; e < 4; ++e) s[t] = welford_step(s[t], row[4 * j + e]);
+  WelfordState warp[4];
+  for (int w = 0; w < 4; ++w) {
+    std::vector<WelfordState> v(s.begin() + 32 * w, s.begin() + 32 * w + 32);
+    for (int off = 16; off >= 1; off /= 2)
+      for (int l = 0; l < off; ++l) v[l] = welford_combine(v[l], v[l + off]);
+    warp[w] = v[0];
+  }
+  const WelfordState total = welford_combine(welford_combine(warp[0], warp[2]), welford_combine(warp[1], warp[3]));
+  *mean = total.mean;
+  *var = num::div32(total.m2, static_cast<float>(h));
+}
+
+// 9.3 block_sum of 128 thread values.
+float block_sum128(const std::vector<float>& v) {
+  float warp[4];
+  for (int w = 0; w < 4; ++w) {
+    std::vector<float> u(v.begin() + 32 * w, v.begin() + 32 * w + 32);
+    for (int off = 16; off >= 1; off /= 2)
+      for (int l = 0; l < off; ++l) u[l] = num::add32(u[l], u[l + off]);
+    warp[w] = u[0];
+  }
+  return num::add32(num::add32(num::add32(warp[0], 0.0f), num::add32(warp[2], 0.0f)),
+                    num::add32(num::add32(warp[1], 0.0f), num::add32(warp[3], 0.0f)));
+}
+
+}  // namespace
+
+void layernorm_numerics9(const LayernormNumericsInputs& in, const LayernormNumericsOutputs& o) {
+  const HostTensor& xt = *in.x;
+  const int64_t h = xt.shape().back(), positions = xt.numel() / h;
+  const bool on = in.shift.t != nullptr, has_w = in.weight != nullptr, has_b = in.bias != nullptr;
+  const DType t = xt.dtype(), m = in.mod_dtype, promoted = m == DType::kF32 ? DType::kF32 : t;
+  // Where each step rounds (9.5, 5.12): eager's promoted dtypes, or FP32 and one rounding at the end.
+  auto norm_r = [&](float v) { return in.upcast ? v : rounded_to(v, t); };
+  auto factor_r = [&](float v) { return in.upcast ? v : rounded_to(v, m); };
+  auto mid_r = [&](float v) { return in.upcast ? v : rounded_to(v, promoted); };
+  auto w = [&](int64_t i) { return has_w ? static_cast<float>(in.weight->get(i)) : 1.0f; };
+  auto x = [&](int64_t p, int64_t i) { return static_cast<float>(xt.get(p * h + i)); };
+  auto g = [&](int64_t p, int64_t i) { return static_cast<float>(in.grad->get(p * h + i)); };
+  auto t1 = [&](int64_t p, int64_t i) {
+    return factor_r(num::add32(1.0f, static_cast<float>(in.scale.at(in.group_of[p], i))));
+  };
+  std::vector<float> n(positions * h), d_n(positions * h), xhat(positions * h);
+  for (int64_t p = 0; p < positions; ++p) {
+    std::vector<float> row(h);
+    for (int64_t i = 0; i < h; ++i) row[i] = x(p, i);
+    float mu = 0, var = 0;
+    welford_row_stats(row, &mu, &var);
+    const float rs = num::portable_rsqrt(num::add32(var, in.eps));  // 9.2, the portable profile
+    if (o.mean) o.mean->set(p, mu);
+    if (o.rstd) o.rstd->set(p, rs);
+    for (int64_t i = 0; i < h; ++i) {
+      const float pi = num::mul32(rs, num::sub32(x(p, i), mu));
+      const float v = !has_w ? pi : has_b ? num::fma32(w(i), pi, static_cast<float>(in.bias->get(i))) : num::mul32(w(i), pi);
+      const int64_t e = p * h + i;
+      xhat[e] = num::mul32(num::sub32(x(p, i), mu), rs);
+      if (!on) {
+        if (o.out) o.out->set(e, v);  // set() rounds once to out's dtype
+        if (in.grad) d_n[e] = g(p, i);
+        continue;
+      }
+      n[e] = norm_r(v);
+      const float u = mid_r(num::mul32(n[e], t1(p, i)));
+      if (o.out) o.out->set(e, num::add32(u, static_cast<float>(in.shift.at(in.group_of[p], i))));
+      if (in.grad) d_n[e] = num::mul32(g(p, i), t1(p, i));
+    }
+    if (!in.grad || !o.dx) continue;
+    // 9.3 with d_n for g (9.6).
+    std::vector<float> s1(128, 0.0f), s2(128, 0.0f);
+    for (int tt = 0; tt < 128; ++tt)
+      for (int64_t j = tt; j < h / 4; j += 128)
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = 4 * j + e;
+          const float gw = num::mul32(d_n[p * h + i], w(i));
+          s1[tt] = num::add32(s1[tt], gw);
+          s2[tt] = num::fma32(num::mul32(gw, num::sub32(x(p, i), mu)), rs, s2[tt]);
+        }
+    const float S1 = block_sum128(s1), S2 = block_sum128(s2), fh = static_cast<float>(h);
+    const float term1 = num::mul32(num::div32(1.0f, fh), rs);
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = num::mul32(num::mul32(num::sub32(x(p, i), mu), rs), S2);
+      const float f = num::fma32(num::mul32(fh, w(i)), d_n[p * h + i], -a);
+      o.dx->set(p * h + i, num::mul32(num::sub32(f, S1), term1));
+    }
+  }
+  if (!in.grad) return;
+  // 9.4, 9.6: d_weight and d_bias over chunks of the flattened positions.
+  for (int64_t i = 0; i < h && (o.d_weight || o.d_bias); ++i) {
+    float fw = 0.0f, fb = 0.0f;
+    for (int64_t begin = 0; begin < positions; begin += kReductionChunk) {
+      float aw = 0.0f, ab = 0.0f;
+      for (int64_t p = begin; p < std::min(begin + kReductionChunk, positions); ++p) {
+        aw = num::fma32(d_n[p * h + i], xhat[p * h + i], aw);
+        ab = num::add32(ab, d_n[p * h + i]);
+      }
+      fw = num::add32(fw, aw);
+      fb = num::add32(fb, ab);
+    }
+    if (o.d_weight) o.d_weight->set(i, fw);
+    if (o.d_bias) o.d_bias->set(i, fb);
+  }
+  if (!on) return;
+  // d_shift, d_scale: per group, chunks counted from the group's first
+  // position (6.11); indexed, the canonical reduction over the rows (6.5).
+  const int64_t len = in.group_len;
+  auto reduce = [&](int64_t r, int64_t i, bool scale) {
+    auto step = [&](float acc, int64_t p) {
+      return scale ? num::fma32(g(p, i), n[p * h + i], acc) : num::add32(acc, g(p, i));
+    };
+    float fold = 0.0f;
+    if (len > 0) {
+      for (int64_t begin = r * len; begin < (r + 1) * len; begin += kReductionChunk) {
+        float acc = 0.0f;
+        for (int64_t p = begin; p < std::min(begin + kReductionChunk, (r + 1) * len); ++p) acc = step(acc, p);
+        fold = num::add32(fold, acc);
+      }
+      return fold;
+    }
+    for (int64_t begin = 0; begin < positions; begin += kReductionChunk) {
+      float acc = 0.0f;
+      bool any = false;
+      for (int64_t p = begin; p < std::min(begin + kReductionChunk, positions); ++p)
+        if (in.group_of[p] == r) {
+          acc = step(acc, p);
+          any = true;
+        }
+      if (any) fold = num::add32(fold, acc);
+    }
+    return fold;
+  };
+  for (int64_t r = 0; r < in.num_rows; ++r)
+    for (int64_t i = 0; i < h; ++i) {
+      if (o.d_shift) o.d_shift->set(r * h + i, reduce(r, i, false));
+      if (o.d_scale) o.d_scale->set(r * h + i, reduce(r, i, true));
+    }
+}
+
 }  // namespace cases
 }  // namespace detdit

@@ -163,5 +163,35 @@ struct LayernormReference {
 LayernormReference layernorm_reference(const HostTensor& x, const HostTensor* weight, const HostTensor* bias,
                                        const HostTensor& grad, double eps, DType dtype);
 
+// ---- layernorm's bytes: docs/numerics.md 9 as plain scalar loops -------------------
+
+// A second route to layernorm's outputs, bitwise: 9.1-9.6 written out here
+// step by step (each step one FP32 operation of common/scalar_math.h, the
+// Welford tree, BlockReduceSum and the reductions as plain loops), sharing no
+// code with the op's CPU reference (src/cpu/layernorm.cc,
+// src/common/layernorm_math.h). Modulated (shift.t set) in any form:
+// group_of[p] is position p's modulation row; the gradient sums run per
+// group of group_len contiguous positions (grouped forms, 6.11), or, with
+// group_len 0, as the canonical reduction over the rows (indexed, 6.5).
+struct LayernormNumericsInputs {
+  const HostTensor* x = nullptr;  // (M, H) or (B, S, H)
+  const HostTensor* weight = nullptr;  // or null (no affine)
+  const HostTensor* bias = nullptr;    // or null
+  const HostTensor* grad = nullptr;    // out's dtype; null: no backward
+  ModulationRows shift, scale;         // t null: the plain norm
+  std::vector<int64_t> group_of;
+  int64_t group_len = 0, num_rows = 0;  // num_rows: modulation rows (d_shift, d_scale rows)
+  DType mod_dtype = DType::kF32;
+  bool upcast = false;
+  float eps = 1e-6f;
+};
+// The outputs to write, each with its dtype and shape (null: not wanted);
+// d_shift and d_scale are (num_rows, H) in row order, whatever their shape.
+struct LayernormNumericsOutputs {
+  HostTensor *out = nullptr, *mean = nullptr, *rstd = nullptr, *dx = nullptr;
+  HostTensor *d_weight = nullptr, *d_bias = nullptr, *d_shift = nullptr, *d_scale = nullptr;
+};
+void layernorm_numerics9(const LayernormNumericsInputs& in, const LayernormNumericsOutputs& out);
+
 }  // namespace cases
 }  // namespace detdit

@@ -482,7 +482,7 @@ std::vector<OpCase> rmsnorm_cases(Suite suite, const CaseContext& ctx) {
   NormShape s{DType::kBF16, ctx.hidden, verify_index(ctx), true};
   s.weight = weight_or(ctx, "transformer_blocks.0.norm1.weight", v(2, 1.0, 0.5));
   OpCase c = rmsnorm_case(s, v);
-  c.name = "modulated, norm1 of block 0";
+  c.name = "indexed, norm1 of block 0";
   c.accuracy.push_back(rmsnorm_forward_accuracy(s.index, ctx.hidden));
   cases.push_back(std::move(c));
   return cases;
@@ -515,7 +515,7 @@ std::vector<OpCase> gate_residual_cases(Suite suite, const CaseContext& ctx) {
   const Values v{true, ctx.seed + 40};
   const GateShape s{DType::kBF16, ctx.hidden, verify_index(ctx), true};
   OpCase c = gate_residual_case(s, v);
-  c.name = "gate_msa, 3 randn sublayer";
+  c.name = "indexed gate_msa, 3 randn sublayer";
   c.accuracy.push_back(gate_residual_forward_accuracy(s.index, ctx.hidden));
   cases.push_back(std::move(c));
   return cases;

@@ -163,6 +163,42 @@ def main():
                                              ("rstd", rstd.reshape(1000), "rstd.bin"), ("dx", dx, "dx.bin")):
                         p.check(f"layernorm {affine} {name} M=1000 N={hidden} {label}", args, ref, file)
 
+        # The modulation forms as the families compute them (no-affine LayerNorm, eps 1e-6), B=2, S=1050,
+        # H=3072: per sample (F=1), per frame (F=21) and per token (F=S); each op in eager (SD3, Flux:
+        # bf16 modulation; fp32 modulation promotes), and Wan's upcast (every site in FP32, one rounding:
+        # `(norm(x.float()) * (1 + scale) + shift).type_as(x)`, `(res.float() + y * gate).type_as(res)`).
+        batch, seq, hidden = 2, 1050, 3072
+        for name, mname, upcast in (("bf16", "bf16", 0), ("f16", "f16", 0), ("bf16", "f32", 0),
+                                    ("bf16", "f32", 1), ("f16", "f32", 1), ("f32", "f32", 0)):
+            dtype, mdtype = DTYPES[name], DTYPES[mname]
+            for frames in (1, 21, seq):
+                def per_position(m):  # (B, F, H) -> (B, S, H) as broadcasting over the frame's positions
+                    return m.reshape(batch, frames, 1, hidden).expand(batch, frames, seq // frames, hidden).reshape(
+                        batch, seq, hidden)
+                x, y = randn(batch, seq, hidden, dtype=dtype, std=3.0, mean=2.0), randn(batch, seq, hidden, dtype=dtype)
+                shift, scale, gate = (randn(batch, frames, hidden, dtype=mdtype, std=0.5) for _ in range(3))
+                sh, sc, gt = per_position(shift), per_position(scale), per_position(gate)
+                if upcast:
+                    def norm_site(v):
+                        return (F.layer_norm(v.float(), (hidden,), eps=1e-6) * (1 + sc.float()) + sh.float()).type_as(v)
+                    h = (x.float() + y.float() * gt.float()).type_as(x)
+                else:
+                    def norm_site(v):
+                        return F.layer_norm(v, (hidden,), eps=1e-6) * (1 + sc) + sh
+                    h = x + gt * y
+                label = f"{name} x, {mname} modulation, upcast={upcast}, F={frames} B=2 S={seq} H={hidden}"
+                files = [p.write("x.bin", x), p.write("y.bin", y), p.write("gate.bin", gate),
+                         p.write("shift.bin", shift), p.write("scale.bin", scale)]
+                dims = [name, mname, upcast, batch, seq, frames, hidden]
+                p.check(f"layernorm forms {label}",
+                        ["layernorm_forms"] + dims + [files[0], files[3], files[4], p.path("out.bin")],
+                        norm_site(x), "out.bin")
+                p.check(f"gate_residual forms {label}",
+                        ["gate_forms"] + dims + files[:3] + [p.path("out.bin")], h, "out.bin")
+                region = ["region"] + dims + files + [p.path("h.bin"), p.path("out.bin")]
+                p.check(f"gate_residual_layernorm h {label}", region, h, "h.bin")
+                p.check(f"gate_residual_layernorm out {label}", region, norm_site(h), "out.bin")
+
         print(f"torch parity: {p.passed}/{p.total} cases bitwise equal")
         return 0 if p.passed == p.total else 1
 

@@ -62,9 +62,10 @@ std::vector<VerifyCase> verify_cases(const cases::CaseContext& context, const ca
                                  {"timestep_mlp", "weights T=4"},
                                  {"adaln_projection", "block 0, weights' shape"},
                                  {"adaln_row_gather", "six chunks"},
-                                 {"rmsnorm", "modulated, norm1 of block 0"},
-                                 {"layernorm", "no affine, weights' H"},
-                                 {"gate_residual", "gate_msa, 3 randn sublayer"},
+                                 {"rmsnorm", "indexed norm1 of block 0; per sample, per frame"},
+                                 {"layernorm", "no affine; per sample, per frame"},
+                                 {"gate_residual", "indexed gate_msa; per sample, per frame"},
+                                 {"gate_residual_layernorm", "gate into norm2; per frame"},
                                  {"final_adaln_out", "norm_out, fwd+bwd"},
                                  {"adaln_modulation", "block 0, fwd+bwd"},
                                  {"chain", "blocks 0..1, fwd+bwd, T=2"}})

@@ -1,12 +1,11 @@
-// The modulated layernorm (out = layernorm(x) * (1 + scale) + shift) in every
-// modulation form (indexed, per sample, per frame, per token, none) and both
-// recipes on the CPU reference, against an emulation written here from
-// docs/numerics.md 9.1-9.6 (every step one rn(...) of scalar_math, the
-// Welford tree and BlockReduceSum as plain loops, the reductions as plain
-// loops), compared bitwise; plus the exact properties: the plain norm's bytes
-// in both recipes and with a plan, a sample's outputs and gradients the same
-// bytes alone and in a batch of 3, per-token gradients row-local; and the
-// refusals (naming the argument, before anything is written).
+// The modulated layernorm (out = layernorm(x) * (1 + scale) + shift) on the
+// CPU reference: the exact properties of the forms (the plain norm's bytes in
+// both recipes and with a plan, a sample's outputs and gradients the same
+// bytes alone and in a batch of 3, per-token gradients row-local) and the
+// refusals (naming the argument, before anything is written). The bytes of
+// every form and recipe against docs/numerics.md 9.1-9.6 written out step by
+// step are layernorm's op cases (cases/layernorm_cases.cc), which
+// op_cases_test compares with their equivalent route.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "common/scalar_math.h"
+#include "cases/forms_cases.h"
 #include "detdit/layernorm.h"
 #include "detdit/modulation.h"
 #include "support/cases.h"
@@ -27,7 +26,6 @@ namespace detdit {
 namespace testing {
 namespace {
 
-constexpr int kChunk = 256;  // positions per chunk (numerics 6.5)
 constexpr float kEps = 1e-6f;
 
 enum class Affine { kNone, kWeight, kWeightBias };
@@ -49,8 +47,6 @@ struct Problem {
 DType out_dtype(const Problem& p) {
   return p.kind == Kind::kNone || p.upcast || p.mod_dtype != DType::kF32 ? p.x_dtype : DType::kF32;
 }
-
-float get(const HostTensor& t, int64_t i) { return static_cast<float>(t.get(i)); }
 
 std::string describe(const Problem& p) {
   const char* kind = p.kind == Kind::kNone ? "none" : p.kind == Kind::kIndexed ? "indexed" : "grouped";
@@ -88,32 +84,18 @@ struct LnRun {
         d_shift(grad_shape(DType::kF32)),
         d_scale(grad_shape(problem.mod_dtype)) {}
 
-  HostTensor grad_shape(DType dtype) const {
-    if (p.kind == Kind::kIndexed) return HostTensor(dtype, {mod_rows, p.hidden});
-    if (p.frames == 1)
-      return p.with_unit ? HostTensor(dtype, {p.batch, 1, p.hidden}) : HostTensor(dtype, {p.batch, p.hidden});
-    return p.with_unit ? HostTensor(dtype, {p.batch, p.frames, 1, p.hidden})
-                       : HostTensor(dtype, {p.batch, p.frames, p.hidden});
+  // The modulation's layout as the op cases make it (cases/forms_cases.h).
+  cases::FormGeometry geometry() const {
+    ModulationForm form = ModulationForm::kIndexed;
+    if (p.kind == Kind::kNone) form = ModulationForm::kNone;
+    if (p.kind == Kind::kGrouped)
+      form = p.frames == 1 ? ModulationForm::kPerSample : p.frames == p.seq ? ModulationForm::kPerToken
+                                                                           : ModulationForm::kPerFrame;
+    return cases::form_geometry({p.x_dtype, p.mod_dtype, p.hidden, p.batch, p.seq, form, p.frames, p.with_unit});
   }
+  HostTensor grad_shape(DType dtype) const { return HostTensor(dtype, geometry().view_shape()); }
   // Chunk c of the parent as the models' `.chunk(6, dim=-2)` view.
-  TensorView chunk(int64_t c) const {
-    char* base = static_cast<char*>(parent.data()) + c * p.hidden * static_cast<int64_t>(dtype_size(parent.dtype()));
-    const int64_t h = p.hidden, sf = 6 * h, sb = p.kind == Kind::kIndexed ? sf : p.frames * sf;
-    const DType d = parent.dtype();
-    if (p.kind == Kind::kIndexed) return TensorView::strided(base, d, {mod_rows, h}, {sf, 1});
-    if (p.frames == 1)
-      return p.with_unit ? TensorView::strided(base, d, {p.batch, 1, h}, {sb, sf, 1})
-                         : TensorView::strided(base, d, {p.batch, h}, {sb, 1});
-    return p.with_unit ? TensorView::strided(base, d, {p.batch, p.frames, 1, h}, {sb, sf, h, 1})
-                       : TensorView::strided(base, d, {p.batch, p.frames, h}, {sb, sf, 1});
-  }
-  // The parent row of position pos: its table row (indexed) or group b*F + s / L.
-  int64_t row_of(int64_t pos) const {
-    if (p.kind == Kind::kIndexed) return index.row(pos % p.seq);
-    return pos / p.seq * p.frames + (pos % p.seq) / (p.seq / p.frames);
-  }
-  float mod_at(int64_t c, int64_t row, int64_t i) const { return get(parent, (row * 6 + c) * p.hidden + i); }
-
+  TensorView chunk(int64_t c) const { return geometry().chunk(parent.view(), static_cast<int>(c)); }
   LayernormInputs inputs() const {
     LayernormInputs in;
     in.x = x.view();
@@ -143,174 +125,6 @@ struct LnRun {
   Status backward() { return layernorm_backward(backward_params()); }
 };
 
-// ---- the emulation, from docs/numerics.md 9 ----------------------------------------------
-
-struct Welford {
-  float mean, m2, count;
-};
-Welford step(Welford s, float v) {  // 9.1 step
-  const float delta = num::sub32(v, s.mean);
-  const float count = num::add32(s.count, 1.0f);
-  const float r = num::div32(1.0f, count);
-  const float mean = num::fma32(delta, r, s.mean);
-  return {mean, num::fma32(delta, num::sub32(v, mean), s.m2), count};
-}
-Welford combine(Welford own, Welford other) {  // 9.1 combine
-  const float delta = num::sub32(own.mean, other.mean);
-  const float count = num::add32(other.count, own.count);
-  if (!(count > 0.0f)) return {0.0f, 0.0f, count};
-  const float coef = num::div32(1.0f, count);
-  const float n_oth = num::mul32(other.count, coef), n_own = num::mul32(own.count, coef);
-  return {num::fma32(n_oth, other.mean, num::mul32(n_own, own.mean)),
-          num::fma32(num::mul32(num::mul32(delta, delta), other.count), n_own, num::add32(other.m2, own.m2)), count};
-}
-// 9.1 row_stats: (mean, var).
-std::pair<float, float> row_stats(const std::vector<float>& x) {
-  const int64_t h = static_cast<int64_t>(x.size());
-  std::vector<Welford> s(128, Welford{0.0f, 0.0f, 0.0f});
-  for (int t = 0; t < 128; ++t)
-    for (int64_t j = t; j < h / 4; j += 128)
-      for (int e = 0; e < 4; ++e) s[t] = step(s[t], x[4 * j + e]);
-  Welford wr[4];
-  for (int w = 0; w < 4; ++w) {
-    std::vector<Welford> v(s.begin() + 32 * w, s.begin() + 32 * w + 32);
-    for (int off = 16; off >= 1; off /= 2)
-      for (int l = 0; l < off; ++l) v[l] = combine(v[l], v[l + off]);
-    wr[w] = v[0];
-  }
-  const Welford total = combine(combine(wr[0], wr[2]), combine(wr[1], wr[3]));
-  return {total.mean, num::div32(total.m2, static_cast<float>(h))};
-}
-// 9.3 block_sum.
-float block_sum(const std::vector<float>& v) {
-  float wr[4];
-  for (int w = 0; w < 4; ++w) {
-    std::vector<float> u(v.begin() + 32 * w, v.begin() + 32 * w + 32);
-    for (int off = 16; off >= 1; off /= 2)
-      for (int l = 0; l < off; ++l) u[l] = num::add32(u[l], u[l + off]);
-    wr[w] = u[0];
-  }
-  return num::add32(num::add32(num::add32(wr[0], 0.0f), num::add32(wr[2], 0.0f)),
-                    num::add32(num::add32(wr[1], 0.0f), num::add32(wr[3], 0.0f)));
-}
-
-// Every result of a LnRun written out from docs/numerics.md 9.
-struct Oracle {
-  HostTensor out, mean, rstd, dx, d_weight, d_bias, d_shift, d_scale;
-  explicit Oracle(const LnRun& r) {
-    const Problem& p = r.p;
-    const int64_t h = p.hidden, positions = p.batch * p.seq;
-    const bool on = p.kind != Kind::kNone;
-    const DType t = p.x_dtype, m = p.mod_dtype, promoted = m == DType::kF32 ? DType::kF32 : t;
-    // Where each step rounds (9.5 / 5.12): eager's promoted dtypes, or FP32 and one rounding.
-    auto norm_r = [&](float v) { return p.upcast ? v : round_as(v, t); };
-    auto factor_r = [&](float v) { return p.upcast ? v : round_as(v, m); };
-    auto mid_r = [&](float v) { return p.upcast ? v : round_as(v, promoted); };
-    const bool has_w = p.affine != Affine::kNone, has_b = p.affine == Affine::kWeightBias;
-    auto w = [&](int64_t i) { return has_w ? get(r.w, i) : 1.0f; };
-    auto x = [&](int64_t pos, int64_t i) { return get(r.x, pos * h + i); };
-    auto g = [&](int64_t pos, int64_t i) { return get(r.grad, pos * h + i); };
-    auto t1 = [&](int64_t pos, int64_t i) { return factor_r(num::add32(1.0f, r.mod_at(1, r.row_of(pos), i))); };
-    out = HostTensor(r.out.dtype(), {p.batch, p.seq, h});
-    mean = HostTensor(DType::kF32, {positions});
-    rstd = HostTensor(DType::kF32, {positions});
-    dx = HostTensor(t, {p.batch, p.seq, h});
-    std::vector<float> n(positions * h), d_n(positions * h), xhat(positions * h);
-    for (int64_t pos = 0; pos < positions; ++pos) {
-      std::vector<float> row(h);
-      for (int64_t i = 0; i < h; ++i) row[i] = x(pos, i);
-      const auto [mu, var] = row_stats(row);
-      const float rs = num::portable_rsqrt(num::add32(var, kEps));
-      mean.ptr<float>()[pos] = mu;
-      rstd.ptr<float>()[pos] = rs;
-      for (int64_t i = 0; i < h; ++i) {
-        const float pi = num::mul32(rs, num::sub32(x(pos, i), mu));
-        const float v = !has_w ? pi : has_b ? num::fma32(w(i), pi, get(r.b, i)) : num::mul32(w(i), pi);
-        const int64_t e = pos * h + i;
-        xhat[e] = num::mul32(num::sub32(x(pos, i), mu), rs);
-        if (!on) {
-          out.set(e, v);  // set() rounds to out's dtype
-          d_n[e] = g(pos, i);
-          continue;
-        }
-        n[e] = norm_r(v);
-        out.set(e, num::add32(mid_r(num::mul32(n[e], t1(pos, i))), r.mod_at(0, r.row_of(pos), i)));
-        d_n[e] = num::mul32(g(pos, i), t1(pos, i));
-      }
-      // 9.3 with d_n for g.
-      std::vector<float> s1(128, 0.0f), s2(128, 0.0f);
-      for (int tt = 0; tt < 128; ++tt)
-        for (int64_t j = tt; j < h / 4; j += 128)
-          for (int e = 0; e < 4; ++e) {
-            const int64_t i = 4 * j + e;
-            const float gw = num::mul32(d_n[pos * h + i], w(i));
-            s1[tt] = num::add32(s1[tt], gw);
-            s2[tt] = num::fma32(num::mul32(gw, num::sub32(x(pos, i), mu)), rs, s2[tt]);
-          }
-      const float S1 = block_sum(s1), S2 = block_sum(s2), fh = static_cast<float>(h);
-      const float term1 = num::mul32(num::div32(1.0f, fh), rs);
-      for (int64_t i = 0; i < h; ++i) {
-        const float a = num::mul32(num::mul32(num::sub32(x(pos, i), mu), rs), S2);
-        const float f = num::fma32(num::mul32(fh, w(i)), d_n[pos * h + i], -a);
-        dx.set(pos * h + i, num::mul32(num::sub32(f, S1), term1));
-      }
-    }
-    // 9.4 / 9.6: d_weight and d_bias over chunks of the flattened positions.
-    d_weight = HostTensor(r.d_weight.dtype(), {h});
-    d_bias = HostTensor(r.d_bias.dtype(), {h});
-    for (int64_t i = 0; i < h; ++i) {
-      float fw = 0.0f, fb = 0.0f;
-      for (int64_t begin = 0; begin < positions; begin += kChunk) {
-        float aw = 0.0f, ab = 0.0f;
-        for (int64_t pos = begin; pos < std::min(begin + kChunk, positions); ++pos) {
-          aw = num::fma32(d_n[pos * h + i], xhat[pos * h + i], aw);
-          ab = num::add32(ab, d_n[pos * h + i]);
-        }
-        fw = num::add32(fw, aw);
-        fb = num::add32(fb, ab);
-      }
-      d_weight.set(i, fw);
-      d_bias.set(i, fb);
-    }
-    if (!on) return;
-    // d_shift, d_scale: per group, chunks from the group's first position
-    // (6.11); indexed, the canonical reduction over the plan's rows (6.5).
-    d_shift = r.grad_shape(r.d_shift.dtype());
-    d_scale = r.grad_shape(r.d_scale.dtype());
-    const int64_t len = p.kind == Kind::kGrouped ? p.seq / p.frames : 0;
-    auto reduce = [&](int64_t row, int64_t i, bool scale) {
-      auto step_at = [&](float acc, int64_t pos) {
-        return scale ? num::fma32(g(pos, i), n[pos * h + i], acc) : num::add32(acc, g(pos, i));
-      };
-      float fold = 0.0f;
-      if (p.kind == Kind::kGrouped) {
-        for (int64_t begin = row * len; begin < (row + 1) * len; begin += kChunk) {
-          float acc = 0.0f;
-          for (int64_t pos = begin; pos < std::min(begin + kChunk, (row + 1) * len); ++pos) acc = step_at(acc, pos);
-          fold = num::add32(fold, acc);
-        }
-        return fold;
-      }
-      for (int64_t begin = 0; begin < positions; begin += kChunk) {
-        float acc = 0.0f;
-        bool any = false;
-        for (int64_t pos = begin; pos < std::min(begin + kChunk, positions); ++pos)
-          if (r.row_of(pos) == row) {
-            acc = step_at(acc, pos);
-            any = true;
-          }
-        if (any) fold = num::add32(fold, acc);
-      }
-      return fold;
-    };
-    for (int64_t row = 0; row < r.mod_rows; ++row)
-      for (int64_t i = 0; i < h; ++i) {
-        d_shift.set(row * h + i, reduce(row, i, false));
-        d_scale.set(row * h + i, reduce(row, i, true));
-      }
-  }
-};
-
 struct RecipeCase {
   DType x, mod;
   bool upcast;
@@ -321,80 +135,16 @@ const RecipeCase kRecipes[] = {
     {DType::kF16, DType::kF16, true},
 };
 
-void expect_matches_oracle(LnRun& run) {
-  DETDIT_ASSERT_OK(run.forward());
-  DETDIT_ASSERT_OK(run.backward());
-  const Oracle ref(run);
-  EXPECT_BITWISE_EQ(ref.mean, run.mean);
-  EXPECT_BITWISE_EQ(ref.rstd, run.rstd);
-  EXPECT_BITWISE_EQ(ref.out, run.out);
-  EXPECT_BITWISE_EQ(ref.dx, run.dx);
-  if (run.p.affine != Affine::kNone) {
-    EXPECT_BITWISE_EQ(ref.d_weight, run.d_weight);
-  }
-  if (run.p.affine == Affine::kWeightBias) {
-    EXPECT_BITWISE_EQ(ref.d_bias, run.d_bias);
-  }
-  if (run.p.kind != Kind::kNone) {
-    EXPECT_BITWISE_EQ(ref.d_shift, run.d_shift);
-    EXPECT_BITWISE_EQ(ref.d_scale, run.d_scale);
-  }
-}
-
-// S = 600: groups of 600, 300, 200, 6 and 1 positions, so chunks of 256
-// counted from a group's start differ from chunks of the flattened batch; the
-// affine variants rotate over the recipes.
-TEST(LayernormForms, GroupedFormsFollowTheContractBitwise) {
-  struct FormCase {
-    int64_t frames;
-    bool with_unit;
-  };
-  const FormCase forms[] = {{1, false}, {1, true}, {2, false}, {3, true}, {100, false}, {600, false}};
-  const Affine affines[] = {Affine::kNone, Affine::kWeight, Affine::kWeightBias};
-  int k = 0;
-  for (const FormCase& form : forms)
-    for (const RecipeCase& recipe : kRecipes) {
-      const Problem p{2, 600, 32, Kind::kGrouped, form.frames, form.with_unit, recipe.x, recipe.mod, recipe.upcast,
-                      affines[k++ % 3]};
-      SCOPED_TRACE(describe(p));
-      LnRun run(p, 11);
-      expect_matches_oracle(run);
-    }
-}
-
-// The indexed form: (R, H) tables through a plan, x's dtype or fp32, both
-// recipes (B = 2, S = 300: flattened chunks straddle the items).
-TEST(LayernormForms, IndexedFormFollowsTheContractBitwise) {
-  for (const RecipeCase& recipe : kRecipes)
-    for (Affine affine : {Affine::kNone, Affine::kWeightBias}) {
-      const Problem p{2, 300, 16, Kind::kIndexed, 0, false, recipe.x, recipe.mod, recipe.upcast, affine};
-      SCOPED_TRACE(describe(p));
-      LnRun run(p, 17);
-      expect_matches_oracle(run);
-    }
-}
-
-// Rows of H = 1032 (258 vectors: threads 0 and 1 hold three, the others two)
-// and H = 4 (one thread holds the row; empty partners in every combine).
-TEST(LayernormForms, WideAndNarrowRowsFollowTheContractBitwise) {
-  for (int64_t hidden : {4, 1032})
-    for (const RecipeCase& recipe : {kRecipes[1], kRecipes[2]}) {
-      const Problem p{2, 20, hidden, Kind::kGrouped, 4, false, recipe.x, recipe.mod, recipe.upcast,
-                      Affine::kWeightBias};
-      SCOPED_TRACE(describe(p));
-      LnRun run(p, 19);
-      expect_matches_oracle(run);
-    }
-}
-
-// No shift and scale: the plain norm's bytes (numerics 9.2-9.4) in both
-// recipes, with or without a plan that describes x's rows.
+// No shift and scale: the plain norm's bytes in both recipes, with or
+// without a plan that describes x's rows (the bytes themselves are numerics
+// 9.2-9.4: layernorm's op cases of the form none, op_cases_test).
 TEST(LayernormForms, ThePlainNormIsTheSameInBothRecipesAndWithAPlan) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     const Problem p{2, 300, 16, Kind::kNone, 1, false, dtype, dtype, false, Affine::kWeightBias};
     SCOPED_TRACE(describe(p));
     LnRun base(p, 23);
-    expect_matches_oracle(base);
+    DETDIT_ASSERT_OK(base.forward());
+    DETDIT_ASSERT_OK(base.backward());
     for (int variant = 0; variant < 2; ++variant) {
       LnRun other(p, 23);
       LayernormParams f = other.forward_params();

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cases/forms_cases.h"
 #include "common/row_tree.h"
 #include "common/scalar_math.h"
 #include "detdit/gate_residual.h"
@@ -55,43 +56,36 @@ DType out_dtype(const Problem& p) {
 
 float get(const HostTensor& t, int64_t i) { return static_cast<float>(t.get(i)); }
 
+// The op cases' layout of a problem's form: per sample (F = 1), per token
+// (F = S) or per frame, the chunk dimension kept for the (B, 1, H) and
+// (B, F, 1, H) views.
+cases::FormGeometry geometry_of(const Problem& p) {
+  const ModulationForm form = p.form.frames == 1       ? ModulationForm::kPerSample
+                              : p.form.frames == p.seq ? ModulationForm::kPerToken
+                                                       : ModulationForm::kPerFrame;
+  const bool keep = p.form.shape == Shape::kB1H || p.form.shape == Shape::kBF1H;
+  return cases::form_geometry({p.x_dtype, p.mod_dtype, p.hidden, p.batch, p.seq, form, p.form.frames, keep});
+}
+
 // The (B, F, 6, H) parent of the modulation chunks and its views.
 struct Parent {
   HostTensor t;
   int64_t batch, frames, hidden;
-  Shape shape;
   Parent(const Problem& p, uint64_t seed)
       : t(random_tensor(p.mod_dtype, {p.batch, p.form.frames, 6, p.hidden}, seed, 0.0, 0.5)),
         batch(p.batch),
         frames(p.form.frames),
         hidden(p.hidden),
-        shape(p.form.shape) {}
+        geometry(geometry_of(p)) {}
   // Element i of chunk c for group g = b*F + f.
   float at(int64_t c, int64_t g, int64_t i) const { return get(t, (g * 6 + c) * hidden + i); }
-  TensorView chunk(int64_t c) const {
-    char* base = static_cast<char*>(t.data()) + c * hidden * static_cast<int64_t>(dtype_size(t.dtype()));
-    const int64_t sb = frames * 6 * hidden, sf = 6 * hidden;
-    switch (shape) {
-      case Shape::kBH: return TensorView::strided(base, t.dtype(), {batch, hidden}, {sb, 1});
-      case Shape::kB1H: return TensorView::strided(base, t.dtype(), {batch, 1, hidden}, {sb, sf, 1});
-      case Shape::kBFH: return TensorView::strided(base, t.dtype(), {batch, frames, hidden}, {sb, sf, 1});
-      case Shape::kBF1H:
-        return TensorView::strided(base, t.dtype(), {batch, frames, 1, hidden}, {sb, sf, hidden, 1});
-    }
-    return TensorView();
-  }
+  TensorView chunk(int64_t c) const { return geometry.chunk(t.view(), static_cast<int>(c)); }
+  // The views as the op cases make them (cases/forms_cases.h).
+  cases::FormGeometry geometry;
 };
 
 // A contiguous gradient of chunk-view shape (its groups in order b*F + f).
-HostTensor grad_like(const Problem& p, DType dtype) {
-  switch (p.form.shape) {
-    case Shape::kBH: return HostTensor(dtype, {p.batch, p.hidden});
-    case Shape::kB1H: return HostTensor(dtype, {p.batch, 1, p.hidden});
-    case Shape::kBFH: return HostTensor(dtype, {p.batch, p.form.frames, p.hidden});
-    case Shape::kBF1H: return HostTensor(dtype, {p.batch, p.form.frames, 1, p.hidden});
-  }
-  return HostTensor();
-}
+HostTensor grad_like(const Problem& p, DType dtype) { return HostTensor(dtype, geometry_of(p).view_shape()); }
 
 // The group of position pos: b*F + (s / L).
 int64_t group_of(const Problem& p, int64_t pos) {

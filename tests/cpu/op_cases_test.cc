@@ -21,7 +21,8 @@ namespace {
 constexpr int64_t kMaxElements = 4 << 20;
 
 TEST(OpCases, EveryOpHasTestCases) {
-  for (const char* op : {"rmsnorm", "gate_residual", "adaln_row_gather", "linear", "adaln_projection",
+  for (const char* op : {"rmsnorm", "gate_residual", "gate_residual_rmsnorm", "layernorm", "gate_residual_layernorm",
+                         "adaln_row_gather", "linear", "adaln_projection",
                          "adaln_modulation", "final_adaln_out", "timestep_sinusoid", "timestep_mlp"}) {
     EXPECT_FALSE(op_cases(op, Suite::kTest, CaseContext{}).empty()) << op;
   }
@@ -83,6 +84,36 @@ TEST(OpCases, EveryTestCaseMeetsItsAccuracyBound) {
     ++checked;
   }
   EXPECT_GT(checked, 50);
+}
+
+// The second routes of the test cases (verify runs those of its own suite):
+// every output the route gives, of both phases (the forward's alone where
+// forward_only), equal to the CPU run's, bitwise.
+TEST(OpCases, EveryTestCaseEqualsItsEquivalentRoute) {
+  int checked = 0;
+  for (const OpCase& c : op_cases("", Suite::kTest, CaseContext{})) {
+    if (!c.equivalent.compute || case_elements(c) > kMaxElements) continue;
+    SCOPED_TRACE(c.full_name() + " " + c.equivalent.name);
+    Instance t;
+    DETDIT_ASSERT_OK(instantiate(c, Device::cpu(), nullptr, &t));
+    const int phases = c.equivalent.forward_only || !c.has(Phase::kBackward) ? 1 : 2;
+    for (Phase phase : {Phase::kForward, Phase::kBackward}) {
+      if (c.has(phase)) DETDIT_ASSERT_OK(run(c, phase, t));
+    }
+    std::map<std::string, HostTensor> got, expected;
+    DETDIT_ASSERT_OK(download(c, t, &got));
+    DETDIT_ASSERT_OK(c.equivalent.compute(got, &expected));
+    int compared = 0;
+    for (int phase = 0; phase < phases; ++phase)
+      for (const OutputReport& r : compare_outputs(c, static_cast<Phase>(phase), expected, got)) {
+        EXPECT_TRUE(r.mismatch.equal()) << r.output << ": " << r.mismatch.describe();
+        EXPECT_FALSE(r.still_canary) << r.output;
+        ++compared;
+      }
+    EXPECT_GT(compared, 0);
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
 }
 
 // A case's profile reaches the op: every case that says its op takes one,

@@ -3,7 +3,10 @@
 // against the two ops composed), forward (h, out, mean, rstd) and every
 // gradient, over every modulation form x recipe x affine variant x which
 // modulation tensors are present, with and without k and d_h, with g in
-// d_residual, in scratch, and the norm's gradients alone. Portable profile.
+// d_residual, in scratch, and the norm's gradients alone; and every test case
+// of the op (cases/gate_residual_layernorm_cases.cc: the per frame F = 21
+// form, modulation-dtype gradients, fp16 wide rows) equal to the CPU's.
+// Portable profile.
 // The forward's one kernel against the two ops' kernels it fuses
 // (gate_residual, then layernorm of h) on the GPU, both profiles: every form,
 // recipe, presence and k (and a gate in the activation dtype beside fp32
@@ -23,6 +26,8 @@
 namespace detdit {
 namespace testing {
 namespace {
+
+DETDIT_CUDA_OP_CASES(GateResidualLayernormCaseCuda, "gate_residual_layernorm");
 
 struct Form {
   const char* name;

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cases/forms_cases.h"
 #include "cuda/cuda_test_util.h"
 #include "detdit/gate_residual.h"
 #include "detdit/rmsnorm.h"
@@ -39,28 +40,15 @@ constexpr int64_t kB = 2, kS = 300, kH = 64;
 DType out_dtype(const Recipe& r) { return r.upcast || r.mod != DType::kF32 ? r.x : DType::kF32; }
 
 // Chunk c of the parent (B, F, 6, H) as a (B, F, H) view (per sample (B, H));
-// indexed: the parent is (R, 6, H) and the chunk an (R, H) view.
+// indexed: the parent is (R, 6, H) and the chunk an (R, H) view: the op
+// cases' views (cases/forms_cases.h).
 TensorView chunk(const TensorView& parent, int64_t c, const Form& f) {
-  TensorView v = parent;
-  const int64_t h = parent.shape[parent.rank - 1];
-  v.data = static_cast<char*>(parent.data) + c * h * static_cast<int64_t>(dtype_size(parent.dtype));
-  if (f.frames == 1 || f.frames < 0) {
-    v.rank = 2;
-    v.shape[0] = parent.shape[0];
-    v.shape[1] = h;
-    v.strides[0] = parent.strides[0];
-    v.strides[1] = 1;
-  } else {
-    v.rank = 3;
-    v.shape[0] = parent.shape[0];
-    v.shape[1] = parent.shape[1];
-    v.shape[2] = h;
-    v.strides[0] = parent.strides[0];
-    v.strides[1] = parent.strides[1];
-    v.strides[2] = 1;
-  }
-  v.shape[3] = v.strides[3] = 0;
-  return v;
+  const ModulationForm form = f.frames < 0      ? ModulationForm::kIndexed
+                              : f.frames == 1   ? ModulationForm::kPerSample
+                              : f.frames == kS  ? ModulationForm::kPerToken
+                                                : ModulationForm::kPerFrame;
+  const cases::FormShape shape{DType::kBF16, parent.dtype, kH, kB, kS, form, f.frames};
+  return cases::form_geometry(shape).chunk(parent, static_cast<int>(c));
 }
 
 TEST(ModulationFormsCuda, RmsnormEqualsTheCpu) {

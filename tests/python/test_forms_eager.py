@@ -141,7 +141,7 @@ def test_fake_kernels_give_the_real_outputs_shapes_and_dtypes(op_cases):
     ops = torch.ops.detdit
     checked = 0
     for c in op_cases:
-        if not is_form_case(c):
+        if not is_form_case(c) or c.op not in ("rmsnorm", "gate_residual"):  # the ops with forms bindings
             continue
         upcast, modulated = c.arguments["upcast"] == "true", "modulation" in c
         if c.op == "rmsnorm":
@@ -177,7 +177,7 @@ def test_autograd_equals_the_raw_backward(op_cases):
     ops = torch.ops.detdit
     checked = 0
     for c in op_cases:
-        if not is_form_case(c) or "modulation" not in c:
+        if not is_form_case(c) or "modulation" not in c or c.op not in ("rmsnorm", "gate_residual"):
             continue
         upcast = c.arguments["upcast"] == "true"
         if c.op == "rmsnorm":

@@ -9,6 +9,14 @@
 //   torch_parity_main silu_cast T D              temb.f32 act.bf16
 //   torch_parity_main gather    DT S R H         rows index.i64 out
 //   torch_parity_main layernorm DT M N           x w|- b|- grad out mean.f32 rstd.f32 dx  (eps 1e-6)
+//   torch_parity_main layernorm_forms DT MT UP B S F N   x shift scale out
+//   torch_parity_main gate_forms      DT MT UP B S F N   res y gate out
+//   torch_parity_main region          DT MT UP B S F N   res y gate shift scale h out
+// The forms' commands: x, res, y (B, S, N) in DT; shift, scale, gate (B, F, N)
+// in MT (F = 1 per sample, 1 < F < S per frame, F = S per token); UP is 0 or 1
+// (upcast); the norm has no affine and eps 1e-6 (SD3, Flux, Wan); out and h
+// have the ops' output dtypes (modulation.h modulated_out_dtype). region is
+// gate_residual_layernorm.
 // DT is f32, bf16 or f16; files are raw little-endian, contiguous. Exit 0 on
 // success; any Status error or I/O failure prints it and exits 1.
 #include <cuda_runtime.h>
@@ -23,7 +31,9 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/layernorm.h"
+#include "detdit/modulation.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/timestep.h"
@@ -164,6 +174,40 @@ int main(int argc, char** argv) {
     mean.save(argv[10]);
     rstd.save(argv[11]);
     dx.save(argv[12]);
+  } else if (op == "layernorm_forms" || op == "gate_forms" || op == "region") {
+    const int extra = op == "layernorm_forms" ? 4 : op == "gate_forms" ? 4 : 7;
+    need(9 + extra);
+    const DType dt = parse_dtype(argv[2]), mt = parse_dtype(argv[3]);
+    const bool upcast = std::string(argv[4]) == "1";
+    const int64_t batch = arg(argv, 5), seq = arg(argv, 6), frames = arg(argv, 7), hidden = arg(argv, 8);
+    // The promoted dtype of an op on dt activations and mt modulation.
+    const DType out_dt = upcast ? dt : mt;
+    Buffer a(dt, {batch, seq, hidden}, argv[9]);
+    if (op == "layernorm_forms") {
+      Buffer shift(mt, {batch, frames, hidden}, argv[10]), scale(mt, {batch, frames, hidden}, argv[11]);
+      Buffer out(out_dt, {batch, seq, hidden});
+      LayernormInputs in;
+      in.x = a.view, in.shift = shift.view, in.scale = scale.view, in.eps = 1e-6f;
+      in.numerics = Numerics::kTorch, in.upcast = upcast;
+      ok(layernorm_forward(LayernormParams{in, out.view, TensorView(), TensorView()}));
+      out.save(argv[12]);
+    } else if (op == "gate_forms") {
+      Buffer y(dt, {batch, seq, hidden}, argv[10]), gate(mt, {batch, frames, hidden}, argv[11]);
+      Buffer out(out_dt, {batch, seq, hidden});
+      GateResidualInputs in{a.view, y.view, gate.view, IndexPlan(), false, 0.0f, upcast};
+      ok(gate_residual_forward(GateResidualParams{in, out.view}));
+      out.save(argv[12]);
+    } else {
+      Buffer y(dt, {batch, seq, hidden}, argv[10]), gate(mt, {batch, frames, hidden}, argv[11]);
+      Buffer shift(mt, {batch, frames, hidden}, argv[12]), scale(mt, {batch, frames, hidden}, argv[13]);
+      Buffer h(out_dt, {batch, seq, hidden}), out(out_dt, {batch, seq, hidden});
+      GateResidualLayernormInputs in;
+      in.residual = a.view, in.y = y.view, in.gate = gate.view, in.shift = shift.view, in.scale = scale.view;
+      in.eps = 1e-6f, in.numerics = Numerics::kTorch, in.upcast = upcast;
+      ok(gate_residual_layernorm_forward(GateResidualLayernormParams{in, h.view, out.view, TensorView(), TensorView()}));
+      h.save(argv[14]);
+      out.save(argv[15]);
+    }
   } else {
     fail("unknown op " + op);
   }
