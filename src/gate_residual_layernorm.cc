@@ -4,8 +4,8 @@
 // tensors' device. Nothing is written on error.
 //
 // The op is the composition, written once for both devices: the forward is
-// the gate_residual backend into h, then the layernorm backend on h (two
-// kernels on CUDA, h written once and read back: no fused row kernel yet);
+// the gate_residual backend into h, then the layernorm backend on h (on
+// CUDA one kernel per row, src/cuda/gate_residual_layernorm.cu, same bytes);
 // the backward is the layernorm backward of d_out with dx into g (the
 // gradient of h), g = R(rn(g + d_h)), then the gate_residual backward of g
 // (rows, partials, fold). Every bit is the separate ops', so the CPU and CUDA
@@ -83,6 +83,8 @@ Status validate_backward(const GateResidualLayernormBackwardParams& p) {
 Status gate_residual_layernorm_forward(const GateResidualLayernormParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_forward(params));
   const Device device = params.h.device;
+  // CUDA: one kernel, the composition's bytes (numerics 9.7); the CPU, the reference, composes.
+  if (device.is_cuda()) return cuda::gate_residual_layernorm_forward(params, stream);
   const GateResidualParams gate{gate_inputs(params.in), params.h};
   const LayernormParams norm{norm_inputs(params.in, params.h), params.out, params.mean, params.rstd};
   DETDIT_RETURN_IF_ERROR(backend::gate_residual_forward(device, gate, stream));
