@@ -25,6 +25,7 @@
 
 #include "cases/oracle.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/rmsnorm.h"
 
 namespace detdit {
@@ -273,6 +274,110 @@ OpCase gate_residual_form_case(const FormShape& s, uint64_t seed, bool verify_va
   return c;
 }
 
+OpCase gate_residual_rmsnorm_form_case(const FormShape& s, uint64_t seed, bool verify_values) {
+  const Geometry g = geometry_of(s);
+  const bool gated = s.form != ModulationForm::kNone, upcast = s.upcast, has_k = s.has_k;
+  const float k = s.k;
+  const int64_t B = s.batch, S = s.seq_len, H = s.hidden;
+  // h: gate_residual's out; out: rmsnorm's of h. Both fp32 for fp32
+  // modulation with upcast = false, else x's dtype (5.12).
+  const DType hd = out_dtype_of(s), od = out_dtype_of(s);
+  OpCase c;
+  c.op = "gate_residual_rmsnorm";
+  c.name = form_name(s, g);
+  c.positions = B * S;
+  c.input("residual", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 31, 0.0, 1.0));
+  c.input("y", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 32, 0.0, 3.0));
+  if (gated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), values(verify_values, seed + 33, 0.0, 0.5));
+  c.input("weight", Phase::kForward, hd, {H}, values(verify_values, seed + 34, 1.0, 0.5));
+  c.output("h", Phase::kForward, hd, {B, S, H});
+  c.output("out", Phase::kForward, od, {B, S, H});
+  c.output("rstd", Phase::kForward, DType::kF32, {B * S});
+  c.input("d_out", Phase::kBackward, od, {B, S, H}, values(verify_values, seed + 35, 0.0, 1.0));
+  c.input("d_h", Phase::kBackward, hd, {B, S, H}, values(verify_values, seed + 36, 0.0, 1.0));
+  c.output("d_residual", Phase::kBackward, s.dtype, {B, S, H});
+  c.output("d_y", Phase::kBackward, s.dtype, {B, S, H});
+  c.output("d_weight", Phase::kBackward, DType::kF32, {H});
+  if (gated) {
+    c.output("d_gate", Phase::kBackward, s.grad_dtype, g.view_shape());
+    c.output("d_shift", Phase::kBackward, s.grad_dtype, g.view_shape());
+    c.output("d_scale", Phase::kBackward, s.grad_dtype, g.view_shape());
+  }
+  c.takes_profile = true;  // the norm's rsqrt
+  c.arguments["eps"] = argument_text(GateResidualRmsnormInputs{}.eps);
+  c.arguments["upcast"] = upcast ? "true" : "false";
+  if (has_k) c.arguments["k"] = argument_text(k);
+  auto inputs = [g, gated, upcast, has_k, k](const Instance& t) {
+    GateResidualRmsnormInputs in;
+    in.residual = t["residual"];
+    in.y = t["y"];
+    in.weight = t["weight"];
+    if (gated) {
+      in.gate = g.chunk(t["modulation"], 2);
+      in.shift = g.chunk(t["modulation"], 3);
+      in.scale = g.chunk(t["modulation"], 4);
+    }
+    in.numerics = t.numerics;
+    in.has_k = has_k;
+    in.k = k;
+    in.upcast = upcast;
+    return in;
+  };
+  c.forward = [inputs](const Instance& t, Stream stream) {
+    return gate_residual_rmsnorm_forward({inputs(t), t["h"], t["out"], t["rstd"]}, stream);
+  };
+  c.backward = [inputs, gated](const Instance& t, Stream stream) {
+    const TensorView none;
+    return gate_residual_rmsnorm_backward({inputs(t), t["h"], t["rstd"], t["d_out"], t["d_h"], t["d_residual"],
+                                           t["d_y"], gated ? t["d_gate"] : none, t["d_weight"],
+                                           gated ? t["d_shift"] : none, gated ? t["d_scale"] : none},
+                                          stream);
+  };
+  const double rows = gated ? g.elements() * dtype_size(s.mod_dtype) : 0.0;
+  const double grads = gated ? g.elements() * dtype_size(s.grad_dtype) : 0.0;
+  c.set_bytes(Phase::kForward, {"residual", "y", "weight", "h", "out", "rstd"}, 3 * rows, "gate/shift/scale rows");
+  c.set_bytes(Phase::kBackward, {"d_out", "d_h", "h", "y", "rstd", "weight", "d_residual", "d_y", "d_weight"},
+              2 * rows + 3 * grads, "gate/scale rows + d_gate + d_shift + d_scale");
+  // The separate ops' CPU results composed as autograd composes them
+  // (numerics 6.10): gate_residual forward into h, rmsnorm forward of h;
+  // rmsnorm backward of d_out with dx into g, g = R(rn(g + d_h)) in h's dtype
+  // (written out here), gate_residual backward of g.
+  c.equivalent.name = "= gate_residual then rmsnorm";
+  c.equivalent.compute = [g, gated, upcast, has_k, k, hd](const std::map<std::string, HostTensor>& got,
+                                                          std::map<std::string, HostTensor>* expected) {
+    std::map<std::string, HostTensor>& e = *expected;
+    for (const char* name : {"h", "out", "rstd", "d_residual", "d_y", "d_weight", "d_gate", "d_shift", "d_scale"})
+      if (got.count(name)) e[name] = HostTensor(got.at(name).dtype(), got.at(name).shape());
+    auto view = [&e](const char* name) { return e.count(name) ? e[name].view() : TensorView(); };
+    const TensorView parent = gated ? got.at("modulation").view() : TensorView();
+    GateResidualInputs gate_in;
+    gate_in.residual = got.at("residual").view();
+    gate_in.y = got.at("y").view();
+    if (gated) gate_in.gate = g.chunk(parent, 2);
+    gate_in.has_k = has_k;
+    gate_in.k = k;
+    gate_in.upcast = upcast;
+    DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate_in, view("h")}));
+    RmsnormInputs norm_in;
+    norm_in.x = view("h");
+    norm_in.weight = got.at("weight").view();
+    if (gated) {
+      norm_in.shift = g.chunk(parent, 3);
+      norm_in.scale = g.chunk(parent, 4);
+    }
+    norm_in.upcast = upcast;
+    DETDIT_RETURN_IF_ERROR(rmsnorm_forward({norm_in, view("out"), view("rstd")}));
+    HostTensor grad_h(hd, got.at("h").shape());
+    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({norm_in, view("rstd"), got.at("d_out").view(), grad_h.view(),
+                                             view("d_weight"), view("d_shift"), view("d_scale")}));
+    const HostTensor& d_h = got.at("d_h");
+    for (int64_t i = 0; i < grad_h.numel(); ++i)
+      grad_h.set(i, static_cast<float>(static_cast<float>(grad_h.get(i)) + static_cast<float>(d_h.get(i))));
+    return gate_residual_backward({gate_in, grad_h.view(), view("d_residual"), view("d_y"), view("d_gate")});
+  };
+  return c;
+}
+
 namespace {
 
 // Every grouped form and view at B x S (per frame: F = 3), H (per token:
@@ -443,6 +548,60 @@ std::vector<OpCase> gate_residual_form_cases(Suite suite, const CaseContext& ctx
   k.has_k = true;
   k.k = 1.0f;
   cases.push_back(gate_residual_form_case(k, ctx.seed + 260, true));
+  return cases;
+}
+
+std::vector<OpCase> gate_residual_rmsnorm_form_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases;
+  if (suite == Suite::kTest) {
+    const uint64_t seed = 2200;
+    for (FormShape s : small_forms())
+      for (DType mod : {DType::kBF16, DType::kF32})
+        for (bool upcast : {false, true}) {
+          s.mod_dtype = mod;
+          s.upcast = upcast;
+          // k with the modulation in x's dtype (its own rounding, 5.12), none with fp32.
+          s.has_k = mod == DType::kBF16;
+          s.k = s.has_k ? 1.0f : 0.0f;
+          cases.push_back(gate_residual_rmsnorm_form_case(s, seed));
+        }
+    // No gate and a plain norm: the residual add, then RMSNorm, in both recipes.
+    for (bool upcast : {false, true}) {
+      FormShape s{DType::kBF16, DType::kBF16, 4, 2, 300, ModulationForm::kNone};
+      s.upcast = upcast;
+      cases.push_back(gate_residual_rmsnorm_form_case(s, seed));
+    }
+    // Wider rows, three samples of 513 positions (three chunks each), other
+    // dtypes and modulation-dtype gradients.
+    for (FormShape s : grouped_forms(DType::kBF16, 68, 3, 513)) {
+      if (s.keep_chunk_dim) continue;
+      s.seq_len = s.form == ModulationForm::kPerToken ? 57 : 513;
+      s.mod_dtype = DType::kF32;
+      s.upcast = s.form != ModulationForm::kPerFrame;
+      cases.push_back(gate_residual_rmsnorm_form_case(s, seed + 10));
+    }
+    FormShape f16{DType::kF16, DType::kF16, 1028, 3, 513, ModulationForm::kPerFrame, 3};
+    f16.has_k = true;
+    f16.k = 0.5f;
+    f16.grad_dtype = DType::kF16;
+    cases.push_back(gate_residual_rmsnorm_form_case(f16, seed + 20));
+    FormShape f32{DType::kF32, DType::kF32, 68, 3, 513, ModulationForm::kPerSample};
+    for (bool upcast : {false, true}) {
+      f32.upcast = upcast;
+      cases.push_back(gate_residual_rmsnorm_form_case(f32, seed + 30));
+    }
+    return cases;
+  }
+  if (suite == Suite::kBench) {
+    for (const FormShape& s : bench_forms(ctx)) cases.push_back(gate_residual_rmsnorm_form_case(s, ctx.seed + 2500));
+    return cases;
+  }
+  cases.push_back(gate_residual_rmsnorm_form_case(verify_form(ctx, ModulationForm::kPerSample, DType::kF32, true),
+                                                  ctx.seed + 270, true));
+  FormShape k = verify_form(ctx, ModulationForm::kPerFrame, DType::kBF16, false);
+  k.has_k = true;
+  k.k = 1.0f;
+  cases.push_back(gate_residual_rmsnorm_form_case(k, ctx.seed + 280, true));
   return cases;
 }
 

@@ -1,8 +1,9 @@
-// The modulation forms' cases of rmsnorm and gate_residual (cases/forms_cases.cc):
+// The modulation forms' cases of rmsnorm, gate_residual and gate_residual_rmsnorm
+// (cases/forms_cases.cc):
 // per sample, per frame, per token and none, fp32 or x's dtype modulation,
 // both recipes (upcast), and for gate_residual an absent gate and the
-// constant k. rmsnorm's and gate_residual's generators (cases/rowwise_cases.cc)
-// append these to their indexed cases, so every driver of those ops runs them.
+// constant k. The three ops' generators (cases/rowwise_cases.cc) append these
+// to their indexed cases, so every driver of those ops runs them.
 #pragma once
 
 #include <cstdint>
@@ -73,10 +74,16 @@ Fill form_values(bool verify_values, uint64_t seed, double mean, double std);
 
 OpCase rmsnorm_form_case(const FormShape& s, uint64_t seed, bool verify_values = false);
 OpCase gate_residual_form_case(const FormShape& s, uint64_t seed, bool verify_values = false);
+// gate_residual_rmsnorm: gate = chunk 2, shift = chunk 3, scale = chunk 4 of
+// the parent (the H3 block's gate_msa, shift_mlp, scale_mlp); kNone: no gate
+// and a plain norm. d_h always present. Its equivalent route is the two ops'
+// CPU results composed (gate_residual, then rmsnorm; autograd's backward).
+OpCase gate_residual_rmsnorm_form_case(const FormShape& s, uint64_t seed, bool verify_values = false);
 
 // The form cases of each suite (rmsnorm_cases / gate_residual_cases append them).
 std::vector<OpCase> rmsnorm_form_cases(Suite suite, const CaseContext& context);
 std::vector<OpCase> gate_residual_form_cases(Suite suite, const CaseContext& context);
+std::vector<OpCase> gate_residual_rmsnorm_form_cases(Suite suite, const CaseContext& context);
 
 }  // namespace cases
 }  // namespace detdit

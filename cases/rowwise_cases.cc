@@ -612,10 +612,13 @@ std::vector<OpCase> rmsnorm_and_form_cases(Suite suite, const CaseContext& ctx) 
 std::vector<OpCase> gate_residual_and_form_cases(Suite suite, const CaseContext& ctx) {
   return append(gate_residual_cases(suite, ctx), gate_residual_form_cases(suite, ctx));
 }
+std::vector<OpCase> gate_residual_rmsnorm_and_form_cases(Suite suite, const CaseContext& ctx) {
+  return append(gate_residual_rmsnorm_cases(suite, ctx), gate_residual_rmsnorm_form_cases(suite, ctx));
+}
 
 DETDIT_OP_CASES("rmsnorm", rmsnorm_and_form_cases);
 DETDIT_OP_CASES("gate_residual", gate_residual_and_form_cases);
-DETDIT_OP_CASES("gate_residual_rmsnorm", gate_residual_rmsnorm_cases);
+DETDIT_OP_CASES("gate_residual_rmsnorm", gate_residual_rmsnorm_and_form_cases);
 DETDIT_OP_CASES("adaln_row_gather", adaln_row_gather_cases);
 
 }  // namespace

@@ -31,9 +31,10 @@ Status check_aligned(const TensorView& t, const char* name) {
 }
 
 // An affine parameter: (H,) contiguous, x's dtype and device, aligned.
-Status check_parameter(const TensorView& t, const char* name, const TensorView& x, int64_t hidden) {
-  DETDIT_RETURN_IF_ERROR(check::same_dtype(t, name, x, "x"));
-  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, x, "x"));
+Status check_parameter(const TensorView& t, const char* name, const TensorView& x, const char* x_name,
+                       int64_t hidden) {
+  DETDIT_RETURN_IF_ERROR(check::same_dtype(t, name, x, x_name));
+  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, x, x_name));
   DETDIT_RETURN_IF_ERROR(check::shape(t, name, {hidden}, "(H,)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
   return check_aligned(t, name);
@@ -42,64 +43,67 @@ Status check_parameter(const TensorView& t, const char* name, const TensorView& 
 // shift/scale: both or neither; their form and dtype by resolve_modulation
 // (detdit/modulation.h), which *mod receives. A plan without modulation must
 // describe x's rows (it changes no bit).
-Status check_modulation(const LayernormInputs& in, ResolvedModulation* mod) {
+Status check_modulation(const LayernormInputs& in, const char* x_name, ResolvedModulation* mod) {
   if (in.shift.present() != in.scale.present())
     return Status::value_error(std::string("modulation needs both shift and scale, got ") +
                                (in.shift.present() ? "shift without scale" : "scale without shift"));
-  if (!in.shift.present() && in.plan.valid()) DETDIT_RETURN_IF_ERROR(check::plan_on(in.plan, "plan", in.x, "x"));
-  return resolve_modulation(in.x, "x", {{&in.shift, "shift"}, {&in.scale, "scale"}}, in.plan, mod);
+  if (!in.shift.present() && in.plan.valid()) DETDIT_RETURN_IF_ERROR(check::plan_on(in.plan, "plan", in.x, x_name));
+  return resolve_modulation(in.x, x_name, {{&in.shift, "shift"}, {&in.scale, "scale"}}, in.plan, mod);
 }
 
-Status check_inputs(const LayernormInputs& in, int64_t* hidden, ResolvedModulation* mod) {
-  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(in.x, "x", &in.plan, hidden));
+Status check_inputs(const LayernormInputs& in, const char* x_name, int64_t* hidden, ResolvedModulation* mod) {
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rows(in.x, x_name, &in.plan, hidden));
   if (*hidden % 4 != 0 || *hidden > kMaxHidden)
     return Status::value_error("H=" + std::to_string(*hidden) +
                                " must be a multiple of 4 and at most 2^24 (PyTorch's vectorized LayerNorm path), "
-                               "got x " + in.x.describe());
-  DETDIT_RETURN_IF_ERROR(check_aligned(in.x, "x"));
-  if (in.weight.present()) DETDIT_RETURN_IF_ERROR(check_parameter(in.weight, "weight", in.x, *hidden));
+                               "got " + x_name + " " + in.x.describe());
+  DETDIT_RETURN_IF_ERROR(check_aligned(in.x, x_name));
+  if (in.weight.present()) DETDIT_RETURN_IF_ERROR(check_parameter(in.weight, "weight", in.x, x_name, *hidden));
   if (in.bias.present()) {
     if (!in.weight.present())
       return Status::value_error("bias needs weight (LayerNorm with weight, or with weight and bias), got bias " +
                                  in.bias.describe() + " without weight");
-    DETDIT_RETURN_IF_ERROR(check_parameter(in.bias, "bias", in.x, *hidden));
+    DETDIT_RETURN_IF_ERROR(check_parameter(in.bias, "bias", in.x, x_name, *hidden));
   }
-  DETDIT_RETURN_IF_ERROR(check_modulation(in, mod));
+  DETDIT_RETURN_IF_ERROR(check_modulation(in, x_name, mod));
   DETDIT_RETURN_IF_ERROR(rowwise::check_eps(in.eps));
   return check::numerics_on(in.numerics, in.x.device);
 }
 
 // mean / rstd: (M,) fp32 contiguous on x's device.
-Status check_stat(const TensorView& t, const char* name, const TensorView& x, int64_t hidden) {
+Status check_stat(const TensorView& t, const char* name, const TensorView& x, const char* x_name, int64_t hidden) {
   DETDIT_RETURN_IF_ERROR(check::dtype(t, name, {DType::kF32}));
-  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, x, x_name));
   DETDIT_RETURN_IF_ERROR(check::shape(t, name, {x.numel() / hidden}, "(M,)"));
   return check::contiguous(t, name);
 }
 
 // d_weight / d_bias: (H,) fp32 or x's dtype, contiguous, on x's device.
-Status check_parameter_grad(const TensorView& t, const char* name, const TensorView& x, int64_t hidden) {
+Status check_parameter_grad(const TensorView& t, const char* name, const TensorView& x, const char* x_name,
+                            int64_t hidden) {
   DETDIT_RETURN_IF_ERROR(check::dtype(t, name, {DType::kF32, x.dtype}));
-  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, x, "x"));
+  DETDIT_RETURN_IF_ERROR(check::same_device(t, name, x, x_name));
   DETDIT_RETURN_IF_ERROR(check::shape(t, name, {hidden}, "(H,)"));
   return check::contiguous(t, name);
 }
 
 // out (forward) or grad (backward): like x for the plain norm; the modulated
 // norm's output dtype (modulation.h modulated_out_dtype) otherwise.
-Status check_out(const TensorView& t, const char* name, const LayernormInputs& in, const ResolvedModulation& mod) {
-  if (mod.form == ModulationForm::kNone) return rowwise::check_like(t, name, in.x, "x");
-  return rowwise::check_modulated_out(t, name, in.x, "x", mod, in.upcast, "shift");
+Status check_out(const TensorView& t, const char* name, const LayernormInputs& in, const char* x_name,
+                 const ResolvedModulation& mod) {
+  if (mod.form == ModulationForm::kNone) return rowwise::check_like(t, name, in.x, x_name);
+  return rowwise::check_modulated_out(t, name, in.x, x_name, mod, in.upcast, "shift");
 }
 
 // d_shift / d_scale: (R, H) table gradients (indexed) or the modulation
 // tensor's shape (grouped).
 Status check_modulation_grad_of(const TensorView& grad, const char* name, const TensorView& m, const char* m_name,
-                                const LayernormInputs& in, const ResolvedModulation& mod, int64_t hidden) {
+                                const LayernormInputs& in, const char* x_name, const ResolvedModulation& mod,
+                                int64_t hidden) {
   if (mod.form == ModulationForm::kNone)
     return Status::value_error(std::string(name) + " needs a modulated norm (shift and scale), got a plain norm");
   if (mod.form == ModulationForm::kIndexed)
-    return rowwise::check_table_grad(grad, name, in.plan.num_rows(), hidden, mod.dtype, in.x, "x");
+    return rowwise::check_table_grad(grad, name, in.plan.num_rows(), hidden, mod.dtype, in.x, x_name);
   return check_modulation_grad(grad, name, m, m_name, mod);
 }
 
@@ -107,14 +111,14 @@ Status check_modulation_grad_of(const TensorView& grad, const char* name, const 
 
 namespace rowwise {
 
-Status check_layernorm_forward_arguments(const LayernormParams& p) {
+Status check_layernorm_forward_arguments(const LayernormParams& p, const char* x_name) {
   int64_t hidden = 0;
   ResolvedModulation mod;
-  DETDIT_RETURN_IF_ERROR(check_inputs(p.in, &hidden, &mod));
-  DETDIT_RETURN_IF_ERROR(check_out(p.out, "out", p.in, mod));
+  DETDIT_RETURN_IF_ERROR(check_inputs(p.in, x_name, &hidden, &mod));
+  DETDIT_RETURN_IF_ERROR(check_out(p.out, "out", p.in, x_name, mod));
   DETDIT_RETURN_IF_ERROR(check_aligned(p.out, "out"));
-  if (p.mean.present()) DETDIT_RETURN_IF_ERROR(check_stat(p.mean, "mean", p.in.x, hidden));
-  if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_stat(p.rstd, "rstd", p.in.x, hidden));
+  if (p.mean.present()) DETDIT_RETURN_IF_ERROR(check_stat(p.mean, "mean", p.in.x, x_name, hidden));
+  if (p.rstd.present()) DETDIT_RETURN_IF_ERROR(check_stat(p.rstd, "rstd", p.in.x, x_name, hidden));
   return Status();
 }
 
@@ -125,28 +129,30 @@ Status validate_layernorm_forward(const LayernormParams& p) {
       {{&p.out, "out"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}});
 }
 
-Status check_layernorm_backward_arguments(const LayernormBackwardParams& p) {
+Status check_layernorm_backward_arguments(const LayernormBackwardParams& p, const char* x_name) {
   int64_t hidden = 0;
   ResolvedModulation mod;
-  DETDIT_RETURN_IF_ERROR(check_inputs(p.in, &hidden, &mod));
+  DETDIT_RETURN_IF_ERROR(check_inputs(p.in, x_name, &hidden, &mod));
   DETDIT_RETURN_IF_ERROR(check::present(p.mean, "mean"));
-  DETDIT_RETURN_IF_ERROR(check_stat(p.mean, "mean", p.in.x, hidden));
+  DETDIT_RETURN_IF_ERROR(check_stat(p.mean, "mean", p.in.x, x_name, hidden));
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
-  DETDIT_RETURN_IF_ERROR(check_stat(p.rstd, "rstd", p.in.x, hidden));
-  DETDIT_RETURN_IF_ERROR(check_out(p.grad, "grad", p.in, mod));
-  if (p.dx.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.dx, "dx", p.in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(check_stat(p.rstd, "rstd", p.in.x, x_name, hidden));
+  DETDIT_RETURN_IF_ERROR(check_out(p.grad, "grad", p.in, x_name, mod));
+  if (p.dx.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.dx, "dx", p.in.x, x_name));
   if (p.d_weight.present()) {
     if (!p.in.weight.present()) return Status::value_error("d_weight needs weight, got a norm without weight");
-    DETDIT_RETURN_IF_ERROR(check_parameter_grad(p.d_weight, "d_weight", p.in.x, hidden));
+    DETDIT_RETURN_IF_ERROR(check_parameter_grad(p.d_weight, "d_weight", p.in.x, x_name, hidden));
   }
   if (p.d_bias.present()) {
     if (!p.in.bias.present()) return Status::value_error("d_bias needs bias, got a norm without bias");
-    DETDIT_RETURN_IF_ERROR(check_parameter_grad(p.d_bias, "d_bias", p.in.x, hidden));
+    DETDIT_RETURN_IF_ERROR(check_parameter_grad(p.d_bias, "d_bias", p.in.x, x_name, hidden));
   }
   if (p.d_shift.present())
-    DETDIT_RETURN_IF_ERROR(check_modulation_grad_of(p.d_shift, "d_shift", p.in.shift, "shift", p.in, mod, hidden));
+    DETDIT_RETURN_IF_ERROR(
+        check_modulation_grad_of(p.d_shift, "d_shift", p.in.shift, "shift", p.in, x_name, mod, hidden));
   if (p.d_scale.present())
-    DETDIT_RETURN_IF_ERROR(check_modulation_grad_of(p.d_scale, "d_scale", p.in.scale, "scale", p.in, mod, hidden));
+    DETDIT_RETURN_IF_ERROR(
+        check_modulation_grad_of(p.d_scale, "d_scale", p.in.scale, "scale", p.in, x_name, mod, hidden));
   return Status();
 }
 

@@ -23,7 +23,7 @@
 // positions, which is what the batch-invariant gradient reduction uses.
 // "The H3 rule" in the sources: the indexed form (or none) with the
 // modulation in x's dtype, upcast = false and no k, i.e. numerics 5.6 / 5.7
-// exactly; the fused ops and the sequence-parallel backwards take only that.
+// exactly; the fused kernels and the sequence-parallel backwards take only that.
 #pragma once
 
 #include <cstdint>

@@ -18,6 +18,7 @@
 
 #include "detdit/adaln.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/layernorm.h"
 #include "detdit/linear.h"
@@ -139,6 +140,10 @@ struct LayernormPartials {
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \
+  /* gate_residual_layernorm's forward as one kernel per row (src/cuda/gate_residual_layernorm.cu): */ \
+  /* h computed, stored and normalised, bitwise equal to gate_residual_forward then layernorm_forward */ \
+  /* of h (the CPU runs that composition) */                                                           \
+  X(gate_residual_layernorm_forward, const GateResidualLayernormParams&, Stream)                         \
   /* The region backward's walk (src/cuda/gate_residual_rmsnorm.cu): each row's dx coefficient, then one walk over */ \
   /* each chunk giving d_residual, d_y and every partial, bitwise equal to the halves; *launched = */  \
   /* false where it does not apply (plain norm, unaligned rows, too many segments per chunk). */        \

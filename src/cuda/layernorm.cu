@@ -2,11 +2,13 @@
 // in the portable profile; in the torch profile rsqrt is the hardware rsqrtf,
 // which with PyTorch's tree makes the forward and dx PyTorch eager's.
 //
-// Forward and dx: one 128-thread block per row (thread t = lane + 32*warp,
+// Forward: the row kernel of src/cuda/layernorm_rows.cuh with x read from
+// memory (StoredRows), the kernel gate_residual_layernorm's forward runs with
+// h computed instead.
+// dx: one 128-thread block per row as the forward (thread t = lane + 32*warp,
 // PyTorch's (32, 4) block flattened). Thread t owns the 4-element vectors t,
-// t+128, ... in element order: a Welford state (forward) or the (s1, s2) dx
-// sums; the warps reduce with shuffle-down trees and the 4 warp results meet
-// in shared memory, every thread computing the same final combine
+// t+128, ... in element order: the (s1, s2) dx sums; the warps reduce with
+// shuffle-down trees and the 4 warp results meet in shared memory
 // (src/common/layernorm_math.h holds each step).
 // d_weight / d_bias (canonical reduction 6.5): one thread per (chunk, column)
 // walks the chunk's positions ascending; src/layernorm.cc folds the partials
@@ -31,6 +33,7 @@
 #include "common/scalar_math.h"
 #include "common/storage.h"
 #include "cuda/cuda_util.cuh"
+#include "cuda/layernorm_rows.cuh"
 #include "cuda/profile_math.cuh"
 #include "detdit/plan.h"
 #include "rowwise/checks.h"
@@ -39,35 +42,6 @@ namespace detdit {
 namespace cuda {
 namespace {
 
-constexpr int kVec = kRowTreeVector;  // 4 elements per tree vector
-
-struct LayernormArgs {
-  const void* x;       // (M, H)
-  const void* weight;  // (H,) or nullptr
-  const void* bias;    // (H,) or nullptr
-  int64_t hidden, positions;
-  float eps;
-  bool torch;
-  void* out;           // forward (M, H)
-  float* mean;         // forward output or backward input (M,); may be nullptr in the forward
-  float* rstd;
-  const void* grad;    // backward (M, H)
-  void* dx;            // backward (M, H)
-  float* weight_partials;  // (chunks, H) or nullptr
-  float* bias_partials;    // (chunks, H) or nullptr
-  // modulation (shift.data null: the plain norm)
-  ModulationOperand shift, scale;
-  ModulationForm form;
-  const int32_t* row_of_seq;  // indexed form (device)
-  int64_t seq_len, frame_len, per_group;
-  PlanTables tables;      // indexed form (device)
-  float* table_partials;  // [d_shift | d_scale] (rows, 2H) or nullptr
-};
-
-__device__ __forceinline__ int64_t offset_of(const LayernormArgs& a, const ModulationOperand& m, int64_t p) {
-  return modulation_offset(m, a.form, a.seq_len, a.frame_len, a.row_of_seq, p);
-}
-
 // d_n of element i of position p from its gradient g: g (plain) or
 // rn(g * R_Factor(1 + scale_i)).
 template <typename M, typename Factor>
@@ -75,69 +49,6 @@ __device__ __forceinline__ float d_n_of(const LayernormArgs& a, int64_t p, int64
   if (a.scale.data == nullptr) return g;
   const M* scale = static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, p);
   return rowwise::modulated_grad<Factor>(g, to_float(scale[i]));
-}
-
-__device__ __forceinline__ layernorm::Welford shfl_down(const layernorm::Welford& s, int offset) {
-  return layernorm::Welford{__shfl_down_sync(kFullMask, s.mean, offset), __shfl_down_sync(kFullMask, s.m2, offset),
-                            __shfl_down_sync(kFullMask, s.count, offset)};
-}
-
-// Weight (or bias) vector j, or `fill` when absent.
-template <typename T>
-__device__ __forceinline__ void parameter_vec(const void* p, int64_t j, float fill, float (&out)[kVec]) {
-  if (p) {
-    load_elems<T, kVec, true>(static_cast<const T*>(p) + j * kVec, out);
-  } else {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) out[e] = fill;
-  }
-}
-
-// x, weight, bias and out are validated aligned to a 4-element vector.
-template <typename T, typename M, bool kUpcast>
-__global__ void __launch_bounds__(kRowTreeThreads) layernorm_forward_kernel(LayernormArgs a) {
-  using R = Recipe<T, M, kUpcast>;
-  using Out = typename R::Out;
-  __shared__ layernorm::Welford warp_states[kRowTreeWarps];
-  const int64_t m = blockIdx.x;
-  const int64_t vectors = a.hidden / kVec;
-  const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
-  layernorm::Welford s{0.0f, 0.0f, 0.0f};
-  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
-    float v[kVec];
-    load_elems<T, kVec, true>(x + j * kVec, v);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) s = layernorm::welford_step(s, v[e]);
-  }
-  for (int offset = 16; offset >= 1; offset /= 2) s = layernorm::welford_combine(s, shfl_down(s, offset));
-  if (threadIdx.x % kWarpSize == 0) warp_states[threadIdx.x / kWarpSize] = s;
-  __syncthreads();
-  const layernorm::Welford w[kRowTreeWarps] = {warp_states[0], warp_states[1], warp_states[2], warp_states[3]};
-  const layernorm::RowMoments moments = layernorm::moments_of(layernorm::combine_warps(w), a.hidden);
-  const float rstd = rsqrt_p(num::add32(moments.var, a.eps), a.torch);
-  if (threadIdx.x == 0) {
-    if (a.mean) a.mean[m] = moments.mean;
-    if (a.rstd) a.rstd[m] = rstd;
-  }
-  Out* out = static_cast<Out*>(a.out) + m * a.hidden;
-  const bool has_weight = a.weight != nullptr, has_bias = a.bias != nullptr;
-  const bool modulated = a.shift.data != nullptr;
-  const M* shift = modulated ? static_cast<const M*>(a.shift.data) + offset_of(a, a.shift, m) : nullptr;
-  const M* scale = modulated ? static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, m) : nullptr;
-  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
-    float v[kVec], wv[kVec], bv[kVec], o[kVec];
-    load_elems<T, kVec, true>(x + j * kVec, v);
-    parameter_vec<T>(a.weight, j, 1.0f, wv);
-    parameter_vec<T>(a.bias, j, 0.0f, bv);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      o[e] = layernorm::normalised(v[e], moments.mean, rstd, has_weight, wv[e], has_bias, bv[e]);
-      if (modulated)
-        o[e] = layernorm::modulated<typename R::Norm, typename R::Mid, typename R::Factor>(
-            o[e], to_float(scale[j * kVec + e]), to_float(shift[j * kVec + e]));
-    }
-    store_elems<Out, kVec, true>(out + j * kVec, o);
-  }
 }
 
 // kVector: grad and dx rows aligned to a 4-element vector (x and weight always are).
@@ -261,41 +172,20 @@ __global__ void layernorm_segment_partials_kernel(LayernormArgs a, int64_t colum
   }
 }
 
-LayernormArgs args_of(const LayernormInputs& in) {
-  LayernormArgs a{};
-  a.x = in.x.data;
-  a.weight = in.weight.present() ? in.weight.data : nullptr;
-  a.bias = in.bias.present() ? in.bias.data : nullptr;
-  a.hidden = in.x.shape[in.x.rank - 1];
-  a.positions = in.x.numel() / a.hidden;
-  a.eps = in.eps;
-  a.torch = in.numerics == Numerics::kTorch;
-  const ResolvedModulation mod = rowwise::layernorm_modulation(in);
-  a.shift = modulation_operand(in.shift, mod);
-  a.scale = modulation_operand(in.scale, mod);
-  a.form = mod.form;
-  a.row_of_seq = mod.form == ModulationForm::kIndexed ? in.plan.device_tables().row_of_seq : nullptr;
-  if (mod.form == ModulationForm::kIndexed) a.tables = in.plan.device_tables();
-  a.seq_len = mod.seq_len;
-  a.frame_len = mod.frame_len;
-  a.per_group = mod.grouped() ? (mod.frame_len + kReductionChunk - 1) / kReductionChunk : 0;
-  return a;
-}
-
 }  // namespace
 
 Status layernorm_forward(const LayernormParams& p, Stream stream) {
   DeviceGuard guard;
   DETDIT_RETURN_IF_ERROR(guard.enter(p.in.x.device));
   LayernormArgs a = args_of(p.in);
-  a.out = p.out.data;
-  a.mean = p.mean.present() ? p.mean.ptr<float>() : nullptr;
-  a.rstd = p.rstd.present() ? p.rstd.ptr<float>() : nullptr;
-  if (a.positions == 0) return Status();
+  set_forward_outputs(p, &a);
   return dispatch_recipe(p.in.x.dtype, modulation_dtype(p.in), p.in.upcast, [&](auto t, auto m, auto up) {
-    layernorm_forward_kernel<decltype(t), decltype(m), decltype(up)::value>
-        <<<static_cast<unsigned>(a.positions), kRowTreeThreads, 0, as_cuda_stream(stream)>>>(a);
-    return launch_status("layernorm_forward_kernel");
+    using T = decltype(t);
+    using M = decltype(m);
+    return dispatch_bool(modulation_vectorizable<M>(a), [&](auto vector) {
+      return launch_layernorm_forward<StoredRows<T>, M, decltype(up)::value, decltype(vector)::value>(
+          a, StoredRows<T>{static_cast<const T*>(a.x)}, as_cuda_stream(stream));
+    });
   });
 }
 

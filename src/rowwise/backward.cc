@@ -121,11 +121,11 @@ Status fold_gate_partials(const GateResidualBackwardParams& p, const GatePartial
 }
 
 RmsnormInputs norm_inputs(const GateResidualRmsnormInputs& in, const TensorView& h) {
-  return RmsnormInputs{h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics};
+  return RmsnormInputs{h, in.weight, in.shift, in.scale, in.plan, in.eps, in.numerics, in.upcast};
 }
 
 GateResidualInputs gate_inputs(const GateResidualRmsnormInputs& in) {
-  return GateResidualInputs{in.residual, in.y, in.gate, in.plan};
+  return GateResidualInputs{in.residual, in.y, in.gate, in.plan, in.has_k, in.k, in.upcast};
 }
 
 RmsnormBackwardParams norm_backward(const GateResidualRmsnormBackwardParams& p, const TensorView& g) {

@@ -57,9 +57,9 @@ Status check_modulated_out(const TensorView& t, const char* name, const TensorVi
                            const ResolvedModulation& mod, bool upcast, const char* m_name);
 
 // Which modulation an entry point takes: the public rmsnorm and gate_residual
-// every form and recipe (detdit/modulation.h); the fused ops and the sequence-
-// parallel region the H3 rule only: the indexed form (the modulation in x's dtype,
-// upcast = false, no k), which is what their kernels implement.
+// every form and recipe (detdit/modulation.h); the fused kernels' routes and the
+// sequence-parallel region the H3 rule only: the indexed form (the modulation in
+// x's dtype, upcast = false, no k), which is what their kernels implement.
 enum class Forms { kIndexedOnly, kAll };
 
 // The complete validation of the public entry points, each in two steps: the
@@ -69,8 +69,12 @@ enum class Forms { kIndexedOnly, kAll };
 // the second step once over its own arguments under its own names, so that an
 // overlap is reported as the caller's tensors (h, table, d_norm_weight), never
 // as a half's (x, rows, d_weight).
-Status check_rmsnorm_forward_arguments(const RmsnormParams& p, Forms forms = Forms::kIndexedOnly);
-Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p, Forms forms = Forms::kIndexedOnly);
+// The argument steps of the norms take the name their errors give x: a fused
+// op's norm half reads its h as x, and its errors name h.
+Status check_rmsnorm_forward_arguments(const RmsnormParams& p, Forms forms = Forms::kIndexedOnly,
+                                       const char* x_name = "x");
+Status check_rmsnorm_backward_arguments(const RmsnormBackwardParams& p, Forms forms = Forms::kIndexedOnly,
+                                        const char* x_name = "x");
 Status validate_rmsnorm_forward(const RmsnormParams& p, Forms forms = Forms::kIndexedOnly);
 Status validate_rmsnorm_backward(const RmsnormBackwardParams& p, Forms forms = Forms::kIndexedOnly);
 // The gather backward's grad and d_rows (also run by adaln_modulation).
@@ -89,8 +93,8 @@ Status validate_gate_residual_rmsnorm_backward(const GateResidualRmsnormBackward
 // layernorm's, in the same two steps (its run after validation:
 // rowwise/backward.h run_layernorm_backward). gate_residual_layernorm runs
 // the argument steps of both halves, then its own overlap check.
-Status check_layernorm_forward_arguments(const LayernormParams& p);
-Status check_layernorm_backward_arguments(const LayernormBackwardParams& p);
+Status check_layernorm_forward_arguments(const LayernormParams& p, const char* x_name = "x");
+Status check_layernorm_backward_arguments(const LayernormBackwardParams& p, const char* x_name = "x");
 Status validate_layernorm_forward(const LayernormParams& p);
 Status validate_layernorm_backward(const LayernormBackwardParams& p);
 

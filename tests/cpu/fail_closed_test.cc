@@ -583,12 +583,14 @@ const std::vector<Entry>& entries() {
        {"d_residual", "d_y", "d_gate"}, {"gate", "d_residual", "d_y", "d_gate"}, {},
        [](const Args& a, const IndexPlan& plan) { return gate_residual_backward(gate_backward_params(a, plan)); },
        gate_table, indexed},
+      // gate is optional here too: absent, the plain residual add before the norm
+      // (gate_residual_rmsnorm.h); the backward's d_gate still needs it.
       {"gate_residual_rmsnorm_forward", "gate_residual_rmsnorm",
-       {"residual", "y", "gate", "weight", "shift", "scale", "h", "out", "rstd"}, {"h", "out", "rstd"}, {},
+       {"residual", "y", "gate", "weight", "shift", "scale", "h", "out", "rstd"}, {"h", "out", "rstd"}, {"gate"},
        {"weight", "h", "out"}, region_forward, region_tables, modulated},
       {"gate_residual_rmsnorm_forward_plain", "gate_residual_rmsnorm",
-       {"residual", "y", "gate", "weight", "h", "out", "rstd"}, {"h", "out", "rstd"}, {}, {"weight", "h", "out"},
-       region_forward, region_tables, plain},
+       {"residual", "y", "gate", "weight", "h", "out", "rstd"}, {"h", "out", "rstd"}, {"gate"},
+       {"weight", "h", "out"}, region_forward, region_tables, plain},
       // residual is not read by the backward (gate_residual_rmsnorm.h).
       {"gate_residual_rmsnorm_backward", "gate_residual_rmsnorm",
        {"y", "gate", "weight", "shift", "scale", "h", "rstd", "d_out", "d_h", "d_residual", "d_y", "d_gate",

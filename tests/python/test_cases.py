@@ -164,6 +164,13 @@ def _gate_residual(c):
     return dict(zip(("out", "d_residual", "d_y", "d_gate"), (out,) + tuple(grads)))
 
 
+def _gate_residual_rmsnorm_unsupported(c):
+    if is_form_case(c):
+        return ("the binding takes the H3 rule's indexed table only; the forms' cases run in the C++ "
+                "suites (tests, verify, bench)")
+    return None
+
+
 def _gate_residual_rmsnorm(c):
     residual, y, w, eps = c["residual"], c["y"], c["weight"], c.eps()
     hidden = residual.shape[-1]
@@ -276,7 +283,7 @@ RECIPES = {
     "final_adaln_out": (_final_adaln_out, {}, None),
     "rmsnorm": (_rmsnorm, {}, None),
     "gate_residual": (_gate_residual, {}, None),
-    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
+    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, _gate_residual_rmsnorm_unsupported),
     "layernorm": (_layernorm, {}, None),
     "gate_residual_layernorm": (_gate_residual_layernorm, {}, None),
     "adaln_row_gather": (_adaln_row_gather, {}, None),

@@ -1,11 +1,13 @@
-// gate_residual_layernorm's test problems, shared by the CPU and CUDA suites:
-// one problem = a modulation form, a recipe (x and modulation dtypes,
-// upcast), an affine variant, which modulation tensors are present (gate,
-// shift and scale), k, d_h. Its inputs are host tensors drawn from a seed; the
+// The test problems of the two gated-residual regions, gate_residual_layernorm
+// and gate_residual_rmsnorm (GrlnProblem::norm), shared by the CPU and CUDA
+// suites: one problem = a modulation form, a recipe (x and modulation dtypes,
+// upcast), an affine variant (rmsnorm: weight only), which modulation tensors
+// are present (gate, shift and scale), k, d_h. Its inputs are host tensors drawn from a seed; the
 // modulation tensors are chunks 0 (shift), 1 (scale) and 2 (gate) of a
 // (G, 6, H) parent, as the models' `.chunk(6, dim=-2)` views make them.
-// run_fused runs the op on a device; run_composed runs the two separate ops
-// on the CPU as autograd composes them (the d_h sum written out here).
+// run_fused runs the region on a device; run_composed runs the two separate
+// ops (gate_residual, then layernorm or rmsnorm) on the CPU as autograd
+// composes them (the d_h sum written out here).
 #pragma once
 
 #include <cstdint>
@@ -15,7 +17,9 @@
 
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_layernorm.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/layernorm.h"
+#include "detdit/rmsnorm.h"
 #include "cases/index_case.h"
 #include "support/cases.h"
 #include "support/test_util.h"
@@ -27,6 +31,8 @@ enum class GrlnAffine { kNone, kWeight, kWeightBias };
 // The form of every present modulation tensor: none (gate and norm plain),
 // grouped (F frames: 1 per sample, S per token), indexed (a plan over (R, H)).
 enum class GrlnKind { kNone, kGrouped, kIndexed };
+// The region's norm: gate_residual_layernorm or gate_residual_rmsnorm.
+enum class GrlnNorm { kLayernorm, kRmsnorm };
 
 struct GrlnProblem {
   int64_t batch, seq, hidden;
@@ -39,6 +45,7 @@ struct GrlnProblem {
   bool gate, norm_mod;  // gate present; shift and scale present (kind != kNone)
   bool has_k;
   bool d_h;
+  GrlnNorm norm = GrlnNorm::kLayernorm;  // kRmsnorm: affine must be kWeight (RMSNorm's weight)
 
   bool has_gate() const { return kind != GrlnKind::kNone && gate; }
   bool modulated() const { return kind != GrlnKind::kNone && norm_mod; }
@@ -49,10 +56,11 @@ struct GrlnProblem {
     return !modulated() || upcast || mod_dtype == h_dtype() ? h_dtype() : DType::kF32;
   }
   int64_t positions() const { return batch * seq; }
+  bool layernorm() const { return norm == GrlnNorm::kLayernorm; }
   std::string describe() const {
     const char* k = kind == GrlnKind::kNone ? "none" : kind == GrlnKind::kIndexed ? "indexed" : "grouped";
     const char* a = affine == GrlnAffine::kNone ? "no affine" : affine == GrlnAffine::kWeight ? "weight" : "weight+bias";
-    return std::string(k) + " F=" + std::to_string(frames) + (with_unit ? " (unit dim)" : "") +
+    return std::string(layernorm() ? "" : "rmsnorm ") + k + " F=" + std::to_string(frames) + (with_unit ? " (unit dim)" : "") +
            " B=" + std::to_string(batch) + " S=" + std::to_string(seq) + " H=" + std::to_string(hidden) + " x " +
            dtype_name(x_dtype) + " modulation " + dtype_name(mod_dtype) + (upcast ? " upcast" : " each-op") + " " + a +
            (has_gate() ? " gate" : " no gate") + (modulated() ? " shift+scale" : " plain norm") +
@@ -119,10 +127,10 @@ inline std::vector<GrlnOutputSpec> grln_output_specs(const GrlnInputs& in) {
   const GrlnProblem& p = in.p;
   std::vector<GrlnOutputSpec> s = {{"h", p.h_dtype(), in.act_shape()},
                                    {"out", p.out_dtype(), in.act_shape()},
-                                   {"mean", DType::kF32, {p.positions()}},
                                    {"rstd", DType::kF32, {p.positions()}},
                                    {"d_residual", p.x_dtype, in.act_shape()},
                                    {"d_y", p.x_dtype, in.act_shape()}};
+  if (p.layernorm()) s.push_back({"mean", DType::kF32, {p.positions()}});
   if (p.has_gate()) s.push_back({"d_gate", DType::kF32, in.mod_shape()});
   if (p.affine != GrlnAffine::kNone) s.push_back({"d_weight", DType::kF32, {p.hidden}});
   if (p.affine == GrlnAffine::kWeightBias) s.push_back({"d_bias", p.h_dtype(), {p.hidden}});
@@ -139,6 +147,45 @@ enum class GrlnGrads {
   kNoResidual,    // all but d_residual (g in scratch)
   kNormOnly,      // d_weight, d_bias, d_shift, d_scale only (the gate half skipped)
 };
+
+// The forward's outputs and the gradients asked for, from the device to the map.
+inline Status copy_outputs(const GrlnInputs& in, GrlnGrads grads, std::map<std::string, DeviceTensor>* dev,
+                           GrlnOutputs* outputs) {
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
+    if (s.name == "d_residual" && grads != GrlnGrads::kAll) continue;
+    if ((s.name == "d_y" || s.name == "d_gate") && grads == GrlnGrads::kNormOnly) continue;
+    DETDIT_RETURN_IF_ERROR((*dev)[s.name].to_host(&(*outputs)[s.name]));
+  }
+  return Status();
+}
+
+// gate_residual_rmsnorm's forward and backward of the region's arguments `a`
+// (bias unused), the outputs in `view`.
+template <typename View>
+Status run_fused_rmsnorm(const GrlnProblem& p, const GateResidualLayernormInputs& a, GrlnGrads grads, View&& view) {
+  GateResidualRmsnormInputs args{a.residual, a.y, a.gate, a.weight, a.shift, a.scale, a.plan};
+  args.has_k = a.has_k;
+  args.k = a.k;
+  args.eps = a.eps;
+  args.upcast = a.upcast;
+  DETDIT_RETURN_IF_ERROR(gate_residual_rmsnorm_forward({args, view("h"), view("out"), view("rstd")}));
+  GateResidualRmsnormBackwardParams b;
+  b.in = args;
+  b.h = view("h");
+  b.rstd = view("rstd");
+  b.d_out = view("d_out");
+  if (p.d_h) b.d_h = view("d_h");
+  const bool gate_half = grads != GrlnGrads::kNormOnly;
+  if (grads == GrlnGrads::kAll) b.d_residual = view("d_residual");
+  if (gate_half) {
+    b.d_y = view("d_y");
+    b.d_gate = view("d_gate");
+  }
+  b.d_weight = view("d_weight");
+  b.d_shift = view("d_shift");
+  b.d_scale = view("d_scale");
+  return gate_residual_rmsnorm_backward(b);
+}
 
 // The fused op on `device`: the forward, then the backward for `grads`; the
 // map holds the forward's outputs and the gradients asked for.
@@ -169,6 +216,10 @@ inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads gr
   args.eps = kGrlnEps;
   args.upcast = p.upcast;
   auto view = [&](const char* name) { return dev.count(name) ? dev[name].view() : TensorView(); };
+  if (!p.layernorm()) {
+    DETDIT_RETURN_IF_ERROR(run_fused_rmsnorm(p, args, grads, view));
+    return copy_outputs(in, grads, &dev, outputs);
+  }
   DETDIT_RETURN_IF_ERROR(
       gate_residual_layernorm_forward({args, view("h"), view("out"), view("mean"), view("rstd")}));
   GateResidualLayernormBackwardParams b{args, view("h"), view("mean"), view("rstd"), view("d_out")};
@@ -184,30 +235,15 @@ inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads gr
   b.d_shift = view("d_shift");
   b.d_scale = view("d_scale");
   DETDIT_RETURN_IF_ERROR(gate_residual_layernorm_backward(b));
-  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
-    if (s.name == "d_residual" && grads != GrlnGrads::kAll) continue;
-    if ((s.name == "d_y" || s.name == "d_gate") && !gate_half) continue;
-    DETDIT_RETURN_IF_ERROR(dev[s.name].to_host(&(*outputs)[s.name]));
-  }
-  return Status();
+  return copy_outputs(in, grads, &dev, outputs);
 }
 
-// The two ops composed on the CPU as autograd composes them: gate_residual
-// forward into h, layernorm forward of h; layernorm backward of d_out (dx),
-// g = R(rn(dx + d_h)) in h's dtype (written out here), gate_residual backward
-// of g.
-inline Status run_composed(const GrlnInputs& in, GrlnOutputs* outputs) {
+// run_composed's layernorm: its forward of h, its backward of d_out with dx into *g.
+inline Status run_composed_layernorm(const GrlnInputs& in, GrlnOutputs* outputs, HostTensor* g) {
   const GrlnProblem& p = in.p;
   GrlnOutputs& o = *outputs;
-  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
-    o[s.name] = HostTensor(s.dtype, s.shape);
-    o[s.name].fill_bytes(kCanary);
-  }
   auto view = [&](const char* name) { return o.count(name) ? o[name].view() : TensorView(); };
   const Device cpu = Device::cpu();
-  GateResidualInputs gate{in.residual.view(), in.y.view(), TensorView(), in.plan, p.has_k, kGrlnK, p.upcast};
-  if (p.has_gate()) gate.gate = in.chunk(in.parent.data(), 2, cpu);
-  DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate, view("h")}));
   LayernormInputs norm;
   norm.x = view("h");
   if (p.affine != GrlnAffine::kNone) norm.weight = in.w.view();
@@ -220,10 +256,45 @@ inline Status run_composed(const GrlnInputs& in, GrlnOutputs* outputs) {
   norm.eps = kGrlnEps;
   norm.upcast = p.upcast;
   DETDIT_RETURN_IF_ERROR(layernorm_forward({norm, view("out"), view("mean"), view("rstd")}));
-  HostTensor g(p.h_dtype(), in.act_shape());
-  LayernormBackwardParams nb{norm, view("mean"), view("rstd"), in.d_out.view(), g.view(), view("d_weight"),
+  LayernormBackwardParams nb{norm, view("mean"), view("rstd"), in.d_out.view(), g->view(), view("d_weight"),
                              view("d_bias"), view("d_shift"), view("d_scale")};
-  DETDIT_RETURN_IF_ERROR(layernorm_backward(nb));
+  return layernorm_backward(nb);
+}
+
+// The two ops composed on the CPU as autograd composes them: gate_residual
+// forward into h, the norm's (layernorm or rmsnorm) forward of h; its
+// backward of d_out (dx), g = R(rn(dx + d_h)) in h's dtype (written out here),
+// gate_residual backward of g.
+inline Status run_composed(const GrlnInputs& in, GrlnOutputs* outputs) {
+  const GrlnProblem& p = in.p;
+  GrlnOutputs& o = *outputs;
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) {
+    o[s.name] = HostTensor(s.dtype, s.shape);
+    o[s.name].fill_bytes(kCanary);
+  }
+  auto view = [&](const char* name) { return o.count(name) ? o[name].view() : TensorView(); };
+  const Device cpu = Device::cpu();
+  GateResidualInputs gate{in.residual.view(), in.y.view(), TensorView(), in.plan, p.has_k, kGrlnK, p.upcast};
+  if (p.has_gate()) gate.gate = in.chunk(in.parent.data(), 2, cpu);
+  DETDIT_RETURN_IF_ERROR(gate_residual_forward({gate, view("h")}));
+  HostTensor g(p.h_dtype(), in.act_shape());
+  if (p.layernorm()) {
+    DETDIT_RETURN_IF_ERROR(run_composed_layernorm(in, &o, &g));
+  } else {
+    RmsnormInputs norm;
+    norm.x = view("h");
+    norm.weight = in.w.view();
+    if (p.modulated()) {
+      norm.shift = in.chunk(in.parent.data(), 0, cpu);
+      norm.scale = in.chunk(in.parent.data(), 1, cpu);
+    }
+    norm.plan = in.plan;
+    norm.eps = kGrlnEps;
+    norm.upcast = p.upcast;
+    DETDIT_RETURN_IF_ERROR(rmsnorm_forward({norm, view("out"), view("rstd")}));
+    DETDIT_RETURN_IF_ERROR(rmsnorm_backward({norm, view("rstd"), in.d_out.view(), g.view(), view("d_weight"),
+                                             view("d_shift"), view("d_scale")}));
+  }
   if (p.d_h)
     for (int64_t i = 0; i < g.numel(); ++i)
       g.set(i, static_cast<float>(static_cast<float>(g.get(i)) + static_cast<float>(in.d_h.get(i))));

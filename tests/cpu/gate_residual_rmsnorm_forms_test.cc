@@ -1,0 +1,234 @@
+// gate_residual_rmsnorm's modulation forms and recipes on the CPU: every
+// output and gradient of the fused op equals gate_residual then rmsnorm
+// composed as autograd composes them (tests/support/gate_residual_layernorm_fixture.h
+// run_composed), bitwise, over every form (none, per sample, per frame, per
+// token, with and without the unit dimension, indexed) x recipe (modulation in
+// x's dtype or fp32, upcast false / true) x which modulation tensors are
+// present, with and without k and d_h, with g in d_residual, in scratch, and
+// the norm's gradients alone (the indexed form in x's dtype with a gate and
+// no k is the H3 rule's fused route, every other problem the composed
+// route); a sample's outputs and gradients the same bytes alone and in a
+// batch of 3; and bad input refused naming the argument, nothing written.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "support/gate_residual_layernorm_fixture.h"
+#include "support/rowwise_fixture.h"
+
+namespace detdit {
+namespace testing {
+namespace {
+
+struct Form {
+  const char* name;
+  GrlnKind kind;
+  int64_t frames;
+  bool with_unit;
+};
+constexpr int64_t kS = 300;  // per sample: 2 chunks of 256 from the group's start
+const Form kForms[] = {{"none", GrlnKind::kNone, 0, false},
+                       {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
+                       {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
+                       {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
+                       {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
+                       {"per_token", GrlnKind::kGrouped, kS, false},
+                       {"indexed", GrlnKind::kIndexed, 0, false}};
+struct Recipe {
+  DType x, mod;
+  bool upcast;
+};
+const Recipe kRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
+                           {DType::kBF16, DType::kF32, true},   {DType::kF16, DType::kF16, true},
+                           {DType::kF16, DType::kF32, false},   {DType::kF32, DType::kF32, false}};
+
+// Any byte of t is not the canary: the run wrote it.
+::testing::AssertionResult written(const HostTensor& t) {
+  const auto* bytes = static_cast<const unsigned char*>(t.data());
+  for (std::size_t i = 0; i < t.nbytes(); ++i)
+    if (bytes[i] != kCanary) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "every byte is still the canary";
+}
+
+void expect_equal_outputs(const GrlnOutputs& expected, const GrlnOutputs& got) {
+  for (const auto& [name, e] : expected) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(got.count(name)) << "missing";
+    EXPECT_TRUE(written(e));
+    EXPECT_BITWISE_EQ(e, got.at(name));
+  }
+}
+
+TEST(GateResidualRmsnormForms, EqualsTheSeparateOpsComposedAsAutogradDoes) {
+  int checked = 0, h3_rule = 0;
+  for (const Form& f : kForms)
+    for (const Recipe& r : kRecipes)
+      for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 3); ++presence)
+        for (int variant = 0; variant < 4; ++variant) {
+          const bool k = variant & 1, d_h = variant & 2;
+          if (k && (f.kind == GrlnKind::kNone || presence == 2)) continue;  // k needs a gate
+          // presence 0: gate, shift, scale; 1: gate and a plain norm; 2: shift and scale without a gate.
+          const GrlnProblem p{2,   kS,  72,           f.kind,        f.frames,      f.with_unit, r.x,
+                              r.mod, r.upcast, GrlnAffine::kWeight, presence != 2, presence != 1, k,
+                              d_h, GrlnNorm::kRmsnorm};
+          SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
+          if (f.kind == GrlnKind::kIndexed && presence != 2 && r.mod == r.x && !r.upcast && !k) ++h3_rule;
+          const GrlnInputs in(p, 3000 + checked);
+          GrlnOutputs composed, fused, fused_scratch, fused_norm_only;
+          DETDIT_ASSERT_OK(run_composed(in, &composed));
+          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kAll, &fused));
+          expect_equal_outputs(composed, fused);
+          // g in scratch (no d_residual): the same bytes for every other output.
+          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNoResidual, &fused_scratch));
+          composed.erase("d_residual");
+          expect_equal_outputs(composed, fused_scratch);
+          // The norm's gradients alone (no g at all): the same bytes.
+          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNormOnly, &fused_norm_only));
+          composed.erase("d_y");
+          composed.erase("d_gate");
+          expect_equal_outputs(composed, fused_norm_only);
+          ++checked;
+        }
+  EXPECT_GT(checked, 300);
+  EXPECT_GT(h3_rule, 0);  // the fused route is among them
+}
+
+// Sample 1 of a batch of 3 and the same sample alone: the same bytes in every
+// row-local output and in its per-sample / per-frame gradients.
+TEST(GateResidualRmsnormForms, ASampleIsTheSameAloneAndInABatch) {
+  int checked = 0;
+  for (const Form& f : kForms) {
+    if (f.kind != GrlnKind::kGrouped) continue;
+    for (const Recipe& r : kRecipes) {
+      const GrlnProblem batch_p{3,     kS,    72,       f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast,
+                                GrlnAffine::kWeight, true, true, false, true, GrlnNorm::kRmsnorm};
+      GrlnProblem alone_p = batch_p;
+      alone_p.batch = 1;
+      SCOPED_TRACE(std::string(f.name) + ": " + batch_p.describe());
+      const GrlnInputs batch(batch_p, 7);
+      GrlnInputs alone(alone_p, 7);
+      for (auto [from, to] : std::vector<std::pair<const HostTensor*, HostTensor*>>{
+               {&batch.residual, &alone.residual}, {&batch.y, &alone.y}, {&batch.d_out, &alone.d_out},
+               {&batch.d_h, &alone.d_h}})
+        copy_row(*from, 1, to, 0);
+      // The parent (B*F, 6, H): sample 1's F rows.
+      const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
+      std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
+      GrlnOutputs in_batch, on_its_own;
+      DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
+      DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
+      for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
+        SCOPED_TRACE(name);
+        EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));
+      }
+      EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at("rstd").data()) + kS,
+                                      on_its_own.at("rstd").data(), kS, DType::kF32));
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 5 * 6);
+}
+
+// The op's arguments broken one at a time (per-sample bf16): refused, forward
+// and backward, naming the argument, and no output written.
+TEST(GateResidualRmsnormForms, BadInputIsRefusedAndWritesNothing) {
+  const GrlnProblem p{2,     12,    8,    GrlnKind::kGrouped, 1,    false, DType::kBF16, DType::kBF16, false,
+                      GrlnAffine::kWeight, true, true, false, true, GrlnNorm::kRmsnorm};
+  const GrlnInputs in(p, 3);
+  const Device cpu = Device::cpu();
+  HostTensor token_parent = random_tensor(DType::kBF16, {2, 12, 6, 8}, 9);
+  HostTensor f32_parent = random_tensor(DType::kF32, {2, 6, 8}, 10);
+  HostTensor f32_h(DType::kF32, {2, 12, 8}), f32_weight = random_tensor(DType::kF32, {8}, 11);
+  GrlnOutputs o;
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) o[s.name] = HostTensor(s.dtype, s.shape);
+  GateResidualRmsnormInputs args;
+  args.residual = in.residual.view();
+  args.y = in.y.view();
+  args.gate = in.chunk(in.parent.data(), 2, cpu);
+  args.weight = in.w.view();
+  args.shift = in.chunk(in.parent.data(), 0, cpu);
+  args.scale = in.chunk(in.parent.data(), 1, cpu);
+  struct Bad {
+    const char* what;
+    ErrorKind kind;
+    const char* message;
+    std::function<void(GateResidualRmsnormParams*, GateResidualRmsnormBackwardParams*)> mutate;
+  };
+  const std::vector<Bad> cases = {
+      {"gate per token, shift and scale per sample", ErrorKind::kValue, "one modulation form",
+       [&](auto* f, auto* b) {
+         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(token_parent.data()) + 2 * 8 * 2,
+                                                       DType::kBF16, {2, 12, 8}, {12 * 48, 48, 1});
+         b->d_gate = TensorView();  // else refused first as a per-sample d_gate of a per-token gate
+       }},
+      {"an fp32 gate with upcast: h has x's dtype, not fp32", ErrorKind::kType,
+       "h must be bfloat16 (gate_residual's output dtype)",
+       [&](auto* f, auto* b) {
+         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(f32_parent.data()) + 2 * 8 * 4,
+                                                       DType::kF32, {2, 8}, {48, 1});
+         f->in.upcast = b->in.upcast = true;
+         f->h = b->h = f32_h.view();
+         f->in.weight = b->in.weight = f32_weight.view();
+         b->d_gate = TensorView();
+       }},
+      {"an fp32 gate each op with h in x's dtype: the gate is named", ErrorKind::kType,
+       "gate must be bfloat16, got float32",
+       [&](auto* f, auto* b) {
+         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(f32_parent.data()) + 2 * 8 * 4,
+                                                       DType::kF32, {2, 8}, {48, 1});
+         b->d_gate = TensorView();
+       }},
+      {"S not a multiple of F", ErrorKind::kValue, "gate has F = 5 frames, which must divide S = 12",
+       [&](auto* f, auto* b) {
+         // (B, 5, H): 12 positions in 5 frames.
+         for (TensorView* m : {&f->in.gate, &f->in.shift, &f->in.scale, &b->in.gate, &b->in.shift, &b->in.scale})
+           *m = TensorView::strided(m->data, m->dtype, {2, 5, 8}, {48, 48, 1});
+       }},
+      {"weight not in h's dtype", ErrorKind::kType, "weight must have h's dtype bfloat16",
+       [&](auto* f, auto* b) { f->in.weight = b->in.weight = f32_weight.view(); }},
+      {"h of fp32", ErrorKind::kType, "h must be bfloat16",
+       [](auto* f, auto* b) { f->h.dtype = b->h.dtype = DType::kF32; }},
+      {"no h", ErrorKind::kValue, "h is required", [](auto* f, auto* b) { f->h = b->h = TensorView(); }},
+      {"shift without scale", ErrorKind::kValue, "shift without scale",
+       [](auto* f, auto* b) { f->in.scale = b->in.scale = TensorView(); }},
+      {"out over y / d_y over y", ErrorKind::kValue, "overlap",
+       [](auto* f, auto* b) {
+         f->out = f->in.y;
+         b->d_y = b->in.y;
+       }},
+      {"rstd shape", ErrorKind::kValue, "rstd must be (M,)",
+       [](auto* f, auto* b) { f->rstd.shape[0] = b->rstd.shape[0] = 5; }},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    for (auto& [name, t] : o) t.fill_bytes(kCanary);
+    f32_h.fill_bytes(kCanary);
+    GateResidualRmsnormParams f{args, o["h"].view(), o["out"].view(), o["rstd"].view()};
+    GateResidualRmsnormBackwardParams b;
+    b.in = args;
+    b.h = o["h"].view();
+    b.rstd = o["rstd"].view();
+    b.d_out = in.d_out.view();
+    b.d_h = in.d_h.view();
+    b.d_residual = o["d_residual"].view();
+    b.d_y = o["d_y"].view();
+    b.d_gate = o["d_gate"].view();
+    b.d_weight = o["d_weight"].view();
+    b.d_shift = o["d_shift"].view();
+    b.d_scale = o["d_scale"].view();
+    bad.mutate(&f, &b);
+    EXPECT_TRUE(refused(gate_residual_rmsnorm_forward(f), bad.kind, bad.message)) << "forward";
+    EXPECT_TRUE(refused(gate_residual_rmsnorm_backward(b), bad.kind, bad.message)) << "backward";
+    std::vector<HostTensor*> outputs = {&f32_h};
+    for (auto& [name, t] : o) outputs.push_back(&t);
+    EXPECT_TRUE(still_canary(outputs));
+  }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace detdit
