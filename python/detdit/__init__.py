@@ -278,17 +278,26 @@ def gate_residual(residual, y, gate=None, plan=None, k=None, upcast=False):
     return _ops.gate_residual.forms(residual, y, gate, plan, upcast, None if k is None else float(k))
 
 
-def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
-                          numerics="portable"):
-    """The region every H3 block runs twice, fused: ``h = residual + gate[i] * y``, then
-    ``out = rmsnorm(h, weight, shift, scale)``; returns ``(h, out)``. Forward and every
-    gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`, including the
-    gradient that reaches ``h`` from the rest of the network (the next residual branch)."""
-    _check("gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR),
+def gate_residual_rmsnorm(residual, y, gate=None, weight=None, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
+                          numerics="portable", upcast=False, k=None):
+    """The region every H3 block runs twice, fused: ``h = gate_residual(residual, y, gate,
+    plan, k, upcast)``, then ``out = rmsnorm(h, weight, shift, scale, plan, eps, upcast)``;
+    returns ``(h, out)`` (:func:`gate_residual_layernorm` returns ``(out, h)``). weight is
+    required. Every form of the two ops (the gate absent, indexed with a plan, per sample, per
+    frame, per token; fp32 or residual's dtype), all present modulation tensors in one form.
+    Forward and every gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`,
+    including the gradient that reaches ``h`` from the rest of the network (the next residual
+    branch)."""
+    _check("gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _OPTIONAL_TENSOR),
            weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR),
-           eps=(eps, _REAL))
-    op, plan = _by_plan(_ops.gate_residual_rmsnorm, plan, "gate_residual_rmsnorm")
-    h, out, _ = op(residual, y, gate, weight, shift, scale, plan, float(eps), _profile(numerics))
+           eps=(eps, _REAL), upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+    if gate is not None and _h3_rule(residual, (gate, shift, scale), plan, upcast, k):
+        op, plan = _by_plan(_ops.gate_residual_rmsnorm, plan, "gate_residual_rmsnorm")
+        h, out, _ = op(residual, y, gate, weight, shift, scale, plan, float(eps), _profile(numerics))
+        return h, out
+    plan = _forms_plan(plan, "gate_residual_rmsnorm")
+    h, out, _ = _ops.gate_residual_rmsnorm.forms(residual, y, gate, weight, shift, scale, plan, float(eps),
+                                                 _profile(numerics), upcast, None if k is None else float(k))
     return h, out
 
 

@@ -164,14 +164,30 @@ def _gate_residual(c):
     return dict(zip(("out", "d_residual", "d_y", "d_gate"), (out,) + tuple(grads)))
 
 
-def _gate_residual_rmsnorm_unsupported(c):
-    if is_form_case(c):
-        return ("the binding takes the H3 rule's indexed table only; the forms' cases run in the C++ "
-                "suites (tests, verify, bench)")
-    return None
+def _gate_residual_rmsnorm_forms(c):
+    """A form case (cases/forms_cases.cc): gate, shift and scale chunks 2, 3 and 4 of the
+    case's parent (all three or none), through `gate_residual_rmsnorm.forms`."""
+    residual, y, w, eps = c["residual"], c["y"], c["weight"], c.eps()
+    upcast = c.arguments["upcast"] == "true"
+    k = float(c.arguments["k"]) if "k" in c.arguments else None
+    gated = "modulation" in c
+    gate, shift, scale = form_views(c, (2, 3, 4), "d_gate") if gated else (None, None, None)
+    plan = c.plan() if "plan" in c.plans else None
+    h, out, rstd = ops.gate_residual_rmsnorm.forms(residual, y, gate, w, shift, scale, plan, eps, c.numerics, upcast,
+                                                   k)
+    d_h = c["d_h"] if "d_h" in c else None
+    grads = ops.gate_residual_rmsnorm_backward.forms(c["d_out"], d_h, y, gate, w, shift, scale, plan, h, rstd, eps,
+                                                     c.numerics, upcast, k, [True, True, gated, True, gated, gated])
+    got = {"h": h, "out": out, "rstd": rstd}
+    for name, grad in zip(("d_residual", "d_y", "d_gate", "d_weight", "d_shift", "d_scale"), grads):
+        if grad is not None:
+            got[name] = grad
+    return got
 
 
 def _gate_residual_rmsnorm(c):
+    if is_form_case(c):
+        return _gate_residual_rmsnorm_forms(c)
     residual, y, w, eps = c["residual"], c["y"], c["weight"], c.eps()
     hidden = residual.shape[-1]
     modulated = any(t["name"] == "d_shift" for t in c.outputs)
@@ -283,7 +299,7 @@ RECIPES = {
     "final_adaln_out": (_final_adaln_out, {}, None),
     "rmsnorm": (_rmsnorm, {}, None),
     "gate_residual": (_gate_residual, {}, None),
-    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, _gate_residual_rmsnorm_unsupported),
+    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
     "layernorm": (_layernorm, {}, None),
     "gate_residual_layernorm": (_gate_residual_layernorm, {}, None),
     "adaln_row_gather": (_adaln_row_gather, {}, None),

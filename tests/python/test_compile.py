@@ -119,6 +119,7 @@ def op_cases(device, comm=None):
     shift, scale, gate = mod[:, 0], mod[:, 1], mod[:, 2:3]
     _, forms_rstd = ops.rmsnorm.forms(x, w, shift, scale, None, eps, p, True)
     _, ln_mean, ln_rstd = ops.layernorm.forms(x, w, w, shift, scale, None, eps, p, True)
+    gr_h, _, gr_rstd = ops.gate_residual_rmsnorm.forms(x, y, gate, w, mod[:, 3], mod[:, 4], None, eps, p, True, 1.0)
     _, gl_h, gl_mean, gl_rstd = ops.gate_residual_layernorm.default(x, y, gate, w, w, shift, scale, None, eps, p, True,
                                                                     1.0)
     cases = [
@@ -130,6 +131,14 @@ def op_cases(device, comm=None):
         ("gate_residual_forms_no_gate", ops.gate_residual.forms, (x, y, None, None, True, None)),
         ("gate_residual_backward_forms", ops.gate_residual_backward.forms,
          (grad, y, gate, None, True, 1.0, [True] * 3)),
+        ("gate_residual_rmsnorm_forms", ops.gate_residual_rmsnorm.forms,
+         (x, y, gate, w, mod[:, 3], mod[:, 4], None, eps, p, True, 1.0)),
+        ("gate_residual_rmsnorm_forms_no_gate", ops.gate_residual_rmsnorm.forms,
+         (x, y, None, w, None, None, None, eps, p, False, None)),
+        ("gate_residual_rmsnorm_backward_forms", ops.gate_residual_rmsnorm_backward.forms,
+         (grad, grad, y, gate, w, mod[:, 3], mod[:, 4], None, gr_h, gr_rstd, eps, p, True, 1.0, [True] * 6)),
+        ("gate_residual_rmsnorm_backward_forms_no_d_out", ops.gate_residual_rmsnorm_backward.forms,
+         (None, grad, y, gate, w, mod[:, 3], mod[:, 4], None, gr_h, gr_rstd, eps, p, True, 1.0, [True] * 6)),
         ("layernorm", ops.layernorm.default, (x, w, w, eps, p)),
         ("layernorm_backward", ops.layernorm_backward.default,
          (grad, x, w, w, ln_mean, ln_rstd, eps, p, [True, False, True])),

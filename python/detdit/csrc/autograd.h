@@ -334,6 +334,43 @@ struct GateResidualRmsnormFunction : torch::autograd::Function<GateResidualRmsno
   }
 };
 
+// gate_residual_rmsnorm.forms (ops.h): GateResidualRmsnormFunction with the
+// plan optional, the gate optional, the recipe and k.
+struct GateResidualRmsnormFormsFunction : torch::autograd::Function<GateResidualRmsnormFormsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+                               Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = DETDIT_OP_FORMS(gate_residual_rmsnorm)(residual, y, gate, weight, shift, scale, plan, eps,
+                                                                 numerics, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor()), weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h,
+                            rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate), requires_grad(weight),
+                     requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = DETDIT_OP_FORMS(gate_residual_rmsnorm_backward)(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], saved_optional(s[1]), s[2], saved_optional(s[3]),
+        saved_optional(s[4]), plan_from_ivalue(ctx->saved_data["plan"]), s[5], s[6],
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()),
+        saved_needs<6>(ctx));
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight, const Tensor& temb,
                                const Tensor& weight, const Tensor& bias, const PlanPtr& plan, double eps,

@@ -180,6 +180,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
     const OptTensor& shift, const OptTensor& scale, const PlanPtr& plan, const Tensor& h, const Tensor& rstd,
     double eps, const std::string& numerics, std::array<bool, 6> output_mask);
 
+// gate_residual_rmsnorm.forms: gate_residual_rmsnorm in every modulation
+// form and recipe (the gate optional, the plan optional, fp32 or residual's
+// dtype, upcast, k; gate_residual_forms' and rmsnorm_forms' rules): (h, out,
+// rstd) as the plan overload returns them, h in gate_residual's out dtype
+// (fp32 for an fp32 gate with upcast false, else residual's), out in
+// rmsnorm's for x = h. Backward as gate_residual_rmsnorm_backward, with
+// d_residual and d_y in y's dtype and each modulation gradient in its
+// tensor's shape ((R, H) indexed) and dtype.
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 6> output_mask);
+
 // final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype,
 // rstd (M,) fp32). Backward: (dx like x, d_norm_weight in its dtype, d_temb
 // fp32, d_weight, d_bias in weight's dtype).

@@ -11,7 +11,7 @@
 // constructors and release_scratch_memory have one kernel for every key
 // (they take no differentiable input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
 // not optional (ops.h says why); rmsnorm.plan's Autograd kernel is rmsnorm's
-// Function. rmsnorm, gate_residual and their backwards have a `.forms`
+// Function. rmsnorm, gate_residual, gate_residual_rmsnorm and their backwards have a `.forms`
 // overload (every modulation form and recipe, the plan optional; ops.h), whose
 // Autograd kernel is its own Function; so have layernorm and
 // layernorm_backward (the modulation), and gate_residual_layernorm takes
@@ -408,6 +408,16 @@ TORCH_LIBRARY(detdit, m) {
       m, kGateResidualRmsnormSchema.c_str(), &gate_residual_rmsnorm,
       kGateResidualRmsnormBackwardSchema.c_str(),
       &gate_residual_rmsnorm_backward);
+  def_op<GateResidualRmsnormFormsFunction>(
+      m,
+      "gate_residual_rmsnorm.forms(Tensor residual, Tensor y, Tensor? gate, Tensor weight, Tensor? shift, "
+      "Tensor? scale, " DETDIT_PLAN "? plan, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm_forms,
+      "gate_residual_rmsnorm_backward.forms(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_PLAN "? plan, Tensor h, Tensor rstd, float eps, str numerics, "
+      "bool upcast, float? k, bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm_backward_forms);
   def_op<FinalAdalnOutFunction>(
       m, kFinalAdalnOutSchema.c_str(), &final_adaln_out,
       kFinalAdalnOutBackwardSchema.c_str(),
