@@ -1,5 +1,5 @@
 // detdit/parallel.h: tensor parallelism (tp_adaln_projection) and sequence
-// parallelism (the sp_region: rmsnorm, modulation, gate_residual), byte-equal
+// parallelism (the sp_region: rmsnorm, modulation in every form, gate_residual), byte-equal
 // to one device (WS1) for every world size. The only collectives are the
 // Communicator's rank-ordered all-gather and broadcast (detdit/comm.h),
 // byte copies; no reduction ever happens inside a collective. docs/parallel.md explains the plan with a
@@ -101,6 +101,10 @@ class SpPlan {
   // 0 <= rank < world, got rank=..., world=..." and "every rank needs a row:
   // seq_len=..., world=..., batch=...".
   static Status create(const IndexPlan& plan, int world, int rank, SpPlan* sp, Stream stream = nullptr);
+  // The SpPlan of a region without an index (the grouped forms, plain ops):
+  // positions only, global_plan() and local_plan() empty. Errors as above,
+  // and ValueError "need seq_len >= 1 and batch >= 1, ...".
+  static Status create(int64_t seq_len, int64_t batch, int world, int rank, SpPlan* sp);
 
   bool valid() const { return impl_ != nullptr; }
   int world() const;
@@ -135,6 +139,20 @@ class SpPlan {
   std::shared_ptr<const Impl> impl_;
 };
 
+// The grouped modulation forms (modulation.h), every recipe: a call without
+// a plan (on an SpPlan of an index or of the positions alone). Per sample
+// (B, H) / (B, 1, H) and per frame (B, F, H) / (B, F, 1, H) are replicated
+// and mean the global positions (frame s / (S/F)); per token is this rank's
+// rows (B, S_local, H), like the activations and its gradients. Forward:
+// row-local (per frame, one WS1 call per piece of the local rows within
+// whole frames). Backward: the row-local gradients by the same pieces; each
+// summed gradient is a list of chunks (d_weight: the canonical 256-position
+// chunks; per-sample / per-frame d_shift, d_scale, d_gate: chunks of 256
+// from each group's first position), each computed by the holder of its
+// first position on its rows (one all-gather of the rows that straddle),
+// then one all-gather of every chunk partial and the WS1 fold on every rank
+// (docs/parallel.md 3). The indexed form keeps the H3 rule.
+//
 // The Params are the WS1 ones with the local rows; params.plan is the SpPlan's
 // global plan (required when modulated, may be absent for a plain norm; a plan
 // of the local slice is rejected: the full (S,) index is required).

@@ -1,0 +1,458 @@
+// sp_region's grouped modulation forms (per sample, per frame, per token) and
+// the plain ops of an SpPlan without an index: every rank's outputs and
+// gradients byte-equal to WS1 (the public single-device ops on the full
+// sequence), at world sizes 1..8, in-process on the CPU. Shapes where group
+// chunks straddle ranks: S = 2100 with F = 3 (L = 700: two 256-chunks and a
+// short one per frame), F = 7 (L = 300), per sample (L = S, odd S = 4097),
+// and S = 40 at world 8 (5 positions per rank, groups shorter than a chunk).
+// Recipes: modulation in x's dtype, fp32 modulation of bf16 x (out fp32),
+// upcast, and the gate's k. Modulation tensors are views of (B, 6, H) and
+// (B, F, 6, H) tensors, as the models chunk them. Also the collective
+// validation of the forms (every rank refuses, nothing written).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cases/parallel_cases.h"
+#include "detdit/comm.h"
+#include "detdit/gate_residual.h"
+#include "detdit/parallel.h"
+#include "detdit/rmsnorm.h"
+#include "parallel/parallel_util.h"
+#include "support/test_util.h"
+
+namespace detdit {
+namespace {
+
+using testing::HostTensor;
+using testing::kCanary;
+
+// A modulation form of a test: frames F (1: per sample; 0: per token) and
+// whether each tensor is a view of a wider (B, [F,] 6, H) tensor.
+struct Form {
+  int64_t frames = 1;
+  bool chunked = true;
+  std::string name() const {
+    return frames == 0 ? "per_token" : frames == 1 ? "per_sample" : "per_frame F=" + std::to_string(frames);
+  }
+};
+
+struct Recipe {
+  DType x = DType::kBF16, mod = DType::kBF16;
+  bool upcast = false, has_k = false;
+  std::string name() const {
+    return std::string("x ") + dtype_name(x) + " mod " + dtype_name(mod) + (upcast ? " upcast" : "") +
+           (has_k ? " k" : "");
+  }
+};
+
+// A modulation tensor of the form: the full (B, F, H) values (per token (B,
+// S, H)) and, when chunked, their storage as slot `slot` of (B, F, 6, H).
+struct Mod {
+  HostTensor storage;  // (B, F, 6, H) or (B, F, H)
+  int64_t batch = 0, frames = 0, hidden = 0;
+  bool chunked = false;
+  int slot = 0;
+  bool per_sample = false;
+  // The view the op takes: (B, H) / (B, 1, H) per sample, (B, F, 1, H) / (B, F, H) per frame or token.
+  TensorView view() const {
+    const int64_t row = chunked ? 6 * hidden : hidden;
+    void* data = static_cast<char*>(storage.data()) + (chunked ? slot * hidden : 0) * dtype_size(storage.dtype());
+    if (per_sample) {
+      if (chunked) return TensorView::strided(data, storage.dtype(), {batch, 1, hidden}, {row, row, 1});
+      return TensorView::strided(data, storage.dtype(), {batch, hidden}, {row, 1});
+    }
+    if (chunked)
+      return TensorView::strided(data, storage.dtype(), {batch, frames, 1, hidden}, {frames * row, row, row, 1});
+    return TensorView::strided(data, storage.dtype(), {batch, frames, hidden}, {frames * row, row, 1});
+  }
+};
+
+Mod make_mod(DType dtype, int64_t batch, int64_t frames, int64_t hidden, bool chunked, int slot, uint64_t seed,
+             double mean, double std) {
+  Mod m;
+  m.batch = batch;
+  m.frames = frames;
+  m.hidden = hidden;
+  m.chunked = chunked;
+  m.slot = slot;
+  m.per_sample = frames == 1;
+  m.storage = chunked ? testing::random_tensor(dtype, {batch, frames, 6, hidden}, seed, mean, std)
+                      : testing::random_tensor(dtype, {batch, frames, hidden}, seed, mean, std);
+  return m;
+}
+
+// A gradient output shaped like a modulation view: fresh contiguous (B, H) or (B, F, H).
+HostTensor grad_like(const Mod& m, DType dtype) {
+  if (m.per_sample) return HostTensor(dtype, {m.batch, m.hidden});
+  return HostTensor(dtype, {m.batch, m.frames, m.hidden});
+}
+
+TensorView grad_view(const HostTensor& g, const Mod& m) {
+  if (m.per_sample && m.chunked) return g.view_as({m.batch, 1, m.hidden});
+  if (m.chunked) return g.view_as({m.batch, m.frames, 1, m.hidden});
+  return g.view();
+}
+
+struct Bounds {
+  int64_t lo, hi;
+};
+Bounds bounds(int64_t seq_len, int world, int rank) { return {rank * seq_len / world, (rank + 1) * seq_len / world}; }
+
+HostTensor slice(const HostTensor& full, int64_t batch, int64_t seq_len, Bounds b) {
+  return cases::local_rows(full, batch, seq_len, b.lo, b.hi);
+}
+
+// A per-token modulation's local rows as a Mod (contiguous (B, S_local, H)).
+Mod local_token_mod(const Mod& full, int64_t seq_len, Bounds b) {
+  Mod m = full;
+  m.chunked = false;
+  m.frames = b.hi - b.lo;
+  m.storage = slice(full.storage, full.batch, seq_len, b);
+  return m;
+}
+
+// Every byte of `local` equals rows [lo, hi) of each item of `full`.
+::testing::AssertionResult equal_rows(const HostTensor& full, const HostTensor& local, int64_t batch,
+                                      int64_t seq_len, Bounds b) {
+  return testing::bitwise_equal(slice(full, batch, seq_len, b), local);
+}
+
+// ---------------------------------------------------------------- rmsnorm
+
+struct NormCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16;
+  Form form;
+  Recipe recipe;
+  bool d_weight = true;
+  std::string name() const {
+    return "rmsnorm B" + std::to_string(batch) + " S" + std::to_string(seq_len) + " H" + std::to_string(hidden) +
+           " " + form.name() + " " + recipe.name();
+  }
+};
+
+struct NormData {
+  HostTensor x, weight, grad;
+  Mod shift, scale;
+  DType out_dtype;
+  // WS1
+  HostTensor out, rstd, dx, d_weight, d_shift, d_scale;
+};
+
+DType out_dtype(const Recipe& r) { return (r.mod == DType::kF32 && !r.upcast) ? DType::kF32 : r.x; }
+
+void norm_ws1(const NormCase& c, NormData* d) {
+  const int64_t frames = c.form.frames == 0 ? c.seq_len : c.form.frames;
+  d->x = testing::random_tensor(c.recipe.x, {c.batch, c.seq_len, c.hidden}, 1);
+  d->weight = testing::random_tensor(c.recipe.x, {c.hidden}, 2, 1.0, 0.1);
+  d->shift = make_mod(c.recipe.mod, c.batch, frames, c.hidden, c.form.chunked && c.form.frames != 0, 0, 3, 0.0, 0.5);
+  d->scale = make_mod(c.recipe.mod, c.batch, frames, c.hidden, c.form.chunked && c.form.frames != 0, 1, 4, 0.0, 0.5);
+  if (c.form.frames == 0) d->shift.per_sample = d->scale.per_sample = false;
+  d->out_dtype = out_dtype(c.recipe);
+  d->grad = testing::random_tensor(d->out_dtype, {c.batch, c.seq_len, c.hidden}, 5);
+  d->out = HostTensor(d->out_dtype, {c.batch, c.seq_len, c.hidden});
+  d->rstd = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->dx = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
+  d->d_weight = HostTensor(c.recipe.x, {c.hidden});
+  d->d_shift = c.form.frames == 0 ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->shift, c.recipe.mod);
+  d->d_scale = c.form.frames == 0 ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->scale, DType::kF32);
+  RmsnormParams f;
+  f.in.x = d->x.view();
+  f.in.weight = d->weight.view();
+  f.in.shift = d->shift.view();
+  f.in.scale = d->scale.view();
+  f.in.upcast = c.recipe.upcast;
+  f.out = d->out.view();
+  f.rstd = d->rstd.view();
+  DETDIT_ASSERT_OK(rmsnorm_forward(f));
+  RmsnormBackwardParams b;
+  b.in = f.in;
+  b.rstd = d->rstd.view();
+  b.grad = d->grad.view();
+  b.dx = d->dx.view();
+  b.d_weight = c.d_weight ? d->d_weight.view() : TensorView();
+  b.d_shift = c.form.frames == 0 ? d->d_shift.view() : grad_view(d->d_shift, d->shift);
+  b.d_scale = c.form.frames == 0 ? d->d_scale.view() : grad_view(d->d_scale, d->scale);
+  DETDIT_ASSERT_OK(rmsnorm_backward(b));
+}
+
+// One rank: the SP forward and backward of its rows, each output compared.
+Status norm_rank(Communicator& comm, const NormCase& c, const NormData& d) {
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
+  const bool token = c.form.frames == 0;
+  const HostTensor x = slice(d.x, c.batch, c.seq_len, bd), grad = slice(d.grad, c.batch, c.seq_len, bd);
+  const Mod shift = token ? local_token_mod(d.shift, c.seq_len, bd) : d.shift;
+  const Mod scale = token ? local_token_mod(d.scale, c.seq_len, bd) : d.scale;
+  HostTensor out(d.out.dtype(), x.shape()), rstd(DType::kF32, {c.batch * (bd.hi - bd.lo)});
+  HostTensor dx(x.dtype(), x.shape()), d_weight(d.d_weight.dtype(), d.d_weight.shape());
+  HostTensor d_shift = token ? HostTensor(c.recipe.mod, x.shape()) : HostTensor(d.d_shift.dtype(), d.d_shift.shape());
+  HostTensor d_scale = token ? HostTensor(c.recipe.mod, x.shape()) : HostTensor(d.d_scale.dtype(), d.d_scale.shape());
+  for (HostTensor* t : {&out, &rstd, &dx, &d_weight, &d_shift, &d_scale}) t->fill_bytes(kCanary);
+  RmsnormParams f;
+  f.in.x = x.view();
+  f.in.weight = d.weight.view();
+  f.in.shift = shift.view();
+  f.in.scale = scale.view();
+  f.in.upcast = c.recipe.upcast;
+  f.out = out.view();
+  f.rstd = rstd.view();
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f));
+  RmsnormBackwardParams b;
+  b.in = f.in;
+  b.rstd = rstd.view();
+  b.grad = grad.view();
+  b.dx = dx.view();
+  b.d_weight = c.d_weight ? d_weight.view() : TensorView();
+  b.d_shift = token ? d_shift.view() : grad_view(d_shift, shift);
+  b.d_scale = token ? d_scale.view() : grad_view(d_scale, scale);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, b));
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
+  EXPECT_TRUE(equal_rows(d.rstd, rstd, c.batch, c.seq_len, bd)) << where << " rstd";
+  EXPECT_TRUE(equal_rows(d.dx, dx, c.batch, c.seq_len, bd)) << where << " dx";
+  if (c.d_weight) EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight";
+  if (token) {
+    EXPECT_TRUE(equal_rows(d.d_shift, d_shift, c.batch, c.seq_len, bd)) << where << " d_shift";
+    EXPECT_TRUE(equal_rows(d.d_scale, d_scale, c.batch, c.seq_len, bd)) << where << " d_scale";
+  } else {
+    EXPECT_TRUE(testing::bitwise_equal(d.d_shift, d_shift)) << where << " d_shift";
+    EXPECT_TRUE(testing::bitwise_equal(d.d_scale, d_scale)) << where << " d_scale";
+  }
+  return Status();
+}
+
+void run_norm_case(const NormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+  SCOPED_TRACE(c.name());
+  NormData d;
+  norm_ws1(c, &d);
+  for (const HostTensor* t : {&d.out, &d.dx, &d.d_shift, &d.d_scale})
+    ASSERT_FALSE(testing::all_bytes_are(*t, 0)) << "WS1 left an output zero";
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return norm_rank(comm, c, d); }));
+}
+
+const Recipe kRecipes[] = {
+    {DType::kBF16, DType::kBF16, false, false},
+    {DType::kBF16, DType::kF32, false, false},
+    {DType::kBF16, DType::kF32, true, false},
+    {DType::kF32, DType::kF32, false, false},
+};
+
+TEST(SpForms, RmsnormEveryFormAndRecipeEveryWorldSize) {
+  for (const Recipe& r : kRecipes) {
+    for (Form form : {Form{1, true}, Form{1, false}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+      NormCase c;
+      c.form = form;
+      c.recipe = r;
+      run_norm_case(c);
+    }
+  }
+}
+
+TEST(SpForms, RmsnormOddSequencePerSampleAndTinyShards) {
+  NormCase odd;
+  odd.seq_len = 4097;
+  odd.form = Form{1, true};
+  run_norm_case(odd);
+  // 5 positions per rank at world 8; frames of 10 and samples of 40 positions.
+  for (Form form : {Form{1, false}, Form{4, true}, Form{0, false}}) {
+    NormCase tiny;
+    tiny.seq_len = 40;
+    tiny.form = form;
+    tiny.recipe = kRecipes[1];
+    run_norm_case(tiny, {3, 5, 7, 8});
+  }
+}
+
+// ---------------------------------------------------------------- gate_residual
+
+struct GateCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16;
+  Form form;
+  Recipe recipe;
+  bool gate = true;
+  std::string name() const {
+    return "gate_residual B" + std::to_string(batch) + " S" + std::to_string(seq_len) + " " +
+           (gate ? form.name() : "no gate") + " " + recipe.name();
+  }
+};
+
+struct GateData {
+  HostTensor residual, y, grad;
+  Mod gate;
+  HostTensor out, d_residual, d_y, d_gate;
+};
+
+void gate_ws1(const GateCase& c, GateData* d) {
+  const int64_t frames = c.form.frames == 0 ? c.seq_len : c.form.frames;
+  d->residual = testing::random_tensor(c.recipe.x, {c.batch, c.seq_len, c.hidden}, 21);
+  d->y = testing::random_tensor(c.recipe.x, {c.batch, c.seq_len, c.hidden}, 22);
+  d->gate = make_mod(c.recipe.mod, c.batch, frames, c.hidden, c.form.chunked && c.form.frames != 0, 2, 23, 0.0, 0.5);
+  if (c.form.frames == 0) d->gate.per_sample = false;
+  const DType out = c.gate ? out_dtype(c.recipe) : c.recipe.x;
+  d->grad = testing::random_tensor(out, {c.batch, c.seq_len, c.hidden}, 24);
+  d->out = HostTensor(out, {c.batch, c.seq_len, c.hidden});
+  d->d_residual = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
+  d->d_y = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
+  d->d_gate = c.form.frames == 0 ? HostTensor(DType::kF32, {c.batch, c.seq_len, c.hidden}) : grad_like(d->gate, DType::kF32);
+  GateResidualParams f;
+  f.in.residual = d->residual.view();
+  f.in.y = d->y.view();
+  f.in.gate = c.gate ? d->gate.view() : TensorView();
+  f.in.has_k = c.recipe.has_k;
+  f.in.k = 1.0f;
+  f.in.upcast = c.recipe.upcast;
+  f.out = d->out.view();
+  DETDIT_ASSERT_OK(gate_residual_forward(f));
+  GateResidualBackwardParams b;
+  b.in = f.in;
+  b.grad = d->grad.view();
+  b.d_residual = d->d_residual.view();
+  b.d_y = d->d_y.view();
+  b.d_gate = !c.gate ? TensorView() : c.form.frames == 0 ? d->d_gate.view() : grad_view(d->d_gate, d->gate);
+  DETDIT_ASSERT_OK(gate_residual_backward(b));
+}
+
+Status gate_rank(Communicator& comm, const GateCase& c, const GateData& d) {
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
+  const bool token = c.form.frames == 0;
+  const HostTensor residual = slice(d.residual, c.batch, c.seq_len, bd), y = slice(d.y, c.batch, c.seq_len, bd);
+  const HostTensor grad = slice(d.grad, c.batch, c.seq_len, bd);
+  const Mod gate = token ? local_token_mod(d.gate, c.seq_len, bd) : d.gate;
+  HostTensor out(d.out.dtype(), y.shape()), d_residual(y.dtype(), y.shape()), d_y(y.dtype(), y.shape());
+  HostTensor d_gate = token ? HostTensor(DType::kF32, y.shape()) : HostTensor(DType::kF32, d.d_gate.shape());
+  for (HostTensor* t : {&out, &d_residual, &d_y, &d_gate}) t->fill_bytes(kCanary);
+  GateResidualParams f;
+  f.in.residual = residual.view();
+  f.in.y = y.view();
+  f.in.gate = c.gate ? gate.view() : TensorView();
+  f.in.has_k = c.recipe.has_k;
+  f.in.k = 1.0f;
+  f.in.upcast = c.recipe.upcast;
+  f.out = out.view();
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, f));
+  GateResidualBackwardParams b;
+  b.in = f.in;
+  b.grad = grad.view();
+  b.d_residual = d_residual.view();
+  b.d_y = d_y.view();
+  b.d_gate = !c.gate ? TensorView() : token ? d_gate.view() : grad_view(d_gate, gate);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_backward(comm, sp, b));
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
+  EXPECT_TRUE(equal_rows(d.d_residual, d_residual, c.batch, c.seq_len, bd)) << where << " d_residual";
+  EXPECT_TRUE(equal_rows(d.d_y, d_y, c.batch, c.seq_len, bd)) << where << " d_y";
+  if (c.gate && token) EXPECT_TRUE(equal_rows(d.d_gate, d_gate, c.batch, c.seq_len, bd)) << where << " d_gate";
+  if (c.gate && !token) EXPECT_TRUE(testing::bitwise_equal(d.d_gate, d_gate)) << where << " d_gate";
+  return Status();
+}
+
+void run_gate_case(const GateCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+  SCOPED_TRACE(c.name());
+  GateData d;
+  gate_ws1(c, &d);
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return gate_rank(comm, c, d); }));
+}
+
+TEST(SpForms, GateResidualEveryFormAndRecipeEveryWorldSize) {
+  for (Recipe r : kRecipes) {
+    for (bool k : {false, true}) {
+      r.has_k = k;
+      for (Form form : {Form{1, true}, Form{1, false}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+        GateCase c;
+        c.form = form;
+        c.recipe = r;
+        run_gate_case(c);
+      }
+    }
+  }
+  GateCase plain;  // no gate: the plain residual add
+  plain.gate = false;
+  run_gate_case(plain);
+}
+
+TEST(SpForms, GateResidualOddSequenceAndTinyShards) {
+  GateCase odd;
+  odd.seq_len = 4097;
+  odd.form = Form{1, true};
+  run_gate_case(odd);
+  for (Form form : {Form{1, false}, Form{4, true}, Form{0, false}}) {
+    GateCase tiny;
+    tiny.seq_len = 40;
+    tiny.form = form;
+    tiny.recipe = kRecipes[2];
+    run_gate_case(tiny, {3, 5, 7, 8});
+  }
+}
+
+// ---------------------------------------------------------------- fail closed
+
+// A bad argument on one rank fails the call on every rank, before anything is written.
+TEST(SpForms, BadArgumentOnOneRankFailsEveryRankAndWritesNothing) {
+  const int64_t batch = 2, seq_len = 2100, hidden = 16;
+  const Mod gate = make_mod(DType::kBF16, batch, 3, hidden, true, 2, 31, 0.0, 0.5);
+  for (int world : {2, 5}) {
+    // Rank 1's d_gate has the wrong shape (B, 2, H) for a gate of F = 3 frames.
+    testing::expect_every_rank_refused(world, ErrorKind::kValue, "d_gate", [&](Communicator& comm, bool* untouched) {
+      const Bounds bd = bounds(seq_len, comm.world_size(), comm.rank());
+      SpPlan sp;
+      DETDIT_RETURN_IF_ERROR(SpPlan::create(seq_len, batch, comm.world_size(), comm.rank(), &sp));
+      const int64_t local = bd.hi - bd.lo;
+      HostTensor y = testing::random_tensor(DType::kBF16, {batch, local, hidden}, 32);
+      HostTensor grad = testing::random_tensor(DType::kBF16, {batch, local, hidden}, 33);
+      HostTensor d_y(DType::kBF16, {batch, local, hidden});
+      HostTensor d_gate(DType::kF32, {batch, comm.rank() == 1 ? 2 : 3, hidden});
+      d_y.fill_bytes(kCanary);
+      d_gate.fill_bytes(kCanary);
+      GateResidualBackwardParams b;
+      b.in.y = y.view();
+      b.in.gate = gate.view();
+      b.grad = grad.view();
+      b.d_y = d_y.view();
+      b.d_gate = d_gate.view();
+      const Status s = sp_gate_residual_backward(comm, sp, b);
+      *untouched = testing::all_bytes_are(d_y, kCanary) && testing::all_bytes_are(d_gate, kCanary);
+      return s;
+    });
+  }
+  // A per-frame F that does not divide S, on every rank: the same ValueError everywhere.
+  testing::expect_every_rank_refused(3, ErrorKind::kValue, "must divide S = 2100",
+                                     [&](Communicator& comm, bool* untouched) {
+    const Bounds bd = bounds(seq_len, comm.world_size(), comm.rank());
+    SpPlan sp;
+    DETDIT_RETURN_IF_ERROR(SpPlan::create(seq_len, batch, comm.world_size(), comm.rank(), &sp));
+    const Mod bad = make_mod(DType::kBF16, batch, 11, hidden, false, 0, 34, 0.0, 0.5);
+    HostTensor x = testing::random_tensor(DType::kBF16, {batch, bd.hi - bd.lo, hidden}, 35);
+    HostTensor weight = testing::random_tensor(DType::kBF16, {hidden}, 36);
+    HostTensor grad = testing::random_tensor(DType::kBF16, x.shape(), 37);
+    HostTensor rstd = testing::random_tensor(DType::kF32, {x.numel() / hidden}, 38);
+    HostTensor dx(DType::kBF16, x.shape()), d_weight(DType::kBF16, {hidden});
+    dx.fill_bytes(kCanary);
+    d_weight.fill_bytes(kCanary);
+    RmsnormBackwardParams b;
+    b.in.x = x.view();
+    b.in.weight = weight.view();
+    b.in.shift = bad.view();
+    b.in.scale = bad.view();
+    b.rstd = rstd.view();
+    b.grad = grad.view();
+    b.dx = dx.view();
+    b.d_weight = d_weight.view();
+    const Status s = sp_rmsnorm_backward(comm, sp, b);
+    *untouched = testing::all_bytes_are(dx, kCanary) && testing::all_bytes_are(d_weight, kCanary);
+    return s;
+  });
+}
+
+}  // namespace
+}  // namespace detdit
