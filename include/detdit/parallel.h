@@ -21,6 +21,7 @@
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_rmsnorm.h"
+#include "detdit/layernorm.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -162,6 +163,13 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
 Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& params, Stream stream = nullptr);
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream = nullptr);
+// layernorm (layernorm.h) on the local rows: the plain norm (no affine,
+// weight, weight and bias) and the grouped forms above, every recipe; a plan
+// (the indexed form) is a ValueError. d_weight and d_bias are the canonical
+// chunks' folds as WS1's, computed as rmsnorm's d_weight.
+Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Stream stream = nullptr);
+Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
+                             Stream stream = nullptr);
 // The fused region (gate_residual_rmsnorm.h) on the local rows: the forward is
 // the WS1 op with the local index; the backward is the sp_rmsnorm backward of
 // d_out, the sum with d_h, then the sp_gate_residual backward of that sum, so

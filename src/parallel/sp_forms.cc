@@ -105,6 +105,15 @@ Status resolve_form(const SpPlan& sp, const TensorView& rows, const char* rows_n
   return Status();
 }
 
+// layernorm under SP takes no index plan (its indexed form is not part of the region).
+Status check_layernorm_plan(const SpPlan& sp, const IndexPlan& plan) {
+  if (!sp.valid()) return Status::value_error("sp is required, got an empty SpPlan");
+  if (plan.valid())
+    return Status::value_error("plan must be absent: sp_layernorm takes the plain norm and the per-sample, per-frame "
+                               "and per-token forms; the indexed form is not implemented under sequence parallelism");
+  return Status();
+}
+
 // ---------------------------------------------------------------- pieces
 
 // Rows [row0, row0 + groups*len) of the local rows as (groups, len, H): whole
@@ -189,6 +198,30 @@ RmsnormBackwardParams piece_of(const RmsnormBackwardParams& p, const ResolvedMod
   return q;
 }
 
+LayernormParams piece_of(const LayernormParams& p, const ResolvedModulation& mod, const Piece& pc) {
+  LayernormParams q = p;
+  q.in.x = piece_rows(p.in.x, pc);
+  q.in.shift = piece_mod(p.in.shift, mod, pc);
+  q.in.scale = piece_mod(p.in.scale, mod, pc);
+  q.out = piece_rows(p.out, pc);
+  q.mean = piece_vector(p.mean, pc);
+  q.rstd = piece_vector(p.rstd, pc);
+  return q;
+}
+
+LayernormBackwardParams piece_of(const LayernormBackwardParams& p, const ResolvedModulation& mod, const Piece& pc) {
+  LayernormBackwardParams q = p;
+  q.in.x = piece_rows(p.in.x, pc);
+  q.in.shift = piece_mod(p.in.shift, mod, pc);
+  q.in.scale = piece_mod(p.in.scale, mod, pc);
+  q.mean = piece_vector(p.mean, pc);
+  q.rstd = piece_vector(p.rstd, pc);
+  q.grad = piece_rows(p.grad, pc);
+  q.dx = piece_rows(p.dx, pc);
+  q.d_weight = q.d_bias = q.d_shift = q.d_scale = TensorView();
+  return q;
+}
+
 GateResidualParams piece_of(const GateResidualParams& p, const ResolvedModulation& mod, const Piece& pc) {
   GateResidualParams q = p;
   q.in.residual = piece_rows(p.in.residual, pc);
@@ -219,6 +252,7 @@ struct ChunkReduction {
   bool on = false;
   int64_t chunks = 0, short_len = 0;  // chunks of 256 positions, and of short_len (< 256) positions
   int64_t width = 0;                  // floats per partial
+  int64_t planes = 1;                 // partials per chunk (layernorm: d_weight's and d_bias's)
   // This rank's sent rows (src: local row, dst: slot) and the largest send block.
   std::vector<SpRun> send_runs;
   int64_t max_send = 0;
@@ -237,9 +271,9 @@ struct ChunkReduction {
   RowExchange rows;
   std::vector<std::size_t> field_bytes;  // per field, bytes per row of the chunk rows
   std::vector<void*> fields;             // per field, the chunk rows (owned_rows(), ...)
-  float* partials = nullptr;             // (max_owned, width) this rank's
-  float* gathered = nullptr;             // (world * max_owned, width)
-  float* global = nullptr;               // (chunks, width) in chunk order
+  float* partials = nullptr;             // (planes, max_owned, width) this rank's
+  float* gathered = nullptr;             // world of them
+  float* global = nullptr;               // (planes, chunks, width) in chunk order
   std::shared_ptr<void> memory;
   int64_t owned_rows() const { return owned_full * kReductionChunk + owned_short * short_len; }
 };
@@ -341,16 +375,17 @@ void plan_groups(const SpPlan& sp, const ResolvedModulation& mod, ChunkReduction
 
 // The buffers of a planned reduction: the exchange of `field_bytes` rows,
 // the chunk rows of each field (field_bytes, then extra_field_bytes: rows
-// filled otherwise), and the partials of `width` floats.
+// filled otherwise), and `planes` partials of `width` floats per chunk.
 Status allocate_reduction(const SpPlan& sp, const Device& device, std::vector<std::size_t> field_bytes,
                           std::vector<std::size_t> extra_field_bytes, int64_t width, Stream stream,
-                          ChunkReduction* r) {
+                          ChunkReduction* r, int64_t planes = 1) {
   DETDIT_RETURN_IF_ERROR(allocate_rows(sp.world(), r->max_send, device, field_bytes, stream, &r->rows));
   r->width = width;
+  r->planes = planes;
   r->field_bytes = field_bytes;
   r->field_bytes.insert(r->field_bytes.end(), extra_field_bytes.begin(), extra_field_bytes.end());
   const std::size_t rows = static_cast<std::size_t>(r->owned_rows());
-  const std::size_t floats = static_cast<std::size_t>(width);
+  const std::size_t floats = static_cast<std::size_t>(width * planes);
   const std::size_t own = aligned_size(static_cast<std::size_t>(r->max_owned) * floats * sizeof(float));
   std::size_t bytes = own + static_cast<std::size_t>(sp.world()) * own +
                       aligned_size(static_cast<std::size_t>(r->chunks) * floats * sizeof(float));
@@ -430,31 +465,39 @@ TensorView chunk_rows(const ChunkReduction& r, std::size_t f, bool short_chunks,
   return TensorView::contiguous(data, dtype, {k, len, hidden}, device);
 }
 
-TensorView own_partials(const ChunkReduction& r, bool short_chunks, const Device& device) {
-  const int64_t first = short_chunks ? r.owned_full : 0, k = short_chunks ? r.owned_short : r.owned_full;
-  return TensorView::contiguous(r.partials + first * r.width, DType::kF32, {k, r.width}, device);
+// Plane `plane` of this rank's partials: all its chunks (k = -1), or its full or short ones.
+TensorView own_partials(const ChunkReduction& r, bool short_chunks, const Device& device, int64_t plane = 0,
+                        bool all = false) {
+  const int64_t first = short_chunks && !all ? r.owned_full : 0;
+  const int64_t k = all ? r.owned_full + r.owned_short : short_chunks ? r.owned_short : r.owned_full;
+  return TensorView::contiguous(r.partials + (plane * r.max_owned + first) * r.width, DType::kF32, {k, r.width},
+                                device);
 }
 
 // Steps 4-5's gather: every rank's partials, in chunk order, on every rank.
 Status gather_partials(Communicator& comm, const ChunkReduction& r, const Device& device, Stream stream) {
   const std::size_t row = static_cast<std::size_t>(r.width) * sizeof(float);
-  const std::size_t own = aligned_size(static_cast<std::size_t>(r.max_owned) * row);
+  const std::size_t plane_bytes = static_cast<std::size_t>(r.max_owned) * row;
+  const std::size_t own = aligned_size(static_cast<std::size_t>(r.planes) * plane_bytes);
   DETDIT_RETURN_IF_ERROR(comm.all_gather(r.partials, own, r.gathered, DType::kF32, stream));
   const char* gathered = reinterpret_cast<const char*>(r.gathered);
   char* global = reinterpret_cast<char*>(r.global);
-  for (int64_t j = 0; j < r.chunks;) {
-    // a run of consecutive chunks whose partials are consecutive rows of one owner
-    int64_t n = 1;
-    while (j + n < r.chunks && r.owner[j + n] == r.owner[j] && r.index[j + n] == r.index[j] + n) ++n;
-    const char* src = gathered + r.owner[j] * own + r.index[j] * row;
-    DETDIT_RETURN_IF_ERROR(parallel_copy::copy(device, global + j * row, src, n * row, stream));
-    j += n;
+  for (int64_t plane = 0; plane < r.planes; ++plane) {
+    for (int64_t j = 0; j < r.chunks;) {
+      // a run of consecutive chunks whose partials are consecutive rows of one owner
+      int64_t n = 1;
+      while (j + n < r.chunks && r.owner[j + n] == r.owner[j] && r.index[j + n] == r.index[j] + n) ++n;
+      const char* src = gathered + r.owner[j] * own + plane * plane_bytes + r.index[j] * row;
+      DETDIT_RETURN_IF_ERROR(
+          parallel_copy::copy(device, global + (plane * r.chunks + j) * row, src, n * row, stream));
+      j += n;
+    }
   }
   return Status();
 }
 
-TensorView global_partials(const ChunkReduction& r, const Device& device) {
-  return TensorView::contiguous(r.global, DType::kF32, {r.chunks, r.width}, device);
+TensorView global_partials(const ChunkReduction& r, const Device& device, int64_t plane = 0) {
+  return TensorView::contiguous(r.global + plane * r.chunks * r.width, DType::kF32, {r.chunks, r.width}, device);
 }
 
 // What decides the collectives and the replicated bits, agreed by every rank.
@@ -691,6 +734,157 @@ Status run_gate(Communicator& comm, FormsGate& g, Stream stream) {
                                       p.d_gate, stream);
 }
 
+
+// ---------------------------------------------------------------- layernorm
+
+struct FormsLayernorm {
+  LayernormBackwardParams p;
+  ResolvedModulation mod;
+  std::vector<Piece> pieces;
+  std::shared_ptr<void> token_memory;  // per token: the local d_shift / d_scale partials
+  TensorView token;
+  ChunkReduction params, table;  // d_weight and d_bias (one plane each); per sample / per frame [d_shift | d_scale]
+};
+
+Status validate_layernorm(const SpPlan& sp, const LayernormBackwardParams& p, FormsLayernorm* n) {
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.x, "x"));
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.x, "x", {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}}, &n->mod));
+  if (n->mod.form != ModulationForm::kPerFrame) return rowwise::validate_layernorm_backward(p);
+  n->pieces = frame_pieces(sp, n->mod);
+  for (const Piece& pc : n->pieces) {
+    LayernormBackwardParams q = piece_of(p, n->mod, pc);
+    q.d_weight = p.d_weight;
+    q.d_bias = p.d_bias;
+    DETDIT_RETURN_IF_ERROR(rowwise::validate_layernorm_backward(q));
+  }
+  if (p.d_shift.present())
+    DETDIT_RETURN_IF_ERROR(check_modulation_grad(p.d_shift, "d_shift", p.in.shift, "shift", n->mod));
+  if (p.d_scale.present())
+    DETDIT_RETURN_IF_ERROR(check_modulation_grad(p.d_scale, "d_scale", p.in.scale, "scale", n->mod));
+  return rowwise::check_outputs_disjoint(
+      {{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.in.shift, "shift"},
+       {&p.in.scale, "scale"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}, {&p.grad, "grad"}},
+      {{&p.dx, "dx"}, {&p.d_weight, "d_weight"}, {&p.d_bias, "d_bias"}, {&p.d_shift, "d_shift"},
+       {&p.d_scale, "d_scale"}});
+}
+
+Status prepare_layernorm(const SpPlan& sp, FormsLayernorm* n, Stream stream) {
+  const LayernormBackwardParams& p = n->p;
+  const Device device = p.in.x.device;
+  const int64_t hidden = hidden_of(p.in.x);
+  const std::size_t x_row = static_cast<std::size_t>(hidden) * elem(p.in.x);
+  const std::size_t grad_row = static_cast<std::size_t>(hidden) * elem(p.grad);
+  const bool tables = p.d_shift.present() || p.d_scale.present();
+  if (n->mod.form == ModulationForm::kPerToken && tables)
+    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32,
+                                          {rowwise::table_partial_rows(IndexPlan(), rowwise::layernorm_modulation(p.in)),
+                                           2 * hidden},
+                                          stream, &n->token_memory, &n->token));
+  const int64_t planes = (p.d_weight.present() ? 1 : 0) + (p.d_bias.present() ? 1 : 0);
+  if (planes > 0) {
+    plan_weight(sp, &n->params);
+    std::vector<std::size_t> exchanged = {x_row, grad_row, sizeof(float), sizeof(float)}, filled;
+    const std::size_t scale_row = static_cast<std::size_t>(hidden) * dtype_size(n->mod.dtype);
+    if (n->mod.form == ModulationForm::kPerToken) exchanged.push_back(scale_row);
+    else if (n->mod.form != ModulationForm::kNone) filled.push_back(scale_row);
+    DETDIT_RETURN_IF_ERROR(allocate_reduction(sp, device, exchanged, filled, hidden, stream, &n->params, planes));
+  }
+  if (tables && (n->mod.form == ModulationForm::kPerSample || n->mod.form == ModulationForm::kPerFrame)) {
+    plan_groups(sp, n->mod, &n->table);
+    DETDIT_RETURN_IF_ERROR(allocate_reduction(sp, device, {x_row, grad_row, sizeof(float), sizeof(float)}, {},
+                                              2 * hidden, stream, &n->table));
+  }
+  return Status();
+}
+
+// d_weight's and d_bias's chunk partials on this rank's chunk rows (as rmsnorm's d_weight).
+Status layernorm_params(Communicator& comm, FormsLayernorm& n, Stream stream) {
+  ChunkReduction& r = n.params;
+  const LayernormBackwardParams& p = n.p;
+  const Device device = p.in.x.device;
+  const int64_t hidden = hidden_of(p.in.x), rows = r.owned_rows();
+  std::vector<const void*> own = {p.in.x.data, p.grad.data, p.mean.data, p.rstd.data};
+  if (n.mod.form == ModulationForm::kPerToken) own.push_back(p.in.scale.data);
+  DETDIT_RETURN_IF_ERROR(gather_chunk_rows(comm, r, device, p.in.x.dtype, own, stream));
+  const bool modulated = n.mod.form != ModulationForm::kNone;
+  if (modulated && n.mod.form != ModulationForm::kPerToken)
+    DETDIT_RETURN_IF_ERROR(fill_modulation_rows(r, 4, p.in.scale, n.mod, device, stream));
+  if (rows > 0) {
+    LayernormBackwardParams w = p;
+    w.in.plan = IndexPlan();
+    w.in.x = TensorView::contiguous(r.fields[0], p.in.x.dtype, {1, rows, hidden}, device);
+    w.grad = TensorView::contiguous(r.fields[1], p.grad.dtype, {1, rows, hidden}, device);
+    w.mean = TensorView::contiguous(r.fields[2], DType::kF32, {rows}, device);
+    w.rstd = TensorView::contiguous(r.fields[3], DType::kF32, {rows}, device);
+    w.in.shift = w.in.scale =
+        modulated ? TensorView::contiguous(r.fields[4], n.mod.dtype, {1, rows, hidden}, device) : TensorView();
+    w.dx = w.d_weight = w.d_bias = w.d_shift = w.d_scale = TensorView();
+    LayernormPartials partials;
+    int64_t plane = 0;
+    if (p.d_weight.present()) partials.weight = own_partials(r, false, device, plane++, true);
+    if (p.d_bias.present()) partials.bias = own_partials(r, false, device, plane++, true);
+    DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_partials(device, w, partials, stream));
+  }
+  return gather_partials(comm, r, device, stream);
+}
+
+Status layernorm_table(Communicator& comm, FormsLayernorm& n, Stream stream) {
+  ChunkReduction& r = n.table;
+  const LayernormBackwardParams& p = n.p;
+  const Device device = p.in.x.device;
+  const int64_t hidden = hidden_of(p.in.x);
+  DETDIT_RETURN_IF_ERROR(gather_chunk_rows(comm, r, device, p.in.x.dtype,
+                                           {p.in.x.data, p.grad.data, p.mean.data, p.rstd.data}, stream));
+  for (bool short_chunks : {false, true}) {
+    const int64_t k = short_chunks ? r.owned_short : r.owned_full;
+    if (k == 0) continue;
+    LayernormBackwardParams t = p;
+    t.in.x = chunk_rows(r, 0, short_chunks, p.in.x.dtype, hidden, device);
+    t.grad = chunk_rows(r, 1, short_chunks, p.grad.dtype, hidden, device);
+    t.mean = chunk_rows(r, 2, short_chunks, DType::kF32, 0, device);
+    t.rstd = chunk_rows(r, 3, short_chunks, DType::kF32, 0, device);
+    t.in.shift = repeated_mod(p.in.shift, k);
+    t.in.scale = repeated_mod(p.in.scale, k);
+    t.dx = t.d_weight = t.d_bias = t.d_shift = t.d_scale = TensorView();
+    LayernormPartials partials;
+    partials.table = own_partials(r, short_chunks, device);
+    DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_partials(device, t, partials, stream));
+  }
+  return gather_partials(comm, r, device, stream);
+}
+
+Status run_layernorm(Communicator& comm, FormsLayernorm& n, Stream stream) {
+  const LayernormBackwardParams& p = n.p;
+  const Device device = p.in.x.device;
+  if (n.params.on) DETDIT_RETURN_IF_ERROR(layernorm_params(comm, n, stream));
+  if (n.table.on) DETDIT_RETURN_IF_ERROR(layernorm_table(comm, n, stream));
+  // Every collective has run: the outputs.
+  if (n.mod.form == ModulationForm::kPerFrame) {
+    for (const Piece& pc : n.pieces)
+      DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_rows(device, piece_of(p, n.mod, pc), stream));
+  } else {
+    DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_rows(device, p, stream));
+  }
+  if (n.token.present()) {
+    LayernormPartials partials;
+    partials.table = n.token;
+    DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_partials(device, p, partials, stream));
+    DETDIT_RETURN_IF_ERROR(rowwise::fold_modulation_partials(IndexPlan(), rowwise::layernorm_modulation(p.in), n.token,
+                                                             p.d_shift, p.d_scale, stream));
+  }
+  int64_t plane = 0;
+  if (p.d_weight.present())
+    DETDIT_RETURN_IF_ERROR(
+        backend::fold_chunk_partials(device, global_partials(n.params, device, plane++), p.d_weight, stream));
+  if (p.d_bias.present())
+    DETDIT_RETURN_IF_ERROR(
+        backend::fold_chunk_partials(device, global_partials(n.params, device, plane++), p.d_bias, stream));
+  if (n.table.on)
+    DETDIT_RETURN_IF_ERROR(rowwise::fold_modulation_partials(IndexPlan(), n.mod, global_partials(n.table, device),
+                                                             p.d_shift, p.d_scale, stream));
+  return Status();
+}
+
 }  // namespace
 
 bool forms_call(const SpPlan& sp, const IndexPlan& call_plan, bool modulated) {
@@ -759,4 +953,41 @@ Status forms_gate_residual_backward(Communicator& comm, const SpPlan& sp, const 
 }
 
 }  // namespace sp_detail
+
+// layernorm: the grouped forms and the plain norm only (an index plan is refused).
+Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Stream stream) {
+  using namespace sp_detail;
+  DETDIT_RETURN_IF_ERROR(check_layernorm_plan(sp, params.in.plan));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.x, "x"));
+  ResolvedModulation mod;
+  DETDIT_RETURN_IF_ERROR(
+      resolve_form(sp, params.in.x, "x", {{&params.in.shift, "shift"}, {&params.in.scale, "scale"}}, &mod));
+  if (mod.form != ModulationForm::kPerFrame) return layernorm_forward(params, stream);
+  const std::vector<Piece> pieces = frame_pieces(sp, mod);
+  for (const Piece& pc : pieces) DETDIT_RETURN_IF_ERROR(rowwise::validate_layernorm_forward(piece_of(params, mod, pc)));
+  const LayernormParams& p = params;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
+      {{&p.in.x, "x"}, {&p.in.weight, "weight"}, {&p.in.bias, "bias"}, {&p.in.shift, "shift"}, {&p.in.scale, "scale"}},
+      {{&p.out, "out"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}}));
+  for (const Piece& pc : pieces)
+    DETDIT_RETURN_IF_ERROR(backend::layernorm_forward(p.in.x.device, piece_of(params, mod, pc), stream));
+  return Status();
+}
+
+Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
+                             Stream stream) {
+  using namespace sp_detail;
+  FormsLayernorm n;
+  n.p = params;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_layernorm_plan(sp, params.in.plan);
+  if (valid.ok()) valid = validate_layernorm(sp, params, &n);
+  if (valid.ok()) valid = prepare_layernorm(sp, &n, stream);
+  const std::string recipe = std::string(numerics_name(params.in.numerics)) + (params.in.upcast ? " upcast" : "") +
+                             (params.in.weight.present() ? " weight" : "") + (params.in.bias.present() ? " bias" : "");
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_layernorm_backward", sp, params.in.x, n.mod, recipe,
+                                                     {params.d_weight.present(), params.d_bias.present(), n.table.on})));
+  return run_layernorm(comm, n, stream);
+}
+
 }  // namespace detdit

@@ -19,6 +19,7 @@
 #include "cases/parallel_cases.h"
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
+#include "detdit/layernorm.h"
 #include "detdit/parallel.h"
 #include "detdit/rmsnorm.h"
 #include "parallel/parallel_util.h"
@@ -392,6 +393,166 @@ TEST(SpForms, GateResidualOddSequenceAndTinyShards) {
     tiny.form = form;
     tiny.recipe = kRecipes[2];
     run_gate_case(tiny, {3, 5, 7, 8});
+  }
+}
+
+
+// ---------------------------------------------------------------- layernorm
+
+struct LayernormCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16;
+  Form form;
+  bool modulated = true;
+  Recipe recipe;
+  int affine = 2;  // 0: none, 1: weight, 2: weight and bias
+  std::string name() const {
+    return "layernorm B" + std::to_string(batch) + " S" + std::to_string(seq_len) + " " +
+           (modulated ? form.name() : "plain") + " affine " + std::to_string(affine) + " " + recipe.name();
+  }
+};
+
+struct LayernormData {
+  HostTensor x, weight, bias, grad;
+  Mod shift, scale;
+  HostTensor out, mean, rstd, dx, d_weight, d_bias, d_shift, d_scale;
+};
+
+LayernormParams layernorm_params(const LayernormCase& c, const HostTensor& x, const LayernormData& d,
+                                  const Mod& shift, const Mod& scale) {
+  LayernormParams f;
+  f.in.x = x.view();
+  f.in.weight = c.affine >= 1 ? d.weight.view() : TensorView();
+  f.in.bias = c.affine >= 2 ? d.bias.view() : TensorView();
+  f.in.shift = c.modulated ? shift.view() : TensorView();
+  f.in.scale = c.modulated ? scale.view() : TensorView();
+  f.in.eps = 1e-6f;
+  f.in.upcast = c.recipe.upcast;
+  return f;
+}
+
+void layernorm_ws1(const LayernormCase& c, LayernormData* d) {
+  const int64_t frames = c.form.frames == 0 ? c.seq_len : c.form.frames;
+  const bool chunked = c.form.chunked && c.form.frames != 0;
+  d->x = testing::random_tensor(c.recipe.x, {c.batch, c.seq_len, c.hidden}, 41, 0.5, 2.0);
+  d->weight = testing::random_tensor(c.recipe.x, {c.hidden}, 42, 1.0, 0.1);
+  d->bias = testing::random_tensor(c.recipe.x, {c.hidden}, 43, 0.0, 0.1);
+  d->shift = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 3, 44, 0.0, 0.5);
+  d->scale = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 4, 45, 0.0, 0.5);
+  if (c.form.frames == 0) d->shift.per_sample = d->scale.per_sample = false;
+  const DType out = c.modulated ? out_dtype(c.recipe) : c.recipe.x;
+  d->grad = testing::random_tensor(out, {c.batch, c.seq_len, c.hidden}, 46);
+  d->out = HostTensor(out, {c.batch, c.seq_len, c.hidden});
+  d->mean = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->rstd = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->dx = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
+  d->d_weight = HostTensor(DType::kF32, {c.hidden});
+  d->d_bias = HostTensor(c.recipe.x, {c.hidden});
+  const bool token = c.form.frames == 0;
+  d->d_shift = token ? HostTensor(DType::kF32, {c.batch, c.seq_len, c.hidden}) : grad_like(d->shift, DType::kF32);
+  d->d_scale = token ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->scale, c.recipe.mod);
+  LayernormParams f = layernorm_params(c, d->x, *d, d->shift, d->scale);
+  f.out = d->out.view();
+  f.mean = d->mean.view();
+  f.rstd = d->rstd.view();
+  DETDIT_ASSERT_OK(layernorm_forward(f));
+  LayernormBackwardParams b;
+  b.in = f.in;
+  b.mean = d->mean.view();
+  b.rstd = d->rstd.view();
+  b.grad = d->grad.view();
+  b.dx = d->dx.view();
+  b.d_weight = c.affine >= 1 ? d->d_weight.view() : TensorView();
+  b.d_bias = c.affine >= 2 ? d->d_bias.view() : TensorView();
+  if (c.modulated) {
+    b.d_shift = token ? d->d_shift.view() : grad_view(d->d_shift, d->shift);
+    b.d_scale = token ? d->d_scale.view() : grad_view(d->d_scale, d->scale);
+  }
+  DETDIT_ASSERT_OK(layernorm_backward(b));
+}
+
+Status layernorm_rank(Communicator& comm, const LayernormCase& c, const LayernormData& d) {
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
+  const bool token = c.form.frames == 0;
+  const HostTensor x = slice(d.x, c.batch, c.seq_len, bd), grad = slice(d.grad, c.batch, c.seq_len, bd);
+  const Mod shift = token ? local_token_mod(d.shift, c.seq_len, bd) : d.shift;
+  const Mod scale = token ? local_token_mod(d.scale, c.seq_len, bd) : d.scale;
+  const int64_t rows = c.batch * (bd.hi - bd.lo);
+  HostTensor out(d.out.dtype(), x.shape()), mean(DType::kF32, {rows}), rstd(DType::kF32, {rows});
+  HostTensor dx(x.dtype(), x.shape()), d_weight(DType::kF32, {c.hidden}), d_bias(x.dtype(), {c.hidden});
+  HostTensor d_shift = token ? HostTensor(DType::kF32, x.shape()) : HostTensor(DType::kF32, d.d_shift.shape());
+  HostTensor d_scale = token ? HostTensor(c.recipe.mod, x.shape()) : HostTensor(c.recipe.mod, d.d_scale.shape());
+  for (HostTensor* t : {&out, &mean, &rstd, &dx, &d_weight, &d_bias, &d_shift, &d_scale}) t->fill_bytes(kCanary);
+  LayernormParams f = layernorm_params(c, x, d, shift, scale);
+  f.out = out.view();
+  f.mean = mean.view();
+  f.rstd = rstd.view();
+  DETDIT_RETURN_IF_ERROR(sp_layernorm_forward(sp, f));
+  LayernormBackwardParams b;
+  b.in = f.in;
+  b.mean = mean.view();
+  b.rstd = rstd.view();
+  b.grad = grad.view();
+  b.dx = dx.view();
+  b.d_weight = c.affine >= 1 ? d_weight.view() : TensorView();
+  b.d_bias = c.affine >= 2 ? d_bias.view() : TensorView();
+  if (c.modulated) {
+    b.d_shift = token ? d_shift.view() : grad_view(d_shift, shift);
+    b.d_scale = token ? d_scale.view() : grad_view(d_scale, scale);
+  }
+  DETDIT_RETURN_IF_ERROR(sp_layernorm_backward(comm, sp, b));
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
+  EXPECT_TRUE(equal_rows(d.mean, mean, c.batch, c.seq_len, bd)) << where << " mean";
+  EXPECT_TRUE(equal_rows(d.rstd, rstd, c.batch, c.seq_len, bd)) << where << " rstd";
+  EXPECT_TRUE(equal_rows(d.dx, dx, c.batch, c.seq_len, bd)) << where << " dx";
+  if (c.affine >= 1) EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight";
+  if (c.affine >= 2) EXPECT_TRUE(testing::bitwise_equal(d.d_bias, d_bias)) << where << " d_bias";
+  if (c.modulated && token) {
+    EXPECT_TRUE(equal_rows(d.d_shift, d_shift, c.batch, c.seq_len, bd)) << where << " d_shift";
+    EXPECT_TRUE(equal_rows(d.d_scale, d_scale, c.batch, c.seq_len, bd)) << where << " d_scale";
+  } else if (c.modulated) {
+    EXPECT_TRUE(testing::bitwise_equal(d.d_shift, d_shift)) << where << " d_shift";
+    EXPECT_TRUE(testing::bitwise_equal(d.d_scale, d_scale)) << where << " d_scale";
+  }
+  return Status();
+}
+
+void run_layernorm_case(const LayernormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+  SCOPED_TRACE(c.name());
+  LayernormData d;
+  layernorm_ws1(c, &d);
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return layernorm_rank(comm, c, d); }));
+}
+
+TEST(SpForms, LayernormEveryFormRecipeAndAffineEveryWorldSize) {
+  for (const Recipe& r : kRecipes) {
+    for (Form form : {Form{1, true}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+      LayernormCase c;
+      c.form = form;
+      c.recipe = r;
+      c.affine = form.frames == 3 ? 1 : form.frames == 7 ? 0 : 2;
+      run_layernorm_case(c);
+    }
+  }
+  for (int affine : {0, 1, 2}) {
+    LayernormCase plain;
+    plain.modulated = false;
+    plain.affine = affine;
+    run_layernorm_case(plain);
+  }
+}
+
+TEST(SpForms, LayernormTinyShards) {
+  for (Form form : {Form{1, false}, Form{4, true}, Form{0, false}}) {
+    LayernormCase tiny;
+    tiny.seq_len = 40;
+    tiny.form = form;
+    tiny.recipe = kRecipes[2];
+    run_layernorm_case(tiny, {3, 5, 7, 8});
   }
 }
 
