@@ -20,6 +20,7 @@
 #include "detdit/adaln.h"
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/layernorm.h"
 #include "detdit/plan.h"
@@ -170,6 +171,16 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
 Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Stream stream = nullptr);
 Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
                              Stream stream = nullptr);
+// gate_residual_layernorm (gate_residual_layernorm.h) on the local rows, the
+// forms of its halves above (no plan): the forward is the sp_gate_residual
+// forward into h, then the sp_layernorm forward of h; the backward the
+// sp_layernorm backward of d_out, the sum with d_h, then the sp_gate_residual
+// backward of that sum, so every output equals WS1's byte for byte. Both
+// halves are validated, allocated and agreed as one call.
+Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLayernormParams& params,
+                                          Stream stream = nullptr);
+Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
+                                           const GateResidualLayernormBackwardParams& params, Stream stream = nullptr);
 // The fused region (gate_residual_rmsnorm.h) on the local rows: the forward is
 // the WS1 op with the local index; the backward is the sp_rmsnorm backward of
 // d_out, the sum with d_h, then the sp_gate_residual backward of that sum, so

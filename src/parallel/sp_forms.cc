@@ -48,6 +48,7 @@
 #include "common/backends.h"
 #include "common/scratch.h"
 #include "common/validate.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/modulation.h"
 #include "parallel/copy.h"
 #include "parallel/sp_region_impl.h"
@@ -885,6 +886,26 @@ Status run_layernorm(Communicator& comm, FormsLayernorm& n, Stream stream) {
   return Status();
 }
 
+
+// ---------------------------------------------------------------- gate_residual_layernorm
+
+GateResidualInputs gate_inputs(const GateResidualLayernormInputs& in) {
+  return GateResidualInputs{in.residual, in.y, in.gate, in.plan, in.has_k, in.k, in.upcast};
+}
+
+LayernormInputs norm_inputs(const GateResidualLayernormInputs& in, const TensorView& h) {
+  return LayernormInputs{h, in.weight, in.bias, in.shift, in.scale, in.plan, in.eps, in.numerics, in.upcast};
+}
+
+// The gate and the norm's shift and scale in one form (as the WS1 op).
+Status check_one_form(const GateResidualLayernormInputs& in, const ResolvedModulation& gate,
+                      const ResolvedModulation& norm) {
+  if (!in.gate.present() || !in.shift.present() || gate.form == norm.form) return Status();
+  return Status::value_error(std::string("gate, shift and scale must have one modulation form, got gate ") +
+                             in.gate.describe() + " (" + modulation_form_name(gate.form) + ") and shift " +
+                             in.shift.describe() + " (" + modulation_form_name(norm.form) + ")");
+}
+
 }  // namespace
 
 bool forms_call(const SpPlan& sp, const IndexPlan& call_plan, bool modulated) {
@@ -988,6 +1009,101 @@ Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const Layerno
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_layernorm_backward", sp, params.in.x, n.mod, recipe,
                                                      {params.d_weight.present(), params.d_bias.present(), n.table.on})));
   return run_layernorm(comm, n, stream);
+}
+
+// gate_residual_layernorm: the composition of the two SP ops, as the WS1 op is
+// of the two ops (gate_residual_layernorm.h), both halves validated,
+// allocated and agreed as one call.
+Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLayernormParams& params,
+                                          Stream stream) {
+  using namespace sp_detail;
+  const GateResidualLayernormParams& p = params;
+  DETDIT_RETURN_IF_ERROR(check_layernorm_plan(sp, p.in.plan));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.residual, "residual"));
+  ResolvedModulation gate, norm;
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.residual, "residual", {{&p.in.gate, "gate"}}, &gate));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.h, "h"));
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.h, "h", {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}}, &norm));
+  DETDIT_RETURN_IF_ERROR(check_one_form(p.in, gate, norm));
+  const bool frames = gate.form == ModulationForm::kPerFrame || norm.form == ModulationForm::kPerFrame;
+  if (!frames) return gate_residual_layernorm_forward(params, stream);
+  const ResolvedModulation& mod = gate.form == ModulationForm::kPerFrame ? gate : norm;
+  const std::vector<Piece> pieces = frame_pieces(sp, mod);
+  const GateResidualParams gate_call{gate_inputs(p.in), p.h};
+  const LayernormParams norm_call{norm_inputs(p.in, p.h), p.out, p.mean, p.rstd};
+  for (const Piece& pc : pieces) {
+    DETDIT_RETURN_IF_ERROR(
+        rowwise::check_gate_residual_forward_arguments(piece_of(gate_call, mod, pc), rowwise::Forms::kAll));
+    DETDIT_RETURN_IF_ERROR(rowwise::check_layernorm_forward_arguments(piece_of(norm_call, mod, pc)));
+  }
+  const GateResidualLayernormInputs& in = p.in;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
+      {{&in.residual, "residual"}, {&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.bias, "bias"},
+       {&in.shift, "shift"}, {&in.scale, "scale"}},
+      {{&p.h, "h"}, {&p.out, "out"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}}));
+  const Device device = p.h.device;
+  for (const Piece& pc : pieces) {
+    DETDIT_RETURN_IF_ERROR(backend::gate_residual_forward(device, piece_of(gate_call, mod, pc), stream));
+    DETDIT_RETURN_IF_ERROR(backend::layernorm_forward(device, piece_of(norm_call, mod, pc), stream));
+  }
+  return Status();
+}
+
+Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
+                                           const GateResidualLayernormBackwardParams& params, Stream stream) {
+  using namespace sp_detail;
+  const GateResidualLayernormBackwardParams& p = params;
+  const GateResidualLayernormInputs& in = p.in;
+  FormsLayernorm n;
+  FormsGate g;
+  n.p = LayernormBackwardParams{norm_inputs(in, p.h), p.mean, p.rstd, p.d_out, TensorView(),
+                                p.d_weight, p.d_bias, p.d_shift, p.d_scale};
+  // g, the gradient of h: d_residual when it has h's dtype, else scratch when the gate half runs
+  const bool gate_half = p.d_residual.present() || p.d_y.present() || p.d_gate.present();
+  const bool g_in_d_residual = p.d_residual.present() && p.d_residual.dtype == p.h.dtype;
+  g.p = GateResidualBackwardParams{gate_inputs(in), p.h, g_in_d_residual ? TensorView() : p.d_residual, p.d_y,
+                                   p.d_gate};
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_layernorm_plan(sp, in.plan);
+  if (valid.ok()) valid = check::present(p.d_out, "d_out");
+  if (valid.ok() && p.d_h.present()) valid = rowwise::check_like(p.d_h, "d_h", p.h, "h");
+  if (valid.ok()) valid = validate_layernorm(sp, n.p, &n);
+  if (valid.ok()) {
+    GateResidualBackwardParams checked = g.p;  // h standing for g; d_residual checked against y
+    checked.d_residual = p.d_residual;
+    valid = validate_gate(sp, checked, &g);
+  }
+  if (valid.ok()) valid = check_one_form(in, g.mod, n.mod);
+  if (valid.ok())
+    valid = rowwise::check_outputs_disjoint(
+        {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.bias, "bias"}, {&in.shift, "shift"},
+         {&in.scale, "scale"}, {&p.h, "h"}, {&p.mean, "mean"}, {&p.rstd, "rstd"}, {&p.d_out, "d_out"},
+         {&p.d_h, "d_h"}},
+        {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}, {&p.d_weight, "d_weight"},
+         {&p.d_bias, "d_bias"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
+  std::shared_ptr<void> g_memory;
+  if (valid.ok() && gate_half) {
+    TensorView grad = p.d_residual;
+    if (!g_in_d_residual) {
+      grad = p.h;
+      valid = allocate_scratch(p.h.device, p.h.nbytes(), stream, &g_memory);
+      grad.data = g_memory.get();
+    }
+    n.p.dx = g.p.grad = grad;
+  }
+  if (valid.ok()) valid = prepare_layernorm(sp, &n, stream);
+  if (valid.ok() && gate_half) valid = prepare_gate(sp, &g, stream);
+  const std::string recipe = std::string(numerics_name(in.numerics)) + (in.upcast ? " upcast" : "") +
+                             (in.weight.present() ? " weight" : "") + (in.bias.present() ? " bias" : "") +
+                             (in.has_k ? " k=" + bits(in.k) : "");
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, signature("sp_gate_residual_layernorm_backward", sp, p.h, n.mod.form != ModulationForm::kNone ? n.mod : g.mod,
+                                  recipe, {p.d_weight.present(), p.d_bias.present(), n.table.on, p.d_gate.present()})));
+  DETDIT_RETURN_IF_ERROR(run_layernorm(comm, n, stream));
+  if (!gate_half) return Status();
+  // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to h's dtype
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(p.h.device, g.p.grad, p.d_h, g.p.grad, stream));
+  return run_gate(comm, g, stream);
 }
 
 }  // namespace detdit

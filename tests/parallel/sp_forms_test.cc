@@ -14,11 +14,13 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cases/parallel_cases.h"
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/layernorm.h"
 #include "detdit/parallel.h"
 #include "detdit/rmsnorm.h"
@@ -554,6 +556,178 @@ TEST(SpForms, LayernormTinyShards) {
     tiny.recipe = kRecipes[2];
     run_layernorm_case(tiny, {3, 5, 7, 8});
   }
+}
+
+
+// ---------------------------------------------------------------- gate_residual_layernorm
+
+struct FusedCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16;
+  Form form;
+  bool modulated = true;
+  Recipe recipe;
+  std::string name() const {
+    return "gate_residual_layernorm S" + std::to_string(seq_len) + " " + (modulated ? form.name() : "plain") + " " +
+           recipe.name();
+  }
+};
+
+struct FusedData {
+  HostTensor residual, y, weight, bias, d_out, d_h;
+  Mod gate, shift, scale;
+  HostTensor h, out, mean, rstd, d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale;
+};
+
+void fused_ws1(const FusedCase& c, FusedData* d) {
+  const int64_t frames = c.form.frames == 0 ? c.seq_len : c.form.frames;
+  const bool chunked = c.form.chunked && c.form.frames != 0, token = c.form.frames == 0;
+  const std::vector<int64_t> rows = {c.batch, c.seq_len, c.hidden};
+  d->residual = testing::random_tensor(c.recipe.x, rows, 51);
+  d->y = testing::random_tensor(c.recipe.x, rows, 52);
+  const DType h = c.modulated ? out_dtype(c.recipe) : c.recipe.x;  // h's dtype, the norm's weight's
+  d->weight = testing::random_tensor(h, {c.hidden}, 53, 1.0, 0.1);
+  d->bias = testing::random_tensor(h, {c.hidden}, 54, 0.0, 0.1);
+  d->gate = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 2, 55, 0.0, 0.5);
+  d->shift = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 3, 56, 0.0, 0.5);
+  d->scale = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 4, 57, 0.0, 0.5);
+  if (token) d->gate.per_sample = d->shift.per_sample = d->scale.per_sample = false;
+  d->h = HostTensor(h, rows);
+  d->out = HostTensor(h, rows);
+  d->d_out = testing::random_tensor(h, rows, 58);
+  d->d_h = testing::random_tensor(h, rows, 59);
+  d->mean = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->rstd = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->d_residual = HostTensor(c.recipe.x, rows);
+  d->d_y = HostTensor(c.recipe.x, rows);
+  d->d_weight = HostTensor(DType::kF32, {c.hidden});
+  d->d_bias = HostTensor(DType::kF32, {c.hidden});
+  d->d_gate = token ? HostTensor(DType::kF32, rows) : grad_like(d->gate, DType::kF32);
+  d->d_shift = token ? HostTensor(DType::kF32, rows) : grad_like(d->shift, DType::kF32);
+  d->d_scale = token ? HostTensor(DType::kF32, rows) : grad_like(d->scale, DType::kF32);
+}
+
+// The call on `residual`, `y` (WS1's or one rank's) with the outputs in `o`.
+GateResidualLayernormParams fused_forward(const FusedCase& c, const FusedData& d, const HostTensor& residual,
+                                          const HostTensor& y, const Mod& gate, const Mod& shift, const Mod& scale,
+                                          const FusedData& o) {
+  GateResidualLayernormParams f;
+  f.in.residual = residual.view();
+  f.in.y = y.view();
+  f.in.gate = c.modulated ? gate.view() : TensorView();
+  f.in.weight = d.weight.view();
+  f.in.bias = d.bias.view();
+  f.in.shift = c.modulated ? shift.view() : TensorView();
+  f.in.scale = c.modulated ? scale.view() : TensorView();
+  f.in.has_k = c.recipe.has_k;
+  f.in.k = 1.0f;
+  f.in.eps = 1e-6f;
+  f.in.upcast = c.recipe.upcast;
+  f.h = o.h.view();
+  f.out = o.out.view();
+  f.mean = o.mean.view();
+  f.rstd = o.rstd.view();
+  return f;
+}
+
+GateResidualLayernormBackwardParams fused_backward(const FusedCase& c, const GateResidualLayernormParams& f,
+                                                   const HostTensor& d_out, const HostTensor& d_h, const Mod& gate,
+                                                   const Mod& shift, const Mod& scale, const FusedData& o) {
+  const bool token = c.form.frames == 0;
+  GateResidualLayernormBackwardParams b;
+  b.in = f.in;
+  b.h = f.h;
+  b.mean = f.mean;
+  b.rstd = f.rstd;
+  b.d_out = d_out.view();
+  b.d_h = d_h.view();
+  b.d_residual = o.d_residual.view();
+  b.d_y = o.d_y.view();
+  b.d_weight = o.d_weight.view();
+  b.d_bias = o.d_bias.view();
+  if (c.modulated) {
+    b.d_gate = token ? o.d_gate.view() : grad_view(o.d_gate, gate);
+    b.d_shift = token ? o.d_shift.view() : grad_view(o.d_shift, shift);
+    b.d_scale = token ? o.d_scale.view() : grad_view(o.d_scale, scale);
+  }
+  return b;
+}
+
+Status fused_rank(Communicator& comm, const FusedCase& c, const FusedData& d) {
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
+  const bool token = c.form.frames == 0;
+  auto local = [&](const HostTensor& t) { return slice(t, c.batch, c.seq_len, bd); };
+  const HostTensor residual = local(d.residual), y = local(d.y), d_out = local(d.d_out), d_h = local(d.d_h);
+  const Mod gate = token ? local_token_mod(d.gate, c.seq_len, bd) : d.gate;
+  const Mod shift = token ? local_token_mod(d.shift, c.seq_len, bd) : d.shift;
+  const Mod scale = token ? local_token_mod(d.scale, c.seq_len, bd) : d.scale;
+  FusedData o;
+  o.h = HostTensor(d.h.dtype(), y.shape());
+  o.out = HostTensor(d.out.dtype(), y.shape());
+  o.mean = HostTensor(DType::kF32, {y.numel() / c.hidden});
+  o.rstd = HostTensor(DType::kF32, {y.numel() / c.hidden});
+  o.d_residual = HostTensor(y.dtype(), y.shape());
+  o.d_y = HostTensor(y.dtype(), y.shape());
+  o.d_weight = HostTensor(DType::kF32, {c.hidden});
+  o.d_bias = HostTensor(DType::kF32, {c.hidden});
+  o.d_gate = HostTensor(DType::kF32, token ? y.shape() : d.d_gate.shape());
+  o.d_shift = HostTensor(DType::kF32, token ? y.shape() : d.d_shift.shape());
+  o.d_scale = HostTensor(DType::kF32, token ? y.shape() : d.d_scale.shape());
+  for (HostTensor* t : {&o.h, &o.out, &o.mean, &o.rstd, &o.d_residual, &o.d_y, &o.d_weight, &o.d_bias, &o.d_gate,
+                        &o.d_shift, &o.d_scale})
+    t->fill_bytes(kCanary);
+  const GateResidualLayernormParams f = fused_forward(c, d, residual, y, gate, shift, scale, o);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_layernorm_forward(sp, f));
+  DETDIT_RETURN_IF_ERROR(
+      sp_gate_residual_layernorm_backward(comm, sp, fused_backward(c, f, d_out, d_h, gate, shift, scale, o)));
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  const std::pair<const HostTensor*, const HostTensor*> sharded[] = {
+      {&d.h, &o.h}, {&d.out, &o.out}, {&d.mean, &o.mean}, {&d.rstd, &o.rstd}, {&d.d_residual, &o.d_residual},
+      {&d.d_y, &o.d_y}};
+  for (const auto& [ws1, mine] : sharded) EXPECT_TRUE(equal_rows(*ws1, *mine, c.batch, c.seq_len, bd)) << where;
+  EXPECT_TRUE(testing::bitwise_equal(d.d_weight, o.d_weight)) << where << " d_weight";
+  EXPECT_TRUE(testing::bitwise_equal(d.d_bias, o.d_bias)) << where << " d_bias";
+  if (!c.modulated) return Status();
+  for (const auto& [ws1, mine] : {std::make_pair(&d.d_gate, &o.d_gate), std::make_pair(&d.d_shift, &o.d_shift),
+                                  std::make_pair(&d.d_scale, &o.d_scale)}) {
+    if (token)
+      EXPECT_TRUE(equal_rows(*ws1, *mine, c.batch, c.seq_len, bd)) << where;
+    else
+      EXPECT_TRUE(testing::bitwise_equal(*ws1, *mine)) << where;
+  }
+  return Status();
+}
+
+void run_fused_case(const FusedCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+  SCOPED_TRACE(c.name());
+  FusedData d;
+  fused_ws1(c, &d);
+  const GateResidualLayernormParams f = fused_forward(c, d, d.residual, d.y, d.gate, d.shift, d.scale, d);
+  DETDIT_ASSERT_OK(gate_residual_layernorm_forward(f));
+  DETDIT_ASSERT_OK(gate_residual_layernorm_backward(fused_backward(c, f, d.d_out, d.d_h, d.gate, d.shift, d.scale, d)));
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return fused_rank(comm, c, d); }));
+}
+
+TEST(SpForms, GateResidualLayernormEveryFormAndRecipeEveryWorldSize) {
+  for (Recipe r : kRecipes) {
+    r.has_k = r.upcast;
+    for (Form form : {Form{1, true}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+      FusedCase c;
+      c.form = form;
+      c.recipe = r;
+      run_fused_case(c);
+    }
+  }
+  FusedCase plain;
+  plain.modulated = false;
+  run_fused_case(plain);
+  FusedCase tiny;
+  tiny.seq_len = 40;
+  tiny.form = Form{4, true};
+  run_fused_case(tiny, {3, 5, 8});
 }
 
 // ---------------------------------------------------------------- fail closed
