@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "detdit/parallel.h"
 #include "detdit/rmsnorm.h"
 #include "parallel/parallel_util.h"
+#include "support/rowwise_fixture.h"
 #include "support/test_util.h"
 
 namespace detdit {
@@ -787,6 +789,92 @@ TEST(SpForms, BadArgumentOnOneRankFailsEveryRankAndWritesNothing) {
     *untouched = testing::all_bytes_are(dx, kCanary) && testing::all_bytes_are(d_weight, kCanary);
     return s;
   });
+}
+
+
+// ---------------------------------------------------------------- MPI: ranks as processes
+
+// Each process computes WS1 itself (the inputs are seeded) and runs its rank.
+TEST(DISABLED_MpiSpFormsWorker, EveryOpMatchesWs1) {
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_mpi_communicator(&comm));
+  for (Form form : {Form{1, true}, Form{3, true}, Form{0, false}}) {
+    NormCase n;
+    n.form = form;
+    n.recipe = kRecipes[1];
+    NormData nd;
+    norm_ws1(n, &nd);
+    DETDIT_EXPECT_OK(norm_rank(*comm, n, nd));
+    GateCase g;
+    g.form = form;
+    g.recipe = kRecipes[2];
+    g.recipe.has_k = true;
+    GateData gd;
+    gate_ws1(g, &gd);
+    DETDIT_EXPECT_OK(gate_rank(*comm, g, gd));
+    LayernormCase l;
+    l.form = form;
+    l.recipe = kRecipes[0];
+    LayernormData ld;
+    layernorm_ws1(l, &ld);
+    DETDIT_EXPECT_OK(layernorm_rank(*comm, l, ld));
+    FusedCase f;
+    f.form = form;
+    f.recipe = kRecipes[1];
+    FusedData fd;
+    fused_ws1(f, &fd);
+    const GateResidualLayernormParams fp = fused_forward(f, fd, fd.residual, fd.y, fd.gate, fd.shift, fd.scale, fd);
+    DETDIT_ASSERT_OK(gate_residual_layernorm_forward(fp));
+    DETDIT_ASSERT_OK(
+        gate_residual_layernorm_backward(fused_backward(f, fp, fd.d_out, fd.d_h, fd.gate, fd.shift, fd.scale, fd)));
+    DETDIT_EXPECT_OK(fused_rank(*comm, f, fd));
+  }
+}
+
+// A bad d_gate on rank 1 only: every process refused, nothing written.
+TEST(DISABLED_MpiSpFormsWorker, BadArgumentOnOneRankFailsEveryRank) {
+  std::unique_ptr<Communicator> comm;
+  DETDIT_ASSERT_OK(create_mpi_communicator(&comm));
+  const int64_t batch = 2, seq_len = 2100, hidden = 16;
+  const Bounds bd = bounds(seq_len, comm->world_size(), comm->rank());
+  SpPlan sp;
+  DETDIT_ASSERT_OK(SpPlan::create(seq_len, batch, comm->world_size(), comm->rank(), &sp));
+  const Mod gate = make_mod(DType::kBF16, batch, 3, hidden, true, 2, 31, 0.0, 0.5);
+  const int64_t local = bd.hi - bd.lo;
+  HostTensor y = testing::random_tensor(DType::kBF16, {batch, local, hidden}, 32);
+  HostTensor grad = testing::random_tensor(DType::kBF16, {batch, local, hidden}, 33);
+  HostTensor d_y(DType::kBF16, {batch, local, hidden});
+  HostTensor d_gate(DType::kF32, {batch, comm->rank() == 1 ? 2 : 3, hidden});
+  d_y.fill_bytes(kCanary);
+  d_gate.fill_bytes(kCanary);
+  GateResidualBackwardParams b;
+  b.in.y = y.view();
+  b.in.gate = gate.view();
+  b.grad = grad.view();
+  b.d_y = d_y.view();
+  b.d_gate = d_gate.view();
+  EXPECT_TRUE(testing::refused(sp_gate_residual_backward(*comm, sp, b), ErrorKind::kValue, "d_gate"));
+  EXPECT_TRUE(testing::all_bytes_are(d_y, kCanary));
+  EXPECT_TRUE(testing::all_bytes_are(d_gate, kCanary));
+}
+
+TEST(SpFormsMpi, RanksAsProcessesMatchWs1) {
+#if defined(DETDIT_WITH_MPI)
+  for (int ranks : {2, 3, 4}) EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiSpFormsWorker.EveryOpMatchesWs1"));
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
+TEST(SpFormsMpi, BadArgumentOnOneRankFailsEveryRank) {
+#if defined(DETDIT_WITH_MPI)
+  // A hang is a failure after a minute, not CI's clock.
+  for (int ranks : {2, 3})
+    EXPECT_TRUE(testing::run_under_mpi(ranks, "DISABLED_MpiSpFormsWorker.BadArgumentOnOneRankFailsEveryRank",
+                                       /*timeout_s=*/60));
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
 }
 
 }  // namespace
