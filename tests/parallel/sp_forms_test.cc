@@ -8,10 +8,12 @@
 // Recipes: modulation in x's dtype, fp32 modulation of bf16 x (out fp32),
 // upcast, and the gate's k. Modulation tensors are views of (B, 6, H) and
 // (B, F, 6, H) tensors, as the models chunk them. Also the collective
-// validation of the forms (every rank refuses, nothing written).
+// validation of the forms (every rank refuses, nothing written), the ranks as
+// MPI processes, and ranks sharing one GPU (skipped without one).
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -63,16 +65,18 @@ struct Mod {
   int slot = 0;
   bool per_sample = false;
   // The view the op takes: (B, H) / (B, 1, H) per sample, (B, F, 1, H) / (B, F, H) per frame or token.
-  TensorView view() const {
+  TensorView view() const { return view_at(storage.data(), Device::cpu()); }
+  // The view over a copy of storage at `base` on `device`.
+  TensorView view_at(void* base, Device device) const {
     const int64_t row = chunked ? 6 * hidden : hidden;
-    void* data = static_cast<char*>(storage.data()) + (chunked ? slot * hidden : 0) * dtype_size(storage.dtype());
+    void* data = static_cast<char*>(base) + (chunked ? slot * hidden : 0) * dtype_size(storage.dtype());
+    const DType t = storage.dtype();
     if (per_sample) {
-      if (chunked) return TensorView::strided(data, storage.dtype(), {batch, 1, hidden}, {row, row, 1});
-      return TensorView::strided(data, storage.dtype(), {batch, hidden}, {row, 1});
+      if (chunked) return TensorView::strided(data, t, {batch, 1, hidden}, {row, row, 1}, device);
+      return TensorView::strided(data, t, {batch, hidden}, {row, 1}, device);
     }
-    if (chunked)
-      return TensorView::strided(data, storage.dtype(), {batch, frames, 1, hidden}, {frames * row, row, row, 1});
-    return TensorView::strided(data, storage.dtype(), {batch, frames, hidden}, {frames * row, row, 1});
+    if (chunked) return TensorView::strided(data, t, {batch, frames, 1, hidden}, {frames * row, row, row, 1}, device);
+    return TensorView::strided(data, t, {batch, frames, hidden}, {frames * row, row, 1}, device);
   }
 };
 
@@ -96,11 +100,56 @@ HostTensor grad_like(const Mod& m, DType dtype) {
   return HostTensor(dtype, {m.batch, m.frames, m.hidden});
 }
 
-TensorView grad_view(const HostTensor& g, const Mod& m) {
-  if (m.per_sample && m.chunked) return g.view_as({m.batch, 1, m.hidden});
-  if (m.chunked) return g.view_as({m.batch, m.frames, 1, m.hidden});
-  return g.view();
+TensorView grad_view(const TensorView& g, const Mod& m) {
+  if (m.per_sample && m.chunked) return g.reshaped({m.batch, 1, m.hidden});
+  if (m.chunked) return g.reshaped({m.batch, m.frames, 1, m.hidden});
+  return g;
 }
+TensorView grad_view(const HostTensor& g, const Mod& m) { return grad_view(g.view(), m); }
+
+// One rank's tensors on `device` (the CPU or a CUDA device), so a rank's code
+// is the same for both: each host tensor is uploaded once; out() marks it an
+// output, copied back into the host tensor by sync().
+class OnDevice {
+ public:
+  explicit OnDevice(Device device) : stream_(device), arena_(device, stream_.get()) {}
+  TensorView operator()(const HostTensor& t) {
+    for (const auto& [host, view] : views_)
+      if (host == &t) return view;
+    views_.emplace_back(&t, arena_.upload(t));
+    return views_.back().second;
+  }
+  TensorView out(HostTensor& t) {
+    outputs_.push_back(&t);
+    return (*this)(t);
+  }
+  // A view v into host tensor t, moved onto t's copy (an output when `output`).
+  TensorView at(const TensorView& v, HostTensor& t, bool output) {
+    if (!v.present()) return v;
+    const TensorView base = output ? out(t) : (*this)(t);
+    TensorView moved = v;
+    moved.data = static_cast<char*>(base.data) + (static_cast<char*>(v.data) - static_cast<char*>(t.data()));
+    moved.device = base.device;
+    return moved;
+  }
+  TensorView mod(const Mod& m) {
+    const TensorView storage = (*this)(m.storage);
+    return m.view_at(storage.data, storage.device);
+  }
+  Stream stream() { return stream_.get(); }
+  void sync() {
+    for (HostTensor* t : outputs_) {
+      const HostTensor back = arena_.download((*this)(*t));
+      std::memcpy(t->data(), back.data(), t->nbytes());
+    }
+  }
+
+ private:
+  cases::RankStream stream_;
+  testing::DeviceArena arena_;
+  std::vector<std::pair<const HostTensor*, TensorView>> views_;
+  std::vector<HostTensor*> outputs_;
+};
 
 struct Bounds {
   int64_t lo, hi;
@@ -185,7 +234,8 @@ void norm_ws1(const NormCase& c, NormData* d) {
 }
 
 // One rank: the SP forward and backward of its rows, each output compared.
-Status norm_rank(Communicator& comm, const NormCase& c, const NormData& d) {
+Status norm_rank(Communicator& comm, Device device, const NormCase& c, const NormData& d) {
+  OnDevice dev(device);
   const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
@@ -199,23 +249,24 @@ Status norm_rank(Communicator& comm, const NormCase& c, const NormData& d) {
   HostTensor d_scale = token ? HostTensor(c.recipe.mod, x.shape()) : HostTensor(d.d_scale.dtype(), d.d_scale.shape());
   for (HostTensor* t : {&out, &rstd, &dx, &d_weight, &d_shift, &d_scale}) t->fill_bytes(kCanary);
   RmsnormParams f;
-  f.in.x = x.view();
-  f.in.weight = d.weight.view();
-  f.in.shift = shift.view();
-  f.in.scale = scale.view();
+  f.in.x = dev(x);
+  f.in.weight = dev(d.weight);
+  f.in.shift = dev.mod(shift);
+  f.in.scale = dev.mod(scale);
   f.in.upcast = c.recipe.upcast;
-  f.out = out.view();
-  f.rstd = rstd.view();
-  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f));
+  f.out = dev.out(out);
+  f.rstd = dev.out(rstd);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f, dev.stream()));
   RmsnormBackwardParams b;
   b.in = f.in;
-  b.rstd = rstd.view();
-  b.grad = grad.view();
-  b.dx = dx.view();
-  b.d_weight = c.d_weight ? d_weight.view() : TensorView();
-  b.d_shift = token ? d_shift.view() : grad_view(d_shift, shift);
-  b.d_scale = token ? d_scale.view() : grad_view(d_scale, scale);
-  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, b));
+  b.rstd = dev.out(rstd);
+  b.grad = dev(grad);
+  b.dx = dev.out(dx);
+  b.d_weight = c.d_weight ? dev.out(d_weight) : TensorView();
+  b.d_shift = token ? dev.out(d_shift) : grad_view(dev.out(d_shift), shift);
+  b.d_scale = token ? dev.out(d_scale) : grad_view(dev.out(d_scale), scale);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, b, dev.stream()));
+  dev.sync();
   const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
                             std::to_string(comm.rank());
   EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
@@ -232,14 +283,16 @@ Status norm_rank(Communicator& comm, const NormCase& c, const NormData& d) {
   return Status();
 }
 
-void run_norm_case(const NormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+void run_norm_case(const NormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                   Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   NormData d;
   norm_ws1(c, &d);
   for (const HostTensor* t : {&d.out, &d.dx, &d.d_shift, &d.d_scale})
     ASSERT_FALSE(testing::all_bytes_are(*t, 0)) << "WS1 left an output zero";
   for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return norm_rank(comm, c, d); }));
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return norm_rank(comm, device, c, d); }, device));
 }
 
 const Recipe kRecipes[] = {
@@ -324,7 +377,8 @@ void gate_ws1(const GateCase& c, GateData* d) {
   DETDIT_ASSERT_OK(gate_residual_backward(b));
 }
 
-Status gate_rank(Communicator& comm, const GateCase& c, const GateData& d) {
+Status gate_rank(Communicator& comm, Device device, const GateCase& c, const GateData& d) {
+  OnDevice dev(device);
   const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
@@ -336,21 +390,22 @@ Status gate_rank(Communicator& comm, const GateCase& c, const GateData& d) {
   HostTensor d_gate = token ? HostTensor(DType::kF32, y.shape()) : HostTensor(DType::kF32, d.d_gate.shape());
   for (HostTensor* t : {&out, &d_residual, &d_y, &d_gate}) t->fill_bytes(kCanary);
   GateResidualParams f;
-  f.in.residual = residual.view();
-  f.in.y = y.view();
-  f.in.gate = c.gate ? gate.view() : TensorView();
+  f.in.residual = dev(residual);
+  f.in.y = dev(y);
+  f.in.gate = c.gate ? dev.mod(gate) : TensorView();
   f.in.has_k = c.recipe.has_k;
   f.in.k = 1.0f;
   f.in.upcast = c.recipe.upcast;
-  f.out = out.view();
-  DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, f));
+  f.out = dev.out(out);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, f, dev.stream()));
   GateResidualBackwardParams b;
   b.in = f.in;
-  b.grad = grad.view();
-  b.d_residual = d_residual.view();
-  b.d_y = d_y.view();
-  b.d_gate = !c.gate ? TensorView() : token ? d_gate.view() : grad_view(d_gate, gate);
-  DETDIT_RETURN_IF_ERROR(sp_gate_residual_backward(comm, sp, b));
+  b.grad = dev(grad);
+  b.d_residual = dev.out(d_residual);
+  b.d_y = dev.out(d_y);
+  b.d_gate = !c.gate ? TensorView() : token ? dev.out(d_gate) : grad_view(dev.out(d_gate), gate);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_backward(comm, sp, b, dev.stream()));
+  dev.sync();
   const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
                             std::to_string(comm.rank());
   EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
@@ -361,12 +416,14 @@ Status gate_rank(Communicator& comm, const GateCase& c, const GateData& d) {
   return Status();
 }
 
-void run_gate_case(const GateCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+void run_gate_case(const GateCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                   Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   GateData d;
   gate_ws1(c, &d);
   for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return gate_rank(comm, c, d); }));
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return gate_rank(comm, device, c, d); }, device));
 }
 
 TEST(SpForms, GateResidualEveryFormAndRecipeEveryWorldSize) {
@@ -474,7 +531,8 @@ void layernorm_ws1(const LayernormCase& c, LayernormData* d) {
   DETDIT_ASSERT_OK(layernorm_backward(b));
 }
 
-Status layernorm_rank(Communicator& comm, const LayernormCase& c, const LayernormData& d) {
+Status layernorm_rank(Communicator& comm, Device device, const LayernormCase& c, const LayernormData& d) {
+  OnDevice dev(device);
   const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
@@ -489,23 +547,29 @@ Status layernorm_rank(Communicator& comm, const LayernormCase& c, const Layernor
   HostTensor d_scale = token ? HostTensor(c.recipe.mod, x.shape()) : HostTensor(c.recipe.mod, d.d_scale.shape());
   for (HostTensor* t : {&out, &mean, &rstd, &dx, &d_weight, &d_bias, &d_shift, &d_scale}) t->fill_bytes(kCanary);
   LayernormParams f = layernorm_params(c, x, d, shift, scale);
-  f.out = out.view();
-  f.mean = mean.view();
-  f.rstd = rstd.view();
-  DETDIT_RETURN_IF_ERROR(sp_layernorm_forward(sp, f));
+  f.in.x = dev(x);
+  if (f.in.weight.present()) f.in.weight = dev(d.weight);
+  if (f.in.bias.present()) f.in.bias = dev(d.bias);
+  if (f.in.shift.present()) f.in.shift = dev.mod(shift);
+  if (f.in.scale.present()) f.in.scale = dev.mod(scale);
+  f.out = dev.out(out);
+  f.mean = dev.out(mean);
+  f.rstd = dev.out(rstd);
+  DETDIT_RETURN_IF_ERROR(sp_layernorm_forward(sp, f, dev.stream()));
   LayernormBackwardParams b;
   b.in = f.in;
-  b.mean = mean.view();
-  b.rstd = rstd.view();
-  b.grad = grad.view();
-  b.dx = dx.view();
-  b.d_weight = c.affine >= 1 ? d_weight.view() : TensorView();
-  b.d_bias = c.affine >= 2 ? d_bias.view() : TensorView();
+  b.mean = dev.out(mean);
+  b.rstd = dev.out(rstd);
+  b.grad = dev(grad);
+  b.dx = dev.out(dx);
+  b.d_weight = c.affine >= 1 ? dev.out(d_weight) : TensorView();
+  b.d_bias = c.affine >= 2 ? dev.out(d_bias) : TensorView();
   if (c.modulated) {
-    b.d_shift = token ? d_shift.view() : grad_view(d_shift, shift);
-    b.d_scale = token ? d_scale.view() : grad_view(d_scale, scale);
+    b.d_shift = token ? dev.out(d_shift) : grad_view(dev.out(d_shift), shift);
+    b.d_scale = token ? dev.out(d_scale) : grad_view(dev.out(d_scale), scale);
   }
-  DETDIT_RETURN_IF_ERROR(sp_layernorm_backward(comm, sp, b));
+  DETDIT_RETURN_IF_ERROR(sp_layernorm_backward(comm, sp, b, dev.stream()));
+  dev.sync();
   const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
                             std::to_string(comm.rank());
   EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
@@ -524,12 +588,14 @@ Status layernorm_rank(Communicator& comm, const LayernormCase& c, const Layernor
   return Status();
 }
 
-void run_layernorm_case(const LayernormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+void run_layernorm_case(const LayernormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                        Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   LayernormData d;
   layernorm_ws1(c, &d);
   for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return layernorm_rank(comm, c, d); }));
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return layernorm_rank(comm, device, c, d); }, device));
 }
 
 TEST(SpForms, LayernormEveryFormRecipeAndAffineEveryWorldSize) {
@@ -654,7 +720,8 @@ GateResidualLayernormBackwardParams fused_backward(const FusedCase& c, const Gat
   return b;
 }
 
-Status fused_rank(Communicator& comm, const FusedCase& c, const FusedData& d) {
+Status fused_rank(Communicator& comm, Device device, const FusedCase& c, const FusedData& d) {
+  OnDevice dev(device);
   const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
   SpPlan sp;
   DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
@@ -679,10 +746,41 @@ Status fused_rank(Communicator& comm, const FusedCase& c, const FusedData& d) {
   for (HostTensor* t : {&o.h, &o.out, &o.mean, &o.rstd, &o.d_residual, &o.d_y, &o.d_weight, &o.d_bias, &o.d_gate,
                         &o.d_shift, &o.d_scale})
     t->fill_bytes(kCanary);
-  const GateResidualLayernormParams f = fused_forward(c, d, residual, y, gate, shift, scale, o);
-  DETDIT_RETURN_IF_ERROR(sp_gate_residual_layernorm_forward(sp, f));
-  DETDIT_RETURN_IF_ERROR(
-      sp_gate_residual_layernorm_backward(comm, sp, fused_backward(c, f, d_out, d_h, gate, shift, scale, o)));
+  const GateResidualLayernormParams host = fused_forward(c, d, residual, y, gate, shift, scale, o);
+  GateResidualLayernormBackwardParams hb = fused_backward(c, host, d_out, d_h, gate, shift, scale, o);
+  // The same calls on the device's copies.
+  GateResidualLayernormParams f = host;
+  auto in = [&](const TensorView& v, const HostTensor& t) { return dev.at(v, const_cast<HostTensor&>(t), false); };
+  f.in.residual = in(host.in.residual, residual);
+  f.in.y = in(host.in.y, y);
+  f.in.weight = in(host.in.weight, d.weight);
+  f.in.bias = in(host.in.bias, d.bias);
+  if (c.modulated) {
+    f.in.gate = dev.mod(gate);
+    f.in.shift = dev.mod(shift);
+    f.in.scale = dev.mod(scale);
+  }
+  f.h = dev.out(o.h);
+  f.out = dev.out(o.out);
+  f.mean = dev.out(o.mean);
+  f.rstd = dev.out(o.rstd);
+  GateResidualLayernormBackwardParams b = hb;
+  b.in = f.in;
+  b.h = f.h;
+  b.mean = f.mean;
+  b.rstd = f.rstd;
+  b.d_out = in(hb.d_out, d_out);
+  b.d_h = in(hb.d_h, d_h);
+  b.d_residual = dev.at(hb.d_residual, o.d_residual, true);
+  b.d_y = dev.at(hb.d_y, o.d_y, true);
+  b.d_weight = dev.at(hb.d_weight, o.d_weight, true);
+  b.d_bias = dev.at(hb.d_bias, o.d_bias, true);
+  b.d_gate = dev.at(hb.d_gate, o.d_gate, true);
+  b.d_shift = dev.at(hb.d_shift, o.d_shift, true);
+  b.d_scale = dev.at(hb.d_scale, o.d_scale, true);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_layernorm_forward(sp, f, dev.stream()));
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_layernorm_backward(comm, sp, b, dev.stream()));
+  dev.sync();
   const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
                             std::to_string(comm.rank());
   const std::pair<const HostTensor*, const HostTensor*> sharded[] = {
@@ -702,7 +800,8 @@ Status fused_rank(Communicator& comm, const FusedCase& c, const FusedData& d) {
   return Status();
 }
 
-void run_fused_case(const FusedCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8}) {
+void run_fused_case(const FusedCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                    Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   FusedData d;
   fused_ws1(c, &d);
@@ -710,7 +809,8 @@ void run_fused_case(const FusedCase& c, std::initializer_list<int> worlds = {1, 
   DETDIT_ASSERT_OK(gate_residual_layernorm_forward(f));
   DETDIT_ASSERT_OK(gate_residual_layernorm_backward(fused_backward(c, f, d.d_out, d.d_h, d.gate, d.shift, d.scale, d)));
   for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(world, [&](Communicator& comm) { return fused_rank(comm, c, d); }));
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return fused_rank(comm, device, c, d); }, device));
 }
 
 TEST(SpForms, GateResidualLayernormEveryFormAndRecipeEveryWorldSize) {
@@ -730,6 +830,41 @@ TEST(SpForms, GateResidualLayernormEveryFormAndRecipeEveryWorldSize) {
   tiny.seq_len = 40;
   tiny.form = Form{4, true};
   run_fused_case(tiny, {3, 5, 8});
+}
+
+
+// ---------------------------------------------------------------- CUDA: ranks sharing one GPU
+
+// The portable profile gives the same bytes on the CPU and every CUDA GPU, so
+// WS1 is the CPU's; every rank runs on cuda:0 with its own stream.
+TEST(SpFormsCuda, EveryOpRanksSharingOneGpuMatchWs1) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  const Device gpu = Device::cuda(0);
+  for (Form form : {Form{1, true}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+    for (const Recipe& r : {kRecipes[0], kRecipes[1], kRecipes[2]}) {
+      NormCase n;
+      n.form = form;
+      n.recipe = r;
+      run_norm_case(n, {1, 2, 3, 5, 8}, gpu);
+      GateCase g;
+      g.form = form;
+      g.recipe = r;
+      g.recipe.has_k = r.upcast;
+      run_gate_case(g, {1, 2, 3, 5, 8}, gpu);
+      LayernormCase l;
+      l.form = form;
+      l.recipe = r;
+      run_layernorm_case(l, {1, 2, 3, 5, 8}, gpu);
+      FusedCase f;
+      f.form = form;
+      f.recipe = r;
+      run_fused_case(f, {1, 2, 3, 5, 8}, gpu);
+    }
+  }
+  NormCase tiny;
+  tiny.seq_len = 40;
+  tiny.form = Form{4, true};
+  run_norm_case(tiny, {3, 8}, gpu);
 }
 
 // ---------------------------------------------------------------- fail closed
@@ -804,20 +939,20 @@ TEST(DISABLED_MpiSpFormsWorker, EveryOpMatchesWs1) {
     n.recipe = kRecipes[1];
     NormData nd;
     norm_ws1(n, &nd);
-    DETDIT_EXPECT_OK(norm_rank(*comm, n, nd));
+    DETDIT_EXPECT_OK(norm_rank(*comm, Device::cpu(), n, nd));
     GateCase g;
     g.form = form;
     g.recipe = kRecipes[2];
     g.recipe.has_k = true;
     GateData gd;
     gate_ws1(g, &gd);
-    DETDIT_EXPECT_OK(gate_rank(*comm, g, gd));
+    DETDIT_EXPECT_OK(gate_rank(*comm, Device::cpu(), g, gd));
     LayernormCase l;
     l.form = form;
     l.recipe = kRecipes[0];
     LayernormData ld;
     layernorm_ws1(l, &ld);
-    DETDIT_EXPECT_OK(layernorm_rank(*comm, l, ld));
+    DETDIT_EXPECT_OK(layernorm_rank(*comm, Device::cpu(), l, ld));
     FusedCase f;
     f.form = form;
     f.recipe = kRecipes[1];
@@ -827,7 +962,7 @@ TEST(DISABLED_MpiSpFormsWorker, EveryOpMatchesWs1) {
     DETDIT_ASSERT_OK(gate_residual_layernorm_forward(fp));
     DETDIT_ASSERT_OK(
         gate_residual_layernorm_backward(fused_backward(f, fp, fd.d_out, fd.d_h, fd.gate, fd.shift, fd.scale, fd)));
-    DETDIT_EXPECT_OK(fused_rank(*comm, f, fd));
+    DETDIT_EXPECT_OK(fused_rank(*comm, Device::cpu(), f, fd));
   }
 }
 
