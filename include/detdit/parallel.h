@@ -165,14 +165,17 @@ Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& para
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream = nullptr);
 // layernorm (layernorm.h) on the local rows: the plain norm (no affine,
-// weight, weight and bias) and the grouped forms above, every recipe; a plan
-// (the indexed form) is a ValueError. d_weight and d_bias are the canonical
-// chunks' folds as WS1's, computed as rmsnorm's d_weight.
+// weight, weight and bias), the grouped forms above and the indexed form
+// (params.plan the SpPlan's global plan), every recipe. d_weight and d_bias
+// are the canonical chunks' folds as WS1's, computed as rmsnorm's d_weight;
+// the indexed d_shift / d_scale are the WS1 segment partials of each rank's
+// chunks (the plan of its own chunks' rows, built with the SpPlan), gathered
+// and folded by the WS1 segment fold.
 Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Stream stream = nullptr);
 Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
                              Stream stream = nullptr);
 // gate_residual_layernorm (gate_residual_layernorm.h) on the local rows, the
-// forms of its halves above (no plan): the forward is the sp_gate_residual
+// grouped forms of its halves above (a plan is a ValueError): the forward is the sp_gate_residual
 // forward into h, then the sp_layernorm forward of h; the backward the
 // sp_layernorm backward of d_out, the sum with d_h, then the sp_gate_residual
 // backward of that sum, so every output equals WS1's byte for byte. Both

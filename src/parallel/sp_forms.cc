@@ -106,12 +106,14 @@ Status resolve_form(const SpPlan& sp, const TensorView& rows, const char* rows_n
   return Status();
 }
 
-// layernorm under SP takes no index plan (its indexed form is not part of the region).
-Status check_layernorm_plan(const SpPlan& sp, const IndexPlan& plan) {
+// The fused gate_residual_layernorm under SP takes no index plan (its
+// indexed form is not part of the region; layernorm's is).
+Status check_no_plan(const SpPlan& sp, const IndexPlan& plan) {
   if (!sp.valid()) return Status::value_error("sp is required, got an empty SpPlan");
   if (plan.valid())
-    return Status::value_error("plan must be absent: sp_layernorm takes the plain norm and the per-sample, per-frame "
-                               "and per-token forms; the indexed form is not implemented under sequence parallelism");
+    return Status::value_error("plan must be absent: sp_gate_residual_layernorm takes the plain ops and the "
+                               "per-sample, per-frame and per-token forms; its indexed form is not implemented under "
+                               "sequence parallelism");
   return Status();
 }
 
@@ -887,6 +889,124 @@ Status run_layernorm(Communicator& comm, FormsLayernorm& n, Stream stream) {
 }
 
 
+// ---------------------------------------------------------------- layernorm, indexed
+
+// The indexed form: the SpPlan's chunks (canonical, owner = holder of the
+// first position), their rows gathered as d_weight's, and the WS1 partials
+// on the plan of this rank's own chunks (SpPlan::Impl::owned: its segments
+// are those chunks' segments, in order); the segment partials gathered into
+// global segment order and folded by the WS1 segment fold.
+struct IndexedLayernorm {
+  LayernormBackwardParams p, local;  // the call on the global plan; on the local plan (the rows half)
+  ChunkReduction rows;               // the chunks' rows; d_weight and d_bias planes
+  ChunkReduction segments;           // [d_shift | d_scale] segment partials (no rows of their own)
+  bool tables = false;
+};
+
+Status prepare_indexed(const SpPlan& sp, IndexedLayernorm* n, Stream stream) {
+  const LayernormBackwardParams& p = n->p;
+  const SpPlan::Impl& plan = sp.impl();
+  const Device device = p.in.x.device;
+  const int64_t hidden = hidden_of(p.in.x);
+  n->tables = p.d_shift.present() || p.d_scale.present();
+  const int64_t planes = (p.d_weight.present() ? 1 : 0) + (p.d_bias.present() ? 1 : 0);
+  if (planes == 0 && !n->tables) return Status();
+  plan_weight(sp, &n->rows);
+  DETDIT_RETURN_IF_ERROR(allocate_reduction(sp, device,
+                                            {static_cast<std::size_t>(hidden) * elem(p.in.x),
+                                             static_cast<std::size_t>(hidden) * elem(p.grad), sizeof(float),
+                                             sizeof(float)},
+                                            {}, hidden, stream, &n->rows, planes));
+  if (!n->tables) return Status();
+  // Segment g of chunk c: owner = c's, index = its place among the owner's segments.
+  ChunkReduction& r = n->segments;
+  const PlanTables& tables = plan.global.host_tables();
+  r.on = true;
+  r.chunks = plan.global.num_segments();
+  r.owner.assign(static_cast<std::size_t>(r.chunks), 0);
+  r.index.assign(static_cast<std::size_t>(r.chunks), 0);
+  std::vector<int64_t> next(static_cast<std::size_t>(sp.world()), 0);
+  for (int64_t c = 0; c < plan.global.num_chunks(); ++c) {
+    const int32_t q = n->rows.owner[c];
+    for (int32_t g = tables.chunk_segment_begin[c]; g < tables.chunk_segment_begin[c + 1]; ++g) {
+      r.owner[g] = q;
+      r.index[g] = next[q]++;
+    }
+  }
+  r.max_owned = plan.max_segments;
+  return allocate_reduction(sp, device, {}, {}, 2 * hidden, stream, &r);
+}
+
+Status run_indexed(Communicator& comm, const SpPlan& sp, IndexedLayernorm& n, Stream stream) {
+  const LayernormBackwardParams& p = n.p;
+  const SpPlan::Impl& plan = sp.impl();
+  const Device device = p.in.x.device;
+  const int64_t hidden = hidden_of(p.in.x);
+  ChunkReduction& r = n.rows;
+  if (r.on) {
+    DETDIT_RETURN_IF_ERROR(gather_chunk_rows(comm, r, device, p.in.x.dtype,
+                                             {p.in.x.data, p.grad.data, p.mean.data, p.rstd.data}, stream));
+    const int64_t rows = r.owned_rows();
+    if (rows > 0) {
+      LayernormBackwardParams w = p;
+      w.in.plan = plan.owned;
+      w.in.x = TensorView::contiguous(r.fields[0], p.in.x.dtype, {rows, hidden}, device);
+      w.grad = TensorView::contiguous(r.fields[1], p.grad.dtype, {rows, hidden}, device);
+      w.mean = TensorView::contiguous(r.fields[2], DType::kF32, {rows}, device);
+      w.rstd = TensorView::contiguous(r.fields[3], DType::kF32, {rows}, device);
+      w.dx = w.d_weight = w.d_bias = w.d_shift = w.d_scale = TensorView();
+      LayernormPartials partials;
+      int64_t plane = 0;
+      if (p.d_weight.present()) partials.weight = own_partials(r, false, device, plane++, true);
+      if (p.d_bias.present()) partials.bias = own_partials(r, false, device, plane++, true);
+      if (n.tables)
+        partials.table = TensorView::contiguous(n.segments.partials, DType::kF32,
+                                                {plan.traffic[plan.rank].segments, 2 * hidden}, device);
+      DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_partials(device, w, partials, stream));
+    }
+    if (r.planes > 0) DETDIT_RETURN_IF_ERROR(gather_partials(comm, r, device, stream));
+    if (n.tables) DETDIT_RETURN_IF_ERROR(gather_partials(comm, n.segments, device, stream));
+  }
+  // Every collective has run: the outputs.
+  DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_rows(device, n.local, stream));
+  int64_t plane = 0;
+  if (p.d_weight.present())
+    DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, global_partials(r, device, plane++), p.d_weight, stream));
+  if (p.d_bias.present())
+    DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, global_partials(r, device, plane++), p.d_bias, stream));
+  if (!n.tables) return Status();
+  return rowwise::fold_modulation_partials(plan.global, rowwise::layernorm_modulation(p.in),
+                                           global_partials(n.segments, device), p.d_shift, p.d_scale, stream);
+}
+
+Status indexed_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
+                                  Stream stream) {
+  IndexedLayernorm n;
+  n.p = n.local = params;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
+  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
+  if (valid.ok()) {
+    n.local.in.plan = sp.local_plan();
+    valid = rowwise::validate_layernorm_backward(n.local);
+  }
+  if (valid.ok()) valid = prepare_indexed(sp, &n, stream);
+  char index[64] = "no plan";
+  if (sp.valid() && sp.global_plan().valid())
+    std::snprintf(index, sizeof index, "index %016llx R=%lld",
+                  static_cast<unsigned long long>(sp.global_plan().fingerprint()),
+                  static_cast<long long>(sp.global_plan().num_rows()));
+  ResolvedModulation mod;
+  mod.form = params.in.shift.present() ? ModulationForm::kIndexed : ModulationForm::kNone;
+  mod.dtype = params.in.shift.present() ? params.in.shift.dtype : params.in.x.dtype;
+  const std::string recipe = std::string(index) + ", " + numerics_name(params.in.numerics) +
+                             (params.in.upcast ? " upcast" : "") + (params.in.weight.present() ? " weight" : "") +
+                             (params.in.bias.present() ? " bias" : "");
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_layernorm_backward", sp, params.in.x, mod, recipe,
+                                                     {params.d_weight.present(), params.d_bias.present(), n.tables})));
+  return run_indexed(comm, sp, n, stream);
+}
+
 // ---------------------------------------------------------------- gate_residual_layernorm
 
 GateResidualInputs gate_inputs(const GateResidualLayernormInputs& in) {
@@ -975,11 +1095,17 @@ Status forms_gate_residual_backward(Communicator& comm, const SpPlan& sp, const 
 
 }  // namespace sp_detail
 
-// layernorm: the grouped forms and the plain norm only (an index plan is refused).
+// layernorm: every form; the indexed one (a plan) on the SpPlan's chunks.
 Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Stream stream) {
   using namespace sp_detail;
-  DETDIT_RETURN_IF_ERROR(check_layernorm_plan(sp, params.in.plan));
+  if (!sp.valid()) return Status::value_error("sp is required, got an empty SpPlan");
   DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.x, "x"));
+  if (params.in.plan.valid()) {
+    DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, true));
+    LayernormParams local = params;
+    local.in.plan = sp.local_plan();
+    return layernorm_forward(local, stream);
+  }
   ResolvedModulation mod;
   DETDIT_RETURN_IF_ERROR(
       resolve_form(sp, params.in.x, "x", {{&params.in.shift, "shift"}, {&params.in.scale, "scale"}}, &mod));
@@ -998,10 +1124,10 @@ Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Str
 Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
                              Stream stream) {
   using namespace sp_detail;
+  if (params.in.plan.valid()) return indexed_layernorm_backward(comm, sp, params, stream);
   FormsLayernorm n;
   n.p = params;
   Status valid = check_comm(comm, sp);
-  if (valid.ok()) valid = check_layernorm_plan(sp, params.in.plan);
   if (valid.ok()) valid = validate_layernorm(sp, params, &n);
   if (valid.ok()) valid = prepare_layernorm(sp, &n, stream);
   const std::string recipe = std::string(numerics_name(params.in.numerics)) + (params.in.upcast ? " upcast" : "") +
@@ -1018,7 +1144,7 @@ Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLa
                                           Stream stream) {
   using namespace sp_detail;
   const GateResidualLayernormParams& p = params;
-  DETDIT_RETURN_IF_ERROR(check_layernorm_plan(sp, p.in.plan));
+  DETDIT_RETURN_IF_ERROR(check_no_plan(sp, p.in.plan));
   DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.residual, "residual"));
   ResolvedModulation gate, norm;
   DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.residual, "residual", {{&p.in.gate, "gate"}}, &gate));
@@ -1064,7 +1190,7 @@ Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
   g.p = GateResidualBackwardParams{gate_inputs(in), p.h, g_in_d_residual ? TensorView() : p.d_residual, p.d_y,
                                    p.d_gate};
   Status valid = check_comm(comm, sp);
-  if (valid.ok()) valid = check_layernorm_plan(sp, in.plan);
+  if (valid.ok()) valid = check_no_plan(sp, in.plan);
   if (valid.ok()) valid = check::present(p.d_out, "d_out");
   if (valid.ok() && p.d_h.present()) valid = rowwise::check_like(p.d_h, "d_h", p.h, "h");
   if (valid.ok()) valid = validate_layernorm(sp, n.p, &n);

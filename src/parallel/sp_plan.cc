@@ -122,6 +122,24 @@ Status build(const IndexPlan& plan, int64_t seq_len, int64_t batch, int world, i
                                                         {local_seq_len}, device);
   DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(local_index, plan.num_rows(), batch, &impl->local, stream));
 
+  // The owned chunks' plan (sp_plan_impl.h): their rows' table rows in order.
+  for (int32_t c : impl->owned_chunks) {
+    const int64_t end = std::min(positions, (c + 1) * kReductionChunk);
+    for (int64_t p = c * kReductionChunk; p < end; ++p) impl->owned_index.push_back(tables.row_of_seq[p % seq_len]);
+  }
+  if (!impl->owned_index.empty()) {
+    const int64_t rows = static_cast<int64_t>(impl->owned_index.size());
+    const int32_t* index = impl->owned_index.data();
+    if (device.is_cuda()) {
+      std::vector<const int32_t*> copies;
+      DETDIT_RETURN_IF_ERROR(
+          cuda::upload_tables(device, {&impl->owned_index}, &copies, &impl->owned_memory, stream));
+      index = copies[0];
+    }
+    const TensorView owned = TensorView::contiguous(const_cast<int32_t*>(index), DType::kI32, {rows}, device);
+    DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(owned, plan.num_rows(), 1, &impl->owned, stream));
+  }
+
   // The chunk list is never null (a null list means "every chunk" to the
   // backends): a rank that owns no chunk keeps one unused entry, count 0.
   std::vector<int32_t> chunk_list = impl->owned_chunks;

@@ -627,6 +627,167 @@ TEST(SpForms, LayernormTinyShards) {
 }
 
 
+
+// ---------------------------------------------------------------- layernorm, indexed
+
+// The (S,) row index of R rows: blocks of S/R positions (block) or a stride
+// through the rows (interleaved), so chunks hold one or many segments.
+HostTensor row_index(int64_t seq_len, int64_t rows, bool interleaved) {
+  HostTensor index(DType::kI32, {seq_len});
+  for (int64_t s = 0; s < seq_len; ++s)
+    index.ptr<int32_t>()[s] = static_cast<int32_t>(interleaved ? (s * 7 / 3) % rows : s * rows / seq_len);
+  return index;
+}
+
+struct IndexedCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16, rows = 6;
+  bool interleaved = false;
+  Recipe recipe;
+  int affine = 2;
+  bool modulated = true;
+  std::string name() const {
+    return "layernorm indexed S" + std::to_string(seq_len) + (interleaved ? " interleaved" : " block") + " affine " +
+           std::to_string(affine) + (modulated ? " " : " plain ") + recipe.name();
+  }
+};
+
+struct IndexedData {
+  HostTensor index, x, weight, bias, shift, scale, grad;
+  HostTensor out, mean, rstd, dx, d_weight, d_bias, d_shift, d_scale;
+};
+
+void indexed_ws1(const IndexedCase& c, IndexedData* d) {
+  const std::vector<int64_t> rows = {c.batch, c.seq_len, c.hidden};
+  d->index = row_index(c.seq_len, c.rows, c.interleaved);
+  IndexPlan plan;
+  DETDIT_ASSERT_OK(IndexPlan::from_row_index(d->index.view(), c.rows, c.batch, &plan));
+  d->x = testing::random_tensor(c.recipe.x, rows, 61, 0.5, 2.0);
+  d->weight = testing::random_tensor(c.recipe.x, {c.hidden}, 62, 1.0, 0.1);
+  d->bias = testing::random_tensor(c.recipe.x, {c.hidden}, 63, 0.0, 0.1);
+  d->shift = testing::random_tensor(c.recipe.mod, {c.rows, c.hidden}, 64, 0.0, 0.5);
+  d->scale = testing::random_tensor(c.recipe.mod, {c.rows, c.hidden}, 65, 0.0, 0.5);
+  const DType out = c.modulated ? out_dtype(c.recipe) : c.recipe.x;
+  d->grad = testing::random_tensor(out, rows, 66);
+  d->out = HostTensor(out, rows);
+  d->mean = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->rstd = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->dx = HostTensor(c.recipe.x, rows);
+  d->d_weight = HostTensor(c.recipe.x, {c.hidden});
+  d->d_bias = HostTensor(DType::kF32, {c.hidden});
+  d->d_shift = HostTensor(DType::kF32, {c.rows, c.hidden});
+  d->d_scale = HostTensor(c.recipe.mod, {c.rows, c.hidden});
+  LayernormParams f;
+  f.in.x = d->x.view();
+  f.in.weight = c.affine >= 1 ? d->weight.view() : TensorView();
+  f.in.bias = c.affine >= 2 ? d->bias.view() : TensorView();
+  f.in.shift = c.modulated ? d->shift.view() : TensorView();
+  f.in.scale = c.modulated ? d->scale.view() : TensorView();
+  f.in.plan = plan;
+  f.in.upcast = c.recipe.upcast;
+  f.out = d->out.view();
+  f.mean = d->mean.view();
+  f.rstd = d->rstd.view();
+  DETDIT_ASSERT_OK(layernorm_forward(f));
+  LayernormBackwardParams b;
+  b.in = f.in;
+  b.mean = d->mean.view();
+  b.rstd = d->rstd.view();
+  b.grad = d->grad.view();
+  b.dx = d->dx.view();
+  b.d_weight = c.affine >= 1 ? d->d_weight.view() : TensorView();
+  b.d_bias = c.affine >= 2 ? d->d_bias.view() : TensorView();
+  b.d_shift = c.modulated ? d->d_shift.view() : TensorView();
+  b.d_scale = c.modulated ? d->d_scale.view() : TensorView();
+  DETDIT_ASSERT_OK(layernorm_backward(b));
+}
+
+Status indexed_rank(Communicator& comm, Device device, const IndexedCase& c, const IndexedData& d) {
+  OnDevice dev(device);
+  IndexPlan plan;
+  DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(dev(d.index), c.rows, c.batch, &plan, dev.stream()));
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(plan, comm.world_size(), comm.rank(), &sp, dev.stream()));
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  const HostTensor x = slice(d.x, c.batch, c.seq_len, bd), grad = slice(d.grad, c.batch, c.seq_len, bd);
+  const int64_t rows = c.batch * (bd.hi - bd.lo);
+  HostTensor out(d.out.dtype(), x.shape()), mean(DType::kF32, {rows}), rstd(DType::kF32, {rows});
+  HostTensor dx(x.dtype(), x.shape()), d_weight = d.d_weight, d_bias = d.d_bias, d_shift = d.d_shift,
+                                       d_scale = d.d_scale;
+  for (HostTensor* t : {&out, &mean, &rstd, &dx, &d_weight, &d_bias, &d_shift, &d_scale}) t->fill_bytes(kCanary);
+  LayernormParams f;
+  f.in.x = dev(x);
+  f.in.weight = c.affine >= 1 ? dev(d.weight) : TensorView();
+  f.in.bias = c.affine >= 2 ? dev(d.bias) : TensorView();
+  f.in.shift = c.modulated ? dev(d.shift) : TensorView();
+  f.in.scale = c.modulated ? dev(d.scale) : TensorView();
+  f.in.plan = plan;
+  f.in.upcast = c.recipe.upcast;
+  f.out = dev.out(out);
+  f.mean = dev.out(mean);
+  f.rstd = dev.out(rstd);
+  DETDIT_RETURN_IF_ERROR(sp_layernorm_forward(sp, f, dev.stream()));
+  LayernormBackwardParams b;
+  b.in = f.in;
+  b.mean = f.mean;
+  b.rstd = f.rstd;
+  b.grad = dev(grad);
+  b.dx = dev.out(dx);
+  b.d_weight = c.affine >= 1 ? dev.out(d_weight) : TensorView();
+  b.d_bias = c.affine >= 2 ? dev.out(d_bias) : TensorView();
+  b.d_shift = c.modulated ? dev.out(d_shift) : TensorView();
+  b.d_scale = c.modulated ? dev.out(d_scale) : TensorView();
+  DETDIT_RETURN_IF_ERROR(sp_layernorm_backward(comm, sp, b, dev.stream()));
+  dev.sync();
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
+  EXPECT_TRUE(equal_rows(d.mean, mean, c.batch, c.seq_len, bd)) << where << " mean";
+  EXPECT_TRUE(equal_rows(d.rstd, rstd, c.batch, c.seq_len, bd)) << where << " rstd";
+  EXPECT_TRUE(equal_rows(d.dx, dx, c.batch, c.seq_len, bd)) << where << " dx";
+  if (c.affine >= 1) EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight";
+  if (c.affine >= 2) EXPECT_TRUE(testing::bitwise_equal(d.d_bias, d_bias)) << where << " d_bias";
+  if (c.modulated) {
+    EXPECT_TRUE(testing::bitwise_equal(d.d_shift, d_shift)) << where << " d_shift";
+    EXPECT_TRUE(testing::bitwise_equal(d.d_scale, d_scale)) << where << " d_scale";
+  }
+  return Status();
+}
+
+void run_indexed_case(const IndexedCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                      Device device = Device::cpu()) {
+  SCOPED_TRACE(c.name());
+  IndexedData d;
+  indexed_ws1(c, &d);
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return indexed_rank(comm, device, c, d); }, device));
+}
+
+TEST(SpForms, LayernormIndexedEveryRecipeBothPackingsEveryWorldSize) {
+  for (bool interleaved : {false, true}) {
+    for (const Recipe& r : kRecipes) {
+      IndexedCase c;
+      c.interleaved = interleaved;
+      c.recipe = r;
+      c.affine = r.upcast ? 1 : 2;
+      run_indexed_case(c);
+    }
+    IndexedCase plain;
+    plain.interleaved = interleaved;
+    plain.modulated = false;
+    run_indexed_case(plain);
+    IndexedCase tiny;  // 5 positions per rank at world 8: one chunk over every rank
+    tiny.seq_len = 40;
+    tiny.interleaved = interleaved;
+    tiny.recipe = kRecipes[1];
+    run_indexed_case(tiny, {3, 5, 8});
+  }
+  IndexedCase odd;
+  odd.seq_len = 4097;
+  odd.interleaved = true;
+  run_indexed_case(odd);
+}
+
 // ---------------------------------------------------------------- gate_residual_layernorm
 
 struct FusedCase {
@@ -865,6 +1026,12 @@ TEST(SpFormsCuda, EveryOpRanksSharingOneGpuMatchWs1) {
   tiny.seq_len = 40;
   tiny.form = Form{4, true};
   run_norm_case(tiny, {3, 8}, gpu);
+  for (bool interleaved : {false, true}) {
+    IndexedCase indexed;
+    indexed.interleaved = interleaved;
+    indexed.recipe = kRecipes[1];
+    run_indexed_case(indexed, {1, 2, 3, 5, 8}, gpu);
+  }
 }
 
 // ---------------------------------------------------------------- fail closed
