@@ -166,7 +166,8 @@ Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, St
       [&] {
         return "out of memory building the SpPlan (S = " + std::to_string(plan.seq_len()) +
                ", B = " + std::to_string(plan.batch()) + ", world = " + std::to_string(world) +
-               "): its host tables take about 24 bytes per position";
+               "): its host tables take about 24 bytes per position, plus an index plan of the rank's own "
+               "chunks' positions";
       },
       [&]() -> Status {
         auto impl = std::make_shared<Impl>();
