@@ -344,7 +344,8 @@ void plan_reduction(const SpPlan& sp, int64_t chunks, const std::function<int64_
         const int64_t slot = sent[q];
         sent[q] += n;
         if (q == rank) {
-          const bool continues = !r->send_runs.empty() && r->send_runs.back().src + r->send_runs.back().count == local_row &&
+          const bool continues = !r->send_runs.empty() &&
+                                 r->send_runs.back().src + r->send_runs.back().count == local_row &&
                                  r->send_runs.back().dst + r->send_runs.back().count == slot;
           if (continues)
             r->send_runs.back().count += n;
@@ -695,9 +696,10 @@ Status prepare_gate(const SpPlan& sp, FormsGate* g, Stream stream) {
   if (g->mod.form == ModulationForm::kPerToken) return rowwise::allocate_gate_partials(p, stream, &g->token);
   const int64_t hidden = hidden_of(p.grad);
   plan_groups(sp, g->mod, &g->table);
-  return allocate_reduction(sp, p.grad.device,
-                            {static_cast<std::size_t>(hidden) * elem(p.grad), static_cast<std::size_t>(hidden) * elem(p.in.y)},
-                            {}, hidden, stream, &g->table);
+  return allocate_reduction(
+      sp, p.grad.device,
+      {static_cast<std::size_t>(hidden) * elem(p.grad), static_cast<std::size_t>(hidden) * elem(p.in.y)}, {}, hidden,
+      stream, &g->table);
 }
 
 Status run_gate(Communicator& comm, FormsGate& g, Stream stream) {
@@ -779,10 +781,10 @@ Status prepare_layernorm(const SpPlan& sp, FormsLayernorm* n, Stream stream) {
   const std::size_t grad_row = static_cast<std::size_t>(hidden) * elem(p.grad);
   const bool tables = p.d_shift.present() || p.d_scale.present();
   if (n->mod.form == ModulationForm::kPerToken && tables)
-    DETDIT_RETURN_IF_ERROR(scratch_tensor(device, DType::kF32,
-                                          {rowwise::table_partial_rows(IndexPlan(), rowwise::layernorm_modulation(p.in)),
-                                           2 * hidden},
-                                          stream, &n->token_memory, &n->token));
+    DETDIT_RETURN_IF_ERROR(
+        scratch_tensor(device, DType::kF32,
+                       {rowwise::table_partial_rows(IndexPlan(), rowwise::layernorm_modulation(p.in)), 2 * hidden},
+                       stream, &n->token_memory, &n->token));
   const int64_t planes = (p.d_weight.present() ? 1 : 0) + (p.d_bias.present() ? 1 : 0);
   if (planes > 0) {
     plan_weight(sp, &n->params);
@@ -971,7 +973,8 @@ Status run_indexed(Communicator& comm, const SpPlan& sp, IndexedLayernorm& n, St
   DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_rows(device, n.local, stream));
   int64_t plane = 0;
   if (p.d_weight.present())
-    DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, global_partials(r, device, plane++), p.d_weight, stream));
+    DETDIT_RETURN_IF_ERROR(
+        backend::fold_chunk_partials(device, global_partials(r, device, plane++), p.d_weight, stream));
   if (p.d_bias.present())
     DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, global_partials(r, device, plane++), p.d_bias, stream));
   if (!n.tables) return Status();
@@ -1132,8 +1135,9 @@ Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const Layerno
   if (valid.ok()) valid = prepare_layernorm(sp, &n, stream);
   const std::string recipe = std::string(numerics_name(params.in.numerics)) + (params.in.upcast ? " upcast" : "") +
                              (params.in.weight.present() ? " weight" : "") + (params.in.bias.present() ? " bias" : "");
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_layernorm_backward", sp, params.in.x, n.mod, recipe,
-                                                     {params.d_weight.present(), params.d_bias.present(), n.table.on})));
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, signature("sp_layernorm_backward", sp, params.in.x, n.mod, recipe,
+                                  {params.d_weight.present(), params.d_bias.present(), n.table.on})));
   return run_layernorm(comm, n, stream);
 }
 
@@ -1222,9 +1226,10 @@ Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
   const std::string recipe = std::string(numerics_name(in.numerics)) + (in.upcast ? " upcast" : "") +
                              (in.weight.present() ? " weight" : "") + (in.bias.present() ? " bias" : "") +
                              (in.has_k ? " k=" + bits(in.k) : "");
-  DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, signature("sp_gate_residual_layernorm_backward", sp, p.h, n.mod.form != ModulationForm::kNone ? n.mod : g.mod,
-                                  recipe, {p.d_weight.present(), p.d_bias.present(), n.table.on, p.d_gate.present()})));
+  DETDIT_RETURN_IF_ERROR(comm.agree(
+      valid,
+      signature("sp_gate_residual_layernorm_backward", sp, p.h, n.mod.form != ModulationForm::kNone ? n.mod : g.mod,
+                recipe, {p.d_weight.present(), p.d_bias.present(), n.table.on, p.d_gate.present()})));
   DETDIT_RETURN_IF_ERROR(run_layernorm(comm, n, stream));
   if (!gate_half) return Status();
   // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to h's dtype

@@ -1,6 +1,7 @@
 // The sp_region ops: rmsnorm (plain and modulated) and gate_residual under
 // sequence parallelism, byte-equal to WS1 (contract in include/detdit/parallel.h,
-// plan in sp_plan.cc, walk-through in docs/parallel.md).
+// plan in sp_plan.cc, walk-through in docs/parallel.md): the indexed form's
+// H3 rule here; the other forms and recipes in sp_forms.cc.
 //
 // Forward = the public WS1 op on the local rows with the local plan.
 // Backward =
@@ -37,8 +38,8 @@
 #include "common/validate.h"
 #include "parallel/copy.h"
 #include "parallel/sp_plan_impl.h"
-#include "rowwise/backward.h"
 #include "parallel/sp_region_impl.h"
+#include "rowwise/backward.h"
 #include "rowwise/checks.h"
 
 namespace detdit {
@@ -347,7 +348,8 @@ Status prepare_norm(const SpPlan& sp, const RmsnormBackwardParams& params, Strea
   const Device device = params.in.x.device;
   const int64_t hidden = params.in.x.shape[params.in.x.rank - 1];
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.in.x.dtype);
-  DETDIT_RETURN_IF_ERROR(allocate_rows(plan.world, plan.max_send, device, {row_bytes, row_bytes, sizeof(float)}, stream, &n->rows));
+  DETDIT_RETURN_IF_ERROR(
+      allocate_rows(plan.world, plan.max_send, device, {row_bytes, row_bytes, sizeof(float)}, stream, &n->rows));
   return allocate_chain(plan, device, hidden, params.d_weight.present(), n->tables ? 2 * hidden : 0, stream,
                         &n->chain);
 }
@@ -360,9 +362,8 @@ Status run_norm(Communicator& comm, const SpPlan& sp, NormBackward& n, Stream st
     const RmsnormBackwardParams& p = n.global;
     const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
     std::vector<void*> extra_rows;
-    DETDIT_RETURN_IF_ERROR(
-        exchange_rows(comm, plan.send_runs, plan.max_send, device, p.in.x.dtype, {p.in.x.data, p.grad.data, p.rstd.data}, n.rows, stream,
-                      &extra_rows));
+    DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan.send_runs, plan.max_send, device, p.in.x.dtype,
+                                         {p.in.x.data, p.grad.data, p.rstd.data}, n.rows, stream, &extra_rows));
     const int64_t received = sp.world() * plan.max_send;
     ExtraRows extra;
     if (plan.max_send > 0) {
@@ -423,8 +424,8 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
   const SpPlan::Impl& plan = sp.impl();
   if (p.d_gate.present()) {
     std::vector<void*> extra_rows;
-    DETDIT_RETURN_IF_ERROR(
-        exchange_rows(comm, plan.send_runs, plan.max_send, device, p.grad.dtype, {p.grad.data, p.in.y.data}, g.rows, stream, &extra_rows));
+    DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan.send_runs, plan.max_send, device, p.grad.dtype,
+                                         {p.grad.data, p.in.y.data}, g.rows, stream, &extra_rows));
     const int64_t received = sp.world() * plan.max_send;
     ExtraRows extra;
     if (plan.max_send > 0) {

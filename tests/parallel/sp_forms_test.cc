@@ -211,8 +211,10 @@ void norm_ws1(const NormCase& c, NormData* d) {
   d->rstd = HostTensor(DType::kF32, {c.batch * c.seq_len});
   d->dx = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
   d->d_weight = HostTensor(c.recipe.x, {c.hidden});
-  d->d_shift = c.form.frames == 0 ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->shift, c.recipe.mod);
-  d->d_scale = c.form.frames == 0 ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->scale, DType::kF32);
+  d->d_shift =
+      c.form.frames == 0 ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->shift, c.recipe.mod);
+  d->d_scale =
+      c.form.frames == 0 ? HostTensor(c.recipe.mod, {c.batch, c.seq_len, c.hidden}) : grad_like(d->scale, DType::kF32);
   RmsnormParams f;
   f.in.x = d->x.view();
   f.in.weight = d->weight.view();
@@ -358,7 +360,8 @@ void gate_ws1(const GateCase& c, GateData* d) {
   d->out = HostTensor(out, {c.batch, c.seq_len, c.hidden});
   d->d_residual = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
   d->d_y = HostTensor(c.recipe.x, {c.batch, c.seq_len, c.hidden});
-  d->d_gate = c.form.frames == 0 ? HostTensor(DType::kF32, {c.batch, c.seq_len, c.hidden}) : grad_like(d->gate, DType::kF32);
+  d->d_gate =
+      c.form.frames == 0 ? HostTensor(DType::kF32, {c.batch, c.seq_len, c.hidden}) : grad_like(d->gate, DType::kF32);
   GateResidualParams f;
   f.in.residual = d->residual.view();
   f.in.y = d->y.view();
