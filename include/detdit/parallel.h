@@ -153,7 +153,10 @@ class SpPlan {
 // from each group's first position), each computed by the holder of its
 // first position on its rows (one all-gather of the rows that straddle),
 // then one all-gather of every chunk partial and the WS1 fold on every rank
-// (docs/parallel.md 3). The indexed form keeps the H3 rule.
+// (docs/parallel.md 3). The indexed form beyond the H3 rule (an fp32 table,
+// upcast, k) takes the same steps on the SpPlan's chunks, with the WS1
+// partials on the plan of each rank's own chunks (built with the SpPlan);
+// the H3 rule keeps the chain fold above.
 //
 // The Params are the WS1 ones with the local rows; params.plan is the SpPlan's
 // global plan (required when modulated, may be absent for a plain norm; a plan

@@ -905,23 +905,20 @@ struct IndexedLayernorm {
   bool tables = false;
 };
 
-Status prepare_indexed(const SpPlan& sp, IndexedLayernorm* n, Stream stream) {
-  const LayernormBackwardParams& p = n->p;
+// The reductions of the indexed form: the SpPlan's chunks' rows (`fields`
+// bytes per row) with `planes` chunk partials of H floats, and, with
+// `table_width` > 0, the segment partials of table_width floats. Nothing
+// when neither is asked for.
+Status prepare_indexed_reductions(const SpPlan& sp, const Device& device, std::vector<std::size_t> fields,
+                                  int64_t hidden, int64_t planes, int64_t table_width, Stream stream,
+                                  ChunkReduction* rows, ChunkReduction* segments) {
+  if (planes == 0 && table_width == 0) return Status();
   const SpPlan::Impl& plan = sp.impl();
-  const Device device = p.in.x.device;
-  const int64_t hidden = hidden_of(p.in.x);
-  n->tables = p.d_shift.present() || p.d_scale.present();
-  const int64_t planes = (p.d_weight.present() ? 1 : 0) + (p.d_bias.present() ? 1 : 0);
-  if (planes == 0 && !n->tables) return Status();
-  plan_weight(sp, &n->rows);
-  DETDIT_RETURN_IF_ERROR(allocate_reduction(sp, device,
-                                            {static_cast<std::size_t>(hidden) * elem(p.in.x),
-                                             static_cast<std::size_t>(hidden) * elem(p.grad), sizeof(float),
-                                             sizeof(float)},
-                                            {}, hidden, stream, &n->rows, planes));
-  if (!n->tables) return Status();
+  plan_weight(sp, rows);
+  DETDIT_RETURN_IF_ERROR(allocate_reduction(sp, device, std::move(fields), {}, hidden, stream, rows, planes));
+  if (table_width == 0) return Status();
   // Segment g of chunk c: owner = c's, index = its place among the owner's segments.
-  ChunkReduction& r = n->segments;
+  ChunkReduction& r = *segments;
   const PlanTables& tables = plan.global.host_tables();
   r.on = true;
   r.chunks = plan.global.num_segments();
@@ -929,14 +926,42 @@ Status prepare_indexed(const SpPlan& sp, IndexedLayernorm* n, Stream stream) {
   r.index.assign(static_cast<std::size_t>(r.chunks), 0);
   std::vector<int64_t> next(static_cast<std::size_t>(sp.world()), 0);
   for (int64_t c = 0; c < plan.global.num_chunks(); ++c) {
-    const int32_t q = n->rows.owner[c];
+    const int32_t q = rows->owner[c];
     for (int32_t g = tables.chunk_segment_begin[c]; g < tables.chunk_segment_begin[c + 1]; ++g) {
       r.owner[g] = q;
       r.index[g] = next[q]++;
     }
   }
   r.max_owned = plan.max_segments;
-  return allocate_reduction(sp, device, {}, {}, 2 * hidden, stream, &r);
+  return allocate_reduction(sp, device, {}, {}, table_width, stream, &r);
+}
+
+// This rank's segment partials (its chunks' segments, in order).
+TensorView own_segment_partials(const SpPlan& sp, const ChunkReduction& segments, const Device& device) {
+  const SpPlan::Impl& plan = sp.impl();
+  return TensorView::contiguous(segments.partials, DType::kF32, {plan.traffic[plan.rank].segments, segments.width},
+                                device);
+}
+
+// The agreed signature's index part: the plan's fingerprint and R.
+std::string index_signature(const SpPlan& sp) {
+  char index[64] = "no plan";
+  if (sp.valid() && sp.global_plan().valid())
+    std::snprintf(index, sizeof index, "index %016llx R=%lld",
+                  static_cast<unsigned long long>(sp.global_plan().fingerprint()),
+                  static_cast<long long>(sp.global_plan().num_rows()));
+  return index;
+}
+
+Status prepare_indexed(const SpPlan& sp, IndexedLayernorm* n, Stream stream) {
+  const LayernormBackwardParams& p = n->p;
+  const int64_t hidden = hidden_of(p.in.x);
+  n->tables = p.d_shift.present() || p.d_scale.present();
+  const int64_t planes = (p.d_weight.present() ? 1 : 0) + (p.d_bias.present() ? 1 : 0);
+  return prepare_indexed_reductions(sp, p.in.x.device,
+                                    {static_cast<std::size_t>(hidden) * elem(p.in.x),
+                                     static_cast<std::size_t>(hidden) * elem(p.grad), sizeof(float), sizeof(float)},
+                                    hidden, planes, n->tables ? 2 * hidden : 0, stream, &n->rows, &n->segments);
 }
 
 Status run_indexed(Communicator& comm, const SpPlan& sp, IndexedLayernorm& n, Stream stream) {
@@ -961,9 +986,7 @@ Status run_indexed(Communicator& comm, const SpPlan& sp, IndexedLayernorm& n, St
       int64_t plane = 0;
       if (p.d_weight.present()) partials.weight = own_partials(r, false, device, plane++, true);
       if (p.d_bias.present()) partials.bias = own_partials(r, false, device, plane++, true);
-      if (n.tables)
-        partials.table = TensorView::contiguous(n.segments.partials, DType::kF32,
-                                                {plan.traffic[plan.rank].segments, 2 * hidden}, device);
+      if (n.tables) partials.table = own_segment_partials(sp, n.segments, device);
       DETDIT_RETURN_IF_ERROR(backend::layernorm_backward_partials(device, w, partials, stream));
     }
     if (r.planes > 0) DETDIT_RETURN_IF_ERROR(gather_partials(comm, r, device, stream));
@@ -994,20 +1017,135 @@ Status indexed_layernorm_backward(Communicator& comm, const SpPlan& sp, const La
     valid = rowwise::validate_layernorm_backward(n.local);
   }
   if (valid.ok()) valid = prepare_indexed(sp, &n, stream);
-  char index[64] = "no plan";
-  if (sp.valid() && sp.global_plan().valid())
-    std::snprintf(index, sizeof index, "index %016llx R=%lld",
-                  static_cast<unsigned long long>(sp.global_plan().fingerprint()),
-                  static_cast<long long>(sp.global_plan().num_rows()));
+  const std::string index = index_signature(sp);
   ResolvedModulation mod;
   mod.form = params.in.shift.present() ? ModulationForm::kIndexed : ModulationForm::kNone;
   mod.dtype = params.in.shift.present() ? params.in.shift.dtype : params.in.x.dtype;
-  const std::string recipe = std::string(index) + ", " + numerics_name(params.in.numerics) +
+  const std::string recipe = index + ", " + numerics_name(params.in.numerics) +
                              (params.in.upcast ? " upcast" : "") + (params.in.weight.present() ? " weight" : "") +
                              (params.in.bias.present() ? " bias" : "");
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_layernorm_backward", sp, params.in.x, mod, recipe,
                                                      {params.d_weight.present(), params.d_bias.present(), n.tables})));
   return run_indexed(comm, sp, n, stream);
+}
+
+// ---------------------------------------------------------------- rmsnorm and gate_residual, indexed recipes
+
+// The indexed form beyond the H3 rule (an fp32 table, upcast, the gate's k):
+// layernorm's indexed steps, the WS1 partials halves on the plan of the
+// rank's own chunks (their chunk selections take the H3 rule only on CUDA).
+struct IndexedNorm {
+  RmsnormBackwardParams p, local;
+  ChunkReduction rows, segments;
+  bool tables = false;
+};
+
+Status indexed_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params,
+                                Stream stream) {
+  IndexedNorm n;
+  n.p = n.local = params;
+  const bool modulated = params.in.shift.present() || params.in.scale.present();
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
+  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
+  if (valid.ok()) {
+    n.local.in.plan = sp.local_plan();
+    valid = rowwise::validate_rmsnorm_backward(n.local, rowwise::Forms::kAll);
+  }
+  const int64_t hidden = params.in.x.rank > 0 ? hidden_of(params.in.x) : 0;
+  n.tables = modulated && (params.d_shift.present() || params.d_scale.present());
+  if (valid.ok())
+    valid = prepare_indexed_reductions(sp, params.in.x.device,
+                                       {static_cast<std::size_t>(hidden) * elem(params.in.x),
+                                        static_cast<std::size_t>(hidden) * elem(params.grad), sizeof(float)},
+                                       hidden, params.d_weight.present() ? 1 : 0, n.tables ? 2 * hidden : 0, stream,
+                                       &n.rows, &n.segments);
+  ResolvedModulation mod;
+  mod.form = modulated ? ModulationForm::kIndexed : ModulationForm::kNone;
+  mod.dtype = params.in.shift.present() ? params.in.shift.dtype : params.in.x.dtype;
+  const std::string recipe = index_signature(sp) + ", " + numerics_name(params.in.numerics) +
+                             (params.in.upcast ? " upcast" : "");
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_rmsnorm_backward", sp, params.in.x, mod, recipe,
+                                                     {params.d_weight.present(), n.tables})));
+  const RmsnormBackwardParams& p = n.p;
+  const SpPlan::Impl& plan = sp.impl();
+  const Device device = p.in.x.device;
+  ChunkReduction& r = n.rows;
+  if (r.on) {
+    DETDIT_RETURN_IF_ERROR(
+        gather_chunk_rows(comm, r, device, p.in.x.dtype, {p.in.x.data, p.grad.data, p.rstd.data}, stream));
+    const int64_t rows = r.owned_rows();
+    if (rows > 0) {
+      RmsnormBackwardParams w = p;
+      w.in.plan = plan.owned;
+      w.in.x = TensorView::contiguous(r.fields[0], p.in.x.dtype, {rows, hidden}, device);
+      w.grad = TensorView::contiguous(r.fields[1], p.grad.dtype, {rows, hidden}, device);
+      w.rstd = TensorView::contiguous(r.fields[2], DType::kF32, {rows}, device);
+      w.dx = w.d_weight = w.d_shift = w.d_scale = TensorView();
+      const TensorView weight = p.d_weight.present() ? own_partials(r, false, device, 0, true) : TensorView();
+      const TensorView table = n.tables ? own_segment_partials(sp, n.segments, device) : TensorView();
+      DETDIT_RETURN_IF_ERROR(
+          backend::rmsnorm_backward_partials(device, w, ChunkSelection{}, ExtraRows{}, weight, table, stream));
+    }
+    if (r.planes > 0) DETDIT_RETURN_IF_ERROR(gather_partials(comm, r, device, stream));
+    if (n.tables) DETDIT_RETURN_IF_ERROR(gather_partials(comm, n.segments, device, stream));
+  }
+  // Every collective has run: the outputs.
+  DETDIT_RETURN_IF_ERROR(backend::rmsnorm_backward_rows(device, n.local, stream));
+  if (p.d_weight.present())
+    DETDIT_RETURN_IF_ERROR(backend::fold_chunk_partials(device, global_partials(r, device), p.d_weight, stream));
+  if (!n.tables) return Status();
+  return rowwise::fold_modulation_partials(plan.global, rowwise::rmsnorm_modulation(p.in),
+                                           global_partials(n.segments, device), p.d_shift, p.d_scale, stream);
+}
+
+Status indexed_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
+                                      Stream stream) {
+  GateResidualBackwardParams local = params;
+  ChunkReduction rows, segments;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
+  if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
+  if (valid.ok()) {
+    local.in.plan = sp.local_plan();
+    valid = rowwise::validate_gate_residual_backward(local, rowwise::Forms::kAll);
+  }
+  const int64_t hidden = params.grad.rank > 0 ? hidden_of(params.grad) : 0;
+  const bool gathered = params.d_gate.present();
+  if (valid.ok() && gathered)
+    valid = prepare_indexed_reductions(sp, params.grad.device,
+                                       {static_cast<std::size_t>(hidden) * elem(params.grad),
+                                        static_cast<std::size_t>(hidden) * elem(params.in.y)},
+                                       hidden, 0, hidden, stream, &rows, &segments);
+  ResolvedModulation mod;
+  mod.form = params.in.gate.present() ? ModulationForm::kIndexed : ModulationForm::kNone;
+  mod.dtype = params.in.gate.present() ? params.in.gate.dtype : params.in.y.dtype;
+  const std::string recipe = index_signature(sp) + (params.in.upcast ? ", upcast" : ", each op") +
+                             (params.in.has_k ? " k=" + bits(params.in.k) : "");
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, signature("sp_gate_residual_backward", sp, params.grad, mod, recipe, {gathered})));
+  const SpPlan::Impl& plan = sp.impl();
+  const Device device = params.grad.device;
+  if (rows.on) {
+    DETDIT_RETURN_IF_ERROR(
+        gather_chunk_rows(comm, rows, device, params.grad.dtype, {params.grad.data, params.in.y.data}, stream));
+    const int64_t count = rows.owned_rows();
+    if (count > 0) {
+      GateResidualBackwardParams t = params;
+      t.in.plan = plan.owned;
+      t.grad = TensorView::contiguous(rows.fields[0], params.grad.dtype, {count, hidden}, device);
+      t.in.y = TensorView::contiguous(rows.fields[1], params.in.y.dtype, {count, hidden}, device);
+      t.in.residual = TensorView();
+      t.d_residual = t.d_y = t.d_gate = TensorView();
+      DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(
+          device, t, ChunkSelection{}, ExtraRows{}, own_segment_partials(sp, segments, device), stream));
+    }
+    DETDIT_RETURN_IF_ERROR(gather_partials(comm, segments, device, stream));
+  }
+  // Every collective has run: the outputs.
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, local, stream));
+  if (!gathered) return Status();
+  return backend::fold_segment_partials(device, plan.global, global_partials(segments, device), params.d_gate, stream);
 }
 
 // ---------------------------------------------------------------- gate_residual_layernorm
@@ -1030,6 +1168,24 @@ Status check_one_form(const GateResidualLayernormInputs& in, const ResolvedModul
 }
 
 }  // namespace
+
+bool h3_rule(const RmsnormInputs& in) {
+  return !in.upcast && (!in.shift.present() || in.shift.dtype == in.x.dtype);
+}
+
+bool h3_rule(const GateResidualInputs& in) {
+  return !in.upcast && !in.has_k && (!in.gate.present() || in.gate.dtype == in.y.dtype);
+}
+
+Status indexed_recipe_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params,
+                                       Stream stream) {
+  return indexed_rmsnorm_backward(comm, sp, params, stream);
+}
+
+Status indexed_recipe_gate_residual_backward(Communicator& comm, const SpPlan& sp,
+                                             const GateResidualBackwardParams& params, Stream stream) {
+  return indexed_gate_residual_backward(comm, sp, params, stream);
+}
 
 bool forms_call(const SpPlan& sp, const IndexPlan& call_plan, bool modulated) {
   return !call_plan.valid() && (modulated || (sp.valid() && !sp.global_plan().valid()));

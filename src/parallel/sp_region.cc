@@ -451,6 +451,7 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
 Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
   const bool modulated = params.in.shift.present() || params.in.scale.present();
   if (forms_call(sp, params.in.plan, modulated)) return forms_rmsnorm_backward(comm, sp, params, stream);
+  if (params.in.plan.valid() && !h3_rule(params.in)) return indexed_recipe_rmsnorm_backward(comm, sp, params, stream);
   NormBackward norm;
   Status valid = validate_backward(comm, sp, params, modulated, params.in.x, "x", [](const RmsnormBackwardParams& p) {
     // the indexed form only: the region's exchanges and chains are the plan's
@@ -467,6 +468,7 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream) {
   if (forms_call(sp, params.in.plan, true)) return forms_gate_residual_backward(comm, sp, params, stream);
+  if (!h3_rule(params.in)) return indexed_recipe_gate_residual_backward(comm, sp, params, stream);
   GateBackward gate;
   Status valid =
       validate_backward(comm, sp, params, true, params.grad, "grad", [](const GateResidualBackwardParams& p) {

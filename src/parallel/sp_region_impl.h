@@ -57,5 +57,14 @@ Status forms_gate_residual_forward(const SpPlan& sp, const GateResidualParams& p
 Status forms_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                     Stream stream);
 
+// The indexed form beyond the H3 rule (an fp32 table, upcast, k; sp_forms.cc):
+// the WS1 partials halves on the plan of each rank's own chunks.
+bool h3_rule(const RmsnormInputs& in);
+bool h3_rule(const GateResidualInputs& in);
+Status indexed_recipe_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params,
+                                       Stream stream);
+Status indexed_recipe_gate_residual_backward(Communicator& comm, const SpPlan& sp,
+                                             const GateResidualBackwardParams& params, Stream stream);
+
 }  // namespace sp_detail
 }  // namespace detdit

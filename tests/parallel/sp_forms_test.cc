@@ -791,6 +791,173 @@ TEST(SpForms, LayernormIndexedEveryRecipeBothPackingsEveryWorldSize) {
   run_indexed_case(odd);
 }
 
+
+// ---------------------------------------------------------------- rmsnorm and gate_residual, indexed recipes
+
+// The indexed form beyond the H3 rule: an fp32 table of bf16 rows, upcast, k.
+struct IndexedRecipeCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16, rows = 6;
+  bool interleaved = true;
+  Recipe recipe;
+  std::string name() const {
+    return "indexed S" + std::to_string(seq_len) + (interleaved ? " interleaved " : " block ") + recipe.name();
+  }
+};
+
+Status indexed_recipe_rank(Communicator& comm, Device device, const IndexedRecipeCase& c, const HostTensor& index,
+                           const std::vector<HostTensor>& in, const std::vector<HostTensor>& ws1) {
+  // in: x, weight, shift, scale, grad_norm, y, gate, grad_gate; ws1: out, rstd, dx, d_weight, d_shift, d_scale,
+  // gate out, d_residual, d_y, d_gate
+  OnDevice dev(device);
+  IndexPlan plan;
+  DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(dev(index), c.rows, c.batch, &plan, dev.stream()));
+  SpPlan sp;
+  DETDIT_RETURN_IF_ERROR(SpPlan::create(plan, comm.world_size(), comm.rank(), &sp, dev.stream()));
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  auto local = [&](const HostTensor& t) { return slice(t, c.batch, c.seq_len, bd); };
+  const HostTensor x = local(in[0]), grad = local(in[4]), y = local(in[5]), gate_grad = local(in[7]);
+  HostTensor out(ws1[0].dtype(), x.shape()), rstd(DType::kF32, {x.numel() / c.hidden}), dx(x.dtype(), x.shape());
+  HostTensor d_weight = ws1[3], d_shift = ws1[4], d_scale = ws1[5];
+  HostTensor gate_out(ws1[6].dtype(), y.shape()), d_residual(y.dtype(), y.shape()), d_y(y.dtype(), y.shape());
+  HostTensor d_gate = ws1[9];
+  for (HostTensor* t : {&out, &rstd, &dx, &d_weight, &d_shift, &d_scale, &gate_out, &d_residual, &d_y, &d_gate})
+    t->fill_bytes(kCanary);
+  RmsnormParams f;
+  f.in.x = dev(x);
+  f.in.weight = dev(in[1]);
+  f.in.shift = dev(in[2]);
+  f.in.scale = dev(in[3]);
+  f.in.plan = plan;
+  f.in.upcast = c.recipe.upcast;
+  f.out = dev.out(out);
+  f.rstd = dev.out(rstd);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f, dev.stream()));
+  RmsnormBackwardParams b;
+  b.in = f.in;
+  b.rstd = f.rstd;
+  b.grad = dev(grad);
+  b.dx = dev.out(dx);
+  b.d_weight = dev.out(d_weight);
+  b.d_shift = dev.out(d_shift);
+  b.d_scale = dev.out(d_scale);
+  DETDIT_RETURN_IF_ERROR(sp_rmsnorm_backward(comm, sp, b, dev.stream()));
+  GateResidualParams g;
+  g.in.residual = dev(x);
+  g.in.y = dev(y);
+  g.in.gate = dev(in[6]);
+  g.in.plan = plan;
+  g.in.has_k = c.recipe.has_k;
+  g.in.k = 1.0f;
+  g.in.upcast = c.recipe.upcast;
+  g.out = dev.out(gate_out);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, g, dev.stream()));
+  GateResidualBackwardParams gb;
+  gb.in = g.in;
+  gb.grad = dev(gate_grad);
+  gb.d_residual = dev.out(d_residual);
+  gb.d_y = dev.out(d_y);
+  gb.d_gate = dev.out(d_gate);
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_backward(comm, sp, gb, dev.stream()));
+  dev.sync();
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  const std::pair<const HostTensor*, const HostTensor*> sharded[] = {
+      {&ws1[0], &out}, {&ws1[1], &rstd}, {&ws1[2], &dx}, {&ws1[6], &gate_out}, {&ws1[7], &d_residual}, {&ws1[8], &d_y}};
+  for (const auto& [expected, mine] : sharded)
+    EXPECT_TRUE(equal_rows(*expected, *mine, c.batch, c.seq_len, bd)) << where;
+  const std::pair<const HostTensor*, const HostTensor*> replicated[] = {
+      {&ws1[3], &d_weight}, {&ws1[4], &d_shift}, {&ws1[5], &d_scale}, {&ws1[9], &d_gate}};
+  for (const auto& [expected, mine] : replicated) EXPECT_TRUE(testing::bitwise_equal(*expected, *mine)) << where;
+  return Status();
+}
+
+void run_indexed_recipe_case(const IndexedRecipeCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                             Device device = Device::cpu()) {
+  SCOPED_TRACE(c.name());
+  const std::vector<int64_t> rows = {c.batch, c.seq_len, c.hidden};
+  const HostTensor index = row_index(c.seq_len, c.rows, c.interleaved);
+  IndexPlan plan;
+  DETDIT_ASSERT_OK(IndexPlan::from_row_index(index.view(), c.rows, c.batch, &plan));
+  const DType out = out_dtype(c.recipe);
+  const std::vector<HostTensor> in = {
+      testing::random_tensor(c.recipe.x, rows, 71),
+      testing::random_tensor(c.recipe.x, {c.hidden}, 72, 1.0, 0.1),
+      testing::random_tensor(c.recipe.mod, {c.rows, c.hidden}, 73, 0.0, 0.5),
+      testing::random_tensor(c.recipe.mod, {c.rows, c.hidden}, 74, 0.0, 0.5),
+      testing::random_tensor(out, rows, 75),
+      testing::random_tensor(c.recipe.x, rows, 76),
+      testing::random_tensor(c.recipe.mod, {c.rows, c.hidden}, 77, 0.0, 0.5),
+      testing::random_tensor(out, rows, 78)};
+  std::vector<HostTensor> ws1 = {HostTensor(out, rows),
+                                 HostTensor(DType::kF32, {c.batch * c.seq_len}),
+                                 HostTensor(c.recipe.x, rows),
+                                 HostTensor(DType::kF32, {c.hidden}),
+                                 HostTensor(DType::kF32, {c.rows, c.hidden}),
+                                 HostTensor(c.recipe.mod, {c.rows, c.hidden}),
+                                 HostTensor(out, rows),
+                                 HostTensor(c.recipe.x, rows),
+                                 HostTensor(c.recipe.x, rows),
+                                 HostTensor(DType::kF32, {c.rows, c.hidden})};
+  RmsnormParams f;
+  f.in.x = in[0].view();
+  f.in.weight = in[1].view();
+  f.in.shift = in[2].view();
+  f.in.scale = in[3].view();
+  f.in.plan = plan;
+  f.in.upcast = c.recipe.upcast;
+  f.out = ws1[0].view();
+  f.rstd = ws1[1].view();
+  DETDIT_ASSERT_OK(rmsnorm_forward(f));
+  RmsnormBackwardParams b;
+  b.in = f.in;
+  b.rstd = ws1[1].view();
+  b.grad = in[4].view();
+  b.dx = ws1[2].view();
+  b.d_weight = ws1[3].view();
+  b.d_shift = ws1[4].view();
+  b.d_scale = ws1[5].view();
+  DETDIT_ASSERT_OK(rmsnorm_backward(b));
+  GateResidualParams g;
+  g.in.residual = in[0].view();
+  g.in.y = in[5].view();
+  g.in.gate = in[6].view();
+  g.in.plan = plan;
+  g.in.has_k = c.recipe.has_k;
+  g.in.k = 1.0f;
+  g.in.upcast = c.recipe.upcast;
+  g.out = ws1[6].view();
+  DETDIT_ASSERT_OK(gate_residual_forward(g));
+  GateResidualBackwardParams gb;
+  gb.in = g.in;
+  gb.grad = in[7].view();
+  gb.d_residual = ws1[7].view();
+  gb.d_y = ws1[8].view();
+  gb.d_gate = ws1[9].view();
+  DETDIT_ASSERT_OK(gate_residual_backward(gb));
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return indexed_recipe_rank(comm, device, c, index, in, ws1); }, device));
+}
+
+TEST(SpForms, RmsnormAndGateResidualIndexedRecipesEveryWorldSize) {
+  for (bool interleaved : {false, true}) {
+    for (Recipe r : {kRecipes[1], kRecipes[2], kRecipes[3]}) {
+      for (bool k : {false, true}) {
+        r.has_k = k;
+        IndexedRecipeCase c;
+        c.interleaved = interleaved;
+        c.recipe = r;
+        run_indexed_recipe_case(c);
+      }
+    }
+    IndexedRecipeCase tiny;
+    tiny.seq_len = 40;
+    tiny.interleaved = interleaved;
+    tiny.recipe = kRecipes[2];
+    run_indexed_recipe_case(tiny, {3, 5, 8});
+  }
+}
+
 // ---------------------------------------------------------------- gate_residual_layernorm
 
 struct FusedCase {
@@ -1034,6 +1201,11 @@ TEST(SpFormsCuda, EveryOpRanksSharingOneGpuMatchWs1) {
     indexed.interleaved = interleaved;
     indexed.recipe = kRecipes[1];
     run_indexed_case(indexed, {1, 2, 3, 5, 8}, gpu);
+    IndexedRecipeCase recipe;
+    recipe.interleaved = interleaved;
+    recipe.recipe = kRecipes[2];
+    recipe.recipe.has_k = true;
+    run_indexed_recipe_case(recipe, {1, 2, 3, 5, 8}, gpu);
   }
 }
 
