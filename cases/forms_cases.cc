@@ -275,26 +275,26 @@ OpCase gate_residual_form_case(const FormShape& s, uint64_t seed, bool verify_va
 }
 
 OpCase gate_residual_rmsnorm_form_case(const FormShape& s, uint64_t seed, bool verify_values) {
-  const Geometry g = geometry_of(s);
+  const Geometry g = form_geometry(s);
   const bool gated = s.form != ModulationForm::kNone, upcast = s.upcast, has_k = s.has_k;
   const float k = s.k;
   const int64_t B = s.batch, S = s.seq_len, H = s.hidden;
   // h: gate_residual's out; out: rmsnorm's of h. Both fp32 for fp32
   // modulation with upcast = false, else x's dtype (5.12).
-  const DType hd = out_dtype_of(s), od = out_dtype_of(s);
+  const DType hd = form_out_dtype(s), od = form_out_dtype(s);
   OpCase c;
   c.op = "gate_residual_rmsnorm";
-  c.name = form_name(s, g);
+  c.name = form_case_name(s);
   c.positions = B * S;
-  c.input("residual", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 31, 0.0, 1.0));
-  c.input("y", Phase::kForward, s.dtype, {B, S, H}, values(verify_values, seed + 32, 0.0, 3.0));
-  if (gated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), values(verify_values, seed + 33, 0.0, 0.5));
-  c.input("weight", Phase::kForward, hd, {H}, values(verify_values, seed + 34, 1.0, 0.5));
+  c.input("residual", Phase::kForward, s.dtype, {B, S, H}, form_values(verify_values, seed + 31, 0.0, 1.0));
+  c.input("y", Phase::kForward, s.dtype, {B, S, H}, form_values(verify_values, seed + 32, 0.0, 3.0));
+  if (gated) c.input("modulation", Phase::kForward, s.mod_dtype, g.parent_shape(), form_values(verify_values, seed + 33, 0.0, 0.5));
+  c.input("weight", Phase::kForward, hd, {H}, form_values(verify_values, seed + 34, 1.0, 0.5));
   c.output("h", Phase::kForward, hd, {B, S, H});
   c.output("out", Phase::kForward, od, {B, S, H});
   c.output("rstd", Phase::kForward, DType::kF32, {B * S});
-  c.input("d_out", Phase::kBackward, od, {B, S, H}, values(verify_values, seed + 35, 0.0, 1.0));
-  c.input("d_h", Phase::kBackward, hd, {B, S, H}, values(verify_values, seed + 36, 0.0, 1.0));
+  c.input("d_out", Phase::kBackward, od, {B, S, H}, form_values(verify_values, seed + 35, 0.0, 1.0));
+  c.input("d_h", Phase::kBackward, hd, {B, S, H}, form_values(verify_values, seed + 36, 0.0, 1.0));
   c.output("d_residual", Phase::kBackward, s.dtype, {B, S, H});
   c.output("d_y", Phase::kBackward, s.dtype, {B, S, H});
   c.output("d_weight", Phase::kBackward, DType::kF32, {H});

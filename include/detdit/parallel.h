@@ -1,5 +1,5 @@
 // detdit/parallel.h: tensor parallelism (tp_adaln_projection) and sequence
-// parallelism (the sp_region: rmsnorm, modulation, gate_residual), byte-equal
+// parallelism (the sp_region: rmsnorm, modulation in every form, gate_residual), byte-equal
 // to one device (WS1) for every world size. The only collectives are the
 // Communicator's rank-ordered all-gather and broadcast (detdit/comm.h),
 // byte copies; no reduction ever happens inside a collective. docs/parallel.md explains the plan with a
@@ -20,7 +20,9 @@
 #include "detdit/adaln.h"
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_layernorm.h"
 #include "detdit/gate_residual_rmsnorm.h"
+#include "detdit/layernorm.h"
 #include "detdit/plan.h"
 #include "detdit/rmsnorm.h"
 #include "detdit/status.h"
@@ -101,6 +103,10 @@ class SpPlan {
   // 0 <= rank < world, got rank=..., world=..." and "every rank needs a row:
   // seq_len=..., world=..., batch=...".
   static Status create(const IndexPlan& plan, int world, int rank, SpPlan* sp, Stream stream = nullptr);
+  // The SpPlan of a region without an index (the grouped forms, plain ops):
+  // positions only, global_plan() and local_plan() empty. Errors as above,
+  // and ValueError "need seq_len >= 1 and batch >= 1, ...".
+  static Status create(int64_t seq_len, int64_t batch, int world, int rank, SpPlan* sp);
 
   bool valid() const { return impl_ != nullptr; }
   int world() const;
@@ -135,6 +141,23 @@ class SpPlan {
   std::shared_ptr<const Impl> impl_;
 };
 
+// The grouped modulation forms (modulation.h), every recipe: a call without
+// a plan (on an SpPlan of an index or of the positions alone). Per sample
+// (B, H) / (B, 1, H) and per frame (B, F, H) / (B, F, 1, H) are replicated
+// and mean the global positions (frame s / (S/F)); per token is this rank's
+// rows (B, S_local, H), like the activations and its gradients. Forward:
+// row-local (per frame, one WS1 call per piece of the local rows within
+// whole frames). Backward: the row-local gradients by the same pieces; each
+// summed gradient is a list of chunks (d_weight: the canonical 256-position
+// chunks; per-sample / per-frame d_shift, d_scale, d_gate: chunks of 256
+// from each group's first position), each computed by the holder of its
+// first position on its rows (one all-gather of the rows that straddle),
+// then one all-gather of every chunk partial and the WS1 fold on every rank
+// (docs/parallel.md 3). The indexed form beyond the H3 rule (an fp32 table,
+// upcast, k) takes the same steps on the SpPlan's chunks, with the WS1
+// partials on the plan of each rank's own chunks (built with the SpPlan);
+// the H3 rule keeps the chain fold above.
+//
 // The Params are the WS1 ones with the local rows; params.plan is the SpPlan's
 // global plan (required when modulated, may be absent for a plain norm; a plan
 // of the local slice is rejected: the full (S,) index is required).
@@ -144,6 +167,26 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
 Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& params, Stream stream = nullptr);
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream = nullptr);
+// layernorm (layernorm.h) on the local rows: the plain norm (no affine,
+// weight, weight and bias), the grouped forms above and the indexed form
+// (params.plan the SpPlan's global plan), every recipe. d_weight and d_bias
+// are the canonical chunks' folds as WS1's, computed as rmsnorm's d_weight;
+// the indexed d_shift / d_scale are the WS1 segment partials of each rank's
+// chunks (the plan of its own chunks' rows, built with the SpPlan), gathered
+// and folded by the WS1 segment fold.
+Status sp_layernorm_forward(const SpPlan& sp, const LayernormParams& params, Stream stream = nullptr);
+Status sp_layernorm_backward(Communicator& comm, const SpPlan& sp, const LayernormBackwardParams& params,
+                             Stream stream = nullptr);
+// gate_residual_layernorm (gate_residual_layernorm.h) on the local rows, the
+// grouped forms of its halves above (a plan is a ValueError): the forward is the sp_gate_residual
+// forward into h, then the sp_layernorm forward of h; the backward the
+// sp_layernorm backward of d_out, the sum with d_h, then the sp_gate_residual
+// backward of that sum, so every output equals WS1's byte for byte. Both
+// halves are validated, allocated and agreed as one call.
+Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLayernormParams& params,
+                                          Stream stream = nullptr);
+Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
+                                           const GateResidualLayernormBackwardParams& params, Stream stream = nullptr);
 // The fused region (gate_residual_rmsnorm.h) on the local rows: the forward is
 // the WS1 op with the local index; the backward is the sp_rmsnorm backward of
 // d_out, the sum with d_h, then the sp_gate_residual backward of that sum, so

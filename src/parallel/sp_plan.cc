@@ -40,11 +40,12 @@ void append_link(std::vector<SpLink>* links, int32_t q, int64_t c, int64_t segme
 }
 
 // The tables of `impl` (contract in parallel.h, steps in docs/parallel.md 3).
-Status build(const IndexPlan& plan, int world, int rank, SpPlan::Impl* impl, Stream stream) {
+// Without a plan (the grouped forms' SpPlan) only the positions: S, B, lo, hi.
+Status build(const IndexPlan& plan, int64_t seq_len, int64_t batch, int world, int rank, SpPlan::Impl* impl,
+             Stream stream) {
   if (world < 1 || rank < 0 || rank >= world)
     return Status::value_error("need 0 <= rank < world, got rank=" + std::to_string(rank) +
                                ", world=" + std::to_string(world));
-  const int64_t seq_len = plan.seq_len(), batch = plan.batch();
   if (seq_len < world)
     return Status::value_error("every rank needs a row: seq_len=" + std::to_string(seq_len) +
                                ", world=" + std::to_string(world) + ", batch=" + std::to_string(batch));
@@ -53,12 +54,13 @@ Status build(const IndexPlan& plan, int world, int rank, SpPlan::Impl* impl, Str
   impl->rank = rank;
   impl->seq_len = seq_len;
   impl->batch = batch;
-  impl->global = plan;
   // bound[q] = q*S/world: rank q holds sequence positions [bound[q], bound[q+1]).
   std::vector<int64_t> bound(static_cast<std::size_t>(world + 1));
   for (int q = 0; q <= world; ++q) bound[q] = q * seq_len / world;
   impl->lo = bound[rank];
   impl->hi = bound[rank + 1];
+  if (!plan.valid()) return Status();  // the grouped forms' plan: positions only
+  impl->global = plan;
   std::vector<int32_t> owner_of_seq(static_cast<std::size_t>(seq_len));  // (S,)
   for (int q = 0; q < world; ++q)
     std::fill(owner_of_seq.begin() + bound[q], owner_of_seq.begin() + bound[q + 1], q);
@@ -120,6 +122,24 @@ Status build(const IndexPlan& plan, int world, int rank, SpPlan::Impl* impl, Str
                                                         {local_seq_len}, device);
   DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(local_index, plan.num_rows(), batch, &impl->local, stream));
 
+  // The owned chunks' plan (sp_plan_impl.h): their rows' table rows in order.
+  for (int32_t c : impl->owned_chunks) {
+    const int64_t end = std::min(positions, (c + 1) * kReductionChunk);
+    for (int64_t p = c * kReductionChunk; p < end; ++p) impl->owned_index.push_back(tables.row_of_seq[p % seq_len]);
+  }
+  if (!impl->owned_index.empty()) {
+    const int64_t rows = static_cast<int64_t>(impl->owned_index.size());
+    const int32_t* index = impl->owned_index.data();
+    if (device.is_cuda()) {
+      std::vector<const int32_t*> copies;
+      DETDIT_RETURN_IF_ERROR(
+          cuda::upload_tables(device, {&impl->owned_index}, &copies, &impl->owned_memory, stream));
+      index = copies[0];
+    }
+    const TensorView owned = TensorView::contiguous(const_cast<int32_t*>(index), DType::kI32, {rows}, device);
+    DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(owned, plan.num_rows(), 1, &impl->owned, stream));
+  }
+
   // The chunk list is never null (a null list means "every chunk" to the
   // backends): a rank that owns no chunk keeps one unused entry, count 0.
   std::vector<int32_t> chunk_list = impl->owned_chunks;
@@ -146,14 +166,25 @@ Status SpPlan::create(const IndexPlan& plan, int world, int rank, SpPlan* sp, St
       [&] {
         return "out of memory building the SpPlan (S = " + std::to_string(plan.seq_len()) +
                ", B = " + std::to_string(plan.batch()) + ", world = " + std::to_string(world) +
-               "): its host tables take about 24 bytes per position";
+               "): its host tables take about 24 bytes per position, plus an index plan of the rank's own "
+               "chunks' positions";
       },
       [&]() -> Status {
         auto impl = std::make_shared<Impl>();
-        DETDIT_RETURN_IF_ERROR(build(plan, world, rank, impl.get(), stream));
+        DETDIT_RETURN_IF_ERROR(build(plan, plan.seq_len(), plan.batch(), world, rank, impl.get(), stream));
         sp->impl_ = std::move(impl);
         return Status();
       });
+}
+
+Status SpPlan::create(int64_t seq_len, int64_t batch, int world, int rank, SpPlan* sp) {
+  if (seq_len < 1 || batch < 1)
+    return Status::value_error("need seq_len >= 1 and batch >= 1, got seq_len=" + std::to_string(seq_len) +
+                               ", batch=" + std::to_string(batch));
+  auto impl = std::make_shared<Impl>();
+  DETDIT_RETURN_IF_ERROR(build(IndexPlan(), seq_len, batch, world, rank, impl.get(), nullptr));
+  sp->impl_ = std::move(impl);
+  return Status();
 }
 
 int SpPlan::world() const { return impl_ ? impl_->world : 0; }

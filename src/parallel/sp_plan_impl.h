@@ -49,6 +49,15 @@ struct SpPlan::Impl {
   const int32_t* owned_chunks_on_device = nullptr;
   const int32_t* position_row_on_device = nullptr;
   std::shared_ptr<void> device_memory;
+
+  // The plan of this rank's own chunks' positions, concatenated (batch 1):
+  // its chunk k is this rank's k-th chunk, with that chunk's segments in the
+  // same order (segments depend only on a chunk's rows). The ops without a
+  // chunk selection (layernorm) run their WS1 partials on it. Empty when the
+  // rank owns no chunk.
+  IndexPlan owned;
+  std::vector<int32_t> owned_index;
+  std::shared_ptr<void> owned_memory;
 };
 
 }  // namespace detdit

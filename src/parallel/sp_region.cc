@@ -1,6 +1,7 @@
 // The sp_region ops: rmsnorm (plain and modulated) and gate_residual under
 // sequence parallelism, byte-equal to WS1 (contract in include/detdit/parallel.h,
-// plan in sp_plan.cc, walk-through in docs/parallel.md).
+// plan in sp_plan.cc, walk-through in docs/parallel.md): the indexed form's
+// H3 rule here; the other forms and recipes in sp_forms.cc.
 //
 // Forward = the public WS1 op on the local rows with the local plan.
 // Backward =
@@ -37,13 +38,13 @@
 #include "common/validate.h"
 #include "parallel/copy.h"
 #include "parallel/sp_plan_impl.h"
+#include "parallel/sp_region_impl.h"
 #include "rowwise/backward.h"
 #include "rowwise/checks.h"
 
 namespace detdit {
-namespace {
+namespace sp_detail {
 
-constexpr std::size_t kAlign = 256;  // every scratch piece starts on a 256-byte boundary
 std::size_t aligned_size(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 // ---------------------------------------------------------------- validation
@@ -66,6 +67,9 @@ Status check_global_plan(const SpPlan& sp, const IndexPlan& plan, bool required)
     return Status();
   }
   const IndexPlan& global = sp.global_plan();
+  if (!global.valid())
+    return Status::value_error("plan must be absent: the SpPlan was built without an index plan (seq_len and batch "
+                               "only), so it runs the grouped forms; the indexed form needs the SpPlan of its plan");
   if (plan.seq_len() != global.seq_len())
     return Status::value_error("index must be the full (S,) row index with S = " + std::to_string(global.seq_len()) +
                                ", got a plan of seq_len " + std::to_string(plan.seq_len()) +
@@ -88,6 +92,12 @@ Status check_local_rows(const SpPlan& sp, const TensorView& t, const char* name)
                              std::to_string(sp.local_end()) + ") of every batch item), got " + t.describe());
 }
 
+}  // namespace sp_detail
+
+namespace {
+
+using namespace sp_detail;
+
 // The start of every backward's agreed validation: the communicator and plan
 // of the call and the rank's rows, then the WS1 validator of the local call.
 template <typename Params, typename Validate>
@@ -101,22 +111,17 @@ Status validate_backward(const Communicator& comm, const SpPlan& sp, const Param
   return validate(local);
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------- exchanges
 
-// Step 2's buffers: the send block (field f's max_send rows at offset[f]),
-// the world gathered blocks and each field's (world*max_send) unpacked rows.
-// Empty when no rank sends a row (every rank knows max_send).
-struct RowExchange {
-  std::vector<std::size_t> row_bytes, offset;
-  std::size_t block = 0;
-  std::shared_ptr<void> memory;
-};
+namespace sp_detail {
 
-Status allocate_rows(const SpPlan::Impl& sp, const Device& device, std::vector<std::size_t> row_bytes, Stream stream,
-                     RowExchange* x) {
-  if (sp.max_send == 0) return Status();
-  const std::size_t world = static_cast<std::size_t>(sp.world);
-  const std::size_t max_send = static_cast<std::size_t>(sp.max_send);
+Status allocate_rows(int world_size, int64_t max_send_rows, const Device& device, std::vector<std::size_t> row_bytes,
+                     Stream stream, RowExchange* x) {
+  if (max_send_rows == 0) return Status();
+  const std::size_t world = static_cast<std::size_t>(world_size);
+  const std::size_t max_send = static_cast<std::size_t>(max_send_rows);
   x->row_bytes = std::move(row_bytes);
   std::size_t unpacked = 0;
   for (std::size_t bytes : x->row_bytes) {
@@ -130,19 +135,19 @@ Status allocate_rows(const SpPlan::Impl& sp, const Device& device, std::vector<s
 // Every rank's straddling rows of each field (rows[f]: this rank's local
 // rows), unpacked; extra[f] points at field f's rows (nullptr when no rank
 // sends anything, then no collective runs).
-Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& device, DType dtype,
-                     const std::vector<const void*>& rows, const RowExchange& x, Stream stream,
-                     std::vector<void*>* extra) {
+Status exchange_rows(Communicator& comm, const std::vector<SpRun>& send_runs, int64_t max_send_rows,
+                     const Device& device, DType dtype, const std::vector<const void*>& rows, const RowExchange& x,
+                     Stream stream, std::vector<void*>* extra) {
   extra->assign(rows.size(), nullptr);
-  if (sp.max_send == 0) return Status();
-  const std::size_t world = static_cast<std::size_t>(sp.world);
-  const std::size_t max_send = static_cast<std::size_t>(sp.max_send);
+  if (max_send_rows == 0) return Status();
+  const std::size_t world = static_cast<std::size_t>(comm.world_size());
+  const std::size_t max_send = static_cast<std::size_t>(max_send_rows);
   char* send = static_cast<char*>(x.memory.get());
   char* gathered = send + x.block;
   char* out = gathered + world * x.block;
   for (std::size_t f = 0; f < rows.size(); ++f) {
     const std::size_t rb = x.row_bytes[f];
-    for (const SpRun& run : sp.send_runs)
+    for (const SpRun& run : send_runs)
       DETDIT_RETURN_IF_ERROR(parallel_copy::copy(device, send + x.offset[f] + run.dst * rb,
                                                  static_cast<const char*>(rows[f]) + run.src * rb, run.count * rb,
                                                  stream));
@@ -158,6 +163,10 @@ Status exchange_rows(Communicator& comm, const SpPlan::Impl& sp, const Device& d
   }
   return Status();
 }
+
+}  // namespace sp_detail
+
+namespace {
 
 // Steps 3-4's buffers: this rank's partials of its own chunks (its chunks
 // and their segments ascending, written by the partials half) and the
@@ -288,6 +297,7 @@ ChunkSelection owned_selection(const SpPlan::Impl& sp) {
 
 Status sp_rmsnorm_forward(const SpPlan& sp, const RmsnormParams& params, Stream stream) {
   const bool modulated = params.in.shift.present() || params.in.scale.present();
+  if (forms_call(sp, params.in.plan, modulated)) return forms_rmsnorm_forward(sp, params, stream);
   DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, modulated));
   DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.x, "x"));
   RmsnormParams local = params;
@@ -296,6 +306,7 @@ Status sp_rmsnorm_forward(const SpPlan& sp, const RmsnormParams& params, Stream 
 }
 
 Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& params, Stream stream) {
+  if (forms_call(sp, params.in.plan, true)) return forms_gate_residual_forward(sp, params, stream);
   DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, true));
   DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.residual, "residual"));
   GateResidualParams local = params;
@@ -337,7 +348,8 @@ Status prepare_norm(const SpPlan& sp, const RmsnormBackwardParams& params, Strea
   const Device device = params.in.x.device;
   const int64_t hidden = params.in.x.shape[params.in.x.rank - 1];
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.in.x.dtype);
-  DETDIT_RETURN_IF_ERROR(allocate_rows(plan, device, {row_bytes, row_bytes, sizeof(float)}, stream, &n->rows));
+  DETDIT_RETURN_IF_ERROR(
+      allocate_rows(plan.world, plan.max_send, device, {row_bytes, row_bytes, sizeof(float)}, stream, &n->rows));
   return allocate_chain(plan, device, hidden, params.d_weight.present(), n->tables ? 2 * hidden : 0, stream,
                         &n->chain);
 }
@@ -350,9 +362,8 @@ Status run_norm(Communicator& comm, const SpPlan& sp, NormBackward& n, Stream st
     const RmsnormBackwardParams& p = n.global;
     const int64_t hidden = p.in.x.shape[p.in.x.rank - 1];
     std::vector<void*> extra_rows;
-    DETDIT_RETURN_IF_ERROR(
-        exchange_rows(comm, plan, device, p.in.x.dtype, {p.in.x.data, p.grad.data, p.rstd.data}, n.rows, stream,
-                      &extra_rows));
+    DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan.send_runs, plan.max_send, device, p.in.x.dtype,
+                                         {p.in.x.data, p.grad.data, p.rstd.data}, n.rows, stream, &extra_rows));
     const int64_t received = sp.world() * plan.max_send;
     ExtraRows extra;
     if (plan.max_send > 0) {
@@ -401,7 +412,7 @@ Status prepare_gate(const SpPlan& sp, const GateResidualBackwardParams& params, 
   const Device device = params.grad.device;
   const int64_t hidden = params.grad.shape[params.grad.rank - 1];
   const std::size_t row_bytes = static_cast<std::size_t>(hidden) * dtype_size(params.grad.dtype);
-  DETDIT_RETURN_IF_ERROR(allocate_rows(plan, device, {row_bytes, row_bytes}, stream, &g->rows));
+  DETDIT_RETURN_IF_ERROR(allocate_rows(plan.world, plan.max_send, device, {row_bytes, row_bytes}, stream, &g->rows));
   return allocate_chain(plan, device, hidden, false, hidden, stream, &g->chain);
 }
 
@@ -413,8 +424,8 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
   const SpPlan::Impl& plan = sp.impl();
   if (p.d_gate.present()) {
     std::vector<void*> extra_rows;
-    DETDIT_RETURN_IF_ERROR(
-        exchange_rows(comm, plan, device, p.grad.dtype, {p.grad.data, p.in.y.data}, g.rows, stream, &extra_rows));
+    DETDIT_RETURN_IF_ERROR(exchange_rows(comm, plan.send_runs, plan.max_send, device, p.grad.dtype,
+                                         {p.grad.data, p.in.y.data}, g.rows, stream, &extra_rows));
     const int64_t received = sp.world() * plan.max_send;
     ExtraRows extra;
     if (plan.max_send > 0) {
@@ -439,6 +450,8 @@ Status run_gate(Communicator& comm, const SpPlan& sp, GateBackward& g, Stream st
 
 Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params, Stream stream) {
   const bool modulated = params.in.shift.present() || params.in.scale.present();
+  if (forms_call(sp, params.in.plan, modulated)) return forms_rmsnorm_backward(comm, sp, params, stream);
+  if (params.in.plan.valid() && !h3_rule(params.in)) return indexed_recipe_rmsnorm_backward(comm, sp, params, stream);
   NormBackward norm;
   Status valid = validate_backward(comm, sp, params, modulated, params.in.x, "x", [](const RmsnormBackwardParams& p) {
     // the indexed form only: the region's exchanges and chains are the plan's
@@ -454,6 +467,8 @@ Status sp_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBa
 
 Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                  Stream stream) {
+  if (forms_call(sp, params.in.plan, true)) return forms_gate_residual_backward(comm, sp, params, stream);
+  if (!h3_rule(params.in)) return indexed_recipe_gate_residual_backward(comm, sp, params, stream);
   GateBackward gate;
   Status valid =
       validate_backward(comm, sp, params, true, params.grad, "grad", [](const GateResidualBackwardParams& p) {
