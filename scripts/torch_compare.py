@@ -166,6 +166,55 @@ def gate_residual_detdit(residual, y, gate, plan, numerics):
     return (detdit.gate_residual(residual, y, gate, plan),)
 
 
+# ---- the modulation forms (per sample, per frame, per token: the DiT families) ----------
+# The case's modulation parent ((B, 6, H), (B, F, 6, H), (B, S, 6, H)) is the leaf; shift,
+# scale and the gate are its chunks 0, 1 and 2 (op_cases.form_views), as the models view them.
+def _frames(x, m):
+    """x (B, S, H) as (B, F, L, H) and the modulation view m as (B, F, 1, H): broadcasting by
+    views, as the models do (no copy); F = 1 per sample, S per token."""
+    batch, seq_len, hidden = x.shape
+    m = m.reshape(batch, -1, 1, hidden)
+    return x.view(batch, m.shape[1], seq_len // m.shape[1], hidden), m
+
+
+def _modulate(n, shift, scale, upcast, like):
+    nv, sc = _frames(n, scale)
+    sh = _frames(n, shift)[1]
+    out = nv * (1 + sc.float()) + sh.float() if upcast else nv * (1 + sc) + sh
+    return (out.type_as(like) if upcast else out).reshape(n.shape)
+
+
+def _gate(residual, y, gate, upcast):
+    r, g = _frames(residual, gate)
+    yv = _frames(y, gate)[0]
+    h = (r.float() + yv.float() * g.float()).type_as(residual) if upcast else r + g * yv
+    return h.reshape(residual.shape)
+
+
+def region_forms_eager(residual, y, modulation, views, upcast, eps):
+    shift, scale, gate = views(modulation)
+    h = _gate(residual, y, gate, upcast)
+    n = F.layer_norm(h.float() if upcast else h, (h.shape[-1],), eps=eps)
+    return h, _modulate(n, shift, scale, upcast, h)
+
+
+def region_forms_detdit(residual, y, modulation, views, upcast, eps, numerics):
+    shift, scale, gate = views(modulation)
+    out, h = detdit.gate_residual_layernorm(residual, y, gate, None, None, shift, scale, eps=eps, upcast=upcast,
+                                            numerics=numerics)
+    return h, out
+
+
+def layernorm_forms_eager(x, modulation, views, upcast, eps):
+    shift, scale = views(modulation)[:2]
+    return (_modulate(F.layer_norm(x.float() if upcast else x, (x.shape[-1],), eps=eps), shift, scale, upcast, x),)
+
+
+def layernorm_forms_detdit(x, modulation, views, upcast, eps, numerics):
+    shift, scale = views(modulation)[:2]
+    return (detdit.layernorm(x, None, None, shift, scale, eps=eps, upcast=upcast, numerics=numerics),)
+
+
 # ---- the projection ops ----------------------------------------------------------------
 def adaln_projection_eager(temb, weight, bias):
     return (F.linear(F.silu(temb).to(weight.dtype), weight, bias),)
@@ -205,6 +254,23 @@ OPS = {
         floor="each B*S*H tensor once: forward residual, y, out; backward d_out, y, d_residual, d_y",
         eager=gate_residual_eager, detdit=gate_residual_detdit,
         eager_source="residual + gate[rows] * y"),
+    # The forms' ops: inputs (the case's tensors), outputs, incoming gradients (name, the case's
+    # tensor); the floors count (B, S, H) tensors of the activations' dtype.
+    "gate_residual_layernorm": dict(
+        kind="forms", inputs=["residual", "y", "modulation"], chunks=3,
+        outputs=["h", "out"], grads_in=[("d_h", "d_h"), ("d_out", "d_out")], floor_forward=4, floor_backward=6,
+        floor="each B*S*H tensor once: forward residual, y, h, out; backward d_out, d_h, h, y, d_residual, d_y",
+        eager=region_forms_eager, detdit=region_forms_detdit,
+        eager_source="h = residual + gate * y; out = F.layer_norm(h, (H,), eps=1e-6) * (1 + scale) + shift, "
+                     "broadcast per sample / frame / token; upcast: Wan's (res.float() + y * gate).type_as(res), "
+                     "(F.layer_norm(h.float()) * (1 + scale) + shift).type_as(h)"),
+    "layernorm": dict(
+        kind="forms", inputs=["x", "modulation"], chunks=2,
+        outputs=["out"], grads_in=[("d_out", "grad")], floor_forward=2, floor_backward=3,
+        floor="each B*S*H tensor once: forward x, out; backward d_out, x, dx",
+        eager=layernorm_forms_eager, detdit=layernorm_forms_detdit,
+        eager_source="F.layer_norm(x, (H,), eps=1e-6) * (1 + scale) + shift, broadcast per sample / frame / token; "
+                     "upcast: (F.layer_norm(x.float()) * (1 + scale) + shift).type_as(x)"),
     # Inputs: the case's tensors of these names; incoming gradients: (name, the case's tensor,
     # the dtype autograd hands the output); dims: the sizes of the case's shape, by input.
     "adaln_projection": dict(
@@ -389,6 +455,40 @@ class RowwiseCase(Case):
         }
 
 
+class FormsCase(Case):
+    """layernorm or gate_residual_layernorm in a modulation form at a DiT family's shape: an
+    exported bench case (cases/layernorm_cases.cc family_bench_forms)."""
+
+    def __init__(self, op, case, compiled):
+        self.op, self.spec = op, OPS[op]
+        first = case[self.spec["inputs"][0]]
+        batch, seq_len, hidden = first.shape
+        upcast, eps = case.arguments["upcast"] == "true", case.eps()
+        self.name = case.name
+        self.label = f"{case.name} B{batch} S{seq_len} H{hidden}"
+        self.shape = {"B": batch, "S": seq_len, "H": hidden, "upcast": upcast}
+        # torch's profile: the forward and dx are eager's (docs/numerics.md 9); the sums over
+        # positions are detdit's reduction in both profiles
+        self.settings, self.torch_equals_eager = {}, True
+        self.leaves = [case[name].to(DEVICE).requires_grad_(True) for name in self.spec["inputs"]]
+        self.grads_in = [case[source].to(DEVICE) for _, source in self.spec["grads_in"]]
+        self.tensor_names = self.spec["outputs"] + ["d_" + name for name in self.spec["inputs"]]
+        # the chunks without their chunk dimension ((B, H), (B, F, H), (B, S, H)): the same form
+        # as a kept dimension, and the forward-only export lists no gradient to tell them apart
+        chunker, chunks = op_cases.form_chunker(case, None), tuple(range(self.spec["chunks"]))
+        views = lambda modulation: chunker(modulation, chunks)  # noqa: E731
+        self.elements = batch * seq_len * hidden
+        self.floor_forward = self.spec["floor_forward"] * self.elements * first.element_size()
+        self.floor_both = self.floor_forward + self.spec["floor_backward"] * self.elements * first.element_size()
+        eager, detdit_fn = self.spec["eager"], self.spec["detdit"]
+        self.functions = {
+            "detdit portable": lambda *x: detdit_fn(*x, views, upcast, eps, "portable"),
+            "detdit torch": lambda *x: detdit_fn(*x, views, upcast, eps, "torch"),
+            "eager": lambda *x: eager(*x, views, upcast, eps),
+            "torch.compile": lambda *x: compiled[op](*x, views, upcast, eps),
+        }
+
+
 class ProjectionCase(Case):
     """adaln_projection or timestep_mlp at T rows: an exported bench case (op_cases.Case) at
     the bench's shapes (or --small's)."""
@@ -551,13 +651,15 @@ def exported_cases(op, args):
         op_cases.export(listing, *export_args(op, args), "--op", op, "--list", build_dir=args.build_dir)
         with open(os.path.join(listing, "index.json")) as f:
             entries = json.load(f)["cases"]
-        # The modulation forms' cases (an "upcast" argument: cases/forms_cases.cc) have no
-        # eager candidate here, which calls the ops with the H3 rule's indexed tables.
-        names = [entry["name"] for entry in entries if "upcast" not in entry["arguments"]]
+        # The modulation forms' cases (an "upcast" argument: cases/forms_cases.cc) are compared
+        # by the forms' ops; the row-wise ops' candidates take the H3 rule's indexed tables.
+        forms = OPS[op]["kind"] == "forms"
+        names = [entry["name"] for entry in entries if ("upcast" in entry["arguments"]) == forms]
         for entry in entries:
-            if "upcast" in entry["arguments"]:
-                print(f"{op} {entry['name']}: not compared (a modulation form case; the candidates take the "
-                      f"indexed table)", file=sys.stderr)
+            if ("upcast" in entry["arguments"]) != forms:
+                why = ("not a modulation form case" if forms
+                       else "a modulation form case; the candidates take the indexed table")
+                print(f"{op} {entry['name']}: not compared ({why})", file=sys.stderr)
     finally:
         shutil.rmtree(listing, ignore_errors=True)
     for name in names:
@@ -575,6 +677,8 @@ def cases_of(op, args, compiled):
     for case in exported_cases(op, args):
         if OPS[op]["kind"] == "rowwise":
             yield RowwiseCase(op, case, compiled)
+        elif OPS[op]["kind"] == "forms":
+            yield FormsCase(op, case, compiled)
         else:
             yield ProjectionCase(op, case, args.small, compiled)
 

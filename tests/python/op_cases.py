@@ -132,6 +132,30 @@ def find(cases, op, name=None):
                    f"{[c.name for c in cases if c.op == op]}")
 
 
+def form_chunker(c, grad_name):
+    """The views of a C++ form case's modulation (cases/forms_cases.cc) as a function of its
+    parent ((B, 6, H) per sample, (B, F, 6, H) per frame, (B, S, 6, H) per token): chunk i
+    as parent[:, i] / parent[:, :, i], or with the chunk dimension kept (parent[:, i:i+1] /
+    parent[:, :, i:i+1]) where the case's gradient output (grad_name, the view's shape) has
+    the parent's rank; grad_name None: without it (a forward-only export lists no gradient)."""
+    rank = c["modulation"].dim()
+    keep = grad_name is not None and len(next(t for t in c.outputs if t["name"] == grad_name)["shape"]) == rank
+
+    def views(parent, chunks):
+        picked = [slice(i, i + 1) if keep else i for i in chunks]
+        return [parent[:, i] if rank == 3 else parent[:, :, i] for i in picked]
+    return views
+
+
+def form_views(c, chunks, grad_name):
+    """Chunks `chunks` of the case's own modulation parent (form_chunker)."""
+    return form_chunker(c, grad_name)(c["modulation"], chunks)
+
+
+def is_form_case(c):
+    return "upcast" in c.arguments
+
+
 def table_chunk(table, hidden, chunk):
     """Chunk `chunk` of (R, 6H) AdaLN rows as the (R, H) strided view the C++ case reads."""
     return table[:, chunk * hidden:(chunk + 1) * hidden]

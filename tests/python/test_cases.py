@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import assert_bitwise_equal
-from op_cases import table_chunk
+from op_cases import form_views, is_form_case, table_chunk  # noqa: F401 (test_forms_eager imports them from here)
 
 ops = torch.ops.detdit
 
@@ -90,24 +90,6 @@ def _tables(c, hidden, chunks):
     for storage, chunk in chunks:
         views.append(c[storage][:, 1:hidden + 1] if storage in c else table_chunk(c["table"], hidden, chunk))
     return views
-
-
-def form_views(c, chunks, grad_name):
-    """The modulation views of a C++ form case (cases/forms_cases.cc): chunk i of its parent
-    ((B, 6, H) per sample, (B, F, 6, H) per frame, (B, S, 6, H) per token) as parent[:, i] /
-    parent[:, :, i], or with the chunk dimension kept (parent[:, i:i+1] / parent[:, :, i:i+1])
-    where the case's gradient output (grad_name, the view's shape) has the parent's rank."""
-    parent = c["modulation"]
-    keep = len(next(t for t in c.outputs if t["name"] == grad_name)["shape"]) == parent.dim()
-    views = []
-    for i in chunks:
-        chunk = slice(i, i + 1) if keep else i
-        views.append(parent[:, chunk] if parent.dim() == 3 else parent[:, :, chunk])
-    return views
-
-
-def is_form_case(c):
-    return "upcast" in c.arguments
 
 
 def _rmsnorm_forms(c):
