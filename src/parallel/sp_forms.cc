@@ -1443,7 +1443,8 @@ Status recipe_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& s
   const std::string recipe = index_signature(sp) + ", " + numerics_name(in.numerics) +
                              (in.upcast ? " upcast" : "") + (in.has_k ? " k=" + bits(in.k) : "") +
                              (in.gate.present() ? " gate " + std::string(dtype_name(in.gate.dtype)) : " no gate") +
-                             (modulated ? " modulated" : " plain");
+                             (modulated ? " modulated" : " plain") +
+                             (in.shift.present() ? " shift " + std::string(dtype_name(in.shift.dtype)) : "");
   DETDIT_RETURN_IF_ERROR(
       comm.agree(valid, signature("sp_gate_residual_rmsnorm_backward", sp, p.h, mod, recipe,
                                   {p.d_weight.present(), tables, p.d_gate.present(), gate_half})));
