@@ -23,7 +23,7 @@ from ._version import __version__  # noqa: F401  (written by setup.py from the r
 __all__ = [
     "IndexPlan", "PlanTables", "plan", "plan_from_rows", "plan_tables", "timestep_sinusoid", "linear", "timestep_mlp",
     "adaln_projection", "adaln_table_chunks", "adaln_row_gather", "rmsnorm", "gate_residual",
-    "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation", "layernorm",
+    "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation", "layernorm", "gate_residual_layernorm",
     "H3_HIDDEN_SIZE", "H3_FREQ_DIM", "H3_TIME_EMBED_HIDDEN_DIM", "H3_TIME_EMBED_DIM",
     "H3_MAX_PERIOD", "H3_NORM_EPS", "ADALN_CHUNKS", "NUM_MODALITIES",
 ]
@@ -278,17 +278,26 @@ def gate_residual(residual, y, gate=None, plan=None, k=None, upcast=False):
     return _ops.gate_residual.forms(residual, y, gate, plan, upcast, None if k is None else float(k))
 
 
-def gate_residual_rmsnorm(residual, y, gate, weight, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
-                          numerics="portable"):
-    """The region every H3 block runs twice, fused: ``h = residual + gate[i] * y``, then
-    ``out = rmsnorm(h, weight, shift, scale)``; returns ``(h, out)``. Forward and every
-    gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`, including the
-    gradient that reaches ``h`` from the rest of the network (the next residual branch)."""
-    _check("gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _TENSOR),
+def gate_residual_rmsnorm(residual, y, gate=None, weight=None, shift=None, scale=None, plan=None, eps=H3_NORM_EPS,
+                          numerics="portable", upcast=False, k=None):
+    """The region every H3 block runs twice, fused: ``h = gate_residual(residual, y, gate,
+    plan, k, upcast)``, then ``out = rmsnorm(h, weight, shift, scale, plan, eps, upcast)``;
+    returns ``(h, out)`` (:func:`gate_residual_layernorm` returns ``(out, h)``). weight is
+    required. Every form of the two ops (the gate absent, indexed with a plan, per sample, per
+    frame, per token; fp32 or residual's dtype), all present modulation tensors in one form.
+    Forward and every gradient are bitwise equal to :func:`gate_residual` then :func:`rmsnorm`,
+    including the gradient that reaches ``h`` from the rest of the network (the next residual
+    branch)."""
+    _check("gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _OPTIONAL_TENSOR),
            weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR),
-           eps=(eps, _REAL))
-    op, plan = _by_plan(_ops.gate_residual_rmsnorm, plan, "gate_residual_rmsnorm")
-    h, out, _ = op(residual, y, gate, weight, shift, scale, plan, float(eps), _profile(numerics))
+           eps=(eps, _REAL), upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+    if gate is not None and _h3_rule(residual, (gate, shift, scale), plan, upcast, k):
+        op, plan = _by_plan(_ops.gate_residual_rmsnorm, plan, "gate_residual_rmsnorm")
+        h, out, _ = op(residual, y, gate, weight, shift, scale, plan, float(eps), _profile(numerics))
+        return h, out
+    plan = _forms_plan(plan, "gate_residual_rmsnorm")
+    h, out, _ = _ops.gate_residual_rmsnorm.forms(residual, y, gate, weight, shift, scale, plan, float(eps),
+                                                 _profile(numerics), upcast, None if k is None else float(k))
     return h, out
 
 
@@ -309,14 +318,43 @@ def adaln_modulation(temb, weight, bias, plan, numerics="portable"):
     return op(temb, weight, bias, plan, _profile(numerics))[0]
 
 
-def layernorm(x, weight=None, bias=None, *, eps=1e-5, numerics="portable"):
+def layernorm(x, weight=None, bias=None, shift=None, scale=None, plan=None, eps=1e-5, upcast=False,
+              numerics="portable"):
     """``F.layer_norm(x, (H,), weight, bias, eps)`` over the last dimension of ``(M, H)`` /
     ``(B, S, H)`` rows: without affine, with weight, or with weight and bias (bias needs
-    weight). ``numerics="torch"`` (CUDA) is eager's forward and dx on the same GPU; d_weight
-    and d_bias are detdit's chunked reduction in both profiles (docs/numerics.md 9)."""
+    weight), modulated by shift and scale as ``n * (1 + scale) + shift`` in every form of
+    :func:`rmsnorm` (``(R, H)`` with a plan, per sample, per frame, per token; fp32 or x's
+    dtype; docs/numerics.md 9.5). ``upcast=False`` rounds each op as eager does (out fp32 for
+    fp32 modulation); ``upcast=True`` is Wan's FP32 norm, ``(norm(x.float()) * (1 + scale) +
+    shift).type_as(x)``, rounded once. ``numerics="torch"`` (CUDA) is eager's forward and dx on
+    the same GPU; d_weight and d_bias are detdit's chunked reduction in both profiles
+    (docs/numerics.md 9)."""
     _check("layernorm", x=(x, _TENSOR), weight=(weight, _OPTIONAL_TENSOR), bias=(bias, _OPTIONAL_TENSOR),
-           eps=(eps, _REAL))
-    return _ops.layernorm.default(x, weight, bias, float(eps), _profile(numerics))[0]
+           shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL),
+           upcast=(upcast, _BOOL))
+    if shift is None and scale is None and plan is None and not upcast:
+        return _ops.layernorm.default(x, weight, bias, float(eps), _profile(numerics))[0]
+    plan = _forms_plan(plan, "layernorm")
+    return _ops.layernorm.forms(x, weight, bias, shift, scale, plan, float(eps), _profile(numerics), upcast)[0]
+
+
+def gate_residual_layernorm(residual, y, gate=None, weight=None, bias=None, shift=None, scale=None, plan=None,
+                            eps=1e-5, upcast=False, numerics="portable", k=None):
+    """The gated residual and the LayerNorm after it, fused (SD3, Flux, HunyuanVideo, Wan:
+    SGLang's ``ScaleResidualLayerNormScaleShift``): ``h = gate_residual(residual, y, gate,
+    plan, k, upcast)``, then ``out = layernorm(h, weight, bias, shift, scale, plan, eps,
+    upcast)``; returns ``(out, h)`` (note: :func:`gate_residual_rmsnorm` returns ``(h,
+    out)``). Every form of the two ops, all present modulation tensors in one form. Forward
+    and every gradient, the one reaching ``h`` from the rest of the network included, are
+    bitwise equal to the two ops composed (docs/numerics.md 9.7)."""
+    _check("gate_residual_layernorm", residual=(residual, _TENSOR), y=(y, _TENSOR), gate=(gate, _OPTIONAL_TENSOR),
+           weight=(weight, _OPTIONAL_TENSOR), bias=(bias, _OPTIONAL_TENSOR), shift=(shift, _OPTIONAL_TENSOR),
+           scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL), upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+    plan = _forms_plan(plan, "gate_residual_layernorm")
+    out, h, _, _ = _ops.gate_residual_layernorm.default(residual, y, gate, weight, bias, shift, scale, plan,
+                                                        float(eps), _profile(numerics), upcast,
+                                                        None if k is None else float(k))
+    return out, h
 
 
 def release_scratch_memory(device="cuda"):

@@ -314,6 +314,25 @@ def _gate_residual_rmsnorm_backward(d_out, d_h, y, gate, weight, shift, scale, p
             _table_grad(output_mask[5], scale, h))
 
 
+def _gate_residual_rmsnorm_forms(residual, y, gate, weight, shift, scale, plan, eps, numerics, upcast, k):
+    # (h, out, rstd): h gate_residual's out, out rmsnorm's of h (ops.cpp)
+    h = _modulated_out(residual, gate, upcast)
+    out, rstd = _rmsnorm_forms(h, weight, shift, scale, plan, eps, numerics, upcast)
+    return h, out, rstd
+
+
+def _gate_residual_rmsnorm_backward_forms(d_out, d_h, y, gate, weight, shift, scale, plan, h, rstd, eps, numerics,
+                                          upcast, k, output_mask):
+    # no d_out: the gate_residual backward of d_h alone; neither: nothing (ops.cpp)
+    if d_out is None:
+        if d_h is None:
+            return (None,) * 6
+        return (*_gate_residual_backward_forms(d_h, y, gate, plan, upcast, k, output_mask[:3]), None, None, None)
+    norm = _rmsnorm_backward_forms(d_out, h, weight, shift, scale, plan, rstd, eps, numerics, upcast,
+                                   (False,) + tuple(output_mask[3:]))
+    return (*_gate_residual_backward_forms(d_out, y, gate, plan, upcast, k, output_mask[:3]), *norm[1:])
+
+
 def _final_adaln_out(x, norm_weight, temb, weight, bias, plan, eps, numerics):
     return (_like(x), _empty(x, (_dim(temb, 0), _dim(weight, 0)), weight.dtype),
             _empty(x, _matrix(temb), weight.dtype), _empty(x, (_rows(x),), torch.float32))
@@ -387,6 +406,36 @@ def _layernorm_backward(grad, x, weight, bias, mean, rstd, eps, numerics, output
             _maybe(output_mask[2] and bias is not None, x, (_dim(x, -1),), bias.dtype if bias is not None else x.dtype))
 
 
+def _layernorm_forms(x, weight, bias, shift, scale, plan, eps, numerics, upcast):
+    rows = (_rows(x),)
+    return _modulated_out(x, shift, upcast), _empty(x, rows, torch.float32), _empty(x, rows, torch.float32)
+
+
+def _layernorm_backward_forms(grad, x, weight, bias, shift, scale, plan, mean, rstd, eps, numerics, upcast,
+                              output_mask):
+    return (*_layernorm_backward(grad, x, weight, bias, mean, rstd, eps, numerics, output_mask[:3]),
+            _modulation_grad(output_mask[3], shift, x, plan), _modulation_grad(output_mask[4], scale, x, plan))
+
+
+def _gate_residual_layernorm(residual, y, gate, weight, bias, shift, scale, plan, eps, numerics, upcast, k):
+    # (out, h, mean, rstd): h gate_residual's out, out layernorm's of h (ops.cpp)
+    h = _modulated_out(residual, gate, upcast)
+    out, mean, rstd = _layernorm_forms(h, weight, bias, shift, scale, plan, eps, numerics, upcast)
+    return out, h, mean, rstd
+
+
+def _gate_residual_layernorm_backward(d_out, d_h, y, gate, weight, bias, shift, scale, plan, h, mean, rstd, eps,
+                                      numerics, upcast, k, output_mask):
+    # no d_out: the gate_residual backward of d_h alone; neither: nothing (ops.cpp)
+    if d_out is None:
+        if d_h is None:
+            return (None,) * 7
+        return (*_gate_residual_backward_forms(d_h, y, gate, plan, upcast, k, output_mask[:3]), None, None, None, None)
+    norm = _layernorm_backward_forms(d_out, h, weight, bias, shift, scale, plan, mean, rstd, eps, numerics, upcast,
+                                     (False,) + tuple(output_mask[3:]))
+    return (*_gate_residual_backward_forms(d_out, y, gate, plan, upcast, k, output_mask[:3]), *norm[1:])
+
+
 FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
@@ -399,6 +448,8 @@ FAKE_KERNELS = {
     "gate_residual.forms": _gate_residual_forms, "gate_residual_backward.forms": _gate_residual_backward_forms,
     "gate_residual": _gate_residual, "gate_residual_backward": _gate_residual_backward,
     "gate_residual_rmsnorm": _gate_residual_rmsnorm, "gate_residual_rmsnorm_backward": _gate_residual_rmsnorm_backward,
+    "gate_residual_rmsnorm.forms": _gate_residual_rmsnorm_forms,
+    "gate_residual_rmsnorm_backward.forms": _gate_residual_rmsnorm_backward_forms,
     "final_adaln_out": _final_adaln_out, "final_adaln_out_backward": _final_adaln_out_backward,
     "adaln_modulation": _adaln_modulation, "adaln_modulation_backward": _adaln_modulation_backward,
     "tp_adaln_projection": _tp_adaln_projection, "tp_adaln_projection_backward": _tp_adaln_projection_backward,
@@ -407,6 +458,9 @@ FAKE_KERNELS = {
     "sp_gate_residual_rmsnorm": _sp_gate_residual_rmsnorm,
     "sp_gate_residual_rmsnorm_backward": _sp_gate_residual_rmsnorm_backward,
     "layernorm": _layernorm, "layernorm_backward": _layernorm_backward,
+    "layernorm.forms": _layernorm_forms, "layernorm_backward.forms": _layernorm_backward_forms,
+    "gate_residual_layernorm": _gate_residual_layernorm,
+    "gate_residual_layernorm_backward": _gate_residual_layernorm_backward,
 }
 # The `.handle` overloads of the backward ops (the plan's handle in its place, registration.cpp):
 # the same outputs, which no fake kernel reads from the plan but adaln_row_gather's (num_rows).

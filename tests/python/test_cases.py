@@ -164,14 +164,30 @@ def _gate_residual(c):
     return dict(zip(("out", "d_residual", "d_y", "d_gate"), (out,) + tuple(grads)))
 
 
-def _gate_residual_rmsnorm_unsupported(c):
-    if is_form_case(c):
-        return ("the binding takes the H3 rule's indexed table only; the forms' cases run in the C++ "
-                "suites (tests, verify, bench)")
-    return None
+def _gate_residual_rmsnorm_forms(c):
+    """A form case (cases/forms_cases.cc): gate, shift and scale chunks 2, 3 and 4 of the
+    case's parent (all three or none), through `gate_residual_rmsnorm.forms`."""
+    residual, y, w, eps = c["residual"], c["y"], c["weight"], c.eps()
+    upcast = c.arguments["upcast"] == "true"
+    k = float(c.arguments["k"]) if "k" in c.arguments else None
+    gated = "modulation" in c
+    gate, shift, scale = form_views(c, (2, 3, 4), "d_gate") if gated else (None, None, None)
+    plan = c.plan() if "plan" in c.plans else None
+    h, out, rstd = ops.gate_residual_rmsnorm.forms(residual, y, gate, w, shift, scale, plan, eps, c.numerics, upcast,
+                                                   k)
+    d_h = c["d_h"] if "d_h" in c else None
+    grads = ops.gate_residual_rmsnorm_backward.forms(c["d_out"], d_h, y, gate, w, shift, scale, plan, h, rstd, eps,
+                                                     c.numerics, upcast, k, [True, True, gated, True, gated, gated])
+    got = {"h": h, "out": out, "rstd": rstd}
+    for name, grad in zip(("d_residual", "d_y", "d_gate", "d_weight", "d_shift", "d_scale"), grads):
+        if grad is not None:
+            got[name] = grad
+    return got
 
 
 def _gate_residual_rmsnorm(c):
+    if is_form_case(c):
+        return _gate_residual_rmsnorm_forms(c)
     residual, y, w, eps = c["residual"], c["y"], c["weight"], c.eps()
     hidden = residual.shape[-1]
     modulated = any(t["name"] == "d_shift" for t in c.outputs)
@@ -188,11 +204,34 @@ def _gate_residual_rmsnorm(c):
     return got
 
 
+def _layernorm_forms(c):
+    """A form case (cases/layernorm_cases.cc): shift and scale chunks 0 and 1 of the case's
+    parent ((R, 6, H) with the plan for the indexed form), weight and bias optional, through
+    `layernorm.forms`."""
+    x, eps = c["x"], c.eps()
+    w = c["weight"] if "weight" in c else None
+    b = c["bias"] if "bias" in c else None
+    upcast = c.arguments["upcast"] == "true"
+    plan = c.plan() if "plan" in c.plans else None
+    modulated = "modulation" in c
+    shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    out, mean, rstd = ops.layernorm.forms(x, w, b, shift, scale, plan, eps, c.numerics, upcast)
+    grads = ops.layernorm_backward.forms(c["grad"], x, w, b, shift, scale, plan, mean, rstd, eps, c.numerics, upcast,
+                                         [True, w is not None, b is not None, modulated, modulated])
+    got = {"out": out, "mean": mean, "rstd": rstd}
+    for name, grad in zip(("dx", "d_weight", "d_bias", "d_shift", "d_scale"), grads):
+        if grad is not None:
+            got[name] = grad
+    return got
+
+
 def _layernorm(c):
     """The offset cases' grad and dx are flat (M*H + 1,) storage whose (M, H) rows start at
     element 1 (off the vector boundary): the binding gets that view of grad, and its dx is
     compared as the same view of the case's dx (element 0, which the case leaves the canary,
     is not an output of the op)."""
+    if is_form_case(c):
+        return _layernorm_forms(c)
     x, eps = c["x"], c.eps()
     w = c["weight"] if "weight" in c else None
     b = c["bias"] if "bias" in c else None
@@ -215,10 +254,30 @@ def _layernorm(c):
     return got
 
 
-def _layernorm_unsupported(c):
-    if is_form_case(c):
-        return "the binding's layernorm takes no modulation and no upcast (its forms have no binding)"
-    return None
+def _gate_residual_layernorm(c):
+    """A case of cases/gate_residual_layernorm_cases.cc: gate, shift and scale chunks 2, 0 and 1
+    of the case's parent ((R, 6, H) with the plan for the indexed form), each present where the
+    case has its gradient; weight, bias and d_h optional."""
+    names = {t["name"] for t in c.outputs}
+    gated, modulated = "d_gate" in names, "d_shift" in names
+    gate = form_views(c, (2,), "d_gate")[0] if gated else None
+    shift, scale = form_views(c, (0, 1), "d_shift") if modulated else (None, None)
+    w = c["weight"] if "weight" in c else None
+    b = c["bias"] if "bias" in c else None
+    plan = c.plan() if "plan" in c.plans else None
+    upcast, eps = c.arguments["upcast"] == "true", c.eps()
+    k = float(c.arguments["k"]) if "k" in c.arguments else None
+    y = c["y"]
+    out, h, mean, rstd = ops.gate_residual_layernorm(c["residual"], y, gate, w, b, shift, scale, plan, eps,
+                                                     c.numerics, upcast, k)
+    d_h = c["d_h"] if "d_h" in c else None
+    grads = ops.gate_residual_layernorm_backward(c["d_out"], d_h, y, gate, w, b, shift, scale, plan, h, mean, rstd,
+                                                 eps, c.numerics, upcast, k, [True] * 7)
+    got = {"out": out, "h": h, "mean": mean, "rstd": rstd}
+    for name, grad in zip(("d_residual", "d_y", "d_gate", "d_weight", "d_bias", "d_shift", "d_scale"), grads):
+        if grad is not None:
+            got[name] = grad
+    return got
 
 
 def _adaln_row_gather(c):
@@ -240,14 +299,14 @@ RECIPES = {
     "final_adaln_out": (_final_adaln_out, {}, None),
     "rmsnorm": (_rmsnorm, {}, None),
     "gate_residual": (_gate_residual, {}, None),
-    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, _gate_residual_rmsnorm_unsupported),
-    "layernorm": (_layernorm, {}, _layernorm_unsupported),
+    "gate_residual_rmsnorm": (_gate_residual_rmsnorm, {}, None),
+    "layernorm": (_layernorm, {}, None),
+    "gate_residual_layernorm": (_gate_residual_layernorm, {}, None),
     "adaln_row_gather": (_adaln_row_gather, {}, None),
 }
 # Op cases the binding has no single operator for: the whole conditioning chain (the C++
 # suites run it; in Python it is a composition of the ops above, test_nn.py).
-NOT_BINDING_OPS = {"chain": "no binding operator: a composition of the ops (tests/python/test_nn.py)",
-                   "gate_residual_layernorm": "no binding operator (the C++ suites, verify and bench run its cases)"}
+NOT_BINDING_OPS = {"chain": "no binding operator: a composition of the ops (tests/python/test_nn.py)"}
 
 
 def _expected(case_tensor, actual):

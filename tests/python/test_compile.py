@@ -118,6 +118,10 @@ def op_cases(device, comm=None):
     mod = torch.linspace(-0.5, 0.5, batch * 6 * hidden, device=device).view(batch, 6, hidden)
     shift, scale, gate = mod[:, 0], mod[:, 1], mod[:, 2:3]
     _, forms_rstd = ops.rmsnorm.forms(x, w, shift, scale, None, eps, p, True)
+    _, ln_mean, ln_rstd = ops.layernorm.forms(x, w, w, shift, scale, None, eps, p, True)
+    gr_h, _, gr_rstd = ops.gate_residual_rmsnorm.forms(x, y, gate, w, mod[:, 3], mod[:, 4], None, eps, p, True, 1.0)
+    _, gl_h, gl_mean, gl_rstd = ops.gate_residual_layernorm.default(x, y, gate, w, w, shift, scale, None, eps, p, True,
+                                                                    1.0)
     cases = [
         ("rmsnorm_forms", ops.rmsnorm.forms, (x, w, shift, scale, None, eps, p, False)),
         ("rmsnorm_forms_upcast", ops.rmsnorm.forms, (x, w, shift, scale, None, eps, p, True)),
@@ -127,6 +131,31 @@ def op_cases(device, comm=None):
         ("gate_residual_forms_no_gate", ops.gate_residual.forms, (x, y, None, None, True, None)),
         ("gate_residual_backward_forms", ops.gate_residual_backward.forms,
          (grad, y, gate, None, True, 1.0, [True] * 3)),
+        ("gate_residual_rmsnorm_forms", ops.gate_residual_rmsnorm.forms,
+         (x, y, gate, w, mod[:, 3], mod[:, 4], None, eps, p, True, 1.0)),
+        ("gate_residual_rmsnorm_forms_no_gate", ops.gate_residual_rmsnorm.forms,
+         (x, y, None, w, None, None, None, eps, p, False, None)),
+        ("gate_residual_rmsnorm_backward_forms", ops.gate_residual_rmsnorm_backward.forms,
+         (grad, grad, y, gate, w, mod[:, 3], mod[:, 4], None, gr_h, gr_rstd, eps, p, True, 1.0, [True] * 6)),
+        ("gate_residual_rmsnorm_backward_forms_no_d_out", ops.gate_residual_rmsnorm_backward.forms,
+         (None, grad, y, gate, w, mod[:, 3], mod[:, 4], None, gr_h, gr_rstd, eps, p, True, 1.0, [True] * 6)),
+        ("layernorm", ops.layernorm.default, (x, w, w, eps, p)),
+        ("layernorm_backward", ops.layernorm_backward.default,
+         (grad, x, w, w, ln_mean, ln_rstd, eps, p, [True, False, True])),
+        ("layernorm_forms", ops.layernorm.forms, (x, w, w, shift, scale, None, eps, p, False)),
+        ("layernorm_forms_upcast", ops.layernorm.forms, (x, None, None, shift, scale, None, eps, p, True)),
+        ("layernorm_backward_forms", ops.layernorm_backward.forms,
+         (grad, x, w, w, shift, scale, None, ln_mean, ln_rstd, eps, p, True, [True] * 5)),
+        ("gate_residual_layernorm", ops.gate_residual_layernorm.default,
+         (x, y, gate, w, w, shift, scale, None, eps, p, True, 1.0)),
+        ("gate_residual_layernorm_no_gate", ops.gate_residual_layernorm.default,
+         (x, y, None, None, None, None, None, None, eps, p, False, None)),
+        ("gate_residual_layernorm_backward", ops.gate_residual_layernorm_backward.default,
+         (grad, grad, y, gate, w, w, shift, scale, None, gl_h, gl_mean, gl_rstd, eps, p, True, 1.0, [True] * 7)),
+        ("gate_residual_layernorm_backward_no_d_h", ops.gate_residual_layernorm_backward.default,
+         (grad, None, y, gate, w, w, shift, scale, None, gl_h, gl_mean, gl_rstd, eps, p, True, 1.0, [True] * 7)),
+        ("gate_residual_layernorm_backward_no_d_out", ops.gate_residual_layernorm_backward.default,
+         (None, grad, y, gate, w, w, shift, scale, None, gl_h, gl_mean, gl_rstd, eps, p, True, 1.0, [True] * 7)),
         ("timestep_sinusoid", ops.timestep_sinusoid.default, (i["t"], i["f_grad"].shape[1], 10000.0, p, True)),
         ("timestep_sinusoid_backward", ops.timestep_sinusoid_backward.default, (i["f_grad"], i["t"], 10000.0, p, True)),
         ("linear", ops.linear.default, (i["lx"], i["lw"], i["lb"], "silu", p)),
@@ -617,6 +646,50 @@ def test_compiled_block_is_one_graph_and_equals_eager(device, backend):
     compiled = torch.compile(region, fullgraph=True, backend=backend)
     eager = run_region(region, model, weights, device, SEQ, 470)
     assert_same_results(run_region(compiled, model, weights, device, SEQ, 470), eager, "compiled vs eager", model)
+
+
+def layernorm_region(x, y, mod, w, b):
+    """Wan's recipe (per-sample fp32 modulation, upcast) through the modulated LayerNorm and the
+    fused region after it, then SD3's (each op) on the region's out with a per-token bf16 shift
+    and scale: every modulation a view of mod (B, 6, H)."""
+    n = detdit.layernorm(x, None, None, mod[:, 0], mod[:, 1], upcast=True)
+    out, h = detdit.gate_residual_layernorm(n, y, mod[:, 2], w, b, mod[:, 3], mod[:, 4], upcast=True, k=1.0)
+    per_token = out * 0.125
+    return detdit.layernorm(h, w, b, per_token, per_token, eps=1e-6), h
+
+
+def run_layernorm_region(fn, device, seed):
+    x, y = (normal((BATCH, SEQ, HIDDEN), seed + k, BF, scale=2.0).to(device).requires_grad_(True) for k in (0, 1))
+    mod = normal((BATCH, 6, HIDDEN), seed + 2, scale=0.3).to(device).requires_grad_(True)
+    w = (1 + normal((HIDDEN,), seed + 3, scale=0.3)).to(BF).to(device).requires_grad_(True)
+    b = normal((HIDDEN,), seed + 4, BF, scale=0.3).to(device).requires_grad_(True)
+    outs = fn(x, y, mod, w, b)
+    torch.autograd.backward(list(outs), [normal(tuple(o.shape), seed + 5 + k, o.dtype).to(device)
+                                         for k, o in enumerate(outs)])
+    return [o.detach() for o in outs] + [t.grad for t in (x, y, mod, w, b)]
+
+
+@requires_compile
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layernorm_forms_are_one_graph_and_equal_eager(device, backend):
+    """layernorm.forms and gate_residual_layernorm (no plan) compile with fullgraph=True into
+    one graph with no break, their outputs and every gradient bitwise equal to eager."""
+    torch._dynamo.reset()
+    x, y = (normal((BATCH, SEQ, HIDDEN), 480 + k, BF).to(device) for k in (0, 1))
+    mod = normal((BATCH, 6, HIDDEN), 482).to(device)
+    w, b = torch.ones(HIDDEN, dtype=BF, device=device), torch.zeros(HIDDEN, dtype=BF, device=device)
+    explained = torch._dynamo.explain(layernorm_region)(x, y, mod, w, b)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, str(explained)
+    traced = {str(op) for graph_ops in explained.ops_per_graph for op in graph_ops if "detdit" in str(op)}
+    for op in ("layernorm.forms", "gate_residual_layernorm"):
+        assert any(op in name for name in traced), f"detdit op {op} is not a node of the graph: {sorted(traced)}"
+    torch._dynamo.reset()
+    compiled = torch.compile(layernorm_region, fullgraph=True, backend=backend)
+    eager = run_layernorm_region(layernorm_region, device, 490)
+    got = run_layernorm_region(compiled, device, 490)
+    for name, a, e in zip(["out", "h", "dx", "dy", "d_mod", "d_weight", "d_bias"], got, eager):
+        assert_bitwise_equal(a, e, f"compiled vs eager: {name}")
 
 
 @requires_compile

@@ -55,10 +55,12 @@ def forward_cases(case):
         ("x", lambda: detdit.final_adaln_out(broadcast((1, HUGE, H), bf16), w, normal((T, 8), 10),
                                              normal((2 * H, 8), 11, bf16), normal((2 * H,), 12, bf16),
                                              detdit.plan_from_rows(case["ti"], T))),
+        ("x", lambda: detdit.layernorm(broadcast((1, HUGE, H), bf16), None, None, table, table, plan, upcast=True)),
+        ("residual", lambda: detdit.gate_residual_layernorm(broadcast((1, HUGE, H), bf16), x, table, plan=plan)),
     ]
 
 
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(12))
 def test_forward_ops_refuse_broadcast_inputs_before_allocating(case, index):
     name, call = forward_cases(case)[index]
     with pytest.raises(ValueError, match=f"^{name} must be contiguous"):
@@ -101,10 +103,20 @@ def backward_cases(case):
          lambda: ops.adaln_modulation_backward(normal((6, S, H), 3, bf16), broadcast((HUGE, 8)),
                                                normal((18 * H, 8), 4, bf16), normal((T, 8), 5, bf16), plan,
                                                "portable", [True, True, True])),
+        ("x must be contiguous",
+         lambda: ops.layernorm_backward.forms(x, broadcast((1, HUGE, H), bf16), None, None, None, None, None, rstd,
+                                              rstd, 1e-5, "portable", True, [True] * 5)),
+        (f"shift has F = {HUGE} frames, which must divide S", lambda: ops.layernorm_backward.forms(
+            x, x, None, None, broadcast((1, HUGE, H), bf16), None, None, rstd, rstd, 1e-5, "portable", False,
+            [True] * 5)),
+        ("y must be contiguous",
+         lambda: ops.gate_residual_layernorm_backward(x, None, broadcast((1, HUGE, H), bf16), None, None, None, None,
+                                                      None, None, x, rstd, rstd, 1e-5, "portable", False, None,
+                                                      [True] * 7)),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(9))
 def test_backward_ops_refuse_before_allocating(case, index):
     message, call = backward_cases(case)[index]
     with pytest.raises(ValueError, match="^" + message):
@@ -312,4 +324,4 @@ def test_release_scratch_memory_takes_a_device_or_a_str_only():
 
 def test_every_listed_case_is_parametrized(case):
     # the parametrize ranges above must cover the case lists
-    assert (len(forward_cases(case)), len(backward_cases(case)), len(type_cases(case))) == (10, 6, 16)
+    assert (len(forward_cases(case)), len(backward_cases(case)), len(type_cases(case))) == (12, 9, 16)

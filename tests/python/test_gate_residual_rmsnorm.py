@@ -171,33 +171,47 @@ def call_both(case, changes):
     return outcomes
 
 
+def as_the_fused_op_names_it(outcome):
+    """The separate ops' outcome as the fused op reports it: the norm's input, rmsnorm's x, is
+    the fused op's h."""
+    if outcome is None:
+        return None
+    kind, message = outcome
+    return kind, message.replace("x's dtype", "h's dtype").replace("got x (", "got h (")
+
+
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_raises_what_the_separate_ops_raise(bad_case, name):
     expected, fused = call_both(bad_case, BAD_INPUTS[name](bad_case))
     assert expected is not None, f"{name}: the separate ops accept it (not a bad input)"
     # rmsnorm's x is the fused op's h: where the separate ops' error names x, the fused op's names h
-    kind, message = expected
-    assert fused == (kind, message.replace("x's dtype", "h's dtype").replace("got x (", "got h ("))
+    assert fused == as_the_fused_op_names_it(expected)
 
 
-# fp32 modulation is a form the separate ops take (the promoted recipe, docs/numerics.md 5.12);
-# the fused op takes the modulation in residual's dtype only, and says so naming the argument.
-@pytest.mark.parametrize("name", ["gate", "shift", "scale"])
-def test_fp32_modulation_is_refused_by_the_fused_op(bad_case, name):
-    changes = {name: bad_case["table"].float()}
-    if name != "gate":
-        changes = {"shift": bad_case["table"].float(), "scale": bad_case["table"].flip(0).float()}
+# fp32 modulation is a form of the fused op as of the separate ops (the promoted recipe,
+# docs/numerics.md 5.12): the same outcome. An fp32 gate makes h fp32, so a bf16 weight is
+# refused by both, naming the weight; with an fp32 weight, shift and scale (the norm's
+# parameters in h's dtype), and fp32 shift and scale alone, both take the call (their bits:
+# test_gate_residual_rmsnorm_forms.py).
+@pytest.mark.parametrize("name", ["gate", "gate and weight", "shift and scale"])
+def test_fp32_modulation_is_a_form_of_the_fused_op(bad_case, name):
+    changes = {"gate": {"gate": bad_case["table"].float()},
+               "gate and weight": {"gate": bad_case["table"].float(), "weight": bad_case["w"].float(),
+                                   "shift": bad_case["table"].float(), "scale": bad_case["table"].flip(0).float()},
+               "shift and scale": {"shift": bad_case["table"].float(), "scale": bad_case["table"].flip(0).float()}}[name]
     expected, fused = call_both(bad_case, changes)
-    assert fused is not None and fused[0] is TypeError, fused
-    assert fused[1].startswith(("gate must be bfloat16, got float32", "shift must be bfloat16, got float32")), fused[1]
+    assert fused == as_the_fused_op_names_it(expected)
+    if name == "gate":
+        assert fused is not None and fused[0] is TypeError and fused[1].startswith("weight must have h's dtype"), fused
+    else:
+        assert fused is None, fused
 
 
-def test_bad_plan_names_the_fused_op(bad_case):
-    (kind, message), (fused_kind, fused_message) = call_both(bad_case, {"plan": None})
-    assert (kind, fused_kind) == (ValueError, ValueError)
-    # gate_residual without a plan takes the grouped forms: an (R, H) table is refused, saying why
-    assert message.startswith("plan is required for an (R, H) table"), message
-    assert fused_message == "gate_residual_rmsnorm needs an IndexPlan (detdit.plan(...)), got None"
+def test_bad_plan_is_what_the_separate_ops_raise(bad_case):
+    (kind, message), fused = call_both(bad_case, {"plan": None})
+    # without a plan the gate takes the grouped forms: an (R, H) table is refused, saying why
+    assert kind is ValueError and message.startswith("plan is required for an (R, H) table"), message
+    assert fused == (kind, message)
     (kind, _), (fused_kind, fused_message) = call_both(bad_case, {"plan": bad_case["x"]})
     assert (kind, fused_kind) == (TypeError, TypeError)
     assert fused_message.startswith("gate_residual_rmsnorm: plan must be a detdit IndexPlan")

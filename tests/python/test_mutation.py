@@ -82,11 +82,16 @@ TABLE = [
      {"residual": "c size=gate", "y": "c", "gate": "co"}),  # no gate: the plain residual add
     (detdit.gate_residual_rmsnorm, dict(residual="x", y="y", gate="table", weight="w", shift="table",
                                         scale="table2", plan="plan"),
-     {"residual": "c size=gate", "y": "c", "gate": "c", "weight": "c", "shift": "co", "scale": "co"}),
+     {"residual": "c size=gate", "y": "c", "gate": "co", "weight": "c", "shift": "co", "scale": "co"}),
     (detdit.final_adaln_out, dict(x="x", norm_weight="w", temb="temb", weight="fw", bias="fb", plan="tplan"),
      {"x": "c size=norm_weight", "norm_weight": "c", "temb": "c", "weight": "c", "bias": "c"}),
     (detdit.adaln_modulation, dict(temb="temb", weight="pw", bias="pb", plan="plan"),
      {"temb": "c", "weight": "c", "bias": "c"}),
+    (detdit.layernorm, dict(x="x", weight="w", bias="w", shift="table", scale="table2", plan="plan"),
+     {"x": "c", "weight": "co", "bias": "co", "shift": "co", "scale": "co"}),
+    (detdit.gate_residual_layernorm, dict(residual="x", y="y", gate="table", weight="w", bias="w", shift="table",
+                                          scale="table2", plan="plan"),
+     {"residual": "c size=gate", "y": "c", "gate": "co", "weight": "co", "bias": "co", "shift": "co", "scale": "co"}),
     (rmsnorm_module, dict(x="x", hidden="hidden"), {"x": "c"}),
     (modulation_module, dict(temb="temb", plan="plan", hidden="hidden", dim="dim"), {"temb": "c"}),
 ]

@@ -334,6 +334,43 @@ struct GateResidualRmsnormFunction : torch::autograd::Function<GateResidualRmsno
   }
 };
 
+// gate_residual_rmsnorm.forms (ops.h): GateResidualRmsnormFunction with the
+// plan optional, the gate optional, the recipe and k.
+struct GateResidualRmsnormFormsFunction : torch::autograd::Function<GateResidualRmsnormFormsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+                               Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = DETDIT_OP_FORMS(gate_residual_rmsnorm)(residual, y, gate, weight, shift, scale, plan, eps,
+                                                                 numerics, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor()), weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h,
+                            rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate), requires_grad(weight),
+                     requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = DETDIT_OP_FORMS(gate_residual_rmsnorm_backward)(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], saved_optional(s[1]), s[2], saved_optional(s[3]),
+        saved_optional(s[4]), plan_from_ivalue(ctx->saved_data["plan"]), s[5], s[6],
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()),
+        saved_needs<6>(ctx));
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 struct FinalAdalnOutFunction : torch::autograd::Function<FinalAdalnOutFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight, const Tensor& temb,
                                const Tensor& weight, const Tensor& bias, const PlanPtr& plan, double eps,
@@ -493,6 +530,76 @@ struct LayernormFunction : torch::autograd::Function<LayernormFunction> {
         contiguous_grad(grads[0]), s[0], saved_optional(s[1]), saved_optional(s[2]), s[3], s[4],
         ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
     return {dx, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+// layernorm.forms (ops.h): LayernormFunction with the modulation and the
+// recipe, as RmsnormFormsFunction.
+struct LayernormFormsFunction : torch::autograd::Function<LayernormFormsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                               const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps,
+                               const std::string& numerics, bool upcast) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, mean, rstd] = DETDIT_OP_FORMS(layernorm)(x, weight, bias, shift, scale, plan, eps, numerics, upcast);
+    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), shift.value_or(Tensor()),
+                            scale.value_or(Tensor()), mean, rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    save_needs(ctx, {requires_grad(x), requires_grad(weight), requires_grad(bias), requires_grad(shift),
+                     requires_grad(scale)});
+    ctx->mark_non_differentiable({mean, rstd});
+    return {out, mean, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_bias, d_shift, d_scale] = DETDIT_OP_FORMS(layernorm_backward)(
+        contiguous_grad(grads[0]), s[0], saved_optional(s[1]), saved_optional(s[2]), saved_optional(s[3]),
+        saved_optional(s[4]), plan_from_ivalue(ctx->saved_data["plan"]), s[5], s[6],
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool(), saved_needs<5>(ctx));
+    return {dx, d_weight, d_bias, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// gate_residual_layernorm returns (out, h, mean, rstd); out and h may each
+// receive a gradient or not, told apart from a zero one as in
+// GateResidualRmsnormFunction (grads not materialised).
+struct GateResidualLayernormFunction : torch::autograd::Function<GateResidualLayernormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                               const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+                               const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+                               bool upcast, Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, h, mean, rstd] = DETDIT_OP(gate_residual_layernorm)(residual, y, gate, weight, bias, shift, scale, plan,
+                                                                   eps, numerics, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor()), weight.value_or(Tensor()), bias.value_or(Tensor()),
+                            shift.value_or(Tensor()), scale.value_or(Tensor()), h, mean, rstd});
+    ctx->saved_data["plan"] = plan_ivalue(plan);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    save_needs(ctx, {requires_grad(residual), requires_grad(y), requires_grad(gate), requires_grad(weight),
+                     requires_grad(bias), requires_grad(shift), requires_grad(scale)});
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    return {out, h, mean, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale] = DETDIT_OP(gate_residual_layernorm_backward)(
+        optional_grad(grads[0]), optional_grad(grads[1]), s[0], saved_optional(s[1]), saved_optional(s[2]),
+        saved_optional(s[3]), saved_optional(s[4]), saved_optional(s[5]), plan_from_ivalue(ctx->saved_data["plan"]),
+        s[6], s[7], s[8], ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()),
+        saved_needs<7>(ctx));
+    return {d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale,
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

@@ -616,6 +616,21 @@ detdit::GateResidualRmsnormInputs gate_residual_rmsnorm_inputs(const Tensor& res
 }
 }  // namespace
 
+namespace {
+// The `.forms` inputs: the plan optional, the gate optional, the recipe and k.
+detdit::GateResidualRmsnormInputs gate_residual_rmsnorm_forms_inputs(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  detdit::GateResidualRmsnormInputs in = gate_residual_rmsnorm_inputs(
+      residual, y, gate.value_or(Tensor()), weight, shift, scale, plan_of(plan), eps, numerics);
+  in.has_k = k.has_value();
+  in.k = k.has_value() ? static_cast<float>(*k) : 0.0f;  // an FP32 constant (gate_residual.h)
+  in.upcast = upcast;
+  return in;
+}
+}  // namespace
+
 std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_with(const Call<detdit::GateResidualRmsnormParams>& call,
                                                               const Tensor& residual, const Tensor& y,
                                                               const Tensor& gate, const Tensor& weight,
@@ -688,6 +703,64 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
                                              d_out, d_h, y, gate, weight, shift, scale,
                                              required_plan(plan, "gate_residual_rmsnorm_backward")->plan, h, rstd,
                                              eps, numerics, output_mask);
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  require_contiguous(residual, "residual");
+  DeviceScope scope(residual);
+  // h: gate_residual's out dtype; out: rmsnorm's for x = h (numerics 5.12)
+  const at::ScalarType h_type = modulated_out_type(residual, gate, upcast);
+  const bool fp32_norm = present(shift) && shift->scalar_type() == at::kFloat && !upcast;
+  Tensor h = empty_like_shape(residual, residual.sizes(), h_type);
+  Tensor out = empty_like_shape(residual, residual.sizes(), fp32_norm ? at::kFloat : h_type);
+  Tensor rstd = empty_like_shape(residual, {leading_rows(residual)}, at::kFloat);
+  detdit::GateResidualRmsnormParams p;
+  p.in = gate_residual_rmsnorm_forms_inputs(residual, y, gate, weight, shift, scale, plan, eps, numerics, upcast, k);
+  p.h = view(h, "h");
+  p.out = view(out, "out");
+  p.rstd = view(rstd, "rstd");
+  check_ok(detdit::gate_residual_rmsnorm_forward(p, scope.stream()));
+  return {h, out, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 6> output_mask) {
+  if (!d_out.has_value()) {
+    if (!d_h.has_value()) return {};
+    auto [d_residual, d_y, d_gate] =
+        gate_residual_backward_forms(*d_h, y, gate, plan, upcast, k, {output_mask[0], output_mask[1], output_mask[2]});
+    return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor()};
+  }
+  require_contiguous(y, "y");
+  require_contiguous(h, "h");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(h);
+  detdit::GateResidualRmsnormBackwardParams p;
+  p.in = gate_residual_rmsnorm_forms_inputs(Tensor(), y, gate, weight, shift, scale, plan, eps, numerics, upcast, k);
+  Tensor d_residual = output_like(y, output_mask[0]);
+  Tensor d_y = output_like(y, output_mask[1]);
+  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan);
+  Tensor d_weight = maybe_empty(output_mask[3], h, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
+  Tensor d_shift = modulation_grad(output_mask[4], shift, h, "h", all, p.in.plan);
+  Tensor d_scale = modulation_grad(output_mask[5], scale, h, "h", all, p.in.plan);
+  p.h = view(h, "h");
+  p.rstd = view(rstd, "rstd");
+  p.d_out = view(d_out, "d_out");
+  p.d_h = view(d_h, "d_h");
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(detdit::gate_residual_rmsnorm_backward(p, scope.stream()));
+  return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale};
 }
 
 // ---------------------------------------------------------------------------
@@ -881,6 +954,155 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& grad, const 
   p.d_bias = view(d_bias, "d_bias");
   check_ok(detdit::layernorm_backward(p, scope.stream()));
   return {dx, d_weight, d_bias};
+}
+
+// ---------------------------------------------------------------------------
+// layernorm.forms (the modulation forms, as rmsnorm.forms)
+
+namespace {
+detdit::LayernormInputs layernorm_forms_inputs(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                               const OptTensor& shift, const OptTensor& scale, const OptPlan& plan,
+                                               double eps, const std::string& numerics, bool upcast) {
+  detdit::LayernormInputs in = layernorm_inputs(x, weight, bias, eps, numerics);
+  in.shift = view(shift, "shift");
+  in.scale = view(scale, "scale");
+  in.plan = plan_of(plan);
+  in.upcast = upcast;
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> layernorm_forms(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                   const OptTensor& shift, const OptTensor& scale,
+                                                   const OptPlan& plan, double eps, const std::string& numerics,
+                                                   bool upcast) {
+  require_contiguous(x, "x");
+  DeviceScope scope(x);
+  Tensor out = empty_like_shape(x, x.sizes(), modulated_out_type(x, shift, upcast));
+  Tensor mean = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
+  detdit::LayernormParams p;
+  p.in = layernorm_forms_inputs(x, weight, bias, shift, scale, plan, eps, numerics, upcast);
+  p.out = view(out, "out");
+  p.mean = view(mean, "mean");
+  p.rstd = view(rstd, "rstd");
+  check_ok(detdit::layernorm_forward(p, scope.stream()));
+  return {out, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, const Tensor& mean, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 5> output_mask) {
+  require_contiguous(x, "x");
+  DeviceScope scope(x);
+  detdit::LayernormBackwardParams p;
+  p.in = layernorm_forms_inputs(x, weight, bias, shift, scale, plan, eps, numerics, upcast);
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_weight = parameter_grad(output_mask[1], weight, x);
+  Tensor d_bias = parameter_grad(output_mask[2], bias, x);
+  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
+  Tensor d_shift = modulation_grad(output_mask[3], shift, x, "x", all, p.in.plan);
+  Tensor d_scale = modulation_grad(output_mask[4], scale, x, "x", all, p.in.plan);
+  p.mean = view(mean, "mean");
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(detdit::layernorm_backward(p, scope.stream()));
+  return {dx, d_weight, d_bias, d_shift, d_scale};
+}
+
+// ---------------------------------------------------------------------------
+// gate_residual_layernorm
+
+namespace {
+detdit::GateResidualLayernormInputs gate_residual_layernorm_inputs(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+    bool upcast, Optional<double> k) {
+  detdit::GateResidualLayernormInputs in;
+  in.residual = view(residual, "residual");
+  in.y = view(y, "y");
+  in.gate = view(gate, "gate");
+  in.weight = view(weight, "weight");
+  in.bias = view(bias, "bias");
+  in.shift = view(shift, "shift");
+  in.scale = view(scale, "scale");
+  in.plan = plan_of(plan);
+  in.has_k = k.has_value();
+  in.k = k.has_value() ? static_cast<float>(*k) : 0.0f;  // an FP32 constant (gate_residual.h)
+  in.eps = static_cast<float>(eps);
+  in.numerics = parse_numerics(numerics);
+  in.upcast = upcast;
+  return in;
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+    bool upcast, Optional<double> k) {
+  require_contiguous(residual, "residual");
+  DeviceScope scope(residual);
+  // h: gate_residual's out dtype; out: layernorm's for x = h (numerics 5.12)
+  const at::ScalarType h_type = modulated_out_type(residual, gate, upcast);
+  const bool fp32_norm = present(shift) && shift->scalar_type() == at::kFloat && !upcast;
+  Tensor h = empty_like_shape(residual, residual.sizes(), h_type);
+  Tensor out = empty_like_shape(residual, residual.sizes(), fp32_norm ? at::kFloat : h_type);
+  Tensor mean = empty_like_shape(residual, {leading_rows(residual)}, at::kFloat);
+  Tensor rstd = empty_like_shape(residual, {leading_rows(residual)}, at::kFloat);
+  detdit::GateResidualLayernormParams p;
+  p.in = gate_residual_layernorm_inputs(residual, y, gate, weight, bias, shift, scale, plan, eps, numerics, upcast, k);
+  p.h = view(h, "h");
+  p.out = view(out, "out");
+  p.mean = view(mean, "mean");
+  p.rstd = view(rstd, "rstd");
+  check_ok(detdit::gate_residual_layernorm_forward(p, scope.stream()));
+  return {out, h, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k, std::array<bool, 7> output_mask) {
+  if (!d_out.has_value()) {
+    if (!d_h.has_value()) return {};
+    auto [d_residual, d_y, d_gate] =
+        gate_residual_backward_forms(*d_h, y, gate, plan, upcast, k, {output_mask[0], output_mask[1], output_mask[2]});
+    return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+  require_contiguous(y, "y");
+  require_contiguous(h, "h");
+  DeviceScope scope(h);
+  detdit::GateResidualLayernormBackwardParams p;
+  p.in = gate_residual_layernorm_inputs(Tensor(), y, gate, weight, bias, shift, scale, plan, eps, numerics, upcast, k);
+  Tensor d_residual = output_like(y, output_mask[0]);
+  Tensor d_y = output_like(y, output_mask[1]);
+  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan);
+  Tensor d_weight = parameter_grad(output_mask[3], weight, h);
+  Tensor d_bias = parameter_grad(output_mask[4], bias, h);
+  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
+  Tensor d_shift = modulation_grad(output_mask[5], shift, h, "h", all, p.in.plan);
+  Tensor d_scale = modulation_grad(output_mask[6], scale, h, "h", all, p.in.plan);
+  p.h = view(h, "h");
+  p.mean = view(mean, "mean");
+  p.rstd = view(rstd, "rstd");
+  p.d_out = view(d_out, "d_out");
+  p.d_h = view(d_h, "d_h");
+  p.d_residual = view(d_residual, "d_residual");
+  p.d_y = view(d_y, "d_y");
+  p.d_gate = view(d_gate, "d_gate");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_bias = view(d_bias, "d_bias");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(detdit::gate_residual_layernorm_backward(p, scope.stream()));
+  return {d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale};
 }
 
 }  // namespace detdit_torch

@@ -180,6 +180,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
     const OptTensor& shift, const OptTensor& scale, const PlanPtr& plan, const Tensor& h, const Tensor& rstd,
     double eps, const std::string& numerics, std::array<bool, 6> output_mask);
 
+// gate_residual_rmsnorm.forms: gate_residual_rmsnorm in every modulation
+// form and recipe (the gate optional, the plan optional, fp32 or residual's
+// dtype, upcast, k; gate_residual_forms' and rmsnorm_forms' rules): (h, out,
+// rstd) as the plan overload returns them, h in gate_residual's out dtype
+// (fp32 for an fp32 gate with upcast false, else residual's), out in
+// rmsnorm's for x = h. Backward as gate_residual_rmsnorm_backward, with
+// d_residual and d_y in y's dtype and each modulation gradient in its
+// tensor's shape ((R, H) indexed) and dtype.
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 6> output_mask);
+
 // final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype,
 // rstd (M,) fp32). Backward: (dx like x, d_norm_weight in its dtype, d_temb
 // fp32, d_weight, d_bias in weight's dtype).
@@ -211,5 +228,41 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& grad, const 
                                                       const OptTensor& bias, const Tensor& mean, const Tensor& rstd,
                                                       double eps, const std::string& numerics,
                                                       std::array<bool, 3> output_mask);
+
+// layernorm.forms: layernorm modulated by shift and scale in every form
+// (rmsnorm_forms' rules: the plan optional, fp32 or x's-dtype modulation, the
+// recipe upcast): (out, mean, rstd); out fp32 when the modulation is fp32 and
+// upcast is false, else x's dtype. Backward: (dx like x, d_weight, d_bias in
+// the parameters' dtype, d_shift / d_scale in the modulation tensors' shape
+// ((R, H) indexed) and dtype), each only where the mask asks and the tensor
+// exists.
+std::tuple<Tensor, Tensor, Tensor> layernorm_forms(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                   const OptTensor& shift, const OptTensor& scale,
+                                                   const OptPlan& plan, double eps, const std::string& numerics,
+                                                   bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, const Tensor& mean, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 5> output_mask);
+
+// gate_residual_layernorm: h = gate_residual.forms of (residual, y, gate, plan,
+// upcast, k), out = layernorm.forms of h; (out, h, mean, rstd): h in
+// gate_residual's out dtype (fp32 for an fp32 gate with upcast false, else
+// residual's), out in layernorm's for x = h, mean and rstd (M,) fp32. Every
+// form of gate_residual_forms / layernorm_forms, all present modulation
+// tensors in one form. Backward from d_out and d_h (the gradient of h from the
+// rest of the network), either absent, as gate_residual_rmsnorm_backward:
+// (d_residual, d_y like y, d_gate, d_weight, d_bias, d_shift, d_scale in
+// their tensors' dtype); no d_out runs gate_residual_backward_forms of d_h
+// alone (no norm gradients); neither: every gradient undefined.
+std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+    bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k, std::array<bool, 7> output_mask);
 
 }  // namespace detdit_torch

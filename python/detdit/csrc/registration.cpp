@@ -11,9 +11,12 @@
 // constructors and release_scratch_memory have one kernel for every key
 // (they take no differentiable input). rmsnorm and rmsnorm_backward have a `.plan` overload whose plan is
 // not optional (ops.h says why); rmsnorm.plan's Autograd kernel is rmsnorm's
-// Function. rmsnorm, gate_residual and their backwards have a `.forms`
+// Function. rmsnorm, gate_residual, gate_residual_rmsnorm and their backwards have a `.forms`
 // overload (every modulation form and recipe, the plan optional; ops.h), whose
-// Autograd kernel is its own Function. Every op with an IndexPlan also has a `.tables` overload taking
+// Autograd kernel is its own Function; so have layernorm and
+// layernorm_backward (the modulation), and gate_residual_layernorm takes
+// every form in its one overload. Every op with an IndexPlan that is not
+// optional also has a `.tables` overload taking
 // the plan's tables in its place (plan.h), whose Autograd kernel
 // detdit/_compile.py registers. The classes' __obj_flatten__ (plan.h) and, from torch 2.4, the
 // Python module of the fake kernels (detdit._compile, which torch imports
@@ -405,6 +408,16 @@ TORCH_LIBRARY(detdit, m) {
       m, kGateResidualRmsnormSchema.c_str(), &gate_residual_rmsnorm,
       kGateResidualRmsnormBackwardSchema.c_str(),
       &gate_residual_rmsnorm_backward);
+  def_op<GateResidualRmsnormFormsFunction>(
+      m,
+      "gate_residual_rmsnorm.forms(Tensor residual, Tensor y, Tensor? gate, Tensor weight, Tensor? shift, "
+      "Tensor? scale, " DETDIT_PLAN "? plan, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm_forms,
+      "gate_residual_rmsnorm_backward.forms(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_PLAN "? plan, Tensor h, Tensor rstd, float eps, str numerics, "
+      "bool upcast, float? k, bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &gate_residual_rmsnorm_backward_forms);
   def_op<FinalAdalnOutFunction>(
       m, kFinalAdalnOutSchema.c_str(), &final_adaln_out,
       kFinalAdalnOutBackwardSchema.c_str(),
@@ -449,6 +462,26 @@ TORCH_LIBRARY(detdit, m) {
       "layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, float eps, "
       "str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
       &layernorm_backward);
+  def_op<LayernormFormsFunction>(
+      m,
+      "layernorm.forms(Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_PLAN
+      "? plan, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor)",
+      &layernorm_forms,
+      "layernorm_backward.forms(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
+      DETDIT_PLAN "? plan, Tensor mean, Tensor rstd, float eps, str numerics, bool upcast, bool[5] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &layernorm_backward_forms);
+  def_op<GateResidualLayernormFunction>(
+      m,
+      "gate_residual_layernorm(Tensor residual, Tensor y, Tensor? gate, Tensor? weight, Tensor? bias, "
+      "Tensor? shift, Tensor? scale, " DETDIT_PLAN "? plan, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor, Tensor)",
+      &gate_residual_layernorm,
+      "gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
+      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_PLAN "? plan, Tensor h, Tensor mean, Tensor rstd, "
+      "float eps, str numerics, bool upcast, float? k, bool[7] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &gate_residual_layernorm_backward);
 
   // The `.handle` and `.tables` overloads (plan.h, registration above).
   // adaln_row_gather_backward's also take the plan's num_rows, which its fake
