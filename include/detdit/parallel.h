@@ -187,11 +187,16 @@ Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLa
                                           Stream stream = nullptr);
 Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
                                            const GateResidualLayernormBackwardParams& params, Stream stream = nullptr);
-// The fused region (gate_residual_rmsnorm.h) on the local rows: the forward is
-// the WS1 op with the local index; the backward is the sp_rmsnorm backward of
-// d_out, the sum with d_h, then the sp_gate_residual backward of that sum, so
-// every output equals WS1's byte for byte. Both halves are validated,
-// allocated and agreed as one call before either exchanges anything.
+// The fused region (gate_residual_rmsnorm.h) on the local rows, every form
+// and recipe, the WS1 op's two routes: the H3 rule (the indexed gate, tables
+// in the rows' dtype, upcast = false, no k) runs the WS1 fused op with the
+// local index forward, and backward the sp_rmsnorm backward of d_out, the sum
+// with d_h, then the sp_gate_residual backward of that sum (the chain fold);
+// every other call is the same composition of the halves above: the grouped
+// forms without a plan (per frame by pieces), the indexed recipes with one
+// (on the SpPlan's chunks). Every output equals WS1's byte for byte. Both
+// halves are validated, allocated and agreed as one call before either
+// exchanges anything; forward and backward accept the same calls.
 Status sp_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params,
                                         Stream stream = nullptr);
 Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,

@@ -54,6 +54,7 @@
 #include "parallel/sp_region_impl.h"
 #include "rowwise/backward.h"
 #include "rowwise/checks.h"
+#include "rowwise/gate_residual_norm.h"
 
 namespace detdit {
 namespace sp_detail {
@@ -1035,41 +1036,37 @@ Status indexed_layernorm_backward(Communicator& comm, const SpPlan& sp, const La
 // layernorm's indexed steps, the WS1 partials halves on the plan of the
 // rank's own chunks (their chunk selections take the H3 rule only on CUDA).
 struct IndexedNorm {
-  RmsnormBackwardParams p, local;
+  RmsnormBackwardParams p, local;  // the call on the global plan; on the local plan (the rows half)
   ChunkReduction rows, segments;
   bool tables = false;
 };
 
-Status indexed_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params,
-                                Stream stream) {
-  IndexedNorm n;
-  n.p = n.local = params;
-  const bool modulated = params.in.shift.present() || params.in.scale.present();
-  Status valid = check_comm(comm, sp);
-  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
-  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
-  if (valid.ok()) {
-    n.local.in.plan = sp.local_plan();
-    valid = rowwise::validate_rmsnorm_backward(n.local, rowwise::Forms::kAll);
-  }
-  const int64_t hidden = params.in.x.rank > 0 ? hidden_of(params.in.x) : 0;
-  n.tables = modulated && (params.d_shift.present() || params.d_scale.present());
-  if (valid.ok())
-    valid = prepare_indexed_reductions(sp, params.in.x.device,
-                                       {static_cast<std::size_t>(hidden) * elem(params.in.x),
-                                        static_cast<std::size_t>(hidden) * elem(params.grad), sizeof(float)},
-                                       hidden, params.d_weight.present() ? 1 : 0, n.tables ? 2 * hidden : 0, stream,
-                                       &n.rows, &n.segments);
+// The reductions of a validated call (n->p, n->local set).
+Status prepare_indexed_norm(const SpPlan& sp, IndexedNorm* n, Stream stream) {
+  const RmsnormBackwardParams& p = n->p;
+  const int64_t hidden = hidden_of(p.in.x);
+  n->tables = (p.in.shift.present() || p.in.scale.present()) && (p.d_shift.present() || p.d_scale.present());
+  return prepare_indexed_reductions(sp, p.in.x.device,
+                                    {static_cast<std::size_t>(hidden) * elem(p.in.x),
+                                     static_cast<std::size_t>(hidden) * elem(p.grad), sizeof(float)},
+                                    hidden, p.d_weight.present() ? 1 : 0, n->tables ? 2 * hidden : 0, stream, &n->rows,
+                                    &n->segments);
+}
+
+// The agreed signature's form of an indexed call: indexed when modulated, in the table's dtype.
+ResolvedModulation indexed_form(const TensorView& table, const TensorView& rows) {
   ResolvedModulation mod;
-  mod.form = modulated ? ModulationForm::kIndexed : ModulationForm::kNone;
-  mod.dtype = params.in.shift.present() ? params.in.shift.dtype : params.in.x.dtype;
-  const std::string recipe = index_signature(sp) + ", " + numerics_name(params.in.numerics) +
-                             (params.in.upcast ? " upcast" : "");
-  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_rmsnorm_backward", sp, params.in.x, mod, recipe,
-                                                     {params.d_weight.present(), n.tables})));
+  mod.form = table.present() ? ModulationForm::kIndexed : ModulationForm::kNone;
+  mod.dtype = table.present() ? table.dtype : rows.dtype;
+  return mod;
+}
+
+// After the agreement: the exchanges, then the outputs.
+Status run_indexed_norm(Communicator& comm, const SpPlan& sp, IndexedNorm& n, Stream stream) {
   const RmsnormBackwardParams& p = n.p;
   const SpPlan::Impl& plan = sp.impl();
   const Device device = p.in.x.device;
+  const int64_t hidden = hidden_of(p.in.x);
   ChunkReduction& r = n.rows;
   if (r.on) {
     DETDIT_RETURN_IF_ERROR(
@@ -1099,53 +1096,91 @@ Status indexed_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const Rmsn
                                            global_partials(n.segments, device), p.d_shift, p.d_scale, stream);
 }
 
+Status indexed_rmsnorm_backward(Communicator& comm, const SpPlan& sp, const RmsnormBackwardParams& params,
+                                Stream stream) {
+  IndexedNorm n;
+  n.p = n.local = params;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
+  if (valid.ok()) valid = check_local_rows(sp, params.in.x, "x");
+  if (valid.ok()) {
+    n.local.in.plan = sp.local_plan();
+    valid = rowwise::validate_rmsnorm_backward(n.local, rowwise::Forms::kAll);
+  }
+  if (valid.ok()) valid = prepare_indexed_norm(sp, &n, stream);
+  const bool modulated = params.in.shift.present() || params.in.scale.present();
+  const bool tables = modulated && (params.d_shift.present() || params.d_scale.present());
+  const std::string recipe = index_signature(sp) + ", " + numerics_name(params.in.numerics) +
+                             (params.in.upcast ? " upcast" : "");
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_rmsnorm_backward", sp, params.in.x,
+                                                     indexed_form(params.in.shift, params.in.x), recipe,
+                                                     {params.d_weight.present(), tables})));
+  return run_indexed_norm(comm, sp, n, stream);
+}
+
+struct IndexedGate {
+  GateResidualBackwardParams p, local;  // the call on the global plan; on the local plan (the rows half)
+  ChunkReduction rows, segments;
+};
+
+// The reductions of a validated call (g->p, g->local set).
+Status prepare_indexed_gate(const SpPlan& sp, IndexedGate* g, Stream stream) {
+  const GateResidualBackwardParams& p = g->p;
+  if (!p.d_gate.present()) return Status();
+  const int64_t hidden = hidden_of(p.grad);
+  return prepare_indexed_reductions(
+      sp, p.grad.device,
+      {static_cast<std::size_t>(hidden) * elem(p.grad), static_cast<std::size_t>(hidden) * elem(p.in.y)}, hidden, 0,
+      hidden, stream, &g->rows, &g->segments);
+}
+
+// After the agreement: the exchanges, then the outputs.
+Status run_indexed_gate(Communicator& comm, const SpPlan& sp, IndexedGate& g, Stream stream) {
+  const GateResidualBackwardParams& p = g.p;
+  const SpPlan::Impl& plan = sp.impl();
+  const Device device = p.grad.device;
+  ChunkReduction& rows = g.rows;
+  if (rows.on) {
+    const int64_t hidden = hidden_of(p.grad);
+    DETDIT_RETURN_IF_ERROR(
+        gather_chunk_rows(comm, rows, device, p.grad.dtype, {p.grad.data, p.in.y.data}, stream));
+    const int64_t count = rows.owned_rows();
+    if (count > 0) {
+      GateResidualBackwardParams t = p;
+      t.in.plan = plan.owned;
+      t.grad = TensorView::contiguous(rows.fields[0], p.grad.dtype, {count, hidden}, device);
+      t.in.y = TensorView::contiguous(rows.fields[1], p.in.y.dtype, {count, hidden}, device);
+      t.in.residual = TensorView();
+      t.d_residual = t.d_y = t.d_gate = TensorView();
+      DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(
+          device, t, ChunkSelection{}, ExtraRows{}, own_segment_partials(sp, g.segments, device), stream));
+    }
+    DETDIT_RETURN_IF_ERROR(gather_partials(comm, g.segments, device, stream));
+  }
+  // Every collective has run: the outputs.
+  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, g.local, stream));
+  if (!p.d_gate.present()) return Status();
+  return backend::fold_segment_partials(device, plan.global, global_partials(g.segments, device), p.d_gate, stream);
+}
+
 Status indexed_gate_residual_backward(Communicator& comm, const SpPlan& sp, const GateResidualBackwardParams& params,
                                       Stream stream) {
-  GateResidualBackwardParams local = params;
-  ChunkReduction rows, segments;
+  IndexedGate g;
+  g.p = g.local = params;
   Status valid = check_comm(comm, sp);
   if (valid.ok()) valid = check_global_plan(sp, params.in.plan, true);
   if (valid.ok()) valid = check_local_rows(sp, params.grad, "grad");
   if (valid.ok()) {
-    local.in.plan = sp.local_plan();
-    valid = rowwise::validate_gate_residual_backward(local, rowwise::Forms::kAll);
+    g.local.in.plan = sp.local_plan();
+    valid = rowwise::validate_gate_residual_backward(g.local, rowwise::Forms::kAll);
   }
-  const int64_t hidden = params.grad.rank > 0 ? hidden_of(params.grad) : 0;
-  const bool gathered = params.d_gate.present();
-  if (valid.ok() && gathered)
-    valid = prepare_indexed_reductions(sp, params.grad.device,
-                                       {static_cast<std::size_t>(hidden) * elem(params.grad),
-                                        static_cast<std::size_t>(hidden) * elem(params.in.y)},
-                                       hidden, 0, hidden, stream, &rows, &segments);
-  ResolvedModulation mod;
-  mod.form = params.in.gate.present() ? ModulationForm::kIndexed : ModulationForm::kNone;
-  mod.dtype = params.in.gate.present() ? params.in.gate.dtype : params.in.y.dtype;
+  if (valid.ok()) valid = prepare_indexed_gate(sp, &g, stream);
   const std::string recipe = index_signature(sp) + (params.in.upcast ? ", upcast" : ", each op") +
                              (params.in.has_k ? " k=" + bits(params.in.k) : "");
-  DETDIT_RETURN_IF_ERROR(
-      comm.agree(valid, signature("sp_gate_residual_backward", sp, params.grad, mod, recipe, {gathered})));
-  const SpPlan::Impl& plan = sp.impl();
-  const Device device = params.grad.device;
-  if (rows.on) {
-    DETDIT_RETURN_IF_ERROR(
-        gather_chunk_rows(comm, rows, device, params.grad.dtype, {params.grad.data, params.in.y.data}, stream));
-    const int64_t count = rows.owned_rows();
-    if (count > 0) {
-      GateResidualBackwardParams t = params;
-      t.in.plan = plan.owned;
-      t.grad = TensorView::contiguous(rows.fields[0], params.grad.dtype, {count, hidden}, device);
-      t.in.y = TensorView::contiguous(rows.fields[1], params.in.y.dtype, {count, hidden}, device);
-      t.in.residual = TensorView();
-      t.d_residual = t.d_y = t.d_gate = TensorView();
-      DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_partials(
-          device, t, ChunkSelection{}, ExtraRows{}, own_segment_partials(sp, segments, device), stream));
-    }
-    DETDIT_RETURN_IF_ERROR(gather_partials(comm, segments, device, stream));
-  }
-  // Every collective has run: the outputs.
-  DETDIT_RETURN_IF_ERROR(backend::gate_residual_backward_rows(device, local, stream));
-  if (!gathered) return Status();
-  return backend::fold_segment_partials(device, plan.global, global_partials(segments, device), params.d_gate, stream);
+  DETDIT_RETURN_IF_ERROR(comm.agree(valid, signature("sp_gate_residual_backward", sp, params.grad,
+                                                     indexed_form(params.in.gate, params.in.y), recipe,
+                                                     {params.d_gate.present()})));
+  return run_indexed_gate(comm, sp, g, stream);
 }
 
 // ---------------------------------------------------------------- gate_residual_layernorm
@@ -1158,13 +1193,13 @@ LayernormInputs norm_inputs(const GateResidualLayernormInputs& in, const TensorV
   return LayernormInputs{h, in.weight, in.bias, in.shift, in.scale, in.plan, in.eps, in.numerics, in.upcast};
 }
 
-// The gate and the norm's shift and scale in one form (as the WS1 op).
-Status check_one_form(const GateResidualLayernormInputs& in, const ResolvedModulation& gate,
+// The gate and the norm's shift and scale in one form (as the WS1 ops).
+Status check_one_form(const TensorView& gate_tensor, const TensorView& shift, const ResolvedModulation& gate,
                       const ResolvedModulation& norm) {
-  if (!in.gate.present() || !in.shift.present() || gate.form == norm.form) return Status();
+  if (!gate_tensor.present() || !shift.present() || gate.form == norm.form) return Status();
   return Status::value_error(std::string("gate, shift and scale must have one modulation form, got gate ") +
-                             in.gate.describe() + " (" + modulation_form_name(gate.form) + ") and shift " +
-                             in.shift.describe() + " (" + modulation_form_name(norm.form) + ")");
+                             gate_tensor.describe() + " (" + modulation_form_name(gate.form) + ") and shift " +
+                             shift.describe() + " (" + modulation_form_name(norm.form) + ")");
 }
 
 }  // namespace
@@ -1252,6 +1287,179 @@ Status forms_gate_residual_backward(Communicator& comm, const SpPlan& sp, const 
   return run_gate(comm, g, stream);
 }
 
+// ---------------------------------------------------------------- gate_residual_rmsnorm
+
+bool h3_rule(const GateResidualRmsnormInputs& in) {
+  const DType rows = in.y.dtype;
+  const auto in_rows_dtype = [rows](const TensorView& m) { return !m.present() || m.dtype == rows; };
+  return in.plan.valid() && in.gate.present() && in.gate.dtype == rows && in_rows_dtype(in.shift) &&
+         in_rows_dtype(in.scale) && !in.upcast && !in.has_k;
+}
+
+// Beyond the H3 rule, the composition of the SP ops, as the WS1 op composes
+// its halves (rowwise/gate_residual_norm.h): indexed (a plan), the WS1 op on
+// the local index; the grouped forms, sp_gate_residual_layernorm's pieces.
+Status recipe_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params,
+                                            Stream stream) {
+  const GateResidualRmsnormParams& p = params;
+  if (!sp.valid()) return Status::value_error("sp is required, got an empty SpPlan");
+  if (p.in.plan.valid()) {
+    DETDIT_RETURN_IF_ERROR(check_global_plan(sp, p.in.plan, true));
+    DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.residual, "residual"));
+    GateResidualRmsnormParams local = p;
+    local.in.plan = sp.local_plan();
+    return gate_residual_rmsnorm_forward(local, stream);
+  }
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.residual, "residual"));
+  ResolvedModulation gate, norm;
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.residual, "residual", {{&p.in.gate, "gate"}}, &gate));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.h, "h"));
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.h, "h", {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}}, &norm));
+  DETDIT_RETURN_IF_ERROR(check_one_form(p.in.gate, p.in.shift, gate, norm));
+  const bool frames = gate.form == ModulationForm::kPerFrame || norm.form == ModulationForm::kPerFrame;
+  if (!frames) return gate_residual_rmsnorm_forward(params, stream);
+  const ResolvedModulation& mod = gate.form == ModulationForm::kPerFrame ? gate : norm;
+  const std::vector<Piece> pieces = frame_pieces(sp, mod);
+  const GateResidualParams gate_call{rowwise::gate_inputs(p.in), p.h};
+  const RmsnormParams norm_call{rowwise::norm_inputs(p.in, p.h), p.out, p.rstd};
+  DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
+  for (const Piece& pc : pieces) {
+    const GateResidualParams g = piece_of(gate_call, mod, pc);
+    DETDIT_RETURN_IF_ERROR(rowwise::check_region_h(g.out, g.in.residual, "residual", g.in));
+    DETDIT_RETURN_IF_ERROR(rowwise::check_gate_residual_forward_arguments(g, rowwise::Forms::kAll));
+    DETDIT_RETURN_IF_ERROR(
+        rowwise::check_rmsnorm_forward_arguments(piece_of(norm_call, mod, pc), rowwise::Forms::kAll, "h"));
+  }
+  const GateResidualRmsnormInputs& in = p.in;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_outputs_disjoint(
+      {{&in.residual, "residual"}, {&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"},
+       {&in.scale, "scale"}},
+      {{&p.h, "h"}, {&p.out, "out"}, {&p.rstd, "rstd"}}));
+  const Device device = p.h.device;
+  for (const Piece& pc : pieces) {
+    DETDIT_RETURN_IF_ERROR(backend::gate_residual_forward(device, piece_of(gate_call, mod, pc), stream));
+    DETDIT_RETURN_IF_ERROR(backend::rmsnorm_forward(device, piece_of(norm_call, mod, pc), stream));
+  }
+  return Status();
+}
+
+namespace {
+
+// The indexed call's validation on the local rows with the local plan: the
+// WS1 composed route's checks (src/gate_residual_rmsnorm.cc), h named h.
+Status validate_indexed_region(const GateResidualRmsnormBackwardParams& p) {
+  const GateResidualRmsnormInputs& in = p.in;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_region_h(p.h, in.y, "y", rowwise::gate_inputs(in)));
+  DETDIT_RETURN_IF_ERROR(check::present(p.d_out, "d_out"));
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_h, "d_h", p.h, "h"));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_rmsnorm_backward_arguments(rowwise::norm_backward(p, TensorView()),
+                                                                   rowwise::Forms::kAll, "h"));
+  GateResidualBackwardParams gate = rowwise::gate_backward(p, p.h);  // h standing for g
+  gate.d_residual = p.d_residual;
+  DETDIT_RETURN_IF_ERROR(rowwise::check_gate_residual_backward_arguments(gate, rowwise::Forms::kAll));
+  DETDIT_RETURN_IF_ERROR(rowwise::check_one_form(
+      rowwise::gate_inputs(in), rowwise::rmsnorm_modulation(rowwise::norm_inputs(in, p.h)), in.shift));
+  return rowwise::check_outputs_disjoint(
+      {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"},
+       {&p.h, "h"}, {&p.rstd, "rstd"}, {&p.d_out, "d_out"}, {&p.d_h, "d_h"}},
+      {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}, {&p.d_weight, "d_weight"},
+       {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
+}
+
+}  // namespace
+
+// The backward (as sp_gate_residual_layernorm's): g, the gradient of h, is
+// d_residual when it has h's dtype, else scratch when the gate half runs; the
+// norm half with dx = g, g = R(rn(g + d_h)), the gate half of g. Both halves
+// validated, allocated and agreed as one call.
+Status recipe_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
+                                             const GateResidualRmsnormBackwardParams& params, Stream stream) {
+  const GateResidualRmsnormBackwardParams& p = params;
+  const GateResidualRmsnormInputs& in = p.in;
+  const bool indexed = in.plan.valid();
+  const bool gate_half = p.d_residual.present() || p.d_y.present() || p.d_gate.present();
+  const bool g_in_d_residual = p.d_residual.present() && p.d_residual.dtype == p.h.dtype;
+  IndexedNorm in_norm;
+  IndexedGate in_gate;
+  FormsNorm n;
+  FormsGate g;
+  const RmsnormBackwardParams norm_params = rowwise::norm_backward(p, TensorView());
+  GateResidualBackwardParams gate_params = rowwise::gate_backward(p, p.h);
+  gate_params.d_residual = g_in_d_residual ? TensorView() : p.d_residual;
+  Status valid = check_comm(comm, sp);
+  if (valid.ok()) valid = check_global_plan(sp, in.plan, false);
+  if (valid.ok()) valid = check_local_rows(sp, p.h, "h");
+  if (indexed) {
+    GateResidualRmsnormBackwardParams local = p;
+    local.in.plan = sp.local_plan();
+    if (valid.ok()) valid = validate_indexed_region(local);
+  } else {
+    n.p = norm_params;
+    if (valid.ok()) valid = check::present(p.d_out, "d_out");
+    if (valid.ok() && p.d_h.present()) valid = rowwise::check_like(p.d_h, "d_h", p.h, "h");
+    if (valid.ok()) valid = validate_norm(sp, n.p, &n);
+    if (valid.ok()) {
+      GateResidualBackwardParams checked = gate_params;  // h standing for g; d_residual checked against y
+      checked.d_residual = p.d_residual;
+      valid = validate_gate(sp, checked, &g);
+    }
+    if (valid.ok()) valid = check_one_form(in.gate, in.shift, g.mod, n.mod);
+    if (valid.ok())
+      valid = rowwise::check_outputs_disjoint(
+          {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"},
+           {&p.h, "h"}, {&p.rstd, "rstd"}, {&p.d_out, "d_out"}, {&p.d_h, "d_h"}},
+          {{&p.d_residual, "d_residual"}, {&p.d_y, "d_y"}, {&p.d_gate, "d_gate"}, {&p.d_weight, "d_weight"},
+           {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
+  }
+  std::shared_ptr<void> g_memory;
+  TensorView grad;  // g
+  if (valid.ok() && gate_half) {
+    grad = p.d_residual;
+    if (!g_in_d_residual) {
+      grad = p.h;
+      valid = allocate_scratch(p.h.device, p.h.nbytes(), stream, &g_memory);
+      grad.data = g_memory.get();
+    }
+  }
+  gate_params.grad = grad;
+  if (valid.ok() && indexed) {
+    in_norm.p = in_norm.local = norm_params;
+    in_norm.p.dx = in_norm.local.dx = grad;
+    in_norm.local.in.plan = sp.local_plan();
+    in_gate.p = in_gate.local = gate_params;
+    in_gate.local.in.plan = sp.local_plan();
+    valid = prepare_indexed_norm(sp, &in_norm, stream);
+    if (valid.ok() && gate_half) valid = prepare_indexed_gate(sp, &in_gate, stream);
+  } else if (valid.ok()) {
+    n.p.dx = grad;
+    g.p = gate_params;
+    valid = prepare_norm(sp, &n, stream);
+    if (valid.ok() && gate_half) valid = prepare_gate(sp, &g, stream);
+  }
+  const bool modulated = in.shift.present() || in.scale.present();
+  const bool tables = modulated && (p.d_shift.present() || p.d_scale.present());
+  ResolvedModulation mod = indexed ? indexed_form(in.gate.present() ? in.gate : in.shift, p.h)
+                                   : (n.mod.form != ModulationForm::kNone ? n.mod : g.mod);
+  const std::string recipe = index_signature(sp) + ", " + numerics_name(in.numerics) +
+                             (in.upcast ? " upcast" : "") + (in.has_k ? " k=" + bits(in.k) : "") +
+                             (in.gate.present() ? " gate " + std::string(dtype_name(in.gate.dtype)) : " no gate") +
+                             (modulated ? " modulated" : " plain") +
+                             (in.shift.present() ? " shift " + std::string(dtype_name(in.shift.dtype)) : "");
+  DETDIT_RETURN_IF_ERROR(
+      comm.agree(valid, signature("sp_gate_residual_rmsnorm_backward", sp, p.h, mod, recipe,
+                                  {p.d_weight.present(), tables, p.d_gate.present(), gate_half})));
+  if (indexed) {
+    DETDIT_RETURN_IF_ERROR(run_indexed_norm(comm, sp, in_norm, stream));
+  } else {
+    DETDIT_RETURN_IF_ERROR(run_norm(comm, n, stream));
+  }
+  if (!gate_half) return Status();
+  // autograd's sum of h's two gradients: rn(d_h + dx), rounded once to h's dtype
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(backend::add(p.h.device, grad, p.d_h, grad, stream));
+  if (indexed) return run_indexed_gate(comm, sp, in_gate, stream);
+  return run_gate(comm, g, stream);
+}
+
 }  // namespace sp_detail
 
 // layernorm: every form; the indexed one (a plan) on the SpPlan's chunks.
@@ -1310,7 +1518,7 @@ Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLa
   DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.residual, "residual", {{&p.in.gate, "gate"}}, &gate));
   DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.h, "h"));
   DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.h, "h", {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}}, &norm));
-  DETDIT_RETURN_IF_ERROR(check_one_form(p.in, gate, norm));
+  DETDIT_RETURN_IF_ERROR(check_one_form(p.in.gate, p.in.shift, gate, norm));
   const bool frames = gate.form == ModulationForm::kPerFrame || norm.form == ModulationForm::kPerFrame;
   if (!frames) return gate_residual_layernorm_forward(params, stream);
   const ResolvedModulation& mod = gate.form == ModulationForm::kPerFrame ? gate : norm;
@@ -1359,7 +1567,7 @@ Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
     checked.d_residual = p.d_residual;
     valid = validate_gate(sp, checked, &g);
   }
-  if (valid.ok()) valid = check_one_form(in, g.mod, n.mod);
+  if (valid.ok()) valid = check_one_form(in.gate, in.shift, g.mod, n.mod);
   if (valid.ok())
     valid = rowwise::check_outputs_disjoint(
         {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.bias, "bias"}, {&in.shift, "shift"},

@@ -315,6 +315,7 @@ Status sp_gate_residual_forward(const SpPlan& sp, const GateResidualParams& para
 }
 
 Status sp_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params, Stream stream) {
+  if (!h3_rule(params.in)) return recipe_gate_residual_rmsnorm_forward(sp, params, stream);
   DETDIT_RETURN_IF_ERROR(check_global_plan(sp, params.in.plan, true));
   DETDIT_RETURN_IF_ERROR(check_local_rows(sp, params.in.residual, "residual"));
   GateResidualRmsnormParams local = params;
@@ -485,6 +486,7 @@ Status sp_gate_residual_backward(Communicator& comm, const SpPlan& sp, const Gat
 // neither half can fail on one rank after the other has written its outputs.
 Status sp_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
                                          const GateResidualRmsnormBackwardParams& params, Stream stream) {
+  if (!h3_rule(params.in)) return recipe_gate_residual_rmsnorm_backward(comm, sp, params, stream);
   const GateResidualRmsnormBackwardParams& p = params;
   const bool modulated = p.in.shift.present() || p.in.scale.present();
   Status valid = validate_backward(comm, sp, p, true, p.h, "h", rowwise::validate_gate_residual_rmsnorm_backward);

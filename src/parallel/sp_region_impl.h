@@ -11,6 +11,7 @@
 
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/parallel.h"
 #include "detdit/rmsnorm.h"
 #include "parallel/sp_plan_impl.h"
@@ -65,6 +66,14 @@ Status indexed_recipe_rmsnorm_backward(Communicator& comm, const SpPlan& sp, con
                                        Stream stream);
 Status indexed_recipe_gate_residual_backward(Communicator& comm, const SpPlan& sp,
                                              const GateResidualBackwardParams& params, Stream stream);
+
+// gate_residual_rmsnorm beyond the H3 rule (the WS1 op's own rule, h3_rule):
+// every grouped form, the indexed form with an fp32 table, upcast or k, no
+// gate; the composition of the SP halves above (sp_forms.cc).
+bool h3_rule(const GateResidualRmsnormInputs& in);
+Status recipe_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidualRmsnormParams& params, Stream stream);
+Status recipe_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& sp,
+                                             const GateResidualRmsnormBackwardParams& params, Stream stream);
 
 }  // namespace sp_detail
 }  // namespace detdit

@@ -24,6 +24,7 @@
 #include "detdit/comm.h"
 #include "detdit/gate_residual.h"
 #include "detdit/gate_residual_layernorm.h"
+#include "detdit/gate_residual_rmsnorm.h"
 #include "detdit/layernorm.h"
 #include "detdit/parallel.h"
 #include "detdit/rmsnorm.h"
@@ -1164,6 +1165,350 @@ TEST(SpForms, GateResidualLayernormEveryFormAndRecipeEveryWorldSize) {
 }
 
 
+// ---------------------------------------------------------------- gate_residual_rmsnorm
+
+// Every form beyond the H3 rule (and the H3 rule itself, indexed with the
+// table in x's dtype): grouped (form) or indexed (a plan over `rows` table
+// rows), with or without the gate, plain or modulated norm.
+struct GrrCase {
+  int64_t batch = 2, seq_len = 2100, hidden = 16, rows = 6;
+  Form form;
+  bool indexed = false, gate = true, modulated = true;
+  Recipe recipe;
+  std::string name() const {
+    return "gate_residual_rmsnorm S" + std::to_string(seq_len) + " " + (indexed ? "indexed" : form.name()) +
+           (gate ? "" : " no gate") + (modulated ? "" : " plain") + " " + recipe.name();
+  }
+  bool token() const { return !indexed && form.frames == 0; }
+  DType h_dtype() const { return gate && recipe.mod == DType::kF32 && !recipe.upcast ? DType::kF32 : recipe.x; }
+  DType out_dtype() const {
+    return modulated && recipe.mod == DType::kF32 && !recipe.upcast ? DType::kF32 : h_dtype();
+  }
+};
+
+struct GrrData {
+  HostTensor index, residual, y, weight, d_out, d_h;
+  Mod gate, shift, scale;  // grouped; indexed: (R, H) tables in storage
+  HostTensor h, out, rstd, d_residual, d_y, d_gate, d_weight, d_shift, d_scale;
+};
+
+// The tensors of one call (WS1's or one rank's, on its device).
+struct GrrViews {
+  TensorView residual, y, gate, weight, shift, scale, d_out, d_h;
+  IndexPlan plan;
+  TensorView h, out, rstd, d_residual, d_y, d_gate, d_weight, d_shift, d_scale;
+};
+
+GateResidualRmsnormParams grr_forward(const GrrCase& c, const GrrViews& v) {
+  GateResidualRmsnormParams f;
+  f.in.residual = v.residual;
+  f.in.y = v.y;
+  f.in.gate = c.gate ? v.gate : TensorView();
+  f.in.weight = v.weight;
+  f.in.shift = c.modulated ? v.shift : TensorView();
+  f.in.scale = c.modulated ? v.scale : TensorView();
+  f.in.plan = v.plan;
+  f.in.has_k = c.recipe.has_k;
+  f.in.k = 1.0f;
+  f.in.eps = 1e-6f;
+  f.in.upcast = c.recipe.upcast;
+  f.h = v.h;
+  f.out = v.out;
+  f.rstd = v.rstd;
+  return f;
+}
+
+GateResidualRmsnormBackwardParams grr_backward(const GrrCase& c, const GrrViews& v) {
+  GateResidualRmsnormBackwardParams b;
+  b.in = grr_forward(c, v).in;
+  b.h = v.h;
+  b.rstd = v.rstd;
+  b.d_out = v.d_out;
+  b.d_h = v.d_h;
+  b.d_residual = v.d_residual;
+  b.d_y = v.d_y;
+  b.d_weight = v.d_weight;
+  b.d_gate = c.gate ? v.d_gate : TensorView();
+  b.d_shift = c.modulated ? v.d_shift : TensorView();
+  b.d_scale = c.modulated ? v.d_scale : TensorView();
+  return b;
+}
+
+// A grouped modulation gradient's view (like its tensor) or the indexed / per-token one as is.
+TensorView grr_grad_view(const GrrCase& c, const TensorView& g, const Mod& m) {
+  return c.indexed || c.token() ? g : grad_view(g, m);
+}
+
+void grr_ws1(const GrrCase& c, GrrData* d) {
+  const int64_t frames = c.form.frames == 0 ? c.seq_len : c.form.frames;
+  const bool chunked = c.form.chunked && c.form.frames != 0;
+  const std::vector<int64_t> rows = {c.batch, c.seq_len, c.hidden};
+  d->residual = testing::random_tensor(c.recipe.x, rows, 81);
+  d->y = testing::random_tensor(c.recipe.x, rows, 82);
+  d->weight = testing::random_tensor(c.h_dtype(), {c.hidden}, 83, 1.0, 0.1);
+  if (c.indexed) {
+    d->index = row_index(c.seq_len, c.rows, true);
+    for (auto [m, seed] : {std::make_pair(&d->gate, 84), std::make_pair(&d->shift, 85), std::make_pair(&d->scale, 86)})
+      m->storage = testing::random_tensor(c.recipe.mod, {c.rows, c.hidden}, seed, 0.0, 0.5);
+  } else {
+    d->gate = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 2, 84, 0.0, 0.5);
+    d->shift = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 3, 85, 0.0, 0.5);
+    d->scale = make_mod(c.recipe.mod, c.batch, frames, c.hidden, chunked, 4, 86, 0.0, 0.5);
+    if (c.token()) d->gate.per_sample = d->shift.per_sample = d->scale.per_sample = false;
+  }
+  d->d_out = testing::random_tensor(c.out_dtype(), rows, 87);
+  d->d_h = testing::random_tensor(c.h_dtype(), rows, 88);
+  d->h = HostTensor(c.h_dtype(), rows);
+  d->out = HostTensor(c.out_dtype(), rows);
+  d->rstd = HostTensor(DType::kF32, {c.batch * c.seq_len});
+  d->d_residual = HostTensor(c.recipe.x, rows);
+  d->d_y = HostTensor(c.recipe.x, rows);
+  d->d_weight = HostTensor(DType::kF32, {c.hidden});
+  auto grad_of = [&](const Mod& m) {
+    if (c.indexed) return HostTensor(DType::kF32, {c.rows, c.hidden});
+    return c.token() ? HostTensor(DType::kF32, rows) : grad_like(m, DType::kF32);
+  };
+  d->d_gate = grad_of(d->gate);
+  d->d_shift = grad_of(d->shift);
+  d->d_scale = grad_of(d->scale);
+  GrrViews v;
+  if (c.indexed) {
+    DETDIT_ASSERT_OK(IndexPlan::from_row_index(d->index.view(), c.rows, c.batch, &v.plan));
+    v.gate = d->gate.storage.view();
+    v.shift = d->shift.storage.view();
+    v.scale = d->scale.storage.view();
+  } else {
+    v.gate = d->gate.view();
+    v.shift = d->shift.view();
+    v.scale = d->scale.view();
+  }
+  v.residual = d->residual.view();
+  v.y = d->y.view();
+  v.weight = d->weight.view();
+  v.d_out = d->d_out.view();
+  v.d_h = d->d_h.view();
+  v.h = d->h.view();
+  v.out = d->out.view();
+  v.rstd = d->rstd.view();
+  v.d_residual = d->d_residual.view();
+  v.d_y = d->d_y.view();
+  v.d_weight = d->d_weight.view();
+  v.d_gate = grr_grad_view(c, d->d_gate.view(), d->gate);
+  v.d_shift = grr_grad_view(c, d->d_shift.view(), d->shift);
+  v.d_scale = grr_grad_view(c, d->d_scale.view(), d->scale);
+  DETDIT_ASSERT_OK(gate_residual_rmsnorm_forward(grr_forward(c, v)));
+  DETDIT_ASSERT_OK(gate_residual_rmsnorm_backward(grr_backward(c, v)));
+}
+
+// A refused call (the fail-closed tests): the SpPlan built without the
+// index even for an indexed call, the forward run or not, then `corrupt`
+// applied to this rank's views before the backward; *untouched: no gradient
+// written.
+struct GrrBreak {
+  bool index_free_sp = false, forward = true;
+  std::function<void(int rank, GrrViews*)> corrupt;
+  bool* untouched = nullptr;
+};
+
+Status grr_rank(Communicator& comm, Device device, const GrrCase& c, const GrrData& d,
+                const GrrBreak* broken = nullptr) {
+  OnDevice dev(device);
+  const Bounds bd = bounds(c.seq_len, comm.world_size(), comm.rank());
+  GrrViews v;
+  SpPlan sp;
+  if (c.indexed)
+    DETDIT_RETURN_IF_ERROR(IndexPlan::from_row_index(dev(d.index), c.rows, c.batch, &v.plan, dev.stream()));
+  if (c.indexed && !(broken && broken->index_free_sp)) {
+    DETDIT_RETURN_IF_ERROR(SpPlan::create(v.plan, comm.world_size(), comm.rank(), &sp, dev.stream()));
+  } else {
+    DETDIT_RETURN_IF_ERROR(SpPlan::create(c.seq_len, c.batch, comm.world_size(), comm.rank(), &sp));
+  }
+  auto local = [&](const HostTensor& t) { return slice(t, c.batch, c.seq_len, bd); };
+  const HostTensor residual = local(d.residual), y = local(d.y), d_out = local(d.d_out), d_h = local(d.d_h);
+  const Mod gate = c.token() ? local_token_mod(d.gate, c.seq_len, bd) : d.gate;
+  const Mod shift = c.token() ? local_token_mod(d.shift, c.seq_len, bd) : d.shift;
+  const Mod scale = c.token() ? local_token_mod(d.scale, c.seq_len, bd) : d.scale;
+  GrrData o;
+  o.h = HostTensor(d.h.dtype(), y.shape());
+  o.out = HostTensor(d.out.dtype(), y.shape());
+  o.rstd = HostTensor(DType::kF32, {y.numel() / c.hidden});
+  o.d_residual = HostTensor(y.dtype(), y.shape());
+  o.d_y = HostTensor(y.dtype(), y.shape());
+  o.d_weight = HostTensor(DType::kF32, {c.hidden});
+  o.d_gate = HostTensor(DType::kF32, c.token() ? y.shape() : d.d_gate.shape());
+  o.d_shift = HostTensor(DType::kF32, c.token() ? y.shape() : d.d_shift.shape());
+  o.d_scale = HostTensor(DType::kF32, c.token() ? y.shape() : d.d_scale.shape());
+  for (HostTensor* t : {&o.h, &o.out, &o.rstd, &o.d_residual, &o.d_y, &o.d_weight, &o.d_gate, &o.d_shift, &o.d_scale})
+    t->fill_bytes(kCanary);
+  if (c.indexed) {
+    v.gate = dev(gate.storage);
+    v.shift = dev(shift.storage);
+    v.scale = dev(scale.storage);
+  } else {
+    v.gate = dev.mod(gate);
+    v.shift = dev.mod(shift);
+    v.scale = dev.mod(scale);
+  }
+  v.residual = dev(residual);
+  v.y = dev(y);
+  v.weight = dev(d.weight);
+  v.d_out = dev(d_out);
+  v.d_h = dev(d_h);
+  v.h = dev.out(o.h);
+  v.out = dev.out(o.out);
+  v.rstd = dev.out(o.rstd);
+  v.d_residual = dev.out(o.d_residual);
+  v.d_y = dev.out(o.d_y);
+  v.d_weight = dev.out(o.d_weight);
+  v.d_gate = grr_grad_view(c, dev.out(o.d_gate), gate);
+  v.d_shift = grr_grad_view(c, dev.out(o.d_shift), shift);
+  v.d_scale = grr_grad_view(c, dev.out(o.d_scale), scale);
+  if (broken) {
+    Status s;
+    if (broken->forward) s = sp_gate_residual_rmsnorm_forward(sp, grr_forward(c, v), dev.stream());
+    if (broken->corrupt) broken->corrupt(comm.rank(), &v);
+    if (s.ok()) s = sp_gate_residual_rmsnorm_backward(comm, sp, grr_backward(c, v), dev.stream());
+    dev.sync();
+    *broken->untouched = true;
+    for (const HostTensor* t : {&o.d_residual, &o.d_y, &o.d_weight, &o.d_gate, &o.d_shift, &o.d_scale})
+      *broken->untouched = *broken->untouched && testing::all_bytes_are(*t, kCanary);
+    return s;
+  }
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_rmsnorm_forward(sp, grr_forward(c, v), dev.stream()));
+  DETDIT_RETURN_IF_ERROR(sp_gate_residual_rmsnorm_backward(comm, sp, grr_backward(c, v), dev.stream()));
+  dev.sync();
+  const std::string where = c.name() + " world " + std::to_string(comm.world_size()) + " rank " +
+                            std::to_string(comm.rank());
+  const std::pair<const HostTensor*, const HostTensor*> sharded[] = {
+      {&d.h, &o.h}, {&d.out, &o.out}, {&d.rstd, &o.rstd}, {&d.d_residual, &o.d_residual}, {&d.d_y, &o.d_y}};
+  for (const auto& [ws1, mine] : sharded) EXPECT_TRUE(equal_rows(*ws1, *mine, c.batch, c.seq_len, bd)) << where;
+  EXPECT_TRUE(testing::bitwise_equal(d.d_weight, o.d_weight)) << where << " d_weight";
+  std::vector<std::pair<const HostTensor*, const HostTensor*>> modulation;
+  if (c.gate) modulation.emplace_back(&d.d_gate, &o.d_gate);
+  if (c.modulated) {
+    modulation.emplace_back(&d.d_shift, &o.d_shift);
+    modulation.emplace_back(&d.d_scale, &o.d_scale);
+  }
+  for (const auto& [ws1, mine] : modulation) {
+    if (c.token())
+      EXPECT_TRUE(equal_rows(*ws1, *mine, c.batch, c.seq_len, bd)) << where;
+    else
+      EXPECT_TRUE(testing::bitwise_equal(*ws1, *mine)) << where;
+  }
+  return Status();
+}
+
+void run_grr_case(const GrrCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+                  Device device = Device::cpu()) {
+  SCOPED_TRACE(c.name());
+  GrrData d;
+  grr_ws1(c, &d);
+  for (const HostTensor* t : {&d.h, &d.out, &d.d_y, &d.d_weight})
+    ASSERT_FALSE(testing::all_bytes_are(*t, 0)) << "WS1 left an output zero";
+  for (int world : worlds)
+    DETDIT_EXPECT_OK(InProcessGroup::run(
+        world, [&](Communicator& comm) { return grr_rank(comm, device, c, d); }, device));
+}
+
+TEST(SpForms, GateResidualRmsnormEveryFormAndRecipeEveryWorldSize) {
+  for (Recipe r : kRecipes) {
+    r.has_k = r.upcast;
+    for (Form form : {Form{1, true}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+      GrrCase c;
+      c.form = form;
+      c.recipe = r;
+      run_grr_case(c);
+    }
+  }
+  GrrCase plain;  // no modulation at all
+  plain.gate = plain.modulated = false;
+  run_grr_case(plain);
+  GrrCase no_gate;  // the plain residual add, a modulated norm
+  no_gate.gate = false;
+  no_gate.form = Form{3, true};
+  no_gate.recipe = kRecipes[1];
+  run_grr_case(no_gate);
+  GrrCase tiny;
+  tiny.seq_len = 40;
+  tiny.form = Form{4, true};
+  tiny.recipe = kRecipes[2];
+  run_grr_case(tiny, {3, 5, 8});
+}
+
+// The indexed form: the H3 rule (table in x's dtype, today's route) and
+// every recipe beyond it (fp32 table, upcast, k, no gate, a plain norm).
+TEST(SpForms, GateResidualRmsnormIndexedEveryRecipeEveryWorldSize) {
+  for (Recipe r : kRecipes) {
+    for (bool k : {false, true}) {
+      r.has_k = k;
+      GrrCase c;
+      c.indexed = true;
+      c.recipe = r;
+      run_grr_case(c);
+    }
+  }
+  GrrCase no_gate;
+  no_gate.indexed = true;
+  no_gate.gate = false;
+  no_gate.recipe = kRecipes[1];
+  run_grr_case(no_gate);
+  GrrCase plain_norm;
+  plain_norm.indexed = true;
+  plain_norm.modulated = false;
+  plain_norm.recipe = kRecipes[1];
+  run_grr_case(plain_norm);
+  GrrCase tiny;
+  tiny.indexed = true;
+  tiny.seq_len = 40;
+  tiny.recipe = kRecipes[2];
+  run_grr_case(tiny, {3, 5, 8});
+}
+
+// A bad argument on one rank (rank 1's d_scale of 2 frames for F = 3, rank
+// 2's d_weight of 8 columns for H = 16) fails the backward on every rank, nothing
+// written; a call neither direction supports (a plan on an SpPlan built
+// without the index) is refused by the forward and by the backward, on every
+// rank, with the same error.
+TEST(SpForms, GateResidualRmsnormRefusalsOnEveryRank) {
+  GrrCase frames;
+  frames.form = Form{3, true};
+  GrrData fd;
+  grr_ws1(frames, &fd);
+  for (int world : {2, 5}) {
+    testing::expect_every_rank_refused(world, ErrorKind::kValue, "d_scale", [&](Communicator& comm, bool* untouched) {
+      GrrBreak b;
+      b.corrupt = [&](int rank, GrrViews* v) {
+        if (rank == 1) v->d_scale = TensorView::contiguous(v->d_scale.data, DType::kF32, {2, 2, 16}, v->d_scale.device);
+      };
+      b.untouched = untouched;
+      return grr_rank(comm, Device::cpu(), frames, fd, &b);
+    });
+  }
+  GrrCase indexed;
+  indexed.indexed = true;
+  indexed.recipe = kRecipes[1];
+  GrrData id;
+  grr_ws1(indexed, &id);
+  testing::expect_every_rank_refused(3, ErrorKind::kValue, "d_weight", [&](Communicator& comm, bool* untouched) {
+    GrrBreak b;
+    b.corrupt = [&](int rank, GrrViews* v) {
+      if (rank == 2) v->d_weight = v->d_weight.narrow(0, 0, 8);
+    };
+    b.untouched = untouched;
+    return grr_rank(comm, Device::cpu(), indexed, id, &b);
+  });
+  for (bool forward : {true, false}) {
+    testing::expect_every_rank_refused(2, ErrorKind::kValue, "plan must be absent",
+                                       [&](Communicator& comm, bool* untouched) {
+      GrrBreak b;
+      b.index_free_sp = true;
+      b.forward = forward;
+      b.untouched = untouched;
+      return grr_rank(comm, Device::cpu(), indexed, id, &b);
+    });
+  }
+}
+
 // ---------------------------------------------------------------- CUDA: ranks sharing one GPU
 
 // The portable profile gives the same bytes on the CPU and every CUDA GPU, so
@@ -1190,6 +1535,11 @@ TEST(SpFormsCuda, EveryOpRanksSharingOneGpuMatchWs1) {
       f.form = form;
       f.recipe = r;
       run_fused_case(f, {1, 2, 3, 5, 8}, gpu);
+      GrrCase grr;
+      grr.form = form;
+      grr.recipe = r;
+      grr.recipe.has_k = r.upcast;
+      run_grr_case(grr, {1, 2, 3, 5, 8}, gpu);
     }
   }
   NormCase tiny;
@@ -1206,6 +1556,12 @@ TEST(SpFormsCuda, EveryOpRanksSharingOneGpuMatchWs1) {
     recipe.recipe = kRecipes[2];
     recipe.recipe.has_k = true;
     run_indexed_recipe_case(recipe, {1, 2, 3, 5, 8}, gpu);
+  }
+  for (const Recipe& r : {kRecipes[0], kRecipes[2]}) {
+    GrrCase grr;  // indexed: the H3 rule's route and an upcast one
+    grr.indexed = true;
+    grr.recipe = r;
+    run_grr_case(grr, {1, 2, 3, 5, 8}, gpu);
   }
 }
 
@@ -1305,7 +1661,20 @@ TEST(DISABLED_MpiSpFormsWorker, EveryOpMatchesWs1) {
     DETDIT_ASSERT_OK(
         gate_residual_layernorm_backward(fused_backward(f, fp, fd.d_out, fd.d_h, fd.gate, fd.shift, fd.scale, fd)));
     DETDIT_EXPECT_OK(fused_rank(*comm, Device::cpu(), f, fd));
+    GrrCase r;
+    r.form = form;
+    r.recipe = kRecipes[2];
+    r.recipe.has_k = true;
+    GrrData rd;
+    grr_ws1(r, &rd);
+    DETDIT_EXPECT_OK(grr_rank(*comm, Device::cpu(), r, rd));
   }
+  GrrCase indexed;  // beyond the H3 rule: an fp32 table
+  indexed.indexed = true;
+  indexed.recipe = kRecipes[1];
+  GrrData id;
+  grr_ws1(indexed, &id);
+  DETDIT_EXPECT_OK(grr_rank(*comm, Device::cpu(), indexed, id));
 }
 
 // A bad d_gate on rank 1 only: every process refused, nothing written.
