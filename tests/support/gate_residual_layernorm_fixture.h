@@ -8,6 +8,8 @@
 // run_fused runs the region on a device; run_composed runs the two separate
 // ops (gate_residual, then layernorm or rmsnorm) on the CPU as autograd
 // composes them (the d_h sum written out here).
+// The forms sweep (kGrlnForms x kGrlnRecipes, for_each_grln_forms_problem)
+// and the output comparisons are the suites' shared checks.
 #pragma once
 
 #include <cstdint>
@@ -299,6 +301,94 @@ inline Status run_composed(const GrlnInputs& in, GrlnOutputs* outputs) {
     for (int64_t i = 0; i < g.numel(); ++i)
       g.set(i, static_cast<float>(static_cast<float>(g.get(i)) + static_cast<float>(in.d_h.get(i))));
   return gate_residual_backward({gate, g.view(), view("d_residual"), view("d_y"), view("d_gate")});
+}
+
+// The forms sweep the region suites share (CPU and CUDA, both norms): a
+// modulation form with its name, and a recipe (x and modulation dtypes,
+// upcast).
+struct GrlnForm {
+  const char* name;
+  GrlnKind kind;
+  int64_t frames;
+  bool with_unit;
+};
+struct GrlnRecipe {
+  DType x, mod;
+  bool upcast;
+};
+constexpr int64_t kGrlnS = 300;  // per sample: 2 chunks of 256 from the group's start
+inline constexpr GrlnForm kGrlnForms[] = {{"none", GrlnKind::kNone, 0, false},
+                                          {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
+                                          {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
+                                          {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
+                                          {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
+                                          {"per_token", GrlnKind::kGrouped, kGrlnS, false},
+                                          {"indexed", GrlnKind::kIndexed, 0, false}};
+inline constexpr GrlnRecipe kGrlnRecipes[] = {
+    {DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false}, {DType::kBF16, DType::kF32, true},
+    {DType::kF16, DType::kF16, true},    {DType::kF16, DType::kF32, false},  {DType::kF32, DType::kF32, false}};
+
+// Every problem of the sweep, in order: form x recipe x presence x k x d_h
+// (B = 2, S = kGrlnS, H = 72), calling fn(form, problem, index) with index
+// 0, 1, ... (the suites draw each problem's seed from it); returns how many.
+// Presence 0: gate, shift and scale; 1: gate and a plain norm; 2: shift and
+// scale without a gate (the none form: presence 0 only). k needs a gate. The
+// affine variant: layernorm's cycles with (index + presence) % 3 so that
+// every variant meets every form; rmsnorm has its weight only.
+template <typename Forms, typename Recipes, typename Fn>
+int for_each_grln_forms_problem(const Forms& forms, const Recipes& recipes, GrlnNorm norm, Fn&& fn) {
+  int index = 0;
+  for (const GrlnForm& f : forms)
+    for (const GrlnRecipe& r : recipes)
+      for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 3); ++presence)
+        for (int variant = 0; variant < 4; ++variant) {
+          const bool k = variant & 1, d_h = variant & 2;
+          if (k && (f.kind == GrlnKind::kNone || presence == 2)) continue;
+          const GrlnAffine affine = norm == GrlnNorm::kRmsnorm ? GrlnAffine::kWeight
+                                                               : static_cast<GrlnAffine>((index + presence) % 3);
+          const GrlnProblem p{2,     kGrlnS,   72,     f.kind,        f.frames,      f.with_unit, r.x,
+                              r.mod, r.upcast, affine, presence != 2, presence != 1, k,           d_h,
+                              norm};
+          fn(f, p, index);
+          ++index;
+        }
+  return index;
+}
+
+// Any byte of t is not the canary: the run wrote it.
+inline ::testing::AssertionResult grln_written(const HostTensor& t) {
+  const auto* bytes = static_cast<const unsigned char*>(t.data());
+  for (std::size_t i = 0; i < t.nbytes(); ++i)
+    if (bytes[i] != kCanary) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "every byte is still the canary";
+}
+
+// Every output of expected is in got, was written, and has got's bytes.
+inline void expect_grln_outputs_equal(const GrlnOutputs& expected, const GrlnOutputs& got) {
+  for (const auto& [name, e] : expected) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(got.count(name)) << "missing";
+    EXPECT_TRUE(grln_written(e));
+    EXPECT_BITWISE_EQ(e, got.at(name));
+  }
+}
+
+// The region on CUDA device 0 byte-equal to the CPU reference, with every
+// gradient, with g in scratch, and with the norm's gradients alone.
+inline void expect_grln_cuda_equals_cpu(const GrlnInputs& in) {
+  for (GrlnGrads grads : {GrlnGrads::kAll, GrlnGrads::kNoResidual, GrlnGrads::kNormOnly}) {
+    SCOPED_TRACE(grads == GrlnGrads::kAll ? "every gradient"
+                 : grads == GrlnGrads::kNoResidual ? "g in scratch"
+                                                   : "the norm's gradients");
+    GrlnOutputs cpu, gpu;
+    DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), grads, &cpu));
+    DETDIT_ASSERT_OK(run_fused(in, Device::cuda(0), grads, &gpu));
+    for (const auto& [name, expected] : cpu) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(gpu.count(name));
+      EXPECT_BITWISE_EQ(expected, gpu.at(name));
+    }
+  }
 }
 
 }  // namespace testing
