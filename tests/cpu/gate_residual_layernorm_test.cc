@@ -9,7 +9,6 @@
 // batch of 3; and bad input refused naming the argument, nothing written.
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -25,20 +24,7 @@ TEST(GateResidualLayernorm, EqualsTheSeparateOpsComposedAsAutogradDoes) {
   const int checked = for_each_grln_forms_problem(kGrlnForms, kGrlnRecipes, GrlnNorm::kLayernorm,
                                                   [&](const GrlnForm& f, const GrlnProblem& p, int index) {
     SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
-    const GrlnInputs in(p, 1000 + index);
-    GrlnOutputs composed, fused, fused_scratch, fused_norm_only;
-    DETDIT_ASSERT_OK(run_composed(in, &composed));
-    DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kAll, &fused));
-    expect_grln_outputs_equal(composed, fused);
-    // g in scratch (no d_residual): the same bytes for every other output.
-    DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNoResidual, &fused_scratch));
-    composed.erase("d_residual");
-    expect_grln_outputs_equal(composed, fused_scratch);
-    // The norm's gradients alone (no g at all): the same bytes.
-    DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNormOnly, &fused_norm_only));
-    composed.erase("d_y");
-    composed.erase("d_gate");
-    expect_grln_outputs_equal(composed, fused_norm_only);
+    expect_grln_fused_equals_composed(GrlnInputs(p, 1000 + index));
   });
   EXPECT_GT(checked, 300);
 }
@@ -49,31 +35,7 @@ TEST(GateResidualLayernorm, ASampleIsTheSameAloneAndInABatch) {
   for (const GrlnForm& f : kGrlnForms) {
     if (f.kind != GrlnKind::kGrouped) continue;
     for (const GrlnRecipe& r : kGrlnRecipes) {
-      const GrlnProblem batch_p{3, kGrlnS, 72, f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast,
-                                GrlnAffine::kWeightBias, true, true, false, true};
-      GrlnProblem alone_p = batch_p;
-      alone_p.batch = 1;
-      SCOPED_TRACE(std::string(f.name) + ": " + batch_p.describe());
-      const GrlnInputs batch(batch_p, 7);
-      GrlnInputs alone(alone_p, 7);
-      for (auto [from, to] : std::vector<std::pair<const HostTensor*, HostTensor*>>{
-               {&batch.residual, &alone.residual}, {&batch.y, &alone.y}, {&batch.d_out, &alone.d_out},
-               {&batch.d_h, &alone.d_h}})
-        copy_row(*from, 1, to, 0);
-      // The parent (B*F, 6, H): sample 1's F rows.
-      const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
-      std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
-      GrlnOutputs in_batch, on_its_own;
-      DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
-      DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
-      for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
-        SCOPED_TRACE(name);
-        EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));
-      }
-      for (const char* name : {"mean", "rstd"})
-        EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at(name).data()) + kGrlnS,
-                                        on_its_own.at(name).data(), kGrlnS, DType::kF32))
-            << name;
+      expect_grln_sample_alone_as_in_batch(f, r, GrlnAffine::kWeightBias, GrlnNorm::kLayernorm);
     }
   }
 }

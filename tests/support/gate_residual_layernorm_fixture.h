@@ -13,8 +13,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "detdit/gate_residual.h"
@@ -24,6 +26,7 @@
 #include "detdit/rmsnorm.h"
 #include "cases/index_case.h"
 #include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "support/test_util.h"
 
 namespace detdit {
@@ -388,6 +391,59 @@ inline void expect_grln_cuda_equals_cpu(const GrlnInputs& in) {
       ASSERT_TRUE(gpu.count(name));
       EXPECT_BITWISE_EQ(expected, gpu.at(name));
     }
+  }
+}
+
+// The region on the CPU equal to the two ops composed (run_composed): every
+// output and gradient, then with g in scratch (no d_residual), then the
+// norm's gradients alone (no g at all).
+inline void expect_grln_fused_equals_composed(const GrlnInputs& in) {
+  GrlnOutputs composed, fused, fused_scratch, fused_norm_only;
+  DETDIT_ASSERT_OK(run_composed(in, &composed));
+  DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kAll, &fused));
+  expect_grln_outputs_equal(composed, fused);
+  DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNoResidual, &fused_scratch));
+  composed.erase("d_residual");
+  expect_grln_outputs_equal(composed, fused_scratch);
+  DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNormOnly, &fused_norm_only));
+  composed.erase("d_y");
+  composed.erase("d_gate");
+  expect_grln_outputs_equal(composed, fused_norm_only);
+}
+
+// Sample 1 of a batch of 3 (a grouped form, S = kGrlnS, H = 72, seed 7) and
+// the same sample alone on the CPU: the same bytes in every row-local output,
+// its per-sample / per-frame gradients and its statistics (layernorm: mean
+// and rstd; rmsnorm: rstd).
+inline void expect_grln_sample_alone_as_in_batch(const GrlnForm& f, const GrlnRecipe& r, GrlnAffine affine,
+                                                 GrlnNorm norm) {
+  const GrlnProblem batch_p{3,      kGrlnS, 72,   f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast,
+                            affine, true,   true, false,  true,     norm};
+  GrlnProblem alone_p = batch_p;
+  alone_p.batch = 1;
+  SCOPED_TRACE(std::string(f.name) + ": " + batch_p.describe());
+  const GrlnInputs batch(batch_p, 7);
+  GrlnInputs alone(alone_p, 7);
+  for (auto [from, to] : std::vector<std::pair<const HostTensor*, HostTensor*>>{
+           {&batch.residual, &alone.residual}, {&batch.y, &alone.y}, {&batch.d_out, &alone.d_out},
+           {&batch.d_h, &alone.d_h}})
+    copy_row(*from, 1, to, 0);
+  // The parent (B*F, 6, H): sample 1's F rows.
+  const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
+  std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
+  GrlnOutputs in_batch, on_its_own;
+  DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
+  DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
+  for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));
+  }
+  std::vector<const char*> stats = {"rstd"};
+  if (norm == GrlnNorm::kLayernorm) stats.insert(stats.begin(), "mean");
+  for (const char* name : stats) {
+    EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at(name).data()) + kGrlnS,
+                                    on_its_own.at(name).data(), kGrlnS, DType::kF32))
+        << name;
   }
 }
 
