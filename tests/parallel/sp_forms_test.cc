@@ -195,6 +195,18 @@ void run_every_world(const std::vector<int>& worlds, Device device,
   }
 }
 
+// A case of each of kTinyForms at S = 40 with recipe r, run at kTinyWorlds.
+template <typename Case, typename Run>
+void run_tiny_shards(const Recipe& r, const Run& run) {
+  for (const Form& form : kTinyForms) {
+    Case tiny;
+    tiny.seq_len = 40;
+    tiny.form = form;
+    tiny.recipe = r;
+    run(tiny, kTinyWorlds, Device::cpu());
+  }
+}
+
 // ---------------------------------------------------------------- rmsnorm
 
 struct NormCase {
@@ -339,13 +351,7 @@ TEST(SpForms, RmsnormOddSequencePerSampleAndTinyShards) {
   odd.form = Form{1, true};
   run_norm_case(odd);
   // 5 positions per rank at world 8; frames of 10 and samples of 40 positions.
-  for (const Form& form : kTinyForms) {
-    NormCase tiny;
-    tiny.seq_len = 40;
-    tiny.form = form;
-    tiny.recipe = kRecipes[1];
-    run_norm_case(tiny, kTinyWorlds);
-  }
+  run_tiny_shards<NormCase>(kRecipes[1], run_norm_case);
 }
 
 // ---------------------------------------------------------------- gate_residual
@@ -467,13 +473,7 @@ TEST(SpForms, GateResidualOddSequenceAndTinyShards) {
   odd.seq_len = 4097;
   odd.form = Form{1, true};
   run_gate_case(odd);
-  for (const Form& form : kTinyForms) {
-    GateCase tiny;
-    tiny.seq_len = 40;
-    tiny.form = form;
-    tiny.recipe = kRecipes[2];
-    run_gate_case(tiny, kTinyWorlds);
-  }
+  run_tiny_shards<GateCase>(kRecipes[2], run_gate_case);
 }
 
 
@@ -634,13 +634,7 @@ TEST(SpForms, LayernormEveryFormRecipeAndAffineEveryWorldSize) {
 }
 
 TEST(SpForms, LayernormTinyShards) {
-  for (const Form& form : kTinyForms) {
-    LayernormCase tiny;
-    tiny.seq_len = 40;
-    tiny.form = form;
-    tiny.recipe = kRecipes[2];
-    run_layernorm_case(tiny, kTinyWorlds);
-  }
+  run_tiny_shards<LayernormCase>(kRecipes[2], run_layernorm_case);
 }
 
 
