@@ -9,7 +9,6 @@
 // batch of 3; and bad input refused naming the argument, nothing written.
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -21,108 +20,22 @@ namespace detdit {
 namespace testing {
 namespace {
 
-struct Form {
-  const char* name;
-  GrlnKind kind;
-  int64_t frames;
-  bool with_unit;
-};
-constexpr int64_t kS = 300;  // per sample: 2 chunks of 256 from the group's start
-const Form kForms[] = {{"none", GrlnKind::kNone, 0, false},
-                       {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
-                       {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
-                       {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
-                       {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
-                       {"per_token", GrlnKind::kGrouped, kS, false},
-                       {"indexed", GrlnKind::kIndexed, 0, false}};
-struct Recipe {
-  DType x, mod;
-  bool upcast;
-};
-const Recipe kRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
-                           {DType::kBF16, DType::kF32, true},   {DType::kF16, DType::kF16, true},
-                           {DType::kF16, DType::kF32, false},   {DType::kF32, DType::kF32, false}};
-
-// Any byte of t is not the canary: the run wrote it.
-::testing::AssertionResult written(const HostTensor& t) {
-  const auto* bytes = static_cast<const unsigned char*>(t.data());
-  for (std::size_t i = 0; i < t.nbytes(); ++i)
-    if (bytes[i] != kCanary) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "every byte is still the canary";
-}
-
-void expect_equal_outputs(const GrlnOutputs& expected, const GrlnOutputs& got) {
-  for (const auto& [name, e] : expected) {
-    SCOPED_TRACE(name);
-    ASSERT_TRUE(got.count(name)) << "missing";
-    EXPECT_TRUE(written(e));
-    EXPECT_BITWISE_EQ(e, got.at(name));
-  }
-}
-
 TEST(GateResidualLayernorm, EqualsTheSeparateOpsComposedAsAutogradDoes) {
-  int checked = 0;
-  for (const Form& f : kForms)
-    for (const Recipe& r : kRecipes)
-      for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 3); ++presence)
-        for (int variant = 0; variant < 4; ++variant) {
-          const bool k = variant & 1, d_h = variant & 2;
-          if (k && (f.kind == GrlnKind::kNone || presence == 2)) continue;  // k needs a gate
-          const GrlnAffine affine = static_cast<GrlnAffine>((checked + presence) % 3);
-          // presence 0: gate, shift, scale; 1: gate and a plain norm; 2: shift and scale without a gate.
-          const GrlnProblem p{2, kS, 72, f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast, affine,
-                              presence != 2, presence != 1, k, d_h};
-          SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
-          const GrlnInputs in(p, 1000 + checked);
-          GrlnOutputs composed, fused, fused_scratch, fused_norm_only;
-          DETDIT_ASSERT_OK(run_composed(in, &composed));
-          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kAll, &fused));
-          expect_equal_outputs(composed, fused);
-          // g in scratch (no d_residual): the same bytes for every other output.
-          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNoResidual, &fused_scratch));
-          composed.erase("d_residual");
-          expect_equal_outputs(composed, fused_scratch);
-          // The norm's gradients alone (no g at all): the same bytes.
-          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNormOnly, &fused_norm_only));
-          composed.erase("d_y");
-          composed.erase("d_gate");
-          expect_equal_outputs(composed, fused_norm_only);
-          ++checked;
-        }
+  const int checked = for_each_grln_forms_problem(kGrlnForms, kGrlnRecipes, GrlnNorm::kLayernorm,
+                                                  [&](const GrlnForm& f, const GrlnProblem& p, int index) {
+    SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
+    expect_grln_fused_equals_composed(GrlnInputs(p, 1000 + index));
+  });
   EXPECT_GT(checked, 300);
 }
 
 // Sample 1 of a batch of 3 and the same sample alone: the same bytes in every
 // row-local output and in its per-sample / per-frame gradients.
 TEST(GateResidualLayernorm, ASampleIsTheSameAloneAndInABatch) {
-  for (const Form& f : kForms) {
+  for (const GrlnForm& f : kGrlnForms) {
     if (f.kind != GrlnKind::kGrouped) continue;
-    for (const Recipe& r : kRecipes) {
-      const GrlnProblem batch_p{3, kS, 72, f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast,
-                                GrlnAffine::kWeightBias, true, true, false, true};
-      GrlnProblem alone_p = batch_p;
-      alone_p.batch = 1;
-      SCOPED_TRACE(std::string(f.name) + ": " + batch_p.describe());
-      const GrlnInputs batch(batch_p, 7);
-      GrlnInputs alone(alone_p, 7);
-      for (auto [from, to] : std::vector<std::pair<const HostTensor*, HostTensor*>>{
-               {&batch.residual, &alone.residual}, {&batch.y, &alone.y}, {&batch.d_out, &alone.d_out},
-               {&batch.d_h, &alone.d_h}})
-        copy_row(*from, 1, to, 0);
-      // The parent (B*F, 6, H): sample 1's F rows.
-      const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
-      std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
-      GrlnOutputs in_batch, on_its_own;
-      DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
-      DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
-      for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
-        SCOPED_TRACE(name);
-        EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));
-      }
-      for (const char* name : {"mean", "rstd"})
-        EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at(name).data()) + kS,
-                                        on_its_own.at(name).data(), kS, DType::kF32))
-            << name;
+    for (const GrlnRecipe& r : kGrlnRecipes) {
+      expect_grln_sample_alone_as_in_batch(f, r, GrlnAffine::kWeightBias, GrlnNorm::kLayernorm);
     }
   }
 }

@@ -29,55 +29,24 @@ namespace {
 
 DETDIT_CUDA_OP_CASES(GateResidualLayernormCaseCuda, "gate_residual_layernorm");
 
-struct Form {
-  const char* name;
-  GrlnKind kind;
-  int64_t frames;
-  bool with_unit;
-};
-constexpr int64_t kS = 300;
-const Form kForms[] = {{"none", GrlnKind::kNone, 0, false},
-                       {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
-                       {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
-                       {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
-                       {"per_token", GrlnKind::kGrouped, kS, false},
-                       {"indexed", GrlnKind::kIndexed, 0, false}};
-struct Recipe {
-  DType x, mod;
-  bool upcast;
-};
-const Recipe kRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
-                           {DType::kBF16, DType::kF32, true},   {DType::kF16, DType::kF16, true},
-                           {DType::kF32, DType::kF32, false}};
+// A subset of the CPU suite's sweep (tests/cpu/gate_residual_layernorm_test.cc).
+const GrlnForm kForms[] = {{"none", GrlnKind::kNone, 0, false},
+                           {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
+                           {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
+                           {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
+                           {"per_token", GrlnKind::kGrouped, kGrlnS, false},
+                           {"indexed", GrlnKind::kIndexed, 0, false}};
+const GrlnRecipe kRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
+                               {DType::kBF16, DType::kF32, true},   {DType::kF16, DType::kF16, true},
+                               {DType::kF32, DType::kF32, false}};
 
 TEST(GateResidualLayernormCuda, EqualsTheCpu) {
   DETDIT_SKIP_WITHOUT_CUDA();
-  int checked = 0;
-  for (const Form& f : kForms)
-    for (const Recipe& r : kRecipes)
-      for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 3); ++presence)
-        for (int variant = 0; variant < 4; ++variant) {
-          const bool k = variant & 1, d_h = variant & 2;
-          if (k && (f.kind == GrlnKind::kNone || presence == 2)) continue;
-          const GrlnAffine affine = static_cast<GrlnAffine>((checked + presence) % 3);
-          const GrlnProblem p{2, kS, 72, f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast, affine,
-                              presence != 2, presence != 1, k, d_h};
-          SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
-          const GrlnInputs in(p, 2000 + checked);
-          for (GrlnGrads grads : {GrlnGrads::kAll, GrlnGrads::kNoResidual, GrlnGrads::kNormOnly}) {
-            SCOPED_TRACE(grads == GrlnGrads::kAll ? "every gradient" : grads == GrlnGrads::kNoResidual
-                                                                          ? "g in scratch" : "the norm's gradients");
-            GrlnOutputs cpu, gpu;
-            DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), grads, &cpu));
-            DETDIT_ASSERT_OK(run_fused(in, Device::cuda(0), grads, &gpu));
-            for (const auto& [name, expected] : cpu) {
-              SCOPED_TRACE(name);
-              ASSERT_TRUE(gpu.count(name));
-              EXPECT_BITWISE_EQ(expected, gpu.at(name));
-            }
-          }
-          ++checked;
-        }
+  const int checked = for_each_grln_forms_problem(kForms, kRecipes, GrlnNorm::kLayernorm,
+                                                  [&](const GrlnForm& f, const GrlnProblem& p, int index) {
+    SCOPED_TRACE(std::string(f.name) + ": " + p.describe());
+    expect_grln_cuda_equals_cpu(GrlnInputs(p, 2000 + index));
+  });
   EXPECT_GT(checked, 200);
 }
 
@@ -204,28 +173,28 @@ const Width kWidths[] = {{72, "18 vectors: threads 18.. idle"},
                          {4096, "one whole batch per thread"},
                          {5376, "a second, partial batch"},
                          {8196, "three batches for thread 0"}};
-const Recipe kForwardRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
-                                  {DType::kBF16, DType::kF32, true},   {DType::kBF16, DType::kBF16, true},
-                                  {DType::kF16, DType::kF16, false},   {DType::kF16, DType::kF32, false},
-                                  {DType::kF16, DType::kF16, true},    {DType::kF32, DType::kF32, false},
-                                  {DType::kF32, DType::kF32, true}};
+const GrlnRecipe kForwardRecipes[] = {{DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false},
+                                      {DType::kBF16, DType::kF32, true},   {DType::kBF16, DType::kBF16, true},
+                                      {DType::kF16, DType::kF16, false},   {DType::kF16, DType::kF32, false},
+                                      {DType::kF16, DType::kF16, true},    {DType::kF32, DType::kF32, false},
+                                      {DType::kF32, DType::kF32, true}};
 
 // 300 rows: more blocks than one wave of some GPUs' SMs take, and past one
 // 256-position chunk; S divisible by the per-frame form's F = 3.
 constexpr int64_t kForwardS = 150;
-const Form kForwardForms[] = {{"none", GrlnKind::kNone, 0, false},
-                              {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
-                              {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
-                              {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
-                              {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
-                              {"per_token", GrlnKind::kGrouped, kForwardS, false},
-                              {"indexed", GrlnKind::kIndexed, 0, false}};
+const GrlnForm kForwardForms[] = {{"none", GrlnKind::kNone, 0, false},
+                                  {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
+                                  {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
+                                  {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
+                                  {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
+                                  {"per_token", GrlnKind::kGrouped, kForwardS, false},
+                                  {"indexed", GrlnKind::kIndexed, 0, false}};
 
 TEST(GateResidualLayernormCuda, ForwardIsTheComposition) {
   DETDIT_SKIP_WITHOUT_CUDA();
   int checked = 0;
-  for (const Form& f : kForwardForms)
-    for (const Recipe& r : kForwardRecipes)
+  for (const GrlnForm& f : kForwardForms)
+    for (const GrlnRecipe& r : kForwardRecipes)
       for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 4); ++presence)
         for (bool k : {false, true}) {
           // presence 3: gate, shift and scale, the gate in the activation dtype and the norm's fp32

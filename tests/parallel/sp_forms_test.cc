@@ -176,6 +176,37 @@ Mod local_token_mod(const Mod& full, int64_t seq_len, Bounds b) {
   return testing::bitwise_equal(slice(full, batch, seq_len, b), local);
 }
 
+// The world sizes every in-process case runs at, and the tiny shards' (S = 40:
+// 5 positions per rank at world 8).
+const std::vector<int> kEveryWorld = {1, 2, 3, 4, 5, 6, 7, 8};
+const std::vector<int> kTinyWorlds = {3, 5, 7, 8};
+// The grouped forms every op runs, and the tiny shards' (frames of 10 and
+// samples of 40 positions).
+const Form kEveryForm[] = {Form{1, true}, Form{1, false}, Form{3, true}, Form{7, false}, Form{0, false}};
+const Form kTinyForms[] = {Form{1, false}, Form{4, true}, Form{0, false}};
+
+// rank(comm) on every rank of an in-process group of each world size on
+// `device`, each run expected to succeed.
+void run_every_world(const std::vector<int>& worlds, Device device,
+                     const std::function<Status(Communicator&)>& rank) {
+  for (int world : worlds) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    DETDIT_EXPECT_OK(InProcessGroup::run(world, rank, device));
+  }
+}
+
+// A case of each of kTinyForms at S = 40 with recipe r, run at kTinyWorlds.
+template <typename Case, typename Run>
+void run_tiny_shards(const Recipe& r, const Run& run) {
+  for (const Form& form : kTinyForms) {
+    Case tiny;
+    tiny.seq_len = 40;
+    tiny.form = form;
+    tiny.recipe = r;
+    run(tiny, kTinyWorlds, Device::cpu());
+  }
+}
+
 // ---------------------------------------------------------------- rmsnorm
 
 struct NormCase {
@@ -286,16 +317,14 @@ Status norm_rank(Communicator& comm, Device device, const NormCase& c, const Nor
   return Status();
 }
 
-void run_norm_case(const NormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_norm_case(const NormCase& c, const std::vector<int>& worlds = kEveryWorld,
                    Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   NormData d;
   norm_ws1(c, &d);
   for (const HostTensor* t : {&d.out, &d.dx, &d.d_shift, &d.d_scale})
     ASSERT_FALSE(testing::all_bytes_are(*t, 0)) << "WS1 left an output zero";
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return norm_rank(comm, device, c, d); }, device));
+  run_every_world(worlds, device, [&](Communicator& comm) { return norm_rank(comm, device, c, d); });
 }
 
 const Recipe kRecipes[] = {
@@ -307,7 +336,7 @@ const Recipe kRecipes[] = {
 
 TEST(SpForms, RmsnormEveryFormAndRecipeEveryWorldSize) {
   for (const Recipe& r : kRecipes) {
-    for (Form form : {Form{1, true}, Form{1, false}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+    for (Form form : kEveryForm) {
       NormCase c;
       c.form = form;
       c.recipe = r;
@@ -322,13 +351,7 @@ TEST(SpForms, RmsnormOddSequencePerSampleAndTinyShards) {
   odd.form = Form{1, true};
   run_norm_case(odd);
   // 5 positions per rank at world 8; frames of 10 and samples of 40 positions.
-  for (Form form : {Form{1, false}, Form{4, true}, Form{0, false}}) {
-    NormCase tiny;
-    tiny.seq_len = 40;
-    tiny.form = form;
-    tiny.recipe = kRecipes[1];
-    run_norm_case(tiny, {3, 5, 7, 8});
-  }
+  run_tiny_shards<NormCase>(kRecipes[1], run_norm_case);
 }
 
 // ---------------------------------------------------------------- gate_residual
@@ -420,21 +443,19 @@ Status gate_rank(Communicator& comm, Device device, const GateCase& c, const Gat
   return Status();
 }
 
-void run_gate_case(const GateCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_gate_case(const GateCase& c, const std::vector<int>& worlds = kEveryWorld,
                    Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   GateData d;
   gate_ws1(c, &d);
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return gate_rank(comm, device, c, d); }, device));
+  run_every_world(worlds, device, [&](Communicator& comm) { return gate_rank(comm, device, c, d); });
 }
 
 TEST(SpForms, GateResidualEveryFormAndRecipeEveryWorldSize) {
   for (Recipe r : kRecipes) {
     for (bool k : {false, true}) {
       r.has_k = k;
-      for (Form form : {Form{1, true}, Form{1, false}, Form{3, true}, Form{7, false}, Form{0, false}}) {
+      for (Form form : kEveryForm) {
         GateCase c;
         c.form = form;
         c.recipe = r;
@@ -452,13 +473,7 @@ TEST(SpForms, GateResidualOddSequenceAndTinyShards) {
   odd.seq_len = 4097;
   odd.form = Form{1, true};
   run_gate_case(odd);
-  for (Form form : {Form{1, false}, Form{4, true}, Form{0, false}}) {
-    GateCase tiny;
-    tiny.seq_len = 40;
-    tiny.form = form;
-    tiny.recipe = kRecipes[2];
-    run_gate_case(tiny, {3, 5, 7, 8});
-  }
+  run_tiny_shards<GateCase>(kRecipes[2], run_gate_case);
 }
 
 
@@ -592,14 +607,12 @@ Status layernorm_rank(Communicator& comm, Device device, const LayernormCase& c,
   return Status();
 }
 
-void run_layernorm_case(const LayernormCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_layernorm_case(const LayernormCase& c, const std::vector<int>& worlds = kEveryWorld,
                         Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   LayernormData d;
   layernorm_ws1(c, &d);
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return layernorm_rank(comm, device, c, d); }, device));
+  run_every_world(worlds, device, [&](Communicator& comm) { return layernorm_rank(comm, device, c, d); });
 }
 
 TEST(SpForms, LayernormEveryFormRecipeAndAffineEveryWorldSize) {
@@ -621,13 +634,7 @@ TEST(SpForms, LayernormEveryFormRecipeAndAffineEveryWorldSize) {
 }
 
 TEST(SpForms, LayernormTinyShards) {
-  for (Form form : {Form{1, false}, Form{4, true}, Form{0, false}}) {
-    LayernormCase tiny;
-    tiny.seq_len = 40;
-    tiny.form = form;
-    tiny.recipe = kRecipes[2];
-    run_layernorm_case(tiny, {3, 5, 7, 8});
-  }
+  run_tiny_shards<LayernormCase>(kRecipes[2], run_layernorm_case);
 }
 
 
@@ -757,14 +764,12 @@ Status indexed_rank(Communicator& comm, Device device, const IndexedCase& c, con
   return Status();
 }
 
-void run_indexed_case(const IndexedCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_indexed_case(const IndexedCase& c, const std::vector<int>& worlds = kEveryWorld,
                       Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   IndexedData d;
   indexed_ws1(c, &d);
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return indexed_rank(comm, device, c, d); }, device));
+  run_every_world(worlds, device, [&](Communicator& comm) { return indexed_rank(comm, device, c, d); });
 }
 
 TEST(SpForms, LayernormIndexedEveryRecipeBothPackingsEveryWorldSize) {
@@ -872,7 +877,7 @@ Status indexed_recipe_rank(Communicator& comm, Device device, const IndexedRecip
   return Status();
 }
 
-void run_indexed_recipe_case(const IndexedRecipeCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_indexed_recipe_case(const IndexedRecipeCase& c, const std::vector<int>& worlds = kEveryWorld,
                              Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   const std::vector<int64_t> rows = {c.batch, c.seq_len, c.hidden};
@@ -935,9 +940,8 @@ void run_indexed_recipe_case(const IndexedRecipeCase& c, std::initializer_list<i
   gb.d_y = ws1[8].view();
   gb.d_gate = ws1[9].view();
   DETDIT_ASSERT_OK(gate_residual_backward(gb));
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return indexed_recipe_rank(comm, device, c, index, in, ws1); }, device));
+  run_every_world(worlds, device,
+                  [&](Communicator& comm) { return indexed_recipe_rank(comm, device, c, index, in, ws1); });
 }
 
 TEST(SpForms, RmsnormAndGateResidualIndexedRecipesEveryWorldSize) {
@@ -1132,7 +1136,7 @@ Status fused_rank(Communicator& comm, Device device, const FusedCase& c, const F
   return Status();
 }
 
-void run_fused_case(const FusedCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_fused_case(const FusedCase& c, const std::vector<int>& worlds = kEveryWorld,
                     Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   FusedData d;
@@ -1140,9 +1144,7 @@ void run_fused_case(const FusedCase& c, std::initializer_list<int> worlds = {1, 
   const GateResidualLayernormParams f = fused_forward(c, d, d.residual, d.y, d.gate, d.shift, d.scale, d);
   DETDIT_ASSERT_OK(gate_residual_layernorm_forward(f));
   DETDIT_ASSERT_OK(gate_residual_layernorm_backward(fused_backward(c, f, d.d_out, d.d_h, d.gate, d.shift, d.scale, d)));
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return fused_rank(comm, device, c, d); }, device));
+  run_every_world(worlds, device, [&](Communicator& comm) { return fused_rank(comm, device, c, d); });
 }
 
 TEST(SpForms, GateResidualLayernormEveryFormAndRecipeEveryWorldSize) {
@@ -1398,16 +1400,14 @@ Status grr_rank(Communicator& comm, Device device, const GrrCase& c, const GrrDa
   return Status();
 }
 
-void run_grr_case(const GrrCase& c, std::initializer_list<int> worlds = {1, 2, 3, 4, 5, 6, 7, 8},
+void run_grr_case(const GrrCase& c, const std::vector<int>& worlds = kEveryWorld,
                   Device device = Device::cpu()) {
   SCOPED_TRACE(c.name());
   GrrData d;
   grr_ws1(c, &d);
   for (const HostTensor* t : {&d.h, &d.out, &d.d_y, &d.d_weight})
     ASSERT_FALSE(testing::all_bytes_are(*t, 0)) << "WS1 left an output zero";
-  for (int world : worlds)
-    DETDIT_EXPECT_OK(InProcessGroup::run(
-        world, [&](Communicator& comm) { return grr_rank(comm, device, c, d); }, device));
+  run_every_world(worlds, device, [&](Communicator& comm) { return grr_rank(comm, device, c, d); });
 }
 
 TEST(SpForms, GateResidualRmsnormEveryFormAndRecipeEveryWorldSize) {

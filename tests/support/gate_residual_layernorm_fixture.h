@@ -8,11 +8,15 @@
 // run_fused runs the region on a device; run_composed runs the two separate
 // ops (gate_residual, then layernorm or rmsnorm) on the CPU as autograd
 // composes them (the d_h sum written out here).
+// The forms sweep (kGrlnForms x kGrlnRecipes, for_each_grln_forms_problem)
+// and the output comparisons are the suites' shared checks.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "detdit/gate_residual.h"
@@ -22,6 +26,7 @@
 #include "detdit/rmsnorm.h"
 #include "cases/index_case.h"
 #include "support/cases.h"
+#include "support/rowwise_fixture.h"
 #include "support/test_util.h"
 
 namespace detdit {
@@ -299,6 +304,147 @@ inline Status run_composed(const GrlnInputs& in, GrlnOutputs* outputs) {
     for (int64_t i = 0; i < g.numel(); ++i)
       g.set(i, static_cast<float>(static_cast<float>(g.get(i)) + static_cast<float>(in.d_h.get(i))));
   return gate_residual_backward({gate, g.view(), view("d_residual"), view("d_y"), view("d_gate")});
+}
+
+// The forms sweep the region suites share (CPU and CUDA, both norms): a
+// modulation form with its name, and a recipe (x and modulation dtypes,
+// upcast).
+struct GrlnForm {
+  const char* name;
+  GrlnKind kind;
+  int64_t frames;
+  bool with_unit;
+};
+struct GrlnRecipe {
+  DType x, mod;
+  bool upcast;
+};
+constexpr int64_t kGrlnS = 300;  // per sample: 2 chunks of 256 from the group's start
+inline constexpr GrlnForm kGrlnForms[] = {{"none", GrlnKind::kNone, 0, false},
+                                          {"per_sample (B, H)", GrlnKind::kGrouped, 1, false},
+                                          {"per_sample (B, 1, H)", GrlnKind::kGrouped, 1, true},
+                                          {"per_frame (B, F, H)", GrlnKind::kGrouped, 3, false},
+                                          {"per_frame (B, F, 1, H)", GrlnKind::kGrouped, 3, true},
+                                          {"per_token", GrlnKind::kGrouped, kGrlnS, false},
+                                          {"indexed", GrlnKind::kIndexed, 0, false}};
+inline constexpr GrlnRecipe kGrlnRecipes[] = {
+    {DType::kBF16, DType::kBF16, false}, {DType::kBF16, DType::kF32, false}, {DType::kBF16, DType::kF32, true},
+    {DType::kF16, DType::kF16, true},    {DType::kF16, DType::kF32, false},  {DType::kF32, DType::kF32, false}};
+
+// Every problem of the sweep, in order: form x recipe x presence x k x d_h
+// (B = 2, S = kGrlnS, H = 72), calling fn(form, problem, index) with index
+// 0, 1, ... (the suites draw each problem's seed from it); returns how many.
+// Presence 0: gate, shift and scale; 1: gate and a plain norm; 2: shift and
+// scale without a gate (the none form: presence 0 only). k needs a gate. The
+// affine variant: layernorm's cycles with (index + presence) % 3 so that
+// every variant meets every form; rmsnorm has its weight only.
+template <typename Forms, typename Recipes, typename Fn>
+int for_each_grln_forms_problem(const Forms& forms, const Recipes& recipes, GrlnNorm norm, Fn&& fn) {
+  int index = 0;
+  for (const GrlnForm& f : forms)
+    for (const GrlnRecipe& r : recipes)
+      for (int presence = 0; presence < (f.kind == GrlnKind::kNone ? 1 : 3); ++presence)
+        for (int variant = 0; variant < 4; ++variant) {
+          const bool k = variant & 1, d_h = variant & 2;
+          if (k && (f.kind == GrlnKind::kNone || presence == 2)) continue;
+          const GrlnAffine affine = norm == GrlnNorm::kRmsnorm ? GrlnAffine::kWeight
+                                                               : static_cast<GrlnAffine>((index + presence) % 3);
+          const GrlnProblem p{2,     kGrlnS,   72,     f.kind,        f.frames,      f.with_unit, r.x,
+                              r.mod, r.upcast, affine, presence != 2, presence != 1, k,           d_h,
+                              norm};
+          fn(f, p, index);
+          ++index;
+        }
+  return index;
+}
+
+// Any byte of t is not the canary: the run wrote it.
+inline ::testing::AssertionResult grln_written(const HostTensor& t) {
+  const auto* bytes = static_cast<const unsigned char*>(t.data());
+  for (std::size_t i = 0; i < t.nbytes(); ++i)
+    if (bytes[i] != kCanary) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "every byte is still the canary";
+}
+
+// Every output of expected is in got, was written, and has got's bytes.
+inline void expect_grln_outputs_equal(const GrlnOutputs& expected, const GrlnOutputs& got) {
+  for (const auto& [name, e] : expected) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(got.count(name)) << "missing";
+    EXPECT_TRUE(grln_written(e));
+    EXPECT_BITWISE_EQ(e, got.at(name));
+  }
+}
+
+// The region on CUDA device 0 byte-equal to the CPU reference, with every
+// gradient, with g in scratch, and with the norm's gradients alone.
+inline void expect_grln_cuda_equals_cpu(const GrlnInputs& in) {
+  for (GrlnGrads grads : {GrlnGrads::kAll, GrlnGrads::kNoResidual, GrlnGrads::kNormOnly}) {
+    SCOPED_TRACE(grads == GrlnGrads::kAll ? "every gradient"
+                 : grads == GrlnGrads::kNoResidual ? "g in scratch"
+                                                   : "the norm's gradients");
+    GrlnOutputs cpu, gpu;
+    DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), grads, &cpu));
+    DETDIT_ASSERT_OK(run_fused(in, Device::cuda(0), grads, &gpu));
+    for (const auto& [name, expected] : cpu) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(gpu.count(name));
+      EXPECT_BITWISE_EQ(expected, gpu.at(name));
+    }
+  }
+}
+
+// The region on the CPU equal to the two ops composed (run_composed): every
+// output and gradient, then with g in scratch (no d_residual), then the
+// norm's gradients alone (no g at all).
+inline void expect_grln_fused_equals_composed(const GrlnInputs& in) {
+  GrlnOutputs composed, fused, fused_scratch, fused_norm_only;
+  DETDIT_ASSERT_OK(run_composed(in, &composed));
+  DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kAll, &fused));
+  expect_grln_outputs_equal(composed, fused);
+  DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNoResidual, &fused_scratch));
+  composed.erase("d_residual");
+  expect_grln_outputs_equal(composed, fused_scratch);
+  DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), GrlnGrads::kNormOnly, &fused_norm_only));
+  composed.erase("d_y");
+  composed.erase("d_gate");
+  expect_grln_outputs_equal(composed, fused_norm_only);
+}
+
+// Sample 1 of a batch of 3 (a grouped form, S = kGrlnS, H = 72, seed 7) and
+// the same sample alone on the CPU: the same bytes in every row-local output,
+// its per-sample / per-frame gradients and its statistics (layernorm: mean
+// and rstd; rmsnorm: rstd).
+inline void expect_grln_sample_alone_as_in_batch(const GrlnForm& f, const GrlnRecipe& r, GrlnAffine affine,
+                                                 GrlnNorm norm) {
+  const GrlnProblem batch_p{3,      kGrlnS, 72,   f.kind, f.frames, f.with_unit, r.x, r.mod, r.upcast,
+                            affine, true,   true, false,  true,     norm};
+  GrlnProblem alone_p = batch_p;
+  alone_p.batch = 1;
+  SCOPED_TRACE(std::string(f.name) + ": " + batch_p.describe());
+  const GrlnInputs batch(batch_p, 7);
+  GrlnInputs alone(alone_p, 7);
+  for (auto [from, to] : std::vector<std::pair<const HostTensor*, HostTensor*>>{
+           {&batch.residual, &alone.residual}, {&batch.y, &alone.y}, {&batch.d_out, &alone.d_out},
+           {&batch.d_h, &alone.d_h}})
+    copy_row(*from, 1, to, 0);
+  // The parent (B*F, 6, H): sample 1's F rows.
+  const std::size_t group_rows = static_cast<std::size_t>(f.frames) * 6 * 72 * dtype_size(r.mod);
+  std::memcpy(alone.parent.data(), static_cast<const char*>(batch.parent.data()) + group_rows, group_rows);
+  GrlnOutputs in_batch, on_its_own;
+  DETDIT_ASSERT_OK(run_fused(batch, Device::cpu(), GrlnGrads::kAll, &in_batch));
+  DETDIT_ASSERT_OK(run_fused(alone, Device::cpu(), GrlnGrads::kAll, &on_its_own));
+  for (const char* name : {"h", "out", "d_residual", "d_y", "d_gate", "d_shift", "d_scale"}) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(rows_bitwise_equal(in_batch.at(name), 1, on_its_own.at(name), 0));
+  }
+  std::vector<const char*> stats = {"rstd"};
+  if (norm == GrlnNorm::kLayernorm) stats.insert(stats.begin(), "mean");
+  for (const char* name : stats) {
+    EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at(name).data()) + kGrlnS,
+                                    on_its_own.at(name).data(), kGrlnS, DType::kF32))
+        << name;
+  }
 }
 
 }  // namespace testing
