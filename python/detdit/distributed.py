@@ -114,12 +114,25 @@ def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable
 
 class SpRegion:
     """The sequence-parallel region of one packed index: build once per step (it derives the
-    chunk owners and the rows that move from the replicated plan) and reuse in every block."""
+    chunk owners and the rows that move from the replicated plan) and reuse in every block.
 
-    def __init__(self, plan, comm):
+    ``plan=None`` with ``seq_len`` (S, the global sequence length) and ``batch`` makes a region
+    without an index: positions only, for the per-sample, per-frame and per-token modulation
+    forms and the plain ops."""
+
+    def __init__(self, plan, comm, seq_len=None, batch=None):
         self.comm = comm
         self.plan = plan
-        self.sp = _ops.sp_plan.default(plan, comm.world, comm.rank)
+        if plan is None:
+            if seq_len is None or batch is None:
+                raise ValueError("a region without an index (plan=None) needs seq_len= and batch=")
+            _check("SpRegion", seq_len=(seq_len, _INT), batch=(batch, _INT))
+            self.sp = _ops.sp_plan.positions(seq_len, batch, comm.world, comm.rank)
+        else:
+            if seq_len is not None or batch is not None:
+                raise ValueError("seq_len= and batch= are for a region without an index (plan=None); "
+                                 "a plan gives its own")
+            self.sp = _ops.sp_plan.default(plan, comm.world, comm.rank)
 
     @property
     def local_slice(self):
@@ -145,5 +158,6 @@ class SpRegion:
         return h, out
 
 
-def sp_region(plan, comm):
-    return SpRegion(plan, comm)
+def sp_region(plan, comm, seq_len=None, batch=None):
+    """``SpRegion(plan, comm, seq_len=..., batch=...)``."""
+    return SpRegion(plan, comm, seq_len=seq_len, batch=batch)

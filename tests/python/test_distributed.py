@@ -262,6 +262,50 @@ def _local_error_checks(rank, world):
     assert torch.equal(table.view(torch.int16), detdit.adaln_projection(temb, w, b).view(torch.int16))
 
 
+def _sp_positions_checks(rank, world):
+    # a region without an index: its local slice, its pickled state, and a plain rmsnorm on it
+    import copy
+    import pickle
+
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal
+
+    batch, seq, hidden = 2, 300, 32
+    comm = detdit.distributed.Communicator()
+    region = detdit.distributed.sp_region(None, comm, seq_len=seq, batch=batch)
+    local = region.local_slice
+    assert (local.start, local.stop) == (rank * seq // world, (rank + 1) * seq // world)
+    assert (region.sp.world(), region.sp.rank(), region.sp.local_seq_len()) == (world, rank, local.stop - local.start)
+    for copied in (copy.deepcopy(region.sp), pickle.loads(pickle.dumps(region.sp))):
+        assert copied == region.sp and not copied != region.sp
+        assert (copied.local_begin(), copied.local_end()) == (local.start, local.stop)
+    ops = torch.ops.detdit
+    for other in (ops.sp_plan.positions(seq + 1, batch, world, rank), ops.sp_plan.positions(seq, batch + 1, world, rank),
+                  ops.sp_plan.positions(seq, batch, world + 1, rank)):
+        assert region.sp != other and not region.sp == other
+    with pytest.raises(ValueError, match="seq_len= and batch="):
+        detdit.distributed.SpRegion(None, comm)
+    with pytest.raises(ValueError, match="need seq_len >= 1 and batch >= 1"):
+        ops.sp_plan.positions(seq, 0, world, rank)
+    if world > 1:
+        with pytest.raises(ValueError, match="every rank needs a row"):
+            ops.sp_plan.positions(world - 1, batch, world, rank)
+
+    x = normal((batch, seq, hidden), 340, torch.bfloat16)
+    w = (1 + normal((hidden,), 341, scale=0.05)).bfloat16()
+    grad = normal((batch, seq, hidden), 342, torch.bfloat16)
+    ws1 = [t.clone().requires_grad_(True) for t in (x, w)]
+    ws1_out = detdit.rmsnorm(ws1[0], ws1[1])
+    ws1_out.backward(grad)
+    sp = [x[:, local].contiguous().requires_grad_(True), w.clone().requires_grad_(True)]
+    sp_out = region.rmsnorm(sp[0], sp[1])
+    sp_out.backward(grad[:, local].contiguous())
+    assert_bitwise_equal(sp_out, ws1_out[:, local], f"rank {rank}/{world}: out")
+    assert_bitwise_equal(sp[0].grad, ws1[0].grad[:, local], f"rank {rank}/{world}: dx")
+    assert_bitwise_equal(sp[1].grad, ws1[1].grad, f"rank {rank}/{world}: d_weight (replicated)")
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
@@ -278,6 +322,8 @@ def _worker(rank, world, init_file, checks):
         _tp_uneven_checks(rank, world)
     if "local_error" in checks:
         _local_error_checks(rank, world)
+    if "sp_positions" in checks:
+        _sp_positions_checks(rank, world)
     dist.destroy_process_group()
 
 
@@ -293,6 +339,11 @@ def test_sp_region_and_tp_projection_byte_equal_to_one_process(world, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_sp_gate_residual_rmsnorm_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp_fused",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_region_without_an_index(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_positions",))
 
 
 def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):

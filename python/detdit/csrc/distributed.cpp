@@ -266,16 +266,28 @@ SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op) {
 }
 
 SpPlanHolder::State SpPlanHolder::state() const {
+  if (!sp.global_plan().valid())
+    return State(at::full({1}, sp.seq_len(), at::kLong), 0, sp.batch(), "cpu", world(), rank());
   const auto [row_index, num_rows, batch, device] = plan_state(sp.global_plan());
   return State(row_index, num_rows, batch, device, world(), rank());
 }
 
 bool SpPlanHolder::equals(const SpPlanHolder& other) const {
-  return world() == other.world() && rank() == other.rank() && same_table(sp.global_plan(), other.sp.global_plan());
+  if (world() != other.world() || rank() != other.rank()) return false;
+  const bool indexed = sp.global_plan().valid();
+  if (indexed != other.sp.global_plan().valid()) return false;
+  if (!indexed) return sp.seq_len() == other.sp.seq_len() && sp.batch() == other.sp.batch();
+  return same_table(sp.global_plan(), other.sp.global_plan());
 }
 
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state) {
   const auto& [row_index, num_rows, batch, device, world, rank] = state;
+  if (num_rows == 0) {
+    if (row_index.dim() != 1 || row_index.numel() != 1 || row_index.scalar_type() != at::kLong)
+      C10_THROW_ERROR(ValueError, "a pickled index-free SpPlan's state holds [seq_len] (one int64), got a tensor of " +
+                                      std::to_string(row_index.numel()) + " elements");
+    return make_sp_plan_positions(row_index.item<int64_t>(), batch, world, rank);
+  }
   return make_sp_plan(OptPlan(plan_from_state(PlanHolder::State(row_index, num_rows, batch, device))), world, rank);
 }
 
@@ -297,6 +309,12 @@ SpPlanPtr make_sp_plan(const OptPlan& plan, int64_t world, int64_t rank) {
 #endif
   detdit::SpPlan sp;
   check_ok(detdit::SpPlan::create(index, to_int(world, "world"), to_int(rank, "rank"), &sp, stream));
+  return c10::make_intrusive<SpPlanHolder>(std::move(sp));
+}
+
+SpPlanPtr make_sp_plan_positions(int64_t seq_len, int64_t batch, int64_t world, int64_t rank) {
+  detdit::SpPlan sp;
+  check_ok(detdit::SpPlan::create(seq_len, batch, to_int(world, "world"), to_int(rank, "rank"), &sp));
   return c10::make_intrusive<SpPlanHolder>(std::move(sp));
 }
 

@@ -48,7 +48,11 @@ struct SpPlanHolder : torch::CustomClassHolder {
   Flat flatten() const;
 
   // Pickled as the IndexPlan it was made from (its global plan; plan.h) and
-  // (world, rank), and rebuilt by sp_plan; equal when those are.
+  // (world, rank), and rebuilt by sp_plan; equal when those are. A region
+  // without an index pickles as ([seq_len] (int64), 0, batch, "cpu", world,
+  // rank): num_rows 0, which no IndexPlan has, marks it; rebuilt by
+  // sp_plan.positions, equal to another index-free one of the same seq_len,
+  // batch, world and rank.
   using State = std::tuple<Tensor, int64_t, int64_t, std::string, int64_t, int64_t>;
   State state() const;
   bool equals(const SpPlanHolder& other) const;
@@ -68,6 +72,10 @@ SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op);
 // The plan is optional in the schema only so that a missing one is
 // required_plan's ValueError rather than the dispatcher's RuntimeError.
 SpPlanPtr make_sp_plan(const OptPlan& plan, int64_t world, int64_t rank);
+// sp_plan.positions: the SpPlan of a region without an index
+// (detdit::SpPlan::create(seq_len, batch, world, rank)), for the grouped
+// modulation forms and the plain ops.
+SpPlanPtr make_sp_plan_positions(int64_t seq_len, int64_t batch, int64_t world, int64_t rank);
 // The SpPlan of a pickled state (SpPlanHolder::state), through sp_plan.
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state);
 

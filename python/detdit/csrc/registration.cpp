@@ -429,6 +429,8 @@ TORCH_LIBRARY(detdit, m) {
 
   // detdit.distributed: `comm` is a handle from _C._register_communicator.
   m.def("sp_plan(" DETDIT_PLAN "? plan, int world, int rank) -> " DETDIT_SP_PLAN, &make_sp_plan);
+  m.def("sp_plan.positions(int seq_len, int batch, int world, int rank) -> " DETDIT_SP_PLAN,
+        &make_sp_plan_positions);
   def_op<TpAdalnProjectionFunction>(
       m, "tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics, "
       "int? out_features=None) -> (Tensor, Tensor)",
