@@ -23,7 +23,8 @@ checked across ranks, and a validation error on one rank fails the call on every
 import torch
 import torch.distributed as dist
 
-from . import _C, H3_NORM_EPS, _INT, _OPTIONAL_INT, _check, _profile
+from . import (_BOOL, _C, H3_NORM_EPS, _INT, _OPTIONAL_INT, _OPTIONAL_REAL, _OPTIONAL_TENSOR, _REAL, _TENSOR, _check,
+               _profile)
 
 __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection", "shard_rows"]
 
@@ -156,6 +157,33 @@ class SpRegion:
         h, out, _ = _ops.sp_gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale, self.sp, self.comm.handle,
                                                   float(eps), _profile(numerics))
         return h, out
+
+    def layernorm(self, x, weight=None, bias=None, shift=None, scale=None, eps=1e-5, upcast=False,
+                  numerics="portable"):
+        """``detdit.layernorm`` of the local rows ``(B, S_local, H)``, with the region's plan for
+        the indexed form. Per-sample ``(B, H)`` / ``(B, 1, H)`` and per-frame ``(B, F, H)`` /
+        ``(B, F, 1, H)`` shift and scale are replicated and mean the global positions (frame
+        ``s // (S/F)`` of the full S); per-token ones are the local rows ``(B, S_local, H)``,
+        and so are their gradients."""
+        _check("SpRegion.layernorm", x=(x, _TENSOR), weight=(weight, _OPTIONAL_TENSOR),
+               bias=(bias, _OPTIONAL_TENSOR), shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR),
+               eps=(eps, _REAL), upcast=(upcast, _BOOL))
+        return _ops.sp_layernorm.default(x, weight, bias, shift, scale, self.sp, self.comm.handle, float(eps),
+                                         _profile(numerics), upcast)[0]
+
+    def gate_residual_layernorm(self, residual, y, gate=None, weight=None, bias=None, shift=None, scale=None,
+                                eps=1e-5, upcast=False, numerics="portable", k=None):
+        """``detdit.gate_residual_layernorm`` of the local rows: ``(out, h)``, the modulation
+        forms as :meth:`layernorm`'s (no indexed form). Every rank must use out and h alike
+        (each needs a gradient on every rank or on none)."""
+        _check("SpRegion.gate_residual_layernorm", residual=(residual, _TENSOR), y=(y, _TENSOR),
+               gate=(gate, _OPTIONAL_TENSOR), weight=(weight, _OPTIONAL_TENSOR), bias=(bias, _OPTIONAL_TENSOR),
+               shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL),
+               upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+        out, h, _, _ = _ops.sp_gate_residual_layernorm.default(residual, y, gate, weight, bias, shift, scale, self.sp,
+                                                               self.comm.handle, float(eps), _profile(numerics),
+                                                               upcast, None if k is None else float(k))
+        return out, h
 
 
 def sp_region(plan, comm, seq_len=None, batch=None):

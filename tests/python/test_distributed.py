@@ -306,6 +306,67 @@ def _sp_positions_checks(rank, world):
     assert_bitwise_equal(sp[1].grad, ws1[1].grad, f"rank {rank}/{world}: d_weight (replicated)")
 
 
+def _sp_layernorm_checks(rank, world):
+    # layernorm and gate_residual_layernorm on a region without an index, per sample, per frame
+    # (frames of 50 positions: some straddle the ranks) and per token, both recipes: every
+    # output and gradient byte-equal to one process on the full sequence
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal
+
+    batch, seq, frames, hidden = 2, 300, 6, 32
+    bf, f32 = torch.bfloat16, torch.float32
+    comm = detdit.distributed.Communicator()
+    region = detdit.distributed.SpRegion(None, comm, seq_len=seq, batch=batch)
+    local = region.local_slice
+    shapes = {"per_sample": (batch, hidden), "per_frame": (batch, frames, hidden), "per_token": (batch, seq, hidden)}
+    x, residual, y = (normal((batch, seq, hidden), seed, bf) for seed in (350, 351, 352))
+    weight = (1 + normal((hidden,), 353, scale=0.05)).bfloat16()
+    bias = normal((hidden,), 354, bf, scale=0.1)
+
+    def sp_rows(t):
+        # the SP region's view of an input: the local rows of an activation or a per-token tensor
+        return t[:, local].contiguous() if t.dim() == 3 and t.shape[1] == seq else t
+
+    for form, shape in shapes.items():
+        for upcast, mdtype in ((False, f32), (False, bf), (True, bf)):
+            where = f"rank {rank}/{world}: {form}, upcast={upcast}, {mdtype}"
+            shift, scale, gate = (normal(shape, seed, mdtype, scale=0.3) for seed in (355, 356, 357))
+            # layernorm
+            ws1 = [t.clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+            out = detdit.layernorm(ws1[0], ws1[1], ws1[2], ws1[3], ws1[4], upcast=upcast)
+            grad = normal(tuple(out.shape), 358, out.dtype)
+            out.backward(grad)
+            sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+            sp_out = region.layernorm(sp[0], sp[1], sp[2], sp[3], sp[4], upcast=upcast)
+            sp_out.backward(grad[:, local].contiguous())
+            assert_bitwise_equal(sp_out, out[:, local], f"{where}: layernorm out")
+            for i, name in enumerate(("dx", "d_weight", "d_bias", "d_shift", "d_scale")):
+                assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: layernorm {name}")
+            # gate_residual_layernorm, gradients reaching both out and h
+            for k in (None, 1.0):
+                # the norm's parameters have h's dtype: fp32 for an fp32 gate with upcast off
+                leaves = (residual, y, gate, weight.to(mdtype), bias.to(mdtype), shift, scale)
+                ws1 = [t.clone().requires_grad_(True) for t in leaves]
+                out, h = detdit.gate_residual_layernorm(*ws1[:7], upcast=upcast, k=k)
+                d_out, d_h = normal(tuple(out.shape), 359, out.dtype), normal(tuple(h.shape), 360, h.dtype)
+                torch.autograd.backward([out, h], [d_out, d_h])
+                sp = [sp_rows(t).clone().requires_grad_(True) for t in leaves]
+                sp_out, sp_h = region.gate_residual_layernorm(*sp, upcast=upcast, k=k)
+                torch.autograd.backward([sp_out, sp_h], [d_out[:, local].contiguous(), d_h[:, local].contiguous()])
+                assert_bitwise_equal(sp_out, out[:, local], f"{where}, k={k}: out")
+                assert_bitwise_equal(sp_h, h[:, local], f"{where}, k={k}: h")
+                for i, name in enumerate(("d_residual", "d_y", "d_gate", "d_weight", "d_bias", "d_shift", "d_scale")):
+                    assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}, k={k}: {name}")
+                # the replicated gradients are the same bytes on every rank
+                replicated = (3, 4) if form == "per_token" else (2, 3, 4, 5, 6)
+                mine = torch.cat([sp[i].grad.float().flatten() for i in replicated]).view(torch.int32)
+                every = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(every, mine)
+                for r, theirs in enumerate(every):
+                    assert torch.equal(theirs, mine), f"{where}, k={k}: replicated gradients differ from rank {r}'s"
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
@@ -324,6 +385,8 @@ def _worker(rank, world, init_file, checks):
         _local_error_checks(rank, world)
     if "sp_positions" in checks:
         _sp_positions_checks(rank, world)
+    if "sp_layernorm" in checks:
+        _sp_layernorm_checks(rank, world)
     dist.destroy_process_group()
 
 
@@ -344,6 +407,11 @@ def test_sp_gate_residual_rmsnorm_byte_equal_to_one_process(world, tmp_path):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sp_region_without_an_index(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp_positions",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_layernorm_and_gate_residual_layernorm_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_layernorm",))
 
 
 def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):

@@ -437,6 +437,68 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
 }
 
 // ---------------------------------------------------------------------------
+// sp_layernorm
+
+std::tuple<Tensor, Tensor, Tensor> sp_layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp,
+                                                int64_t, double eps, const std::string& numerics, bool upcast) {
+  auto call = [&](const detdit::LayernormParams& p, detdit::Stream stream) {
+    return detdit::sp_layernorm_forward(sp->sp, p, stream);
+  };
+  return layernorm_forms_with(call, x, weight, bias, shift, scale, sp->sp.global_plan(), eps, numerics, upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sp_layernorm_backward(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const SpPlanPtr& sp, const Tensor& mean, const Tensor& rstd, int64_t comm, double eps,
+    const std::string& numerics, bool upcast) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::LayernormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_layernorm_backward(*group, sp->sp, p, stream);
+    };
+    return layernorm_backward_forms_with(call, grad, x, weight, bias, shift, scale, sp->sp.global_plan(), mean, rstd,
+                                         eps, numerics, upcast, {true, true, true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// sp_gate_residual_layernorm
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, int64_t, double eps,
+    const std::string& numerics, bool upcast, Optional<double> k) {
+  auto call = [&](const detdit::GateResidualLayernormParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_layernorm_forward(sp->sp, p, stream);
+  };
+  return gate_residual_layernorm_with(call, residual, y, gate, weight, bias, shift, scale, sp->sp.global_plan(), eps,
+                                      numerics, upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, int64_t comm, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualLayernormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_layernorm_backward(*group, sp->sp, p, stream);
+    };
+    auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    return gate_residual_layernorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, bias, shift, scale,
+                                                 sp->sp.global_plan(), h, mean, rstd, eps, numerics, upcast, k,
+                                                 {true, true, true, true, true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// ---------------------------------------------------------------------------
 // The Python module's functions
 
 namespace {

@@ -126,6 +126,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
     int64_t comm, double eps, const std::string& numerics);
 
+// sp_layernorm: layernorm.forms (ops.h) of the local rows (B, S_local, H):
+// (out, mean, rstd). Per-sample / per-frame shift and scale are replicated and
+// resolved against the global (B, S, H), per token they are the local rows;
+// the indexed form takes the region's plan. Backward: (dx local, d_weight,
+// d_bias replicated, d_shift / d_scale in their tensors' shape: replicated
+// for the grouped and indexed forms, local rows per token).
+std::tuple<Tensor, Tensor, Tensor> sp_layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp,
+                                                int64_t comm, double eps, const std::string& numerics, bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sp_layernorm_backward(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const SpPlanPtr& sp, const Tensor& mean, const Tensor& rstd, int64_t comm, double eps,
+    const std::string& numerics, bool upcast);
+
+// sp_gate_residual_layernorm: gate_residual_layernorm (ops.h) of the local
+// rows, the grouped forms and none (the library refuses a plan): (out, h,
+// mean, rstd). Backward from d_out and d_h, either absent, as
+// sp_gate_residual_rmsnorm_backward: (d_residual, d_y local, d_gate, d_weight,
+// d_bias, d_shift, d_scale as sp_layernorm's); every rank must agree on which
+// of d_out and d_h it has.
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+    const std::string& numerics, bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, int64_t comm, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k);
+
 // Python: _C._register_communicator(gather, rank, world, device) -> handle.
 PyObject* register_communicator(PyObject*, PyObject* args);
 // Python: _C._release_communicator(handle). Ops that captured it keep it alive.

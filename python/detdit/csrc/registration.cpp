@@ -458,6 +458,27 @@ TORCH_LIBRARY(detdit, m) {
       kSpGateResidualRmsnormBackwardSchema.c_str(),
       &sp_gate_residual_rmsnorm_backward);
 
+  def_op<SpLayernormFunction>(
+      m,
+      "sp_layernorm(Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor)",
+      &sp_layernorm,
+      "sp_layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
+      DETDIT_SP_PLAN " sp, Tensor mean, Tensor rstd, int comm, float eps, str numerics, bool upcast) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &sp_layernorm_backward);
+  def_op<SpGateResidualLayernormFunction>(
+      m,
+      "sp_gate_residual_layernorm(Tensor residual, Tensor y, Tensor? gate, Tensor? weight, Tensor? bias, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics, bool upcast, "
+      "float? k) -> (Tensor, Tensor, Tensor, Tensor)",
+      &sp_gate_residual_layernorm,
+      "sp_gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
+      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor mean, Tensor rstd, "
+      "int comm, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &sp_gate_residual_layernorm_backward);
+
   def_op<LayernormFunction>(
       m, "layernorm(Tensor x, Tensor? weight, Tensor? bias, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
       &layernorm,
