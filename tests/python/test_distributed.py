@@ -312,7 +312,7 @@ def _sp_layernorm_checks(rank, world):
     # output and gradient byte-equal to one process on the full sequence
     import detdit
     import detdit.distributed
-    from conftest import assert_bitwise_equal, normal
+    from conftest import assert_bitwise_equal, normal, packing
 
     batch, seq, frames, hidden = 2, 300, 6, 32
     bf, f32 = torch.bfloat16, torch.float32
@@ -365,6 +365,28 @@ def _sp_layernorm_checks(rank, world):
                 dist.all_gather(every, mine)
                 for r, theirs in enumerate(every):
                     assert torch.equal(theirs, mine), f"{where}, k={k}: replicated gradients differ from rank {r}'s"
+
+    # on a region with an index: layernorm in the indexed form (the region's plan), both recipes;
+    # gate_residual_layernorm refuses the plan
+    timesteps = 2
+    ti, tags = packing(seq, timesteps, 361)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    indexed = detdit.distributed.SpRegion(plan, comm)
+    for upcast, mdtype in ((False, f32), (True, bf)):
+        where = f"rank {rank}/{world}: indexed, upcast={upcast}, {mdtype}"
+        shift, scale = (normal((3 * timesteps, hidden), seed, mdtype, scale=0.3) for seed in (362, 363))
+        ws1 = [t.clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+        out = detdit.layernorm(ws1[0], ws1[1], ws1[2], ws1[3], ws1[4], plan, upcast=upcast)
+        grad = normal(tuple(out.shape), 364, out.dtype)
+        out.backward(grad)
+        sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+        sp_out = indexed.layernorm(sp[0], sp[1], sp[2], sp[3], sp[4], upcast=upcast)
+        sp_out.backward(grad[:, local].contiguous())
+        assert_bitwise_equal(sp_out, out[:, local], f"{where}: layernorm out")
+        for i, name in enumerate(("dx", "d_weight", "d_bias", "d_shift", "d_scale")):
+            assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: layernorm {name}")
+    with pytest.raises(ValueError):
+        indexed.gate_residual_layernorm(x[:, local].contiguous(), y[:, local].contiguous(), shift=shift, scale=scale)
 
 
 def _worker(rank, world, init_file, checks):
