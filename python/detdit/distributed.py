@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import (_BOOL, _C, H3_NORM_EPS, _INT, _OPTIONAL_INT, _OPTIONAL_REAL, _OPTIONAL_TENSOR, _REAL, _TENSOR, _check,
-               _profile)
+               _h3_rule, _profile)
 
 __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection", "shard_rows"]
 
@@ -140,14 +140,31 @@ class SpRegion:
         """This rank's positions ``slice(r*S//sp, (r+1)*S//sp)`` of the sequence dim."""
         return slice(self.sp.local_begin(), self.sp.local_end())
 
-    def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable"):
-        """``detdit.rmsnorm`` of the local rows, with the region's plan when modulated."""
-        return _ops.sp_rmsnorm.default(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
-                               _profile(numerics))[0]
+    def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable", upcast=False):
+        """``detdit.rmsnorm`` of the local rows: the modulation forms and recipes as
+        :meth:`layernorm`'s (indexed ``(R, H)`` tables with the region's plan)."""
+        _check("SpRegion.rmsnorm", x=(x, _TENSOR), weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR),
+               scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL), upcast=(upcast, _BOOL))
+        if self._h3_rule(x, (shift, scale), upcast):
+            return _ops.sp_rmsnorm.default(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
+                                           _profile(numerics))[0]
+        return _ops.sp_rmsnorm.forms(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
+                                     _profile(numerics), upcast)[0]
 
-    def gate_residual(self, residual, y, gate):
-        """``detdit.gate_residual`` of the local rows."""
-        return _ops.sp_gate_residual.default(residual, y, gate, self.sp, self.comm.handle)
+    def gate_residual(self, residual, y, gate=None, k=None, upcast=False):
+        """``detdit.gate_residual`` of the local rows: the gate's forms and recipes as
+        :meth:`layernorm`'s modulation, the gate optional, the constant k."""
+        _check("SpRegion.gate_residual", residual=(residual, _TENSOR), y=(y, _TENSOR),
+               gate=(gate, _OPTIONAL_TENSOR), upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+        if gate is not None and self._h3_rule(residual, (gate,), upcast, k):
+            return _ops.sp_gate_residual.default(residual, y, gate, self.sp, self.comm.handle)
+        return _ops.sp_gate_residual.forms(residual, y, gate, self.sp, self.comm.handle, upcast,
+                                           None if k is None else float(k))
+
+    def _h3_rule(self, x, tables, upcast, k=None):
+        # the H3 rule's overloads (an index, tables in x's dtype, no upcast, no k); every other
+        # call takes the `.forms` overload
+        return self.plan is not None and _h3_rule(x, tables, self.plan, upcast, k)
 
     def gate_residual_rmsnorm(self, residual, y, gate, weight, shift=None, scale=None, eps=H3_NORM_EPS,
                               numerics="portable"):

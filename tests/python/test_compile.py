@@ -231,6 +231,13 @@ def op_cases(device, comm=None):
              (grad, grad) + ln_back),
             ("sp_gate_residual_layernorm_backward_no_d_out", ops.sp_gate_residual_layernorm_backward.default,
              (None, grad) + ln_back),
+            ("sp_rmsnorm_forms", ops.sp_rmsnorm.forms, (x, w, ms, mc, free, c, eps, p, False)),
+            ("sp_rmsnorm_backward_forms", ops.sp_rmsnorm_backward.forms,
+             (grad.float(), x, w, ms, mc, free, ln_rstd, c, eps, p, False)),
+            ("sp_gate_residual_forms", ops.sp_gate_residual.forms, (x, y, ms, free, c, True, 1.0)),
+            ("sp_gate_residual_backward_forms", ops.sp_gate_residual_backward.forms, (grad, y, ms, free, c, True, 1.0)),
+            ("sp_gate_residual_backward_forms_no_gate", ops.sp_gate_residual_backward.forms,
+             (grad, y, None, free, c, False, None)),
         ]
     return cases
 

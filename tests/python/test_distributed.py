@@ -389,6 +389,60 @@ def _sp_layernorm_checks(rank, world):
         indexed.gate_residual_layernorm(x[:, local].contiguous(), y[:, local].contiguous(), shift=shift, scale=scale)
 
 
+def _sp_forms_checks(rank, world):
+    # rmsnorm and gate_residual beyond the H3 rule on a region without an index: per sample, per
+    # frame (frames straddling ranks), per token, both recipes, k, no gate; and an fp32 table with
+    # upcast on a region with an index: every output and gradient byte-equal to one process
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal, packing
+
+    batch, seq, frames, hidden = 2, 300, 6, 32
+    bf, f32 = torch.bfloat16, torch.float32
+    comm = detdit.distributed.Communicator()
+    timesteps = 2
+    ti, tags = packing(seq, timesteps, 370)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    free = detdit.distributed.SpRegion(None, comm, seq_len=seq, batch=batch)
+    indexed = detdit.distributed.SpRegion(plan, comm)
+    local = free.local_slice
+    x, y = normal((batch, seq, hidden), 371, bf), normal((batch, seq, hidden), 372, bf)
+    weight = (1 + normal((hidden,), 373, scale=0.05)).bfloat16()
+
+    def sp_rows(t):
+        return t[:, local].contiguous() if t is not None and t.dim() == 3 and t.shape[1] == seq else t
+
+    cases = [(free, None, shape) for shape in ((batch, hidden), (batch, frames, hidden), (batch, seq, hidden))]
+    cases.append((indexed, plan, (3 * timesteps, hidden)))
+    for region, region_plan, shape in cases:
+        for upcast, mdtype in ((False, f32), (False, bf), (True, bf)):
+            where = f"rank {rank}/{world}: {shape}, upcast={upcast}, {mdtype}"
+            shift, scale, gate = (normal(shape, seed, mdtype, scale=0.3) for seed in (374, 375, 376))
+            ws1 = [t.clone().requires_grad_(True) for t in (x, weight, shift, scale)]
+            out = detdit.rmsnorm(*ws1, region_plan, upcast=upcast)
+            grad = normal(tuple(out.shape), 377, out.dtype)
+            out.backward(grad)
+            sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, weight, shift, scale)]
+            sp_out = region.rmsnorm(*sp, upcast=upcast)
+            sp_out.backward(grad[:, local].contiguous())
+            assert_bitwise_equal(sp_out, out[:, local], f"{where}: rmsnorm out")
+            for i, name in enumerate(("dx", "d_weight", "d_shift", "d_scale")):
+                assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: rmsnorm {name}")
+            for k, with_gate in ((None, True), (1.0, True), (None, False)):
+                ws1 = [t.clone().requires_grad_(True) for t in (x, y, gate)]
+                g = ws1[2] if with_gate else None
+                out = detdit.gate_residual(ws1[0], ws1[1], g, region_plan, k=k, upcast=upcast)
+                grad = normal(tuple(out.shape), 378, out.dtype)
+                out.backward(grad)
+                sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, y, gate)]
+                sp_out = region.gate_residual(sp[0], sp[1], sp[2] if with_gate else None, k=k, upcast=upcast)
+                sp_out.backward(grad[:, local].contiguous())
+                what = f"{where}, k={k}, gate={with_gate}: gate_residual"
+                assert_bitwise_equal(sp_out, out[:, local], f"{what} out")
+                for i, name in enumerate(("d_residual", "d_y", "d_gate")[:3 if with_gate else 2]):
+                    assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{what} {name}")
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
@@ -409,6 +463,8 @@ def _worker(rank, world, init_file, checks):
         _sp_positions_checks(rank, world)
     if "sp_layernorm" in checks:
         _sp_layernorm_checks(rank, world)
+    if "sp_forms" in checks:
+        _sp_forms_checks(rank, world)
     dist.destroy_process_group()
 
 
@@ -434,6 +490,11 @@ def test_sp_region_without_an_index(world, tmp_path):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sp_layernorm_and_gate_residual_layernorm_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp_layernorm",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_rmsnorm_and_gate_residual_forms_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_forms",))
 
 
 def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):

@@ -437,6 +437,66 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
 }
 
 // ---------------------------------------------------------------------------
+// sp_rmsnorm.forms, sp_gate_residual.forms
+
+std::tuple<Tensor, Tensor> sp_rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                            const OptTensor& scale, const SpPlanPtr& sp, int64_t, double eps,
+                                            const std::string& numerics, bool upcast) {
+  auto call = [&](const detdit::RmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return rmsnorm_forms_with(call, x, weight, shift, scale, sp->sp.global_plan(), eps, numerics, upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
+                                                                     const Tensor& weight, const OptTensor& shift,
+                                                                     const OptTensor& scale, const SpPlanPtr& sp,
+                                                                     const Tensor& rstd, int64_t comm, double eps,
+                                                                     const std::string& numerics, bool upcast) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::RmsnormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_rmsnorm_backward(*group, sp->sp, p, stream);
+    };
+    return rmsnorm_backward_forms_with(call, grad, x, weight, shift, scale, sp->sp.global_plan(), rstd, eps, numerics,
+                                       upcast, {true, true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// The plan of an sp_gate_residual.forms call: the region's, but none for a
+// plain residual add (no gate), which is row-local: the library's indexed
+// route needs the gate, and its route without a plan takes the call on any
+// SpPlan (detdit/parallel.h).
+namespace {
+IndexPlan gate_plan(const SpPlanPtr& sp, const OptTensor& gate) {
+  return gate.has_value() && gate->defined() ? sp->sp.global_plan() : IndexPlan();
+}
+}  // namespace
+
+Tensor sp_gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const SpPlanPtr& sp,
+                              int64_t, bool upcast, Optional<double> k) {
+  auto call = [&](const detdit::GateResidualParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_forward(sp->sp, p, stream);
+  };
+  return gate_residual_forms_with(call, residual, y, gate, gate_plan(sp, gate), upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                   const OptTensor& gate, const SpPlanPtr& sp,
+                                                                   int64_t comm, bool upcast, Optional<double> k) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    return gate_residual_backward_forms_with(call, grad, y, gate, gate_plan(sp, gate), upcast, k,
+                                             {true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// ---------------------------------------------------------------------------
 // sp_layernorm
 
 std::tuple<Tensor, Tensor, Tensor> sp_layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,

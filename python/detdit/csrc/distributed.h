@@ -103,6 +103,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& gra
                                                                const Tensor& rstd, int64_t comm, double eps,
                                                                const std::string& numerics);
 
+// sp_rmsnorm.forms: rmsnorm.forms (ops.h) of the local rows, every form and
+// recipe: the modulation as sp_layernorm's (grouped forms replicated and
+// global, per token local; indexed with the region's plan). Backward: (dx
+// local, d_weight replicated, d_shift / d_scale in their tensors' shape).
+std::tuple<Tensor, Tensor> sp_rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                            const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                                            const std::string& numerics, bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
+                                                                     const Tensor& weight, const OptTensor& shift,
+                                                                     const OptTensor& scale, const SpPlanPtr& sp,
+                                                                     const Tensor& rstd, int64_t comm, double eps,
+                                                                     const std::string& numerics, bool upcast);
+
+// sp_gate_residual.forms: gate_residual.forms (ops.h) of the local rows,
+// every form, recipe and k, the gate optional. Backward: (d_residual, d_y
+// local, d_gate in its tensor's shape).
+Tensor sp_gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const SpPlanPtr& sp,
+                              int64_t comm, bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                   const OptTensor& gate, const SpPlanPtr& sp,
+                                                                   int64_t comm, bool upcast, Optional<double> k);
+
 // sp_gate_residual: out (local rows). Backward: (d_residual, d_y local,
 // d_gate replicated).
 Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp,

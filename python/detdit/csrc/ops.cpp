@@ -510,20 +510,52 @@ Tensor modulation_grad(bool wanted, const OptTensor& m, const Tensor& x, const c
 }
 }  // namespace
 
-std::tuple<Tensor, Tensor> rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
-                                         const OptTensor& scale, const OptPlan& plan, double eps,
-                                         const std::string& numerics, bool upcast) {
+std::tuple<Tensor, Tensor> rmsnorm_forms_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                              const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                              const IndexPlan& plan, double eps, const std::string& numerics,
+                                              bool upcast) {
   require_contiguous(x, "x");
   DeviceScope scope(x);
   Tensor out = empty_like_shape(x, x.sizes(), modulated_out_type(x, shift, upcast));
   Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
   detdit::RmsnormParams p;
-  p.in = rmsnorm_inputs(x, weight, shift, scale, plan_of(plan), eps, numerics);
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
   p.in.upcast = upcast;
   p.out = view(out, "out");
   p.rstd = view(rstd, "rstd");
-  check_ok(detdit::rmsnorm_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {out, rstd};
+}
+
+std::tuple<Tensor, Tensor> rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                         const OptTensor& scale, const OptPlan& plan, double eps,
+                                         const std::string& numerics, bool upcast) {
+  return rmsnorm_forms_with(detdit::rmsnorm_forward, x, weight, shift, scale, plan_of(plan), eps, numerics, upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 4> output_mask, bool local_rows) {
+  require_contiguous(x, "x");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(x);
+  detdit::RmsnormBackwardParams p;
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
+  p.in.upcast = upcast;
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
+  Tensor d_shift = modulation_grad(output_mask[2], shift, x, "x", all, p.in.plan, local_rows);
+  Tensor d_scale = modulation_grad(output_mask[3], scale, x, "x", all, p.in.plan, local_rows);
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(call(p, scope.stream()));
+  return {dx, d_weight, d_shift, d_scale};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
@@ -532,25 +564,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms(const Tensor& 
                                                                   const Tensor& rstd, double eps,
                                                                   const std::string& numerics, bool upcast,
                                                                   std::array<bool, 4> output_mask) {
-  require_contiguous(x, "x");
-  require_contiguous(weight, "weight");
-  DeviceScope scope(x);
-  detdit::RmsnormBackwardParams p;
-  p.in = rmsnorm_inputs(x, weight, shift, scale, plan_of(plan), eps, numerics);
-  p.in.upcast = upcast;
-  Tensor dx = output_like(x, output_mask[0]);
-  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
-  Tensor d_shift = modulation_grad(output_mask[2], shift, x, "x", all, p.in.plan);
-  Tensor d_scale = modulation_grad(output_mask[3], scale, x, "x", all, p.in.plan);
-  p.rstd = view(rstd, "rstd");
-  p.grad = view(grad, "grad");
-  p.dx = view(dx, "dx");
-  p.d_weight = view(d_weight, "d_weight");
-  p.d_shift = view(d_shift, "d_shift");
-  p.d_scale = view(d_scale, "d_scale");
-  check_ok(detdit::rmsnorm_backward(p, scope.stream()));
-  return {dx, d_weight, d_shift, d_scale};
+  return rmsnorm_backward_forms_with(detdit::rmsnorm_backward, grad, x, weight, shift, scale, plan_of(plan), rstd,
+                                     eps, numerics, upcast, output_mask, false);
 }
 
 namespace {
@@ -568,16 +583,21 @@ detdit::GateResidualInputs gate_residual_forms_inputs(const Tensor& residual, co
 }
 }  // namespace
 
-Tensor gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptPlan& plan,
-                           bool upcast, Optional<double> k) {
+Tensor gate_residual_forms_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                                const OptTensor& gate, const IndexPlan& plan, bool upcast, Optional<double> k) {
   require_contiguous(residual, "residual");
   DeviceScope scope(residual);
   Tensor out = empty_like_shape(residual, residual.sizes(), modulated_out_type(residual, gate, upcast));
   detdit::GateResidualParams p;
-  p.in = gate_residual_forms_inputs(residual, y, gate, plan_of(plan), upcast, k);
+  p.in = gate_residual_forms_inputs(residual, y, gate, plan, upcast, k);
   p.out = view(out, "out");
-  check_ok(detdit::gate_residual_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return out;
+}
+
+Tensor gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptPlan& plan,
+                           bool upcast, Optional<double> k) {
+  return gate_residual_forms_with(detdit::gate_residual_forward, residual, y, gate, plan_of(plan), upcast, k);
 }
 
 std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms_with(

@@ -149,10 +149,20 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& gr
                                                                 const OptTensor& gate, const OptPlan& plan,
                                                                 bool upcast, Optional<double> k,
                                                                 std::array<bool, 3> output_mask);
-// The _with form (the plan resolved). local_rows: x (y, h) is one rank's rows
+// The _with forms (the plan resolved). local_rows: x (y, h) is one rank's rows
 // of a sequence-parallel region (distributed.cpp), so a modulation gradient
 // takes its tensor's own shape and the sp_ op resolves the form against the
 // global (B, S, H); false: resolved against x here, as above.
+std::tuple<Tensor, Tensor> rmsnorm_forms_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                              const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                              const IndexPlan& plan, double eps, const std::string& numerics,
+                                              bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 4> output_mask, bool local_rows);
+Tensor gate_residual_forms_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                                const OptTensor& gate, const IndexPlan& plan, bool upcast, Optional<double> k);
 std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms_with(
     const Call<detdit::GateResidualBackwardParams>& call, const Tensor& grad, const Tensor& y, const OptTensor& gate,
     const IndexPlan& plan, bool upcast, Optional<double> k, std::array<bool, 3> output_mask, bool local_rows);

@@ -458,6 +458,22 @@ TORCH_LIBRARY(detdit, m) {
       kSpGateResidualRmsnormBackwardSchema.c_str(),
       &sp_gate_residual_rmsnorm_backward);
 
+  def_op<SpRmsnormFormsFunction>(
+      m,
+      "sp_rmsnorm.forms(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor)",
+      &sp_rmsnorm_forms,
+      "sp_rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, Tensor rstd, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor, Tensor)",
+      &sp_rmsnorm_backward_forms);
+  def_op<SpGateResidualFormsFunction>(
+      m,
+      "sp_gate_residual.forms(Tensor residual, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
+      " sp, int comm, bool upcast, float? k) -> Tensor",
+      &sp_gate_residual_forms,
+      "sp_gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
+      " sp, int comm, bool upcast, float? k) -> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_backward_forms);
   def_op<SpLayernormFunction>(
       m,
       "sp_layernorm(Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
