@@ -436,6 +436,43 @@ def _gate_residual_layernorm_backward(d_out, d_h, y, gate, weight, bias, shift, 
     return (*_gate_residual_backward_forms(d_out, y, gate, plan, upcast, k, output_mask[:3]), *norm[1:])
 
 
+def _sp_rmsnorm_forms(x, weight, shift, scale, sp, comm, eps, numerics, upcast):
+    return _rmsnorm_forms(x, weight, shift, scale, None, eps, numerics, upcast)
+
+
+def _sp_rmsnorm_backward_forms(grad, x, weight, shift, scale, sp, rstd, comm, eps, numerics, upcast):
+    # every gradient on every rank; a modulation gradient has its tensor's shape (distributed.h)
+    return _rmsnorm_backward_forms(grad, x, weight, shift, scale, None, rstd, eps, numerics, upcast, (True,) * 4)
+
+
+def _sp_gate_residual_forms(residual, y, gate, sp, comm, upcast, k):
+    return _gate_residual_forms(residual, y, gate, None, upcast, k)
+
+
+def _sp_gate_residual_backward_forms(grad, y, gate, sp, comm, upcast, k):
+    return _gate_residual_backward_forms(grad, y, gate, None, upcast, k, (True,) * 3)
+
+
+def _sp_layernorm(x, weight, bias, shift, scale, sp, comm, eps, numerics, upcast):
+    return _layernorm_forms(x, weight, bias, shift, scale, None, eps, numerics, upcast)
+
+
+def _sp_layernorm_backward(grad, x, weight, bias, shift, scale, sp, mean, rstd, comm, eps, numerics, upcast):
+    # every gradient on every rank; a modulation gradient has its tensor's shape (distributed.h)
+    return _layernorm_backward_forms(grad, x, weight, bias, shift, scale, None, mean, rstd, eps, numerics, upcast,
+                                     (True,) * 5)
+
+
+def _sp_gate_residual_layernorm(residual, y, gate, weight, bias, shift, scale, sp, comm, eps, numerics, upcast, k):
+    return _gate_residual_layernorm(residual, y, gate, weight, bias, shift, scale, None, eps, numerics, upcast, k)
+
+
+def _sp_gate_residual_layernorm_backward(d_out, d_h, y, gate, weight, bias, shift, scale, sp, h, mean, rstd, comm,
+                                         eps, numerics, upcast, k):
+    return _gate_residual_layernorm_backward(d_out, d_h, y, gate, weight, bias, shift, scale, None, h, mean, rstd,
+                                             eps, numerics, upcast, k, (True,) * 7)
+
+
 FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
@@ -461,6 +498,11 @@ FAKE_KERNELS = {
     "layernorm.forms": _layernorm_forms, "layernorm_backward.forms": _layernorm_backward_forms,
     "gate_residual_layernorm": _gate_residual_layernorm,
     "gate_residual_layernorm_backward": _gate_residual_layernorm_backward,
+    "sp_rmsnorm.forms": _sp_rmsnorm_forms, "sp_rmsnorm_backward.forms": _sp_rmsnorm_backward_forms,
+    "sp_gate_residual.forms": _sp_gate_residual_forms, "sp_gate_residual_backward.forms": _sp_gate_residual_backward_forms,
+    "sp_layernorm": _sp_layernorm, "sp_layernorm_backward": _sp_layernorm_backward,
+    "sp_gate_residual_layernorm": _sp_gate_residual_layernorm,
+    "sp_gate_residual_layernorm_backward": _sp_gate_residual_layernorm_backward,
 }
 # The `.handle` overloads of the backward ops (the plan's handle in its place, registration.cpp):
 # the same outputs, which no fake kernel reads from the plan but adaln_row_gather's (num_rows).

@@ -23,7 +23,8 @@ checked across ranks, and a validation error on one rank fails the call on every
 import torch
 import torch.distributed as dist
 
-from . import _C, H3_NORM_EPS, _INT, _OPTIONAL_INT, _check, _profile
+from . import (_BOOL, _C, H3_NORM_EPS, _INT, _OPTIONAL_INT, _OPTIONAL_REAL, _OPTIONAL_TENSOR, _REAL, _TENSOR, _check,
+               _h3_rule, _profile)
 
 __all__ = ["Communicator", "SpRegion", "sp_region", "tp_adaln_projection", "shard_rows"]
 
@@ -114,26 +115,56 @@ def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable
 
 class SpRegion:
     """The sequence-parallel region of one packed index: build once per step (it derives the
-    chunk owners and the rows that move from the replicated plan) and reuse in every block."""
+    chunk owners and the rows that move from the replicated plan) and reuse in every block.
 
-    def __init__(self, plan, comm):
+    ``plan=None`` with ``seq_len`` (S, the global sequence length) and ``batch`` makes a region
+    without an index: positions only, for the per-sample, per-frame and per-token modulation
+    forms and the plain ops."""
+
+    def __init__(self, plan, comm, seq_len=None, batch=None):
         self.comm = comm
         self.plan = plan
-        self.sp = _ops.sp_plan.default(plan, comm.world, comm.rank)
+        if plan is None:
+            if seq_len is None or batch is None:
+                raise ValueError("a region without an index (plan=None) needs seq_len= and batch=")
+            _check("SpRegion", seq_len=(seq_len, _INT), batch=(batch, _INT))
+            self.sp = _ops.sp_plan.positions(seq_len, batch, comm.world, comm.rank)
+        else:
+            if seq_len is not None or batch is not None:
+                raise ValueError("seq_len= and batch= are for a region without an index (plan=None); "
+                                 "a plan gives its own")
+            self.sp = _ops.sp_plan.default(plan, comm.world, comm.rank)
 
     @property
     def local_slice(self):
         """This rank's positions ``slice(r*S//sp, (r+1)*S//sp)`` of the sequence dim."""
         return slice(self.sp.local_begin(), self.sp.local_end())
 
-    def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable"):
-        """``detdit.rmsnorm`` of the local rows, with the region's plan when modulated."""
-        return _ops.sp_rmsnorm.default(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
-                               _profile(numerics))[0]
+    def rmsnorm(self, x, weight, shift=None, scale=None, eps=H3_NORM_EPS, numerics="portable", upcast=False):
+        """``detdit.rmsnorm`` of the local rows: the modulation forms and recipes as
+        :meth:`layernorm`'s (indexed ``(R, H)`` tables with the region's plan)."""
+        _check("SpRegion.rmsnorm", x=(x, _TENSOR), weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR),
+               scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL), upcast=(upcast, _BOOL))
+        if self._h3_rule(x, (shift, scale), upcast):
+            return _ops.sp_rmsnorm.default(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
+                                           _profile(numerics))[0]
+        return _ops.sp_rmsnorm.forms(x, weight, shift, scale, self.sp, self.comm.handle, float(eps),
+                                     _profile(numerics), upcast)[0]
 
-    def gate_residual(self, residual, y, gate):
-        """``detdit.gate_residual`` of the local rows."""
-        return _ops.sp_gate_residual.default(residual, y, gate, self.sp, self.comm.handle)
+    def gate_residual(self, residual, y, gate=None, k=None, upcast=False):
+        """``detdit.gate_residual`` of the local rows: the gate's forms and recipes as
+        :meth:`layernorm`'s modulation, the gate optional, the constant k."""
+        _check("SpRegion.gate_residual", residual=(residual, _TENSOR), y=(y, _TENSOR),
+               gate=(gate, _OPTIONAL_TENSOR), upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+        if gate is not None and self._h3_rule(residual, (gate,), upcast, k):
+            return _ops.sp_gate_residual.default(residual, y, gate, self.sp, self.comm.handle)
+        return _ops.sp_gate_residual.forms(residual, y, gate, self.sp, self.comm.handle, upcast,
+                                           None if k is None else float(k))
+
+    def _h3_rule(self, x, tables, upcast, k=None):
+        # the H3 rule's overloads (an index, tables in x's dtype, no upcast, no k); every other
+        # call takes the `.forms` overload
+        return self.plan is not None and _h3_rule(x, tables, self.plan, upcast, k)
 
     def gate_residual_rmsnorm(self, residual, y, gate, weight, shift=None, scale=None, eps=H3_NORM_EPS,
                               numerics="portable"):
@@ -144,6 +175,34 @@ class SpRegion:
                                                   float(eps), _profile(numerics))
         return h, out
 
+    def layernorm(self, x, weight=None, bias=None, shift=None, scale=None, eps=1e-5, upcast=False,
+                  numerics="portable"):
+        """``detdit.layernorm`` of the local rows ``(B, S_local, H)``, with the region's plan for
+        the indexed form. Per-sample ``(B, H)`` / ``(B, 1, H)`` and per-frame ``(B, F, H)`` /
+        ``(B, F, 1, H)`` shift and scale are replicated and mean the global positions (frame
+        ``s // (S/F)`` of the full S); per-token ones are the local rows ``(B, S_local, H)``,
+        and so are their gradients."""
+        _check("SpRegion.layernorm", x=(x, _TENSOR), weight=(weight, _OPTIONAL_TENSOR),
+               bias=(bias, _OPTIONAL_TENSOR), shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR),
+               eps=(eps, _REAL), upcast=(upcast, _BOOL))
+        return _ops.sp_layernorm.default(x, weight, bias, shift, scale, self.sp, self.comm.handle, float(eps),
+                                         _profile(numerics), upcast)[0]
 
-def sp_region(plan, comm):
-    return SpRegion(plan, comm)
+    def gate_residual_layernorm(self, residual, y, gate=None, weight=None, bias=None, shift=None, scale=None,
+                                eps=1e-5, upcast=False, numerics="portable", k=None):
+        """``detdit.gate_residual_layernorm`` of the local rows: ``(out, h)``, the modulation
+        forms as :meth:`layernorm`'s (no indexed form). Every rank must use out and h alike
+        (each needs a gradient on every rank or on none)."""
+        _check("SpRegion.gate_residual_layernorm", residual=(residual, _TENSOR), y=(y, _TENSOR),
+               gate=(gate, _OPTIONAL_TENSOR), weight=(weight, _OPTIONAL_TENSOR), bias=(bias, _OPTIONAL_TENSOR),
+               shift=(shift, _OPTIONAL_TENSOR), scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL),
+               upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+        out, h, _, _ = _ops.sp_gate_residual_layernorm.default(residual, y, gate, weight, bias, shift, scale, self.sp,
+                                                               self.comm.handle, float(eps), _profile(numerics),
+                                                               upcast, None if k is None else float(k))
+        return out, h
+
+
+def sp_region(plan, comm, seq_len=None, batch=None):
+    """``SpRegion(plan, comm, seq_len=..., batch=...)``."""
+    return SpRegion(plan, comm, seq_len=seq_len, batch=batch)

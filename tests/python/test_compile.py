@@ -214,6 +214,31 @@ def op_cases(device, comm=None):
             ("sp_gate_residual_rmsnorm_backward", ops.sp_gate_residual_rmsnorm_backward.default,
              (grad, y, y, T, w, T2, T, sp, sp_h, sp_h_rstd, c, eps, p)),
         ]
+        # the layernorm ops on a region without an index, modulated per sample in fp32
+        free = detdit.distributed.SpRegion(None, comm, seq_len=x.shape[1], batch=x.shape[0]).sp
+        ms, mc = x[:, 0].float().contiguous(), x[:, 1].float().contiguous()
+        _, ln_mean, ln_rstd = ops.sp_layernorm.default(x, w, w, ms, mc, free, c, eps, p, False)
+        _, ln_h, ln_h_mean, ln_h_rstd = ops.sp_gate_residual_layernorm.default(x, y, ms, w, w, ms, mc, free, c, eps, p,
+                                                                              True, None)
+        ln_back = (y, ms, w, w, ms, mc, free, ln_h, ln_h_mean, ln_h_rstd, c, eps, p, True, None)
+        cases += [
+            ("sp_layernorm", ops.sp_layernorm.default, (x, w, w, ms, mc, free, c, eps, p, False)),
+            ("sp_layernorm_backward", ops.sp_layernorm_backward.default,
+             (grad.float(), x, w, w, ms, mc, free, ln_mean, ln_rstd, c, eps, p, False)),
+            ("sp_gate_residual_layernorm", ops.sp_gate_residual_layernorm.default,
+             (x, y, ms, w, w, ms, mc, free, c, eps, p, True, 1.0)),
+            ("sp_gate_residual_layernorm_backward", ops.sp_gate_residual_layernorm_backward.default,
+             (grad, grad) + ln_back),
+            ("sp_gate_residual_layernorm_backward_no_d_out", ops.sp_gate_residual_layernorm_backward.default,
+             (None, grad) + ln_back),
+            ("sp_rmsnorm_forms", ops.sp_rmsnorm.forms, (x, w, ms, mc, free, c, eps, p, False)),
+            ("sp_rmsnorm_backward_forms", ops.sp_rmsnorm_backward.forms,
+             (grad.float(), x, w, ms, mc, free, ln_rstd, c, eps, p, False)),
+            ("sp_gate_residual_forms", ops.sp_gate_residual.forms, (x, y, ms, free, c, True, 1.0)),
+            ("sp_gate_residual_backward_forms", ops.sp_gate_residual_backward.forms, (grad, y, ms, free, c, True, 1.0)),
+            ("sp_gate_residual_backward_forms_no_gate", ops.sp_gate_residual_backward.forms,
+             (grad, y, None, free, c, False, None)),
+        ]
     return cases
 
 
@@ -231,7 +256,7 @@ def test_every_op_has_a_fake_kernel():
              for s in torch._C._jit_get_all_schemas() if s.name.startswith("detdit::")}
     # The constructors validate on the host (a plan is built outside a compiled region);
     # release_scratch_memory manages memory, outside any model.
-    host_only = {"plan", "plan_from_rows", "sp_plan", "release_scratch_memory"}
+    host_only = {"plan", "plan_from_rows", "sp_plan", "sp_plan.positions", "release_scratch_memory"}
     assert names - host_only == set(_compile.FAKE_KERNELS), names ^ set(_compile.FAKE_KERNELS)
 
 

@@ -262,6 +262,187 @@ def _local_error_checks(rank, world):
     assert torch.equal(table.view(torch.int16), detdit.adaln_projection(temb, w, b).view(torch.int16))
 
 
+def _sp_positions_checks(rank, world):
+    # a region without an index: its local slice, its pickled state, and a plain rmsnorm on it
+    import copy
+    import pickle
+
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal
+
+    batch, seq, hidden = 2, 300, 32
+    comm = detdit.distributed.Communicator()
+    region = detdit.distributed.sp_region(None, comm, seq_len=seq, batch=batch)
+    local = region.local_slice
+    assert (local.start, local.stop) == (rank * seq // world, (rank + 1) * seq // world)
+    assert (region.sp.world(), region.sp.rank(), region.sp.local_seq_len()) == (world, rank, local.stop - local.start)
+    for copied in (copy.deepcopy(region.sp), pickle.loads(pickle.dumps(region.sp))):
+        assert copied == region.sp and not copied != region.sp
+        assert (copied.local_begin(), copied.local_end()) == (local.start, local.stop)
+    ops = torch.ops.detdit
+    for other in (ops.sp_plan.positions(seq + 1, batch, world, rank), ops.sp_plan.positions(seq, batch + 1, world, rank),
+                  ops.sp_plan.positions(seq, batch, world + 1, rank)):
+        assert region.sp != other and not region.sp == other
+    with pytest.raises(ValueError, match="seq_len= and batch="):
+        detdit.distributed.SpRegion(None, comm)
+    with pytest.raises(ValueError, match="need seq_len >= 1 and batch >= 1"):
+        ops.sp_plan.positions(seq, 0, world, rank)
+    if world > 1:
+        with pytest.raises(ValueError, match="every rank needs a row"):
+            ops.sp_plan.positions(world - 1, batch, world, rank)
+
+    x = normal((batch, seq, hidden), 340, torch.bfloat16)
+    w = (1 + normal((hidden,), 341, scale=0.05)).bfloat16()
+    grad = normal((batch, seq, hidden), 342, torch.bfloat16)
+    ws1 = [t.clone().requires_grad_(True) for t in (x, w)]
+    ws1_out = detdit.rmsnorm(ws1[0], ws1[1])
+    ws1_out.backward(grad)
+    sp = [x[:, local].contiguous().requires_grad_(True), w.clone().requires_grad_(True)]
+    sp_out = region.rmsnorm(sp[0], sp[1])
+    sp_out.backward(grad[:, local].contiguous())
+    assert_bitwise_equal(sp_out, ws1_out[:, local], f"rank {rank}/{world}: out")
+    assert_bitwise_equal(sp[0].grad, ws1[0].grad[:, local], f"rank {rank}/{world}: dx")
+    assert_bitwise_equal(sp[1].grad, ws1[1].grad, f"rank {rank}/{world}: d_weight (replicated)")
+
+
+def _sp_layernorm_checks(rank, world):
+    # layernorm and gate_residual_layernorm on a region without an index, per sample, per frame
+    # (frames of 50 positions: some straddle the ranks) and per token, both recipes: every
+    # output and gradient byte-equal to one process on the full sequence
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal, packing
+
+    batch, seq, frames, hidden = 2, 300, 6, 32
+    bf, f32 = torch.bfloat16, torch.float32
+    comm = detdit.distributed.Communicator()
+    region = detdit.distributed.SpRegion(None, comm, seq_len=seq, batch=batch)
+    local = region.local_slice
+    shapes = {"per_sample": (batch, hidden), "per_frame": (batch, frames, hidden), "per_token": (batch, seq, hidden)}
+    x, residual, y = (normal((batch, seq, hidden), seed, bf) for seed in (350, 351, 352))
+    weight = (1 + normal((hidden,), 353, scale=0.05)).bfloat16()
+    bias = normal((hidden,), 354, bf, scale=0.1)
+
+    def sp_rows(t):
+        # the SP region's view of an input: the local rows of an activation or a per-token tensor
+        return t[:, local].contiguous() if t.dim() == 3 and t.shape[1] == seq else t
+
+    for form, shape in shapes.items():
+        for upcast, mdtype in ((False, f32), (False, bf), (True, bf)):
+            where = f"rank {rank}/{world}: {form}, upcast={upcast}, {mdtype}"
+            shift, scale, gate = (normal(shape, seed, mdtype, scale=0.3) for seed in (355, 356, 357))
+            # layernorm
+            ws1 = [t.clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+            out = detdit.layernorm(ws1[0], ws1[1], ws1[2], ws1[3], ws1[4], upcast=upcast)
+            grad = normal(tuple(out.shape), 358, out.dtype)
+            out.backward(grad)
+            sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+            sp_out = region.layernorm(sp[0], sp[1], sp[2], sp[3], sp[4], upcast=upcast)
+            sp_out.backward(grad[:, local].contiguous())
+            assert_bitwise_equal(sp_out, out[:, local], f"{where}: layernorm out")
+            for i, name in enumerate(("dx", "d_weight", "d_bias", "d_shift", "d_scale")):
+                assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: layernorm {name}")
+            # gate_residual_layernorm, gradients reaching both out and h
+            for k in (None, 1.0):
+                # the norm's parameters have h's dtype: fp32 for an fp32 gate with upcast off
+                leaves = (residual, y, gate, weight.to(mdtype), bias.to(mdtype), shift, scale)
+                ws1 = [t.clone().requires_grad_(True) for t in leaves]
+                out, h = detdit.gate_residual_layernorm(*ws1[:7], upcast=upcast, k=k)
+                d_out, d_h = normal(tuple(out.shape), 359, out.dtype), normal(tuple(h.shape), 360, h.dtype)
+                torch.autograd.backward([out, h], [d_out, d_h])
+                sp = [sp_rows(t).clone().requires_grad_(True) for t in leaves]
+                sp_out, sp_h = region.gate_residual_layernorm(*sp, upcast=upcast, k=k)
+                torch.autograd.backward([sp_out, sp_h], [d_out[:, local].contiguous(), d_h[:, local].contiguous()])
+                assert_bitwise_equal(sp_out, out[:, local], f"{where}, k={k}: out")
+                assert_bitwise_equal(sp_h, h[:, local], f"{where}, k={k}: h")
+                for i, name in enumerate(("d_residual", "d_y", "d_gate", "d_weight", "d_bias", "d_shift", "d_scale")):
+                    assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}, k={k}: {name}")
+                # the replicated gradients are the same bytes on every rank
+                replicated = (3, 4) if form == "per_token" else (2, 3, 4, 5, 6)
+                mine = torch.cat([sp[i].grad.float().flatten() for i in replicated]).view(torch.int32)
+                every = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(every, mine)
+                for r, theirs in enumerate(every):
+                    assert torch.equal(theirs, mine), f"{where}, k={k}: replicated gradients differ from rank {r}'s"
+
+    # on a region with an index: layernorm in the indexed form (the region's plan), both recipes;
+    # gate_residual_layernorm refuses the plan
+    timesteps = 2
+    ti, tags = packing(seq, timesteps, 361)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    indexed = detdit.distributed.SpRegion(plan, comm)
+    for upcast, mdtype in ((False, f32), (True, bf)):
+        where = f"rank {rank}/{world}: indexed, upcast={upcast}, {mdtype}"
+        shift, scale = (normal((3 * timesteps, hidden), seed, mdtype, scale=0.3) for seed in (362, 363))
+        ws1 = [t.clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+        out = detdit.layernorm(ws1[0], ws1[1], ws1[2], ws1[3], ws1[4], plan, upcast=upcast)
+        grad = normal(tuple(out.shape), 364, out.dtype)
+        out.backward(grad)
+        sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, weight, bias, shift, scale)]
+        sp_out = indexed.layernorm(sp[0], sp[1], sp[2], sp[3], sp[4], upcast=upcast)
+        sp_out.backward(grad[:, local].contiguous())
+        assert_bitwise_equal(sp_out, out[:, local], f"{where}: layernorm out")
+        for i, name in enumerate(("dx", "d_weight", "d_bias", "d_shift", "d_scale")):
+            assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: layernorm {name}")
+    with pytest.raises(ValueError):
+        indexed.gate_residual_layernorm(x[:, local].contiguous(), y[:, local].contiguous(), shift=shift, scale=scale)
+
+
+def _sp_forms_checks(rank, world):
+    # rmsnorm and gate_residual beyond the H3 rule on a region without an index: per sample, per
+    # frame (frames straddling ranks), per token, both recipes, k, no gate; and an fp32 table with
+    # upcast on a region with an index: every output and gradient byte-equal to one process
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal, packing
+
+    batch, seq, frames, hidden = 2, 300, 6, 32
+    bf, f32 = torch.bfloat16, torch.float32
+    comm = detdit.distributed.Communicator()
+    timesteps = 2
+    ti, tags = packing(seq, timesteps, 370)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    free = detdit.distributed.SpRegion(None, comm, seq_len=seq, batch=batch)
+    indexed = detdit.distributed.SpRegion(plan, comm)
+    local = free.local_slice
+    x, y = normal((batch, seq, hidden), 371, bf), normal((batch, seq, hidden), 372, bf)
+    weight = (1 + normal((hidden,), 373, scale=0.05)).bfloat16()
+
+    def sp_rows(t):
+        return t[:, local].contiguous() if t is not None and t.dim() == 3 and t.shape[1] == seq else t
+
+    cases = [(free, None, shape) for shape in ((batch, hidden), (batch, frames, hidden), (batch, seq, hidden))]
+    cases.append((indexed, plan, (3 * timesteps, hidden)))
+    for region, region_plan, shape in cases:
+        for upcast, mdtype in ((False, f32), (False, bf), (True, bf)):
+            where = f"rank {rank}/{world}: {shape}, upcast={upcast}, {mdtype}"
+            shift, scale, gate = (normal(shape, seed, mdtype, scale=0.3) for seed in (374, 375, 376))
+            ws1 = [t.clone().requires_grad_(True) for t in (x, weight, shift, scale)]
+            out = detdit.rmsnorm(*ws1, region_plan, upcast=upcast)
+            grad = normal(tuple(out.shape), 377, out.dtype)
+            out.backward(grad)
+            sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, weight, shift, scale)]
+            sp_out = region.rmsnorm(*sp, upcast=upcast)
+            sp_out.backward(grad[:, local].contiguous())
+            assert_bitwise_equal(sp_out, out[:, local], f"{where}: rmsnorm out")
+            for i, name in enumerate(("dx", "d_weight", "d_shift", "d_scale")):
+                assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: rmsnorm {name}")
+            for k, with_gate in ((None, True), (1.0, True), (None, False)):
+                ws1 = [t.clone().requires_grad_(True) for t in (x, y, gate)]
+                g = ws1[2] if with_gate else None
+                out = detdit.gate_residual(ws1[0], ws1[1], g, region_plan, k=k, upcast=upcast)
+                grad = normal(tuple(out.shape), 378, out.dtype)
+                out.backward(grad)
+                sp = [sp_rows(t).clone().requires_grad_(True) for t in (x, y, gate)]
+                sp_out = region.gate_residual(sp[0], sp[1], sp[2] if with_gate else None, k=k, upcast=upcast)
+                sp_out.backward(grad[:, local].contiguous())
+                what = f"{where}, k={k}, gate={with_gate}: gate_residual"
+                assert_bitwise_equal(sp_out, out[:, local], f"{what} out")
+                for i, name in enumerate(("d_residual", "d_y", "d_gate")[:3 if with_gate else 2]):
+                    assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{what} {name}")
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
@@ -278,6 +459,12 @@ def _worker(rank, world, init_file, checks):
         _tp_uneven_checks(rank, world)
     if "local_error" in checks:
         _local_error_checks(rank, world)
+    if "sp_positions" in checks:
+        _sp_positions_checks(rank, world)
+    if "sp_layernorm" in checks:
+        _sp_layernorm_checks(rank, world)
+    if "sp_forms" in checks:
+        _sp_forms_checks(rank, world)
     dist.destroy_process_group()
 
 
@@ -293,6 +480,21 @@ def test_sp_region_and_tp_projection_byte_equal_to_one_process(world, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_sp_gate_residual_rmsnorm_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp_fused",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_region_without_an_index(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_positions",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_layernorm_and_gate_residual_layernorm_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_layernorm",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_rmsnorm_and_gate_residual_forms_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_forms",))
 
 
 def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):

@@ -603,6 +603,124 @@ struct GateResidualLayernormFunction : torch::autograd::Function<GateResidualLay
   }
 };
 
+// sp_rmsnorm.forms: RmsnormFormsFunction on the local rows (the sp_ backward
+// computes every gradient).
+struct SpRmsnormFormsFunction : torch::autograd::Function<SpRmsnormFormsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                               const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                               const std::string& numerics, bool upcast) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, rstd] = DETDIT_OP_FORMS(sp_rmsnorm)(x, weight, shift, scale, sp, comm, eps, numerics, upcast);
+    ctx->save_for_backward({x, weight, shift.value_or(Tensor()), scale.value_or(Tensor()), rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_shift, d_scale] = DETDIT_OP_FORMS(sp_rmsnorm_backward)(
+        contiguous_grad(grads[0]), s[0], s[1], saved_optional(s[2]), saved_optional(s[3]), saved_sp(ctx), s[4],
+        ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool());
+    return {dx, d_weight, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// sp_gate_residual.forms: GateResidualFormsFunction on the local rows.
+struct SpGateResidualFormsFunction : torch::autograd::Function<SpGateResidualFormsFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                        const SpPlanPtr& sp, int64_t comm, bool upcast, Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = DETDIT_OP_FORMS(sp_gate_residual)(residual, y, gate, sp, comm, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor())});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate] = DETDIT_OP_FORMS(sp_gate_residual_backward)(
+        contiguous_grad(grads[0]), s[0], saved_optional(s[1]), saved_sp(ctx), ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()));
+    return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// sp_layernorm: LayernormFormsFunction on the local rows (the sp_ backward
+// computes every gradient).
+struct SpLayernormFunction : torch::autograd::Function<SpLayernormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                               const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, int64_t comm,
+                               double eps, const std::string& numerics, bool upcast) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, mean, rstd] =
+        DETDIT_OP(sp_layernorm)(x, weight, bias, shift, scale, sp, comm, eps, numerics, upcast);
+    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), shift.value_or(Tensor()),
+                            scale.value_or(Tensor()), mean, rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->mark_non_differentiable({mean, rstd});
+    return {out, mean, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [dx, d_weight, d_bias, d_shift, d_scale] = DETDIT_OP(sp_layernorm_backward)(
+        contiguous_grad(grads[0]), s[0], saved_optional(s[1]), saved_optional(s[2]), saved_optional(s[3]),
+        saved_optional(s[4]), saved_sp(ctx), s[5], s[6], ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool());
+    return {dx, d_weight, d_bias, d_shift, d_scale, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// sp_gate_residual_layernorm: GateResidualLayernormFunction on the local rows.
+struct SpGateResidualLayernormFunction : torch::autograd::Function<SpGateResidualLayernormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                               const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+                               const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                               const std::string& numerics, bool upcast, Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, h, mean, rstd] = DETDIT_OP(sp_gate_residual_layernorm)(residual, y, gate, weight, bias, shift, scale,
+                                                                      sp, comm, eps, numerics, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor()), weight.value_or(Tensor()), bias.value_or(Tensor()),
+                            shift.value_or(Tensor()), scale.value_or(Tensor()), h, mean, rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    return {out, h, mean, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale] = DETDIT_OP(sp_gate_residual_layernorm_backward)(
+        optional_grad(grads[0]), optional_grad(grads[1]), s[0], saved_optional(s[1]), saved_optional(s[2]),
+        saved_optional(s[3]), saved_optional(s[4]), saved_optional(s[5]), saved_sp(ctx), s[6], s[7], s[8],
+        ctx->saved_data["comm"].toInt(), ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()));
+    return {d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale,
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 // ---------------------------------------------------------------------------
 // The Autograd kernel of a forward op: Function::apply with the forward
 // kernel's signature (the schema's), its variable_list unpacked into the

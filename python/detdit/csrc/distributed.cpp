@@ -266,16 +266,28 @@ SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op) {
 }
 
 SpPlanHolder::State SpPlanHolder::state() const {
+  if (!sp.global_plan().valid())
+    return State(at::full({1}, sp.seq_len(), at::kLong), 0, sp.batch(), "cpu", world(), rank());
   const auto [row_index, num_rows, batch, device] = plan_state(sp.global_plan());
   return State(row_index, num_rows, batch, device, world(), rank());
 }
 
 bool SpPlanHolder::equals(const SpPlanHolder& other) const {
-  return world() == other.world() && rank() == other.rank() && same_table(sp.global_plan(), other.sp.global_plan());
+  if (world() != other.world() || rank() != other.rank()) return false;
+  const bool indexed = sp.global_plan().valid();
+  if (indexed != other.sp.global_plan().valid()) return false;
+  if (!indexed) return sp.seq_len() == other.sp.seq_len() && sp.batch() == other.sp.batch();
+  return same_table(sp.global_plan(), other.sp.global_plan());
 }
 
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state) {
   const auto& [row_index, num_rows, batch, device, world, rank] = state;
+  if (num_rows == 0) {
+    if (row_index.dim() != 1 || row_index.numel() != 1 || row_index.scalar_type() != at::kLong)
+      C10_THROW_ERROR(ValueError, "a pickled index-free SpPlan's state holds [seq_len] (one int64), got a tensor of " +
+                                      std::to_string(row_index.numel()) + " elements");
+    return make_sp_plan_positions(row_index.item<int64_t>(), batch, world, rank);
+  }
   return make_sp_plan(OptPlan(plan_from_state(PlanHolder::State(row_index, num_rows, batch, device))), world, rank);
 }
 
@@ -297,6 +309,12 @@ SpPlanPtr make_sp_plan(const OptPlan& plan, int64_t world, int64_t rank) {
 #endif
   detdit::SpPlan sp;
   check_ok(detdit::SpPlan::create(index, to_int(world, "world"), to_int(rank, "rank"), &sp, stream));
+  return c10::make_intrusive<SpPlanHolder>(std::move(sp));
+}
+
+SpPlanPtr make_sp_plan_positions(int64_t seq_len, int64_t batch, int64_t world, int64_t rank) {
+  detdit::SpPlan sp;
+  check_ok(detdit::SpPlan::create(seq_len, batch, to_int(world, "world"), to_int(rank, "rank"), &sp));
   return c10::make_intrusive<SpPlanHolder>(std::move(sp));
 }
 
@@ -415,6 +433,128 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     return gate_residual_rmsnorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
                                                sp->sp.global_plan(), h, rstd, eps, numerics,
                                                {true, true, true, true, true, true});
+  });
+}
+
+// ---------------------------------------------------------------------------
+// sp_rmsnorm.forms, sp_gate_residual.forms
+
+std::tuple<Tensor, Tensor> sp_rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                            const OptTensor& scale, const SpPlanPtr& sp, int64_t, double eps,
+                                            const std::string& numerics, bool upcast) {
+  auto call = [&](const detdit::RmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return rmsnorm_forms_with(call, x, weight, shift, scale, sp->sp.global_plan(), eps, numerics, upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
+                                                                     const Tensor& weight, const OptTensor& shift,
+                                                                     const OptTensor& scale, const SpPlanPtr& sp,
+                                                                     const Tensor& rstd, int64_t comm, double eps,
+                                                                     const std::string& numerics, bool upcast) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::RmsnormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_rmsnorm_backward(*group, sp->sp, p, stream);
+    };
+    return rmsnorm_backward_forms_with(call, grad, x, weight, shift, scale, sp->sp.global_plan(), rstd, eps, numerics,
+                                       upcast, {true, true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// The plan of an sp_gate_residual.forms call: the region's, but none for a
+// plain residual add (no gate), which is row-local: the library's indexed
+// route needs the gate, and its route without a plan takes the call on any
+// SpPlan (detdit/parallel.h).
+namespace {
+IndexPlan gate_plan(const SpPlanPtr& sp, const OptTensor& gate) {
+  return gate.has_value() && gate->defined() ? sp->sp.global_plan() : IndexPlan();
+}
+}  // namespace
+
+Tensor sp_gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const SpPlanPtr& sp,
+                              int64_t, bool upcast, Optional<double> k) {
+  auto call = [&](const detdit::GateResidualParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_forward(sp->sp, p, stream);
+  };
+  return gate_residual_forms_with(call, residual, y, gate, gate_plan(sp, gate), upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                   const OptTensor& gate, const SpPlanPtr& sp,
+                                                                   int64_t comm, bool upcast, Optional<double> k) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    return gate_residual_backward_forms_with(call, grad, y, gate, gate_plan(sp, gate), upcast, k,
+                                             {true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// sp_layernorm
+
+std::tuple<Tensor, Tensor, Tensor> sp_layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp,
+                                                int64_t, double eps, const std::string& numerics, bool upcast) {
+  auto call = [&](const detdit::LayernormParams& p, detdit::Stream stream) {
+    return detdit::sp_layernorm_forward(sp->sp, p, stream);
+  };
+  return layernorm_forms_with(call, x, weight, bias, shift, scale, sp->sp.global_plan(), eps, numerics, upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sp_layernorm_backward(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const SpPlanPtr& sp, const Tensor& mean, const Tensor& rstd, int64_t comm, double eps,
+    const std::string& numerics, bool upcast) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::LayernormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_layernorm_backward(*group, sp->sp, p, stream);
+    };
+    return layernorm_backward_forms_with(call, grad, x, weight, bias, shift, scale, sp->sp.global_plan(), mean, rstd,
+                                         eps, numerics, upcast, {true, true, true, true, true}, /*local_rows=*/true);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// sp_gate_residual_layernorm
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, int64_t, double eps,
+    const std::string& numerics, bool upcast, Optional<double> k) {
+  auto call = [&](const detdit::GateResidualLayernormParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_layernorm_forward(sp->sp, p, stream);
+  };
+  return gate_residual_layernorm_with(call, residual, y, gate, weight, bias, shift, scale, sp->sp.global_plan(), eps,
+                                      numerics, upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, int64_t comm, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualLayernormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_layernorm_backward(*group, sp->sp, p, stream);
+    };
+    auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    return gate_residual_layernorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, bias, shift, scale,
+                                                 sp->sp.global_plan(), h, mean, rstd, eps, numerics, upcast, k,
+                                                 {true, true, true, true, true, true, true}, /*local_rows=*/true);
   });
 }
 

@@ -48,7 +48,11 @@ struct SpPlanHolder : torch::CustomClassHolder {
   Flat flatten() const;
 
   // Pickled as the IndexPlan it was made from (its global plan; plan.h) and
-  // (world, rank), and rebuilt by sp_plan; equal when those are.
+  // (world, rank), and rebuilt by sp_plan; equal when those are. A region
+  // without an index pickles as ([seq_len] (int64), 0, batch, "cpu", world,
+  // rank): num_rows 0, which no IndexPlan has, marks it; rebuilt by
+  // sp_plan.positions, equal to another index-free one of the same seq_len,
+  // batch, world and rank.
   using State = std::tuple<Tensor, int64_t, int64_t, std::string, int64_t, int64_t>;
   State state() const;
   bool equals(const SpPlanHolder& other) const;
@@ -68,6 +72,10 @@ SpPlanPtr sp_plan_of_handle(const Tensor& handle, const char* op);
 // The plan is optional in the schema only so that a missing one is
 // required_plan's ValueError rather than the dispatcher's RuntimeError.
 SpPlanPtr make_sp_plan(const OptPlan& plan, int64_t world, int64_t rank);
+// sp_plan.positions: the SpPlan of a region without an index
+// (detdit::SpPlan::create(seq_len, batch, world, rank)), for the grouped
+// modulation forms and the plain ops.
+SpPlanPtr make_sp_plan_positions(int64_t seq_len, int64_t batch, int64_t world, int64_t rank);
 // The SpPlan of a pickled state (SpPlanHolder::state), through sp_plan.
 SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state);
 
@@ -95,6 +103,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward(const Tensor& gra
                                                                const Tensor& rstd, int64_t comm, double eps,
                                                                const std::string& numerics);
 
+// sp_rmsnorm.forms: rmsnorm.forms (ops.h) of the local rows, every form and
+// recipe: the modulation as sp_layernorm's (grouped forms replicated and
+// global, per token local; indexed with the region's plan). Backward: (dx
+// local, d_weight replicated, d_shift / d_scale in their tensors' shape).
+std::tuple<Tensor, Tensor> sp_rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                            const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+                                            const std::string& numerics, bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
+                                                                     const Tensor& weight, const OptTensor& shift,
+                                                                     const OptTensor& scale, const SpPlanPtr& sp,
+                                                                     const Tensor& rstd, int64_t comm, double eps,
+                                                                     const std::string& numerics, bool upcast);
+
+// sp_gate_residual.forms: gate_residual.forms (ops.h) of the local rows,
+// every form, recipe and k, the gate optional. Backward: (d_residual, d_y
+// local, d_gate in its tensor's shape).
+Tensor sp_gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const SpPlanPtr& sp,
+                              int64_t comm, bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                   const OptTensor& gate, const SpPlanPtr& sp,
+                                                                   int64_t comm, bool upcast, Optional<double> k);
+
 // sp_gate_residual: out (local rows). Backward: (d_residual, d_y local,
 // d_gate replicated).
 Tensor sp_gate_residual(const Tensor& residual, const Tensor& y, const Tensor& gate, const SpPlanPtr& sp,
@@ -117,6 +147,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const Tensor& gate, const Tensor& weight,
     const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
     int64_t comm, double eps, const std::string& numerics);
+
+// sp_layernorm: layernorm.forms (ops.h) of the local rows (B, S_local, H):
+// (out, mean, rstd). Per-sample / per-frame shift and scale are replicated and
+// resolved against the global (B, S, H), per token they are the local rows;
+// the indexed form takes the region's plan. Backward: (dx local, d_weight,
+// d_bias replicated, d_shift / d_scale in their tensors' shape: replicated
+// for the grouped and indexed forms, local rows per token).
+std::tuple<Tensor, Tensor, Tensor> sp_layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp,
+                                                int64_t comm, double eps, const std::string& numerics, bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sp_layernorm_backward(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const SpPlanPtr& sp, const Tensor& mean, const Tensor& rstd, int64_t comm, double eps,
+    const std::string& numerics, bool upcast);
+
+// sp_gate_residual_layernorm: gate_residual_layernorm (ops.h) of the local
+// rows, the grouped forms and none (the library refuses a plan): (out, h,
+// mean, rstd). Backward from d_out and d_h, either absent, as
+// sp_gate_residual_rmsnorm_backward: (d_residual, d_y local, d_gate, d_weight,
+// d_bias, d_shift, d_scale as sp_layernorm's); every rank must agree on which
+// of d_out and d_h it has.
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps,
+    const std::string& numerics, bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, int64_t comm, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k);
 
 // Python: _C._register_communicator(gather, rank, world, device) -> handle.
 PyObject* register_communicator(PyObject*, PyObject* args);

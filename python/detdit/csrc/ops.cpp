@@ -492,10 +492,16 @@ at::ScalarType modulated_out_type(const Tensor& x, const OptTensor& m, bool upca
 
 // The gradient of modulation tensor m (wanted and present): m's shape and
 // dtype, or (R, H) for the indexed form, once resolve_modulation accepted the
-// call's tensors (its error otherwise, as the op would raise it).
+// call's tensors (its error otherwise, as the op would raise it). local_rows:
+// x is one rank's rows of a sequence-parallel region, against which a grouped
+// form does not resolve (a frame is of the global S; the sp_ op resolves it
+// against the global (B, S, H) and raises its error), so the gradient takes
+// m's own shape, which is the resolved one ((R, H) for the indexed form).
 Tensor modulation_grad(bool wanted, const OptTensor& m, const Tensor& x, const char* x_name,
-                       std::initializer_list<detdit::NamedModulation> all, const IndexPlan& plan) {
+                       std::initializer_list<detdit::NamedModulation> all, const IndexPlan& plan,
+                       bool local_rows = false) {
   if (!wanted || !present(m)) return Tensor();
+  if (local_rows) return empty_like_shape(x, m->sizes(), m->scalar_type());
   detdit::ResolvedModulation resolved;
   check_ok(detdit::resolve_modulation(view(x, x_name), x_name, all, plan, &resolved));
   if (resolved.form == detdit::ModulationForm::kIndexed)
@@ -504,20 +510,52 @@ Tensor modulation_grad(bool wanted, const OptTensor& m, const Tensor& x, const c
 }
 }  // namespace
 
-std::tuple<Tensor, Tensor> rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
-                                         const OptTensor& scale, const OptPlan& plan, double eps,
-                                         const std::string& numerics, bool upcast) {
+std::tuple<Tensor, Tensor> rmsnorm_forms_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                              const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                              const IndexPlan& plan, double eps, const std::string& numerics,
+                                              bool upcast) {
   require_contiguous(x, "x");
   DeviceScope scope(x);
   Tensor out = empty_like_shape(x, x.sizes(), modulated_out_type(x, shift, upcast));
   Tensor rstd = empty_like_shape(x, {leading_rows(x)}, at::kFloat);
   detdit::RmsnormParams p;
-  p.in = rmsnorm_inputs(x, weight, shift, scale, plan_of(plan), eps, numerics);
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
   p.in.upcast = upcast;
   p.out = view(out, "out");
   p.rstd = view(rstd, "rstd");
-  check_ok(detdit::rmsnorm_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {out, rstd};
+}
+
+std::tuple<Tensor, Tensor> rmsnorm_forms(const Tensor& x, const Tensor& weight, const OptTensor& shift,
+                                         const OptTensor& scale, const OptPlan& plan, double eps,
+                                         const std::string& numerics, bool upcast) {
+  return rmsnorm_forms_with(detdit::rmsnorm_forward, x, weight, shift, scale, plan_of(plan), eps, numerics, upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 4> output_mask, bool local_rows) {
+  require_contiguous(x, "x");
+  require_contiguous(weight, "weight");
+  DeviceScope scope(x);
+  detdit::RmsnormBackwardParams p;
+  p.in = rmsnorm_inputs(x, weight, shift, scale, plan, eps, numerics);
+  p.in.upcast = upcast;
+  Tensor dx = output_like(x, output_mask[0]);
+  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
+  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
+  Tensor d_shift = modulation_grad(output_mask[2], shift, x, "x", all, p.in.plan, local_rows);
+  Tensor d_scale = modulation_grad(output_mask[3], scale, x, "x", all, p.in.plan, local_rows);
+  p.rstd = view(rstd, "rstd");
+  p.grad = view(grad, "grad");
+  p.dx = view(dx, "dx");
+  p.d_weight = view(d_weight, "d_weight");
+  p.d_shift = view(d_shift, "d_shift");
+  p.d_scale = view(d_scale, "d_scale");
+  check_ok(call(p, scope.stream()));
+  return {dx, d_weight, d_shift, d_scale};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms(const Tensor& grad, const Tensor& x,
@@ -526,35 +564,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms(const Tensor& 
                                                                   const Tensor& rstd, double eps,
                                                                   const std::string& numerics, bool upcast,
                                                                   std::array<bool, 4> output_mask) {
-  require_contiguous(x, "x");
-  require_contiguous(weight, "weight");
-  DeviceScope scope(x);
-  detdit::RmsnormBackwardParams p;
-  p.in = rmsnorm_inputs(x, weight, shift, scale, plan_of(plan), eps, numerics);
-  p.in.upcast = upcast;
-  Tensor dx = output_like(x, output_mask[0]);
-  Tensor d_weight = maybe_empty(output_mask[1], x, {dim_or_zero(weight, 0)}, weight.scalar_type());
-  const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
-  Tensor d_shift = modulation_grad(output_mask[2], shift, x, "x", all, p.in.plan);
-  Tensor d_scale = modulation_grad(output_mask[3], scale, x, "x", all, p.in.plan);
-  p.rstd = view(rstd, "rstd");
-  p.grad = view(grad, "grad");
-  p.dx = view(dx, "dx");
-  p.d_weight = view(d_weight, "d_weight");
-  p.d_shift = view(d_shift, "d_shift");
-  p.d_scale = view(d_scale, "d_scale");
-  check_ok(detdit::rmsnorm_backward(p, scope.stream()));
-  return {dx, d_weight, d_shift, d_scale};
+  return rmsnorm_backward_forms_with(detdit::rmsnorm_backward, grad, x, weight, shift, scale, plan_of(plan), rstd,
+                                     eps, numerics, upcast, output_mask, false);
 }
 
 namespace {
 detdit::GateResidualInputs gate_residual_forms_inputs(const Tensor& residual, const Tensor& y, const OptTensor& gate,
-                                                      const OptPlan& plan, bool upcast, Optional<double> k) {
+                                                      const IndexPlan& plan, bool upcast, Optional<double> k) {
   detdit::GateResidualInputs in;
   in.residual = view(residual, "residual");
   in.y = view(y, "y");
   in.gate = view(gate, "gate");
-  in.plan = plan_of(plan);
+  in.plan = plan;
   in.has_k = k.has_value();
   in.k = k.has_value() ? static_cast<float>(*k) : 0.0f;  // an FP32 constant (gate_residual.h)
   in.upcast = upcast;
@@ -562,22 +583,26 @@ detdit::GateResidualInputs gate_residual_forms_inputs(const Tensor& residual, co
 }
 }  // namespace
 
-Tensor gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptPlan& plan,
-                           bool upcast, Optional<double> k) {
+Tensor gate_residual_forms_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                                const OptTensor& gate, const IndexPlan& plan, bool upcast, Optional<double> k) {
   require_contiguous(residual, "residual");
   DeviceScope scope(residual);
   Tensor out = empty_like_shape(residual, residual.sizes(), modulated_out_type(residual, gate, upcast));
   detdit::GateResidualParams p;
   p.in = gate_residual_forms_inputs(residual, y, gate, plan, upcast, k);
   p.out = view(out, "out");
-  check_ok(detdit::gate_residual_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return out;
 }
 
-std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
-                                                                const OptTensor& gate, const OptPlan& plan,
-                                                                bool upcast, Optional<double> k,
-                                                                std::array<bool, 3> output_mask) {
+Tensor gate_residual_forms(const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptPlan& plan,
+                           bool upcast, Optional<double> k) {
+  return gate_residual_forms_with(detdit::gate_residual_forward, residual, y, gate, plan_of(plan), upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms_with(
+    const Call<detdit::GateResidualBackwardParams>& call, const Tensor& grad, const Tensor& y, const OptTensor& gate,
+    const IndexPlan& plan, bool upcast, Optional<double> k, std::array<bool, 3> output_mask, bool local_rows) {
   require_contiguous(y, "y");
   DeviceScope scope(y);
   detdit::GateResidualBackwardParams p;
@@ -585,12 +610,20 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& gr
   p.in = gate_residual_forms_inputs(Tensor(), y, gate, plan, upcast, k);
   Tensor d_residual = output_like(y, output_mask[0]);
   Tensor d_y = output_like(y, output_mask[1]);
-  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan);
+  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan, local_rows);
   p.d_residual = view(d_residual, "d_residual");
   p.d_y = view(d_y, "d_y");
   p.d_gate = view(d_gate, "d_gate");
-  check_ok(detdit::gate_residual_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {d_residual, d_y, d_gate};
+}
+
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& grad, const Tensor& y,
+                                                                const OptTensor& gate, const OptPlan& plan,
+                                                                bool upcast, Optional<double> k,
+                                                                std::array<bool, 3> output_mask) {
+  return gate_residual_backward_forms_with(detdit::gate_residual_backward, grad, y, gate, plan_of(plan), upcast, k,
+                                           output_mask, false);
 }
 
 // ---------------------------------------------------------------------------
@@ -961,21 +994,22 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward(const Tensor& grad, const 
 
 namespace {
 detdit::LayernormInputs layernorm_forms_inputs(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                                               const OptTensor& shift, const OptTensor& scale, const OptPlan& plan,
+                                               const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan,
                                                double eps, const std::string& numerics, bool upcast) {
   detdit::LayernormInputs in = layernorm_inputs(x, weight, bias, eps, numerics);
   in.shift = view(shift, "shift");
   in.scale = view(scale, "scale");
-  in.plan = plan_of(plan);
+  in.plan = plan;
   in.upcast = upcast;
   return in;
 }
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> layernorm_forms(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                                                   const OptTensor& shift, const OptTensor& scale,
-                                                   const OptPlan& plan, double eps, const std::string& numerics,
-                                                   bool upcast) {
+std::tuple<Tensor, Tensor, Tensor> layernorm_forms_with(const Call<detdit::LayernormParams>& call, const Tensor& x,
+                                                        const OptTensor& weight, const OptTensor& bias,
+                                                        const OptTensor& shift, const OptTensor& scale,
+                                                        const IndexPlan& plan, double eps,
+                                                        const std::string& numerics, bool upcast) {
   require_contiguous(x, "x");
   DeviceScope scope(x);
   Tensor out = empty_like_shape(x, x.sizes(), modulated_out_type(x, shift, upcast));
@@ -986,14 +1020,23 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_forms(const Tensor& x, const OptTen
   p.out = view(out, "out");
   p.mean = view(mean, "mean");
   p.rstd = view(rstd, "rstd");
-  check_ok(detdit::layernorm_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {out, mean, rstd};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
-    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
-    const OptTensor& scale, const OptPlan& plan, const Tensor& mean, const Tensor& rstd, double eps,
-    const std::string& numerics, bool upcast, std::array<bool, 5> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> layernorm_forms(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                                   const OptTensor& shift, const OptTensor& scale,
+                                                   const OptPlan& plan, double eps, const std::string& numerics,
+                                                   bool upcast) {
+  return layernorm_forms_with(detdit::layernorm_forward, x, weight, bias, shift, scale, plan_of(plan), eps, numerics,
+                              upcast);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms_with(
+    const Call<detdit::LayernormBackwardParams>& call, const Tensor& grad, const Tensor& x, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& mean,
+    const Tensor& rstd, double eps, const std::string& numerics, bool upcast, std::array<bool, 5> output_mask,
+    bool local_rows) {
   require_contiguous(x, "x");
   DeviceScope scope(x);
   detdit::LayernormBackwardParams p;
@@ -1002,8 +1045,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
   Tensor d_weight = parameter_grad(output_mask[1], weight, x);
   Tensor d_bias = parameter_grad(output_mask[2], bias, x);
   const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
-  Tensor d_shift = modulation_grad(output_mask[3], shift, x, "x", all, p.in.plan);
-  Tensor d_scale = modulation_grad(output_mask[4], scale, x, "x", all, p.in.plan);
+  Tensor d_shift = modulation_grad(output_mask[3], shift, x, "x", all, p.in.plan, local_rows);
+  Tensor d_scale = modulation_grad(output_mask[4], scale, x, "x", all, p.in.plan, local_rows);
   p.mean = view(mean, "mean");
   p.rstd = view(rstd, "rstd");
   p.grad = view(grad, "grad");
@@ -1012,8 +1055,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
   p.d_bias = view(d_bias, "d_bias");
   p.d_shift = view(d_shift, "d_shift");
   p.d_scale = view(d_scale, "d_scale");
-  check_ok(detdit::layernorm_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {dx, d_weight, d_bias, d_shift, d_scale};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, const Tensor& mean, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 5> output_mask) {
+  return layernorm_backward_forms_with(detdit::layernorm_backward, grad, x, weight, bias, shift, scale, plan_of(plan),
+                                       mean, rstd, eps, numerics, upcast, output_mask, false);
 }
 
 // ---------------------------------------------------------------------------
@@ -1022,7 +1073,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
 namespace {
 detdit::GateResidualLayernormInputs gate_residual_layernorm_inputs(
     const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
-    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, double eps, const std::string& numerics,
     bool upcast, Optional<double> k) {
   detdit::GateResidualLayernormInputs in;
   in.residual = view(residual, "residual");
@@ -1032,7 +1083,7 @@ detdit::GateResidualLayernormInputs gate_residual_layernorm_inputs(
   in.bias = view(bias, "bias");
   in.shift = view(shift, "shift");
   in.scale = view(scale, "scale");
-  in.plan = plan_of(plan);
+  in.plan = plan;
   in.has_k = k.has_value();
   in.k = k.has_value() ? static_cast<float>(*k) : 0.0f;  // an FP32 constant (gate_residual.h)
   in.eps = static_cast<float>(eps);
@@ -1042,10 +1093,11 @@ detdit::GateResidualLayernormInputs gate_residual_layernorm_inputs(
 }
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm(
-    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
-    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
-    bool upcast, Optional<double> k) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_with(
+    const Call<detdit::GateResidualLayernormParams>& call, const Tensor& residual, const Tensor& y,
+    const OptTensor& gate, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const IndexPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
   require_contiguous(residual, "residual");
   DeviceScope scope(residual);
   // h: gate_residual's out dtype; out: layernorm's for x = h (numerics 5.12)
@@ -1061,19 +1113,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm(
   p.out = view(out, "out");
   p.mean = view(mean, "mean");
   p.rstd = view(rstd, "rstd");
-  check_ok(detdit::gate_residual_layernorm_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {out, h, mean, rstd};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward(
-    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
-    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h,
-    const Tensor& mean, const Tensor& rstd, double eps, const std::string& numerics, bool upcast,
-    Optional<double> k, std::array<bool, 7> output_mask) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics,
+    bool upcast, Optional<double> k) {
+  return gate_residual_layernorm_with(detdit::gate_residual_layernorm_forward, residual, y, gate, weight, bias, shift,
+                                      scale, plan_of(plan), eps, numerics, upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward_with(
+    const Call<detdit::GateResidualLayernormBackwardParams>& call,
+    const Call<detdit::GateResidualBackwardParams>& gate_call, const OptTensor& d_out, const OptTensor& d_h,
+    const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const IndexPlan& plan, const Tensor& h, const Tensor& mean, const Tensor& rstd,
+    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 7> output_mask,
+    bool local_rows) {
   if (!d_out.has_value()) {
     if (!d_h.has_value()) return {};
-    auto [d_residual, d_y, d_gate] =
-        gate_residual_backward_forms(*d_h, y, gate, plan, upcast, k, {output_mask[0], output_mask[1], output_mask[2]});
+    auto [d_residual, d_y, d_gate] = gate_residual_backward_forms_with(
+        gate_call, *d_h, y, gate, plan, upcast, k, {output_mask[0], output_mask[1], output_mask[2]}, local_rows);
     return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor(), Tensor()};
   }
   require_contiguous(y, "y");
@@ -1083,12 +1145,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual
   p.in = gate_residual_layernorm_inputs(Tensor(), y, gate, weight, bias, shift, scale, plan, eps, numerics, upcast, k);
   Tensor d_residual = output_like(y, output_mask[0]);
   Tensor d_y = output_like(y, output_mask[1]);
-  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan);
+  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan, local_rows);
   Tensor d_weight = parameter_grad(output_mask[3], weight, h);
   Tensor d_bias = parameter_grad(output_mask[4], bias, h);
   const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
-  Tensor d_shift = modulation_grad(output_mask[5], shift, h, "h", all, p.in.plan);
-  Tensor d_scale = modulation_grad(output_mask[6], scale, h, "h", all, p.in.plan);
+  Tensor d_shift = modulation_grad(output_mask[5], shift, h, "h", all, p.in.plan, local_rows);
+  Tensor d_scale = modulation_grad(output_mask[6], scale, h, "h", all, p.in.plan, local_rows);
   p.h = view(h, "h");
   p.mean = view(mean, "mean");
   p.rstd = view(rstd, "rstd");
@@ -1101,8 +1163,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual
   p.d_bias = view(d_bias, "d_bias");
   p.d_shift = view(d_shift, "d_shift");
   p.d_scale = view(d_scale, "d_scale");
-  check_ok(detdit::gate_residual_layernorm_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {d_residual, d_y, d_gate, d_weight, d_bias, d_shift, d_scale};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k, std::array<bool, 7> output_mask) {
+  return gate_residual_layernorm_backward_with(detdit::gate_residual_layernorm_backward, detdit::gate_residual_backward,
+                                               d_out, d_h, y, gate, weight, bias, shift, scale, plan_of(plan), h, mean,
+                                               rstd, eps, numerics, upcast, k, output_mask, false);
 }
 
 }  // namespace detdit_torch

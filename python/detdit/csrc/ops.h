@@ -149,6 +149,23 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms(const Tensor& gr
                                                                 const OptTensor& gate, const OptPlan& plan,
                                                                 bool upcast, Optional<double> k,
                                                                 std::array<bool, 3> output_mask);
+// The _with forms (the plan resolved). local_rows: x (y, h) is one rank's rows
+// of a sequence-parallel region (distributed.cpp), so a modulation gradient
+// takes its tensor's own shape and the sp_ op resolves the form against the
+// global (B, S, H); false: resolved against x here, as above.
+std::tuple<Tensor, Tensor> rmsnorm_forms_with(const Call<detdit::RmsnormParams>& call, const Tensor& x,
+                                              const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                                              const IndexPlan& plan, double eps, const std::string& numerics,
+                                              bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_backward_forms_with(
+    const Call<detdit::RmsnormBackwardParams>& call, const Tensor& grad, const Tensor& x, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& rstd, double eps,
+    const std::string& numerics, bool upcast, std::array<bool, 4> output_mask, bool local_rows);
+Tensor gate_residual_forms_with(const Call<detdit::GateResidualParams>& call, const Tensor& residual, const Tensor& y,
+                                const OptTensor& gate, const IndexPlan& plan, bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor> gate_residual_backward_forms_with(
+    const Call<detdit::GateResidualBackwardParams>& call, const Tensor& grad, const Tensor& y, const OptTensor& gate,
+    const IndexPlan& plan, bool upcast, Optional<double> k, std::array<bool, 3> output_mask, bool local_rows);
 
 // gate_residual_rmsnorm (and sp_gate_residual_rmsnorm): h = gate_residual
 // of (residual, y, gate), out = rmsnorm of h; (h, out like residual, rstd
@@ -244,6 +261,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms(
     const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
     const OptTensor& scale, const OptPlan& plan, const Tensor& mean, const Tensor& rstd, double eps,
     const std::string& numerics, bool upcast, std::array<bool, 5> output_mask);
+// The _with forms (sp_layernorm; local_rows as gate_residual_backward_forms_with).
+std::tuple<Tensor, Tensor, Tensor> layernorm_forms_with(const Call<detdit::LayernormParams>& call, const Tensor& x,
+                                                        const OptTensor& weight, const OptTensor& bias,
+                                                        const OptTensor& shift, const OptTensor& scale,
+                                                        const IndexPlan& plan, double eps,
+                                                        const std::string& numerics, bool upcast);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_backward_forms_with(
+    const Call<detdit::LayernormBackwardParams>& call, const Tensor& grad, const Tensor& x, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const Tensor& mean,
+    const Tensor& rstd, double eps, const std::string& numerics, bool upcast, std::array<bool, 5> output_mask,
+    bool local_rows);
 
 // gate_residual_layernorm: h = gate_residual.forms of (residual, y, gate, plan,
 // upcast, k), out = layernorm.forms of h; (out, h, mean, rstd): h in
@@ -264,5 +292,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual
     const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h,
     const Tensor& mean, const Tensor& rstd, double eps, const std::string& numerics, bool upcast,
     Optional<double> k, std::array<bool, 7> output_mask);
+// The _with forms (sp_gate_residual_layernorm): gate_call is the
+// gate_residual backward an absent d_out runs; local_rows as
+// gate_residual_backward_forms_with.
+std::tuple<Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_with(
+    const Call<detdit::GateResidualLayernormParams>& call, const Tensor& residual, const Tensor& y,
+    const OptTensor& gate, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const IndexPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_layernorm_backward_with(
+    const Call<detdit::GateResidualLayernormBackwardParams>& call,
+    const Call<detdit::GateResidualBackwardParams>& gate_call, const OptTensor& d_out, const OptTensor& d_h,
+    const Tensor& y, const OptTensor& gate, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const IndexPlan& plan, const Tensor& h, const Tensor& mean, const Tensor& rstd,
+    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 7> output_mask,
+    bool local_rows);
 
 }  // namespace detdit_torch

@@ -429,6 +429,8 @@ TORCH_LIBRARY(detdit, m) {
 
   // detdit.distributed: `comm` is a handle from _C._register_communicator.
   m.def("sp_plan(" DETDIT_PLAN "? plan, int world, int rank) -> " DETDIT_SP_PLAN, &make_sp_plan);
+  m.def("sp_plan.positions(int seq_len, int batch, int world, int rank) -> " DETDIT_SP_PLAN,
+        &make_sp_plan_positions);
   def_op<TpAdalnProjectionFunction>(
       m, "tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics, "
       "int? out_features=None) -> (Tensor, Tensor)",
@@ -455,6 +457,43 @@ TORCH_LIBRARY(detdit, m) {
       &sp_gate_residual_rmsnorm,
       kSpGateResidualRmsnormBackwardSchema.c_str(),
       &sp_gate_residual_rmsnorm_backward);
+
+  def_op<SpRmsnormFormsFunction>(
+      m,
+      "sp_rmsnorm.forms(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor)",
+      &sp_rmsnorm_forms,
+      "sp_rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, Tensor rstd, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor, Tensor)",
+      &sp_rmsnorm_backward_forms);
+  def_op<SpGateResidualFormsFunction>(
+      m,
+      "sp_gate_residual.forms(Tensor residual, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
+      " sp, int comm, bool upcast, float? k) -> Tensor",
+      &sp_gate_residual_forms,
+      "sp_gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
+      " sp, int comm, bool upcast, float? k) -> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_backward_forms);
+  def_op<SpLayernormFunction>(
+      m,
+      "sp_layernorm(Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor)",
+      &sp_layernorm,
+      "sp_layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
+      DETDIT_SP_PLAN " sp, Tensor mean, Tensor rstd, int comm, float eps, str numerics, bool upcast) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &sp_layernorm_backward);
+  def_op<SpGateResidualLayernormFunction>(
+      m,
+      "sp_gate_residual_layernorm(Tensor residual, Tensor y, Tensor? gate, Tensor? weight, Tensor? bias, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics, bool upcast, "
+      "float? k) -> (Tensor, Tensor, Tensor, Tensor)",
+      &sp_gate_residual_layernorm,
+      "sp_gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
+      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor mean, Tensor rstd, "
+      "int comm, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &sp_gate_residual_layernorm_backward);
 
   def_op<LayernormFunction>(
       m, "layernorm(Tensor x, Tensor? weight, Tensor? bias, float eps, str numerics) -> (Tensor, Tensor, Tensor)",
