@@ -23,6 +23,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <iterator>
 #include <vector>
 
 #include "cases/oracle.h"
@@ -158,17 +159,16 @@ std::vector<FormShape> family_bench_forms(const CaseContext& ctx) {
   // token (LTX-Video, Z-Image) at H = 3072, S = 4096, B = 2 and at H3's
   // H = 5376, S = 32760, B = 1. The small set (CPU, --quick): H = 1536,
   // B = 1, one row per form (per frame at S = 4095, F = 21 dividing it).
-  std::vector<Row> rows;
-  if (ctx.small) {
-    rows = {{1536, 1, 4096, ModulationForm::kPerSample, false},
-            {1536, 1, 4095, ModulationForm::kPerFrame, true},
-            {1536, 1, 4096, ModulationForm::kPerToken, false}};
-  } else {
-    rows = {{1536, 1, 32760, ModulationForm::kPerSample, true}, {1536, 1, 32760, ModulationForm::kPerFrame, true},
-            {5120, 1, 75600, ModulationForm::kPerSample, true}, {5120, 1, 75600, ModulationForm::kPerFrame, true},
-            {1536, 8, 4096, ModulationForm::kPerSample, false}, {3072, 2, 4096, ModulationForm::kPerSample, false},
-            {3072, 2, 4096, ModulationForm::kPerToken, false},  {5376, 1, 32760, ModulationForm::kPerToken, false}};
-  }
+  static const Row kSmall[] = {{1536, 1, 4096, ModulationForm::kPerSample, false},
+                               {1536, 1, 4095, ModulationForm::kPerFrame, true},
+                               {1536, 1, 4096, ModulationForm::kPerToken, false}};
+  static const Row kFull[] = {
+      {1536, 1, 32760, ModulationForm::kPerSample, true}, {1536, 1, 32760, ModulationForm::kPerFrame, true},
+      {5120, 1, 75600, ModulationForm::kPerSample, true}, {5120, 1, 75600, ModulationForm::kPerFrame, true},
+      {1536, 8, 4096, ModulationForm::kPerSample, false}, {3072, 2, 4096, ModulationForm::kPerSample, false},
+      {3072, 2, 4096, ModulationForm::kPerToken, false},  {5376, 1, 32760, ModulationForm::kPerToken, false}};
+  const std::vector<Row> rows = ctx.small ? std::vector<Row>(std::begin(kSmall), std::end(kSmall))
+                                          : std::vector<Row>(std::begin(kFull), std::end(kFull));
   std::vector<FormShape> forms;
   for (const Row& r : rows) {
     FormShape s;

@@ -306,7 +306,7 @@ Status norm_rank(Communicator& comm, Device device, const NormCase& c, const Nor
   EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
   EXPECT_TRUE(equal_rows(d.rstd, rstd, c.batch, c.seq_len, bd)) << where << " rstd";
   EXPECT_TRUE(equal_rows(d.dx, dx, c.batch, c.seq_len, bd)) << where << " dx";
-  if (c.d_weight) EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight";
+  if (c.d_weight) { EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight"; }
   if (token) {
     EXPECT_TRUE(equal_rows(d.d_shift, d_shift, c.batch, c.seq_len, bd)) << where << " d_shift";
     EXPECT_TRUE(equal_rows(d.d_scale, d_scale, c.batch, c.seq_len, bd)) << where << " d_scale";
@@ -438,8 +438,8 @@ Status gate_rank(Communicator& comm, Device device, const GateCase& c, const Gat
   EXPECT_TRUE(equal_rows(d.out, out, c.batch, c.seq_len, bd)) << where << " out";
   EXPECT_TRUE(equal_rows(d.d_residual, d_residual, c.batch, c.seq_len, bd)) << where << " d_residual";
   EXPECT_TRUE(equal_rows(d.d_y, d_y, c.batch, c.seq_len, bd)) << where << " d_y";
-  if (c.gate && token) EXPECT_TRUE(equal_rows(d.d_gate, d_gate, c.batch, c.seq_len, bd)) << where << " d_gate";
-  if (c.gate && !token) EXPECT_TRUE(testing::bitwise_equal(d.d_gate, d_gate)) << where << " d_gate";
+  if (c.gate && token) { EXPECT_TRUE(equal_rows(d.d_gate, d_gate, c.batch, c.seq_len, bd)) << where << " d_gate"; }
+  if (c.gate && !token) { EXPECT_TRUE(testing::bitwise_equal(d.d_gate, d_gate)) << where << " d_gate"; }
   return Status();
 }
 
@@ -595,8 +595,8 @@ Status layernorm_rank(Communicator& comm, Device device, const LayernormCase& c,
   EXPECT_TRUE(equal_rows(d.mean, mean, c.batch, c.seq_len, bd)) << where << " mean";
   EXPECT_TRUE(equal_rows(d.rstd, rstd, c.batch, c.seq_len, bd)) << where << " rstd";
   EXPECT_TRUE(equal_rows(d.dx, dx, c.batch, c.seq_len, bd)) << where << " dx";
-  if (c.affine >= 1) EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight";
-  if (c.affine >= 2) EXPECT_TRUE(testing::bitwise_equal(d.d_bias, d_bias)) << where << " d_bias";
+  if (c.affine >= 1) { EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight"; }
+  if (c.affine >= 2) { EXPECT_TRUE(testing::bitwise_equal(d.d_bias, d_bias)) << where << " d_bias"; }
   if (c.modulated && token) {
     EXPECT_TRUE(equal_rows(d.d_shift, d_shift, c.batch, c.seq_len, bd)) << where << " d_shift";
     EXPECT_TRUE(equal_rows(d.d_scale, d_scale, c.batch, c.seq_len, bd)) << where << " d_scale";
@@ -755,8 +755,8 @@ Status indexed_rank(Communicator& comm, Device device, const IndexedCase& c, con
   EXPECT_TRUE(equal_rows(d.mean, mean, c.batch, c.seq_len, bd)) << where << " mean";
   EXPECT_TRUE(equal_rows(d.rstd, rstd, c.batch, c.seq_len, bd)) << where << " rstd";
   EXPECT_TRUE(equal_rows(d.dx, dx, c.batch, c.seq_len, bd)) << where << " dx";
-  if (c.affine >= 1) EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight";
-  if (c.affine >= 2) EXPECT_TRUE(testing::bitwise_equal(d.d_bias, d_bias)) << where << " d_bias";
+  if (c.affine >= 1) { EXPECT_TRUE(testing::bitwise_equal(d.d_weight, d_weight)) << where << " d_weight"; }
+  if (c.affine >= 2) { EXPECT_TRUE(testing::bitwise_equal(d.d_bias, d_bias)) << where << " d_bias"; }
   if (c.modulated) {
     EXPECT_TRUE(testing::bitwise_equal(d.d_shift, d_shift)) << where << " d_shift";
     EXPECT_TRUE(testing::bitwise_equal(d.d_scale, d_scale)) << where << " d_scale";
