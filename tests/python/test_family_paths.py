@@ -1,0 +1,200 @@
+"""One block's conditioning path of every DiT family (family_paths.FAMILIES: SD3.5, Flux.1,
+Wan 2.1, Wan 2.2 A14B, Wan 2.2 TI2V-5B, HunyuanVideo, Qwen-Image, CogVideoX, LTX-Video,
+MiniMax-H3), written as the family's diffusers code computes it in plain PyTorch and through
+detdit, on random weights in the family's state-dict layout at small shapes (H = 64, B = 2,
+S = 32 image and 8 text positions, bf16 activations, the family's dtypes for the time MLP and
+the tables). test_families_eager.py checks single norm / gate sites; this checks the whole
+path: the sinusoid in the family's convention, the time MLP, combined embeddings, every
+projection and its chunk order, every norm, modulation and gated residual, the final layer.
+
+What is asserted (CPU):
+- against eager, segment by segment: detdit runs each segment between two taps (family_paths)
+  on the values eager's path had there and is back-propagated with the gradients eager's had
+  there; every tap's value, every gradient arriving at a tap, every parameter's and input's
+  gradient is byte-equal to eager's where detdit computes eager's operations (a gated
+  residual's output; the gradient of its sublayer operand, unless a fused norm adds its dx),
+  else at least as close to the float64 value of the same segment as eager's, to one ulp of the
+  tensor's dtype at its largest magnitude (plus n * 2^-24 of it for FP32, n the longest sum);
+- at every modulated norm, the modulation is eager's operations on detdit's own norm, byte for
+  byte;
+- repeatable: a second run gives the same bytes, outputs and every gradient;
+- batch-invariant: sample 0 alone gives the bytes it has in the batch, outputs and the
+  gradients of its inputs (parameters' gradients sum over the batch);
+- sequence parallel: over one spawned group of 4 gloo processes, world sizes 1, 2 and 4 give
+  every rank's outputs and input gradients byte-equal to one process's rows, and every
+  replicated gradient byte-equal (proj_out's, and for per-token families everything upstream
+  of the modulation, are sums over the rank's own positions, reduced by the caller).
+On a GPU (test_gpu_*): the torch profile's gated residuals and LayerNorm sites byte-equal to
+eager on the same GPU.
+"""
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import detdit
+import detdit.distributed
+import family_paths as fp
+from conftest import assert_bitwise_equal, requires_cuda
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = list(fp.FAMILIES)
+
+
+def _family(name):
+    fam = fp.FAMILIES[name]
+    gone = fp.missing(fam)
+    if gone:
+        pytest.skip(f"{name}: detdit lacks {', '.join(gone)}")
+    return fam
+
+
+def _compare_path(fam, device="cpu", numerics="portable", bitwise_kinds=("gate",)):
+    sd = {k: v.to(device) for k, v in fam.state_dict().items()}
+    inp = {k: (v.to(device), s, kind) for k, (v, s, kind) in fam.inputs().items()}
+    ref, ep, ex, _, _ = fp.run_eager(fam, sd, inp)
+    plans = fam.plans({k: v for k, (v, _, _) in inp.items()}, fam.batch)
+    check = assert_bitwise_equal if numerics == "portable" else None
+    got, dp, dx, ends = fp.run_forced(fam, sd, inp, ref, "detdit",
+                                      fp.Ops(plans=plans, check=check, numerics=numerics))
+    truth, tp, tx, _ = fp.run_forced(fam, sd, inp, ref, "truth")
+    assert got.values.keys() == ref.values.keys(), f"{fam.name}: taps {list(got.values)} vs eager {list(ref.values)}"
+    for name in ref.values:
+        exact = ref.kinds[name] in bitwise_kinds
+        fp.check_against_eager(fam, got.values[name].detach().cpu(), ref.values[name].detach().cpu(),
+                               truth.values[name].detach().cpu(), f"{fam.name} tap {name}", exact,
+                               assert_bitwise_equal)
+        if ref.nodes[name].requires_grad and name not in ends:  # an output's is the given gradient
+            fp.check_against_eager(fam, _cpu(got.nodes[name].grad), _cpu(ref.downstream_grad(name)),
+                                   _cpu(truth.nodes[name].grad), f"{fam.name} gradient at tap {name}", False,
+                                   assert_bitwise_equal)
+    for k in ep:
+        fp.check_against_eager(fam, _cpu(dp[k].grad), _cpu(ep[k].grad), _cpu(tp[k].grad), f"{fam.name} d {k}", False,
+                               assert_bitwise_equal)
+    for k, (_, _, kind) in inp.items():
+        if kind in ("const", "shared"):
+            continue
+        exact = kind == "sub" and k not in fam.fused_gates()
+        fp.check_against_eager(fam, _cpu(dx[k].grad), _cpu(ex[k].grad), _cpu(tx[k].grad), f"{fam.name} d {k}", exact,
+                               assert_bitwise_equal)
+
+
+def _cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_path_matches_the_familys_eager_code(name):
+    _compare_path(_family(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_path_is_repeatable_and_batch_invariant(name):
+    fam = _family(name)
+    sd, inp = fam.state_dict(), fam.inputs()
+    grads = fp.output_grads(fam, fp.run_eager(fam, sd, inp)[3])
+    first = fp.run_detdit(fam, sd, inp, grads, fp.Ops(check=assert_bitwise_equal,
+                                                      plans=fam.plans(_values(inp), fam.batch)))
+    second = fp.run_detdit(fam, sd, inp, grads)
+    assert first.keys() == second.keys()
+    for key in first:
+        if first[key] is None:
+            assert second[key] is None, f"{name} {key}: a gradient in the second run only"
+            continue
+        assert_bitwise_equal(second[key], first[key], f"{name} {key}: a second run")
+    one = {k: (v if kind == "shared" else v[:1], s, kind) for k, (v, s, kind) in inp.items()}
+    alone = fp.run_detdit(fam, sd, one, {k: v[:1] for k, v in grads.items()})
+    checked = 0
+    for key, value in alone.items():
+        name_ = key.split(".", 1)[1]
+        if key.startswith("d.") and (name_ in sd or inp[name_][2] in ("const", "shared")):
+            continue  # parameters' gradients: sums over the batch
+        if value is None:
+            assert first[key] is None, f"{name} {key}: no gradient alone"
+            continue
+        assert_bitwise_equal(value, first[key][:1], f"{name} {key}: sample 0 alone vs in a batch of {fam.batch}")
+        checked += 1
+    assert checked >= len(fam.outputs) + 1
+
+
+def _values(inp):
+    return {k: v for k, (v, _, _) in inp.items()}
+
+
+# ---- sequence parallel: one spawned group of 4, world sizes 1, 2, 4 ---------------------------
+
+WORLDS = (1, 2, 4)
+
+
+def _sp_worker(rank, world, init_file, names):
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    groups = {w: dist.new_group(list(range(w))) for w in WORLDS}  # every rank creates every group
+    for w in WORLDS:
+        if rank < w:
+            comm = detdit.distributed.Communicator(groups[w])
+            for name in names:
+                _sp_family(fp.FAMILIES[name], comm)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sp_family(fam, comm):
+    sd, inp = fam.state_dict(), fam.inputs()
+    with torch.no_grad():
+        outs = fam.detdit(*fp.leaves(fam, sd, inp), lambda n, t, kind=None: t,
+                          fp.Ops(plans=fam.plans(_values(inp), fam.batch)))
+    grads = fp.output_grads(fam, outs)
+    ws1 = fp.run_detdit(fam, sd, inp, grads)
+    plans = fam.plans(_values(inp), fam.batch)
+    regions = {}
+    for stream in set(fam.streams) | set(plans):
+        if stream in plans:
+            regions[stream] = detdit.distributed.SpRegion(plans[stream], comm)
+        else:
+            regions[stream] = detdit.distributed.SpRegion(None, comm, seq_len=fp.STREAM_LEN[stream], batch=fam.batch)
+    local = {s: r.local_slice for s, r in regions.items()}
+    sp = fp.run_detdit(fam, sd, inp, grads, fp.Ops(regions=regions, plans=plans), local)
+    where = f"{fam.name}, rank {comm.rank} of {comm.world}"
+    for k, stream in fam.outputs.items():
+        assert_bitwise_equal(sp[f"out.{k}"], ws1[f"out.{k}"][:, local[stream]], f"{where}: {k}")
+    for k, (_, stream, kind) in inp.items():
+        if kind in ("const", "shared"):
+            continue
+        a, e = sp[f"d.{k}"], ws1[f"d.{k}"]
+        if stream is not None:
+            a, e = a[:, local[stream]], e[:, local[stream]]
+        assert_bitwise_equal(a, e, f"{where}: d {k}")
+    for k in sd:
+        if not k.startswith(fam.sp_partial or ("\0",)):
+            assert_bitwise_equal(sp[f"d.{k}"], ws1[f"d.{k}"], f"{where}: d {k} (replicated)")
+
+
+def test_path_byte_equal_across_sp_world_sizes(tmp_path):
+    names = [n for n in NAMES if not fp.missing(fp.FAMILIES[n])]
+    if not names:
+        pytest.skip("no family's detdit side runs on this build (see the per-family skips)")
+    mp.spawn(_sp_worker, args=(max(WORLDS), str(tmp_path / "init"), names), nprocs=max(WORLDS), join=True)
+
+
+# ---- GPU: the torch profile --------------------------------------------------------------------
+
+LAYER_NORM_FAMILIES = [n for n in NAMES if fp.FAMILIES[n].norm_kind == "layer"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_torch_profile_path_equals_eager(name):
+    """Each segment on eager's values on the GPU: gated residuals byte-equal in both; in the torch
+    profile the LayerNorm sites too (the RMSNorm families' norms: bounded as on the CPU; the torch
+    profile is F.rms_norm's bits, not diffusers' RMSNorm's)."""
+    fam = _family(name)
+    kinds = ("gate", "norm") if fam.norm_kind == "layer" else ("gate",)
+    _compare_path(fam, "cuda", "torch", kinds)
