@@ -76,12 +76,6 @@ def eager_mlp(f, p, prefix, act=F.silu):
     return F.linear(h, p[prefix + "linear_2.weight"], p[prefix + "linear_2.bias"])
 
 
-def eager_rms(x, c, eps):
-    """diffusers' RMSNorm without affine: x * rsqrt(mean(x.float()^2) + eps), back to x's dtype."""
-    var = c(x, F32).pow(2).mean(-1, keepdim=True)
-    return c(x * torch.rsqrt(var + eps), x.dtype)
-
-
 def mlp_params(prefix, k, hidden, out, dtype, scale_in=1.0):
     return {prefix + "linear_1.weight": ((hidden, k), dtype, scale_in / math.sqrt(k)),
             prefix + "linear_1.bias": ((hidden,), dtype, 0.1),
@@ -125,37 +119,21 @@ def detdit_adaln(emb, p, prefix, dtype=None):
 class Ops:
     """The sequence-dim ops of the detdit side: detdit's functions on the whole sequence, or
     (regions: stream -> SpRegion) an SP region's on this rank's rows. plans: stream -> the
-    IndexPlan of an indexed family. check(a, b, what), on the whole sequence only: also asserts at
-    every modulated norm that the modulation is eager's operations on detdit's plain norm
-    (numerics 5.12, 9.5). numerics: the profile of the norms ("torch": CUDA)."""
+    IndexPlan of an indexed family. numerics: the norms' profile ("torch": CUDA only)."""
 
-    def __init__(self, regions=None, plans=None, check=None, numerics="portable"):
-        self.regions, self.plans, self.check, self.numerics = regions, plans or {}, check, numerics
+    def __init__(self, regions=None, plans=None, numerics="portable"):
+        self.regions, self.plans, self.numerics = regions, plans or {}, numerics
 
     def layernorm(self, stream, x, w=None, b=None, shift=None, scale=None, eps=1e-5, upcast=False):
         if self.regions is not None:
             return self.regions[stream].layernorm(x, w, b, shift, scale, eps=eps, upcast=upcast,
                                                   numerics=self.numerics)
-        out = detdit.layernorm(x, w, b, shift, scale, eps=eps, upcast=upcast, numerics=self.numerics)
-        if self.check is not None and shift is not None:
-            wide = (lambda v: None if v is None else v.float()) if upcast else (lambda v: v)
-            n = detdit.layernorm(wide(x), wide(w), wide(b), eps=eps, numerics=self.numerics)
-            self.check(out, _modulate(n, shift, scale, x.dtype if upcast else None),
-                       f"{stream} layernorm: the modulation of detdit's norm")
-        return out
+        return detdit.layernorm(x, w, b, shift, scale, eps=eps, upcast=upcast, numerics=self.numerics)
 
     def rmsnorm(self, stream, x, w, shift=None, scale=None, eps=1e-6):
         if self.regions is not None:
             return self.regions[stream].rmsnorm(x, w, shift, scale, eps=eps, numerics=self.numerics)
-        plan = self.plans.get(stream)
-        out = detdit.rmsnorm(x, w, shift, scale, plan=plan, eps=eps, numerics=self.numerics)
-        if self.check is not None and shift is not None:
-            n = detdit.rmsnorm(x, w, eps=eps, numerics=self.numerics)
-            if plan is not None:  # the (R, H) tables' row of every position
-                rows = plan.row_index().long()
-                shift, scale = shift[rows][None], scale[rows][None]
-            self.check(out, _modulate(n, shift, scale, None), f"{stream} rmsnorm: the modulation of detdit's norm")
-        return out
+        return detdit.rmsnorm(x, w, shift, scale, plan=self.plans.get(stream), eps=eps, numerics=self.numerics)
 
     def gate_residual(self, stream, residual, y, gate=None, upcast=False):
         if self.regions is not None:
@@ -174,13 +152,6 @@ class Ops:
                                                               numerics=self.numerics)
         return detdit.gate_residual_rmsnorm(residual, y, gate, w, shift, scale, plan=self.plans[stream], eps=eps,
                                             numerics=self.numerics)
-
-
-def _modulate(n, shift, scale, narrow):
-    """eager's n * (1 + scale) + shift (shift and scale broadcast against n as the families pass
-    them: (B, 1, H), (B, S, H)); narrow: the upcast recipe's one cast at the end."""
-    out = n * (1 + scale) + shift
-    return out if narrow is None else out.to(narrow)
 
 
 # ---- the families ----------------------------------------------------------------------------
@@ -313,10 +284,10 @@ class Joint(Family):
             temb = temb + eager_mlp(x["pooled"], p, "time_text_embed.text_embedder.")
         return tap("temb", temb)
 
-    def eager_stream(self, key, x, chunks, y, tap):
+    def eager_stream(self, key, x, chunks, y, tap, c):
         """norm1 * (1 + scale_msa) + shift_msa; x + gate_msa * attn; norm2 ... ; x + gate_mlp * ff."""
         sh, sc, g, sh2, sc2, g2 = chunks
-        ln = lambda v: F.layer_norm(v, (HIDDEN,), eps=self.eps)  # noqa: E731
+        ln = lambda v: c.layer_norm(v, eps=self.eps)  # noqa: E731
         n1 = tap(f"{key}.n1", ln(x) * (1 + sc) + sh, kind="norm")
         h = x + g * sublayer(n1, y[f"{key}_attn"])
         n2 = tap(f"{key}.n2", ln(h) * (1 + sc2) + sh2, kind="norm")
@@ -327,7 +298,7 @@ class Joint(Family):
         """AdaLayerNormContinuous (no affine): linear(silu(temb).to(x.dtype)) -> scale, shift."""
         emb = tap(f"{key}.emb", F.linear(c(F.silu(temb), x.dtype), p[prefix + "weight"], p[prefix + "bias"]))
         scale, shift = _chunks(emb, 2)
-        return tap(f"{key}.n", F.layer_norm(x, (HIDDEN,), eps=self.eps) * (1 + scale) + shift, kind="norm")
+        return tap(f"{key}.n", c.layer_norm(x, eps=self.eps) * (1 + scale) + shift, kind="norm")
 
     def eager(self, p, x, tap, c):
         temb = self.eager_temb(p, x, tap, c)
@@ -336,19 +307,19 @@ class Joint(Family):
             emb = tap(f"b{i}.img.emb", F.linear(F.silu(temb), p[prefix + ik + "weight"], p[prefix + ik + "bias"]))
             ch = _chunks(emb, ic)
             if ic == 9:  # SD35AdaLayerNormZeroX: one norm(x), two modulations, two gated residuals
-                n = F.layer_norm(img, (HIDDEN,), eps=self.eps)
+                n = c.layer_norm(img, eps=self.eps)
                 n1 = tap(f"b{i}.img.n1", n * (1 + ch[1]) + ch[0], kind="norm")
                 n1b = tap(f"b{i}.img.n1b", n * (1 + ch[7]) + ch[6], kind="norm")
                 h = tap(f"b{i}.img.h0", img + ch[2] * sublayer(n1, x[f"y{i}_img_attn"]), kind="gate")
                 h = h + ch[8] * sublayer(n1b, x[f"y{i}_img_attn2"])
-                n2 = tap(f"b{i}.img.n2", F.layer_norm(h, (HIDDEN,), eps=self.eps) * (1 + ch[4]) + ch[3], kind="norm")
+                n2 = tap(f"b{i}.img.n2", c.layer_norm(h, eps=self.eps) * (1 + ch[4]) + ch[3], kind="norm")
                 h = tap(f"b{i}.img.h1", h, kind="gate")
                 img = tap(f"b{i}.img.h2", h + ch[5] * sublayer(n2, x[f"y{i}_img_ff"]), kind="gate")
             else:
-                img = self.eager_stream(f"y{i}_img", img, ch, x, tap)
+                img = self.eager_stream(f"y{i}_img", img, ch, x, tap, c)
             if tc == 6:
                 emb = tap(f"b{i}.txt.emb", F.linear(F.silu(temb), p[prefix + tk + "weight"], p[prefix + tk + "bias"]))
-                txt = self.eager_stream(f"y{i}_txt", txt, _chunks(emb, 6), x, tap)
+                txt = self.eager_stream(f"y{i}_txt", txt, _chunks(emb, 6), x, tap, c)
             else:  # SD3's last block (context_pre_only): AdaLayerNormContinuous; attention reads its output
                 out["txt_n"] = self.eager_continuous(f"b{i}.txt", txt, temb, p, prefix + tk, tap, c)
                 txt = None
@@ -359,7 +330,7 @@ class Joint(Family):
                                               p["single_transformer_blocks.0.norm.linear.bias"]))
             sh, sc, g = _chunks(emb, 3)
             xs = x["x_joint"]
-            n = tap("single.n", F.layer_norm(xs, (HIDDEN,), eps=self.eps) * (1 + sc) + sh, kind="norm")
+            n = tap("single.n", c.layer_norm(xs, eps=self.eps) * (1 + sc) + sh, kind="norm")
             out["joint"] = tap("single.h", xs + g * sublayer(n, x["y_single"]), kind="gate")
         y = self.eager_continuous("final", img, temb, p, "norm_out.linear.", tap, c)
         out["out"] = tap("out", F.linear(y, p["proj_out.weight"], p["proj_out.bias"]))
@@ -573,7 +544,7 @@ class Wan(Family):
         proj = tap("proj", proj if not self.per_token else proj.unflatten(0, t.shape))
         mod = tap("mod", self._mod(p["blocks.0.scale_shift_table"], proj, c))
         sh, sc, g, csh, csc, cg = self._split(mod)
-        ln = lambda v, w=None, b=None: F.layer_norm(c(v, F32), (HIDDEN,), w, b, self.eps)  # noqa: E731
+        ln = lambda v, w=None, b=None: c.layer_norm(c(v, F32), w, b, self.eps)  # noqa: E731
         h = x["x_img"]
         n1 = tap("n1", c(ln(h) * (1 + sc) + sh, BF), kind="norm")
         h = tap("h1", c(c(h, F32) + sublayer(n1, x["y_attn"]) * g, BF), kind="gate")
@@ -677,15 +648,15 @@ class CogVideoX(Family):
             pre = f"transformer_blocks.0.{k}."
             emb = tap(f"{k}.emb", F.linear(F.silu(temb), p[pre + "linear.weight"], p[pre + "linear.bias"]))
             sh, sc, g, esh, esc, eg = _chunks(emb, 6)
-            ln = lambda v: F.layer_norm(v, (HIDDEN,), p[pre + "norm.weight"], p[pre + "norm.bias"], self.eps)  # noqa
+            ln = lambda v: c.layer_norm(v, p[pre + "norm.weight"], p[pre + "norm.bias"], self.eps)  # noqa: E731
             n_img = tap(f"{k}.img", ln(img) * (1 + sc) + sh, kind="norm")
             n_txt = tap(f"{k}.txt", ln(txt) * (1 + esc) + esh, kind="norm")
             img = tap(f"{k}.img_h", img + g * sublayer(n_img, x[f"y_img_{site}"]), kind="gate")
             txt = tap(f"{k}.txt_h", txt + eg * sublayer(n_txt, x[f"y_txt_{site}"]), kind="gate")
-        nf = tap("norm_final", F.layer_norm(img, (HIDDEN,), p["norm_final.weight"], p["norm_final.bias"], self.eps), kind="norm")
+        nf = tap("norm_final", c.layer_norm(img, p["norm_final.weight"], p["norm_final.bias"], self.eps), kind="norm")
         emb = tap("final.emb", F.linear(F.silu(temb), p["norm_out.linear.weight"], p["norm_out.linear.bias"]))
         shift, scale = _chunks(emb, 2)
-        y = tap("final.n", F.layer_norm(nf, (HIDDEN,), p["norm_out.norm.weight"], p["norm_out.norm.bias"], self.eps)
+        y = tap("final.n", c.layer_norm(nf, p["norm_out.norm.weight"], p["norm_out.norm.bias"], self.eps)
                 * (1 + scale) + shift, kind="norm")
         return {"out": tap("out", F.linear(y, p["proj_out.weight"], p["proj_out.bias"])), "txt": txt}
 
@@ -751,14 +722,14 @@ class LTX(Family):
         mod = tap("mod", self._mod(p["transformer_blocks.0.scale_shift_table"], temb.view(B, S, 6, HIDDEN)))
         sh, sc, g, sh2, sc2, g2 = mod.unbind(dim=2)
         h = x["x_img"]
-        n1 = tap("n1", eager_rms(h, c, self.eps) * (1 + sc) + sh, kind="norm")
+        n1 = tap("n1", c.rms(h, None, self.eps) * (1 + sc) + sh, kind="norm")
         h = tap("h1", h + sublayer(n1, x["y_attn"]) * g, kind="gate")
         h = tap("h2", h + sublayer(h, x["y_cross"]), kind="gate")
-        n2 = tap("n2", eager_rms(h, c, self.eps) * (1 + sc2) + sh2, kind="norm")
+        n2 = tap("n2", c.rms(h, None, self.eps) * (1 + sc2) + sh2, kind="norm")
         h = tap("h3", h + sublayer(n2, x["y_ff"]) * g2, kind="gate")
         fmod = tap("final.mod", p["scale_shift_table"][None, None] + emb.view(B, S, HIDDEN)[:, :, None])
         shift, scale = fmod[:, :, 0], fmod[:, :, 1]
-        y = tap("final.n", F.layer_norm(h, (HIDDEN,), eps=self.eps) * (1 + scale) + shift, kind="norm")
+        y = tap("final.n", c.layer_norm(h, eps=self.eps) * (1 + scale) + shift, kind="norm")
         return {"out": tap("out", F.linear(y, p["proj_out.weight"], p["proj_out.bias"]))}
 
     def detdit(self, p, x, tap, ops):
@@ -830,10 +801,6 @@ class H3(Family):
         return {"img": detdit.plan(x["ti"], x["tags"], self.T, batch),
                 "final": detdit.plan_from_rows(x["ti"], self.T, batch)}
 
-    def _rms(self, v, w, c):
-        rstd = torch.rsqrt(c(v, F32).pow(2).mean(-1, keepdim=True) + self.eps)
-        return c(v * rstd * c(w, F32), v.dtype)
-
     def eager(self, p, x, tap, c):
         H = HIDDEN
         f = tap("t_features", eager_sinusoid(x["t"], FREQ, wide=c.truth))
@@ -844,14 +811,14 @@ class H3(Family):
         rows = (x["ti"] * 3 + x["tags"]).long()
         sh, sc, g, sh2, sc2, g2 = [v[rows][None] for v in table.view(-1, 6 * H).chunk(6, -1)]
         h = x["x_img"]
-        n1 = tap("n1", self._rms(h, p[pre + "norm1.weight"], c) * (1 + sc) + sh, kind="norm")
+        n1 = tap("n1", c.rms(h, p[pre + "norm1.weight"], self.eps) * (1 + sc) + sh, kind="norm")
         h = h + g * sublayer(n1, x["y_attn"])
-        n2 = tap("n2", self._rms(h, p[pre + "norm2.weight"], c) * (1 + sc2) + sh2, kind="norm")
+        n2 = tap("n2", c.rms(h, p[pre + "norm2.weight"], self.eps) * (1 + sc2) + sh2, kind="norm")
         h = tap("h1", h, kind="gate")
         h = tap("h2", h + g2 * sublayer(n2, x["y_ff"]), kind="gate")
         fin = tap("final.table", F.linear(c(F.silu(temb), BF), p["norm_out.linear.weight"], p["norm_out.linear.bias"]))
         shift, scale = fin[:, :H][x["ti"]][None], fin[:, H:][x["ti"]][None]
-        return {"out": tap("out", self._rms(h, p["norm_out.norm.weight"], c) * (1 + scale) + shift)}
+        return {"out": tap("out", c.rms(h, p["norm_out.norm.weight"], self.eps) * (1 + scale) + shift, kind="norm")}
 
     def detdit(self, p, x, tap, ops):
         H = HIDDEN
@@ -872,7 +839,8 @@ class H3(Family):
         fin = tap("final.table", detdit.linear(F.silu(temb).to(BF), p["norm_out.linear.weight"],
                                                p["norm_out.linear.bias"]))
         shift, scale = fin[:, :H], fin[:, H:]
-        return {"out": tap("out", ops.rmsnorm("final", h, p["norm_out.norm.weight"], shift, scale, eps=self.eps))}
+        return {"out": tap("out", ops.rmsnorm("final", h, p["norm_out.norm.weight"], shift, scale, eps=self.eps),
+                           kind="norm")}
 
 
 FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Hunyuan(), Qwen(), CogVideoX(), LTX(),
@@ -883,13 +851,28 @@ FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Huny
 
 
 class Cast:
-    """The eager path's casts: ``c(t, dtype)``; the truth run (float64) makes each the identity."""
+    """The eager path's casts and norms: ``c(t, dtype)``; ``c.layer_norm``, ``c.rms``. The truth
+    run (float64) makes every cast the identity; detdit_norms puts detdit's plain norm in place of
+    eager's, so every other operation of a norm site is eager's own (test: byte for byte)."""
 
-    def __init__(self, truth):
-        self.truth = truth
+    def __init__(self, truth, detdit_norms=False):
+        self.truth, self.detdit_norms = truth, detdit_norms
 
     def __call__(self, t, dtype):
         return t if self.truth else t.to(dtype)
+
+    def layer_norm(self, x, w=None, b=None, eps=1e-5):
+        if self.detdit_norms:
+            return detdit.layernorm(x, w, b, eps=eps)
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+    def rms(self, x, w, eps):
+        """diffusers' RMSNorm without affine (w None: x * rsqrt(mean(x.float()^2) + eps), back to
+        x's dtype) and H3's with its weight (times w.float() before the one cast)."""
+        if self.detdit_norms:
+            return detdit.rmsnorm(x, torch.ones(x.shape[-1], dtype=x.dtype) if w is None else w, eps=eps)
+        n = x * torch.rsqrt(self(x, F32).pow(2).mean(-1, keepdim=True) + eps)
+        return self(n if w is None else n * self(w, F32), x.dtype)
 
 
 class Tape:
@@ -947,14 +930,15 @@ def run_eager(fam, sd, inp, grads=None):
 
 
 def run_forced(fam, sd, inp, ref, how, ops=None):
-    """how "detdit" or "truth": every segment on the eager run's values at its taps, back-propagated
+    """how "detdit", "truth" (eager in float64) or "detdit_norms" (eager with detdit's plain norms):
+    every segment on the eager run's values at its taps, back-propagated
     with the eager gradients arriving there. Returns (tape, p, x, the names of the taps that are
     the path's outputs)."""
     wide = how == "truth"
     p, x = leaves(fam, sd, inp, wide)
     tape = Tape(ref, wide)
-    if wide:
-        outs = fam.eager(p, x, tape, Cast(True))
+    if how in ("truth", "detdit_norms"):
+        outs = fam.eager(p, x, tape, Cast(wide, how == "detdit_norms"))
     else:
         outs = fam.detdit(p, x, tape, ops or Ops(plans=fam.plans(x, _batch(inp))))
     ends = {name for name, node in tape.nodes.items() if any(node is o for o in outs.values())}
