@@ -58,7 +58,7 @@ def eager_sinusoid(t, dim, flip=True, shift=0.0, scale=1.0, max_period=10000, wi
     arg = t.float() * freq, then scale * arg; [sin | cos], swapped to [cos | sin] by flip."""
     dt = F64 if wide else F32
     half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=dt) / (half - shift)
+    exponent = -math.log(max_period) * torch.arange(half, dtype=dt, device=t.device) / (half - shift)
     arg = t.to(dt)[:, None] * torch.exp(exponent)[None, :]
     arg = scale * arg
     emb = torch.cat([torch.sin(arg), torch.cos(arg)], dim=-1)
@@ -457,12 +457,77 @@ class Flux(Joint):
 
 class Hunyuan(Joint):
     """HunyuanVideo: t = sigma * 1000 in FP32, guidance a bf16 tensor times 1000.0 (bf16 product,
-    the pipeline's), pooled text 768 (here 40). The token refiner is not part of this path."""
+    the pipeline's), pooled text 768 (here 40). The token refiner (context_embedder): its own
+    CombinedTimestepTextProjEmbeddings on the same t and the mean-pooled text (4096, here 56),
+    one refiner block: affine LayerNorms (eps 1e-6) without modulation, residuals gated by
+    HunyuanVideoAdaNorm's linear(silu(temb)) (gate_msa, gate_mlp)."""
     name = "hunyuan_video"
     pooled, guidance, single = 40, True, True
+    ref_pooled = 56
+    REF = "context_embedder."
+    BLOCK = "context_embedder.token_refiner.refiner_blocks.0."
 
     def pipeline_g(self, batch):
         return torch.full((batch,), 6.0, dtype=BF) * 1000.0
+
+    def params(self):
+        H = HIDDEN
+        p = super().params()
+        p |= mlp_params(self.REF + "time_text_embed.timestep_embedder.", FREQ, H, H, BF)
+        p |= mlp_params(self.REF + "time_text_embed.text_embedder.", self.ref_pooled, H, H, BF)
+        for k in ("norm1", "norm2"):
+            p[self.BLOCK + k + ".weight"], p[self.BLOCK + k + ".bias"] = ((H,), BF, 0.2), ((H,), BF, 0.2)
+        p |= linear_params(self.BLOCK + "norm_out.linear.", 2 * H, H, BF, 0.3 / math.sqrt(H))
+        return p
+
+    def state_dict(self, seed=0):
+        sd = super().state_dict(seed)
+        for k in ("norm1", "norm2"):
+            sd[self.BLOCK + k + ".weight"] = sd[self.BLOCK + k + ".weight"] + 1
+        return sd
+
+    def hidden_inputs(self):
+        return super().hidden_inputs() | {"x_ref": "txt"}
+
+    def stand_ins(self):
+        return super().stand_ins() | {"y_ref_attn": "txt", "y_ref_ff": "txt"}
+
+    def timestep_inputs(self, batch, seed):
+        return super().timestep_inputs(batch, seed) | {
+            "pooled_ref": (randn((batch, self.ref_pooled), seed + 2, BF, 1.0), None, "sample")}
+
+    @property
+    def outputs(self):
+        return super().outputs | {"ref": "txt"}
+
+    def eager(self, p, x, tap, c):
+        out = super().eager(p, x, tap, c)
+        f = tap("ref.t_features", eager_sinusoid(x["t"], FREQ, wide=c.truth))
+        temb = eager_mlp(c(f, BF), p, self.REF + "time_text_embed.timestep_embedder.")
+        temb = tap("ref.temb", temb + eager_mlp(x["pooled_ref"], p, self.REF + "time_text_embed.text_embedder."))
+        b = self.BLOCK
+        gates = tap("ref.gates", F.linear(F.silu(temb), p[b + "norm_out.linear.weight"], p[b + "norm_out.linear.bias"]))
+        g1, g2 = _chunks(gates, 2)
+        h = x["x_ref"]
+        n1 = tap("ref.n1", c.layer_norm(h, p[b + "norm1.weight"], p[b + "norm1.bias"], 1e-6), kind="norm")
+        h = tap("ref.h1", h + sublayer(n1, x["y_ref_attn"]) * g1, kind="gate")
+        n2 = tap("ref.n2", c.layer_norm(h, p[b + "norm2.weight"], p[b + "norm2.bias"], 1e-6), kind="norm")
+        out["ref"] = tap("ref.h2", h + sublayer(n2, x["y_ref_ff"]) * g2, kind="gate")
+        return out
+
+    def detdit(self, p, x, tap, ops):
+        out = super().detdit(p, x, tap, ops)
+        f = tap("ref.t_features", detdit_sinusoid(x["t"], FREQ, self.t_max))
+        temb = detdit_mlp(f.to(BF), p, self.REF + "time_text_embed.timestep_embedder.")
+        temb = tap("ref.temb", temb + detdit_mlp(x["pooled_ref"], p, self.REF + "time_text_embed.text_embedder."))
+        b = self.BLOCK
+        g1, g2 = _chunks(tap("ref.gates", detdit_adaln(temb, p, b + "norm_out.linear.")), 2)
+        h = x["x_ref"]
+        n1 = tap("ref.n1", ops.layernorm("txt", h, p[b + "norm1.weight"], p[b + "norm1.bias"], eps=1e-6), kind="norm")
+        h = tap("ref.h1", ops.gate_residual("txt", h, sublayer(n1, x["y_ref_attn"]), g1), kind="gate")
+        n2 = tap("ref.n2", ops.layernorm("txt", h, p[b + "norm2.weight"], p[b + "norm2.bias"], eps=1e-6), kind="norm")
+        out["ref"] = tap("ref.h2", ops.gate_residual("txt", h, sublayer(n2, x["y_ref_ff"]), g2), kind="gate")
+        return out
 
 
 class Qwen(Joint):
@@ -740,8 +805,8 @@ class LTX(Family):
         temb = tap("temb", detdit_adaln(emb, p, "time_embed.linear."))
         mod = tap("mod", self._mod(p["transformer_blocks.0.scale_shift_table"], temb.view(B, S, 6, HIDDEN)))
         sh, sc, g, sh2, sc2, g2 = mod.unbind(dim=2)
-        ones = torch.ones(HIDDEN, dtype=BF)  # no affine: rn(n * 1) = n
         h = x["x_img"]
+        ones = torch.ones(HIDDEN, dtype=BF, device=h.device)  # no affine: rn(n * 1) = n
         n1 = tap("n1", ops.rmsnorm("img", h, ones, sh, sc, eps=self.eps), kind="norm")
         h = tap("h1", ops.gate_residual("img", h, sublayer(n1, x["y_attn"]), g), kind="gate")
         h = tap("h2", ops.gate_residual("img", h, sublayer(h, x["y_cross"])), kind="gate")
@@ -758,11 +823,14 @@ class H3(Family):
     ``adaln_proj`` maps bf16(silu(temb)) to a (T, 18H) table whose (3T, H) chunk rows (timestep
     index * 3 + modality tag) modulate each position of the packed sequence (an index); RMSNorm
     with weight (eps 1e-5); ``norm_out``: shift, scale (shift first) of bf16(silu(temb)) indexed by
-    the timestep index. The sequence's timesteps, index and plans are shared by the batch."""
+    the timestep index; the token refiner's ``final_norm`` (plain RMSNorm with weight) on the text
+    tokens. The sequence's timesteps, index and plans are shared by the batch."""
     name = "minimax_h3"
     norm_kind = "rms"
     needs = ()
     T, Hh, D = 2, 48, 40
+    streams = ("img", "txt")
+    outputs = {"out": "img", "txt": "txt"}
     stand = {"y_attn": "img", "y_ff": "img"}
     sp_partial = ()  # no proj_out; every table is per timestep, its gradient replicated by the region
     eps = 1e-5
@@ -774,13 +842,14 @@ class H3(Family):
         p["transformer_blocks.0.norm1.weight"] = ((H,), BF, 0.1)
         p["transformer_blocks.0.norm2.weight"] = ((H,), BF, 0.1)
         p["norm_out.norm.weight"] = ((H,), BF, 0.1)
+        p["token_refiner.final_norm.weight"] = ((H,), BF, 0.1)
         p |= linear_params("norm_out.linear.", 2 * H, D, BF, 0.3 / math.sqrt(D))
         return p
 
     def state_dict(self, seed=0):
         sd = super().state_dict(seed)
         for k in sd:
-            if k.endswith("norm1.weight") or k.endswith("norm2.weight") or k == "norm_out.norm.weight":
+            if k.endswith("norm.weight") or k.endswith("norm1.weight") or k.endswith("norm2.weight"):
                 sd[k] = sd[k] + 1
         return sd
 
@@ -818,7 +887,9 @@ class H3(Family):
         h = tap("h2", h + g2 * sublayer(n2, x["y_ff"]), kind="gate")
         fin = tap("final.table", F.linear(c(F.silu(temb), BF), p["norm_out.linear.weight"], p["norm_out.linear.bias"]))
         shift, scale = fin[:, :H][x["ti"]][None], fin[:, H:][x["ti"]][None]
-        return {"out": tap("out", c.rms(h, p["norm_out.norm.weight"], self.eps) * (1 + scale) + shift, kind="norm")}
+        txt = tap("refiner", c.rms(x["x_txt"], p["token_refiner.final_norm.weight"], self.eps), kind="norm")
+        return {"out": tap("out", c.rms(h, p["norm_out.norm.weight"], self.eps) * (1 + scale) + shift, kind="norm"),
+                "txt": txt}
 
     def detdit(self, p, x, tap, ops):
         H = HIDDEN
@@ -839,8 +910,10 @@ class H3(Family):
         fin = tap("final.table", detdit.linear(F.silu(temb).to(BF), p["norm_out.linear.weight"],
                                                p["norm_out.linear.bias"]))
         shift, scale = fin[:, :H], fin[:, H:]
+        txt = tap("refiner", ops.rmsnorm("txt", x["x_txt"], p["token_refiner.final_norm.weight"], eps=self.eps),
+                  kind="norm")
         return {"out": tap("out", ops.rmsnorm("final", h, p["norm_out.norm.weight"], shift, scale, eps=self.eps),
-                           kind="norm")}
+                           kind="norm"), "txt": txt}
 
 
 FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Hunyuan(), Qwen(), CogVideoX(), LTX(),
@@ -870,7 +943,8 @@ class Cast:
         """diffusers' RMSNorm without affine (w None: x * rsqrt(mean(x.float()^2) + eps), back to
         x's dtype) and H3's with its weight (times w.float() before the one cast)."""
         if self.detdit_norms:
-            return detdit.rmsnorm(x, torch.ones(x.shape[-1], dtype=x.dtype) if w is None else w, eps=eps)
+            return detdit.rmsnorm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device) if w is None else w,
+                                  eps=eps)
         n = x * torch.rsqrt(self(x, F32).pow(2).mean(-1, keepdim=True) + eps)
         return self(n if w is None else n * self(w, F32), x.dtype)
 
@@ -915,7 +989,7 @@ def leaves(fam, sd, inp, wide=False):
 
 
 def output_grads(fam, outs, seed=900):
-    return {k: randn(v.shape, seed + i, v.dtype) for i, (k, v) in enumerate(sorted(outs.items()))}
+    return {k: randn(v.shape, seed + i, v.dtype).to(v.device) for i, (k, v) in enumerate(sorted(outs.items()))}
 
 
 def run_eager(fam, sd, inp, grads=None):
