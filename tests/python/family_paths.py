@@ -202,6 +202,13 @@ class Family:
         """stream -> the IndexPlan of an indexed family's modulation (none here)."""
         return {}
 
+    def modules(self, sd, v, x):
+        """The detdit.nn modules that hold this family's sites under diffusers' names: a list of
+        (label, module (in the dtypes the model holds), the state-dict prefix it loads,
+        checks(module) -> [(what, got, want)]) with want the free detdit path's value there (v: its
+        tap values, x: its inputs)."""
+        return []
+
     def fused_gates(self):
         """The stand-in operands whose gated residual feeds a norm in the same detdit call (the
         fused gate_residual_layernorm / rmsnorm): their gradient carries that norm's dx, so it is
@@ -270,6 +277,41 @@ class Joint(Family):
                 out |= {f"y{i}_txt_attn": "txt", f"y{i}_txt_ff": "txt"}
         if self.single:
             out["y_single"] = "joint"
+        return out
+
+    def modules(self, sd, v, x):
+        import detdit.nn as dn
+        temb, H, out = v["temb"], HIDDEN, []
+        prefix, ik, ic, tk, tc = self.blocks()[0]
+
+        def zero(m, inp, key, norm):  # AdaLayerNormZero: (x_mod, gate_msa, shift_mlp, scale_mlp, gate_mlp)
+            got = m(inp, emb=temb)
+            want = [v[norm]] + [c[:, 0] for c in _chunks(v[key], 6)[2:]]
+            return [(f"{norm} output {k}", a, b) for k, (a, b) in enumerate(zip(got, want))]
+
+        if ic == 6 and ik == "norm1.linear.":
+            out.append(("norm1", dn.AdaLayerNormZero(H).to(BF), prefix + "norm1.",
+                        lambda m: zero(m, x["x_img"], "b0.img.emb", "y0_img.n1")))
+        if tc == 6 and tk == "norm1_context.linear.":
+            out.append(("norm1_context", dn.AdaLayerNormZero(H).to(BF), prefix + "norm1_context.",
+                        lambda m: zero(m, x["x_txt"], "b0.txt.emb", "y0_txt.n1")))
+        if self.single:
+            def single(m):
+                got = m(x["x_joint"], emb=temb)
+                gate = _chunks(v["single.emb"], 3)[2][:, 0]
+                return [("single.n", got[0], v["single.n"]), ("single gate", got[1], gate)]
+            out.append(("single norm", dn.AdaLayerNormZeroSingle(H).to(BF), "single_transformer_blocks.0.norm.",
+                        single))
+        last = len(self.blocks()) - 1
+        *_, lic, _, ltc = self.blocks()[last]
+        final_in = v[f"y{last}_img.h2" if lic == 6 else f"b{last}.img.h2"]
+        continuous = lambda: dn.AdaLayerNormContinuous(H, H, elementwise_affine=False, eps=self.eps).to(BF)  # noqa
+        out.append(("norm_out", continuous(), "norm_out.",
+                    lambda m: [("final.n", m(final_in, temb), v["final.n"])]))
+        if ltc == 2:
+            out.append(("norm1_context (last)", continuous(),
+                        f"transformer_blocks.{last}.norm1_context.",
+                        lambda m: [(f"b{last}.txt.n", m(v[f"y{last - 1}_txt.h2"], temb), v[f"b{last}.txt.n"])]))
         return out
 
     # -- eager --
@@ -368,7 +410,8 @@ class Joint(Family):
             ch = _chunks(tap(f"b{i}.img.emb", detdit_adaln(temb, p, prefix + ik)), ic)
             if ic == 9:
                 n1 = tap(f"b{i}.img.n1", ops.layernorm("img", img, shift=ch[0], scale=ch[1], eps=self.eps), kind="norm")
-                n1b = tap(f"b{i}.img.n1b", ops.layernorm("img", img, shift=ch[6], scale=ch[7], eps=self.eps), kind="norm")
+                n1b = tap(f"b{i}.img.n1b", ops.layernorm("img", img, shift=ch[6], scale=ch[7], eps=self.eps),
+                          kind="norm")
                 h = tap(f"b{i}.img.h0", ops.gate_residual("img", img, sublayer(n1, x[f"y{i}_img_attn"]), ch[2]),
                         kind="gate")
                 n2, h = ops.gate_residual_layernorm("img", h, sublayer(n1b, x[f"y{i}_img_attn2"]), ch[8],
@@ -574,6 +617,11 @@ class Wan(Family):
     def stand_ins(self):
         return self.stand
 
+    def modules(self, sd, v, x):
+        import detdit.nn as dn
+        return [("norm2", dn.FP32LayerNorm(HIDDEN, eps=self.eps, elementwise_affine=True), "blocks.0.norm2.",
+                 lambda m: [("n2", m(v["h1"].float()).to(BF), v["n2"])])]
+
     @property
     def sp_partial(self):  # per token: everything upstream of the modulation sums over this rank's tokens
         return ("proj_out.", "condition_embedder.", "blocks.0.scale_shift_table", "scale_shift_table") \
@@ -738,7 +786,8 @@ class CogVideoX(Family):
             img = tap(f"{k}.img_h", ops.gate_residual("img", img, sublayer(n_img, x[f"y_img_{site}"]), g), kind="gate")
             txt = tap(f"{k}.txt_h", ops.gate_residual("txt", txt, sublayer(n_txt, x[f"y_txt_{site}"]), eg),
                       kind="gate")
-        nf = tap("norm_final", ops.layernorm("img", img, p["norm_final.weight"], p["norm_final.bias"], eps=self.eps), kind="norm")
+        nf = tap("norm_final", ops.layernorm("img", img, p["norm_final.weight"], p["norm_final.bias"], eps=self.eps),
+                 kind="norm")
         shift, scale = _chunks(tap("final.emb", detdit_adaln(temb, p, "norm_out.linear.")), 2)
         y = tap("final.n", ops.layernorm("img", nf, p["norm_out.norm.weight"], p["norm_out.norm.bias"], shift, scale,
                                          eps=self.eps), kind="norm")
@@ -865,6 +914,20 @@ class H3(Family):
 
     def fused_gates(self):
         return {"y_attn"}
+
+    def modules(self, sd, v, x):
+        import detdit.nn as dn
+        m = dn.H3Conditioning(num_blocks=1, hidden_size=HIDDEN, freq_dim=FREQ, time_embed_hidden_dim=self.Hh,
+                              time_embed_dim=self.D)
+
+        def checks(m):
+            temb = m.temb(x["t"])
+            batch = x["x_img"].shape[0]
+            block = m.transformer_blocks[0](x["x_img"], temb, self.plans(x, batch)["img"],
+                                            lambda n: sublayer(n, x["y_attn"]), lambda n: sublayer(n, x["y_ff"]))
+            return [("temb", temb, v["temb"]), ("block output", block, v["h2"]),
+                    ("token_refiner.final_norm", m.token_refiner.final_norm(x["x_txt"]), v["refiner"])]
+        return [("H3Conditioning", m, "", checks)]
 
     def plans(self, x, batch):
         return {"img": detdit.plan(x["ti"], x["tags"], self.T, batch),
@@ -1030,9 +1093,10 @@ def _batch(inp):
     return next(v.shape[0] for v, _, kind in inp.values() if kind in ("pos", "sub"))
 
 
-def run_detdit(fam, sd, inp, grads, ops=None, local=None):
+def run_detdit(fam, sd, inp, grads, ops=None, local=None, tape=None):
     """detdit's path, free (no forcing): outputs, and the gradients of every parameter and input.
-    local: stream -> the slice of positions this rank holds (inputs are cut to it; grads too)."""
+    local: stream -> the slice of positions this rank holds (inputs are cut to it; grads too).
+    tape: a free Tape to record the values at the taps."""
     p, x = leaves(fam, sd, inp)
     xs = dict(x)
     if local is not None:
@@ -1041,7 +1105,7 @@ def run_detdit(fam, sd, inp, grads, ops=None, local=None):
                 xs[k] = x[k][:, local[stream]].contiguous() if kind not in ("const", "shared") \
                     else x[k][:, local[stream]]
     ops = ops or Ops(plans=fam.plans(x, _batch(inp)))
-    outs = fam.detdit(p, xs, lambda name, t, kind=None: t, ops)
+    outs = fam.detdit(p, xs, tape or (lambda name, t, kind=None: t), ops)
     g = {k: v if local is None else v[:, local[fam.outputs[k]]].contiguous() for k, v in grads.items()}
     torch.autograd.backward([outs[k] for k in sorted(outs)], [g[k] for k in sorted(outs)])
     result = {f"out.{k}": v.detach() for k, v in outs.items()}

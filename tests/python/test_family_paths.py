@@ -201,3 +201,33 @@ def test_gpu_torch_profile_path_equals_eager(name):
     fam = _family(name)
     kinds = ("gate", "norm") if fam.norm_kind == "layer" else ("gate",)
     _compare_path(fam, "cuda", "torch", kinds)
+
+
+# ---- detdit.nn: the modules load the family's state dict -----------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nn_modules_load_the_familys_state_dict(name):
+    """Each detdit.nn module that holds one of the family's sites under diffusers' names loads the
+    family's tensors with strict=True (names, shapes; the dtypes the model holds them in) and
+    computes the detdit path's bytes there."""
+    fam = _family(name)
+    sd, inp = fam.state_dict(), fam.inputs()
+    grads = fp.output_grads(fam, fp.run_eager(fam, sd, inp)[3])
+    tape = fp.Tape()
+    fp.run_detdit(fam, sd, inp, grads, tape=tape)
+    values = {k: t.detach() for k, t in tape.values.items()}
+    try:
+        modules = fam.modules(sd, values, _values(inp))
+    except AttributeError as e:  # a module not in this build's detdit.nn
+        pytest.skip(f"{name}: detdit.nn lacks {e}")
+    if not modules:
+        pytest.skip(f"{name}: detdit.nn has no module for this family's sites (its path runs detdit's functions)")
+    for label, module, prefix, checks in modules:
+        mine = {k[len(prefix):]: t for k, t in sd.items() if k.startswith(prefix)}
+        module.load_state_dict(mine, strict=True)
+        for k, t in module.state_dict().items():
+            assert t.dtype == mine[k].dtype, f"{name} {label}: {k} is {t.dtype}, the model holds {mine[k].dtype}"
+        with torch.no_grad():
+            for what, got, want in checks(module):
+                assert_bitwise_equal(got, want, f"{name} {label}: {what}")
