@@ -91,6 +91,8 @@ def linear_params(prefix, n, k, dtype, std=None):
 
 
 def detdit_sinusoid(t, dim, t_max, scale=1.0):
+    if not t.is_floating_point():  # get_timestep_embedding's own t.float(), exact for these integers
+        t = t.float()
     return detdit.timestep_sinusoid(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale, t_max=t_max)
 
 
@@ -168,7 +170,6 @@ class Family:
     outputs = {"out": "img"}  # output name -> its stream
     sp_partial = ("proj_out.",)  # params whose gradients are sums over one rank's positions under SP
     needs = ("sinusoid conventions",)  # detdit APIs the detdit side uses beyond main's H3 ops
-    norm_kind = "layer"
 
     def params(self):
         raise NotImplementedError
@@ -801,7 +802,6 @@ class LTX(Family):
     norm2; the cross-attention residual ungated; the final ``table (2, H) + embedded_timestep``
     (shift, scale) around a LayerNorm without affine; proj_out (128)."""
     name = "ltx_video"
-    norm_kind = "rms"
     stand = {"y_attn": "img", "y_cross": "img", "y_ff": "img"}
     sp_partial = ("proj_out.", "time_embed.", "transformer_blocks.0.scale_shift_table", "scale_shift_table")
     eps = 1e-6
@@ -836,10 +836,10 @@ class LTX(Family):
         mod = tap("mod", self._mod(p["transformer_blocks.0.scale_shift_table"], temb.view(B, S, 6, HIDDEN)))
         sh, sc, g, sh2, sc2, g2 = mod.unbind(dim=2)
         h = x["x_img"]
-        n1 = tap("n1", c.rms(h, None, self.eps) * (1 + sc) + sh, kind="norm")
+        n1 = tap("n1", c.rms(h, None, self.eps) * (1 + sc) + sh, kind="rms")
         h = tap("h1", h + sublayer(n1, x["y_attn"]) * g, kind="gate")
         h = tap("h2", h + sublayer(h, x["y_cross"]), kind="gate")
-        n2 = tap("n2", c.rms(h, None, self.eps) * (1 + sc2) + sh2, kind="norm")
+        n2 = tap("n2", c.rms(h, None, self.eps) * (1 + sc2) + sh2, kind="rms")
         h = tap("h3", h + sublayer(n2, x["y_ff"]) * g2, kind="gate")
         fmod = tap("final.mod", p["scale_shift_table"][None, None] + emb.view(B, S, HIDDEN)[:, :, None])
         shift, scale = fmod[:, :, 0], fmod[:, :, 1]
@@ -856,10 +856,10 @@ class LTX(Family):
         sh, sc, g, sh2, sc2, g2 = mod.unbind(dim=2)
         h = x["x_img"]
         ones = torch.ones(HIDDEN, dtype=BF, device=h.device)  # no affine: rn(n * 1) = n
-        n1 = tap("n1", ops.rmsnorm("img", h, ones, sh, sc, eps=self.eps), kind="norm")
+        n1 = tap("n1", ops.rmsnorm("img", h, ones, sh, sc, eps=self.eps), kind="rms")
         h = tap("h1", ops.gate_residual("img", h, sublayer(n1, x["y_attn"]), g), kind="gate")
         h = tap("h2", ops.gate_residual("img", h, sublayer(h, x["y_cross"])), kind="gate")
-        n2 = tap("n2", ops.rmsnorm("img", h, ones, sh2, sc2, eps=self.eps), kind="norm")
+        n2 = tap("n2", ops.rmsnorm("img", h, ones, sh2, sc2, eps=self.eps), kind="rms")
         h = tap("h3", ops.gate_residual("img", h, sublayer(n2, x["y_ff"]), g2), kind="gate")
         fmod = tap("final.mod", p["scale_shift_table"][None, None] + emb.view(B, S, HIDDEN)[:, :, None])
         shift, scale = fmod[:, :, 0], fmod[:, :, 1]
@@ -875,7 +875,6 @@ class H3(Family):
     the timestep index; the token refiner's ``final_norm`` (plain RMSNorm with weight) on the text
     tokens. The sequence's timesteps, index and plans are shared by the batch."""
     name = "minimax_h3"
-    norm_kind = "rms"
     needs = ()
     T, Hh, D = 2, 48, 40
     streams = ("img", "txt")
@@ -943,15 +942,15 @@ class H3(Family):
         rows = (x["ti"] * 3 + x["tags"]).long()
         sh, sc, g, sh2, sc2, g2 = [v[rows][None] for v in table.view(-1, 6 * H).chunk(6, -1)]
         h = x["x_img"]
-        n1 = tap("n1", c.rms(h, p[pre + "norm1.weight"], self.eps) * (1 + sc) + sh, kind="norm")
+        n1 = tap("n1", c.rms(h, p[pre + "norm1.weight"], self.eps) * (1 + sc) + sh, kind="rms")
         h = h + g * sublayer(n1, x["y_attn"])
-        n2 = tap("n2", c.rms(h, p[pre + "norm2.weight"], self.eps) * (1 + sc2) + sh2, kind="norm")
+        n2 = tap("n2", c.rms(h, p[pre + "norm2.weight"], self.eps) * (1 + sc2) + sh2, kind="rms")
         h = tap("h1", h, kind="gate")
         h = tap("h2", h + g2 * sublayer(n2, x["y_ff"]), kind="gate")
         fin = tap("final.table", F.linear(c(F.silu(temb), BF), p["norm_out.linear.weight"], p["norm_out.linear.bias"]))
         shift, scale = fin[:, :H][x["ti"]][None], fin[:, H:][x["ti"]][None]
-        txt = tap("refiner", c.rms(x["x_txt"], p["token_refiner.final_norm.weight"], self.eps), kind="norm")
-        return {"out": tap("out", c.rms(h, p["norm_out.norm.weight"], self.eps) * (1 + scale) + shift, kind="norm"),
+        txt = tap("refiner", c.rms(x["x_txt"], p["token_refiner.final_norm.weight"], self.eps), kind="rms")
+        return {"out": tap("out", c.rms(h, p["norm_out.norm.weight"], self.eps) * (1 + scale) + shift, kind="rms"),
                 "txt": txt}
 
     def detdit(self, p, x, tap, ops):
@@ -963,10 +962,10 @@ class H3(Family):
                                                      p[pre + "adaln_proj.linear.bias"]))
         sh, sc, g, sh2, sc2, g2 = detdit.adaln_table_chunks(table, H)
         h = x["x_img"]
-        n1 = tap("n1", ops.rmsnorm("img", h, p[pre + "norm1.weight"], sh, sc, eps=self.eps), kind="norm")
+        n1 = tap("n1", ops.rmsnorm("img", h, p[pre + "norm1.weight"], sh, sc, eps=self.eps), kind="rms")
         h, n2 = ops.gate_residual_rmsnorm("img", h, sublayer(n1, x["y_attn"]), g, p[pre + "norm2.weight"], sh2, sc2,
                                           self.eps)
-        n2 = tap("n2", n2, kind="norm")
+        n2 = tap("n2", n2, kind="rms")
         h = tap("h1", h, kind="gate")
         h = tap("h2", ops.gate_residual("img", h, sublayer(n2, x["y_ff"]), g2), kind="gate")
         # norm_out: final_adaln_out's projection and norm as two ops (an SP region has the norm, not the fused op)
@@ -974,9 +973,9 @@ class H3(Family):
                                                p["norm_out.linear.bias"]))
         shift, scale = fin[:, :H], fin[:, H:]
         txt = tap("refiner", ops.rmsnorm("txt", x["x_txt"], p["token_refiner.final_norm.weight"], eps=self.eps),
-                  kind="norm")
+                  kind="rms")
         return {"out": tap("out", ops.rmsnorm("final", h, p["norm_out.norm.weight"], shift, scale, eps=self.eps),
-                           kind="norm"), "txt": txt}
+                           kind="rms"), "txt": txt}
 
 
 FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Hunyuan(), Qwen(), CogVideoX(), LTX(),
@@ -1023,7 +1022,7 @@ class Tape:
 
     def __call__(self, name, t, kind=None):
         """kind: "gate" (a gated residual's output: eager's operations, byte for byte), "norm" (a
-        norm site's output, modulated or not), None."""
+        LayerNorm site's output, modulated or not), "rms" (an RMSNorm site's), None."""
         assert name not in self.values, f"tap {name} twice"
         self.values[name] = t
         self.kinds[name] = kind
