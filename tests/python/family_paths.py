@@ -23,6 +23,7 @@ the gradient arriving from downstream; a forced run (detdit's, or the float64 tr
 eager value as a fresh leaf at each tap and is back-propagated with eager's gradients there, so every
 segment between two taps is compared on the same inputs and upstream gradients, to its own bound.
 """
+import inspect
 import math
 
 import torch
@@ -31,6 +32,16 @@ import torch.nn.functional as F
 import detdit
 
 BF, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+# The detdit APIs of the families' own steps, where this build has them; without one, the detdit
+# side composes the step from detdit's linear and torch's elementwise ops (eager's arithmetic).
+HAVE = {
+    "sinusoid conventions": "t_max" in inspect.signature(detdit.timestep_sinusoid).parameters,
+    "bf16 time MLP": hasattr(detdit, "text_projection"),
+    "combined embedding": hasattr(detdit, "combined_timestep_embedding"),
+    "family projections": "chunks" in inspect.signature(detdit.adaln_projection).parameters,
+    "table add": hasattr(detdit, "adaln_table_add"),
+}
 
 
 def randn(shape, seed, dtype, std=1.0, mean=0.0):
@@ -96,13 +107,38 @@ def detdit_sinusoid(t, dim, t_max, scale=1.0):
     return detdit.timestep_sinusoid(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale, t_max=t_max)
 
 
+def mlp_weights(p, prefix):
+    return tuple(p[prefix + k] for k in ("linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"))
+
+
 def detdit_mlp(f, p, prefix):
-    """linear_2(silu(linear_1(f))): detdit's deterministic linears, in the parameters' dtype.
-    An FP32 MLP is detdit.timestep_mlp; a bf16 one rounds pre and hidden to bf16 as eager does."""
-    w1, b1, w2, b2 = (p[prefix + k] for k in ("linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"))
-    if f.dtype == F32:
+    """linear_2(silu(linear_1(f))) in the parameters' dtype: detdit.timestep_mlp (a bf16 one rounds
+    pre and hidden to bf16 as eager does); before it took bf16, detdit's linears around torch's SiLU."""
+    w1, b1, w2, b2 = mlp_weights(p, prefix)
+    if f.dtype == F32 or HAVE["bf16 time MLP"]:
         return detdit.timestep_mlp(f, w1, b1, w2, b2)
     return detdit.linear(F.silu(detdit.linear(f, w1, b1)), w2, b2)
+
+
+def detdit_combined(t_features, pooled, p, prefix, g_features=None):
+    """CombinedTimestep(Guidance)TextProjEmbeddings: (t_emb + g_emb) + text_emb."""
+    ts, gs, text = (prefix + k for k in ("timestep_embedder.", "guidance_embedder.", "text_embedder."))
+    if HAVE["combined embedding"]:
+        return detdit.combined_timestep_embedding(t_features, pooled, mlp_weights(p, ts), mlp_weights(p, text),
+                                                  g_features, None if g_features is None else mlp_weights(p, gs))
+    temb = detdit_mlp(t_features, p, ts)
+    if g_features is not None:
+        temb = temb + detdit_mlp(g_features, p, gs)
+    return temb + detdit_mlp(pooled, p, text)
+
+
+def detdit_table_add(table, proj, shape):
+    """Wan's / LTX-Video's ``table + proj`` (proj (T, K*H), or (T, 1, H) broadcast over the K
+    chunks), viewed as shape."""
+    if HAVE["table add"]:
+        return detdit.adaln_table_add(table, proj).view(shape)
+    K = table.shape[-2]
+    return (table.view(K, HIDDEN) + proj.view(proj.shape[0], -1, HIDDEN)).view(shape)
 
 
 def detdit_linear(x, weight, bias):
@@ -111,11 +147,21 @@ def detdit_linear(x, weight, bias):
     return detdit.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-def detdit_adaln(emb, p, prefix, dtype=None):
-    """linear(silu(emb)) (dtype: cast the activation first, AdaLayerNormContinuous's
-    ``.to(x.dtype)``): torch's SiLU, detdit's linear."""
+def detdit_final_table(x, temb, table, sd, eps, upcast):
+    """detdit.final_layer_table (Wan's, LTX-Video's final layer in one call): a callable."""
+    return lambda: detdit.final_layer_table(x, temb, table, sd["proj_out.weight"], sd["proj_out.bias"], eps=eps,
+                                            upcast=upcast)
+
+
+def detdit_adaln(emb, p, prefix, chunks, dtype=None):
+    """linear(silu(emb)) into `chunks` chunks (dtype: cast the activation first,
+    AdaLayerNormContinuous's ``.to(x.dtype)``): detdit.adaln_projection with the family's chunk
+    count; before it took one, torch's SiLU and detdit's linear."""
+    w, b = p[prefix + "weight"], p[prefix + "bias"]
+    if HAVE["family projections"]:
+        return detdit.adaln_projection(emb if dtype is None else emb.to(dtype), w, b, chunks=chunks)
     act = F.silu(emb)
-    return detdit.linear(act if dtype is None else act.to(dtype), p[prefix + "weight"], p[prefix + "bias"])
+    return detdit.linear(act if dtype is None else act.to(dtype), w, b)
 
 
 class Ops:
@@ -159,6 +205,7 @@ class Ops:
 # ---- the families ----------------------------------------------------------------------------
 
 HIDDEN, FREQ = 64, 256
+ZERO6 = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")  # AdaLayerNormZero's chunk(6)
 STREAM_LEN = {"img": 32, "txt": 8, "joint": 40}  # S of each stream (multiples of 4: SP worlds 1, 2, 4)
 
 
@@ -203,11 +250,14 @@ class Family:
         """stream -> the IndexPlan of an indexed family's modulation (none here)."""
         return {}
 
+    orders = {}  # detdit's chunk order name -> the chunks' names in diffusers' order (read from the model)
+
     def modules(self, sd, v, x):
-        """The detdit.nn modules that hold this family's sites under diffusers' names: a list of
-        (label, module (in the dtypes the model holds), the state-dict prefix it loads,
-        checks(module) -> [(what, got, want)]) with want the free detdit path's value there (v: its
-        tap values, x: its inputs)."""
+        """The detdit.nn modules that hold this family's sites under diffusers' names, and detdit's
+        composite ops of its sites: a list of (label, make() -> the module (in the dtypes the model
+        holds) or None for a composite, the state-dict prefix a module loads, checks(module) ->
+        [(what, got, want)]) with want the free detdit path's value there (v: its tap values, x:
+        its inputs). make and checks raise AttributeError where detdit lacks the module or op."""
         return []
 
     def fused_gates(self):
@@ -236,6 +286,15 @@ class Joint(Family):
     guidance = False
     single = False
     eps = 1e-6
+
+    @property
+    def orders(self):
+        out = {"ada_layer_norm_zero": ZERO6, "ada_layer_norm_continuous": ("scale", "shift")}
+        if any(ic == 9 for _, _, ic, _, _ in self.blocks()):
+            out["sd35_ada_layer_norm_zero_x"] = ZERO6 + ("shift_msa2", "scale_msa2", "gate_msa2")
+        if self.single:
+            out["ada_layer_norm_zero_single"] = ("shift", "scale", "gate")
+        return out
 
     def blocks(self):
         """(prefix, img norm key, img chunks, txt norm key, txt chunks) of each double block."""
@@ -291,26 +350,28 @@ class Joint(Family):
             return [(f"{norm} output {k}", a, b) for k, (a, b) in enumerate(zip(got, want))]
 
         if ic == 6 and ik == "norm1.linear.":
-            out.append(("norm1", dn.AdaLayerNormZero(H).to(BF), prefix + "norm1.",
+            out.append(("norm1", lambda: dn.AdaLayerNormZero(H).to(BF), prefix + "norm1.",
                         lambda m: zero(m, x["x_img"], "b0.img.emb", "y0_img.n1")))
         if tc == 6 and tk == "norm1_context.linear.":
-            out.append(("norm1_context", dn.AdaLayerNormZero(H).to(BF), prefix + "norm1_context.",
+            out.append(("norm1_context", lambda: dn.AdaLayerNormZero(H).to(BF), prefix + "norm1_context.",
                         lambda m: zero(m, x["x_txt"], "b0.txt.emb", "y0_txt.n1")))
         if self.single:
             def single(m):
                 got = m(x["x_joint"], emb=temb)
                 gate = _chunks(v["single.emb"], 3)[2][:, 0]
                 return [("single.n", got[0], v["single.n"]), ("single gate", got[1], gate)]
-            out.append(("single norm", dn.AdaLayerNormZeroSingle(H).to(BF), "single_transformer_blocks.0.norm.",
+            out.append(("single norm", lambda: dn.AdaLayerNormZeroSingle(H).to(BF), "single_transformer_blocks.0.norm.",
                         single))
         last = len(self.blocks()) - 1
         *_, lic, _, ltc = self.blocks()[last]
         final_in = v[f"y{last}_img.h2" if lic == 6 else f"b{last}.img.h2"]
         continuous = lambda: dn.AdaLayerNormContinuous(H, H, elementwise_affine=False, eps=self.eps).to(BF)  # noqa
-        out.append(("norm_out", continuous(), "norm_out.",
-                    lambda m: [("final.n", m(final_in, temb), v["final.n"])]))
+        out.append(("norm_out", continuous, "norm_out.", lambda m: [("final.n", m(final_in, temb), v["final.n"])]))
+        out.append(("final_layer_continuous", None, "", lambda m: [("out", detdit.final_layer_continuous(
+            final_in, temb, sd["norm_out.linear.weight"], sd["norm_out.linear.bias"], sd["proj_out.weight"],
+            sd["proj_out.bias"], eps=self.eps), v["out"])]))
         if ltc == 2:
-            out.append(("norm1_context (last)", continuous(),
+            out.append(("norm1_context (last)", continuous,
                         f"transformer_blocks.{last}.norm1_context.",
                         lambda m: [(f"b{last}.txt.n", m(v[f"y{last - 1}_txt.h2"], temb), v[f"b{last}.txt.n"])]))
         return out
@@ -382,13 +443,12 @@ class Joint(Family):
     # -- detdit --
     def detdit_temb(self, p, x, tap):
         f = tap("t_features", detdit_sinusoid(self.model_t(x["t"]), FREQ, self.t_max, self.sin_scale))
-        temb = detdit_mlp(f.to(BF), p, "time_text_embed.timestep_embedder.")
+        if not self.pooled:  # Qwen-Image: the timestep embedder alone
+            return tap("temb", detdit_mlp(f.to(BF), p, "time_text_embed.timestep_embedder."))
+        g = None
         if self.guidance:
-            g = tap("g_features", detdit_sinusoid(self.model_g(x["guidance"]), FREQ, self.g_max))
-            temb = temb + detdit_mlp(g.to(BF), p, "time_text_embed.guidance_embedder.")
-        if self.pooled:
-            temb = temb + detdit_mlp(x["pooled"], p, "time_text_embed.text_embedder.")
-        return tap("temb", temb)
+            g = tap("g_features", detdit_sinusoid(self.model_g(x["guidance"]), FREQ, self.g_max)).to(BF)
+        return tap("temb", detdit_combined(f.to(BF), x["pooled"], p, "time_text_embed.", g))
 
     def detdit_stream(self, stream, key, x, chunks, y, tap, ops):
         sh, sc, g, sh2, sc2, g2 = chunks
@@ -400,7 +460,7 @@ class Joint(Family):
         return tap(f"{key}.h2", ops.gate_residual(stream, h, sublayer(n2, y[f"{key}_ff"]), g2), kind="gate")
 
     def detdit_continuous(self, stream, key, x, temb, p, prefix, tap, ops):
-        emb = tap(f"{key}.emb", detdit_adaln(temb, p, prefix, x.dtype))
+        emb = tap(f"{key}.emb", detdit_adaln(temb, p, prefix, 2, x.dtype))
         scale, shift = _chunks(emb, 2)
         return tap(f"{key}.n", ops.layernorm(stream, x, shift=shift, scale=scale, eps=self.eps), kind="norm")
 
@@ -408,7 +468,7 @@ class Joint(Family):
         temb = self.detdit_temb(p, x, tap)
         img, txt, out = x["x_img"], x["x_txt"], {}
         for i, (prefix, ik, ic, tk, tc) in enumerate(self.blocks()):
-            ch = _chunks(tap(f"b{i}.img.emb", detdit_adaln(temb, p, prefix + ik)), ic)
+            ch = _chunks(tap(f"b{i}.img.emb", detdit_adaln(temb, p, prefix + ik, ic)), ic)
             if ic == 9:
                 n1 = tap(f"b{i}.img.n1", ops.layernorm("img", img, shift=ch[0], scale=ch[1], eps=self.eps), kind="norm")
                 n1b = tap(f"b{i}.img.n1b", ops.layernorm("img", img, shift=ch[6], scale=ch[7], eps=self.eps),
@@ -424,7 +484,7 @@ class Joint(Family):
             else:
                 img = self.detdit_stream("img", f"y{i}_img", img, ch, x, tap, ops)
             if tc == 6:
-                ch = _chunks(tap(f"b{i}.txt.emb", detdit_adaln(temb, p, prefix + tk)), 6)
+                ch = _chunks(tap(f"b{i}.txt.emb", detdit_adaln(temb, p, prefix + tk, 6)), 6)
                 txt = self.detdit_stream("txt", f"y{i}_txt", txt, ch, x, tap, ops)
             else:
                 out["txt_n"] = self.detdit_continuous("txt", f"b{i}.txt", txt, temb, p, prefix + tk, tap, ops)
@@ -432,7 +492,8 @@ class Joint(Family):
         if txt is not None:
             out["txt"] = txt
         if self.single:
-            sh, sc, g = _chunks(tap("single.emb", detdit_adaln(temb, p, "single_transformer_blocks.0.norm.linear.")), 3)
+            emb = tap("single.emb", detdit_adaln(temb, p, "single_transformer_blocks.0.norm.linear.", 3))
+            sh, sc, g = _chunks(emb, 3)
             xs = x["x_joint"]
             n = tap("single.n", ops.layernorm("joint", xs, shift=sh, scale=sc, eps=self.eps), kind="norm")
             out["joint"] = tap("single.h", ops.gate_residual("joint", xs, sublayer(n, x["y_single"]), g), kind="gate")
@@ -562,10 +623,9 @@ class Hunyuan(Joint):
     def detdit(self, p, x, tap, ops):
         out = super().detdit(p, x, tap, ops)
         f = tap("ref.t_features", detdit_sinusoid(x["t"], FREQ, self.t_max))
-        temb = detdit_mlp(f.to(BF), p, self.REF + "time_text_embed.timestep_embedder.")
-        temb = tap("ref.temb", temb + detdit_mlp(x["pooled_ref"], p, self.REF + "time_text_embed.text_embedder."))
+        temb = tap("ref.temb", detdit_combined(f.to(BF), x["pooled_ref"], p, self.REF + "time_text_embed."))
         b = self.BLOCK
-        g1, g2 = _chunks(tap("ref.gates", detdit_adaln(temb, p, b + "norm_out.linear.")), 2)
+        g1, g2 = _chunks(tap("ref.gates", detdit_adaln(temb, p, b + "norm_out.linear.", 2)), 2)
         h = x["x_ref"]
         n1 = tap("ref.n1", ops.layernorm("txt", h, p[b + "norm1.weight"], p[b + "norm1.bias"], eps=1e-6), kind="norm")
         h = tap("ref.h1", ops.gate_residual("txt", h, sublayer(n1, x["y_ref_attn"]), g1), kind="gate")
@@ -598,6 +658,8 @@ class Wan(Family):
     out_channels = 16
     stand = {"y_attn": "img", "y_cross": "img", "y_ff": "img"}
     eps = 1e-6
+    orders = {"wan_block": ("shift", "scale", "gate", "c_shift", "c_scale", "c_gate"),
+              "scale_shift_table_final": ("shift", "scale")}
 
     def params(self):
         H = HIDDEN
@@ -620,8 +682,10 @@ class Wan(Family):
 
     def modules(self, sd, v, x):
         import detdit.nn as dn
-        return [("norm2", dn.FP32LayerNorm(HIDDEN, eps=self.eps, elementwise_affine=True), "blocks.0.norm2.",
-                 lambda m: [("n2", m(v["h1"].float()).to(BF), v["n2"])])]
+        final = detdit_final_table(v["h3"], v["temb"], sd["scale_shift_table"], sd, self.eps, True)
+        return [("norm2", lambda: dn.FP32LayerNorm(HIDDEN, eps=self.eps, elementwise_affine=True), "blocks.0.norm2.",
+                 lambda m: [("n2", m(v["h1"].float()).to(BF), v["n2"])]),
+                ("final_layer_table", None, "", lambda m: [("out", final(), v["out"])])]
 
     @property
     def sp_partial(self):  # per token: everything upstream of the modulation sums over this rank's tokens
@@ -678,9 +742,10 @@ class Wan(Family):
         t = x["t"]
         f = tap("t_features", detdit_sinusoid(t.flatten(), FREQ, 1000.0))
         temb = tap("temb", detdit_mlp(f, p, "condition_embedder.time_embedder.").to(BF))
-        proj = detdit_adaln(temb, p, "condition_embedder.time_proj.")
+        proj = detdit_adaln(temb, p, "condition_embedder.time_proj.", 6)
         proj = tap("proj", proj if not self.per_token else proj.unflatten(0, t.shape))
-        mod = tap("mod", self._mod(p["blocks.0.scale_shift_table"], proj, lambda v, d: v.to(d)))
+        mod = tap("mod", detdit_table_add(p["blocks.0.scale_shift_table"], proj.reshape(-1, 6 * HIDDEN),
+                                          (*proj.shape[:-1], 6, HIDDEN)))
         sh, sc, g, csh, csc, cg = self._split(mod)
         h = x["x_img"]
         n1 = tap("n1", ops.layernorm("img", h, shift=sh, scale=sc, eps=self.eps, upcast=True), kind="norm")
@@ -691,10 +756,8 @@ class Wan(Family):
         h = tap("h2", ops.gate_residual("img", h, sublayer(n2, x["y_cross"])), kind="gate")
         n3 = tap("n3", ops.layernorm("img", h, shift=csh, scale=csc, eps=self.eps, upcast=True), kind="norm")
         h = tap("h3", ops.gate_residual("img", h, sublayer(n3, x["y_ff"]), cg, upcast=True), kind="gate")
-        temb_rows = temb if not self.per_token else temb.unflatten(0, t.shape)
-        table = p["scale_shift_table"]
-        fmod = tap("final.mod", table.unsqueeze(0) + temb_rows.unsqueeze(2) if self.per_token
-                   else table + temb_rows.unsqueeze(1))
+        fmod = tap("final.mod", detdit_table_add(p["scale_shift_table"], temb.reshape(-1, 1, HIDDEN),
+                                                 (*t.shape, 2, HIDDEN)))
         shift, scale = self._split(fmod)
         y = tap("final.n", ops.layernorm("img", h, shift=shift, scale=scale, eps=self.eps, upcast=True), kind="norm")
         return {"out": tap("out", detdit_linear(y, p["proj_out.weight"], p["proj_out.bias"]))}
@@ -727,6 +790,8 @@ class CogVideoX(Family):
     outputs = {"out": "img", "txt": "txt"}
     D = 48  # time_embed_dim (512 in the models)
     eps = 1e-5
+    orders = {"cogvideox_layer_norm_zero": ("shift", "scale", "gate", "enc_shift", "enc_scale", "enc_gate"),
+              "ada_layer_norm": ("shift", "scale")}
 
     def params(self):
         H, D = HIDDEN, self.D
@@ -780,7 +845,7 @@ class CogVideoX(Family):
         img, txt = x["x_img"], x["x_txt"]
         for k, site in (("norm1", "attn"), ("norm2", "ff")):
             pre = f"transformer_blocks.0.{k}."
-            sh, sc, g, esh, esc, eg = _chunks(tap(f"{k}.emb", detdit_adaln(temb, p, pre + "linear.")), 6)
+            sh, sc, g, esh, esc, eg = _chunks(tap(f"{k}.emb", detdit_adaln(temb, p, pre + "linear.", 6)), 6)
             w, b = p[pre + "norm.weight"], p[pre + "norm.bias"]
             n_img = tap(f"{k}.img", ops.layernorm("img", img, w, b, sh, sc, eps=self.eps), kind="norm")
             n_txt = tap(f"{k}.txt", ops.layernorm("txt", txt, w, b, esh, esc, eps=self.eps), kind="norm")
@@ -789,7 +854,7 @@ class CogVideoX(Family):
                       kind="gate")
         nf = tap("norm_final", ops.layernorm("img", img, p["norm_final.weight"], p["norm_final.bias"], eps=self.eps),
                  kind="norm")
-        shift, scale = _chunks(tap("final.emb", detdit_adaln(temb, p, "norm_out.linear.")), 2)
+        shift, scale = _chunks(tap("final.emb", detdit_adaln(temb, p, "norm_out.linear.", 2)), 2)
         y = tap("final.n", ops.layernorm("img", nf, p["norm_out.norm.weight"], p["norm_out.norm.bias"], shift, scale,
                                          eps=self.eps), kind="norm")
         return {"out": tap("out", detdit_linear(y, p["proj_out.weight"], p["proj_out.bias"])), "txt": txt}
@@ -824,6 +889,12 @@ class LTX(Family):
         mask[:, :STREAM_LEN["img"] // 4] = 1  # the conditioning frame
         return {"t": ((sigma * 1000)[:, None] * (1 - mask), "img", "const")}
 
+    orders = {"ada_layer_norm_zero": ZERO6, "scale_shift_table_final": ("shift", "scale")}
+
+    def modules(self, sd, v, x):
+        final = detdit_final_table(v["h3"], v["embedded"], sd["scale_shift_table"], sd, self.eps, False)
+        return [("final_layer_table", None, "", lambda m: [("out", final(), v["out"])])]
+
     def _mod(self, table, temb_rows):  # (K, H)[None, None] + (B, S, K, H)
         return table[None, None] + temb_rows
 
@@ -851,8 +922,8 @@ class LTX(Family):
         B, S = t.shape
         f = tap("t_features", detdit_sinusoid(t.flatten(), FREQ, 1000.0))
         emb = tap("embedded", detdit_mlp(f.to(BF), p, "time_embed.emb.timestep_embedder."))
-        temb = tap("temb", detdit_adaln(emb, p, "time_embed.linear."))
-        mod = tap("mod", self._mod(p["transformer_blocks.0.scale_shift_table"], temb.view(B, S, 6, HIDDEN)))
+        temb = tap("temb", detdit_adaln(emb, p, "time_embed.linear.", 6))
+        mod = tap("mod", detdit_table_add(p["transformer_blocks.0.scale_shift_table"], temb, (B, S, 6, HIDDEN)))
         sh, sc, g, sh2, sc2, g2 = mod.unbind(dim=2)
         h = x["x_img"]
         ones = torch.ones(HIDDEN, dtype=BF, device=h.device)  # no affine: rn(n * 1) = n
@@ -861,7 +932,7 @@ class LTX(Family):
         h = tap("h2", ops.gate_residual("img", h, sublayer(h, x["y_cross"])), kind="gate")
         n2 = tap("n2", ops.rmsnorm("img", h, ones, sh2, sc2, eps=self.eps), kind="rms")
         h = tap("h3", ops.gate_residual("img", h, sublayer(n2, x["y_ff"]), g2), kind="gate")
-        fmod = tap("final.mod", p["scale_shift_table"][None, None] + emb.view(B, S, HIDDEN)[:, :, None])
+        fmod = tap("final.mod", detdit_table_add(p["scale_shift_table"], emb.reshape(-1, 1, HIDDEN), (B, S, 2, HIDDEN)))
         shift, scale = fmod[:, :, 0], fmod[:, :, 1]
         y = tap("final.n", ops.layernorm("img", h, shift=shift, scale=scale, eps=self.eps), kind="norm")
         return {"out": tap("out", detdit_linear(y, p["proj_out.weight"], p["proj_out.bias"]))}
@@ -882,6 +953,7 @@ class H3(Family):
     stand = {"y_attn": "img", "y_ff": "img"}
     sp_partial = ()  # no proj_out; every table is per timestep, its gradient replicated by the region
     eps = 1e-5
+    orders = {"h3": ZERO6}
 
     def params(self):
         H, D = HIDDEN, self.D
@@ -916,8 +988,9 @@ class H3(Family):
 
     def modules(self, sd, v, x):
         import detdit.nn as dn
-        m = dn.H3Conditioning(num_blocks=1, hidden_size=HIDDEN, freq_dim=FREQ, time_embed_hidden_dim=self.Hh,
-                              time_embed_dim=self.D)
+        def make():
+            return dn.H3Conditioning(num_blocks=1, hidden_size=HIDDEN, freq_dim=FREQ, time_embed_hidden_dim=self.Hh,
+                                     time_embed_dim=self.D)
 
         def checks(m):
             temb = m.temb(x["t"])
@@ -926,7 +999,7 @@ class H3(Family):
                                             lambda n: sublayer(n, x["y_attn"]), lambda n: sublayer(n, x["y_ff"]))
             return [("temb", temb, v["temb"]), ("block output", block, v["h2"]),
                     ("token_refiner.final_norm", m.token_refiner.final_norm(x["x_txt"]), v["refiner"])]
-        return [("H3Conditioning", m, "", checks)]
+        return [("H3Conditioning", make, "", checks)]
 
     def plans(self, x, batch):
         return {"img": detdit.plan(x["ti"], x["tags"], self.T, batch),
