@@ -216,7 +216,7 @@ class Family:
     streams = ("img",)
     outputs = {"out": "img"}  # output name -> its stream
     sp_partial = ("proj_out.",)  # params whose gradients are sums over one rank's positions under SP
-    needs = ("sinusoid conventions",)  # detdit APIs the detdit side uses beyond main's H3 ops
+    needs = ("sinusoid conventions",)  # HAVE's APIs the detdit side cannot do without
 
     def params(self):
         raise NotImplementedError
@@ -236,7 +236,8 @@ class Family:
         raise NotImplementedError
 
     def inputs(self, batch=None, seed=100):
-        """name -> (tensor, stream or None, kind): kind "const" (timesteps, guidance: no gradient),
+        """name -> (tensor, stream or None, kind): kind "const" (per-sample or per-token timesteps,
+        guidance: no gradient), "shared" (no batch dim, no gradient: H3's timesteps and index),
         "sample" (one row per sample, differentiable), "pos" (hidden states), "sub" (stand-in operands)."""
         batch = batch or self.batch
         out = dict(self.timestep_inputs(batch, seed))
@@ -1209,9 +1210,6 @@ def check_against_eager(fam, got, eager, truth, what, exact, assert_bitwise_equa
 
 
 def missing(fam):
-    """The detdit APIs fam's detdit side needs that this build lacks (names for a skip reason)."""
-    import inspect
-    gone = []
-    if "sinusoid conventions" in fam.needs and "t_max" not in inspect.signature(detdit.timestep_sinusoid).parameters:
-        gone.append("detdit.timestep_sinusoid(flip_sin_to_cos, downscale_freq_shift, scale, t_max)")
-    return gone
+    """The detdit APIs fam's detdit side needs that this build lacks (for a skip's reason)."""
+    names = {"sinusoid conventions": "detdit.timestep_sinusoid(flip_sin_to_cos, downscale_freq_shift, scale, t_max)"}
+    return [names[need] for need in fam.needs if not HAVE[need]]
