@@ -453,6 +453,17 @@ def _sp_gate_residual_backward_forms(grad, y, gate, sp, comm, upcast, k):
     return _gate_residual_backward_forms(grad, y, gate, None, upcast, k, (True,) * 3)
 
 
+def _sp_gate_residual_rmsnorm_forms(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics, upcast, k):
+    return _gate_residual_rmsnorm_forms(residual, y, gate, weight, shift, scale, None, eps, numerics, upcast, k)
+
+
+def _sp_gate_residual_rmsnorm_backward_forms(d_out, d_h, y, gate, weight, shift, scale, sp, h, rstd, comm, eps,
+                                             numerics, upcast, k):
+    # every gradient on every rank; a modulation gradient has its tensor's shape (distributed.h)
+    return _gate_residual_rmsnorm_backward_forms(d_out, d_h, y, gate, weight, shift, scale, None, h, rstd, eps,
+                                                 numerics, upcast, k, (True,) * 6)
+
+
 def _sp_layernorm(x, weight, bias, shift, scale, sp, comm, eps, numerics, upcast):
     return _layernorm_forms(x, weight, bias, shift, scale, None, eps, numerics, upcast)
 
@@ -500,6 +511,8 @@ FAKE_KERNELS = {
     "gate_residual_layernorm_backward": _gate_residual_layernorm_backward,
     "sp_rmsnorm.forms": _sp_rmsnorm_forms, "sp_rmsnorm_backward.forms": _sp_rmsnorm_backward_forms,
     "sp_gate_residual.forms": _sp_gate_residual_forms, "sp_gate_residual_backward.forms": _sp_gate_residual_backward_forms,
+    "sp_gate_residual_rmsnorm.forms": _sp_gate_residual_rmsnorm_forms,
+    "sp_gate_residual_rmsnorm_backward.forms": _sp_gate_residual_rmsnorm_backward_forms,
     "sp_layernorm": _sp_layernorm, "sp_layernorm_backward": _sp_layernorm_backward,
     "sp_gate_residual_layernorm": _sp_gate_residual_layernorm,
     "sp_gate_residual_layernorm_backward": _sp_gate_residual_layernorm_backward,

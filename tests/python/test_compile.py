@@ -221,6 +221,8 @@ def op_cases(device, comm=None):
         _, ln_h, ln_h_mean, ln_h_rstd = ops.sp_gate_residual_layernorm.default(x, y, ms, w, w, ms, mc, free, c, eps, p,
                                                                               True, None)
         ln_back = (y, ms, w, w, ms, mc, free, ln_h, ln_h_mean, ln_h_rstd, c, eps, p, True, None)
+        grr_h, _, grr_rstd = ops.sp_gate_residual_rmsnorm.forms(x, y, ms, w, ms, mc, free, c, eps, p, True, 1.0)
+        grr_back = (y, ms, w, ms, mc, free, grr_h, grr_rstd, c, eps, p, True, 1.0)
         cases += [
             ("sp_layernorm", ops.sp_layernorm.default, (x, w, w, ms, mc, free, c, eps, p, False)),
             ("sp_layernorm_backward", ops.sp_layernorm_backward.default,
@@ -238,6 +240,14 @@ def op_cases(device, comm=None):
             ("sp_gate_residual_backward_forms", ops.sp_gate_residual_backward.forms, (grad, y, ms, free, c, True, 1.0)),
             ("sp_gate_residual_backward_forms_no_gate", ops.sp_gate_residual_backward.forms,
              (grad, y, None, free, c, False, None)),
+            ("sp_gate_residual_rmsnorm_forms", ops.sp_gate_residual_rmsnorm.forms,
+             (x, y, ms, w, ms, mc, free, c, eps, p, True, 1.0)),
+            ("sp_gate_residual_rmsnorm_forms_no_gate", ops.sp_gate_residual_rmsnorm.forms,
+             (x, y, None, w, ms, mc, free, c, eps, p, False, None)),
+            ("sp_gate_residual_rmsnorm_backward_forms", ops.sp_gate_residual_rmsnorm_backward.forms,
+             (grad, grad) + grr_back),
+            ("sp_gate_residual_rmsnorm_backward_forms_no_d_out", ops.sp_gate_residual_rmsnorm_backward.forms,
+             (None, grad) + grr_back),
         ]
     return cases
 

@@ -14,7 +14,8 @@
 // Function. rmsnorm, gate_residual, gate_residual_rmsnorm and their backwards have a `.forms`
 // overload (every modulation form and recipe, the plan optional; ops.h), whose
 // Autograd kernel is its own Function; so have layernorm and
-// layernorm_backward (the modulation), and gate_residual_layernorm takes
+// layernorm_backward (the modulation), and their sp_ ops (the region's plan;
+// distributed.h), and gate_residual_layernorm takes
 // every form in its one overload. Every op with an IndexPlan that is not
 // optional also has a `.tables` overload taking
 // the plan's tables in its place (plan.h), whose Autograd kernel
@@ -290,6 +291,25 @@ TORCH_LIBRARY(detdit, m) {
       "sp_gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
       "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
       "str numerics) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpRmsnormBackwardFormsSchema =
+      "sp_rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, Tensor rstd, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualBackwardFormsSchema =
+      "sp_gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
+      " sp, int comm, bool upcast, float? k) -> (Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualRmsnormBackwardFormsSchema =
+      "sp_gate_residual_rmsnorm_backward.forms(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
+      "str numerics, bool upcast, float? k) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpLayernormBackwardSchema =
+      "sp_layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
+      DETDIT_SP_PLAN " sp, Tensor mean, Tensor rstd, int comm, float eps, str numerics, bool upcast) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualLayernormBackwardSchema =
+      "sp_gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
+      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor mean, Tensor rstd, "
+      "int comm, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
   m.class_<PlanHolder>("IndexPlan")
       .def("seq_len", &PlanHolder::seq_len)
       .def("batch", &PlanHolder::batch)
@@ -463,25 +483,29 @@ TORCH_LIBRARY(detdit, m) {
       "sp_rmsnorm.forms(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
       " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor)",
       &sp_rmsnorm_forms,
-      "sp_rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
-      " sp, Tensor rstd, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor, Tensor)",
+      kSpRmsnormBackwardFormsSchema.c_str(),
       &sp_rmsnorm_backward_forms);
   def_op<SpGateResidualFormsFunction>(
       m,
       "sp_gate_residual.forms(Tensor residual, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
       " sp, int comm, bool upcast, float? k) -> Tensor",
       &sp_gate_residual_forms,
-      "sp_gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
-      " sp, int comm, bool upcast, float? k) -> (Tensor, Tensor, Tensor)",
+      kSpGateResidualBackwardFormsSchema.c_str(),
       &sp_gate_residual_backward_forms);
+  def_op<SpGateResidualRmsnormFormsFunction>(
+      m,
+      "sp_gate_residual_rmsnorm.forms(Tensor residual, Tensor y, Tensor? gate, Tensor weight, Tensor? shift, "
+      "Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_rmsnorm_forms,
+      kSpGateResidualRmsnormBackwardFormsSchema.c_str(),
+      &sp_gate_residual_rmsnorm_backward_forms);
   def_op<SpLayernormFunction>(
       m,
       "sp_layernorm(Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
       " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor)",
       &sp_layernorm,
-      "sp_layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
-      DETDIT_SP_PLAN " sp, Tensor mean, Tensor rstd, int comm, float eps, str numerics, bool upcast) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kSpLayernormBackwardSchema.c_str(),
       &sp_layernorm_backward);
   def_op<SpGateResidualLayernormFunction>(
       m,
@@ -489,10 +513,7 @@ TORCH_LIBRARY(detdit, m) {
       "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics, bool upcast, "
       "float? k) -> (Tensor, Tensor, Tensor, Tensor)",
       &sp_gate_residual_layernorm,
-      "sp_gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
-      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor mean, Tensor rstd, "
-      "int comm, float eps, str numerics, bool upcast, float? k) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kSpGateResidualLayernormBackwardSchema.c_str(),
       &sp_gate_residual_layernorm_backward);
 
   def_op<LayernormFunction>(
