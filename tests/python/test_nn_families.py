@@ -238,7 +238,8 @@ def test_h3_indexed_modules_have_sglangs_call_shape():
     assert_bitwise_equal(out, n * (1 + scale[idx]) + shift[idx], "rmsnorm_indexed_scale_shift")
     plan = detdit.plan_from_rows(indices, rows)
     assert_bitwise_equal(dnn.RMSNormIndexedScaleShift(eps=1e-5)(x, gamma, scale, shift, plan), out, "with a plan")
-    out_g, h = dnn.GateResidualRMSNormIndexedScaleShift()(residual, update, gate, gamma, scale, shift, indices, eps=1e-5)
+    region = dnn.GateResidualRMSNormIndexedScaleShift()
+    out_g, h = region(residual, update, gate, gamma, scale, shift, indices, eps=1e-5)
     assert_bitwise_equal(h, residual + gate[idx] * update, "gate_residual_rmsnorm_indexed_scale_shift_ residual")
     assert_bitwise_equal(out_g, dnn.RMSNormIndexedScaleShift()(h, gamma, scale, shift, plan), "its out")
     # (B, S, H) activations with an (S,) index shared by the batch
@@ -303,7 +304,8 @@ def tree(ref):
     blk.norm1_context = (RefAdaLayerNormZero(H, "fp32_layer_norm") if ref
                          else dnn.AdaLayerNormZero(H, norm_type="fp32_layer_norm"))
     blk.norm2 = (RefFP32LayerNorm if ref else dnn.FP32LayerNorm)(H, 1e-6, True)
-    m.single_transformer_blocks = nn.ModuleList([(RefAdaLayerNormZeroSingle if ref else dnn.AdaLayerNormZeroSingle)(H)])
+    single = RefAdaLayerNormZeroSingle if ref else dnn.AdaLayerNormZeroSingle
+    m.single_transformer_blocks = nn.ModuleList([single(H)])
     m.norm_out = (RefAdaLayerNormContinuous(H, COND, True, 1e-6) if ref
                   else dnn.AdaLayerNormContinuous(H, COND, elementwise_affine=True, eps=1e-6))
     return m
