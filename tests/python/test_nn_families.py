@@ -13,6 +13,11 @@ Rollout side (SGLang-diffusion's call signatures) and trainer side (diffusers' p
   here; diffusers is not installed) loads unchanged, strict, and back;
 - autograd gradients within normwise bounds of float64 eager; repeatable to the bit.
 """
+import ast
+import inspect
+import os
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -492,3 +497,36 @@ def test_gradients_close_to_fp64_eager_and_repeatable(setup, dtype):
         assert_bitwise_equal(grads2[k], grads[k], f"{name} d_{k}: a second call")
     for n in pgrads:
         assert_bitwise_equal(pgrads2[n], pgrads[n], f"{name} d_{n}: a second call")
+
+
+def test_documented_constructors_are_the_real_ones():
+    """docs/python.md's rows of detdit.nn constructors (`nn.Name(...)`): each documented
+    parameter is the constructor's, in its order, with its default; a parameter left out has a
+    default."""
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
+    rows = re.findall(r"^\| `nn\.(\w+)\((.*?)\)`", open(doc).read(), re.M)
+    assert len(rows) >= 10, f"only {len(rows)} detdit.nn rows found in docs/python.md"
+    problems = []
+    for name, documented in rows:
+        params = inspect.signature(getattr(dnn, name)).parameters
+        given = [g.strip() for g in documented.replace("\\|", "|").split(",") if g.strip()]
+        names = [g.split("=")[0].strip() for g in given]
+        real = [n for n in params if n in names]
+        if real != names:
+            problems.append(f"{name}: documented ({', '.join(names)}), real ({', '.join(params)})")
+            continue
+        for n, p in params.items():
+            if n not in names and p.default is inspect.Parameter.empty:
+                problems.append(f"{name}: the required {n} is not documented")
+        for g in given:
+            n, _, text = g.partition("=")
+            default = params[n.strip()].default
+            if not text:
+                if default is not inspect.Parameter.empty:
+                    problems.append(f"{name}: {n} has a default ({default!r}) the row does not show")
+                continue
+            text = text.strip().split("|")[0]  # a choice lists the default first
+            value = torch.float32 if text == "torch.float32" else ast.literal_eval(text)
+            if value != default:
+                problems.append(f"{name}: {n} defaults to {default!r}, documented {text}")
+    assert not problems, "\n".join(problems)
