@@ -406,7 +406,8 @@ void norm_ws1(const NormCase& c, NormData* d) {
 
 // One rank: the SP forward and backward of its rows, each output compared.
 Status norm_rank(Communicator& comm, Device device, const NormCase& c, const NormData& d) {
-  return run_rank(comm, device, c, d, norm_parts(c), [&](OnDevice& dev, const SpPlan& sp, const IndexPlan&, NormData& t) {
+  return run_rank(comm, device, c, d, norm_parts(c),
+                  [&](OnDevice& dev, const SpPlan& sp, const IndexPlan&, NormData& t) {
     const RmsnormParams f = rmsnorm_call(c, dev, t, IndexPlan());
     DETDIT_RETURN_IF_ERROR(sp_rmsnorm_forward(sp, f, dev.stream()));
     return sp_rmsnorm_backward(comm, sp, rmsnorm_backward_call(dev, t, f), dev.stream());
@@ -471,7 +472,9 @@ Parts<GateData> gate_parts(const GateCase& c) {
   Parts<D> p;
   p.rows = {&D::residual, &D::y, &D::grad};
   if (token) p.token_mods = {&D::gate};
-  p.outputs = {{"out", &D::out, Part::kRows}, {"d_residual", &D::d_residual, Part::kRows}, {"d_y", &D::d_y, Part::kRows}};
+  p.outputs = {{"out", &D::out, Part::kRows},
+               {"d_residual", &D::d_residual, Part::kRows},
+               {"d_y", &D::d_y, Part::kRows}};
   if (c.gate) p.outputs.push_back({"d_gate", &D::d_gate, mod_part(token)});
   return p;
 }
@@ -520,7 +523,8 @@ void gate_ws1(const GateCase& c, GateData* d) {
 }
 
 Status gate_rank(Communicator& comm, Device device, const GateCase& c, const GateData& d) {
-  return run_rank(comm, device, c, d, gate_parts(c), [&](OnDevice& dev, const SpPlan& sp, const IndexPlan&, GateData& t) {
+  return run_rank(comm, device, c, d, gate_parts(c),
+                  [&](OnDevice& dev, const SpPlan& sp, const IndexPlan&, GateData& t) {
     const GateResidualParams f = gate_forward(c, dev, t);
     DETDIT_RETURN_IF_ERROR(sp_gate_residual_forward(sp, f, dev.stream()));
     return sp_gate_residual_backward(comm, sp, gate_backward(c, dev, t, f), dev.stream());
@@ -1060,7 +1064,8 @@ void fused_ws1(const FusedCase& c, FusedData* d) {
 }
 
 Status fused_rank(Communicator& comm, Device device, const FusedCase& c, const FusedData& d) {
-  return run_rank(comm, device, c, d, fused_parts(c), [&](OnDevice& dev, const SpPlan& sp, const IndexPlan&, FusedData& t) {
+  return run_rank(comm, device, c, d, fused_parts(c),
+                  [&](OnDevice& dev, const SpPlan& sp, const IndexPlan&, FusedData& t) {
     const GateResidualLayernormParams f = fused_forward(c, dev, t);
     DETDIT_RETURN_IF_ERROR(sp_gate_residual_layernorm_forward(sp, f, dev.stream()));
     return sp_gate_residual_layernorm_backward(comm, sp, fused_backward(c, dev, t, f), dev.stream());
