@@ -149,14 +149,7 @@ OpCase gate_residual_layernorm_case(const GateLayernormShape& s, uint64_t seed, 
   std::vector<std::string> fwd = {"residual", "y", "h", "out", "mean", "rstd"};
   std::vector<std::string> bwd = {"d_out", "h", "y", "mean", "rstd", "d_residual", "d_y"};
   if (d_h) bwd.push_back("d_h");
-  if (weight) {
-    fwd.push_back("weight");
-    bwd.insert(bwd.end(), {"weight", "d_weight"});
-  }
-  if (bias) {
-    fwd.push_back("bias");
-    bwd.insert(bwd.end(), {"bias", "d_bias"});
-  }
+  add_affine_bytes(weight, bias, &fwd, &bwd);
   const int read_rows = (gated ? 1 : 0) + (modulated ? 2 : 0), grads = (gated ? 1 : 0) + (modulated ? 2 : 0);
   c.set_bytes(Phase::kForward, fwd, read_rows * mod_rows, "gate/shift/scale rows");
   c.set_bytes(Phase::kBackward, bwd, ((gated ? 1 : 0) + (modulated ? 1 : 0)) * mod_rows + grads * grad_rows,
@@ -203,30 +196,6 @@ OpCase gate_residual_layernorm_case(const GateLayernormShape& s, uint64_t seed, 
 
 namespace {
 
-// The test suite's forms at B = 2, S = 294 (per sample: two chunks, 256 + 38),
-// H = 16; per token S = 37, H = 12.
-std::vector<FormShape> test_forms() {
-  struct Form {
-    ModulationForm form;
-    int64_t frames;
-    bool keep;
-  };
-  const Form forms[] = {{ModulationForm::kPerSample, 1, false}, {ModulationForm::kPerSample, 1, true},
-                        {ModulationForm::kPerFrame, 3, true},   {ModulationForm::kPerFrame, 21, false},
-                        {ModulationForm::kPerToken, 1, false},  {ModulationForm::kIndexed, 1, false}};
-  std::vector<FormShape> shapes;
-  for (const Form& f : forms) {
-    FormShape s;
-    s.hidden = f.form == ModulationForm::kPerToken ? 12 : 16;
-    s.seq_len = f.form == ModulationForm::kPerToken ? 37 : 294;
-    s.form = f.form;
-    s.frames = f.frames;
-    s.keep_chunk_dim = f.keep;
-    shapes.push_back(s);
-  }
-  return shapes;
-}
-
 std::vector<OpCase> gate_residual_layernorm_cases(Suite suite, const CaseContext& ctx) {
   std::vector<OpCase> cases;
   if (suite == Suite::kTest) {
@@ -236,14 +205,14 @@ std::vector<OpCase> gate_residual_layernorm_cases(Suite suite, const CaseContext
     };
     const Variant variants[] = {{true, true, false, false}, {true, true, true, true}, {true, false, true, false},
                                 {false, true, false, true}};
-    struct Recipe {
-      DType mod;
-      bool upcast;
-    };
-    const Recipe recipes[] = {{DType::kBF16, false}, {DType::kF32, false}, {DType::kF32, true}, {DType::kBF16, true}};
     int n = 0;
-    for (const FormShape& form : test_forms())
-      for (const Recipe& r : recipes)
+    for (const FormShape& form : layernorm_test_forms({{ModulationForm::kPerSample, 1, false},
+                                                       {ModulationForm::kPerSample, 1, true},
+                                                       {ModulationForm::kPerFrame, 3, true},
+                                                       {ModulationForm::kPerFrame, 21, false},
+                                                       {ModulationForm::kPerToken, 1, false},
+                                                       {ModulationForm::kIndexed, 1, false}}))
+      for (const TestRecipe& r : kLayernormTestRecipes)
         for (const Variant& v : variants) {
           GateLayernormShape s;
           s.form = form;
@@ -300,22 +269,13 @@ std::vector<OpCase> gate_residual_layernorm_cases(Suite suite, const CaseContext
   // kVerify (B = 2, S = 4095; --quick B = 1, S = 252): Wan's gate_msa into
   // norm2 (per sample, fp32 gate, upcast, affine norm without modulation) and
   // per frame F = 21 in bf16, each op, with shift, scale and d_h.
-  FormShape f;
-  f.hidden = ctx.hidden;
-  f.batch = ctx.quick ? 1 : 2;
-  f.seq_len = ctx.quick ? 252 : 4095;
-  f.frames = 21;
   GateLayernormShape wan;
-  wan.form = f;
-  wan.form.form = ModulationForm::kPerSample;
-  wan.form.mod_dtype = DType::kF32;
-  wan.form.upcast = true;
+  wan.form = layernorm_verify_form(ctx, ModulationForm::kPerSample, DType::kF32, true);
   wan.norm_modulation = false;
   wan.affine = LayernormAffine::kWeightBias;
   cases.push_back(gate_residual_layernorm_case(wan, ctx.seed + 280, true));
   GateLayernormShape frames;
-  frames.form = f;
-  frames.form.form = ModulationForm::kPerFrame;
+  frames.form = layernorm_verify_form(ctx, ModulationForm::kPerFrame, DType::kBF16, false);
   frames.d_h = true;
   cases.push_back(gate_residual_layernorm_case(frames, ctx.seed + 290, true));
   return cases;

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <iterator>
@@ -241,14 +242,7 @@ OpCase layernorm_form_case(const FormShape& s, LayernormAffine affine, uint64_t 
                               stream);
   };
   std::vector<std::string> fwd = {"x", "out", "mean", "rstd"}, bwd = {"x", "mean", "rstd", "grad", "dx"};
-  if (weight) {
-    fwd.push_back("weight");
-    bwd.insert(bwd.end(), {"weight", "d_weight"});
-  }
-  if (bias) {
-    fwd.push_back("bias");
-    bwd.insert(bwd.end(), {"bias", "d_bias"});
-  }
+  add_affine_bytes(weight, bias, &fwd, &bwd);
   const double rows = modulated ? 2.0 * g.elements() * dtype_size(s.mod_dtype) : 0.0;
   const double grads = modulated ? 2.0 * g.elements() * dtype_size(s.grad_dtype) : 0.0;
   c.set_bytes(Phase::kForward, fwd, rows, "shift/scale rows");
@@ -288,24 +282,9 @@ OpCase layernorm_form_case(const FormShape& s, LayernormAffine affine, uint64_t 
   return c;
 }
 
-namespace {
-
-// The test suite's forms at B = 2, S = 294 (a per-sample group of 294
-// positions is two reduction chunks, 256 + 38, counted from the sample's first
-// position; per frame F = 3 and F = 21, groups of 98 and 14), H = 16; per
-// token S = 37, H = 12 (its (B, S, 6, H) parent grows with S).
-std::vector<FormShape> layernorm_test_forms() {
-  struct Form {
-    ModulationForm form;
-    int64_t frames;
-    bool keep;
-  };
-  const Form forms[] = {{ModulationForm::kPerSample, 1, false}, {ModulationForm::kPerSample, 1, true},
-                        {ModulationForm::kPerFrame, 3, false},  {ModulationForm::kPerFrame, 3, true},
-                        {ModulationForm::kPerFrame, 21, false}, {ModulationForm::kPerToken, 1, false},
-                        {ModulationForm::kIndexed, 1, false}};
+std::vector<FormShape> layernorm_test_forms(std::initializer_list<TestForm> forms) {
   std::vector<FormShape> shapes;
-  for (const Form& f : forms) {
+  for (const TestForm& f : forms) {
     FormShape s;
     s.hidden = f.form == ModulationForm::kPerToken ? 12 : 16;
     s.seq_len = f.form == ModulationForm::kPerToken ? 37 : 294;
@@ -317,15 +296,18 @@ std::vector<FormShape> layernorm_test_forms() {
   return shapes;
 }
 
-// The recipes of the test suite: {x's dtype, fp32} modulation x {each op, upcast}, x bf16.
-struct Recipe {
-  DType mod;
-  bool upcast;
-};
-constexpr Recipe kRecipes[] = {{DType::kBF16, false}, {DType::kF32, false}, {DType::kF32, true}, {DType::kBF16, true}};
+void add_affine_bytes(bool weight, bool bias, std::vector<std::string>* fwd, std::vector<std::string>* bwd) {
+  if (weight) {
+    fwd->push_back("weight");
+    bwd->insert(bwd->end(), {"weight", "d_weight"});
+  }
+  if (bias) {
+    fwd->push_back("bias");
+    bwd->insert(bwd->end(), {"bias", "d_bias"});
+  }
+}
 
-// verify's S (divisible by F = 21): 4095 (--quick: 252), B = 2 (--quick: 1).
-FormShape verify_form(const CaseContext& ctx, ModulationForm form, DType mod_dtype, bool upcast) {
+FormShape layernorm_verify_form(const CaseContext& ctx, ModulationForm form, DType mod_dtype, bool upcast) {
   FormShape s;
   s.mod_dtype = mod_dtype;
   s.hidden = ctx.hidden;
@@ -337,14 +319,22 @@ FormShape verify_form(const CaseContext& ctx, ModulationForm form, DType mod_dty
   return s;
 }
 
+namespace {
+
 std::vector<OpCase> layernorm_form_cases(Suite suite, const CaseContext& ctx) {
   const LayernormAffine affines[] = {LayernormAffine::kNone, LayernormAffine::kWeight, LayernormAffine::kWeightBias};
   std::vector<OpCase> cases;
   if (suite == Suite::kTest) {
     const uint64_t seed = 2600;
     // Every form x recipe x affine variant in bf16.
-    for (const FormShape& form : layernorm_test_forms())
-      for (const Recipe& r : kRecipes)
+    for (const FormShape& form : layernorm_test_forms({{ModulationForm::kPerSample, 1, false},
+                                                       {ModulationForm::kPerSample, 1, true},
+                                                       {ModulationForm::kPerFrame, 3, false},
+                                                       {ModulationForm::kPerFrame, 3, true},
+                                                       {ModulationForm::kPerFrame, 21, false},
+                                                       {ModulationForm::kPerToken, 1, false},
+                                                       {ModulationForm::kIndexed, 1, false}}))
+      for (const TestRecipe& r : kLayernormTestRecipes)
         for (LayernormAffine affine : affines) {
           FormShape s = form;
           s.mod_dtype = r.mod;
@@ -412,9 +402,9 @@ std::vector<OpCase> layernorm_form_cases(Suite suite, const CaseContext& ctx) {
   // kVerify: Wan's norm (per sample, fp32 modulation, upcast) and the per
   // frame form (F = 21) in bf16, each op, at the weights' H; no affine (the
   // DiTs' modulated norm sites).
-  cases.push_back(layernorm_form_case(verify_form(ctx, ModulationForm::kPerSample, DType::kF32, true),
+  cases.push_back(layernorm_form_case(layernorm_verify_form(ctx, ModulationForm::kPerSample, DType::kF32, true),
                                       LayernormAffine::kNone, ctx.seed + 260, true));
-  cases.push_back(layernorm_form_case(verify_form(ctx, ModulationForm::kPerFrame, DType::kBF16, false),
+  cases.push_back(layernorm_form_case(layernorm_verify_form(ctx, ModulationForm::kPerFrame, DType::kBF16, false),
                                       LayernormAffine::kWeightBias, ctx.seed + 270, true));
   return cases;
 }

@@ -453,6 +453,17 @@ def _sp_gate_residual_backward_forms(grad, y, gate, sp, comm, upcast, k):
     return _gate_residual_backward_forms(grad, y, gate, None, upcast, k, (True,) * 3)
 
 
+def _sp_gate_residual_rmsnorm_forms(residual, y, gate, weight, shift, scale, sp, comm, eps, numerics, upcast, k):
+    return _gate_residual_rmsnorm_forms(residual, y, gate, weight, shift, scale, None, eps, numerics, upcast, k)
+
+
+def _sp_gate_residual_rmsnorm_backward_forms(d_out, d_h, y, gate, weight, shift, scale, sp, h, rstd, comm, eps,
+                                             numerics, upcast, k):
+    # every gradient on every rank; a modulation gradient has its tensor's shape (distributed.h)
+    return _gate_residual_rmsnorm_backward_forms(d_out, d_h, y, gate, weight, shift, scale, None, h, rstd, eps,
+                                                 numerics, upcast, k, (True,) * 6)
+
+
 def _sp_layernorm(x, weight, bias, shift, scale, sp, comm, eps, numerics, upcast):
     return _layernorm_forms(x, weight, bias, shift, scale, None, eps, numerics, upcast)
 
@@ -500,16 +511,21 @@ FAKE_KERNELS = {
     "gate_residual_layernorm_backward": _gate_residual_layernorm_backward,
     "sp_rmsnorm.forms": _sp_rmsnorm_forms, "sp_rmsnorm_backward.forms": _sp_rmsnorm_backward_forms,
     "sp_gate_residual.forms": _sp_gate_residual_forms, "sp_gate_residual_backward.forms": _sp_gate_residual_backward_forms,
+    "sp_gate_residual_rmsnorm.forms": _sp_gate_residual_rmsnorm_forms,
+    "sp_gate_residual_rmsnorm_backward.forms": _sp_gate_residual_rmsnorm_backward_forms,
     "sp_layernorm": _sp_layernorm, "sp_layernorm_backward": _sp_layernorm_backward,
     "sp_gate_residual_layernorm": _sp_gate_residual_layernorm,
     "sp_gate_residual_layernorm_backward": _sp_gate_residual_layernorm_backward,
 }
-# The `.handle` overloads of the backward ops (the plan's handle in its place, registration.cpp):
-# the same outputs, which no fake kernel reads from the plan but adaln_row_gather's (num_rows).
+# The `.handle` overloads of the backward ops (the plan's handle in its place, registration.cpp;
+# `.forms_handle` for a `.forms` overload): the same outputs, which no fake kernel reads from the
+# plan but adaln_row_gather's (num_rows).
 FAKE_KERNELS.update({f"{name}.handle": FAKE_KERNELS[name] for name in (
     "rmsnorm_backward", "gate_residual_backward", "gate_residual_rmsnorm_backward", "final_adaln_out_backward",
     "adaln_modulation_backward", "sp_rmsnorm_backward", "sp_gate_residual_backward",
-    "sp_gate_residual_rmsnorm_backward")})
+    "sp_gate_residual_rmsnorm_backward", "sp_layernorm_backward", "sp_gate_residual_layernorm_backward")})
+FAKE_KERNELS.update({f"{name}_handle": FAKE_KERNELS[name] for name in (
+    "sp_rmsnorm_backward.forms", "sp_gate_residual_backward.forms", "sp_gate_residual_rmsnorm_backward.forms")})
 FAKE_KERNELS["adaln_row_gather_backward.handle"] = _adaln_row_gather_backward_handle
 # The `.tables` overloads (the plan's tables in its place, registration.cpp): the same outputs, S
 # from the tables' length.
@@ -621,6 +637,22 @@ TRACED_AUTOGRAD = {
         _contiguous(g[0]), a[1], a[2], a[3], a[4])),
     "sp_gate_residual_rmsnorm": (6, (2,), False, lambda a, o, g, m: _ops.sp_gate_residual_rmsnorm_backward.handle(
         _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], a[9])),
+    # the modulation forms' sp_ ops: autograd.h's Sp*Forms / SpLayernorm / SpGateResidualLayernorm Functions
+    "sp_rmsnorm.forms": (4, (1,), True, lambda a, o, g, m: _ops.sp_rmsnorm_backward.forms_handle(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], o[1], a[5], a[6], a[7], a[8])),
+    "sp_gate_residual.forms": (3, (), True, lambda a, o, g, m: _ops.sp_gate_residual_backward.forms_handle(
+        _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6])),
+    "sp_gate_residual_rmsnorm.forms": (6, (2,), False, lambda a, o, g, m: (
+        _ops.sp_gate_residual_rmsnorm_backward.forms_handle(
+            _contiguous(g[1]), _contiguous(g[0]), a[1], a[2], a[3], a[4], a[5], a[6], o[0], o[2], a[7], a[8], a[9],
+            a[10], a[11]))),
+    "sp_layernorm": (5, (1, 2), True, lambda a, o, g, m: _ops.sp_layernorm_backward.handle(
+        _contiguous(g[0]), a[0], a[1], a[2], a[3], a[4], a[5], o[1], o[2], a[6], a[7], a[8], a[9])),
+    # out and h may each get a gradient or none: not materialised (SpGateResidualLayernormFunction)
+    "sp_gate_residual_layernorm": (7, (2, 3), False, lambda a, o, g, m: (
+        _ops.sp_gate_residual_layernorm_backward.handle(
+            _contiguous(g[0]), _contiguous(g[1]), a[1], a[2], a[3], a[4], a[5], a[6], a[7], o[1], o[2], o[3], a[8],
+            a[9], a[10], a[11], a[12]))),
 }
 
 

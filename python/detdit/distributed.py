@@ -166,13 +166,24 @@ class SpRegion:
         # call takes the `.forms` overload
         return self.plan is not None and _h3_rule(x, tables, self.plan, upcast, k)
 
-    def gate_residual_rmsnorm(self, residual, y, gate, weight, shift=None, scale=None, eps=H3_NORM_EPS,
-                              numerics="portable"):
-        """``detdit.gate_residual_rmsnorm`` of the local rows: ``(h, out)``. Every rank must
-        use h and out alike (each needs a gradient on every rank or on none), as for the
-        separate ops, whose backward collectives every rank runs."""
-        h, out, _ = _ops.sp_gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale, self.sp, self.comm.handle,
-                                                  float(eps), _profile(numerics))
+    def gate_residual_rmsnorm(self, residual, y, gate=None, weight=None, shift=None, scale=None, eps=H3_NORM_EPS,
+                              numerics="portable", upcast=False, k=None):
+        """``detdit.gate_residual_rmsnorm`` of the local rows: ``(h, out)``, the forms and
+        recipes of :meth:`gate_residual` then :meth:`rmsnorm` (the gate optional, k; indexed
+        ``(R, H)`` tables with the region's plan), all present modulation tensors in one form;
+        weight is required. Every rank must use h and out alike (each needs a gradient on
+        every rank or on none), as for the separate ops, whose backward collectives every
+        rank runs."""
+        _check("SpRegion.gate_residual_rmsnorm", residual=(residual, _TENSOR), y=(y, _TENSOR),
+               gate=(gate, _OPTIONAL_TENSOR), weight=(weight, _TENSOR), shift=(shift, _OPTIONAL_TENSOR),
+               scale=(scale, _OPTIONAL_TENSOR), eps=(eps, _REAL), upcast=(upcast, _BOOL), k=(k, _OPTIONAL_REAL))
+        if gate is not None and self._h3_rule(residual, (gate, shift, scale), upcast, k):
+            h, out, _ = _ops.sp_gate_residual_rmsnorm.default(residual, y, gate, weight, shift, scale, self.sp,
+                                                              self.comm.handle, float(eps), _profile(numerics))
+            return h, out
+        h, out, _ = _ops.sp_gate_residual_rmsnorm.forms(residual, y, gate, weight, shift, scale, self.sp,
+                                                        self.comm.handle, float(eps), _profile(numerics), upcast,
+                                                        None if k is None else float(k))
         return h, out
 
     def layernorm(self, x, weight=None, bias=None, shift=None, scale=None, eps=1e-5, upcast=False,

@@ -6,17 +6,32 @@ of the real model's conditioning tensors loads unchanged into :class:`H3Conditio
 ``transformer_blocks.{i}.norm1.weight``, ``norm_out.norm.weight``, ...). Defaults are the
 H3 sizes and dtypes: the time embedder is float32, everything else bfloat16. Pass
 ``device="meta"`` to build the full-size structure without allocating it.
+
+The other DiT families (docs/python.md, "Drop-in modules"): modules with the call signatures
+of SGLang-diffusion's fused layers (:class:`LayerNormScaleShift`,
+:class:`ScaleResidualLayerNormScaleShift`, their RMSNorm counterparts, :class:`MulAdd`,
+:class:`ScaleResidual`, :class:`ResidualRMSNorm`, and MiniMax-H3's indexed
+:class:`RMSNormIndexedScaleShift` / :class:`GateResidualRMSNormIndexedScaleShift`), for an
+inference engine to assign in place of its own; and modules with diffusers' parameter names
+and shapes (:class:`FP32LayerNorm`, :class:`AdaLayerNormZero`, :class:`AdaLayerNormZeroSingle`,
+:class:`AdaLayerNormContinuous`), whose state dicts load unchanged, for a trainer.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import (ADALN_CHUNKS, H3_FREQ_DIM, H3_HIDDEN_SIZE, H3_MAX_PERIOD, H3_NORM_EPS, H3_TIME_EMBED_DIM,
                H3_TIME_EMBED_HIDDEN_DIM, NUM_MODALITIES)
 from . import adaln_modulation, adaln_projection, adaln_table_chunks, final_adaln_out, gate_residual
-from . import gate_residual_rmsnorm, rmsnorm, timestep_mlp, timestep_sinusoid
+from . import gate_residual_layernorm, gate_residual_rmsnorm, layernorm, linear, plan_from_rows, rmsnorm
+from . import timestep_mlp, timestep_sinusoid
 
 __all__ = ["Timesteps", "TimestepEmbedding", "AdaLNModulation", "RMSNorm", "GatedResidual", "AdaLayerNormOut",
-           "H3BlockConditioning", "H3TokenRefiner", "H3Conditioning"]
+           "H3BlockConditioning", "H3TokenRefiner", "H3Conditioning",
+           "LayerNormScaleShift", "RMSNormScaleShift", "ScaleResidualLayerNormScaleShift",
+           "ScaleResidualRMSNormScaleShift", "MulAdd", "ScaleResidual", "ResidualRMSNorm", "RMSNormIndexedScaleShift",
+           "GateResidualRMSNormIndexedScaleShift", "FP32LayerNorm", "AdaLayerNormZero", "AdaLayerNormZeroSingle",
+           "AdaLayerNormContinuous"]
 
 
 class Timesteps(nn.Module):
@@ -176,3 +191,359 @@ class H3Conditioning(nn.Module):
     def temb(self, t):
         """``(T,)`` timesteps -> ``(T, D)`` float32 embedding."""
         return self.time_embedder(self.time_proj(t))
+
+
+# ---- Drop-in modules for the other DiT families --------------------------------------------
+# Rollout side: SGLang-diffusion's fused layers, same constructor and forward signatures, so an
+# engine swaps them in by assignment. Trainer side: diffusers' norm modules, same parameter
+# names and shapes, so their state dicts load unchanged. The arithmetic is detdit's ops'
+# (docs/numerics.md 5.12, 9): the modulation and the gated residual are eager's operations,
+# the norms deterministic and within their stated bounds of eager's.
+
+
+def _upcast_of(compute_dtype, where):
+    """SGLang's compute dtype as detdit's recipe: torch.float32 is upcast (every step in FP32,
+    one rounding to x's dtype at the end, Wan's diffusers arithmetic); None is each op
+    rounding to its operands' promoted dtype, as eager does."""
+    if compute_dtype is None:
+        return False
+    if compute_dtype == torch.float32:
+        return True
+    raise ValueError(f"{where}: compute_dtype must be torch.float32 (upcast) or None (each op rounds), "
+                     f"got {compute_dtype}")
+
+
+def _gate_of(gate, where):
+    """SGLang's gate argument: a tensor, or the int 1 for no gate (``residual + x``). SGLang
+    asserts an int gate is 1; any other int (or a bool) is a ValueError here too."""
+    if gate is None or isinstance(gate, torch.Tensor):
+        return gate
+    if type(gate) is int and gate == 1:
+        return None
+    raise ValueError(f"{where}: gate must be a tensor or the int 1 (no gate), got {gate!r}")
+
+
+def _norm(kind, x, weight, bias, shift, scale, eps, upcast):
+    """The modulated norm ("layer" or "rms") of x in the recipe upcast. The ops take the
+    parameters in x's dtype: with upcast, parameters in another dtype (SGLang's fp32 weights,
+    Wan's fp32 norm2 under bf16 activations) take the norm of ``x.float()`` with every tensor
+    widened (exact), rounded once to x's dtype at the end, which is the upcast recipe's
+    arithmetic (FP32LayerNorm's ``weight.float()``); each op rounding, they are cast to x's
+    dtype, the dtype eager's norm computes in."""
+    if upcast and any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+        wide = [None if t is None else t.float() for t in (weight, bias, shift, scale)]
+        return _norm(kind, x.float(), *wide, eps, False).to(x.dtype)
+    weight, bias = [None if t is None else t.to(x.dtype) for t in (weight, bias)]
+    if kind == "layer":
+        return layernorm(x, weight, bias, shift, scale, eps=eps, upcast=upcast)
+    if weight is None:  # rn(n * 1) = n: a weight of ones gives the norm without affine
+        weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return rmsnorm(x, weight, shift, scale, eps=eps, upcast=upcast)
+
+
+def _gated_norm(kind, residual, x, gate, weight, bias, shift, scale, eps, upcast):
+    """``h = residual + gate * x`` (gate None: ``residual + x``), then the modulated norm of the
+    stored h; returns ``(out, h)``. One fused op where the parameters have h's dtype, else the
+    gated residual and :func:`_norm` (the same bits: the fused ops equal the two composed)."""
+    h_dtype = residual.dtype if upcast or gate is None else torch.promote_types(residual.dtype, gate.dtype)
+    if any(t is not None and t.dtype != h_dtype for t in (weight, bias)):
+        if upcast:
+            h = gate_residual(residual, x, gate, upcast=True)
+            return _norm(kind, h, weight, bias, shift, scale, eps, True), h
+        weight, bias = [None if t is None else t.to(h_dtype) for t in (weight, bias)]
+    if kind == "layer":
+        return gate_residual_layernorm(residual, x, gate, weight, bias, shift, scale, eps=eps, upcast=upcast)
+    if weight is None:
+        weight = torch.ones(residual.shape[-1], dtype=h_dtype, device=residual.device)
+    h, out = gate_residual_rmsnorm(residual, x, gate, weight, shift, scale, eps=eps, upcast=upcast)
+    return out, h
+
+
+class ResidualRMSNorm(nn.Module):
+    """SGLang-diffusion's ``RMSNorm(hidden_size, eps=1e-6, dtype=torch.float32)``:
+    ``forward(x)`` is the norm of x times ``weight``; ``forward(x, residual)`` returns
+    ``(norm(h), h)`` with ``h = x + residual``. (detdit.nn.RMSNorm is H3's modulated norm,
+    hence the name.) The norm is computed in FP32 and rounded once to x's dtype, as SGLang's
+    native path: with a weight in x's dtype it is detdit's rmsnorm, with an fp32 weight under
+    16-bit x the FP32 norm of ``x.float()`` (the weight is never rounded).
+
+    Choice where SGLang is ambiguous: h is the sum rounded to x's dtype (the residual the
+    next layer sees) and the norm reads that stored h, as eager ``h = x + residual;
+    norm(h)`` does. SGLang's native path normalises the FP32 sum before rounding it, its
+    CUDA kernels differ among themselves. ``has_weight=False`` (the argument SGLang's older
+    scale-shift layers pass) keeps no weight. ``var_hidden_size`` is not supported."""
+
+    def __init__(self, hidden_size, eps=1e-6, dtype=torch.float32, var_hidden_size=None, has_weight=True,
+                 device=None):
+        super().__init__()
+        if var_hidden_size is not None:
+            raise ValueError("ResidualRMSNorm: var_hidden_size is not supported (the norm runs over every column)")
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device)) if has_weight else None
+        self.variance_epsilon = eps
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return _norm("rms", x, self.weight, None, None, None, self.variance_epsilon, True)
+        return _gated_norm("rms", residual, x, None, self.weight, None, None, None, self.variance_epsilon, True)
+
+
+class _NormScaleShift(nn.Module):
+    """SGLang-diffusion's ``LayerNormScaleShift`` / ``RMSNormScaleShift``:
+    ``forward(x, shift, scale) = norm(x) * (1 + scale) + shift``, shift and scale in any of
+    detdit's modulation forms (per sample ``(B, H)`` / ``(B, 1, H)``, per frame
+    ``(B, F, 1, H)``, per token ``(B, S, H)``; fp32 or x's dtype). The constructor is
+    SGLang's (the norm type is the class's); ``compute_dtype`` picks the recipe:
+    torch.float32 (the default, SGLang's newest layers compute in FP32) is detdit's upcast
+    recipe, one rounding to x's dtype at the end (Wan's diffusers arithmetic; SGLang's native
+    path rounds the norm to x's dtype once more before modulating); None rounds each op as
+    eager does (SD3, Flux: out fp32 for fp32 shift and scale). Parameters (``norm.weight``,
+    ``norm.bias`` with ``elementwise_affine``) in ``dtype``, as SGLang's."""
+
+    _kind = None
+
+    def __init__(self, hidden_size, eps=1e-6, elementwise_affine=False, dtype=torch.float32,
+                 compute_dtype=torch.float32, prefix="", device=None):
+        super().__init__()
+        self.upcast = _upcast_of(compute_dtype, type(self).__name__)
+        self.eps = eps
+        if self._kind == "layer":
+            self.norm = FP32LayerNorm(hidden_size, eps, elementwise_affine, elementwise_affine, device, dtype)
+        else:
+            self.norm = ResidualRMSNorm(hidden_size, eps, dtype, has_weight=elementwise_affine, device=device)
+
+    def forward(self, x, shift, scale):
+        return _norm(self._kind, x, self.norm.weight, getattr(self.norm, "bias", None), shift, scale, self.eps,
+                     self.upcast)
+
+
+class LayerNormScaleShift(_NormScaleShift):
+    __doc__ = _NormScaleShift.__doc__
+    _kind = "layer"
+
+
+class RMSNormScaleShift(_NormScaleShift):
+    __doc__ = _NormScaleShift.__doc__
+    _kind = "rms"
+
+
+class _ScaleResidualNormScaleShift(_NormScaleShift):
+    """SGLang-diffusion's ``ScaleResidualLayerNormScaleShift`` /
+    ``ScaleResidualRMSNormScaleShift``: ``forward(residual, x, gate, shift, scale)`` returns
+    ``(out, residual_out)`` with ``residual_out = residual + x * gate`` and ``out =
+    norm(residual_out) * (1 + scale) + shift``, one fused op. ``gate`` is a tensor in the
+    form of shift and scale, or the int 1 for no gate (``residual + x``); SGLang asserts an int
+    gate is 1, and any other int is a ValueError here. Constructor and recipe as
+    :class:`LayerNormScaleShift`; with upcast, ``residual_out`` is Wan's
+    ``(residual.float() + x * gate).type_as(residual)``, rounded once, and the norm reads it."""
+
+    def forward(self, residual, x, gate, shift, scale):
+        gate = _gate_of(gate, type(self).__name__)
+        return _gated_norm(self._kind, residual, x, gate, self.norm.weight, getattr(self.norm, "bias", None), shift,
+                           scale, self.eps, self.upcast)
+
+
+class ScaleResidualLayerNormScaleShift(_ScaleResidualNormScaleShift):
+    __doc__ = _ScaleResidualNormScaleShift.__doc__
+    _kind = "layer"
+
+
+class ScaleResidualRMSNormScaleShift(_ScaleResidualNormScaleShift):
+    __doc__ = _ScaleResidualNormScaleShift.__doc__
+    _kind = "rms"
+
+
+class MulAdd(nn.Module):
+    """SGLang-diffusion's ``MulAdd``: ``forward(a, b, c, k=0) = c + a * (k + b)``, b in any
+    modulation form (``(B, 1, H)``, per frame ``(B, F, 1, H)``, ...). Choice: k applies in
+    every form, as SGLang's CUDA kernel does (its native path drops k for a per-frame b).
+    ``k=0`` is SGLang's ``c + a * (0 + b)``; it differs from ``c + a * b`` only in the sign of a
+    zero product. ``compute_dtype`` (detdit's addition; SGLang's layer has none): None rounds
+    each op as eager does, torch.float32 is the upcast recipe."""
+
+    def __init__(self, prefix="", compute_dtype=None):
+        super().__init__()
+        self.upcast = _upcast_of(compute_dtype, "MulAdd")
+
+    def forward(self, a, b, c, k=0):
+        return gate_residual(c, a, b, k=k, upcast=self.upcast)
+
+
+class ScaleResidual(nn.Module):
+    """SGLang-diffusion's ``ScaleResidual``: ``forward(residual, x, gate) = residual + x *
+    gate`` (eager's bits), gate in any modulation form or the int 1 (``residual + x``).
+    ``compute_dtype`` as in :class:`MulAdd`."""
+
+    def __init__(self, prefix="", compute_dtype=None):
+        super().__init__()
+        self.upcast = _upcast_of(compute_dtype, "ScaleResidual")
+
+    def forward(self, residual, x, gate):
+        return gate_residual(residual, x, _gate_of(gate, "ScaleResidual"), upcast=self.upcast)
+
+
+def _plan_of(indices, x, num_rows):
+    """A plan, or the plan of an ``(S,)`` row index for x's rows: built (and validated, a host
+    read) on every call; build it once per step with plan_from_rows and pass that instead."""
+    if isinstance(indices, torch.Tensor):
+        seq = indices.shape[0] if indices.dim() == 1 else -1
+        batch = x.shape[0] if x.dim() == 3 else 1
+        if x.dim() == 2 and seq > 0:
+            batch = x.shape[0] // seq
+        return plan_from_rows(indices, num_rows, batch)
+    return indices
+
+
+class RMSNormIndexedScaleShift(nn.Module):
+    """MiniMax-H3's indexed modulated RMSNorm with the call shape of SGLang's
+    ``rmsnorm_indexed_scale_shift(x, gamma, scale, shift, indices, *, eps)``:
+    ``rmsnorm(x) * gamma`` modulated by ``scale[indices]`` and ``shift[indices]`` (note the
+    order: scale before shift). x ``(S, H)`` (or ``(B, S, H)``), gamma ``(H,)``, scale and
+    shift ``(R, H)`` tables in x's dtype, indices an ``(S,)`` row index or a prebuilt plan
+    (:func:`detdit.plan_from_rows`: one per step saves validating the index per call). The H3
+    rule: :func:`detdit.rmsnorm` with a plan; eps defaults to the constructor's."""
+
+    def __init__(self, eps=H3_NORM_EPS, numerics="portable"):
+        super().__init__()
+        self.eps, self.numerics = eps, numerics
+
+    def forward(self, x, gamma, scale, shift, indices, *, eps=None):
+        plan = _plan_of(indices, x, scale.shape[0])
+        return rmsnorm(x, gamma, shift, scale, plan, self.eps if eps is None else eps, self.numerics)
+
+
+class GateResidualRMSNormIndexedScaleShift(nn.Module):
+    """MiniMax-H3's gated residual and the indexed modulated RMSNorm after it, with the call
+    shape of SGLang's ``gate_residual_rmsnorm_indexed_scale_shift_(residual, update, gate,
+    gamma, scale, shift, indices, *, eps)``, returning ``(out, residual_out)`` with
+    ``residual_out = residual + gate[indices] * update``. Functional: residual is not updated
+    in place (autograd needs it), assign the returned tensor. :func:`detdit.gate_residual_rmsnorm`
+    with a plan (fused, bitwise equal to the two ops); indices as in
+    :class:`RMSNormIndexedScaleShift`."""
+
+    def __init__(self, eps=H3_NORM_EPS, numerics="portable"):
+        super().__init__()
+        self.eps, self.numerics = eps, numerics
+
+    def forward(self, residual, update, gate, gamma, scale, shift, indices, *, eps=None):
+        plan = _plan_of(indices, residual, gate.shape[0])
+        h, out = gate_residual_rmsnorm(residual, update, gate, gamma, shift, scale, plan,
+                                       self.eps if eps is None else eps, self.numerics)
+        return out, h
+
+
+# ---- Trainer side: diffusers' modules (parameter names and shapes as diffusers') ----------
+
+
+def _silu_linear(emb, proj, dtype=None):
+    """``proj(silu(emb).to(dtype))`` (dtype None: emb's): the projection of every adaLN module
+    here. torch's SiLU (eager's bits on each device), then detdit's deterministic linear in
+    the activation's dtype. The one place to switch to a fused, portable projection."""
+    act = F.silu(emb)
+    return linear(act if dtype is None else act.to(dtype), proj.weight, proj.bias)
+
+
+def _drop_bias(norm, bias):
+    # nn.LayerNorm takes bias= only from torch 2.1; diffusers' bias=False leaves no bias parameter
+    if not bias and norm.elementwise_affine:
+        norm.register_parameter("bias", None)
+    return norm
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """diffusers' ``FP32LayerNorm(dim, eps, elementwise_affine, bias)``: the LayerNorm of
+    ``x.float()`` with ``weight.float()`` and ``bias.float()``, cast to x's dtype (one
+    rounding). ``weight``, ``bias`` as nn.LayerNorm's; detdit's layernorm computes it (the
+    upcast recipe; an fp32 weight under 16-bit x goes through ``x.float()``)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        _drop_bias(self, bias)
+
+    def forward(self, x):
+        return _norm("layer", x, self.weight, self.bias, None, None, self.eps, True)
+
+
+def _layer_norm_module(norm_type, dim, eps, fp32_eps=1e-5):
+    """diffusers' AdaLayerNormZero norms: "layer_norm" is LayerNorm(dim, eps, no affine);
+    "fp32_layer_norm" FP32LayerNorm(dim, no affine, no bias) with its default eps."""
+    if norm_type == "layer_norm":
+        return nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+    if norm_type == "fp32_layer_norm":
+        return FP32LayerNorm(dim, eps=fp32_eps, elementwise_affine=False, bias=False)
+    raise ValueError(f"unsupported norm_type {norm_type!r}: 'layer_norm' or 'fp32_layer_norm'")
+
+
+def _modulated_layernorm(norm, x, shift, scale):
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` with (B, H) shift and scale, each op
+    rounding as eager's: the LayerNorm's output is the FP32 norm rounded once to x's dtype,
+    which is also what FP32LayerNorm returns for the 16-bit x it is given."""
+    weight, bias = (norm.weight, norm.bias) if norm.elementwise_affine else (None, None)
+    return _norm("layer", x, weight, bias, shift, scale, norm.eps, False)
+
+
+class AdaLayerNormZero(nn.Module):
+    """diffusers' ``AdaLayerNormZero(embedding_dim, num_embeddings=None,
+    norm_type="layer_norm", bias=True)`` (SD3, Flux, HunyuanVideo): ``linear`` ``(6H, H)``
+    maps ``silu(emb)`` to shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp;
+    ``forward(x, emb=emb)`` returns ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa,
+    shift_mlp, scale_mlp, gate_mlp)``, each ``(B, H)``. ``norm`` is LayerNorm(H, eps 1e-6,
+    no affine), or FP32LayerNorm (eps 1e-5) for "fp32_layer_norm". The class-label embedding
+    (``num_embeddings``) is not supported: pass emb."""
+
+    def __init__(self, embedding_dim, num_embeddings=None, norm_type="layer_norm", bias=True):
+        super().__init__()
+        if num_embeddings is not None:
+            raise ValueError("AdaLayerNormZero: num_embeddings (the class-label embedding) is not supported; "
+                             "pass emb")
+        self.emb = None
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
+        self.norm = _layer_norm_module(norm_type, embedding_dim, 1e-6)
+
+    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+        if emb is None:
+            raise ValueError("AdaLayerNormZero: emb is required (the class-label embedding is not supported)")
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _silu_linear(emb, self.linear).chunk(6, 1)
+        return _modulated_layernorm(self.norm, x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class AdaLayerNormZeroSingle(nn.Module):
+    """diffusers' ``AdaLayerNormZeroSingle(embedding_dim, norm_type="layer_norm", bias=True)``
+    (Flux's and HunyuanVideo's single blocks): ``linear`` ``(3H, H)``, shift, scale, gate;
+    ``forward(x, emb)`` returns ``(norm(x) * (1 + scale) + shift, gate)``."""
+
+    def __init__(self, embedding_dim, norm_type="layer_norm", bias=True):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, 3 * embedding_dim, bias=bias)
+        if norm_type != "layer_norm":
+            raise ValueError(f"AdaLayerNormZeroSingle: unsupported norm_type {norm_type!r}: 'layer_norm'")
+        self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, emb=None):
+        shift_msa, scale_msa, gate_msa = _silu_linear(emb, self.linear).chunk(3, 1)
+        return _modulated_layernorm(self.norm, x, shift_msa, scale_msa), gate_msa
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """diffusers' ``AdaLayerNormContinuous(embedding_dim, conditioning_embedding_dim,
+    elementwise_affine=True, eps=1e-5, bias=True, norm_type="layer_norm")`` (the final layer of
+    SD3, Flux, HunyuanVideo, Qwen-Image): ``linear`` ``(2H, C)`` maps
+    ``silu(conditioning).to(x.dtype)`` to **scale, shift** (scale first);
+    ``forward(x, conditioning_embedding) = norm(x) * (1 + scale)[:, None] + shift[:, None]``.
+    ``norm`` is LayerNorm(H, eps, elementwise_affine, bias). norm_type "rms_norm" is not
+    supported (diffusers' RMSNorm rounds to the weight's dtype before the weight's product,
+    which detdit's rmsnorm does not)."""
+
+    def __init__(self, embedding_dim, conditioning_embedding_dim, elementwise_affine=True, eps=1e-5, bias=True,
+                 norm_type="layer_norm"):
+        super().__init__()
+        if norm_type != "layer_norm":
+            raise ValueError(f"AdaLayerNormContinuous: unsupported norm_type {norm_type!r}: 'layer_norm'")
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(conditioning_embedding_dim, 2 * embedding_dim, bias=bias)
+        self.norm = _drop_bias(nn.LayerNorm(embedding_dim, eps, elementwise_affine), bias)
+
+    def forward(self, x, conditioning_embedding):
+        scale, shift = _silu_linear(conditioning_embedding, self.linear, x.dtype).chunk(2, 1)
+        return _modulated_layernorm(self.norm, x, shift, scale)

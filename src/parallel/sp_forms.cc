@@ -179,11 +179,28 @@ TensorView repeated_mod(const TensorView& m, int64_t k) {
   return TensorView::strided(m.data, m.dtype, {k, hidden_of(m)}, {0, 1}, m.device);
 }
 
+// The rows of a piece of a norm's inputs (RmsnormInputs or LayernormInputs):
+// x and its modulation rows.
+template <typename NormInputs>
+NormInputs norm_piece(const NormInputs& in, const ResolvedModulation& mod, const Piece& pc) {
+  NormInputs q = in;
+  q.x = piece_rows(in.x, pc);
+  q.shift = piece_mod(in.shift, mod, pc);
+  q.scale = piece_mod(in.scale, mod, pc);
+  return q;
+}
+
+GateResidualInputs gate_piece(const GateResidualInputs& in, const ResolvedModulation& mod, const Piece& pc) {
+  GateResidualInputs q = in;
+  q.residual = piece_rows(in.residual, pc);
+  q.y = piece_rows(in.y, pc);
+  q.gate = piece_mod(in.gate, mod, pc);
+  return q;
+}
+
 RmsnormParams piece_of(const RmsnormParams& p, const ResolvedModulation& mod, const Piece& pc) {
   RmsnormParams q = p;
-  q.in.x = piece_rows(p.in.x, pc);
-  q.in.shift = piece_mod(p.in.shift, mod, pc);
-  q.in.scale = piece_mod(p.in.scale, mod, pc);
+  q.in = norm_piece(p.in, mod, pc);
   q.out = piece_rows(p.out, pc);
   q.rstd = piece_vector(p.rstd, pc);
   return q;
@@ -192,9 +209,7 @@ RmsnormParams piece_of(const RmsnormParams& p, const ResolvedModulation& mod, co
 // The rows half of a piece: dx (the gradients summed over positions are absent).
 RmsnormBackwardParams piece_of(const RmsnormBackwardParams& p, const ResolvedModulation& mod, const Piece& pc) {
   RmsnormBackwardParams q = p;
-  q.in.x = piece_rows(p.in.x, pc);
-  q.in.shift = piece_mod(p.in.shift, mod, pc);
-  q.in.scale = piece_mod(p.in.scale, mod, pc);
+  q.in = norm_piece(p.in, mod, pc);
   q.rstd = piece_vector(p.rstd, pc);
   q.grad = piece_rows(p.grad, pc);
   q.dx = piece_rows(p.dx, pc);
@@ -204,9 +219,7 @@ RmsnormBackwardParams piece_of(const RmsnormBackwardParams& p, const ResolvedMod
 
 LayernormParams piece_of(const LayernormParams& p, const ResolvedModulation& mod, const Piece& pc) {
   LayernormParams q = p;
-  q.in.x = piece_rows(p.in.x, pc);
-  q.in.shift = piece_mod(p.in.shift, mod, pc);
-  q.in.scale = piece_mod(p.in.scale, mod, pc);
+  q.in = norm_piece(p.in, mod, pc);
   q.out = piece_rows(p.out, pc);
   q.mean = piece_vector(p.mean, pc);
   q.rstd = piece_vector(p.rstd, pc);
@@ -215,9 +228,7 @@ LayernormParams piece_of(const LayernormParams& p, const ResolvedModulation& mod
 
 LayernormBackwardParams piece_of(const LayernormBackwardParams& p, const ResolvedModulation& mod, const Piece& pc) {
   LayernormBackwardParams q = p;
-  q.in.x = piece_rows(p.in.x, pc);
-  q.in.shift = piece_mod(p.in.shift, mod, pc);
-  q.in.scale = piece_mod(p.in.scale, mod, pc);
+  q.in = norm_piece(p.in, mod, pc);
   q.mean = piece_vector(p.mean, pc);
   q.rstd = piece_vector(p.rstd, pc);
   q.grad = piece_rows(p.grad, pc);
@@ -228,9 +239,7 @@ LayernormBackwardParams piece_of(const LayernormBackwardParams& p, const Resolve
 
 GateResidualParams piece_of(const GateResidualParams& p, const ResolvedModulation& mod, const Piece& pc) {
   GateResidualParams q = p;
-  q.in.residual = piece_rows(p.in.residual, pc);
-  q.in.y = piece_rows(p.in.y, pc);
-  q.in.gate = piece_mod(p.in.gate, mod, pc);
+  q.in = gate_piece(p.in, mod, pc);
   q.out = piece_rows(p.out, pc);
   return q;
 }
@@ -238,9 +247,7 @@ GateResidualParams piece_of(const GateResidualParams& p, const ResolvedModulatio
 GateResidualBackwardParams piece_of(const GateResidualBackwardParams& p, const ResolvedModulation& mod,
                                     const Piece& pc) {
   GateResidualBackwardParams q = p;
-  q.in.residual = piece_rows(p.in.residual, pc);
-  q.in.y = piece_rows(p.in.y, pc);
-  q.in.gate = piece_mod(p.in.gate, mod, pc);
+  q.in = gate_piece(p.in, mod, pc);
   q.grad = piece_rows(p.grad, pc);
   q.d_residual = piece_rows(p.d_residual, pc);
   q.d_y = piece_rows(p.d_y, pc);

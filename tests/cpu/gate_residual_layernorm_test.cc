@@ -47,78 +47,44 @@ TEST(GateResidualLayernorm, BadInputIsRefusedAndWritesNothing) {
   const GrlnProblem p{2, 12, 8, GrlnKind::kGrouped, 1, false, DType::kBF16, DType::kBF16, false,
                       GrlnAffine::kWeightBias, true, true, false, true};
   const GrlnInputs in(p, 3);
-  const Device cpu = Device::cpu();
   HostTensor token_parent = random_tensor(DType::kBF16, {2, 12, 6, 8}, 9);
-  GrlnOutputs o;
-  for (const GrlnOutputSpec& s : grln_output_specs(in)) o[s.name] = HostTensor(s.dtype, s.shape);
-  GateResidualLayernormInputs args;
-  args.residual = in.residual.view();
-  args.y = in.y.view();
-  args.gate = in.chunk(in.parent.data(), 2, cpu);
-  args.weight = in.w.view();
+  GrlnOutputs o = grln_host_outputs(in);
+  GateResidualLayernormInputs args = grln_cpu_args<GateResidualLayernormInputs>(in);
   args.bias = in.b.view();
-  args.shift = in.chunk(in.parent.data(), 0, cpu);
-  args.scale = in.chunk(in.parent.data(), 1, cpu);
-  struct Bad {
-    const char* what;
-    ErrorKind kind;
-    const char* message;
-    std::function<void(GateResidualLayernormParams*, GateResidualLayernormBackwardParams*)> mutate;
-  };
-  const std::vector<Bad> cases = {
-      {"gate per token, shift and scale per sample", ErrorKind::kValue, "one modulation form",
-       [&](auto* f, auto* b) {
-         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(token_parent.data()) + 2 * 8 * 2,
-                                                       DType::kBF16, {2, 12, 8}, {12 * 48, 48, 1});
-         b->d_gate = TensorView();  // else refused first as a per-sample d_gate of a per-token gate
-       }},
+  using Params = GateResidualLayernormParams;
+  using BackwardParams = GateResidualLayernormBackwardParams;
+  std::vector<GrlnBad<Params, BackwardParams>> cases =
+      grln_common_bad_inputs<Params, BackwardParams>(&token_parent, "F = 5 frames, which must divide S = 12");
+  const std::vector<GrlnBad<Params, BackwardParams>> own = {
       {"h of fp32", ErrorKind::kType, "h must be bfloat16 (gate_residual's output dtype)", [](auto* f, auto* b) { f->h.dtype = b->h.dtype = DType::kF32; }},
       {"h shape", ErrorKind::kValue, "h must have", [](auto* f, auto* b) { f->h.shape[1] = b->h.shape[1] = 6; }},
-      {"no h", ErrorKind::kValue, "h is required", [](auto* f, auto* b) { f->h = b->h = TensorView(); }},
       {"bias without weight", ErrorKind::kValue, "bias needs weight",
        [](auto* f, auto* b) { f->in.weight = b->in.weight = TensorView(); }},
-      {"shift without scale", ErrorKind::kValue, "shift without scale",
-       [](auto* f, auto* b) { f->in.scale = b->in.scale = TensorView(); }},
       {"y shape", ErrorKind::kValue, "y", [](auto* f, auto* b) { f->in.y.shape[1] = b->in.y.shape[1] = 6; }},
-      {"S not a multiple of F", ErrorKind::kValue, "F = 5 frames, which must divide S = 12",
-       [&](auto* f, auto* b) {
-         // (B, 5, H): 12 positions in 5 frames.
-         for (TensorView* m : {&f->in.gate, &f->in.shift, &f->in.scale, &b->in.gate, &b->in.shift, &b->in.scale})
-           *m = TensorView::strided(m->data, m->dtype, {2, 5, 8}, {48, 48, 1});
-       }},
       {"eps", ErrorKind::kValue, "eps", [](auto* f, auto* b) { f->in.eps = b->in.eps = -1.0f; }},
-      {"out over y / d_y over y", ErrorKind::kValue, "overlap",
-       [](auto* f, auto* b) {
-         f->out = f->in.y;
-         b->d_y = b->in.y;
-       }},
       {"h over residual / d_gate over gate", ErrorKind::kValue, "overlap",
        [](auto* f, auto* b) {
          f->h = f->in.residual;
          b->d_gate = b->in.gate;
        }},
-      {"rstd shape", ErrorKind::kValue, "rstd must be (M,)", [](auto* f, auto* b) { f->rstd.shape[0] = b->rstd.shape[0] = 5; }},
   };
-  for (const Bad& bad : cases) {
-    SCOPED_TRACE(bad.what);
-    for (auto& [name, t] : o) t.fill_bytes(kCanary);
-    GateResidualLayernormParams f{args, o["h"].view(), o["out"].view(), o["mean"].view(), o["rstd"].view()};
-    GateResidualLayernormBackwardParams b{args, o["h"].view(), o["mean"].view(), o["rstd"].view(), in.d_out.view()};
-    b.d_h = in.d_h.view();
-    b.d_residual = o["d_residual"].view();
-    b.d_y = o["d_y"].view();
-    b.d_gate = o["d_gate"].view();
-    b.d_weight = o["d_weight"].view();
-    b.d_bias = o["d_bias"].view();
-    b.d_shift = o["d_shift"].view();
-    b.d_scale = o["d_scale"].view();
-    bad.mutate(&f, &b);
-    EXPECT_TRUE(refused(gate_residual_layernorm_forward(f), bad.kind, bad.message)) << "forward";
-    EXPECT_TRUE(refused(gate_residual_layernorm_backward(b), bad.kind, bad.message)) << "backward";
-    std::vector<HostTensor*> outputs;
-    for (auto& [name, t] : o) outputs.push_back(&t);
-    EXPECT_TRUE(still_canary(outputs));
-  }
+  cases.insert(cases.end(), own.begin(), own.end());
+  expect_grln_bad_inputs_refused(
+      cases, &o, {},
+      [&](Params* f, BackwardParams* b) {
+        *f = Params{args, o["h"].view(), o["out"].view(), o["mean"].view(), o["rstd"].view()};
+        *b = BackwardParams{args, o["h"].view(), o["mean"].view(), o["rstd"].view(), in.d_out.view()};
+        b->d_h = in.d_h.view();
+        b->d_residual = o["d_residual"].view();
+        b->d_y = o["d_y"].view();
+        b->d_gate = o["d_gate"].view();
+        b->d_weight = o["d_weight"].view();
+        b->d_bias = o["d_bias"].view();
+        b->d_shift = o["d_shift"].view();
+        b->d_scale = o["d_scale"].view();
+      },
+      [](const Params& f) { return gate_residual_layernorm_forward(f); },
+      [](const BackwardParams& b) { return gate_residual_layernorm_backward(b); });
 }
 
 // Where each error names its argument: d_h of the wrong shape, rstd of the
@@ -127,17 +93,9 @@ TEST(GateResidualLayernorm, BackwardOnlyArgumentsAreNamed) {
   const GrlnProblem p{2, 12, 8, GrlnKind::kGrouped, 1, false, DType::kBF16, DType::kF32, true,
                       GrlnAffine::kWeight, true, true, false, true};
   const GrlnInputs in(p, 5);
-  GrlnOutputs o;
-  for (const GrlnOutputSpec& s : grln_output_specs(in)) o[s.name] = HostTensor(s.dtype, s.shape);
+  GrlnOutputs o = grln_host_outputs(in);
   HostTensor d_bias(DType::kF32, {8});
-  const Device cpu = Device::cpu();
-  GateResidualLayernormInputs args;
-  args.residual = in.residual.view();
-  args.y = in.y.view();
-  args.gate = in.chunk(in.parent.data(), 2, cpu);
-  args.weight = in.w.view();
-  args.shift = in.chunk(in.parent.data(), 0, cpu);
-  args.scale = in.chunk(in.parent.data(), 1, cpu);
+  GateResidualLayernormInputs args = grln_cpu_args<GateResidualLayernormInputs>(in);
   args.upcast = true;
   auto backward = [&](const std::function<void(GateResidualLayernormBackwardParams*)>& mutate) {
     for (auto& [name, t] : o) t.fill_bytes(kCanary);

@@ -11,7 +11,6 @@
 // batch of 3; and bad input refused naming the argument, nothing written.
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -54,32 +53,16 @@ TEST(GateResidualRmsnormForms, BadInputIsRefusedAndWritesNothing) {
   const GrlnProblem p{2,     12,    8,    GrlnKind::kGrouped, 1,    false, DType::kBF16, DType::kBF16, false,
                       GrlnAffine::kWeight, true, true, false, true, GrlnNorm::kRmsnorm};
   const GrlnInputs in(p, 3);
-  const Device cpu = Device::cpu();
   HostTensor token_parent = random_tensor(DType::kBF16, {2, 12, 6, 8}, 9);
   HostTensor f32_parent = random_tensor(DType::kF32, {2, 6, 8}, 10);
   HostTensor f32_h(DType::kF32, {2, 12, 8}), f32_weight = random_tensor(DType::kF32, {8}, 11);
-  GrlnOutputs o;
-  for (const GrlnOutputSpec& s : grln_output_specs(in)) o[s.name] = HostTensor(s.dtype, s.shape);
-  GateResidualRmsnormInputs args;
-  args.residual = in.residual.view();
-  args.y = in.y.view();
-  args.gate = in.chunk(in.parent.data(), 2, cpu);
-  args.weight = in.w.view();
-  args.shift = in.chunk(in.parent.data(), 0, cpu);
-  args.scale = in.chunk(in.parent.data(), 1, cpu);
-  struct Bad {
-    const char* what;
-    ErrorKind kind;
-    const char* message;
-    std::function<void(GateResidualRmsnormParams*, GateResidualRmsnormBackwardParams*)> mutate;
-  };
-  const std::vector<Bad> cases = {
-      {"gate per token, shift and scale per sample", ErrorKind::kValue, "one modulation form",
-       [&](auto* f, auto* b) {
-         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(token_parent.data()) + 2 * 8 * 2,
-                                                       DType::kBF16, {2, 12, 8}, {12 * 48, 48, 1});
-         b->d_gate = TensorView();  // else refused first as a per-sample d_gate of a per-token gate
-       }},
+  GrlnOutputs o = grln_host_outputs(in);
+  const GateResidualRmsnormInputs args = grln_cpu_args<GateResidualRmsnormInputs>(in);
+  using Params = GateResidualRmsnormParams;
+  using BackwardParams = GateResidualRmsnormBackwardParams;
+  std::vector<GrlnBad<Params, BackwardParams>> cases =
+      grln_common_bad_inputs<Params, BackwardParams>(&token_parent, "gate has F = 5 frames, which must divide S = 12");
+  const std::vector<GrlnBad<Params, BackwardParams>> own = {
       {"an fp32 gate with upcast: h has x's dtype, not fp32", ErrorKind::kType,
        "h must be bfloat16 (gate_residual's output dtype)",
        [&](auto* f, auto* b) {
@@ -97,51 +80,30 @@ TEST(GateResidualRmsnormForms, BadInputIsRefusedAndWritesNothing) {
                                                        DType::kF32, {2, 8}, {48, 1});
          b->d_gate = TensorView();
        }},
-      {"S not a multiple of F", ErrorKind::kValue, "gate has F = 5 frames, which must divide S = 12",
-       [&](auto* f, auto* b) {
-         // (B, 5, H): 12 positions in 5 frames.
-         for (TensorView* m : {&f->in.gate, &f->in.shift, &f->in.scale, &b->in.gate, &b->in.shift, &b->in.scale})
-           *m = TensorView::strided(m->data, m->dtype, {2, 5, 8}, {48, 48, 1});
-       }},
       {"weight not in h's dtype", ErrorKind::kType, "weight must have h's dtype bfloat16",
        [&](auto* f, auto* b) { f->in.weight = b->in.weight = f32_weight.view(); }},
       {"h of fp32", ErrorKind::kType, "h must be bfloat16",
        [](auto* f, auto* b) { f->h.dtype = b->h.dtype = DType::kF32; }},
-      {"no h", ErrorKind::kValue, "h is required", [](auto* f, auto* b) { f->h = b->h = TensorView(); }},
-      {"shift without scale", ErrorKind::kValue, "shift without scale",
-       [](auto* f, auto* b) { f->in.scale = b->in.scale = TensorView(); }},
-      {"out over y / d_y over y", ErrorKind::kValue, "overlap",
-       [](auto* f, auto* b) {
-         f->out = f->in.y;
-         b->d_y = b->in.y;
-       }},
-      {"rstd shape", ErrorKind::kValue, "rstd must be (M,)",
-       [](auto* f, auto* b) { f->rstd.shape[0] = b->rstd.shape[0] = 5; }},
   };
-  for (const Bad& bad : cases) {
-    SCOPED_TRACE(bad.what);
-    for (auto& [name, t] : o) t.fill_bytes(kCanary);
-    f32_h.fill_bytes(kCanary);
-    GateResidualRmsnormParams f{args, o["h"].view(), o["out"].view(), o["rstd"].view()};
-    GateResidualRmsnormBackwardParams b;
-    b.in = args;
-    b.h = o["h"].view();
-    b.rstd = o["rstd"].view();
-    b.d_out = in.d_out.view();
-    b.d_h = in.d_h.view();
-    b.d_residual = o["d_residual"].view();
-    b.d_y = o["d_y"].view();
-    b.d_gate = o["d_gate"].view();
-    b.d_weight = o["d_weight"].view();
-    b.d_shift = o["d_shift"].view();
-    b.d_scale = o["d_scale"].view();
-    bad.mutate(&f, &b);
-    EXPECT_TRUE(refused(gate_residual_rmsnorm_forward(f), bad.kind, bad.message)) << "forward";
-    EXPECT_TRUE(refused(gate_residual_rmsnorm_backward(b), bad.kind, bad.message)) << "backward";
-    std::vector<HostTensor*> outputs = {&f32_h};
-    for (auto& [name, t] : o) outputs.push_back(&t);
-    EXPECT_TRUE(still_canary(outputs));
-  }
+  cases.insert(cases.end(), own.begin(), own.end());
+  expect_grln_bad_inputs_refused(
+      cases, &o, {&f32_h},
+      [&](Params* f, BackwardParams* b) {
+        *f = Params{args, o["h"].view(), o["out"].view(), o["rstd"].view()};
+        b->in = args;
+        b->h = o["h"].view();
+        b->rstd = o["rstd"].view();
+        b->d_out = in.d_out.view();
+        b->d_h = in.d_h.view();
+        b->d_residual = o["d_residual"].view();
+        b->d_y = o["d_y"].view();
+        b->d_gate = o["d_gate"].view();
+        b->d_weight = o["d_weight"].view();
+        b->d_shift = o["d_shift"].view();
+        b->d_scale = o["d_scale"].view();
+      },
+      [](const Params& f) { return gate_residual_rmsnorm_forward(f); },
+      [](const BackwardParams& b) { return gate_residual_rmsnorm_backward(b); });
 }
 
 }  // namespace

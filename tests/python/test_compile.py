@@ -221,6 +221,8 @@ def op_cases(device, comm=None):
         _, ln_h, ln_h_mean, ln_h_rstd = ops.sp_gate_residual_layernorm.default(x, y, ms, w, w, ms, mc, free, c, eps, p,
                                                                               True, None)
         ln_back = (y, ms, w, w, ms, mc, free, ln_h, ln_h_mean, ln_h_rstd, c, eps, p, True, None)
+        grr_h, _, grr_rstd = ops.sp_gate_residual_rmsnorm.forms(x, y, ms, w, ms, mc, free, c, eps, p, True, 1.0)
+        grr_back = (y, ms, w, ms, mc, free, grr_h, grr_rstd, c, eps, p, True, 1.0)
         cases += [
             ("sp_layernorm", ops.sp_layernorm.default, (x, w, w, ms, mc, free, c, eps, p, False)),
             ("sp_layernorm_backward", ops.sp_layernorm_backward.default,
@@ -238,6 +240,14 @@ def op_cases(device, comm=None):
             ("sp_gate_residual_backward_forms", ops.sp_gate_residual_backward.forms, (grad, y, ms, free, c, True, 1.0)),
             ("sp_gate_residual_backward_forms_no_gate", ops.sp_gate_residual_backward.forms,
              (grad, y, None, free, c, False, None)),
+            ("sp_gate_residual_rmsnorm_forms", ops.sp_gate_residual_rmsnorm.forms,
+             (x, y, ms, w, ms, mc, free, c, eps, p, True, 1.0)),
+            ("sp_gate_residual_rmsnorm_forms_no_gate", ops.sp_gate_residual_rmsnorm.forms,
+             (x, y, None, w, ms, mc, free, c, eps, p, False, None)),
+            ("sp_gate_residual_rmsnorm_backward_forms", ops.sp_gate_residual_rmsnorm_backward.forms,
+             (grad, grad) + grr_back),
+            ("sp_gate_residual_rmsnorm_backward_forms_no_d_out", ops.sp_gate_residual_rmsnorm_backward.forms,
+             (None, grad) + grr_back),
         ]
     return cases
 
@@ -359,6 +369,15 @@ def traced_autograd_cases(device, comm):
         sp, c = detdit.distributed.SpRegion(plan, comm).sp, comm.handle
         cases += [("sp_rmsnorm", (x, w, T, T2, sp, c, eps, p)), ("sp_gate_residual", (x, y, T, sp, c)),
                   ("sp_gate_residual_rmsnorm", (x, y, T, w, T2, T, sp, c, eps, p))]
+        # the modulation forms' sp_ ops on a region without an index, per sample in fp32 (no gate:
+        # the gradients it leaves None)
+        free = detdit.distributed.SpRegion(None, comm, seq_len=x.shape[1], batch=x.shape[0]).sp
+        ms, mc = x[:, 0].float().contiguous(), x[:, 1].float().contiguous()
+        cases += [("sp_rmsnorm.forms", (x, w, ms, mc, free, c, eps, p, False)),
+                  ("sp_gate_residual.forms", (x, y, ms, free, c, True, 1.0)),
+                  ("sp_gate_residual_rmsnorm.forms", (x, y, ms, w, ms, mc, free, c, eps, p, True, 1.0)),
+                  ("sp_layernorm", (x, w, w, ms, mc, free, c, eps, p, True)),
+                  ("sp_gate_residual_layernorm", (x, y, None, w, None, ms, mc, free, c, eps, p, False, None))]
     return cases
 
 
@@ -370,7 +389,7 @@ def test_traced_autograd_equals_the_cpp_functions(device, comm):
     assert set(_compile.TRACED_AUTOGRAD) == {name for name, _ in traced_autograd_cases("cpu", comm)}
     for name, args in traced_autograd_cases(device, comm if device == "cpu" else None):
         num_grads = _compile.TRACED_AUTOGRAD[name][0]
-        fused = "gate_residual_rmsnorm" in name
+        fused = "gate_residual_rmsnorm" in name or "gate_residual_layernorm" in name
         for reach in ((0, 1), (1,), (0,)) if fused else ((0,),):
             for frozen in (None, 0) if num_grads > 1 else (None,):
                 results = []
@@ -713,6 +732,47 @@ def test_compiled_layernorm_forms_are_one_graph_and_equal_eager(device, backend)
     compiled = torch.compile(layernorm_region, fullgraph=True, backend=backend)
     eager = run_layernorm_region(layernorm_region, device, 490)
     got = run_layernorm_region(compiled, device, 490)
+    for name, a, e in zip(["out", "h", "dx", "dy", "d_mod", "d_weight", "d_bias"], got, eager):
+        assert_bitwise_equal(a, e, f"compiled vs eager: {name}")
+
+
+def sp_forms_region(region, x, y, mod, w, b):
+    """The sp_ ops beyond the H3 rule on a region without an index, each feeding the next: Wan's
+    recipe (per-sample fp32 modulation, views of mod (B, 6, H), upcast) with k, then SD3's (each
+    op) with per-token bf16 modulation."""
+    n = region.rmsnorm(x, w, mod[:, 0], mod[:, 1], upcast=True)
+    g = region.gate_residual(x, n, mod[:, 2], k=1.0, upcast=True)
+    h, out = region.gate_residual_rmsnorm(g, y, mod[:, 3], w, mod[:, 4], mod[:, 5], upcast=True, k=1.0)
+    per_token = out * 0.125
+    n = region.layernorm(out, w, b, mod[:, 0], mod[:, 1], upcast=True)
+    return region.gate_residual_layernorm(h, n, per_token, w, b, per_token, per_token, eps=1e-6)
+
+
+@requires_compile
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_sp_forms_are_one_graph_and_equal_eager(comm, backend):
+    """sp_rmsnorm.forms, sp_gate_residual.forms, sp_gate_residual_rmsnorm.forms, sp_layernorm and
+    sp_gate_residual_layernorm (SpRegion's methods, one rank) compile with fullgraph=True into one
+    graph with no break, their SpPlan a graph input and their autograd TRACED_AUTOGRAD's; outputs
+    and every gradient bitwise equal to eager."""
+    region = detdit.distributed.SpRegion(None, comm, seq_len=SEQ, batch=BATCH)
+
+    def fn(x, y, mod, w, b):
+        return sp_forms_region(region, x, y, mod, w, b)
+
+    torch._dynamo.reset()
+    x, y = (normal((BATCH, SEQ, HIDDEN), 530 + k, BF) for k in (0, 1))
+    mod, w, b = normal((BATCH, 6, HIDDEN), 532), torch.ones(HIDDEN, dtype=BF), torch.zeros(HIDDEN, dtype=BF)
+    explained = torch._dynamo.explain(fn)(x, y, mod, w, b)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, str(explained)
+    traced = {str(op) for graph_ops in explained.ops_per_graph for op in graph_ops if "detdit" in str(op)}
+    for op in ("sp_rmsnorm.forms", "sp_gate_residual.forms", "sp_gate_residual_rmsnorm.forms", "sp_layernorm",
+               "sp_gate_residual_layernorm"):
+        assert any(op in name for name in traced), f"detdit op {op} is not a node of the graph: {sorted(traced)}"
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    eager = run_layernorm_region(fn, "cpu", 540)
+    got = run_layernorm_region(compiled, "cpu", 540)
     for name, a, e in zip(["out", "h", "dx", "dy", "d_mod", "d_weight", "d_bias"], got, eager):
         assert_bitwise_equal(a, e, f"compiled vs eager: {name}")
 

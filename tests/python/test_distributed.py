@@ -443,6 +443,66 @@ def _sp_forms_checks(rank, world):
                     assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{what} {name}")
 
 
+def _sp_gate_residual_rmsnorm_forms_checks(rank, world):
+    # the fused gate_residual_rmsnorm beyond the H3 rule: on a region without an index per
+    # sample, per frame (frames straddling ranks), per token and unmodulated, and an indexed
+    # table on a region with an index; each op (fp32 modulation) and upcast with k, with and
+    # without the gate; gradients reaching h and out, and (first recipe) out only, h only:
+    # h, out and every gradient byte-equal to one process
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal, packing
+
+    batch, seq, frames, hidden = 2, 300, 6, 32
+    bf, f32 = torch.bfloat16, torch.float32
+    comm = detdit.distributed.Communicator()
+    timesteps = 2
+    ti, tags = packing(seq, timesteps, 380)
+    plan = detdit.plan(ti, tags, timesteps, batch)
+    free = detdit.distributed.SpRegion(None, comm, seq_len=seq, batch=batch)
+    indexed = detdit.distributed.SpRegion(plan, comm)
+    local = free.local_slice
+    residual, y = normal((batch, seq, hidden), 381, bf), normal((batch, seq, hidden), 382, bf)
+    weight = 1 + normal((hidden,), 383, scale=0.05)
+
+    def sp_rows(t):
+        return t[:, local].contiguous() if t is not None and t.dim() == 3 and t.shape[1] == seq else t
+
+    cases = [(free, None, shape) for shape in ((batch, hidden), (batch, frames, hidden), (batch, seq, hidden), None)]
+    cases.append((indexed, plan, (3 * timesteps, hidden)))
+    names = ("d_residual", "d_y", "d_gate", "d_weight", "d_shift", "d_scale")
+    for region, region_plan, shape in cases:
+        for n, (upcast, mdtype, k) in enumerate(((False, f32, None), (True, bf, 1.0))):
+            shift, scale, gate = ((None,) * 3 if shape is None else
+                                  (normal(shape, seed, mdtype, scale=0.3) for seed in (384, 385, 386)))
+            for with_gate in (True, False) if shape is not None else (False,):
+                # the norm's weight has h's dtype: fp32 behind an fp32 gate with upcast off
+                h_dtype = f32 if with_gate and gate is not None and gate.dtype == f32 and not upcast else bf
+                leaves = (residual, y, gate if with_gate else None, weight.to(h_dtype), shift, scale)
+                for reaching in (("out", "h"), ("out",), ("h",)) if n == 0 and with_gate else (("out", "h"),):
+                    where = f"rank {rank}/{world}: {shape}, upcast={upcast}, {mdtype}, k={k}, gate={with_gate}, " \
+                            f"gradient of {'+'.join(reaching)}"
+                    ws1 = [None if t is None else t.clone().requires_grad_(True) for t in leaves]
+                    h, out = detdit.gate_residual_rmsnorm(*ws1, region_plan, upcast=upcast, k=k)
+                    grads = {"out": normal(tuple(out.shape), 387, out.dtype), "h": normal(tuple(h.shape), 388, h.dtype)}
+                    outs = {"out": out, "h": h}
+                    torch.autograd.backward([outs[r] for r in reaching], [grads[r] for r in reaching])
+                    sp = [None if t is None else sp_rows(t).clone().requires_grad_(True) for t in leaves]
+                    sp_h, sp_out = region.gate_residual_rmsnorm(*sp, upcast=upcast, k=k)
+                    sp_outs = {"out": sp_out, "h": sp_h}
+                    torch.autograd.backward([sp_outs[r] for r in reaching],
+                                            [grads[r][:, local].contiguous() for r in reaching])
+                    assert_bitwise_equal(sp_h, h[:, local], f"{where}: h")
+                    assert_bitwise_equal(sp_out, out[:, local], f"{where}: out")
+                    for i, name in enumerate(names):
+                        if ws1[i] is None:
+                            continue
+                        if ws1[i].grad is None:
+                            assert sp[i].grad is None, f"{where}: {name} is not None"
+                        else:
+                            assert_bitwise_equal(sp[i].grad, sp_rows(ws1[i].grad), f"{where}: {name}")
+
+
 def _worker(rank, world, init_file, checks):
     _setup(rank, world, init_file)
     if "sp" in checks:
@@ -465,6 +525,8 @@ def _worker(rank, world, init_file, checks):
         _sp_layernorm_checks(rank, world)
     if "sp_forms" in checks:
         _sp_forms_checks(rank, world)
+    if "sp_fused_forms" in checks:
+        _sp_gate_residual_rmsnorm_forms_checks(rank, world)
     dist.destroy_process_group()
 
 
@@ -495,6 +557,11 @@ def test_sp_layernorm_and_gate_residual_layernorm_byte_equal_to_one_process(worl
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sp_rmsnorm_and_gate_residual_forms_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("sp_forms",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sp_gate_residual_rmsnorm_forms_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("sp_fused_forms",))
 
 
 def test_sp_region_ranks_with_different_indexes_fail_together(tmp_path):

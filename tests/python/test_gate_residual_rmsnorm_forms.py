@@ -12,29 +12,22 @@ import pytest
 import torch
 
 import detdit
-from conftest import assert_bitwise_equal, normal, packing
+from conftest import normal, packing
 from detdit import _compile
-from test_layernorm_forms import B, BF, F32, FORMS, H, S, assert_all_equal, chunk, grads, leaves, parent
+from test_layernorm_forms import (B, BF, F32, H, S, assert_all_equal, assert_fakes_match,
+                                  assert_region_equals_composed, grads, leaves, parent, region_cases,
+                                  unchanged_after)
+from test_layernorm_forms import region_inputs as layernorm_region_inputs
 
 ops = torch.ops.detdit
 
-# (form or None: no modulation at all, gate present, modulation dtype, upcast, k)
-CASES = [(form, True, mod_dtype, upcast, k)
-         for form in FORMS for mod_dtype in (BF, F32) for upcast in (False, True) for k in (None, 1.0)]
-CASES += [(None, False, BF, upcast, None) for upcast in (False, True)]  # residual + y, the plain norm
-CASES += [("token", False, F32, upcast, None) for upcast in (False, True)]  # no gate, modulated norm
+CASES = region_cases("token")  # without the gate: the norm modulated per token
 
 
 def region_inputs(form, gated, mod_dtype, upcast, seed):
-    residual, y = normal((B, S, H), seed, BF, scale=2.0), normal((B, S, H), seed + 1, BF)
-    gate = shift = scale = None
-    if form is not None:
-        p = parent(form, mod_dtype, seed + 2)
-        shift, scale = chunk(p, form, 3), chunk(p, form, 4)
-        gate = chunk(p, form, 2) if gated else None
-    # the norm runs on h: fp32 for an fp32 gate with upcast=False, and its weight with it
-    h_dtype = F32 if gate is not None and gate.dtype == F32 and not upcast else BF
-    weight = (1 + normal((H,), seed + 3, scale=0.5)).to(h_dtype)
+    """residual, y, gate, weight, shift, scale: shift and scale chunks 3 and 4, the weight alone."""
+    residual, y, gate, weight, _, shift, scale = layernorm_region_inputs(form, gated, mod_dtype, upcast, seed,
+                                                                          chunks=(3, 4), kind="weight")
     return residual, y, gate, weight, shift, scale
 
 
@@ -45,17 +38,10 @@ def composed(residual, y, gate, weight, shift, scale, upcast, k, plan=None):
 
 @pytest.mark.parametrize("form,gated,mod_dtype,upcast,k", CASES)
 def test_fused_equals_the_two_ops_under_autograd(form, gated, mod_dtype, upcast, k):
-    inputs = region_inputs(form, gated, mod_dtype, upcast, 201)
-    for reach in ((0, 1), (0,), (1,)):  # a gradient reaching h and out, h only, out only
-        fused, separate = leaves(*inputs), leaves(*inputs)
-        got = detdit.gate_residual_rmsnorm(*fused, eps=1e-6, upcast=upcast, k=k)
-        want = composed(*separate, upcast=upcast, k=k)
-        what = f"{form} gated={gated} {mod_dtype} upcast={upcast} k={k} reach={reach}"
-        assert_all_equal(list(got), list(want), f"{what}: h, out")
-        incoming = [normal(tuple(want[i].shape), 202 + i, want[i].dtype) for i in reach]
-        torch.autograd.backward([got[i] for i in reach], incoming)
-        torch.autograd.backward([want[i] for i in reach], incoming)
-        assert_all_equal(grads(fused), grads(separate), f"{what}: gradients")
+    # a gradient reaching h and out, h only, out only
+    assert_region_equals_composed(detdit.gate_residual_rmsnorm, composed,
+                                  region_inputs(form, gated, mod_dtype, upcast, 201), ((0, 1), (0,), (1,)), 202,
+                                  f"{form} gated={gated} {mod_dtype} upcast={upcast} k={k}", upcast=upcast, k=k)
 
 
 @pytest.mark.parametrize("upcast,k", [(False, None), (False, 1.0), (True, None), (True, 0.5)])
@@ -66,15 +52,8 @@ def test_fp32_tables_with_a_plan_equal_the_two_ops(upcast, k):
     residual, y = normal((B, S, H), 212, BF, scale=2.0), normal((B, S, H), 213, BF)
     gate, shift, scale = (normal((9, H), 214 + c, scale=0.3) for c in range(3))
     weight = (1 + normal((H,), 217, scale=0.5)).to(BF if upcast else F32)
-    inputs = (residual, y, gate, weight, shift, scale)
-    fused, separate = leaves(*inputs), leaves(*inputs)
-    got = detdit.gate_residual_rmsnorm(*fused, plan=plan, eps=1e-6, upcast=upcast, k=k)
-    want = composed(*separate, upcast=upcast, k=k, plan=plan)
-    assert_all_equal(list(got), list(want), "h, out")
-    incoming = [normal(tuple(t.shape), 218 + i, t.dtype) for i, t in enumerate(want)]
-    torch.autograd.backward(list(got), incoming)
-    torch.autograd.backward(list(want), incoming)
-    assert_all_equal(grads(fused), grads(separate), "gradients")
+    assert_region_equals_composed(detdit.gate_residual_rmsnorm, composed, (residual, y, gate, weight, shift, scale),
+                                  ((0, 1),), 218, "indexed", upcast=upcast, k=k, plan=plan)
 
 
 @pytest.mark.parametrize("form,gated,mod_dtype,upcast,k", CASES[::3])
@@ -106,12 +85,7 @@ def test_fake_kernels_give_the_real_outputs_shapes_and_dtypes():
             backward = (d_out, d_h, y, gate, weight, shift, scale, None, h, rstd, 1e-5, "portable", upcast, k, mask)
             pairs.append((ops.gate_residual_rmsnorm_backward.forms(*backward),
                           _compile.FAKE_KERNELS["gate_residual_rmsnorm_backward.forms"](*backward)))
-        for real_outs, fake_outs in pairs:
-            assert len(real_outs) == len(fake_outs)
-            for r, f in zip(real_outs, fake_outs):
-                assert (r is None) == (f is None), f"{form} gated={gated}: None on one side only"
-                if r is not None:
-                    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), form
+        assert_fakes_match(pairs, f"{form} gated={gated}")
 
 
 def test_errors_leave_the_inputs_unchanged():
@@ -132,11 +106,7 @@ def test_errors_leave_the_inputs_unchanged():
          lambda: detdit.gate_residual_rmsnorm(x, y, gate, w, k="1")),
     ]
     for error, match, call in calls:
-        before = [t.clone() for t in every]
-        with pytest.raises(error, match=match):
-            call()
-        for t, b in zip(every, before):
-            assert_bitwise_equal(t, b, "an input after the failed call")
+        unchanged_after(call, every, error, match)
     ti, tags = packing(S, 3, 246)
     tables = detdit.plan_tables(detdit.plan(ti, tags, 3, batch=B))
     with pytest.raises(TypeError, match="PlanTables take the H3 rule only"):

@@ -73,6 +73,17 @@ def assert_all_equal(got, want, what):
             assert_bitwise_equal(a, b, f"{what} [{k}]")
 
 
+def assert_fakes_match(pairs, what):
+    """Each (real outputs, fake kernel's outputs) pair: as many, None at the same places, the same
+    shapes, dtypes and strides."""
+    for real_outs, fake_outs in pairs:
+        assert len(real_outs) == len(fake_outs)
+        for r, f in zip(real_outs, fake_outs):
+            assert (r is None) == (f is None), f"{what}: None on one side only"
+            if r is not None:
+                assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), what
+
+
 LAYERNORM_CASES = list(itertools.product(FORMS, (BF, F32), (False, True), ("none", "weight+bias")))
 
 
@@ -182,34 +193,59 @@ def test_layernorm_fake_kernels_give_the_real_outputs_shapes_and_dtypes():
             backward = (real[0], x, w, b, shift, scale, p, real[1], real[2], 1e-5, "portable", upcast, mask)
             pairs.append((ops.layernorm_backward.forms(*backward),
                           _compile.FAKE_KERNELS["layernorm_backward.forms"](*backward)))
-        for real_outs, fake_outs in pairs:
-            for r, f in zip(real_outs, fake_outs):
-                assert (r is None) == (f is None), f"{form}: None on one side only"
-                if r is not None:
-                    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), form
+        assert_fakes_match(pairs, form)
 
 
 # ---------------------------------------------------------------------------
 # gate_residual_layernorm
 
-# (form of gate, shift and scale or None: no modulation at all, gate present, modulation dtype, upcast, k)
-FUSED_CASES = [(form, True, mod_dtype, upcast, k)
-               for form in FORMS for mod_dtype in (BF, F32) for upcast in (False, True) for k in (None, 1.0)]
-FUSED_CASES += [(None, False, BF, upcast, None) for upcast in (False, True)]  # residual + y, the plain norm
-FUSED_CASES += [("sample", False, F32, upcast, None) for upcast in (False, True)]  # no gate, modulated norm
+# The gated-residual regions (gate_residual_layernorm here, gate_residual_rmsnorm in
+# test_gate_residual_rmsnorm_forms.py): their cases, inputs and checks.
 
 
-def fused_inputs(form, gated, mod_dtype, upcast, seed):
+def region_cases(no_gate_form):
+    """(form of gate, shift and scale or None: no modulation at all, gate present, modulation
+    dtype, upcast, k): the gate in every form, dtype, recipe and k; residual + y into the plain
+    norm; no gate into the norm modulated in no_gate_form."""
+    cases = [(form, True, mod_dtype, upcast, k)
+             for form in FORMS for mod_dtype in (BF, F32) for upcast in (False, True) for k in (None, 1.0)]
+    cases += [(None, False, BF, upcast, None) for upcast in (False, True)]
+    cases += [(no_gate_form, False, F32, upcast, None) for upcast in (False, True)]
+    return cases
+
+
+def region_inputs(form, gated, mod_dtype, upcast, seed, chunks=(0, 1), kind="weight+bias"):
+    """residual, y, gate, weight, bias, shift, scale of a case: the gate chunk 2 of the form's
+    parent, shift and scale its chunks `chunks`; the norm's affine `kind` in h's dtype."""
     residual, y = normal((B, S, H), seed, BF, scale=2.0), normal((B, S, H), seed + 1, BF)
     gate = shift = scale = None
     if form is not None:
         p = parent(form, mod_dtype, seed + 2)
-        shift, scale = chunk(p, form, 0), chunk(p, form, 1)
+        shift, scale = chunk(p, form, chunks[0]), chunk(p, form, chunks[1])
         gate = chunk(p, form, 2) if gated else None
     # the norm runs on h: fp32 for an fp32 gate with upcast=False, and its parameters with it
     h_dtype = F32 if gate is not None and gate.dtype == F32 and not upcast else BF
-    w, b = affine("weight+bias", h_dtype, seed + 3)
+    w, b = affine(kind, h_dtype, seed + 3)
     return residual, y, gate, w, b, shift, scale
+
+
+def assert_region_equals_composed(region, composed, inputs, reaches, seed, what, **kwargs):
+    """region(*inputs, eps=1e-6, **kwargs) and composed(*inputs, **kwargs) on leaves of the same
+    inputs: their outputs, then for each reach (the outputs a gradient reaches, incoming gradient
+    i drawn from seed + i) every input's gradient, bitwise."""
+    for reach in reaches:
+        fused, separate = leaves(*inputs), leaves(*inputs)
+        got = region(*fused, eps=1e-6, **kwargs)
+        want = composed(*separate, **kwargs)
+        where = f"{what} reach={reach}"
+        assert_all_equal(list(got), list(want), f"{where}: outputs")
+        incoming = [normal(tuple(want[i].shape), seed + i, want[i].dtype) for i in reach]
+        torch.autograd.backward([got[i] for i in reach], incoming)
+        torch.autograd.backward([want[i] for i in reach], incoming)
+        assert_all_equal(grads(fused), grads(separate), f"{where}: gradients")
+
+
+FUSED_CASES = region_cases("sample")
 
 
 def composed(residual, y, gate, w, b, shift, scale, upcast, k, plan=None):
@@ -219,18 +255,10 @@ def composed(residual, y, gate, w, b, shift, scale, upcast, k, plan=None):
 
 @pytest.mark.parametrize("form,gated,mod_dtype,upcast,k", FUSED_CASES)
 def test_gate_residual_layernorm_equals_the_two_ops_under_autograd(form, gated, mod_dtype, upcast, k):
-    inputs = fused_inputs(form, gated, mod_dtype, upcast, 61)
-    for reach in ((0, 1), (0,), (1,)):  # a gradient reaching out and h, out only, h only
-        fused = leaves(*inputs)
-        separate = leaves(*inputs)
-        got = detdit.gate_residual_layernorm(*fused[:2], *fused[2:], eps=1e-6, upcast=upcast, k=k)
-        want = composed(*separate, upcast=upcast, k=k)
-        what = f"{form} gated={gated} {mod_dtype} upcast={upcast} k={k} reach={reach}"
-        assert_all_equal(list(got), list(want), f"{what}: out, h")
-        incoming = [normal(tuple(want[i].shape), 62 + i, want[i].dtype) for i in reach]
-        torch.autograd.backward([got[i] for i in reach], incoming)
-        torch.autograd.backward([want[i] for i in reach], incoming)
-        assert_all_equal(grads(fused), grads(separate), f"{what}: gradients")
+    # a gradient reaching out and h, out only, h only
+    assert_region_equals_composed(detdit.gate_residual_layernorm, composed,
+                                  region_inputs(form, gated, mod_dtype, upcast, 61), ((0, 1), (0,), (1,)), 62,
+                                  f"{form} gated={gated} {mod_dtype} upcast={upcast} k={k}", upcast=upcast, k=k)
 
 
 @pytest.mark.parametrize("upcast,k", [(False, None), (True, 0.5)])
@@ -241,19 +269,13 @@ def test_gate_residual_layernorm_indexed_form_equals_the_two_ops(upcast, k):
     tables = [normal((9, H), 74 + c, scale=0.3).to(F32) for c in range(3)]
     w, b = affine("weight", F32 if not upcast else BF, 77)
     inputs = (residual, y, tables[0], w, b, tables[1], tables[2])
-    fused, separate = leaves(*inputs), leaves(*inputs)
-    got = detdit.gate_residual_layernorm(*fused, plan=plan, eps=1e-6, upcast=upcast, k=k)
-    want = composed(*separate, upcast=upcast, k=k, plan=plan)
-    assert_all_equal(list(got), list(want), "out, h")
-    incoming = [normal(tuple(t.shape), 78 + i, t.dtype) for i, t in enumerate(want)]
-    torch.autograd.backward(list(got), incoming)
-    torch.autograd.backward(list(want), incoming)
-    assert_all_equal(grads(fused), grads(separate), "gradients")
+    assert_region_equals_composed(detdit.gate_residual_layernorm, composed, inputs, ((0, 1),), 78, "indexed",
+                                  upcast=upcast, k=k, plan=plan)
 
 
 @pytest.mark.parametrize("form,gated,mod_dtype,upcast,k", FUSED_CASES[::3])
 def test_gate_residual_layernorm_autograd_equals_the_raw_backward(form, gated, mod_dtype, upcast, k):
-    inputs = fused_inputs(form, gated, mod_dtype, upcast, 81)
+    inputs = region_inputs(form, gated, mod_dtype, upcast, 81)
     residual, y, gate, w, b, shift, scale = inputs
     out, h, mean, rstd = ops.gate_residual_layernorm(*inputs, None, 1e-6, "portable", upcast, k)
     d_out, d_h = normal(tuple(out.shape), 82, out.dtype), normal(tuple(h.shape), 83, h.dtype)
@@ -272,7 +294,7 @@ def test_gate_residual_layernorm_autograd_equals_the_raw_backward(form, gated, m
 
 def test_gate_residual_layernorm_fake_kernels_give_the_real_outputs_shapes_and_dtypes():
     for form, gated, mod_dtype, upcast, k in FUSED_CASES:
-        inputs = fused_inputs(form, gated, mod_dtype, upcast, 91)
+        inputs = region_inputs(form, gated, mod_dtype, upcast, 91)
         residual, y, gate, w, b, shift, scale = inputs
         forward = (*inputs, None, 1e-5, "portable", upcast, k)
         real = ops.gate_residual_layernorm(*forward)
@@ -284,12 +306,7 @@ def test_gate_residual_layernorm_fake_kernels_give_the_real_outputs_shapes_and_d
                         mask)
             pairs.append((ops.gate_residual_layernorm_backward(*backward),
                           _compile.FAKE_KERNELS["gate_residual_layernorm_backward"](*backward)))
-        for real_outs, fake_outs in pairs:
-            assert len(real_outs) == len(fake_outs)
-            for r, f in zip(real_outs, fake_outs):
-                assert (r is None) == (f is None), f"{form} gated={gated}: None on one side only"
-                if r is not None:
-                    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), form
+        assert_fakes_match(pairs, f"{form} gated={gated}")
 
 
 # ---------------------------------------------------------------------------

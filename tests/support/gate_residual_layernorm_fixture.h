@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -444,6 +445,97 @@ inline void expect_grln_sample_alone_as_in_batch(const GrlnForm& f, const GrlnRe
     EXPECT_TRUE(bitwise_equal_bytes(static_cast<const float*>(in_batch.at(name).data()) + kGrlnS,
                                     on_its_own.at(name).data(), kGrlnS, DType::kF32))
         << name;
+  }
+}
+
+// ---- the regions' bad-input tests
+
+// A problem's outputs on the host, fresh (grln_output_specs).
+inline GrlnOutputs grln_host_outputs(const GrlnInputs& in) {
+  GrlnOutputs o;
+  for (const GrlnOutputSpec& s : grln_output_specs(in)) o[s.name] = HostTensor(s.dtype, s.shape);
+  return o;
+}
+
+// A grouped problem's arguments on the CPU (Inputs: GateResidualLayernormInputs
+// or GateResidualRmsnormInputs): residual, y, weight, and the gate, shift and
+// scale as chunks 2, 0 and 1 of the parent (layernorm's bias is its test's).
+template <typename Inputs>
+Inputs grln_cpu_args(const GrlnInputs& in) {
+  const Device cpu = Device::cpu();
+  Inputs args;
+  args.residual = in.residual.view();
+  args.y = in.y.view();
+  args.gate = in.chunk(in.parent.data(), 2, cpu);
+  args.weight = in.w.view();
+  args.shift = in.chunk(in.parent.data(), 0, cpu);
+  args.scale = in.chunk(in.parent.data(), 1, cpu);
+  return args;
+}
+
+// An argument broken: what, the refusal expected (its kind and a part of its
+// message) and the change to the forward's and the backward's Params.
+template <typename Params, typename BackwardParams>
+struct GrlnBad {
+  const char* what;
+  ErrorKind kind;
+  const char* message;
+  std::function<void(Params*, BackwardParams*)> mutate;
+};
+
+// The bad arguments both regions refuse alike, on the B = 2, S = 12, H = 8
+// per-sample problem of grln_cpu_args (bf16 modulation): a per-token gate
+// (chunk 2 of token_parent, a (2, 12, 6, 8) bf16 tensor), F = 5 frames
+// (refused with `frames_message`), shift without scale, no h, out over y,
+// rstd's shape.
+template <typename Params, typename BackwardParams>
+std::vector<GrlnBad<Params, BackwardParams>> grln_common_bad_inputs(HostTensor* token_parent,
+                                                                    const char* frames_message) {
+  return {
+      {"gate per token, shift and scale per sample", ErrorKind::kValue, "one modulation form",
+       [token_parent](auto* f, auto* b) {
+         f->in.gate = b->in.gate = TensorView::strided(static_cast<char*>(token_parent->data()) + 2 * 8 * 2,
+                                                       DType::kBF16, {2, 12, 8}, {12 * 48, 48, 1});
+         b->d_gate = TensorView();  // else refused first as a per-sample d_gate of a per-token gate
+       }},
+      {"S not a multiple of F", ErrorKind::kValue, frames_message,
+       [](auto* f, auto* b) {
+         // (B, 5, H): 12 positions in 5 frames.
+         for (TensorView* m : {&f->in.gate, &f->in.shift, &f->in.scale, &b->in.gate, &b->in.shift, &b->in.scale})
+           *m = TensorView::strided(m->data, m->dtype, {2, 5, 8}, {48, 48, 1});
+       }},
+      {"no h", ErrorKind::kValue, "h is required", [](auto* f, auto* b) { f->h = b->h = TensorView(); }},
+      {"shift without scale", ErrorKind::kValue, "shift without scale",
+       [](auto* f, auto* b) { f->in.scale = b->in.scale = TensorView(); }},
+      {"out over y / d_y over y", ErrorKind::kValue, "overlap",
+       [](auto* f, auto* b) {
+         f->out = f->in.y;
+         b->d_y = b->in.y;
+       }},
+      {"rstd shape", ErrorKind::kValue, "rstd must be (M,)",
+       [](auto* f, auto* b) { f->rstd.shape[0] = b->rstd.shape[0] = 5; }},
+  };
+}
+
+// Each bad argument: the outputs `o` and `more` filled with the canary, the
+// Params made (make(&f, &b) on o's views), broken, then refused by forward(f)
+// and backward(b) with the kind and message, and nothing written.
+template <typename Params, typename BackwardParams, typename Make, typename Forward, typename Backward>
+void expect_grln_bad_inputs_refused(const std::vector<GrlnBad<Params, BackwardParams>>& cases, GrlnOutputs* o,
+                                    const std::vector<HostTensor*>& more, const Make& make, const Forward& forward,
+                                    const Backward& backward) {
+  for (const GrlnBad<Params, BackwardParams>& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    std::vector<HostTensor*> outputs = more;
+    for (auto& [name, t] : *o) outputs.push_back(&t);
+    for (HostTensor* t : outputs) t->fill_bytes(kCanary);
+    Params f;
+    BackwardParams b;
+    make(&f, &b);
+    bad.mutate(&f, &b);
+    EXPECT_TRUE(refused(forward(f), bad.kind, bad.message)) << "forward";
+    EXPECT_TRUE(refused(backward(b), bad.kind, bad.message)) << "backward";
+    EXPECT_TRUE(still_canary(outputs));
   }
 }
 

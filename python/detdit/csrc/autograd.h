@@ -655,6 +655,42 @@ struct SpGateResidualFormsFunction : torch::autograd::Function<SpGateResidualFor
   }
 };
 
+// sp_gate_residual_rmsnorm.forms: GateResidualRmsnormFormsFunction on the
+// local rows (grads not materialised, as there).
+struct SpGateResidualRmsnormFormsFunction : torch::autograd::Function<SpGateResidualRmsnormFormsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& residual, const Tensor& y, const OptTensor& gate,
+                               const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+                               const SpPlanPtr& sp, int64_t comm, double eps, const std::string& numerics, bool upcast,
+                               Optional<double> k) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [h, out, rstd] = DETDIT_OP_FORMS(sp_gate_residual_rmsnorm)(residual, y, gate, weight, shift, scale, sp, comm,
+                                                                    eps, numerics, upcast, k);
+    ctx->save_for_backward({y, gate.value_or(Tensor()), weight, shift.value_or(Tensor()), scale.value_or(Tensor()), h,
+                            rstd});
+    ctx->saved_data["sp"] = sp;
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["upcast"] = upcast;
+    ctx->saved_data["k"] = k.has_value() ? c10::IValue(*k) : c10::IValue();
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {h, out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    const c10::IValue& k = ctx->saved_data["k"];
+    auto [d_residual, d_y, d_gate, d_weight, d_shift, d_scale] = DETDIT_OP_FORMS(sp_gate_residual_rmsnorm_backward)(
+        optional_grad(grads[1]), optional_grad(grads[0]), s[0], saved_optional(s[1]), s[2], saved_optional(s[3]),
+        saved_optional(s[4]), saved_sp(ctx), s[5], s[6], ctx->saved_data["comm"].toInt(),
+        ctx->saved_data["eps"].toDouble(), ctx->saved_data["numerics"].toStringRef(),
+        ctx->saved_data["upcast"].toBool(), k.isNone() ? Optional<double>() : Optional<double>(k.toDouble()));
+    return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale,
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 // sp_layernorm: LayernormFormsFunction on the local rows (the sp_ backward
 // computes every gradient).
 struct SpLayernormFunction : torch::autograd::Function<SpLayernormFunction> {

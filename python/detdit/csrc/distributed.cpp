@@ -497,6 +497,43 @@ std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_forms(const Tensor&
 }
 
 // ---------------------------------------------------------------------------
+// sp_gate_residual_rmsnorm.forms
+
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_forms(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const SpPlanPtr& sp, int64_t, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  auto call = [&](const detdit::GateResidualRmsnormParams& p, detdit::Stream stream) {
+    return detdit::sp_gate_residual_rmsnorm_forward(sp->sp, p, stream);
+  };
+  return gate_residual_rmsnorm_forms_with(call, residual, y, gate, weight, shift, scale, sp->sp.global_plan(), eps,
+                                          numerics, upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward_forms(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics, bool upcast, Optional<double> k) {
+  auto group = communicator(comm);
+  return on_every_rank(*group, [&](bool* entered) {
+    auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
+    };
+    auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+      *entered = true;
+      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
+    };
+    // the fused op takes the region's plan with or without the gate; the
+    // gate half alone (no d_out) takes sp_gate_residual.forms' plan
+    return gate_residual_rmsnorm_backward_forms_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
+                                                     sp->sp.global_plan(), gate_plan(sp, gate), h, rstd, eps,
+                                                     numerics, upcast, k, {true, true, true, true, true, true},
+                                                     /*local_rows=*/true);
+  });
+}
+
+// ---------------------------------------------------------------------------
 // sp_layernorm
 
 std::tuple<Tensor, Tensor, Tensor> sp_layernorm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,

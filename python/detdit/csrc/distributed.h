@@ -148,6 +148,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
     int64_t comm, double eps, const std::string& numerics);
 
+// sp_gate_residual_rmsnorm.forms: gate_residual_rmsnorm.forms (ops.h) of the
+// local rows, every form, recipe and k, the gate optional; the modulation as
+// sp_rmsnorm.forms' (indexed with the region's plan). (h, out, rstd).
+// Backward from d_out and d_h, either absent, as
+// sp_gate_residual_rmsnorm_backward: (d_residual, d_y local, d_weight
+// replicated, d_gate / d_shift / d_scale in their tensors' shape); every rank
+// must agree on which of d_out and d_h it has.
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_forms(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const SpPlanPtr& sp, int64_t comm, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward_forms(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const SpPlanPtr& sp, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics, bool upcast, Optional<double> k);
+
 // sp_layernorm: layernorm.forms (ops.h) of the local rows (B, S_local, H):
 // (out, mean, rstd). Per-sample / per-frame shift and scale are replicated and
 // resolved against the global (B, S, H), per token they are the local rows;

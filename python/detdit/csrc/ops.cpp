@@ -653,10 +653,10 @@ namespace {
 // The `.forms` inputs: the plan optional, the gate optional, the recipe and k.
 detdit::GateResidualRmsnormInputs gate_residual_rmsnorm_forms_inputs(
     const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
-    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+    const OptTensor& scale, const IndexPlan& plan, double eps, const std::string& numerics, bool upcast,
     Optional<double> k) {
   detdit::GateResidualRmsnormInputs in = gate_residual_rmsnorm_inputs(
-      residual, y, gate.value_or(Tensor()), weight, shift, scale, plan_of(plan), eps, numerics);
+      residual, y, gate.value_or(Tensor()), weight, shift, scale, plan, eps, numerics);
   in.has_k = k.has_value();
   in.k = k.has_value() ? static_cast<float>(*k) : 0.0f;  // an FP32 constant (gate_residual.h)
   in.upcast = upcast;
@@ -738,10 +738,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
                                              eps, numerics, output_mask);
 }
 
-std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms(
-    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
-    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
-    Optional<double> k) {
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms_with(
+    const Call<detdit::GateResidualRmsnormParams>& call, const Tensor& residual, const Tensor& y,
+    const OptTensor& gate, const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+    const IndexPlan& plan, double eps, const std::string& numerics, bool upcast, Optional<double> k) {
   require_contiguous(residual, "residual");
   DeviceScope scope(residual);
   // h: gate_residual's out dtype; out: rmsnorm's for x = h (numerics 5.12)
@@ -755,18 +755,28 @@ std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms(
   p.h = view(h, "h");
   p.out = view(out, "out");
   p.rstd = view(rstd, "rstd");
-  check_ok(detdit::gate_residual_rmsnorm_forward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {h, out, rstd};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms(
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms(
+    const Tensor& residual, const Tensor& y, const OptTensor& gate, const Tensor& weight, const OptTensor& shift,
+    const OptTensor& scale, const OptPlan& plan, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  return gate_residual_rmsnorm_forms_with(detdit::gate_residual_rmsnorm_forward, residual, y, gate, weight, shift,
+                                          scale, plan_of(plan), eps, numerics, upcast, k);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms_with(
+    const Call<detdit::GateResidualRmsnormBackwardParams>& call, const Call<detdit::GateResidualBackwardParams>& gate_call,
     const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
-    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h, const Tensor& rstd,
-    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 6> output_mask) {
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const IndexPlan& gate_plan,
+    const Tensor& h, const Tensor& rstd, double eps, const std::string& numerics, bool upcast, Optional<double> k,
+    std::array<bool, 6> output_mask, bool local_rows) {
   if (!d_out.has_value()) {
     if (!d_h.has_value()) return {};
-    auto [d_residual, d_y, d_gate] =
-        gate_residual_backward_forms(*d_h, y, gate, plan, upcast, k, {output_mask[0], output_mask[1], output_mask[2]});
+    auto [d_residual, d_y, d_gate] = gate_residual_backward_forms_with(
+        gate_call, *d_h, y, gate, gate_plan, upcast, k, {output_mask[0], output_mask[1], output_mask[2]}, local_rows);
     return {d_residual, d_y, d_gate, Tensor(), Tensor(), Tensor()};
   }
   require_contiguous(y, "y");
@@ -777,11 +787,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
   p.in = gate_residual_rmsnorm_forms_inputs(Tensor(), y, gate, weight, shift, scale, plan, eps, numerics, upcast, k);
   Tensor d_residual = output_like(y, output_mask[0]);
   Tensor d_y = output_like(y, output_mask[1]);
-  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan);
+  Tensor d_gate = modulation_grad(output_mask[2], gate, y, "y", {{&p.in.gate, "gate"}}, p.in.plan, local_rows);
   Tensor d_weight = maybe_empty(output_mask[3], h, {dim_or_zero(weight, 0)}, weight.scalar_type());
   const std::initializer_list<detdit::NamedModulation> all = {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}};
-  Tensor d_shift = modulation_grad(output_mask[4], shift, h, "h", all, p.in.plan);
-  Tensor d_scale = modulation_grad(output_mask[5], scale, h, "h", all, p.in.plan);
+  Tensor d_shift = modulation_grad(output_mask[4], shift, h, "h", all, p.in.plan, local_rows);
+  Tensor d_scale = modulation_grad(output_mask[5], scale, h, "h", all, p.in.plan, local_rows);
   p.h = view(h, "h");
   p.rstd = view(rstd, "rstd");
   p.d_out = view(d_out, "d_out");
@@ -792,8 +802,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
   p.d_weight = view(d_weight, "d_weight");
   p.d_shift = view(d_shift, "d_shift");
   p.d_scale = view(d_scale, "d_scale");
-  check_ok(detdit::gate_residual_rmsnorm_backward(p, scope.stream()));
+  check_ok(call(p, scope.stream()));
   return {d_residual, d_y, d_gate, d_weight, d_shift, d_scale};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h, const Tensor& rstd,
+    double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 6> output_mask) {
+  const IndexPlan index = plan_of(plan);
+  return gate_residual_rmsnorm_backward_forms_with(detdit::gate_residual_rmsnorm_backward,
+                                                   detdit::gate_residual_backward, d_out, d_h, y, gate, weight, shift,
+                                                   scale, index, index, h, rstd, eps, numerics, upcast, k, output_mask,
+                                                   false);
 }
 
 // ---------------------------------------------------------------------------

@@ -213,6 +213,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm
     const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
     const OptTensor& shift, const OptTensor& scale, const OptPlan& plan, const Tensor& h, const Tensor& rstd,
     double eps, const std::string& numerics, bool upcast, Optional<double> k, std::array<bool, 6> output_mask);
+// The _with forms (sp_gate_residual_rmsnorm.forms): gate_call is the
+// gate_residual backward an absent d_out runs, with gate_plan (the plan, or
+// none where that call takes none); local_rows as
+// gate_residual_backward_forms_with.
+std::tuple<Tensor, Tensor, Tensor> gate_residual_rmsnorm_forms_with(
+    const Call<detdit::GateResidualRmsnormParams>& call, const Tensor& residual, const Tensor& y,
+    const OptTensor& gate, const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+    const IndexPlan& plan, double eps, const std::string& numerics, bool upcast, Optional<double> k);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gate_residual_rmsnorm_backward_forms_with(
+    const Call<detdit::GateResidualRmsnormBackwardParams>& call, const Call<detdit::GateResidualBackwardParams>& gate_call,
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const IndexPlan& plan, const IndexPlan& gate_plan,
+    const Tensor& h, const Tensor& rstd, double eps, const std::string& numerics, bool upcast, Optional<double> k,
+    std::array<bool, 6> output_mask, bool local_rows);
 
 // final_adaln_out: (out like x, table (T, 2H), act (T, D) in weight's dtype,
 // rstd (M,) fp32). Backward: (dx like x, d_norm_weight in its dtype, d_temb

@@ -14,7 +14,8 @@
 // Function. rmsnorm, gate_residual, gate_residual_rmsnorm and their backwards have a `.forms`
 // overload (every modulation form and recipe, the plan optional; ops.h), whose
 // Autograd kernel is its own Function; so have layernorm and
-// layernorm_backward (the modulation), and gate_residual_layernorm takes
+// layernorm_backward (the modulation), and their sp_ ops (the region's plan;
+// distributed.h), and gate_residual_layernorm takes
 // every form in its one overload. Every op with an IndexPlan that is not
 // optional also has a `.tables` overload taking
 // the plan's tables in its place (plan.h), whose Autograd kernel
@@ -187,14 +188,55 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
                                            comm, eps, numerics);
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor> sp_rmsnorm_backward_forms_handle(
+    const Tensor& grad, const Tensor& x, const Tensor& weight, const OptTensor& shift, const OptTensor& scale,
+    const Tensor& handle, const Tensor& rstd, int64_t comm, double eps, const std::string& numerics, bool upcast) {
+  return sp_rmsnorm_backward_forms(grad, x, weight, shift, scale, sp_plan_of_handle(handle, "sp_rmsnorm_backward"),
+                                   rstd, comm, eps, numerics, upcast);
+}
+std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward_forms_handle(const Tensor& grad, const Tensor& y,
+                                                                          const OptTensor& gate, const Tensor& handle,
+                                                                          int64_t comm, bool upcast,
+                                                                          Optional<double> k) {
+  return sp_gate_residual_backward_forms(grad, y, gate, sp_plan_of_handle(handle, "sp_gate_residual_backward"), comm,
+                                         upcast, k);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm_backward_forms_handle(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const Tensor& weight,
+    const OptTensor& shift, const OptTensor& scale, const Tensor& handle, const Tensor& h, const Tensor& rstd,
+    int64_t comm, double eps, const std::string& numerics, bool upcast, Optional<double> k) {
+  return sp_gate_residual_rmsnorm_backward_forms(d_out, d_h, y, gate, weight, shift, scale,
+                                                 sp_plan_of_handle(handle, "sp_gate_residual_rmsnorm_backward"), h,
+                                                 rstd, comm, eps, numerics, upcast, k);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sp_layernorm_backward_handle(
+    const Tensor& grad, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& shift,
+    const OptTensor& scale, const Tensor& handle, const Tensor& mean, const Tensor& rstd, int64_t comm, double eps,
+    const std::string& numerics, bool upcast) {
+  return sp_layernorm_backward(grad, x, weight, bias, shift, scale, sp_plan_of_handle(handle, "sp_layernorm_backward"),
+                               mean, rstd, comm, eps, numerics, upcast);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_layernorm_backward_handle(
+    const OptTensor& d_out, const OptTensor& d_h, const Tensor& y, const OptTensor& gate, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& shift, const OptTensor& scale, const Tensor& handle, const Tensor& h,
+    const Tensor& mean, const Tensor& rstd, int64_t comm, double eps, const std::string& numerics, bool upcast,
+    Optional<double> k) {
+  return sp_gate_residual_layernorm_backward(d_out, d_h, y, gate, weight, bias, shift, scale,
+                                             sp_plan_of_handle(handle, "sp_gate_residual_layernorm_backward"), h,
+                                             mean, rstd, comm, eps, numerics, upcast, k);
+}
+
 // `<op>.<overload>(...)`: the schema with its plan argument as `Tensor
 // <argument>`, at the CPU and CUDA keys (a handle is on the CPU, the other
-// tensors decide the key).
+// tensors decide the key). A schema that names an overload already
+// (`<op>.forms`) gets `<op>.forms_<overload>`: an operator name has one.
 template <typename Kernel>
 void def_tensor_plan_overload(torch::Library& m, const std::string& op_schema, const char* overload,
                               const char* argument, Kernel* kernel) {
   std::string schema = op_schema;
-  schema.insert(schema.find('('), std::string(".") + overload);
+  const std::size_t paren = schema.find('(');
+  const bool named = schema.substr(0, paren).find('.') != std::string::npos;
+  schema.insert(paren, std::string(named ? "_" : ".") + overload);
   for (const char* plan : {DETDIT_PLAN " plan", DETDIT_PLAN "? plan", DETDIT_SP_PLAN " sp"}) {
     const std::size_t at = schema.find(plan);
     if (at != std::string::npos) schema.replace(at, std::strlen(plan), std::string("Tensor ") + argument);
@@ -290,6 +332,25 @@ TORCH_LIBRARY(detdit, m) {
       "sp_gate_residual_rmsnorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor gate, Tensor weight, "
       "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
       "str numerics) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpRmsnormBackwardFormsSchema =
+      "sp_rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
+      " sp, Tensor rstd, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualBackwardFormsSchema =
+      "sp_gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
+      " sp, int comm, bool upcast, float? k) -> (Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualRmsnormBackwardFormsSchema =
+      "sp_gate_residual_rmsnorm_backward.forms(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor weight, "
+      "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor rstd, int comm, float eps, "
+      "str numerics, bool upcast, float? k) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpLayernormBackwardSchema =
+      "sp_layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
+      DETDIT_SP_PLAN " sp, Tensor mean, Tensor rstd, int comm, float eps, str numerics, bool upcast) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)";
+  static const std::string kSpGateResidualLayernormBackwardSchema =
+      "sp_gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
+      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor mean, Tensor rstd, "
+      "int comm, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
   m.class_<PlanHolder>("IndexPlan")
       .def("seq_len", &PlanHolder::seq_len)
       .def("batch", &PlanHolder::batch)
@@ -463,25 +524,29 @@ TORCH_LIBRARY(detdit, m) {
       "sp_rmsnorm.forms(Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
       " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor)",
       &sp_rmsnorm_forms,
-      "sp_rmsnorm_backward.forms(Tensor grad, Tensor x, Tensor weight, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
-      " sp, Tensor rstd, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor, Tensor)",
+      kSpRmsnormBackwardFormsSchema.c_str(),
       &sp_rmsnorm_backward_forms);
   def_op<SpGateResidualFormsFunction>(
       m,
       "sp_gate_residual.forms(Tensor residual, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
       " sp, int comm, bool upcast, float? k) -> Tensor",
       &sp_gate_residual_forms,
-      "sp_gate_residual_backward.forms(Tensor grad, Tensor y, Tensor? gate, " DETDIT_SP_PLAN
-      " sp, int comm, bool upcast, float? k) -> (Tensor, Tensor, Tensor)",
+      kSpGateResidualBackwardFormsSchema.c_str(),
       &sp_gate_residual_backward_forms);
+  def_op<SpGateResidualRmsnormFormsFunction>(
+      m,
+      "sp_gate_residual_rmsnorm.forms(Tensor residual, Tensor y, Tensor? gate, Tensor weight, Tensor? shift, "
+      "Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics, bool upcast, float? k) "
+      "-> (Tensor, Tensor, Tensor)",
+      &sp_gate_residual_rmsnorm_forms,
+      kSpGateResidualRmsnormBackwardFormsSchema.c_str(),
+      &sp_gate_residual_rmsnorm_backward_forms);
   def_op<SpLayernormFunction>(
       m,
       "sp_layernorm(Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN
       " sp, int comm, float eps, str numerics, bool upcast) -> (Tensor, Tensor, Tensor)",
       &sp_layernorm,
-      "sp_layernorm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor? shift, Tensor? scale, "
-      DETDIT_SP_PLAN " sp, Tensor mean, Tensor rstd, int comm, float eps, str numerics, bool upcast) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kSpLayernormBackwardSchema.c_str(),
       &sp_layernorm_backward);
   def_op<SpGateResidualLayernormFunction>(
       m,
@@ -489,10 +554,7 @@ TORCH_LIBRARY(detdit, m) {
       "Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, int comm, float eps, str numerics, bool upcast, "
       "float? k) -> (Tensor, Tensor, Tensor, Tensor)",
       &sp_gate_residual_layernorm,
-      "sp_gate_residual_layernorm_backward(Tensor? d_out, Tensor? d_h, Tensor y, Tensor? gate, Tensor? weight, "
-      "Tensor? bias, Tensor? shift, Tensor? scale, " DETDIT_SP_PLAN " sp, Tensor h, Tensor mean, Tensor rstd, "
-      "int comm, float eps, str numerics, bool upcast, float? k) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      kSpGateResidualLayernormBackwardSchema.c_str(),
       &sp_gate_residual_layernorm_backward);
 
   def_op<LayernormFunction>(
@@ -548,6 +610,11 @@ TORCH_LIBRARY(detdit, m) {
   def_handle_overload(m, kSpRmsnormBackwardSchema, &sp_rmsnorm_backward_handle);
   def_handle_overload(m, kSpGateResidualBackwardSchema, &sp_gate_residual_backward_handle);
   def_handle_overload(m, kSpGateResidualRmsnormBackwardSchema, &sp_gate_residual_rmsnorm_backward_handle);
+  def_handle_overload(m, kSpRmsnormBackwardFormsSchema, &sp_rmsnorm_backward_forms_handle);
+  def_handle_overload(m, kSpGateResidualBackwardFormsSchema, &sp_gate_residual_backward_forms_handle);
+  def_handle_overload(m, kSpGateResidualRmsnormBackwardFormsSchema, &sp_gate_residual_rmsnorm_backward_forms_handle);
+  def_handle_overload(m, kSpLayernormBackwardSchema, &sp_layernorm_backward_handle);
+  def_handle_overload(m, kSpGateResidualLayernormBackwardSchema, &sp_gate_residual_layernorm_backward_handle);
 }
 
 // `import detdit._C` loads this library, which registers the operators above
