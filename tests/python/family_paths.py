@@ -256,7 +256,8 @@ class Family:
     def modules(self, sd, v, x):
         """The detdit.nn modules that hold this family's sites under diffusers' names, and detdit's
         composite ops of its sites: a list of (label, make() -> the module (in the dtypes the model
-        holds) or None for a composite, the state-dict prefix a module loads, checks(module) ->
+        holds) or None for a composite, the state-dict prefix a module loads (or (prefix, the
+        module's own prefix for those keys), or None: a module without parameters), checks(module) ->
         [(what, got, want)]) with want the free detdit path's value there (v: its tap values, x:
         its inputs). make and checks raise AttributeError where detdit lacks the module or op."""
         return []
@@ -363,12 +364,24 @@ class Joint(Family):
                 return [("single.n", got[0], v["single.n"]), ("single gate", got[1], gate)]
             out.append(("single norm", lambda: dn.AdaLayerNormZeroSingle(H).to(BF), "single_transformer_blocks.0.norm.",
                         single))
+        # the rollout side (SGLang's layers, each op rounding: compute_dtype None) on block 0's text stream
+        sh, sc, g, sh2, sc2, g2 = _chunks(v["b0.txt.emb"], 6)
+        attn = sublayer(v["y0_txt.n1"], x["y0_txt_attn"])
+        ff = sublayer(v["y0_txt.n2"], x["y0_txt_ff"])
+        rollout = dict(eps=self.eps, elementwise_affine=False, compute_dtype=None)
+        out.append(("LayerNormScaleShift", lambda: dn.LayerNormScaleShift(H, **rollout), None,
+                    lambda m: [("y0_txt.n1", m(x["x_txt"], sh, sc), v["y0_txt.n1"])]))
+        out.append(("ScaleResidualLayerNormScaleShift", lambda: dn.ScaleResidualLayerNormScaleShift(H, **rollout), None,
+                    lambda m: list(zip(("y0_txt.n2", "y0_txt.h1"), m(x["x_txt"], attn, g, sh2, sc2),
+                                       (v["y0_txt.n2"], v["y0_txt.h1"])))))
+        out.append(("ScaleResidual", lambda: dn.ScaleResidual(), None,
+                    lambda m: [("y0_txt.h2", m(v["y0_txt.h1"], ff, g2), v["y0_txt.h2"])]))
         last = len(self.blocks()) - 1
         *_, lic, _, ltc = self.blocks()[last]
         final_in = v[f"y{last}_img.h2" if lic == 6 else f"b{last}.img.h2"]
         continuous = lambda: dn.AdaLayerNormContinuous(H, H, elementwise_affine=False, eps=self.eps).to(BF)  # noqa
         out.append(("norm_out", continuous, "norm_out.", lambda m: [("final.n", m(final_in, temb), v["final.n"])]))
-        out.append(("final_layer_continuous", None, "", lambda m: [("out", detdit.final_layer_continuous(
+        out.append(("final_layer_continuous", None, None, lambda m: [("out", detdit.final_layer_continuous(
             final_in, temb, sd["norm_out.linear.weight"], sd["norm_out.linear.bias"], sd["proj_out.weight"],
             sd["proj_out.bias"], eps=self.eps), v["out"])]))
         if ltc == 2:
@@ -684,9 +697,18 @@ class Wan(Family):
     def modules(self, sd, v, x):
         import detdit.nn as dn
         final = detdit_final_table(v["h3"], v["temb"], sd["scale_shift_table"], sd, self.eps, True)
+        sh, sc, g, csh, csc, cg = self._split(v["mod"])
+        attn, cross = sublayer(v["n1"], x["y_attn"]), sublayer(v["n2"], x["y_cross"])
+        rollout = dict(eps=self.eps, elementwise_affine=False, compute_dtype=F32)  # SGLang's FP32 compute: upcast
         return [("norm2", lambda: dn.FP32LayerNorm(HIDDEN, eps=self.eps, elementwise_affine=True), "blocks.0.norm2.",
                  lambda m: [("n2", m(v["h1"].float()).to(BF), v["n2"])]),
-                ("final_layer_table", None, "", lambda m: [("out", final(), v["out"])])]
+                ("LayerNormScaleShift", lambda: dn.LayerNormScaleShift(HIDDEN, **rollout), None,
+                 lambda m: [("n1", m(x["x_img"], sh, sc), v["n1"])]),
+                ("ScaleResidual", lambda: dn.ScaleResidual(compute_dtype=F32), None,
+                 lambda m: [("h1", m(x["x_img"], attn, g), v["h1"])]),
+                ("ScaleResidualLayerNormScaleShift", lambda: dn.ScaleResidualLayerNormScaleShift(HIDDEN, **rollout),
+                 None, lambda m: list(zip(("n3", "h2"), m(v["h1"], cross, 1, csh, csc), (v["n3"], v["h2"])))),
+                ("final_layer_table", None, None, lambda m: [("out", final(), v["out"])])]
 
     @property
     def sp_partial(self):  # per token: everything upstream of the modulation sums over this rank's tokens
@@ -817,6 +839,15 @@ class CogVideoX(Family):
     def stand_ins(self):
         return {"y_img_attn": "img", "y_img_ff": "img", "y_txt_attn": "txt", "y_txt_ff": "txt"}
 
+    def modules(self, sd, v, x):
+        import detdit.nn as dn
+        sh, sc, g, esh, esc, eg = _chunks(v["norm1.emb"], 6)
+        affine = dict(elementwise_affine=True, dtype=BF, compute_dtype=None)
+        return [("LayerNormScaleShift (norm1's norm)", lambda: dn.LayerNormScaleShift(HIDDEN, self.eps, **affine),
+                 ("transformer_blocks.0.norm1.norm.", "norm."),
+                 lambda m: [("norm1.img", m(x["x_img"], sh, sc), v["norm1.img"]),
+                            ("norm1.txt", m(x["x_txt"], esh, esc), v["norm1.txt"])])]
+
     def timestep_inputs(self, batch, seed):
         return {"t": (torch.tensor([999, 321, 7][:batch], dtype=torch.int64), None, "const")}
 
@@ -893,8 +924,17 @@ class LTX(Family):
     orders = {"ada_layer_norm_zero": ZERO6, "scale_shift_table_final": ("shift", "scale")}
 
     def modules(self, sd, v, x):
+        import detdit.nn as dn
         final = detdit_final_table(v["h3"], v["embedded"], sd["scale_shift_table"], sd, self.eps, False)
-        return [("final_layer_table", None, "", lambda m: [("out", final(), v["out"])])]
+        sh, sc, g, sh2, sc2, g2 = v["mod"].unbind(dim=2)
+        cross, ff = sublayer(v["h1"], x["y_cross"]), sublayer(v["n2"], x["y_ff"])
+        rollout = dict(eps=self.eps, elementwise_affine=False, compute_dtype=None)
+        return [("final_layer_table", None, None, lambda m: [("out", final(), v["out"])]),
+                ("RMSNormScaleShift", lambda: dn.RMSNormScaleShift(HIDDEN, **rollout), None,
+                 lambda m: [("n1", m(x["x_img"], sh, sc), v["n1"])]),
+                ("ScaleResidualRMSNormScaleShift", lambda: dn.ScaleResidualRMSNormScaleShift(HIDDEN, **rollout), None,
+                 lambda m: list(zip(("n2", "h2"), m(v["h1"], cross, 1, sh2, sc2), (v["n2"], v["h2"])))),
+                ("ScaleResidual", lambda: dn.ScaleResidual(), None, lambda m: [("h3", m(v["h2"], ff, g2), v["h3"])])]
 
     def _mod(self, table, temb_rows):  # (K, H)[None, None] + (B, S, K, H)
         return table[None, None] + temb_rows
@@ -1000,7 +1040,18 @@ class H3(Family):
                                             lambda n: sublayer(n, x["y_attn"]), lambda n: sublayer(n, x["y_ff"]))
             return [("temb", temb, v["temb"]), ("block output", block, v["h2"]),
                     ("token_refiner.final_norm", m.token_refiner.final_norm(x["x_txt"]), v["refiner"])]
-        return [("H3Conditioning", make, "", checks)]
+
+        pre = "transformer_blocks.0."
+        sh, sc, g, sh2, sc2, g2 = detdit.adaln_table_chunks(v["table"], HIDDEN)
+        plan = self.plans(x, x["x_img"].shape[0])["img"]
+        attn = sublayer(v["n1"], x["y_attn"])
+        return [("H3Conditioning", make, "", checks),
+                ("RMSNormIndexedScaleShift", lambda: dn.RMSNormIndexedScaleShift(self.eps), None,
+                 lambda m: [("n1", m(x["x_img"], sd[pre + "norm1.weight"], sc, sh, plan), v["n1"])]),
+                ("GateResidualRMSNormIndexedScaleShift", lambda: dn.GateResidualRMSNormIndexedScaleShift(self.eps),
+                 None, lambda m: list(zip(("n2", "h1"),
+                                          m(x["x_img"], attn, g, sd[pre + "norm2.weight"], sc2, sh2, plan),
+                                          (v["n2"], v["h1"]))))]
 
     def plans(self, x, batch):
         return {"img": detdit.plan(x["ti"], x["tags"], self.T, batch),

@@ -224,8 +224,11 @@ def test_modules_and_composites_at_the_familys_sites(name):
     for label, make, prefix, checks in fam.modules(sd, values, _values(inp)):
         try:
             module = make() if make is not None else None
-            if module is not None:
-                mine = {k[len(prefix):]: t for k, t in sd.items() if k.startswith(prefix)}
+            if module is not None and prefix is None:
+                assert not module.state_dict(), f"{name} {label}: parameters {list(module.state_dict())}"
+            elif module is not None:
+                strip, add = prefix if isinstance(prefix, tuple) else (prefix, "")
+                mine = {add + k[len(strip):]: t for k, t in sd.items() if k.startswith(strip)}
                 module.load_state_dict(mine, strict=True)
                 for k, t in module.state_dict().items():
                     assert t.dtype == mine[k].dtype, \
