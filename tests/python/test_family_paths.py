@@ -24,6 +24,9 @@ What is asserted (CPU):
   every rank's outputs and input gradients byte-equal to one process's rows, and every
   replicated gradient byte-equal (proj_out's, and for per-token families everything upstream
   of the modulation, are sums over the rank's own positions, reduced by the caller).
+- detdit.nn's modules at the family's sites (diffusers' AdaLayerNorm* and FP32LayerNorm, loading
+  the family's tensors; SGLang's LayerNormScaleShift family; H3's) and detdit's composite final
+  layers give the path's bytes; detdit's chunk orders are diffusers'.
 On a GPU (test_gpu_*): the torch profile's gated residuals and LayerNorm sites byte-equal to
 eager on the same GPU.
 """
