@@ -8,11 +8,8 @@
 // CUDA one kernel per row, src/cuda/gate_residual_layernorm.cu, same bytes);
 // the backward is the layernorm backward of d_out with dx into g (the
 // gradient of h), g = R(rn(g + d_h)), then the gate_residual backward of g
-// (rows, partials, fold); on CUDA, where its rule allows, one walk per
-// 256-position chunk over whole rows computes the same values, chains and
-// partials, then runs the same folds (src/cuda/gate_residual_layernorm.cu).
-// Every bit is the separate ops', so the CPU and CUDA agree wherever the two
-// ops do. The checks of h and of the one form, and the
+// (rows, partials, fold). Every bit is the separate ops', so the CPU and CUDA
+// agree wherever the two ops do. The checks of h and of the one form, and the
 // backward's sequence, are shared with gate_residual_rmsnorm
 // (src/rowwise/gate_residual_norm.h).
 #include "detdit/gate_residual_layernorm.h"
@@ -97,13 +94,6 @@ Status gate_residual_layernorm_forward(const GateResidualLayernormParams& params
 Status gate_residual_layernorm_backward(const GateResidualLayernormBackwardParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_backward(params));
   const GateResidualLayernormBackwardParams& p = params;
-  // CUDA: one walk per chunk where it applies (its rule: src/cuda/gate_residual_layernorm.cu),
-  // the composition's bytes (numerics 9.7); else, and on the CPU, the composition.
-  if (p.h.device.is_cuda()) {
-    bool launched = false;
-    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_layernorm_backward_walk(p, stream, &launched));
-    if (launched) return Status();
-  }
   return rowwise::run_region_backward(
       gate_backward(p, TensorView()), p.h, p.d_h,
       [&](const TensorView& g) { return rowwise::run_layernorm_backward(norm_backward(p, g), stream); }, stream);

@@ -144,11 +144,6 @@ struct LayernormPartials {
   /* h computed, stored and normalised, bitwise equal to gate_residual_forward then layernorm_forward */ \
   /* of h (the CPU runs that composition) */                                                           \
   X(gate_residual_layernorm_forward, const GateResidualLayernormParams&, Stream)                         \
-  /* gate_residual_layernorm's backward as one walk per 256-position chunk over whole rows */          \
-  /* (src/cuda/gate_residual_layernorm.cu): d_residual, d_y and every partial, then the canonical */     \
-  /* folds, bitwise equal to the composition; *launched = false, nothing written, where it does not */  \
-  /* apply (the caller composes). (p, stream, launched), p validated */                                \
-  X(gate_residual_layernorm_backward_walk, const GateResidualLayernormBackwardParams&, Stream, bool*)   \
   /* The region backward's walk (src/cuda/gate_residual_rmsnorm.cu): each row's dx coefficient, then one walk over */ \
   /* each chunk giving d_residual, d_y and every partial, bitwise equal to the halves; *launched = */  \
   /* false where it does not apply (plain norm, unaligned rows, too many segments per chunk). */        \

@@ -42,6 +42,15 @@ namespace detdit {
 namespace cuda {
 namespace {
 
+// d_n of element i of position p from its gradient g: g (plain) or
+// rn(g * R_Factor(1 + scale_i)).
+template <typename M, typename Factor>
+__device__ __forceinline__ float d_n_of(const LayernormArgs& a, int64_t p, int64_t i, float g) {
+  if (a.scale.data == nullptr) return g;
+  const M* scale = static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, p);
+  return rowwise::modulated_grad<Factor>(g, to_float(scale[i]));
+}
+
 // kVector: grad and dx rows aligned to a 4-element vector (x and weight always are).
 template <typename T, typename M, bool kUpcast, bool kVector>
 __global__ void __launch_bounds__(kRowTreeThreads) layernorm_backward_rows_kernel(LayernormArgs a) {
@@ -53,7 +62,26 @@ __global__ void __launch_bounds__(kRowTreeThreads) layernorm_backward_rows_kerne
   const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
   const Out* g = static_cast<const Out*>(a.grad) + m * a.hidden;
   const float mean = a.mean[m], rstd = a.rstd[m];
-  dx_warp_sums<T, M, kUpcast, kVector>(a, m, threadIdx.x, warp_sums);
+  layernorm::DxSums s{0.0f, 0.0f};
+  for (int64_t j = threadIdx.x; j < vectors; j += kRowTreeThreads) {
+    float xv[kVec], gv[kVec], wv[kVec];
+    load_elems<T, kVec, true>(x + j * kVec, xv);
+    load_elems<Out, kVec, kVector>(g + j * kVec, gv);
+    parameter_vec<T>(a.weight, j, 1.0f, wv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      s = layernorm::dx_sums_step(s, d_n_of<M, typename R::Factor>(a, m, j * kVec + e, gv[e]), wv[e], xv[e], mean,
+                                  rstd);
+  }
+  float s1 = s.s1, s2 = s.s2;
+  for (int offset = 16; offset >= 1; offset /= 2) {
+    s1 = num::add32(s1, __shfl_down_sync(kFullMask, s1, offset));
+    s2 = num::add32(s2, __shfl_down_sync(kFullMask, s2, offset));
+  }
+  if (threadIdx.x % kWarpSize == 0) {
+    warp_sums[0][threadIdx.x / kWarpSize] = s1;
+    warp_sums[1][threadIdx.x / kWarpSize] = s2;
+  }
   __syncthreads();
   const float sum1 = layernorm::block_sum_of_warps(warp_sums[0]);
   const float sum2 = layernorm::block_sum_of_warps(warp_sums[1]);

@@ -1,7 +1,6 @@
 // The LayerNorm row kernel and the host helpers the layernorm family of
 // src/cuda/ shares: layernorm.cu (layernorm) and gate_residual_layernorm.cu
-// (the fused region) run one dx tree (dx_warp_sums, the dx kernel's and the
-// region's backward walk's) and one forward kernel template, which takes
+// (the fused region's forward) run one forward kernel template, which takes
 // its row source as a template parameter: x loaded from memory (StoredRows,
 // below) or h computed from residual, y and the gate and stored on the way
 // (gate_residual_layernorm.cu). Private to those two files: each includes it
@@ -93,53 +92,6 @@ __device__ __forceinline__ void parameter_vec(const void* p, int64_t j, float fi
   } else {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) out[e] = fill;
-  }
-}
-
-// d_n of element i of position p from its gradient g: g (plain) or
-// rn(g * R_Factor(1 + scale_i)).
-template <typename M, typename Factor>
-__device__ __forceinline__ float d_n_of(const LayernormArgs& a, int64_t p, int64_t i, float g) {
-  if (a.scale.data == nullptr) return g;
-  const M* scale = static_cast<const M*>(a.scale.data) + offset_of(a, a.scale, p);
-  return rowwise::modulated_grad<Factor>(g, to_float(scale[i]));
-}
-
-// The first half of dx (numerics 9.3) for row m, thread t of the row's 128
-// (t = lane + 32*warp): the thread's (s1, s2) over its vectors t, t+128, ...
-// of x = a.x and grad = a.grad, each warp's shuffle-down tree, and lane 0's
-// results to warp_sums[0][warp] and warp_sums[1][warp]. The caller
-// synchronises the 128 threads, then block_sum_of_warps gives S1 and S2.
-// Shared by the dx kernel (src/cuda/layernorm.cu) and gate_residual_layernorm's
-// backward walk, so both run one tree. kVector: grad rows aligned to a vector.
-template <typename T, typename M, bool kUpcast, bool kVector>
-__device__ __forceinline__ void dx_warp_sums(const LayernormArgs& a, int64_t m, int t,
-                                             float (&warp_sums)[2][kRowTreeWarps]) {
-  using R = Recipe<T, M, kUpcast>;
-  using Out = typename R::Out;
-  const int64_t vectors = a.hidden / kVec;
-  const T* x = static_cast<const T*>(a.x) + m * a.hidden;  // (H,) row m
-  const Out* g = static_cast<const Out*>(a.grad) + m * a.hidden;
-  const float mean = a.mean[m], rstd = a.rstd[m];
-  layernorm::DxSums s{0.0f, 0.0f};
-  for (int64_t j = t; j < vectors; j += kRowTreeThreads) {
-    float xv[kVec], gv[kVec], wv[kVec];
-    load_elems<T, kVec, true>(x + j * kVec, xv);
-    load_elems<Out, kVec, kVector>(g + j * kVec, gv);
-    parameter_vec<T>(a.weight, j, 1.0f, wv);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e)
-      s = layernorm::dx_sums_step(s, d_n_of<M, typename R::Factor>(a, m, j * kVec + e, gv[e]), wv[e], xv[e], mean,
-                                  rstd);
-  }
-  float s1 = s.s1, s2 = s.s2;
-  for (int offset = 16; offset >= 1; offset /= 2) {
-    s1 = num::add32(s1, __shfl_down_sync(kFullMask, s1, offset));
-    s2 = num::add32(s2, __shfl_down_sync(kFullMask, s2, offset));
-  }
-  if (t % kWarpSize == 0) {
-    warp_sums[0][t / kWarpSize] = s1;
-    warp_sums[1][t / kWarpSize] = s2;
   }
 }
 

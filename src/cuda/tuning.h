@@ -28,9 +28,6 @@ struct LaunchTuning {
                                       // (src/cuda/gate_residual_rmsnorm_row_walk.cu)
   int region_row_walk_min_chunks = 0;  // the row walk needs at least this many chunks, or 0: the SM count
   int region_row_walk_max_segments = 4;  // and at most this many segments per chunk (1..32)
-  bool region_layernorm_walk = true;  // gate_residual_layernorm backward: one walk per chunk over whole
-                                      // rows for every output and partial (src/cuda/gate_residual_layernorm.cu),
-                                      // where it applies; or the two ops composed
 };
 
 // The tunables every launcher reads: the defaults above, or the values a test

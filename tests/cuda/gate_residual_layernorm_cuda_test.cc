@@ -14,21 +14,13 @@
 // vectors per thread, exactly one, and two and three, rows whose residual, y
 // and modulation tensors allow vector loads and rows that do not, with and
 // without mean and rstd; in the portable profile the CPU's bytes as well.
-// The backward's walk (its entry point alone, which must launch) against the
-// two ops' backends composed on the GPU (the walk turned off) and the CPU:
-// every form (per frame and per sample with group chunks nested in the
-// 256-position chunks and straddling them, where the default route must be
-// the composition), recipe, presence, k, d_h, g in d_residual or scratch,
-// widths across the walk's thread maps, M = 1, S not a multiple of 256.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "common/backends.h"
 #include "cuda/cuda_test_util.h"
-#include "cuda/tuning.h"
 #include "support/gate_residual_layernorm_fixture.h"
 
 namespace detdit {
@@ -245,132 +237,6 @@ TEST(GateResidualLayernormCuda, ForwardIsTheComposition) {
         }
   // 9 plain; 6 forms x (9 recipes x 5 (presence, k) + 3 fp32 recipes x 2 (k) with the gate in x's dtype)
   EXPECT_EQ(checked, 9 + 6 * (9 * 5 + 3 * 2));
-}
-// ---- the backward: one walk per chunk against the two ops it fuses ----------
-
-// How a backward case runs on the GPU.
-enum class BackwardRoute {
-  kWalk,      // the CUDA walk entry point alone; a run where it does not launch fails
-  kComposed,  // the public op with the walk turned off: the two ops' backends composed
-};
-
-Status run_backward_route(const GrlnInputs& in, GrlnGrads grads, BackwardRoute route, GrlnOutputs* outputs) {
-  ScopedLaunchTuning tuning;
-  tuning->region_layernorm_walk = route == BackwardRoute::kWalk;
-  if (route == BackwardRoute::kComposed) return run_fused(in, Device::cuda(0), grads, outputs);
-  return run_fused(in, Device::cuda(0), grads, outputs, [](const GateResidualLayernormBackwardParams& b) {
-    bool launched = false;
-    DETDIT_RETURN_IF_ERROR(cuda::gate_residual_layernorm_backward_walk(b, nullptr, &launched));
-    return launched ? Status() : Status::runtime_error("gate_residual_layernorm's backward walk did not launch");
-  });
-}
-
-// Whether the walk's rule (src/cuda/gate_residual_layernorm.cu) takes a
-// problem: some output of the gate half, and grouped chains that nest in
-// the 256-position chunks (indexed: the interleaved packing has few
-// segments per chunk; widths here fit its shared memory).
-bool walk_applies(const GrlnProblem& p, GrlnGrads grads) {
-  if (grads == GrlnGrads::kNormOnly) return false;
-  if (p.kind != GrlnKind::kGrouped || (!p.has_gate() && !p.modulated())) return true;
-  const int64_t len = p.seq / p.frames;
-  for (int64_t b = 256; b < p.positions(); b += 256)
-    if (b % len % 256 != 0) return false;
-  return true;
-}
-
-struct BackwardShape {
-  int64_t batch, seq, frames;
-  bool with_unit;
-  GrlnKind kind;
-  const char* name;
-};
-// Chunks of 256 against the forms' groups: single-chunk and multi-chunk
-// batches, S not a multiple of 256, group chunks that nest in the chunks
-// (the walk) and ones that straddle them (the composition), M = 1.
-const BackwardShape kBackwardShapes[] = {
-    {2, 300, 0, false, GrlnKind::kNone, "none, S = 300 (3 chunks, the last of 88)"},
-    {1, 1, 0, false, GrlnKind::kNone, "none, M = 1"},
-    {1, 300, 1, false, GrlnKind::kGrouped, "per_sample (B, H), B = 1: the group's chunks are the chunks"},
-    {2, 300, 1, true, GrlnKind::kGrouped, "per_sample (B, 1, H), B = 2, S = 300: group 1's chunks straddle"},
-    {2, 512, 1, false, GrlnKind::kGrouped, "per_sample (B, H), S = 512: two chunks per group"},
-    {2, 768, 3, false, GrlnKind::kGrouped, "per_frame (B, F, H), L = 256"},
-    {2, 192, 3, true, GrlnKind::kGrouped, "per_frame (B, F, 1, H), L = 64: 4 groups per chunk, 6 in all"},
-    {2, 150, 3, false, GrlnKind::kGrouped, "per_frame (B, F, H), L = 50: groups straddle the chunk"},
-    {2, 300, 300, false, GrlnKind::kGrouped, "per_token, S = 300"},
-    {1, 1, 1, false, GrlnKind::kGrouped, "per_token (and per sample), M = 1"},
-    {2, 300, 0, false, GrlnKind::kIndexed, "indexed (interleaved rows), S = 300"},
-};
-// Vectors of 4 per row: the tree's 128 threads and the walk's 256 element threads.
-const Width kBackwardWidths[] = {{72, "18 vectors: most threads idle"},
-                                 {1028, "257 vectors: tree thread 0 has 3, element thread 0 has 2"},
-                                 {3072, "768 vectors: 6 per tree thread, 3 per element thread"},
-                                 {4100, "1025 vectors"}};
-
-TEST(GateResidualLayernormCuda, BackwardIsTheComposition) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  int checked = 0, walked = 0;
-  for (const BackwardShape& shape : kBackwardShapes)
-    for (const GrlnRecipe& r : kForwardRecipes)
-      for (int presence = 0; presence < (shape.kind == GrlnKind::kNone ? 1 : 3); ++presence) {
-        // presence 0: gate, shift and scale; 1: the gate and a plain norm; 2: shift and scale, no gate
-        const bool k = presence != 2 && shape.kind != GrlnKind::kNone && checked % 2 == 1;
-        const bool d_h = checked % 3 != 1;
-        const Width& width = kBackwardWidths[checked % 4];
-        const GrlnAffine affine = static_cast<GrlnAffine>(checked % 3);
-        const GrlnProblem p{shape.batch, shape.seq, width.hidden, shape.kind, shape.frames, shape.with_unit,
-                            r.x,         r.mod,     r.upcast,     affine,     presence != 2, presence != 1,
-                            k,           d_h};
-        const GrlnInputs in(p, 9000 + checked);
-        for (GrlnGrads grads : {GrlnGrads::kAll, GrlnGrads::kNoResidual, GrlnGrads::kNormOnly}) {
-          if (grads == GrlnGrads::kNoResidual && checked % 2 == 0) continue;
-          const bool walk = walk_applies(p, grads);
-          SCOPED_TRACE(std::string(shape.name) + ": " + p.describe() + " (" + width.why + ")" +
-                       (grads == GrlnGrads::kAll ? ", every gradient"
-                        : grads == GrlnGrads::kNoResidual ? ", g in scratch"
-                                                          : ", the norm's gradients") +
-                       (walk ? ", the walk" : ", the composition (the walk does not apply)"));
-          GrlnOutputs fused, composed, cpu;
-          if (walk) {
-            DETDIT_ASSERT_OK(run_backward_route(in, grads, BackwardRoute::kWalk, &fused));
-            ++walked;
-          } else {
-            // The public op on its default route, which must be the composition here.
-            DETDIT_ASSERT_OK(run_fused(in, Device::cuda(0), grads, &fused));
-          }
-          DETDIT_ASSERT_OK(run_backward_route(in, grads, BackwardRoute::kComposed, &composed));
-          DETDIT_ASSERT_OK(run_fused(in, Device::cpu(), grads, &cpu));
-          ASSERT_EQ(composed.size(), fused.size());
-          {
-            SCOPED_TRACE("walk against the composition on the GPU");
-            expect_grln_outputs_equal(composed, fused);
-          }
-          {
-            SCOPED_TRACE("walk against the CPU");
-            expect_grln_outputs_equal(cpu, fused);
-          }
-        }
-        ++checked;
-      }
-  // 2 plain shapes x 9 recipes + 9 shapes x 9 recipes x 3 presences
-  EXPECT_EQ(checked, 2 * 9 + 9 * 9 * 3);
-  EXPECT_GT(walked, checked);  // most cases take the walk, for both g routes
-  // The op's test cases (cases/gate_residual_layernorm_cases.cc) through the
-  // composition as well: EqualsTheCpu above runs them on the default route.
-  ScopedLaunchTuning tuning;
-  tuning->region_layernorm_walk = false;
-  expect_cases_match_cpu("gate_residual_layernorm");
-}
-
-// The walk writes nothing and says so where its rule does not take the call.
-TEST(GateResidualLayernormCuda, BackwardWalkDeclinesWhatItCannotFuse) {
-  DETDIT_SKIP_WITHOUT_CUDA();
-  const GrlnProblem p{2, 300, 72, GrlnKind::kGrouped, 1, false, DType::kBF16, DType::kBF16, false,
-                      GrlnAffine::kWeightBias, true, true, false, true};
-  ASSERT_FALSE(walk_applies(p, GrlnGrads::kAll));
-  GrlnOutputs outputs;
-  const Status status = run_backward_route(GrlnInputs(p, 9999), GrlnGrads::kAll, BackwardRoute::kWalk, &outputs);
-  EXPECT_FALSE(status.ok());
-  EXPECT_NE(status.message().find("did not launch"), std::string::npos) << status.message();
 }
 }  // namespace
 }  // namespace testing

@@ -193,14 +193,9 @@ Status run_fused_rmsnorm(const GrlnProblem& p, const GateResidualLayernormInputs
   return gate_residual_rmsnorm_backward(b);
 }
 
-// How run_fused runs gate_residual_layernorm's backward (validated params):
-// absent, the public entry point.
-using GrlnBackward = std::function<Status(const GateResidualLayernormBackwardParams&)>;
-
 // The fused op on `device`: the forward, then the backward for `grads`; the
 // map holds the forward's outputs and the gradients asked for.
-inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads grads, GrlnOutputs* outputs,
-                        const GrlnBackward& backward = {}) {
+inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads grads, GrlnOutputs* outputs) {
   const GrlnProblem& p = in.p;
   std::map<std::string, DeviceTensor> dev;
   for (const auto& [name, host] : std::map<std::string, const HostTensor*>{
@@ -245,7 +240,7 @@ inline Status run_fused(const GrlnInputs& in, const Device& device, GrlnGrads gr
   b.d_bias = view("d_bias");
   b.d_shift = view("d_shift");
   b.d_scale = view("d_scale");
-  DETDIT_RETURN_IF_ERROR(backward ? backward(b) : gate_residual_layernorm_backward(b));
+  DETDIT_RETURN_IF_ERROR(gate_residual_layernorm_backward(b));
   return copy_outputs(in, grads, &dev, outputs);
 }
 
