@@ -230,14 +230,26 @@ def _adaln_projection_with(columns, temb, weight):
     return (_empty(temb, (_dim(temb, 0), columns), weight.dtype), _empty(temb, _matrix(temb), weight.dtype))
 
 
-def _adaln_projection(temb, weight, bias, numerics):
+def _adaln_projection(temb, weight, bias, numerics, chunks=0):
     return _adaln_projection_with(_dim(weight, 0), temb, weight)
 
 
-def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask):
-    return (_maybe(output_mask[0], temb, _matrix(temb), torch.float32),
+def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask, chunks=0):
+    # d_temb in temb's dtype (float32 but for a family's bf16 temb)
+    return (_maybe(output_mask[0], temb, _matrix(temb), temb.dtype),
             _maybe(output_mask[1], temb, _matrix(weight), weight.dtype),
             _maybe(output_mask[2], temb, (_dim(weight, 0),), weight.dtype))
+
+
+def _adaln_table_add(table, proj):
+    dtype = table.dtype if table.dtype == proj.dtype else torch.float32
+    return _empty(proj, (_dim(proj, 0), _dim(table, 0), _dim(table, 1)), dtype)
+
+
+def _adaln_table_add_backward(grad, table_dtype, proj_dtype, proj_broadcast, output_mask):
+    rows, k, hidden = _dim(grad, 0), _dim(grad, 1), _dim(grad, 2)
+    return (_maybe(output_mask[0], grad, (k, hidden), table_dtype),
+            _maybe(output_mask[1], grad, (rows, 1 if proj_broadcast else k, hidden), proj_dtype))
 
 
 def _adaln_row_gather(rows, plan):
@@ -489,6 +501,7 @@ FAKE_KERNELS = {
     "linear": _linear, "linear_backward": _linear_backward,
     "timestep_mlp": _timestep_mlp, "timestep_mlp_backward": _timestep_mlp_backward,
     "adaln_projection": _adaln_projection, "adaln_projection_backward": _adaln_projection_backward,
+    "adaln_table_add": _adaln_table_add, "adaln_table_add_backward": _adaln_table_add_backward,
     "adaln_row_gather": _adaln_row_gather, "adaln_row_gather_backward": _adaln_row_gather_backward,
     "rmsnorm": _rmsnorm, "rmsnorm_backward": _rmsnorm_backward,
     "rmsnorm.plan": _rmsnorm, "rmsnorm_backward.plan": _rmsnorm_backward,

@@ -461,6 +461,9 @@ bool indexed(const OpCase& c) { return !forms_case(c); }
 bool modulated(const OpCase& c) { return has_tensor(c, "d_shift") && indexed(c); }
 bool plain(const OpCase& c) { return !has_tensor(c, "d_shift") && indexed(c); }
 bool has_fp32_out(const OpCase& c) { return has_tensor(c, "out") && c.spec("out").dtype == DType::kF32; }
+// H3's projection cases (projection_params sets no chunk count); the families'
+// (a "chunks" argument) have their own validation tests (adaln_table_add_test.cc).
+bool h3_projection(const OpCase& c) { return c.arguments.count("chunks") == 0; }
 
 // The gate: the case's (R, H) table, or chunk 2 of its (R, 6H) one.
 void gate_table(Args* a) {
@@ -500,11 +503,13 @@ const std::vector<Entry>& entries() {
        [](Args* a) { (*a)["d_pre"] = a->at("out"); }, has_fp32_out},
       {"adaln_projection_forward", "adaln_projection", {"temb", "weight", "bias", "table", "act"}, {"table", "act"},
        {"act"}, {"weight", "act"},
-       [](const Args& a, const IndexPlan&) { return adaln_projection_forward(projection_params(a)); }},
+       [](const Args& a, const IndexPlan&) { return adaln_projection_forward(projection_params(a)); }, nullptr,
+       h3_projection},
       {"adaln_projection_backward", "adaln_projection",
        {"temb", "weight", "act", "grad_table", "d_temb", "d_weight", "d_bias"}, {"d_temb", "d_weight", "d_bias"},
        {"d_temb", "d_weight", "d_bias"}, {"weight"},
-       [](const Args& a, const IndexPlan&) { return adaln_projection_backward(projection_backward_params(a)); }},
+       [](const Args& a, const IndexPlan&) { return adaln_projection_backward(projection_backward_params(a)); }, nullptr,
+       h3_projection},
       {"adaln_row_gather_forward", "adaln_row_gather", {"rows", "out"}, {"out"}, {}, {},
        [](const Args& a, const IndexPlan& plan) {
          return adaln_row_gather_forward({arg(a, "rows"), plan, arg(a, "out")});

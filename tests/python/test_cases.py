@@ -61,9 +61,19 @@ def _timestep_mlp(c):
 
 
 def _adaln_projection(c):
-    table, act = ops.adaln_projection(c["temb"], c["weight"], c["bias"], c.numerics)
-    grads = ops.adaln_projection_backward(c["grad_table"], c["temb"], c["weight"], act, c.numerics, [True] * 3)
+    chunks = int(c.arguments.get("chunks", 0))  # absent: H3's projection
+    table, act = ops.adaln_projection(c["temb"], c["weight"], c["bias"], c.numerics, chunks)
+    grads = ops.adaln_projection_backward(c["grad_table"], c["temb"], c["weight"], act, c.numerics, [True] * 3,
+                                          chunks)
     return dict(zip(("table", "act", "d_temb", "d_weight", "d_bias"), (table, act) + tuple(grads)))
+
+
+def _adaln_table_add(c):
+    table, proj = c["table"], c["proj"]
+    out = ops.adaln_table_add(table, proj)
+    broadcast = proj.shape[1] == 1 and table.shape[0] != 1
+    d_table, d_proj = ops.adaln_table_add_backward(c["grad"], table.dtype, proj.dtype, broadcast, [True] * 2)
+    return {"out": out, "d_table": d_table, "d_proj": d_proj}
 
 
 def _adaln_modulation(c):
@@ -277,6 +287,7 @@ RECIPES = {
     "timestep_sinusoid": (_timestep_sinusoid, {}, None),
     "timestep_mlp": (_timestep_mlp, {}, None),
     "adaln_projection": (_adaln_projection, {}, None),
+    "adaln_table_add": (_adaln_table_add, {}, None),
     "adaln_modulation": (_adaln_modulation, {}, None),
     "final_adaln_out": (_final_adaln_out, {}, None),
     "rmsnorm": (_rmsnorm, {}, None),

@@ -169,6 +169,12 @@ def op_cases(device, comm=None):
         ("adaln_projection", ops.adaln_projection.default, (i["temb"], i["pw"], i["pb"], p)),
         ("adaln_projection_backward", ops.adaln_projection_backward.default,
          (i["table_grad"], i["temb"], i["pw"], act, p, [True] * 3)),
+        ("adaln_table_add", ops.adaln_table_add.default, (torch.ones(6, hidden, device=device), torch.ones(3, 6, hidden, dtype=torch.bfloat16, device=device))),
+        ("adaln_table_add_broadcast", ops.adaln_table_add.default,
+         (torch.ones(2, hidden, dtype=torch.bfloat16, device=device),
+          torch.ones(3, 1, hidden, dtype=torch.bfloat16, device=device))),
+        ("adaln_table_add_backward", ops.adaln_table_add_backward.default,
+         (torch.ones(3, 2, hidden, device=device), torch.float32, torch.bfloat16, True, [True, True])),
         ("adaln_row_gather", ops.adaln_row_gather.default, (i["rows"], plan)),
         ("adaln_row_gather_backward", ops.adaln_row_gather_backward.default, (i["gather_grad"], plan)),
         ("rmsnorm", ops.rmsnorm.default, (x, w, None, None, None, eps, p)),
@@ -265,8 +271,9 @@ def test_every_op_has_a_fake_kernel():
     names = {s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
              for s in torch._C._jit_get_all_schemas() if s.name.startswith("detdit::")}
     # The constructors validate on the host (a plan is built outside a compiled region);
-    # release_scratch_memory manages memory, outside any model.
-    host_only = {"plan", "plan_from_rows", "sp_plan", "sp_plan.positions", "release_scratch_memory"}
+    # release_scratch_memory manages memory, outside any model; adaln_chunk_order takes a name.
+    host_only = {"plan", "plan_from_rows", "sp_plan", "sp_plan.positions", "release_scratch_memory",
+                 "adaln_chunk_order"}
     assert names - host_only == set(_compile.FAKE_KERNELS), names ^ set(_compile.FAKE_KERNELS)
 
 

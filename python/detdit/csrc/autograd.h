@@ -176,11 +176,12 @@ struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
 
 struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                               const std::string& numerics) {
+                               const std::string& numerics, int64_t chunks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [table, act] = DETDIT_OP(adaln_projection)(temb, weight, bias, numerics);
+    auto [table, act] = DETDIT_OP(adaln_projection)(temb, weight, bias, numerics, chunks);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["chunks"] = chunks;
     save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({act});
     return {table, act};
@@ -189,8 +190,31 @@ struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFuncti
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_temb, d_weight, d_bias] = DETDIT_OP(adaln_projection_backward)(
-        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
-    return {d_temb, d_weight, d_bias, Tensor()};
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx),
+        ctx->saved_data["chunks"].toInt());
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+// adaln_table_add: the backward needs only the operands' dtypes and whether
+// proj was broadcast over K (nothing saved but metadata).
+struct AdalnTableAddFunction : torch::autograd::Function<AdalnTableAddFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& table, const Tensor& proj) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = DETDIT_OP(adaln_table_add)(table, proj);
+    ctx->saved_data["table_dtype"] = static_cast<int64_t>(table.scalar_type());
+    ctx->saved_data["proj_dtype"] = static_cast<int64_t>(proj.scalar_type());
+    ctx->saved_data["broadcast"] = proj.dim() == 3 && proj.size(1) == 1 && out.size(1) != 1;
+    save_needs(ctx, {requires_grad(table), requires_grad(proj)});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto [d_table, d_proj] = DETDIT_OP(adaln_table_add_backward)(
+        contiguous_grad(grads[0]), static_cast<at::ScalarType>(ctx->saved_data["table_dtype"].toInt()),
+        static_cast<at::ScalarType>(ctx->saved_data["proj_dtype"].toInt()), ctx->saved_data["broadcast"].toBool(),
+        saved_needs<2>(ctx));
+    return {d_table, d_proj};
   }
 };
 

@@ -202,12 +202,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
 
 namespace {
 detdit::AdalnProjectionInputs adaln_projection_inputs(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                                      const std::string& numerics) {
+                                                      const std::string& numerics, int64_t chunks) {
   detdit::AdalnProjectionInputs in;
   in.temb = view(temb, "temb");
   in.weight = view(weight, "weight");
   in.bias = view(bias, "bias");
   in.numerics = parse_numerics(numerics);
+  // a count past int is no family's; the library refuses the clamped value
+  in.chunks = static_cast<int>(std::clamp<int64_t>(chunks, -1, 1 << 20));
   return in;
 }
 
@@ -223,13 +225,13 @@ void require_projection_operands(const Tensor& temb, const Tensor& weight) {
 
 std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                                 const std::string& numerics) {
+                                                 const std::string& numerics, int64_t chunks) {
   require_projection_operands(temb, weight);
   DeviceScope scope(temb);
   Tensor table = empty_like_shape(temb, {dim_or_zero(temb, 0), columns}, weight.scalar_type());
   Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
   detdit::AdalnProjectionParams p;
-  p.in = adaln_projection_inputs(temb, weight, bias, numerics);
+  p.in = adaln_projection_inputs(temb, weight, bias, numerics, chunks);
   p.table = view(table, "table");
   p.act = view(act, "act");
   check_ok(call(p, scope.stream()));
@@ -238,7 +240,8 @@ std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProject
 
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
     const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
-    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask) {
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask,
+    int64_t chunks) {
   require_contiguous(temb, "temb");
   require_contiguous(weight, "weight");
   DeviceScope scope(temb);
@@ -246,27 +249,74 @@ std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
   Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
   detdit::AdalnProjectionBackwardParams p;
-  p.in = adaln_projection_inputs(temb, weight, Tensor(), numerics);
+  p.in = adaln_projection_inputs(temb, weight, Tensor(), numerics, chunks);
   p.act = view(act, "act");
   p.grad_table = view(grad_table, "grad_table");
   p.d_temb = view(d_temb, "d_temb");
   p.d_weight = view(d_weight, "d_weight");
   p.d_bias = view(d_bias, "d_bias");
   check_ok(call(p, scope.stream()));
+  // A family's bf16 temb: its gradient in its dtype, the FP32 value rounded once.
+  if (d_temb.defined() && temb.scalar_type() != at::kFloat) d_temb = d_temb.to(temb.scalar_type());
   return {d_temb, d_weight, d_bias};
 }
 
 std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                            const std::string& numerics) {
-  return adaln_projection_with(detdit::adaln_projection_forward, dim_or_zero(weight, 0), temb, weight, bias, numerics);
+                                            const std::string& numerics, int64_t chunks) {
+  return adaln_projection_with(detdit::adaln_projection_forward, dim_or_zero(weight, 0), temb, weight, bias, numerics,
+                               chunks);
 }
 
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                              const Tensor& weight, const Tensor& act,
                                                              const std::string& numerics,
-                                                             std::array<bool, 3> output_mask) {
+                                                             std::array<bool, 3> output_mask, int64_t chunks) {
   return adaln_projection_backward_with(detdit::adaln_projection_backward, grad_table, temb, weight, act, numerics,
-                                        output_mask);
+                                        output_mask, chunks);
+}
+
+// ---------------------------------------------------------------------------
+// adaln_table_add and the chunk orders
+
+Tensor adaln_table_add(const Tensor& table, const Tensor& proj) {
+  DeviceScope scope(proj);
+  require_contiguous(table, "table");
+  require_contiguous(proj, "proj");
+  // out's shape comes from the operands: their layout before anything is allocated
+  require_dims(table, "table", {-1, -1}, "(K, H)");
+  require_dims(proj, "proj", {-1, -1, dim_or_zero(table, 1)}, "(T, K, H) or (T, 1, H) with table's H");
+  const at::ScalarType out_dtype =
+      table.scalar_type() == proj.scalar_type() ? table.scalar_type() : at::kFloat;
+  Tensor out = empty_like_shape(proj, {proj.size(0), table.size(0), table.size(1)}, out_dtype);
+  detdit::AdalnTableAddParams p;
+  p.table = view(table, "table");
+  p.proj = view(proj, "proj");
+  p.out = view(out, "out");
+  check_ok(detdit::adaln_table_add_forward(p, scope.stream()));
+  return out;
+}
+
+std::tuple<Tensor, Tensor> adaln_table_add_backward(const Tensor& grad, at::ScalarType table_dtype,
+                                                    at::ScalarType proj_dtype, bool proj_broadcast,
+                                                    std::array<bool, 2> output_mask) {
+  DeviceScope scope(grad);
+  require_contiguous(grad, "grad");
+  require_dims(grad, "grad", {-1, -1, -1}, "(T, K, H)");
+  Tensor d_table = maybe_empty(output_mask[0], grad, {grad.size(1), grad.size(2)}, table_dtype);
+  Tensor d_proj = maybe_empty(output_mask[1], grad, {grad.size(0), proj_broadcast ? 1 : grad.size(1), grad.size(2)},
+                              proj_dtype);
+  detdit::AdalnTableAddBackwardParams p;
+  p.grad = view(grad, "grad");
+  p.d_table = view(d_table, "d_table");
+  p.d_proj = view(d_proj, "d_proj");
+  check_ok(detdit::adaln_table_add_backward(p, scope.stream()));
+  return {d_table, d_proj};
+}
+
+std::vector<std::string> adaln_chunk_order(const std::string& name) {
+  const detdit::AdalnChunkOrder* order = nullptr;
+  check_ok(detdit::adaln_chunk_order(name, &order));
+  return std::vector<std::string>(order->chunks, order->chunks + order->count);
 }
 
 // ---------------------------------------------------------------------------

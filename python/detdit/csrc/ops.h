@@ -60,19 +60,32 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
 
 // adaln_projection: (table (T, columns), act (T, D)) in weight's dtype, for
 // an (N, D) weight: columns = N, or for tp the full table's width, every
-// rank's shard. Backward: (d_temb fp32, d_weight, d_bias in weight's dtype).
+// rank's shard. Backward: (d_temb in temb's dtype (the library's FP32 value,
+// rounded once for a family's bf16 temb), d_weight, d_bias in weight's
+// dtype). chunks: AdalnProjectionInputs::chunks (0: H3's projection).
 std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                                 const std::string& numerics);
+                                                 const std::string& numerics, int64_t chunks = 0);
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
     const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
-    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask);
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask,
+    int64_t chunks = 0);
 std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                            const std::string& numerics);
+                                            const std::string& numerics, int64_t chunks);
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                              const Tensor& weight, const Tensor& act,
                                                              const std::string& numerics,
-                                                             std::array<bool, 3> output_mask);
+                                                             std::array<bool, 3> output_mask, int64_t chunks);
+
+// adaln_table_add: out (T, K, H) in the promoted dtype of table (K, H) and
+// proj (T, K, H) or (T, 1, H). Backward: (d_table in table_dtype, d_proj in
+// proj_dtype, (T, 1, H) when proj_broadcast), each where output_mask asks.
+Tensor adaln_table_add(const Tensor& table, const Tensor& proj);
+std::tuple<Tensor, Tensor> adaln_table_add_backward(const Tensor& grad, at::ScalarType table_dtype,
+                                                    at::ScalarType proj_dtype, bool proj_broadcast,
+                                                    std::array<bool, 2> output_mask);
+// The chunk names of the AdaLN chunk order `name` (adaln.h), in table order.
+std::vector<std::string> adaln_chunk_order(const std::string& name);
 
 // adaln_row_gather: out (6, S, H) in rows' dtype. Backward: d_rows (R, 6H) in
 // grad's dtype; grad (6, S, H) (batch summed) or (6, B*S, H) / (6, B, S, H)

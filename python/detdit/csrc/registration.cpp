@@ -420,11 +420,18 @@ TORCH_LIBRARY(detdit, m) {
       "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       &timestep_mlp_backward);
   def_op<AdalnProjectionFunction>(
-      m, "adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics) -> (Tensor, Tensor)",
+      m, "adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics, int chunks=0) -> (Tensor, Tensor)",
       &adaln_projection,
       "adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, str numerics, "
-      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      "bool[3] output_mask, int chunks=0) -> (Tensor, Tensor, Tensor)",
       &adaln_projection_backward);
+  def_op<AdalnTableAddFunction>(
+      m, "adaln_table_add(Tensor table, Tensor proj) -> Tensor", &adaln_table_add,
+      "adaln_table_add_backward(Tensor grad, ScalarType table_dtype, ScalarType proj_dtype, bool proj_broadcast, "
+      "bool[2] output_mask) -> (Tensor, Tensor)",
+      &adaln_table_add_backward);
+  // The families' chunk orders (adaln.h): no tensor argument, one kernel for every key.
+  m.def("adaln_chunk_order(str name) -> str[]", &adaln_chunk_order);
   def_op<AdalnRowGatherFunction>(m, kAdalnRowGatherSchema.c_str(), &adaln_row_gather,
                                  "adaln_row_gather_backward(Tensor grad, " DETDIT_PLAN " plan) -> Tensor",
                                  &adaln_row_gather_backward);
