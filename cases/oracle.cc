@@ -157,35 +157,53 @@ std::vector<double> linear_d_b64(const std::vector<double>& g, int64_t rows, int
   return d_b;
 }
 
-std::vector<double> sinusoid_frequencies64(int64_t half, double max_period) {
+std::vector<double> sinusoid_frequencies64(int64_t half, double max_period, double downscale_freq_shift) {
   std::vector<double> freq(static_cast<std::size_t>(half));
   for (int64_t k = 0; k < half; ++k)
-    freq[k] = std::exp(-std::log(max_period) * static_cast<double>(k) / static_cast<double>(half));
+    freq[k] = std::exp(-std::log(max_period) * static_cast<double>(k) / (static_cast<double>(half) - downscale_freq_shift));
   return freq;
 }
 
-std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period) {
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, const SinusoidOracle64& o) {
   const int64_t half = channels / 2, rows = static_cast<int64_t>(timesteps.size());
-  const std::vector<double> freq = sinusoid_frequencies64(half, max_period);
-  std::vector<double> out(static_cast<std::size_t>(rows * channels));
+  const std::vector<double> freq = sinusoid_frequencies64(half, o.max_period, o.downscale_freq_shift);
+  const int64_t cos_at = o.flip_sin_to_cos ? 0 : half, sin_at = o.flip_sin_to_cos ? half : 0;
+  std::vector<double> out(static_cast<std::size_t>(rows * channels), 0.0);  // an odd C's last column stays 0
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t k = 0; k < half; ++k) {
-      out[t * channels + k] = std::cos(timesteps[t] * freq[k]);
-      out[t * channels + half + k] = std::sin(timesteps[t] * freq[k]);
+      const double arg = o.scale * timesteps[t] * freq[k];
+      out[t * channels + cos_at + k] = std::cos(arg);
+      out[t * channels + sin_at + k] = std::sin(arg);
     }
   return out;
 }
 
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period) {
+  SinusoidOracle64 o;
+  o.max_period = max_period;
+  return sinusoid64(timesteps, channels, o);
+}
+
 std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
-                                          int64_t channels, double max_period) {
+                                   int64_t channels, const SinusoidOracle64& o) {
   const int64_t half = channels / 2, rows = static_cast<int64_t>(timesteps.size());
-  const std::vector<double> freq = sinusoid_frequencies64(half, max_period);
+  const std::vector<double> freq = sinusoid_frequencies64(half, o.max_period, o.downscale_freq_shift);
+  const int64_t cos_at = o.flip_sin_to_cos ? 0 : half, sin_at = o.flip_sin_to_cos ? half : 0;
   std::vector<double> d_t(static_cast<std::size_t>(rows), 0.0);
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t k = 0; k < half; ++k)
-      d_t[t] += freq[k] * (-grad[t * channels + k] * std::sin(timesteps[t] * freq[k]) +
-                           grad[t * channels + half + k] * std::cos(timesteps[t] * freq[k]));
+    for (int64_t k = 0; k < half; ++k) {
+      const double arg = o.scale * timesteps[t] * freq[k];
+      d_t[t] += o.scale * freq[k] *
+                (-grad[t * channels + cos_at + k] * std::sin(arg) + grad[t * channels + sin_at + k] * std::cos(arg));
+    }
   return d_t;
+}
+
+std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
+                                   int64_t channels, double max_period) {
+  SinusoidOracle64 o;
+  o.max_period = max_period;
+  return sinusoid_d_t64(timesteps, grad, channels, o);
 }
 
 RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight, const HostTensor* shift,

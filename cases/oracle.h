@@ -58,11 +58,22 @@ std::vector<double> linear_d_b64(const std::vector<double>& g, int64_t rows, int
 
 // ---- timestep_sinusoid -----------------------------------------------------------
 
-// diffusers' Timesteps(C, flip_sin_to_cos=True, shift=0):
-// freq[k] = exp(-ln(max_period) k / half); features[t] = [cos(t freq) | sin(t freq)].
-std::vector<double> sinusoid_frequencies64(int64_t half, double max_period);
+// diffusers' get_timestep_embedding (Timesteps(C, flip_sin_to_cos,
+// downscale_freq_shift, scale)) in FP64: half = C / 2,
+// freq[k] = exp(-ln(max_period) k / (half - downscale_freq_shift)),
+// arg = scale t freq, features[t] = [cos(arg) | sin(arg)] (flip_sin_to_cos;
+// else [sin | cos]), then a zero column when C is odd.
+struct SinusoidOracle64 {
+  double max_period = 10000.0;
+  bool flip_sin_to_cos = true;
+  double downscale_freq_shift = 0.0, scale = 1.0;
+};
+std::vector<double> sinusoid_frequencies64(int64_t half, double max_period, double downscale_freq_shift = 0.0);
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, const SinusoidOracle64& o);
 std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period);
-// d_t[t] = sum_k freq[k] (-g[t, k] sin(t freq[k]) + g[t, half + k] cos(t freq[k]))
+// d_t[t] = sum_k scale freq[k] (-g[t, cos column k] sin(arg) + g[t, sin column k] cos(arg))
+std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
+                                   int64_t channels, const SinusoidOracle64& o);
 std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
                                    int64_t channels, double max_period);
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <memory>
 #include <sstream>
@@ -17,6 +19,7 @@
 
 #include "common/backends.h"
 #include "common/out_of_memory.h"
+#include "common/scalar_math.h"
 #include "common/scratch.h"
 #include "common/storage.h"
 #include "common/validate.h"
@@ -37,8 +40,23 @@ Status check_timestep_tensor(const TensorView& t) {
   return check::contiguous(t, "timesteps");
 }
 
-// Every value finite and in [0, 1]; a CUDA tensor is read on the host once.
-Status check_timestep_values_unguarded(const TensorView& t, Stream stream) {
+// An argument in a message: an integer below 2^53 in full, else the shortest
+// decimal that reads back as the same float.
+std::string float_text(float v) {
+  char text[48];
+  if (std::fabs(v) < 0x1p53f && std::nearbyint(v) == v) {
+    std::snprintf(text, sizeof text, "%.0f", static_cast<double>(v));
+    return text;
+  }
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(text, sizeof text, "%.*g", digits, static_cast<double>(v));
+    if (std::strtof(text, nullptr) == v) break;
+  }
+  return text;
+}
+
+// Every value finite and in [0, t_max]; a CUDA tensor is read on the host once.
+Status check_timestep_values_unguarded(const TensorView& t, float t_max, Stream stream) {
   std::vector<char> raw(t.nbytes());
   if (t.device.is_cuda()) {
     DETDIT_RETURN_IF_ERROR(cuda::copy_to_host(t.data, raw.data(), raw.size(), t.device, stream));
@@ -53,10 +71,15 @@ Status check_timestep_values_unguarded(const TensorView& t, Stream stream) {
     for (int64_t i = 0; i < t.shape[0]; ++i) {
       const float v = to_float(values[i]);
       // NaN fails both comparisons; +-inf fails one.
-      if (v >= 0.0f && v <= 1.0f) continue;
+      if (v >= 0.0f && v <= t_max) continue;
       std::ostringstream os;
-      os << "timestep must be finite and lie in [0, 1]: detdit consumes t = 1 - sigma unscaled (got timesteps["
-         << i << "] = " << v << ")";
+      // H3's default keeps its own words: the t*1000 convention fails closed unless asked for.
+      if (t_max == 1.0f)
+        os << "timestep must be finite and lie in [0, 1]: detdit consumes t = 1 - sigma unscaled unless t_max "
+              "says otherwise (t_max = 1000 for sigma * 1000)";
+      else
+        os << "timestep must be finite and lie in [0, t_max] = [0, " << float_text(t_max) << "]";
+      os << " (got timesteps[" << i << "] = " << v << ")";
       return Status::value_error(os.str());
     }
     return Status();
@@ -64,22 +87,43 @@ Status check_timestep_values_unguarded(const TensorView& t, Stream stream) {
 }
 
 // The host copy of the values may not fit: a RuntimeError, not an exception.
-Status check_timestep_values(const TensorView& t, Stream stream) {
+Status check_timestep_values(const TensorView& t, float t_max, Stream stream) {
   return out_of_memory_is_an_error(
       [&] {
         return "out of memory: the " + std::to_string(t.nbytes()) + "-byte host copy of timesteps for their range check";
       },
-      [&] { return check_timestep_values_unguarded(t, stream); });
+      [&] { return check_timestep_values_unguarded(t, t_max, stream); });
 }
 
-Status check_max_period(float max_period) {
-  if (std::isfinite(max_period) && max_period >= 1.0f) return Status();
+// The op's scalars (numerics 5.1): max_period finite and >= 1 (so the
+// exponents are <= 0 and every freq <= 1); half - downscale_freq_shift
+// positive (the exponent's divisor, when there is a frequency); scale finite;
+// t_max positive and finite. Then |arg| <= rn(|scale| * t_max) for every t in
+// [0, t_max], which must stay in the portable sin/cos range (numerics 4).
+Status check_sinusoid_scalars(const TimestepSinusoidInputs& in, int64_t channels) {
   std::ostringstream os;
-  os << "max_period must be finite and >= 1, got " << max_period;
+  const int64_t half = channels / 2;
+  const double denom = static_cast<double>(half) - static_cast<double>(in.downscale_freq_shift);
+  if (!(std::isfinite(in.max_period) && in.max_period >= 1.0f)) {
+    os << "max_period must be finite and >= 1, got " << in.max_period;
+  } else if (!std::isfinite(in.downscale_freq_shift) || (half > 0 && !(static_cast<float>(denom) > 0.0f))) {
+    os << "downscale_freq_shift must be finite and less than half = num_channels // 2 = " << half << ", got "
+       << float_text(in.downscale_freq_shift);
+  } else if (!std::isfinite(in.scale)) {
+    os << "scale must be finite, got " << in.scale;
+  } else if (!(std::isfinite(in.t_max) && in.t_max > 0.0f)) {
+    os << "t_max (the timesteps' upper bound) must be finite and positive, got " << in.t_max;
+  } else if (!(std::fabs(num::mul32(in.scale, in.t_max)) <= num::kPortableTrigMaxArg)) {
+    os << "|scale| * t_max = " << float_text(std::fabs(num::mul32(in.scale, in.t_max)))
+       << " exceeds 1e6, the largest sinusoid argument the portable sin/cos evaluate exactly (scale = "
+       << float_text(in.scale) << ", t_max = " << float_text(in.t_max) << ")";
+  } else {
+    return Status();
+  }
   return Status::value_error(os.str());
 }
 
-// (T, C) fp32 contiguous with C positive and even.
+// (T, C) fp32 contiguous with C positive (odd C: diffusers' zero pad column).
 Status check_channels(const TensorView& t, const char* name, int64_t num_timesteps) {
   DETDIT_RETURN_IF_ERROR(check::present(t, name));
   DETDIT_RETURN_IF_ERROR(check::rank(t, name, 2, "(T, C)"));
@@ -87,8 +131,8 @@ Status check_channels(const TensorView& t, const char* name, int64_t num_timeste
   DETDIT_RETURN_IF_ERROR(check::shape(t, name, {num_timesteps, -1}, "(T, C)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
   const int64_t channels = t.shape[1];
-  if (channels > 0 && channels % 2 == 0) return Status();
-  return Status::value_error(std::string(name) + ".shape[1] (num_channels) must be a positive even number, got " +
+  if (channels > 0) return Status();
+  return Status::value_error(std::string(name) + ".shape[1] (num_channels) must be positive, got " +
                              std::to_string(channels));
 }
 
@@ -99,8 +143,8 @@ Status validate_sinusoid(const TimestepSinusoidParams& p, Stream stream) {
   DETDIT_RETURN_IF_ERROR(check::numerics_on(p.in.numerics, p.in.timesteps.device));
   DETDIT_RETURN_IF_ERROR(check_channels(p.features, "features", p.in.timesteps.shape[0]));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.features, "features", p.in.timesteps, "timesteps"));
-  DETDIT_RETURN_IF_ERROR(check_max_period(p.in.max_period));
-  return p.in.check_range ? check_timestep_values(p.in.timesteps, stream) : Status();
+  DETDIT_RETURN_IF_ERROR(check_sinusoid_scalars(p.in, p.features.shape[1]));
+  return p.in.check_range ? check_timestep_values(p.in.timesteps, p.in.t_max, stream) : Status();
 }
 
 Status validate_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Stream stream) {
@@ -116,8 +160,8 @@ Status validate_sinusoid_backward(const TimestepSinusoidBackwardParams& p, Strea
   DETDIT_RETURN_IF_ERROR(check::contiguous(p.d_timesteps, "d_timesteps"));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.in.timesteps, "timesteps"));
   DETDIT_RETURN_IF_ERROR(check::no_alias(p.d_timesteps, "d_timesteps", p.grad_features, "grad_features"));
-  DETDIT_RETURN_IF_ERROR(check_max_period(p.in.max_period));
-  return p.in.check_range ? check_timestep_values(p.in.timesteps, stream) : Status();
+  DETDIT_RETURN_IF_ERROR(check_sinusoid_scalars(p.in, p.grad_features.shape[1]));
+  return p.in.check_range ? check_timestep_values(p.in.timesteps, p.in.t_max, stream) : Status();
 }
 
 // The H3 time embedder is an FP32 module: every operand fp32, contiguous,

@@ -1,16 +1,23 @@
 // detdit/timestep.h: the timestep path, timestep_sinusoid and timestep_mlp.
 //
-// timestep_sinusoid: features[t] = [cos(t*freq[0..half)) | sin(t*freq[0..half))],
-//   freq[k] = exp(rn(rn(c*k) * rn(1/half))) with c = fp32(-ln(max_period)),
-//   half = C/2 (diffusers' Timesteps(C, flip_sin_to_cos=True, shift=0)).
+// timestep_sinusoid: diffusers' Timesteps(C, flip_sin_to_cos,
+//   downscale_freq_shift, scale) with max_period (get_timestep_embedding):
+//   half = C / 2 (integer division), freq[k] = exp(rn(rn(c*k) * inv)) with
+//   c = fp32(-ln(max_period)), inv = fp32(1 / fp32(half - downscale_freq_shift)),
+//   arg[t, k] = rn(scale * rn(t * freq[k])), features[t] = [cos(arg) | sin(arg)]
+//   (flip_sin_to_cos = true; false: [sin(arg) | cos(arg)]), then one +0.0
+//   column when C is odd. The defaults are MiniMax-H3's convention.
 //   timesteps (T,) fp32, bf16 or fp16 (upcast exactly first), finite and in
-//   [0, 1] (t = 1 - sigma, unscaled: the t*1000 convention fails closed);
-//   features (T, C) fp32 contiguous; C even and positive; max_period >= 1.
+//   [0, t_max]: t_max = 1 takes t = 1 - sigma unscaled (H3; t*1000 fails
+//   closed), t_max = 1000 the sigma*1000 timesteps of SD3, Flux, Wan, ...;
+//   features (T, C) fp32 contiguous; C positive; max_period >= 1;
+//   downscale_freq_shift < half (when half >= 1); scale finite; t_max positive
+//   with |scale| * t_max <= 1e6 (the portable sin/cos range, numerics 4).
 //   Row-local: features[t] depends on timesteps[t] alone.
 //   The range check reads the timesteps on the host (for CUDA timesteps: one
 //   copy that synchronises the stream). A caller that has validated them
 //   already (or captures a CUDA graph) sets check_range = false; the op then
-//   never synchronises and trusts that every value is finite and in [0, 1].
+//   never synchronises and trusts that every value is finite and in [0, t_max].
 // timestep_mlp: temb = W2 silu(W1 f + b1) + b2, all FP32 (the H3 time
 //   embedder is an FP32 module; a bf16 operand is a TypeError). Every tensor
 //   is contiguous and 16-byte aligned (linear reads its rows as 16-byte
@@ -28,12 +35,16 @@ struct TimestepSinusoidInputs {
   TensorView timesteps;   // (T,) fp32/bf16/fp16, contiguous
   float max_period = 10000.0f;
   Numerics numerics = Numerics::kPortable;
-  bool check_range = true;  // false: the caller guarantees t finite and in [0, 1]
+  bool check_range = true;  // false: the caller guarantees t finite and in [0, t_max]
+  bool flip_sin_to_cos = true;        // true: [cos | sin] (H3 and every family); false: [sin | cos]
+  float downscale_freq_shift = 0.0f;  // the exponent is divided by (half - downscale_freq_shift)
+  float scale = 1.0f;                 // arg = rn(scale * rn(t * freq)); 1 is an exact no-op (Qwen-Image: 1000)
+  float t_max = 1.0f;                 // the timesteps' upper bound (1: t = 1 - sigma; 1000: sigma * 1000)
 };
 
 struct TimestepSinusoidParams {
   TimestepSinusoidInputs in;
-  TensorView features;    // (T, C) fp32, contiguous
+  TensorView features;    // (T, C) fp32, contiguous (C odd: the last column is +0.0)
 };
 Status timestep_sinusoid_forward(const TimestepSinusoidParams& params, Stream stream = nullptr);
 

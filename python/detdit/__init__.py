@@ -159,16 +159,26 @@ def _profile(numerics):
     return numerics
 
 
-def timestep_sinusoid(timesteps, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable",
-                      check_range=True):
-    """``(T,)`` timesteps in [0, 1] (t = 1 - sigma, unscaled) -> ``(T, C)`` float32 ``[cos | sin]``
-    features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``).
+def timestep_sinusoid(timesteps, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, flip_sin_to_cos=True,
+                      downscale_freq_shift=0, scale=1, t_max=1.0, numerics="portable", check_range=True):
+    """``(T,)`` timesteps in [0, t_max] -> ``(T, num_channels)`` float32 features: diffusers'
+    ``Timesteps(num_channels, flip_sin_to_cos, downscale_freq_shift, scale)`` (with ``max_period``),
+    ``[cos | sin]`` when ``flip_sin_to_cos`` else ``[sin | cos]``, one zero column when
+    ``num_channels`` is odd.
 
-    ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
-    the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
+    ``t_max`` bounds the timesteps: 1.0 (the default, MiniMax-H3) takes t = 1 - sigma unscaled, so
+    the sigma * 1000 convention fails closed unless ``t_max=1000`` (SD3, Flux, Wan, HunyuanVideo,
+    LTX-Video, CogVideoX) or larger (a guidance * 1000 embedding) says so; NaN, infinities, negative
+    values and values above t_max are a ValueError naming the first one. ``|scale| * t_max`` must
+    not exceed 1e6 (the portable sin/cos range). ``check_range=False``: the caller guarantees finite
+    t in [0, t_max]; the op then never reads the timesteps on the host (no stream synchronisation,
+    so a CUDA graph can capture it)."""
     _check("timestep_sinusoid", timesteps=(timesteps, _TENSOR), num_channels=(num_channels, _INT),
-           max_period=(max_period, _REAL), check_range=(check_range, _BOOL))
-    return _ops.timestep_sinusoid.default(timesteps, num_channels, float(max_period), _profile(numerics), check_range)
+           max_period=(max_period, _REAL), flip_sin_to_cos=(flip_sin_to_cos, _BOOL),
+           downscale_freq_shift=(downscale_freq_shift, _REAL), scale=(scale, _REAL), t_max=(t_max, _REAL),
+           check_range=(check_range, _BOOL))
+    return _ops.timestep_sinusoid.default(timesteps, num_channels, float(max_period), _profile(numerics), check_range,
+                                          flip_sin_to_cos, float(downscale_freq_shift), float(scale), float(t_max))
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):

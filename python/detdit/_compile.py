@@ -193,13 +193,15 @@ def _seq_len(plan):
 # ---------------------------------------------------------------------------
 # The fake kernels, in the order of ops.h and distributed.h
 
-def _timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range=True):
+def _timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range=True, flip_sin_to_cos=True,
+                       downscale_freq_shift=0.0, scale=1.0, t_max=1.0):
     if num_channels < 1:
-        raise ValueError(f"num_channels must be a positive even number, got {num_channels}")
+        raise ValueError(f"num_channels must be positive, got {num_channels}")
     return _empty(timesteps, (_dim(timesteps, 0), num_channels), torch.float32)
 
 
-def _timestep_sinusoid_backward(grad_features, timesteps, max_period, numerics, check_range=True):
+def _timestep_sinusoid_backward(grad_features, timesteps, max_period, numerics, check_range=True,
+                                flip_sin_to_cos=True, downscale_freq_shift=0.0, scale=1.0, t_max=1.0):
     return _empty(timesteps, (_dim(timesteps, 0),), timesteps.dtype)
 
 

@@ -80,6 +80,16 @@ struct Entry {
   }
 };
 
+// The sinusoid cases in the default (H3) convention: the entries call the op
+// with TimestepSinusoidInputs' defaults.
+bool sinusoid_default_convention(const OpCase& c) {
+  const TimestepSinusoidInputs defaults;
+  return c.arguments.at("flip_sin_to_cos") == "true" &&
+         c.arguments.at("downscale_freq_shift") == argument_text(defaults.downscale_freq_shift) &&
+         c.arguments.at("scale") == argument_text(defaults.scale) &&
+         c.arguments.at("t_max") == argument_text(defaults.t_max);
+}
+
 bool contains(const std::vector<std::string>& names, const std::string& name) {
   for (const std::string& n : names)
     if (n == name) return true;
@@ -611,13 +621,13 @@ const std::vector<Entry>& entries() {
        [](const Args& a, const IndexPlan&) {
          return timestep_sinusoid_forward({{arg(a, "timesteps")}, arg(a, "features")});
        },
-       nullptr, nullptr, {{"features", 1}}},
+       nullptr, sinusoid_default_convention, {{"features", 1}}},
       {"timestep_sinusoid_backward", "timestep_sinusoid", {"timesteps", "grad_features", "d_timesteps"},
        {"d_timesteps"}, {}, {},
        [](const Args& a, const IndexPlan&) {
          return timestep_sinusoid_backward({{arg(a, "timesteps")}, arg(a, "grad_features"), arg(a, "d_timesteps")});
        },
-       nullptr, nullptr, {{"grad_features", 1}}},
+       nullptr, sinusoid_default_convention, {{"grad_features", 1}}},
       {"timestep_mlp_forward", "timestep_mlp", {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"},
        {"temb", "pre", "hidden"}, {"pre", "hidden"}, {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"},
        [](const Args& a, const IndexPlan&) {

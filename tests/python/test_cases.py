@@ -47,8 +47,10 @@ def _linear_unsupported(c):
 def _timestep_sinusoid(c):
     t, max_period = c["timesteps"], float(c.arguments["max_period"])
     channels = c["grad_features"].shape[1]
-    features = ops.timestep_sinusoid(t, channels, max_period, c.numerics, True)
-    d_t = ops.timestep_sinusoid_backward(c["grad_features"], t, max_period, c.numerics, True)
+    convention = (c.arguments["flip_sin_to_cos"] == "true", float(c.arguments["downscale_freq_shift"]),
+                  float(c.arguments["scale"]), float(c.arguments["t_max"]))
+    features = ops.timestep_sinusoid(t, channels, max_period, c.numerics, True, *convention)
+    d_t = ops.timestep_sinusoid_backward(c["grad_features"], t, max_period, c.numerics, True, *convention)
     return {"features": features, "d_timesteps": d_t}
 
 

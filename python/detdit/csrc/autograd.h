@@ -112,21 +112,29 @@ inline SpPlanPtr saved_sp(AutogradContext* ctx) { return ctx->saved_data["sp"].t
 
 struct TimestepSinusoidFunction : torch::autograd::Function<TimestepSinusoidFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& timesteps, int64_t num_channels, double max_period,
-                        const std::string& numerics, bool check_range) {
+                        const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                        double downscale_freq_shift, double scale, double t_max) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({timesteps});
     ctx->saved_data["max_period"] = max_period;
     ctx->saved_data["numerics"] = numerics;
     ctx->saved_data["check_range"] = check_range;
-    return DETDIT_OP(timestep_sinusoid)(timesteps, num_channels, max_period, numerics, check_range);
+    ctx->saved_data["flip_sin_to_cos"] = flip_sin_to_cos;
+    ctx->saved_data["downscale_freq_shift"] = downscale_freq_shift;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["t_max"] = t_max;
+    return DETDIT_OP(timestep_sinusoid)(timesteps, num_channels, max_period, numerics, check_range, flip_sin_to_cos,
+                                        downscale_freq_shift, scale, t_max);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     const Tensor timesteps = ctx->get_saved_variables()[0];
     Tensor d_t = DETDIT_OP(timestep_sinusoid_backward)(
         contiguous_grad(grads[0]), timesteps, ctx->saved_data["max_period"].toDouble(),
-        ctx->saved_data["numerics"].toStringRef(), ctx->saved_data["check_range"].toBool());
-    return {d_t, Tensor(), Tensor(), Tensor(), Tensor()};
+        ctx->saved_data["numerics"].toStringRef(), ctx->saved_data["check_range"].toBool(),
+        ctx->saved_data["flip_sin_to_cos"].toBool(), ctx->saved_data["downscale_freq_shift"].toDouble(),
+        ctx->saved_data["scale"].toDouble(), ctx->saved_data["t_max"].toDouble());
+    return {d_t, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

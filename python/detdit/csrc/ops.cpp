@@ -22,20 +22,27 @@ namespace detdit_torch {
 
 namespace {
 detdit::TimestepSinusoidInputs timestep_sinusoid_inputs(const Tensor& timesteps, double max_period,
-                                                        const std::string& numerics, bool check_range) {
+                                                        const std::string& numerics, bool check_range,
+                                                        bool flip_sin_to_cos, double downscale_freq_shift,
+                                                        double scale, double t_max) {
   detdit::TimestepSinusoidInputs in;
   in.timesteps = view(timesteps, "timesteps");
   in.max_period = static_cast<float>(max_period);
   in.numerics = parse_numerics(numerics);
   in.check_range = check_range;
+  in.flip_sin_to_cos = flip_sin_to_cos;
+  in.downscale_freq_shift = static_cast<float>(downscale_freq_shift);
+  in.scale = static_cast<float>(scale);
+  in.t_max = static_cast<float>(t_max);
   return in;
 }
 }  // namespace
 
 Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
-                         const std::string& numerics, bool check_range) {
-  if (num_channels < 1 || num_channels % 2 != 0)
-    C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
+                         const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                         double downscale_freq_shift, double scale, double t_max) {
+  if (num_channels < 1)
+    C10_THROW_ERROR(ValueError, "num_channels must be positive, got " + std::to_string(num_channels));
   require_contiguous(timesteps, "timesteps");
   // the (T, num_channels) float32 features' byte count must be an int64, or torch's allocator
   // reports the overflow as a RuntimeError
@@ -46,19 +53,22 @@ Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double m
   DeviceScope scope(timesteps);
   Tensor features = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0), num_channels}, at::kFloat);
   detdit::TimestepSinusoidParams p;
-  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range);
+  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range, flip_sin_to_cos, downscale_freq_shift,
+                                  scale, t_max);
   p.features = view(features, "features");
   check_ok(detdit::timestep_sinusoid_forward(p, scope.stream()));
   return features;
 }
 
 Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
-                                  const std::string& numerics, bool check_range) {
+                                  const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                                  double downscale_freq_shift, double scale, double t_max) {
   require_contiguous(timesteps, "timesteps");
   DeviceScope scope(timesteps);
   Tensor d_timesteps = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0)}, timesteps.scalar_type());
   detdit::TimestepSinusoidBackwardParams p;
-  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range);
+  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range, flip_sin_to_cos, downscale_freq_shift,
+                                  scale, t_max);
   p.grad_features = view(grad_features, "grad_features");
   p.d_timesteps = view(d_timesteps, "d_timesteps");
   check_ok(detdit::timestep_sinusoid_backward(p, scope.stream()));

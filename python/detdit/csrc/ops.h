@@ -31,14 +31,17 @@ namespace detdit_torch {
 template <typename Params>
 using Call = std::function<Status(const Params&, detdit::Stream)>;
 
-// timestep_sinusoid: (T,) -> (T, C) fp32. check_range = false: the caller
-// guarantees finite t in [0, 1]; the op then never reads the timesteps on the
-// host (no sync: CUDA-graph capturable). Backward: d_timesteps (T,) in the
-// timesteps' dtype.
+// timestep_sinusoid: (T,) -> (T, C) fp32 in diffusers' convention
+// (flip_sin_to_cos, downscale_freq_shift, scale; t in [0, t_max]).
+// check_range = false: the caller guarantees finite t in [0, t_max]; the op
+// then never reads the timesteps on the host (no sync: CUDA-graph capturable).
+// Backward: d_timesteps (T,) in the timesteps' dtype.
 Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
-                         const std::string& numerics, bool check_range);
+                         const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                         double downscale_freq_shift, double scale, double t_max);
 Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
-                                  const std::string& numerics, bool check_range);
+                                  const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                                  double downscale_freq_shift, double scale, double t_max);
 
 // linear: (out (T, N) in x's dtype, pre (T, N) fp32 = x W^T + b before the
 // activation when it is silu, else an empty tensor). Backward: (d_x, d_weight,

@@ -401,10 +401,12 @@ TORCH_LIBRARY(detdit, m) {
   def_op<TimestepSinusoidFunction>(
       m,
       "timestep_sinusoid(Tensor timesteps, int num_channels, float max_period, str numerics, "
-      "bool check_range=True) -> Tensor",
+      "bool check_range=True, bool flip_sin_to_cos=True, float downscale_freq_shift=0.0, float scale=1.0, "
+      "float t_max=1.0) -> Tensor",
       &timestep_sinusoid,
       "timestep_sinusoid_backward(Tensor grad_features, Tensor timesteps, float max_period, str numerics, "
-      "bool check_range=True) -> Tensor",
+      "bool check_range=True, bool flip_sin_to_cos=True, float downscale_freq_shift=0.0, float scale=1.0, "
+      "float t_max=1.0) -> Tensor",
       &timestep_sinusoid_backward);
   def_op<LinearFunction>(
       m, "linear(Tensor x, Tensor weight, Tensor? bias, str activation, str numerics) -> (Tensor, Tensor)", &linear,
