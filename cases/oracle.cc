@@ -290,6 +290,52 @@ ProjectionReference projection_reference(const HostTensor& temb, const HostTenso
   return ref;
 }
 
+MlpReference mlp_reference(const HostTensor& x, const HostTensor& w1, const HostTensor& b1, const HostTensor& w2,
+                           const HostTensor& b2, const HostTensor& run_pre, const HostTensor& run_hidden,
+                           const HostTensor* grad) {
+  const DType dtype = x.dtype();
+  const int64_t rows = x.shape()[0], k_in = x.shape()[1], hidden = w1.shape()[0], d_out = w2.shape()[0];
+  auto store = [dtype](double v) { return dtype == DType::kF32 ? static_cast<double>(static_cast<float>(v))
+                                                              : correctly_rounded(v, dtype); };
+  auto silu_stored = [&store](double z) { return store(silu64(z)); };
+  // y[t, n] = sum_k a[t, k] w[n, k] + b[n] and sum |a w| + |b|, over plain doubles.
+  auto affine = [](const std::vector<double>& a, const HostTensor& w, const HostTensor& b, int64_t rows_,
+                   int64_t k_, int64_t n_, std::vector<double>* y, std::vector<double>* mag) {
+    y->assign(static_cast<std::size_t>(rows_ * n_), 0.0);
+    if (mag) mag->assign(y->size(), 0.0);
+    for (int64_t t = 0; t < rows_; ++t)
+      for (int64_t n = 0; n < n_; ++n) {
+        double acc = b.get(n), m = std::fabs(acc);
+        for (int64_t k = 0; k < k_; ++k) {
+          const double product = a[t * k_ + k] * w.get(n * k_ + k);
+          acc += product;
+          m += std::fabs(product);
+        }
+        (*y)[t * n_ + n] = acc;
+        if (mag) (*mag)[t * n_ + n] = m;
+      }
+  };
+  MlpReference r;
+  const std::vector<double> xs = to_doubles(x), pre_run = to_doubles(run_pre), hidden_run = to_doubles(run_hidden);
+  affine(xs, w1, b1, rows, k_in, hidden, &r.pre_exact, &r.pre_magnitude);
+  r.hidden_of_run_pre.resize(pre_run.size());
+  for (std::size_t i = 0; i < pre_run.size(); ++i) r.hidden_of_run_pre[i] = silu_stored(pre_run[i]);
+  affine(hidden_run, w2, b2, rows, hidden, d_out, &r.out_of_run_hidden, &r.out_magnitude);
+  std::vector<double> own_hidden(r.pre_exact.size());
+  for (std::size_t i = 0; i < own_hidden.size(); ++i) own_hidden[i] = silu_stored(store(r.pre_exact[i]));
+  affine(own_hidden, w2, b2, rows, hidden, d_out, &r.out, nullptr);
+  if (!grad) return r;
+  const std::vector<double> g = to_doubles(*grad);
+  r.d_w2 = linear_d_w64(g, hidden_run, rows, hidden, d_out);
+  r.d_b2 = linear_d_b64(g, rows, d_out);
+  std::vector<double> d_pre = linear_d_x64(g, to_doubles(w2), rows, hidden, d_out);
+  for (std::size_t i = 0; i < d_pre.size(); ++i) d_pre[i] *= silu_derivative64(pre_run[i]);
+  r.d_w1 = linear_d_w64(d_pre, xs, rows, k_in, hidden);
+  r.d_b1 = linear_d_b64(d_pre, rows, hidden);
+  r.d_x = linear_d_x64(d_pre, to_doubles(w1), rows, k_in, hidden);
+  return r;
+}
+
 ProjectionExact projection_exact64(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias) {
   const int64_t rows = temb.shape()[0], k_in = temb.shape()[1], n_out = weight.shape()[0];
   std::vector<double> act(static_cast<std::size_t>(rows * k_in));

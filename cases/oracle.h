@@ -94,6 +94,26 @@ RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight
 // grad[chunk, p, i] over the positions p of row r; grad (6, B*S, H).
 std::vector<double> row_gather_grad_exact(const IndexCase& c, const HostTensor& grad, int64_t hidden);
 
+// ---- the two-layer SiLU MLP (timestep_mlp, text_projection) ---------------------------
+
+// The MLP in FP64 with the model's storage roundings in `dtype` (the identity
+// for fp32): pre = R(x W1^T + b1), hidden = R(silu(pre)), out = hidden W2^T +
+// b2 before its rounding. Each stage also from the run's own saved input to it
+// (run_pre, run_hidden: what the run's next stage read), so that a stage is
+// measured alone: pre_exact from x; hidden_of_run_pre = R(silu(run_pre));
+// out_of_run_hidden from run_hidden, with the magnitude sum |h_k w_k| + |b|
+// of its terms. The backward, straight through every rounding, from the run's
+// pre and hidden and the exact gradient g: d_w2 = g^T hidden, d_b2 = sum g,
+// d_pre = (g W2) silu'(pre), d_w1 = d_pre^T x, d_b1 = sum d_pre, d_x = d_pre W1.
+struct MlpReference {
+  std::vector<double> pre_exact, pre_magnitude, hidden_of_run_pre, out_of_run_hidden, out_magnitude;
+  std::vector<double> out;  // the whole chain from x alone, with the roundings above
+  std::vector<double> d_x, d_w1, d_b1, d_w2, d_b2;
+};
+MlpReference mlp_reference(const HostTensor& x, const HostTensor& w1, const HostTensor& b1, const HostTensor& w2,
+                           const HostTensor& b2, const HostTensor& run_pre, const HostTensor& run_hidden,
+                           const HostTensor* grad);
+
 // ---- the AdaLN projection -----------------------------------------------------------
 
 // act = R_W(silu(temb)), table = R_W(act W^T + b) (W = `dtype`); backward from

@@ -224,24 +224,24 @@ std::vector<OpCase> family_sinusoid_cases() {
 OpCase timestep_mlp_case(const MlpShape& s) {
   OpCase c;
   c.op = "timestep_mlp";
-  c.name = "T=" + std::to_string(s.rows) + " K=" + std::to_string(s.in_features) + " H=" + std::to_string(s.hidden) +
-           " D=" + std::to_string(s.dim);
+  c.name = std::string(s.dtype == DType::kF32 ? "" : "bfloat16 ") + "T=" + std::to_string(s.rows) +
+           " K=" + std::to_string(s.in_features) + " H=" + std::to_string(s.hidden) + " D=" + std::to_string(s.dim);
   const int64_t T = s.rows, K = s.in_features, H = s.hidden, D = s.dim;
-  const DType f32 = DType::kF32;
-  c.input("features", Phase::kForward, f32, {T, K}, s.features ? s.features : uniform_values(s.seed, 0.0, 1.0), 0);
-  c.input("w1", Phase::kForward, f32, {H, K}, s.w1 ? s.w1 : uniform_values(s.seed + 1, 0.0, 0.05));
-  c.input("b1", Phase::kForward, f32, {H}, s.b1 ? s.b1 : uniform_values(s.seed + 2, 0.0, 1.0));
-  c.input("w2", Phase::kForward, f32, {D, H}, s.w2 ? s.w2 : uniform_values(s.seed + 3, 0.0, 0.02));
-  c.input("b2", Phase::kForward, f32, {D}, s.b2 ? s.b2 : uniform_values(s.seed + 4, 0.0, 1.0));
-  c.output("temb", Phase::kForward, f32, {T, D}, 0);
-  c.output("pre", Phase::kForward, f32, {T, H}, 0);
-  c.output("hidden", Phase::kForward, f32, {T, H}, 0);
-  c.input("grad_temb", Phase::kBackward, f32, {T, D}, uniform_values(s.seed + 5, 0.0, 1.0), 0);
-  c.output("d_features", Phase::kBackward, f32, {T, K}, 0);
-  c.output("d_w1", Phase::kBackward, f32, {H, K});
-  c.output("d_b1", Phase::kBackward, f32, {H});
-  c.output("d_w2", Phase::kBackward, f32, {D, H});
-  c.output("d_b2", Phase::kBackward, f32, {D});
+  const DType dtype = s.dtype;
+  c.input("features", Phase::kForward, dtype, {T, K}, s.features ? s.features : uniform_values(s.seed, 0.0, 1.0), 0);
+  c.input("w1", Phase::kForward, dtype, {H, K}, s.w1 ? s.w1 : uniform_values(s.seed + 1, 0.0, 0.05));
+  c.input("b1", Phase::kForward, dtype, {H}, s.b1 ? s.b1 : uniform_values(s.seed + 2, 0.0, 1.0));
+  c.input("w2", Phase::kForward, dtype, {D, H}, s.w2 ? s.w2 : uniform_values(s.seed + 3, 0.0, 0.02));
+  c.input("b2", Phase::kForward, dtype, {D}, s.b2 ? s.b2 : uniform_values(s.seed + 4, 0.0, 1.0));
+  c.output("temb", Phase::kForward, dtype, {T, D}, 0);
+  c.output("pre", Phase::kForward, dtype, {T, H}, 0);
+  c.output("hidden", Phase::kForward, dtype, {T, H}, 0);
+  c.input("grad_temb", Phase::kBackward, dtype, {T, D}, uniform_values(s.seed + 5, 0.0, 1.0), 0);
+  c.output("d_features", Phase::kBackward, dtype, {T, K}, 0);
+  c.output("d_w1", Phase::kBackward, dtype, {H, K});
+  c.output("d_b1", Phase::kBackward, dtype, {H});
+  c.output("d_w2", Phase::kBackward, dtype, {D, H});
+  c.output("d_b2", Phase::kBackward, dtype, {D});
   c.takes_profile = true;  // the SiLU's exp
   auto inputs = [](const Instance& t) {
     return TimestepMlpInputs{t["features"], t["w1"], t["b1"], t["w2"], t["b2"], t.numerics};
@@ -326,7 +326,7 @@ std::vector<OpCase> timestep_sinusoid_cases(Suite suite, const CaseContext& ctx)
   return cases;
 }
 
-std::vector<OpCase> timestep_mlp_cases(Suite suite, const CaseContext& ctx) {
+std::vector<OpCase> h3_timestep_mlp_cases(Suite suite, const CaseContext& ctx) {
   std::vector<OpCase> cases;
   if (suite == Suite::kTest) {
     cases.push_back(timestep_mlp_case({3, 24, 72, 64, 1400}));
@@ -353,6 +353,13 @@ std::vector<OpCase> timestep_mlp_cases(Suite suite, const CaseContext& ctx) {
   c.name = "weights T=4";
   c.accuracy.push_back(mlp_forward_accuracy(s.rows));
   cases.push_back(std::move(c));
+  return cases;
+}
+
+std::vector<OpCase> timestep_mlp_cases(Suite suite, const CaseContext& ctx) {
+  std::vector<OpCase> cases = h3_timestep_mlp_cases(suite, ctx);
+  // The activation-dtype (bf16) MLP of the diffusers families: cases/embedding_cases.cc.
+  for (OpCase& c : bf16_timestep_mlp_cases(suite, ctx)) cases.push_back(std::move(c));
   return cases;
 }
 

@@ -22,6 +22,7 @@ from ._version import __version__  # noqa: F401  (written by setup.py from the r
 
 __all__ = [
     "IndexPlan", "PlanTables", "plan", "plan_from_rows", "plan_tables", "timestep_sinusoid", "linear", "timestep_mlp",
+    "text_projection", "combined_timestep_embedding",
     "adaln_projection", "adaln_table_chunks", "adaln_chunk_order", "adaln_table_add", "final_layer_continuous",
     "final_layer_table", "adaln_row_gather", "rmsnorm", "gate_residual",
     "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation", "layernorm", "gate_residual_layernorm",
@@ -189,10 +190,39 @@ def linear(x, weight, bias=None, activation="none", numerics="portable"):
 
 
 def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
-    """``W2 silu(W1 f + b1) + b2``, all float32 (diffusers' TimestepEmbedding)."""
+    """``W2 silu(W1 f + b1) + b2`` (diffusers' TimestepEmbedding) in the features' dtype: float32 (H3's FP32
+    time embedder) or bfloat16 (the activation-dtype MLP of SD3, Flux, HunyuanVideo: the linear's result, the
+    SiLU's and temb each rounded once to bfloat16, where eager rounds). Every operand in that dtype."""
     _check("timestep_mlp", features=(features, _TENSOR), w1=(w1, _TENSOR), b1=(b1, _TENSOR), w2=(w2, _TENSOR),
            b2=(b2, _TENSOR))
     return _ops.timestep_mlp.default(features, w1, b1, w2, b2, _profile(numerics))[0]
+
+
+def text_projection(pooled, w1, b1, w2, b2, numerics="portable"):
+    """``W2 silu(W1 pooled + b1) + b2``: diffusers' PixArtAlphaTextProjection with ``act_fn="silu"`` (the pooled
+    text embedder of SD3, Flux, HunyuanVideo), timestep_mlp's arithmetic in the pooled text's dtype."""
+    _check("text_projection", pooled=(pooled, _TENSOR), w1=(w1, _TENSOR), b1=(b1, _TENSOR), w2=(w2, _TENSOR),
+           b2=(b2, _TENSOR))
+    return _ops.text_projection.default(pooled, w1, b1, w2, b2, _profile(numerics))[0]
+
+
+def combined_timestep_embedding(timestep_features, pooled, timestep_weights, text_weights, guidance_features=None,
+                                guidance_weights=None, numerics="portable"):
+    """``temb = (t_emb + g_emb) + text_emb`` (``t_emb + text_emb`` without guidance): diffusers'
+    CombinedTimestepGuidanceTextProjEmbeddings (Flux-dev, HunyuanVideo) and CombinedTimestepTextProjEmbeddings
+    (SD3, Flux-schnell). ``t_emb = timestep_mlp(timestep_features, *timestep_weights)``, ``g_emb`` the same with
+    the guidance's, ``text_emb = text_projection(pooled, *text_weights)``; each weights argument is
+    ``(w1, b1, w2, b2)``. The features are timestep_sinusoid's, cast to the pooled text's dtype by the caller as the
+    models do. Each add is rounded once to that dtype (eager's ``+``): the C++ combined_timestep_embedding's bytes."""
+    _check("combined_timestep_embedding", timestep_features=(timestep_features, _TENSOR), pooled=(pooled, _TENSOR),
+           guidance_features=(guidance_features, _OPTIONAL_TENSOR))
+    if (guidance_features is None) != (guidance_weights is None):
+        raise ValueError("combined_timestep_embedding: guidance_features and guidance_weights come together "
+                         "(both, for a guidance embedder, or neither)")
+    temb = timestep_mlp(timestep_features, *timestep_weights, numerics=numerics)
+    if guidance_features is not None:
+        temb = temb + timestep_mlp(guidance_features, *guidance_weights, numerics=numerics)
+    return temb + text_projection(pooled, *text_weights, numerics=numerics)
 
 
 def adaln_projection(temb, weight, bias, numerics="portable", chunks=None):

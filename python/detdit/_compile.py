@@ -215,17 +215,22 @@ def _linear_backward(grad, x, weight, pre, activation, numerics, output_mask):
             _maybe(output_mask[2], x, (_dim(weight, 0),), weight.dtype))
 
 
+def _mlp_dtype(x):
+    """The MLP's dtype: the input's (fp32 or bf16; the kernel refuses any other)."""
+    return x.dtype if x.dtype.is_floating_point else torch.float32
+
+
 def _timestep_mlp(features, w1, b1, w2, b2, numerics):
-    rows, hidden = _dim(features, 0), _dim(w1, 0)
-    return (_empty(features, (rows, _dim(w2, 0)), torch.float32), _empty(features, (rows, hidden), torch.float32),
-            _empty(features, (rows, hidden), torch.float32))
+    rows, hidden, dtype = _dim(features, 0), _dim(w1, 0), _mlp_dtype(features)
+    return (_empty(features, (rows, _dim(w2, 0)), dtype), _empty(features, (rows, hidden), dtype),
+            _empty(features, (rows, hidden), dtype))
 
 
 def _timestep_mlp_backward(grad_temb, features, w1, w2, pre, hidden, numerics, output_mask):
-    f32 = torch.float32
-    return (_maybe(output_mask[0], features, _matrix(features), f32), _maybe(output_mask[1], features, _matrix(w1), f32),
-            _maybe(output_mask[2], features, (_dim(w1, 0),), f32), _maybe(output_mask[3], features, _matrix(w2), f32),
-            _maybe(output_mask[4], features, (_dim(w2, 0),), f32))
+    dtype = _mlp_dtype(features)
+    return (_maybe(output_mask[0], features, _matrix(features), dtype),
+            _maybe(output_mask[1], features, _matrix(w1), dtype), _maybe(output_mask[2], features, (_dim(w1, 0),), dtype),
+            _maybe(output_mask[3], features, _matrix(w2), dtype), _maybe(output_mask[4], features, (_dim(w2, 0),), dtype))
 
 
 def _adaln_projection_with(columns, temb, weight):
@@ -502,6 +507,7 @@ FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
     "timestep_mlp": _timestep_mlp, "timestep_mlp_backward": _timestep_mlp_backward,
+    "text_projection": _timestep_mlp, "text_projection_backward": _timestep_mlp_backward,
     "adaln_projection": _adaln_projection, "adaln_projection_backward": _adaln_projection_backward,
     "adaln_table_add": _adaln_table_add, "adaln_table_add_backward": _adaln_table_add_backward,
     "adaln_row_gather": _adaln_row_gather, "adaln_row_gather_backward": _adaln_row_gather_backward,

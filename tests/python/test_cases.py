@@ -62,6 +62,41 @@ def _timestep_mlp(c):
                     (temb, pre, hidden) + tuple(grads)))
 
 
+def _text_projection(c):
+    p, w1, b1, w2, b2 = (c[n] for n in ("pooled", "w1", "b1", "w2", "b2"))
+    out, pre, hidden = ops.text_projection(p, w1, b1, w2, b2, c.numerics)
+    grads = ops.text_projection_backward(c["grad_out"], p, w1, w2, pre, hidden, c.numerics, [True] * 5)
+    return dict(zip(("out", "pre", "hidden", "d_pooled", "d_w1", "d_b1", "d_w2", "d_b2"),
+                    (out, pre, hidden) + tuple(grads)))
+
+
+def _combined_timestep_embedding(c):
+    """detdit.combined_timestep_embedding (the Python composition of timestep_mlp, text_projection and torch's
+    adds) and its autograd against the C++ op's bytes; each MLP's saved tensors from its own operator."""
+    import detdit
+    mlps = [("timestep_features", "timestep_"), ("pooled", "text_")]
+    if "guidance_features" in c:
+        mlps.append(("guidance_features", "guidance_"))
+    leaves = {name: c[name].clone().requires_grad_(True)
+              for x, prefix in mlps for name in (x, prefix + "w1", prefix + "b1", prefix + "w2", prefix + "b2")}
+    weights = {prefix: [leaves[prefix + n] for n in ("w1", "b1", "w2", "b2")] for _, prefix in mlps}
+    guided = "guidance_features" in c
+    temb = detdit.combined_timestep_embedding(leaves["timestep_features"], leaves["pooled"], weights["timestep_"],
+                                              weights["text_"], leaves.get("guidance_features"),
+                                              weights.get("guidance_"), c.numerics)
+    temb.backward(c["grad_temb"])
+    got = {"temb": temb.detach()}
+    for x, prefix in mlps:
+        op = ops.text_projection if prefix == "text_" else ops.timestep_mlp
+        _, got[prefix + "pre"], got[prefix + "hidden"] = op(c[x], *(c[prefix + n] for n in ("w1", "b1", "w2", "b2")),
+                                                              c.numerics)
+        got["d_" + x] = leaves[x].grad
+        for n in ("w1", "b1", "w2", "b2"):
+            got["d_" + prefix + n] = leaves[prefix + n].grad
+    assert guided == ("guidance_" in weights)
+    return got
+
+
 def _adaln_projection(c):
     chunks = int(c.arguments.get("chunks", 0))  # absent: H3's projection
     table, act = ops.adaln_projection(c["temb"], c["weight"], c["bias"], c.numerics, chunks)
@@ -288,6 +323,8 @@ RECIPES = {
                          "pre": "returned only with activation='silu' (compared there)"}, _linear_unsupported),
     "timestep_sinusoid": (_timestep_sinusoid, {}, None),
     "timestep_mlp": (_timestep_mlp, {}, None),
+    "text_projection": (_text_projection, {}, None),
+    "combined_timestep_embedding": (_combined_timestep_embedding, {}, None),
     "adaln_projection": (_adaln_projection, {}, None),
     "adaln_table_add": (_adaln_table_add, {}, None),
     "adaln_modulation": (_adaln_modulation, {}, None),

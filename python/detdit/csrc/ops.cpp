@@ -144,9 +144,43 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
 }
 
 // ---------------------------------------------------------------------------
-// timestep_mlp
+// timestep_mlp and text_projection (one MLP: the library's TimestepMlp and
+// TextProjection params hold the same tensors)
 
 namespace {
+// The MLP's dtype: the input's (fp32 or bf16; any other the library refuses,
+// after these allocations).
+at::ScalarType mlp_dtype(const Tensor& x) { return x.is_floating_point() ? x.scalar_type() : at::kFloat; }
+
+struct MlpForwardTensors {
+  Tensor out, pre, hidden;
+};
+
+MlpForwardTensors mlp_forward_tensors(const Tensor& x, const char* x_name, const Tensor& w1, const Tensor& w2) {
+  require_contiguous(x, x_name);
+  require_contiguous(w1, "w1");
+  require_contiguous(w2, "w2");
+  if (x.dim() == 2) require_dims(w1, "w1", {-1, x.size(1)}, "(H, K)");
+  if (w1.dim() == 2) require_dims(w2, "w2", {-1, w1.size(0)}, "(D, H)");
+  const int64_t rows = dim_or_zero(x, 0), hidden_dim = dim_or_zero(w1, 0);
+  const at::ScalarType dtype = mlp_dtype(x);
+  return {empty_like_shape(x, {rows, dim_or_zero(w2, 0)}, dtype), empty_like_shape(x, {rows, hidden_dim}, dtype),
+          empty_like_shape(x, {rows, hidden_dim}, dtype)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mlp_backward_tensors(const Tensor& x, const char* x_name,
+                                                                        const Tensor& w1, const Tensor& w2,
+                                                                        std::array<bool, 5> output_mask) {
+  require_contiguous(x, x_name);
+  require_contiguous(w1, "w1");
+  require_contiguous(w2, "w2");
+  const at::ScalarType dtype = mlp_dtype(x);
+  return {maybe_empty(output_mask[0], x, matrix_shape(x), dtype), maybe_empty(output_mask[1], x, matrix_shape(w1), dtype),
+          maybe_empty(output_mask[2], x, {dim_or_zero(w1, 0)}, dtype),
+          maybe_empty(output_mask[3], x, matrix_shape(w2), dtype),
+          maybe_empty(output_mask[4], x, {dim_or_zero(w2, 0)}, dtype)};
+}
+
 detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tensor& w1, const Tensor& b1,
                                               const Tensor& w2, const Tensor& b2, const std::string& numerics) {
   detdit::TimestepMlpInputs in;
@@ -158,41 +192,36 @@ detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tens
   in.numerics = parse_numerics(numerics);
   return in;
 }
+
+detdit::TextProjectionInputs text_projection_inputs(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
+                                                    const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  const detdit::TimestepMlpInputs mlp = timestep_mlp_inputs(pooled, w1, b1, w2, b2, numerics);
+  detdit::TextProjectionInputs in;
+  in.pooled = view(pooled, "pooled");
+  in.weights = {mlp.w1, mlp.b1, mlp.w2, mlp.b2};
+  in.numerics = mlp.numerics;
+  return in;
+}
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
                                                 const Tensor& w2, const Tensor& b2, const std::string& numerics) {
-  require_contiguous(features, "features");
-  require_contiguous(w1, "w1");
-  require_contiguous(w2, "w2");
-  if (features.dim() == 2) require_dims(w1, "w1", {-1, features.size(1)}, "(H, K)");
-  if (w1.dim() == 2) require_dims(w2, "w2", {-1, w1.size(0)}, "(D, H)");
   DeviceScope scope(features);
-  const int64_t rows = dim_or_zero(features, 0), hidden_dim = dim_or_zero(w1, 0);
-  Tensor temb = empty_like_shape(features, {rows, dim_or_zero(w2, 0)}, at::kFloat);
-  Tensor pre = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
-  Tensor hidden = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
+  MlpForwardTensors t = mlp_forward_tensors(features, "features", w1, w2);
   detdit::TimestepMlpParams p;
   p.in = timestep_mlp_inputs(features, w1, b1, w2, b2, numerics);
-  p.temb = view(temb, "temb");
-  p.pre = view(pre, "pre");
-  p.hidden = view(hidden, "hidden");
+  p.temb = view(t.out, "temb");
+  p.pre = view(t.pre, "pre");
+  p.hidden = view(t.hidden, "hidden");
   check_ok(detdit::timestep_mlp_forward(p, scope.stream()));
-  return {temb, pre, hidden};
+  return {t.out, t.pre, t.hidden};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
-  require_contiguous(features, "features");
-  require_contiguous(w1, "w1");
-  require_contiguous(w2, "w2");
   DeviceScope scope(features);
-  Tensor d_features = maybe_empty(output_mask[0], features, matrix_shape(features), at::kFloat);
-  Tensor d_w1 = maybe_empty(output_mask[1], features, matrix_shape(w1), at::kFloat);
-  Tensor d_b1 = maybe_empty(output_mask[2], features, {dim_or_zero(w1, 0)}, at::kFloat);
-  Tensor d_w2 = maybe_empty(output_mask[3], features, matrix_shape(w2), at::kFloat);
-  Tensor d_b2 = maybe_empty(output_mask[4], features, {dim_or_zero(w2, 0)}, at::kFloat);
+  auto [d_features, d_w1, d_b1, d_w2, d_b2] = mlp_backward_tensors(features, "features", w1, w2, output_mask);
   detdit::TimestepMlpBackwardParams p;
   p.in = timestep_mlp_inputs(features, w1, Tensor(), w2, Tensor(), numerics);
   p.pre = view(pre, "pre");
@@ -205,6 +234,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
   p.d_b2 = view(d_b2, "d_b2");
   check_ok(detdit::timestep_mlp_backward(p, scope.stream()));
   return {d_features, d_w1, d_b1, d_w2, d_b2};
+}
+
+std::tuple<Tensor, Tensor, Tensor> text_projection(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
+                                                   const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  DeviceScope scope(pooled);
+  MlpForwardTensors t = mlp_forward_tensors(pooled, "pooled", w1, w2);
+  detdit::TextProjectionParams p;
+  p.in = text_projection_inputs(pooled, w1, b1, w2, b2, numerics);
+  p.out = view(t.out, "out");
+  p.saved = {view(t.pre, "pre"), view(t.hidden, "hidden")};
+  check_ok(detdit::text_projection_forward(p, scope.stream()));
+  return {t.out, t.pre, t.hidden};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> text_projection_backward(
+    const Tensor& grad_out, const Tensor& pooled, const Tensor& w1, const Tensor& w2, const Tensor& pre,
+    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
+  DeviceScope scope(pooled);
+  auto [d_pooled, d_w1, d_b1, d_w2, d_b2] = mlp_backward_tensors(pooled, "pooled", w1, w2, output_mask);
+  detdit::TextProjectionBackwardParams p;
+  p.in = text_projection_inputs(pooled, w1, Tensor(), w2, Tensor(), numerics);
+  p.saved = {view(pre, "pre"), view(hidden, "hidden")};
+  p.grad_out = view(grad_out, "grad_out");
+  p.grads = {view(d_pooled, "d_pooled"), view(d_w1, "d_w1"), view(d_b1, "d_b1"), view(d_w2, "d_w2"),
+             view(d_b2, "d_b2")};
+  check_ok(detdit::text_projection_backward(p, scope.stream()));
+  return {d_pooled, d_w1, d_b1, d_w2, d_b2};
 }
 
 // ---------------------------------------------------------------------------
