@@ -7,8 +7,13 @@
 
 #include <cstdint>
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "cases/index_case.h"
 #include "cases/op_case.h"
+#include "cases/oracle.h"
 
 namespace detdit {
 namespace cases {
@@ -73,9 +78,39 @@ struct MlpShape {
   int64_t rows = 3, in_features = 24, hidden = 72, dim = 64;
   uint64_t seed = 1400;
   Fill w1{}, b1{}, w2{}, b2{}, features{};  // absent: counter-uniform
+  DType dtype = DType::kF32;                // every tensor's; bf16: the activation-dtype MLP
 };
 
 OpCase timestep_mlp_case(const MlpShape& s);
+
+// ---- the families' embeddings in the activation dtype (cases/embedding_cases.cc) ----
+
+// text_projection (pooled (rows, pooled) -> hidden -> hidden) and
+// combined_timestep_embedding (sinusoid features (rows, channels), guided or
+// not, and the pooled text, every MLP -> hidden).
+struct EmbeddingShape {
+  DType dtype = DType::kBF16;
+  int64_t rows = 3, channels = 32, pooled = 24, hidden = 48;
+  bool guided = false;
+  uint64_t seed = 3000;
+};
+OpCase text_projection_case(const EmbeddingShape& s);
+OpCase combined_timestep_embedding_case(const EmbeddingShape& s);
+// timestep_mlp's bf16 cases of `suite` (timestep_mlp_cases adds them to its own).
+std::vector<OpCase> bf16_timestep_mlp_cases(Suite suite, const CaseContext& ctx);
+
+// One MLP's tensor names in a case: x, out; prefix + w1, b1, w2, b2, pre,
+// hidden; grad_<out>; d_<each input>.
+struct MlpCaseNames {
+  std::string x, out, w1, b1, w2, b2, pre, hidden, grad, d_x, d_w1, d_b1, d_w2, d_b2;
+};
+MlpCaseNames mlp_case_names(const std::string& x, const std::string& out, const std::string& prefix);
+// The FP64 oracle (cases/oracle.h) of a case's MLP from host copies of its
+// tensors (the backward's too when `backward`).
+MlpReference mlp_case_reference(const std::map<std::string, HostTensor>& t, const MlpCaseNames& n, bool backward);
+// The forward's stages each against FP64 from the run's own input to it: pre,
+// hidden, and with check_out the MLP's out and the whole chain from x.
+std::vector<AccuracyCheck> mlp_forward_stage_accuracy(const MlpCaseNames& n, bool check_out);
 
 }  // namespace cases
 }  // namespace detdit

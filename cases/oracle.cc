@@ -157,35 +157,53 @@ std::vector<double> linear_d_b64(const std::vector<double>& g, int64_t rows, int
   return d_b;
 }
 
-std::vector<double> sinusoid_frequencies64(int64_t half, double max_period) {
+std::vector<double> sinusoid_frequencies64(int64_t half, double max_period, double downscale_freq_shift) {
   std::vector<double> freq(static_cast<std::size_t>(half));
   for (int64_t k = 0; k < half; ++k)
-    freq[k] = std::exp(-std::log(max_period) * static_cast<double>(k) / static_cast<double>(half));
+    freq[k] = std::exp(-std::log(max_period) * static_cast<double>(k) / (static_cast<double>(half) - downscale_freq_shift));
   return freq;
 }
 
-std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period) {
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, const SinusoidOracle64& o) {
   const int64_t half = channels / 2, rows = static_cast<int64_t>(timesteps.size());
-  const std::vector<double> freq = sinusoid_frequencies64(half, max_period);
-  std::vector<double> out(static_cast<std::size_t>(rows * channels));
+  const std::vector<double> freq = sinusoid_frequencies64(half, o.max_period, o.downscale_freq_shift);
+  const int64_t cos_at = o.flip_sin_to_cos ? 0 : half, sin_at = o.flip_sin_to_cos ? half : 0;
+  std::vector<double> out(static_cast<std::size_t>(rows * channels), 0.0);  // an odd C's last column stays 0
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t k = 0; k < half; ++k) {
-      out[t * channels + k] = std::cos(timesteps[t] * freq[k]);
-      out[t * channels + half + k] = std::sin(timesteps[t] * freq[k]);
+      const double arg = o.scale * timesteps[t] * freq[k];
+      out[t * channels + cos_at + k] = std::cos(arg);
+      out[t * channels + sin_at + k] = std::sin(arg);
     }
   return out;
 }
 
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period) {
+  SinusoidOracle64 o;
+  o.max_period = max_period;
+  return sinusoid64(timesteps, channels, o);
+}
+
 std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
-                                          int64_t channels, double max_period) {
+                                   int64_t channels, const SinusoidOracle64& o) {
   const int64_t half = channels / 2, rows = static_cast<int64_t>(timesteps.size());
-  const std::vector<double> freq = sinusoid_frequencies64(half, max_period);
+  const std::vector<double> freq = sinusoid_frequencies64(half, o.max_period, o.downscale_freq_shift);
+  const int64_t cos_at = o.flip_sin_to_cos ? 0 : half, sin_at = o.flip_sin_to_cos ? half : 0;
   std::vector<double> d_t(static_cast<std::size_t>(rows), 0.0);
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t k = 0; k < half; ++k)
-      d_t[t] += freq[k] * (-grad[t * channels + k] * std::sin(timesteps[t] * freq[k]) +
-                           grad[t * channels + half + k] * std::cos(timesteps[t] * freq[k]));
+    for (int64_t k = 0; k < half; ++k) {
+      const double arg = o.scale * timesteps[t] * freq[k];
+      d_t[t] += o.scale * freq[k] *
+                (-grad[t * channels + cos_at + k] * std::sin(arg) + grad[t * channels + sin_at + k] * std::cos(arg));
+    }
   return d_t;
+}
+
+std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
+                                   int64_t channels, double max_period) {
+  SinusoidOracle64 o;
+  o.max_period = max_period;
+  return sinusoid_d_t64(timesteps, grad, channels, o);
 }
 
 RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight, const HostTensor* shift,
@@ -270,6 +288,52 @@ ProjectionReference projection_reference(const HostTensor& temb, const HostTenso
     ref.d_temb[i] *= sig * (1.0 + z * (1.0 - sig));
   }
   return ref;
+}
+
+MlpReference mlp_reference(const HostTensor& x, const HostTensor& w1, const HostTensor& b1, const HostTensor& w2,
+                           const HostTensor& b2, const HostTensor& run_pre, const HostTensor& run_hidden,
+                           const HostTensor* grad) {
+  const DType dtype = x.dtype();
+  const int64_t rows = x.shape()[0], k_in = x.shape()[1], hidden = w1.shape()[0], d_out = w2.shape()[0];
+  auto store = [dtype](double v) { return dtype == DType::kF32 ? static_cast<double>(static_cast<float>(v))
+                                                              : correctly_rounded(v, dtype); };
+  auto silu_stored = [&store](double z) { return store(silu64(z)); };
+  // y[t, n] = sum_k a[t, k] w[n, k] + b[n] and sum |a w| + |b|, over plain doubles.
+  auto affine = [](const std::vector<double>& a, const HostTensor& w, const HostTensor& b, int64_t rows_,
+                   int64_t k_, int64_t n_, std::vector<double>* y, std::vector<double>* mag) {
+    y->assign(static_cast<std::size_t>(rows_ * n_), 0.0);
+    if (mag) mag->assign(y->size(), 0.0);
+    for (int64_t t = 0; t < rows_; ++t)
+      for (int64_t n = 0; n < n_; ++n) {
+        double acc = b.get(n), m = std::fabs(acc);
+        for (int64_t k = 0; k < k_; ++k) {
+          const double product = a[t * k_ + k] * w.get(n * k_ + k);
+          acc += product;
+          m += std::fabs(product);
+        }
+        (*y)[t * n_ + n] = acc;
+        if (mag) (*mag)[t * n_ + n] = m;
+      }
+  };
+  MlpReference r;
+  const std::vector<double> xs = to_doubles(x), pre_run = to_doubles(run_pre), hidden_run = to_doubles(run_hidden);
+  affine(xs, w1, b1, rows, k_in, hidden, &r.pre_exact, &r.pre_magnitude);
+  r.hidden_of_run_pre.resize(pre_run.size());
+  for (std::size_t i = 0; i < pre_run.size(); ++i) r.hidden_of_run_pre[i] = silu_stored(pre_run[i]);
+  affine(hidden_run, w2, b2, rows, hidden, d_out, &r.out_of_run_hidden, &r.out_magnitude);
+  std::vector<double> own_hidden(r.pre_exact.size());
+  for (std::size_t i = 0; i < own_hidden.size(); ++i) own_hidden[i] = silu_stored(store(r.pre_exact[i]));
+  affine(own_hidden, w2, b2, rows, hidden, d_out, &r.out, nullptr);
+  if (!grad) return r;
+  const std::vector<double> g = to_doubles(*grad);
+  r.d_w2 = linear_d_w64(g, hidden_run, rows, hidden, d_out);
+  r.d_b2 = linear_d_b64(g, rows, d_out);
+  std::vector<double> d_pre = linear_d_x64(g, to_doubles(w2), rows, hidden, d_out);
+  for (std::size_t i = 0; i < d_pre.size(); ++i) d_pre[i] *= silu_derivative64(pre_run[i]);
+  r.d_w1 = linear_d_w64(d_pre, xs, rows, k_in, hidden);
+  r.d_b1 = linear_d_b64(d_pre, rows, hidden);
+  r.d_x = linear_d_x64(d_pre, to_doubles(w1), rows, k_in, hidden);
+  return r;
 }
 
 ProjectionExact projection_exact64(const HostTensor& temb, const HostTensor& weight, const HostTensor& bias) {

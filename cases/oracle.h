@@ -58,11 +58,22 @@ std::vector<double> linear_d_b64(const std::vector<double>& g, int64_t rows, int
 
 // ---- timestep_sinusoid -----------------------------------------------------------
 
-// diffusers' Timesteps(C, flip_sin_to_cos=True, shift=0):
-// freq[k] = exp(-ln(max_period) k / half); features[t] = [cos(t freq) | sin(t freq)].
-std::vector<double> sinusoid_frequencies64(int64_t half, double max_period);
+// diffusers' get_timestep_embedding (Timesteps(C, flip_sin_to_cos,
+// downscale_freq_shift, scale)) in FP64: half = C / 2,
+// freq[k] = exp(-ln(max_period) k / (half - downscale_freq_shift)),
+// arg = scale t freq, features[t] = [cos(arg) | sin(arg)] (flip_sin_to_cos;
+// else [sin | cos]), then a zero column when C is odd.
+struct SinusoidOracle64 {
+  double max_period = 10000.0;
+  bool flip_sin_to_cos = true;
+  double downscale_freq_shift = 0.0, scale = 1.0;
+};
+std::vector<double> sinusoid_frequencies64(int64_t half, double max_period, double downscale_freq_shift = 0.0);
+std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, const SinusoidOracle64& o);
 std::vector<double> sinusoid64(const std::vector<double>& timesteps, int64_t channels, double max_period);
-// d_t[t] = sum_k freq[k] (-g[t, k] sin(t freq[k]) + g[t, half + k] cos(t freq[k]))
+// d_t[t] = sum_k scale freq[k] (-g[t, cos column k] sin(arg) + g[t, sin column k] cos(arg))
+std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
+                                   int64_t channels, const SinusoidOracle64& o);
 std::vector<double> sinusoid_d_t64(const std::vector<double>& timesteps, const std::vector<double>& grad,
                                    int64_t channels, double max_period);
 
@@ -82,6 +93,26 @@ RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight
 // The exact (3T, 6H) gather gradient: d_rows[r, chunk*H + i] = sum of
 // grad[chunk, p, i] over the positions p of row r; grad (6, B*S, H).
 std::vector<double> row_gather_grad_exact(const IndexCase& c, const HostTensor& grad, int64_t hidden);
+
+// ---- the two-layer SiLU MLP (timestep_mlp, text_projection) ---------------------------
+
+// The MLP in FP64 with the model's storage roundings in `dtype` (the identity
+// for fp32): pre = R(x W1^T + b1), hidden = R(silu(pre)), out = hidden W2^T +
+// b2 before its rounding. Each stage also from the run's own saved input to it
+// (run_pre, run_hidden: what the run's next stage read), so that a stage is
+// measured alone: pre_exact from x; hidden_of_run_pre = R(silu(run_pre));
+// out_of_run_hidden from run_hidden, with the magnitude sum |h_k w_k| + |b|
+// of its terms. The backward, straight through every rounding, from the run's
+// pre and hidden and the exact gradient g: d_w2 = g^T hidden, d_b2 = sum g,
+// d_pre = (g W2) silu'(pre), d_w1 = d_pre^T x, d_b1 = sum d_pre, d_x = d_pre W1.
+struct MlpReference {
+  std::vector<double> pre_exact, pre_magnitude, hidden_of_run_pre, out_of_run_hidden, out_magnitude;
+  std::vector<double> out;  // the whole chain from x alone, with the roundings above
+  std::vector<double> d_x, d_w1, d_b1, d_w2, d_b2;
+};
+MlpReference mlp_reference(const HostTensor& x, const HostTensor& w1, const HostTensor& b1, const HostTensor& w2,
+                           const HostTensor& b2, const HostTensor& run_pre, const HostTensor& run_hidden,
+                           const HostTensor* grad);
 
 // ---- the AdaLN projection -----------------------------------------------------------
 

@@ -94,6 +94,8 @@ struct ProjectionShape {
   int64_t rows = 1, dim = 8, out_features = 18 * 4;
   uint64_t seed = 1500;
   Fill weight{}, bias{}, temb{};  // absent: counter-uniform
+  int chunks = 0;                 // 0: H3's projection; > 0: a family's chunk count
+  DType temb_dtype = DType::kF32; // a family's may be the weight's
 };
 
 OpCase adaln_projection_case(const ProjectionShape& s) {
@@ -101,8 +103,10 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
   c.op = "adaln_projection";
   c.name = std::string(dtype_name(s.dtype)) + " T=" + std::to_string(s.rows) + " D=" + std::to_string(s.dim) +
            " N=" + std::to_string(s.out_features);
+  if (s.chunks > 0)
+    c.name += " chunks=" + std::to_string(s.chunks) + " temb " + dtype_name(s.temb_dtype);
   const int64_t T = s.rows, D = s.dim, N = s.out_features;
-  c.input("temb", Phase::kForward, DType::kF32, {T, D}, s.temb ? s.temb : uniform_values(s.seed, 0.0, 3.0), 0);
+  c.input("temb", Phase::kForward, s.temb_dtype, {T, D}, s.temb ? s.temb : uniform_values(s.seed, 0.0, 3.0), 0);
   c.input("weight", Phase::kForward, s.dtype, {N, D}, s.weight ? s.weight : uniform_values(s.seed + 1, 0.0, 0.02));
   c.input("bias", Phase::kForward, s.dtype, {N}, s.bias ? s.bias : uniform_values(s.seed + 2, 0.0, 1.0));
   c.output("table", Phase::kForward, s.dtype, {T, N}, 0);
@@ -112,8 +116,10 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
   c.output("d_weight", Phase::kBackward, s.dtype, {N, D});
   c.output("d_bias", Phase::kBackward, s.dtype, {N});
   c.takes_profile = true;  // the SiLU's exp
-  auto inputs = [](const Instance& t) {
-    return AdalnProjectionInputs{t["temb"], t["weight"], t["bias"], t.numerics};
+  const int chunks = s.chunks;
+  if (chunks > 0) c.arguments["chunks"] = std::to_string(chunks);
+  auto inputs = [chunks](const Instance& t) {
+    return AdalnProjectionInputs{t["temb"], t["weight"], t["bias"], t.numerics, chunks};
   };
   c.forward = [inputs](const Instance& t, Stream stream) {
     return adaln_projection_forward({inputs(t), t["table"], t["act"]}, stream);
@@ -129,6 +135,46 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
     ProjectionShape one = s;
     one.rows = 1;
     return adaln_projection_case(one);
+  };
+  return c;
+}
+
+// ---- adaln_table_add ---------------------------------------------------------------
+
+struct TableAddShape {
+  DType table_dtype = DType::kF32, proj_dtype = DType::kBF16;
+  int64_t rows = 1, chunks = 6, hidden = 8;
+  bool broadcast = false;  // proj (T, 1, H): the final layers' time embedding
+  uint64_t seed = 1800;
+};
+
+OpCase adaln_table_add_case(const TableAddShape& s) {
+  OpCase c;
+  c.op = "adaln_table_add";
+  c.name = std::string("table ") + dtype_name(s.table_dtype) + " proj " + dtype_name(s.proj_dtype) +
+           " T=" + std::to_string(s.rows) + " K=" + std::to_string(s.chunks) + " H=" + std::to_string(s.hidden) +
+           (s.broadcast ? " proj (T, 1, H)" : "");
+  const int64_t T = s.rows, K = s.chunks, H = s.hidden, P = s.broadcast ? 1 : K;
+  const DType out = s.table_dtype == s.proj_dtype ? s.table_dtype : DType::kF32;
+  c.input("table", Phase::kForward, s.table_dtype, {K, H}, uniform_values(s.seed, 0.0, 0.5));
+  c.input("proj", Phase::kForward, s.proj_dtype, {T, P, H}, uniform_values(s.seed + 1, 0.0, 1.0), 0);
+  c.output("out", Phase::kForward, out, {T, K, H}, 0);
+  c.input("grad", Phase::kBackward, out, {T, K, H}, uniform_values(s.seed + 2, 0.0, 1.0), 0);
+  c.output("d_table", Phase::kBackward, s.table_dtype, {K, H});
+  c.output("d_proj", Phase::kBackward, s.proj_dtype, {T, P, H}, 0);
+  c.forward = [](const Instance& t, Stream stream) {
+    return adaln_table_add_forward({t["table"], t["proj"], t["out"]}, stream);
+  };
+  c.backward = [](const Instance& t, Stream stream) {
+    return adaln_table_add_backward({t["grad"], t["d_table"], t["d_proj"]}, stream);
+  };
+  c.set_bytes(Phase::kForward, {"table", "proj", "out"});
+  c.set_bytes(Phase::kBackward, {"grad", "d_table", "d_proj"});
+  c.positions = T;
+  c.alone = [s](int64_t) {
+    TableAddShape one = s;
+    one.rows = 1;
+    return adaln_table_add_case(one);
   };
   return c;
 }
@@ -354,6 +400,20 @@ std::vector<OpCase> adaln_projection_cases(Suite suite, const CaseContext& ctx) 
     cases.push_back(adaln_projection_case({DType::kF32, 1, 8, 18 * 7, 1501}));
     cases.push_back(adaln_projection_case({DType::kBF16, 4, kH3TimeDim, 18 * kH3Hidden, 1510}));
     cases.push_back(adaln_projection_case({DType::kBF16, 1, kH3TimeDim, 18 * kH3Hidden, 1511}));
+    // The families' projections: their chunk counts, bf16 and fp32 temb, per
+    // sample (T = B) and per token (T = B*S).
+    auto family = [](DType dtype, DType temb, int64_t rows, int64_t dim, int chunks, int64_t hidden, uint64_t seed) {
+      ProjectionShape s{dtype, rows, dim, chunks * hidden, seed};
+      s.chunks = chunks;
+      s.temb_dtype = temb;
+      return adaln_projection_case(s);
+    };
+    cases.push_back(family(DType::kBF16, DType::kBF16, 2, 24, 6, 8, 1540));   // AdaLayerNormZero
+    cases.push_back(family(DType::kBF16, DType::kBF16, 3, 16, 9, 8, 1541));   // SD35AdaLayerNormZeroX
+    cases.push_back(family(DType::kBF16, DType::kF32, 2, 16, 3, 12, 1542));   // AdaLayerNormZeroSingle
+    cases.push_back(family(DType::kBF16, DType::kBF16, 2, 8, 2, 20, 1543));   // AdaLayerNormContinuous
+    cases.push_back(family(DType::kF32, DType::kF32, 37, 8, 6, 4, 1544));     // Wan TI2V per token
+    cases.push_back(family(DType::kBF16, DType::kBF16, 300, 8, 6, 4, 1545));  // LTX per token, T past one chunk
     return cases;
   }
   // Block 0's projection: kBench at its sizes in bf16; kVerify at T = 4
@@ -423,6 +483,22 @@ std::vector<OpCase> adaln_modulation_cases(Suite suite, const CaseContext& ctx) 
   return cases;
 }
 
+std::vector<OpCase> adaln_table_add_cases(Suite suite, const CaseContext&) {
+  std::vector<OpCase> cases;
+  if (suite != Suite::kTest) return cases;
+  // Wan (fp32 table + bf16 projection -> fp32), LTX-Video (bf16 + bf16), the
+  // final layers' (T, 1, H) time embedding, fp16, and T past one 256-row chunk
+  // (d_table folds several partials).
+  cases.push_back(adaln_table_add_case({DType::kF32, DType::kBF16, 3, 6, 8, false, 1800}));
+  cases.push_back(adaln_table_add_case({DType::kBF16, DType::kBF16, 5, 6, 12, false, 1801}));
+  cases.push_back(adaln_table_add_case({DType::kF32, DType::kF32, 4, 2, 16, true, 1802}));
+  cases.push_back(adaln_table_add_case({DType::kBF16, DType::kBF16, 7, 2, 8, true, 1803}));
+  cases.push_back(adaln_table_add_case({DType::kF16, DType::kF32, 2, 3, 5, false, 1804}));
+  cases.push_back(adaln_table_add_case({DType::kF32, DType::kBF16, 600, 6, 4, false, 1805}));
+  cases.push_back(adaln_table_add_case({DType::kBF16, DType::kBF16, 513, 2, 8, true, 1806}));
+  return cases;
+}
+
 std::vector<OpCase> final_adaln_out_cases(Suite suite, const CaseContext& ctx) {
   std::vector<OpCase> cases;
   if (suite == Suite::kTest) {
@@ -466,6 +542,7 @@ DETDIT_OP_CASES("linear", linear_cases);
 DETDIT_OP_CASES("adaln_projection", adaln_projection_cases);
 DETDIT_OP_CASES("adaln_modulation", adaln_modulation_cases);
 DETDIT_OP_CASES("final_adaln_out", final_adaln_out_cases);
+DETDIT_OP_CASES("adaln_table_add", adaln_table_add_cases);
 
 }  // namespace
 }  // namespace cases

@@ -100,7 +100,28 @@ def main():
         for channels in (256, 254, 200):
             ref = get_timestep_embedding(t, channels)
             p.check(f"timestep_sinusoid T=8192 C={channels}",
-                    ["sinusoid", 8192, channels, p.write("t.bin", t), p.path("out.bin")], ref, "out.bin")
+                    ["sinusoid", 8192, channels, 1, 0, 1, 1, p.write("t.bin", t), p.path("out.bin")], ref, "out.bin")
+        # The other families' conventions: (label, C, flip, shift, scale, t_max, timesteps). SD3, Flux,
+        # HunyuanVideo, LTX: sigma * 1000 (Flux's through bf16); Wan and CogVideoX (C = H = 1920):
+        # integers in [0, 999]; Qwen-Image: t in [0, 1] in bf16 with scale 1000; Flux's guidance * 1000;
+        # odd C with [sin | cos] and shift 1 (get_timestep_embedding's own defaults).
+        sigma = torch.rand(1024, generator=gen, device=dev)
+        sigma[:2] = torch.tensor([0.0, 1.0], device=dev)
+        integers = (sigma * 1000).floor().clamp(max=999)
+        conventions = [
+            ("sigma*1000", 256, True, 0, 1, 1000, sigma * 1000),
+            ("sigma*1000 bf16", 256, True, 0, 1, 1000, (sigma * 1000).to(torch.bfloat16).float()),
+            ("integer t", 256, True, 0, 1, 1000, integers),
+            ("integer t C=1920", 1920, True, 0, 1, 1000, integers),
+            ("scale=1000 bf16 t", 256, True, 0, 1000, 1, sigma.to(torch.bfloat16).float()),
+            ("guidance*1000", 256, True, 0, 1, 20000, sigma * 20000),
+            ("sin|cos shift=1 C=255", 255, False, 1, 1, 1000, sigma * 1000),
+        ]
+        for label, channels, flip, shift, scale, t_max, ts in conventions:
+            ref = get_timestep_embedding(ts, channels, flip, shift, scale)
+            p.check(f"timestep_sinusoid {label} T={ts.numel()} C={channels}",
+                    ["sinusoid", ts.numel(), channels, int(flip), shift, scale, t_max, p.write("t.bin", ts),
+                     p.path("out.bin")], ref, "out.bin")
 
         # rmsnorm vs F.rms_norm, x = 30 randn.
         for name, dtype in DTYPES.items():

@@ -22,7 +22,9 @@ from ._version import __version__  # noqa: F401  (written by setup.py from the r
 
 __all__ = [
     "IndexPlan", "PlanTables", "plan", "plan_from_rows", "plan_tables", "timestep_sinusoid", "linear", "timestep_mlp",
-    "adaln_projection", "adaln_table_chunks", "adaln_row_gather", "rmsnorm", "gate_residual",
+    "text_projection", "combined_timestep_embedding",
+    "adaln_projection", "adaln_table_chunks", "adaln_chunk_order", "adaln_table_add", "final_layer_continuous",
+    "final_layer_table", "adaln_row_gather", "rmsnorm", "gate_residual",
     "gate_residual_rmsnorm", "final_adaln_out", "adaln_modulation", "layernorm", "gate_residual_layernorm",
     "H3_HIDDEN_SIZE", "H3_FREQ_DIM", "H3_TIME_EMBED_HIDDEN_DIM", "H3_TIME_EMBED_DIM",
     "H3_MAX_PERIOD", "H3_NORM_EPS", "ADALN_CHUNKS", "NUM_MODALITIES",
@@ -158,16 +160,26 @@ def _profile(numerics):
     return numerics
 
 
-def timestep_sinusoid(timesteps, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable",
-                      check_range=True):
-    """``(T,)`` timesteps in [0, 1] (t = 1 - sigma, unscaled) -> ``(T, C)`` float32 ``[cos | sin]``
-    features (diffusers' ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``).
+def timestep_sinusoid(timesteps, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, flip_sin_to_cos=True,
+                      downscale_freq_shift=0, scale=1, t_max=1.0, numerics="portable", check_range=True):
+    """``(T,)`` timesteps in [0, t_max] -> ``(T, num_channels)`` float32 features: diffusers'
+    ``Timesteps(num_channels, flip_sin_to_cos, downscale_freq_shift, scale)`` (with ``max_period``),
+    ``[cos | sin]`` when ``flip_sin_to_cos`` else ``[sin | cos]``, one zero column when
+    ``num_channels`` is odd.
 
-    ``check_range=False``: the caller guarantees finite t in [0, 1]; the op then never reads
-    the timesteps on the host (no stream synchronisation, so a CUDA graph can capture it)."""
+    ``t_max`` bounds the timesteps: 1.0 (the default, MiniMax-H3) takes t = 1 - sigma unscaled, so
+    the sigma * 1000 convention fails closed unless ``t_max=1000`` (SD3, Flux, Wan, HunyuanVideo,
+    LTX-Video, CogVideoX) or larger (a guidance * 1000 embedding) says so; NaN, infinities, negative
+    values and values above t_max are a ValueError naming the first one. ``|scale| * t_max`` must
+    not exceed 1e6 (the portable sin/cos range). ``check_range=False``: the caller guarantees finite
+    t in [0, t_max]; the op then never reads the timesteps on the host (no stream synchronisation,
+    so a CUDA graph can capture it)."""
     _check("timestep_sinusoid", timesteps=(timesteps, _TENSOR), num_channels=(num_channels, _INT),
-           max_period=(max_period, _REAL), check_range=(check_range, _BOOL))
-    return _ops.timestep_sinusoid.default(timesteps, num_channels, float(max_period), _profile(numerics), check_range)
+           max_period=(max_period, _REAL), flip_sin_to_cos=(flip_sin_to_cos, _BOOL),
+           downscale_freq_shift=(downscale_freq_shift, _REAL), scale=(scale, _REAL), t_max=(t_max, _REAL),
+           check_range=(check_range, _BOOL))
+    return _ops.timestep_sinusoid.default(timesteps, num_channels, float(max_period), _profile(numerics), check_range,
+                                          flip_sin_to_cos, float(downscale_freq_shift), float(scale), float(t_max))
 
 
 def linear(x, weight, bias=None, activation="none", numerics="portable"):
@@ -178,27 +190,81 @@ def linear(x, weight, bias=None, activation="none", numerics="portable"):
 
 
 def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
-    """``W2 silu(W1 f + b1) + b2``, all float32 (diffusers' TimestepEmbedding)."""
+    """``W2 silu(W1 f + b1) + b2`` (diffusers' TimestepEmbedding) in the features' dtype: float32 (H3's FP32
+    time embedder) or bfloat16 (the activation-dtype MLP of SD3, Flux, HunyuanVideo: the linear's result, the
+    SiLU's and temb each rounded once to bfloat16, where eager rounds). Every operand in that dtype."""
     _check("timestep_mlp", features=(features, _TENSOR), w1=(w1, _TENSOR), b1=(b1, _TENSOR), w2=(w2, _TENSOR),
            b2=(b2, _TENSOR))
     return _ops.timestep_mlp.default(features, w1, b1, w2, b2, _profile(numerics))[0]
 
 
-def adaln_projection(temb, weight, bias, numerics="portable"):
-    """``table = linear(bf16(silu(temb)))``: ``(T, 18H)`` in the weight's dtype (temb float32)."""
-    _check("adaln_projection", temb=(temb, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _TENSOR))
-    return _ops.adaln_projection.default(temb, weight, bias, _profile(numerics))[0]
+def text_projection(pooled, w1, b1, w2, b2, numerics="portable"):
+    """``W2 silu(W1 pooled + b1) + b2``: diffusers' PixArtAlphaTextProjection with ``act_fn="silu"`` (the pooled
+    text embedder of SD3, Flux, HunyuanVideo), timestep_mlp's arithmetic in the pooled text's dtype."""
+    _check("text_projection", pooled=(pooled, _TENSOR), w1=(w1, _TENSOR), b1=(b1, _TENSOR), w2=(w2, _TENSOR),
+           b2=(b2, _TENSOR))
+    return _ops.text_projection.default(pooled, w1, b1, w2, b2, _profile(numerics))[0]
 
 
-def adaln_table_chunks(table, hidden):
-    """The six ``(3T, H)`` modulation views of a ``(T, 18H)`` table (row ``ti*3 + tag``),
+def combined_timestep_embedding(timestep_features, pooled, timestep_weights, text_weights, guidance_features=None,
+                                guidance_weights=None, numerics="portable"):
+    """``temb = (t_emb + g_emb) + text_emb`` (``t_emb + text_emb`` without guidance): diffusers'
+    CombinedTimestepGuidanceTextProjEmbeddings (Flux-dev, HunyuanVideo) and CombinedTimestepTextProjEmbeddings
+    (SD3, Flux-schnell). ``t_emb = timestep_mlp(timestep_features, *timestep_weights)``, ``g_emb`` the same with
+    the guidance's, ``text_emb = text_projection(pooled, *text_weights)``; each weights argument is
+    ``(w1, b1, w2, b2)``. The features are timestep_sinusoid's, cast to the pooled text's dtype by the caller as the
+    models do. Each add is rounded once to that dtype (eager's ``+``): the C++ combined_timestep_embedding's bytes."""
+    _check("combined_timestep_embedding", timestep_features=(timestep_features, _TENSOR), pooled=(pooled, _TENSOR),
+           guidance_features=(guidance_features, _OPTIONAL_TENSOR))
+    if (guidance_features is None) != (guidance_weights is None):
+        raise ValueError("combined_timestep_embedding: guidance_features and guidance_weights come together "
+                         "(both, for a guidance embedder, or neither)")
+    temb = timestep_mlp(timestep_features, *timestep_weights, numerics=numerics)
+    if guidance_features is not None:
+        temb = temb + timestep_mlp(guidance_features, *guidance_weights, numerics=numerics)
+    return temb + text_projection(pooled, *text_weights, numerics=numerics)
+
+
+def adaln_projection(temb, weight, bias, numerics="portable", chunks=None):
+    """``table = linear(bf16(silu(temb)))``: ``(T, N)`` in the weight's dtype.
+
+    ``chunks=None``: H3's projection (``N = 18H``, temb float32). A family's chunk count
+    (``len(adaln_chunk_order(name))``): N a positive multiple of it, temb float32 or the
+    weight's dtype (eager's ``linear(silu(temb))`` on a bf16 temb: the same act), T rows per
+    sample or per token; its gradient comes back in temb's dtype."""
+    _check("adaln_projection", temb=(temb, _TENSOR), weight=(weight, _TENSOR), bias=(bias, _TENSOR),
+           chunks=(chunks, _OPTIONAL_INT))
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"adaln_projection: chunks must be a positive chunk count or None (H3), got {chunks}")
+    return _ops.adaln_projection.default(temb, weight, bias, _profile(numerics), chunks or 0)[0]
+
+
+def adaln_chunk_order(name):
+    """The chunk names of the AdaLN chunk order ``name``, in table column order: ``h3``,
+    ``ada_layer_norm_zero``, ``sd35_ada_layer_norm_zero_x``, ``ada_layer_norm_zero_single``,
+    ``ada_layer_norm_continuous`` (scale first), ``ada_layer_norm`` (CogVideoX's norm_out),
+    ``cogvideox_layer_norm_zero``, ``wan_block``, ``scale_shift_table_final`` (Wan's and
+    LTX-Video's final table)."""
+    _check("adaln_chunk_order", name=(name, _STR))
+    return tuple(_ops.adaln_chunk_order(name))
+
+
+def adaln_table_chunks(table, hidden, order="h3"):
+    """The modulation views of a projection's table, in ``order``'s chunk order.
+
+    ``order="h3"``: the six ``(3T, H)`` views of a ``(T, 18H)`` table (row ``ti*3 + tag``),
     diffusers' ``view(-1, 6H).chunk(6, -1)``: shift_msa, scale_msa, gate_msa, shift_mlp,
-    scale_mlp, gate_mlp."""
-    _check("adaln_table_chunks", table=(table, _TENSOR), hidden=(hidden, _INT))
-    width = NUM_MODALITIES * ADALN_CHUNKS * hidden
+    scale_mlp, gate_mlp. Another order of K chunks: the K ``(T, H)`` views of a ``(T, K*H)``
+    table or of an ``adaln_table_add`` output ``(T, K, H)`` (``chunk(K, 1)``)."""
+    _check("adaln_table_chunks", table=(table, _TENSOR), hidden=(hidden, _INT), order=(order, _STR))
+    chunks = ADALN_CHUNKS if order == "h3" else len(adaln_chunk_order(order))
+    width = (NUM_MODALITIES if order == "h3" else 1) * chunks * hidden
+    layout = "(T, 18 * hidden)" if order == "h3" else f"(T, {chunks} * hidden) or (T, {chunks}, hidden)"
     # the views need exactly this layout; torch's view would report anything else as a RuntimeError
-    if hidden < 1 or table.dim() != 2 or table.shape[1] != width:
-        raise ValueError(f"adaln_table_chunks: table must be (T, 18 * hidden) = (T, {width}) with hidden >= 1, "
+    family_3d = order != "h3" and table.dim() == 3 and tuple(table.shape[1:]) == (chunks, hidden)
+    if hidden < 1 or not (family_3d or (table.dim() == 2 and table.shape[1] == width)):
+        shown = f"(T, {width})" if order == "h3" else f"(T, {width}) or (T, {chunks}, {hidden})"
+        raise ValueError(f"adaln_table_chunks: table must be {layout} = {shown} with hidden >= 1, "
                          f"got {tuple(table.shape)} with hidden = {hidden}")
     if not table.is_contiguous():
         raise ValueError(f"adaln_table_chunks: table must be contiguous (its chunks are views of it), got strides "
@@ -210,7 +276,77 @@ def adaln_table_chunks(table, hidden):
                         f"table), got {table.dtype}")
     if _compile.is_eager_meta(table):
         raise ValueError("adaln_table_chunks: table must be a CPU or CUDA tensor, got one on meta")
-    return table.view(-1, ADALN_CHUNKS * hidden).chunk(ADALN_CHUNKS, -1)
+    return table.view(-1, chunks * hidden).chunk(chunks, -1)
+
+
+def adaln_table_add(table, proj):
+    """Wan's and LTX-Video's modulation ``table + proj``: table ``(K, H)`` (a stored ``(1, K, H)``
+    table may be passed as it is), proj ``(T, K*H)``, ``(T, K, H)`` or ``(T, 1, H)`` (the final
+    layers' time embedding, broadcast over the K chunks) -> ``(T, K, H)`` in the promoted dtype
+    (fp32 table + bf16 proj -> fp32, as eager). One rounded add, bitwise eager's; the table's
+    gradient is detdit's canonical reduction over the T rows."""
+    _check("adaln_table_add", table=(table, _TENSOR), proj=(proj, _TENSOR))
+    if table.dim() == 3 and table.shape[0] == 1:
+        table = table[0]
+    if table.dim() == 2 and proj.dim() == 2 and proj.shape[1] == table.shape[0] * table.shape[1]:
+        proj = proj.view(proj.shape[0], table.shape[0], table.shape[1])
+    return _ops.adaln_table_add.default(table, proj)
+
+
+def _modulation_rows(chunk, x, what):
+    """A ``(T, H)`` chunk view as layernorm's modulation: per sample ``(B, H)`` (T = B) or per
+    token ``(B, S, H)`` (T = B*S)."""
+    batch, seq = x.shape[0], x.shape[1]
+    if chunk.shape[0] == batch:
+        return chunk
+    if chunk.shape[0] == batch * seq:
+        return chunk.view(batch, seq, chunk.shape[1])
+    raise ValueError(f"{what}: temb must have B = {batch} rows (per sample) or B*S = {batch * seq} rows (per token), "
+                     f"got {chunk.shape[0]}")
+
+
+def final_layer_continuous(x, temb, weight, bias, proj_weight, proj_bias=None, eps=1e-6, numerics="portable"):
+    """The final layer of SD3, Flux, HunyuanVideo and Qwen-Image: diffusers'
+    ``AdaLayerNormContinuous(H, D, elementwise_affine=False, eps)`` then ``proj_out``, as the
+    composition ``table = adaln_projection(temb, weight, bias, chunks=2)`` (scale first, then
+    shift; the ``ada_layer_norm_continuous`` order), ``n = layernorm(x, shift=, scale=, eps=)``
+    (each op rounded as eager; per sample for a ``(B, D)`` temb, per token for ``(B*S, D)``),
+    ``out = linear(n, proj_weight, proj_bias)``. x ``(B, S, H)`` in the weights' dtype -> ``(B,
+    S, O)``; autograd through the three ops; each sample's outputs and dx are its own."""
+    _check("final_layer_continuous", x=(x, _TENSOR), temb=(temb, _TENSOR), weight=(weight, _TENSOR),
+           bias=(bias, _TENSOR), proj_weight=(proj_weight, _TENSOR), proj_bias=(proj_bias, _OPTIONAL_TENSOR),
+           eps=(eps, _REAL))
+    if x.dim() != 3:
+        raise ValueError(f"final_layer_continuous: x must be (B, S, H), got {tuple(x.shape)}")
+    batch, seq, hidden = x.shape
+    table = adaln_projection(temb, weight, bias, numerics, chunks=2)
+    scale, shift = (_modulation_rows(c, x, "final_layer_continuous")
+                    for c in adaln_table_chunks(table, hidden, "ada_layer_norm_continuous"))
+    n = layernorm(x, shift=shift, scale=scale, eps=eps, numerics=numerics)
+    out = linear(n.reshape(batch * seq, hidden), proj_weight, proj_bias, numerics=numerics)
+    return out.view(batch, seq, out.shape[1])
+
+
+def final_layer_table(x, temb, table, proj_weight, proj_bias=None, eps=1e-6, upcast=False, numerics="portable"):
+    """The final layer of Wan (``upcast=True``: FP32LayerNorm and an fp32 table) and LTX-Video
+    (``upcast=False``: bf16, each op rounded): ``shift, scale = table (2, H) + temb`` (the raw
+    time embedding broadcast over the two chunks, :func:`adaln_table_add`; the
+    ``scale_shift_table_final`` order), ``n = layernorm(x, shift=, scale=, eps=, upcast=)``,
+    ``out = linear(n, proj_weight, proj_bias)``. temb ``(B, H)`` per sample or ``(B, S, H)`` /
+    ``(B*S, H)`` per token (Wan 2.2 TI2V, LTX-Video image-to-video); x ``(B, S, H)`` -> ``(B,
+    S, O)``; autograd through the three ops."""
+    _check("final_layer_table", x=(x, _TENSOR), temb=(temb, _TENSOR), table=(table, _TENSOR),
+           proj_weight=(proj_weight, _TENSOR), proj_bias=(proj_bias, _OPTIONAL_TENSOR), eps=(eps, _REAL),
+           upcast=(upcast, _BOOL))
+    if x.dim() != 3:
+        raise ValueError(f"final_layer_table: x must be (B, S, H), got {tuple(x.shape)}")
+    batch, seq, hidden = x.shape
+    mod = adaln_table_add(table, temb.reshape(-1, 1, hidden))
+    shift, scale = (_modulation_rows(c, x, "final_layer_table")
+                    for c in adaln_table_chunks(mod, hidden, "scale_shift_table_final"))
+    n = layernorm(x, shift=shift, scale=scale, eps=eps, upcast=upcast, numerics=numerics)
+    out = linear(n.reshape(batch * seq, hidden), proj_weight, proj_bias, numerics=numerics)
+    return out.view(batch, seq, out.shape[1])
 
 
 def adaln_row_gather(rows, index_plan):

@@ -193,13 +193,15 @@ def _seq_len(plan):
 # ---------------------------------------------------------------------------
 # The fake kernels, in the order of ops.h and distributed.h
 
-def _timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range=True):
+def _timestep_sinusoid(timesteps, num_channels, max_period, numerics, check_range=True, flip_sin_to_cos=True,
+                       downscale_freq_shift=0.0, scale=1.0, t_max=1.0):
     if num_channels < 1:
-        raise ValueError(f"num_channels must be a positive even number, got {num_channels}")
+        raise ValueError(f"num_channels must be positive, got {num_channels}")
     return _empty(timesteps, (_dim(timesteps, 0), num_channels), torch.float32)
 
 
-def _timestep_sinusoid_backward(grad_features, timesteps, max_period, numerics, check_range=True):
+def _timestep_sinusoid_backward(grad_features, timesteps, max_period, numerics, check_range=True,
+                                flip_sin_to_cos=True, downscale_freq_shift=0.0, scale=1.0, t_max=1.0):
     return _empty(timesteps, (_dim(timesteps, 0),), timesteps.dtype)
 
 
@@ -213,31 +215,48 @@ def _linear_backward(grad, x, weight, pre, activation, numerics, output_mask):
             _maybe(output_mask[2], x, (_dim(weight, 0),), weight.dtype))
 
 
+def _mlp_dtype(x):
+    """The MLP's dtype: the input's (fp32 or bf16; the kernel refuses any other)."""
+    return x.dtype if x.dtype.is_floating_point else torch.float32
+
+
 def _timestep_mlp(features, w1, b1, w2, b2, numerics):
-    rows, hidden = _dim(features, 0), _dim(w1, 0)
-    return (_empty(features, (rows, _dim(w2, 0)), torch.float32), _empty(features, (rows, hidden), torch.float32),
-            _empty(features, (rows, hidden), torch.float32))
+    rows, hidden, dtype = _dim(features, 0), _dim(w1, 0), _mlp_dtype(features)
+    return (_empty(features, (rows, _dim(w2, 0)), dtype), _empty(features, (rows, hidden), dtype),
+            _empty(features, (rows, hidden), dtype))
 
 
 def _timestep_mlp_backward(grad_temb, features, w1, w2, pre, hidden, numerics, output_mask):
-    f32 = torch.float32
-    return (_maybe(output_mask[0], features, _matrix(features), f32), _maybe(output_mask[1], features, _matrix(w1), f32),
-            _maybe(output_mask[2], features, (_dim(w1, 0),), f32), _maybe(output_mask[3], features, _matrix(w2), f32),
-            _maybe(output_mask[4], features, (_dim(w2, 0),), f32))
+    dtype = _mlp_dtype(features)
+    return (_maybe(output_mask[0], features, _matrix(features), dtype),
+            _maybe(output_mask[1], features, _matrix(w1), dtype), _maybe(output_mask[2], features, (_dim(w1, 0),), dtype),
+            _maybe(output_mask[3], features, _matrix(w2), dtype), _maybe(output_mask[4], features, (_dim(w2, 0),), dtype))
 
 
 def _adaln_projection_with(columns, temb, weight):
     return (_empty(temb, (_dim(temb, 0), columns), weight.dtype), _empty(temb, _matrix(temb), weight.dtype))
 
 
-def _adaln_projection(temb, weight, bias, numerics):
+def _adaln_projection(temb, weight, bias, numerics, chunks=0):
     return _adaln_projection_with(_dim(weight, 0), temb, weight)
 
 
-def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask):
-    return (_maybe(output_mask[0], temb, _matrix(temb), torch.float32),
+def _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask, chunks=0):
+    # d_temb in temb's dtype (float32 but for a family's bf16 temb)
+    return (_maybe(output_mask[0], temb, _matrix(temb), temb.dtype),
             _maybe(output_mask[1], temb, _matrix(weight), weight.dtype),
             _maybe(output_mask[2], temb, (_dim(weight, 0),), weight.dtype))
+
+
+def _adaln_table_add(table, proj):
+    dtype = table.dtype if table.dtype == proj.dtype else torch.float32
+    return _empty(proj, (_dim(proj, 0), _dim(table, 0), _dim(table, 1)), dtype)
+
+
+def _adaln_table_add_backward(grad, table_dtype, proj_dtype, proj_broadcast, output_mask):
+    rows, k, hidden = _dim(grad, 0), _dim(grad, 1), _dim(grad, 2)
+    return (_maybe(output_mask[0], grad, (k, hidden), table_dtype),
+            _maybe(output_mask[1], grad, (rows, 1 if proj_broadcast else k, hidden), proj_dtype))
 
 
 def _adaln_row_gather(rows, plan):
@@ -488,7 +507,9 @@ FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
     "timestep_mlp": _timestep_mlp, "timestep_mlp_backward": _timestep_mlp_backward,
+    "text_projection": _timestep_mlp, "text_projection_backward": _timestep_mlp_backward,
     "adaln_projection": _adaln_projection, "adaln_projection_backward": _adaln_projection_backward,
+    "adaln_table_add": _adaln_table_add, "adaln_table_add_backward": _adaln_table_add_backward,
     "adaln_row_gather": _adaln_row_gather, "adaln_row_gather_backward": _adaln_row_gather_backward,
     "rmsnorm": _rmsnorm, "rmsnorm_backward": _rmsnorm_backward,
     "rmsnorm.plan": _rmsnorm, "rmsnorm_backward.plan": _rmsnorm_backward,

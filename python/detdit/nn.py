@@ -35,16 +35,22 @@ __all__ = ["Timesteps", "TimestepEmbedding", "AdaLNModulation", "RMSNorm", "Gate
 
 
 class Timesteps(nn.Module):
-    """diffusers' ``Timesteps(num_channels, flip_sin_to_cos=True, downscale_freq_shift=0)``:
-    ``(T,)`` t = 1 - sigma in [0, 1] -> ``(T, num_channels)`` float32. No parameters."""
+    """diffusers' ``Timesteps(num_channels, flip_sin_to_cos, downscale_freq_shift, scale=1)``, same
+    constructor order and attributes, plus the timesteps' bound ``t_max`` (1: t = 1 - sigma in
+    [0, 1], MiniMax-H3; 1000: sigma * 1000) and ``max_period``: ``(T,)`` timesteps ->
+    ``(T, num_channels)`` float32 (:func:`detdit.timestep_sinusoid`). No parameters."""
 
-    def __init__(self, num_channels=H3_FREQ_DIM, max_period=H3_MAX_PERIOD, numerics="portable", check_range=True):
+    def __init__(self, num_channels=H3_FREQ_DIM, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1, t_max=1.0,
+                 max_period=H3_MAX_PERIOD, numerics="portable", check_range=True):
         super().__init__()
-        self.num_channels, self.max_period, self.numerics = num_channels, max_period, numerics
+        self.num_channels, self.flip_sin_to_cos = num_channels, flip_sin_to_cos
+        self.downscale_freq_shift, self.scale, self.t_max = downscale_freq_shift, scale, t_max
+        self.max_period, self.numerics = max_period, numerics
         self.check_range = check_range  # False: t pre-validated (no host read; CUDA-graph capturable)
 
     def forward(self, timesteps):
-        return timestep_sinusoid(timesteps, self.num_channels, self.max_period, self.numerics, self.check_range)
+        return timestep_sinusoid(timesteps, self.num_channels, self.max_period, self.flip_sin_to_cos,
+                                 self.downscale_freq_shift, self.scale, self.t_max, self.numerics, self.check_range)
 
 
 class TimestepEmbedding(nn.Module):
@@ -181,7 +187,7 @@ class H3Conditioning(nn.Module):
                  time_embed_hidden_dim=H3_TIME_EMBED_HIDDEN_DIM, time_embed_dim=H3_TIME_EMBED_DIM, eps=H3_NORM_EPS,
                  dtype=torch.bfloat16, numerics="portable", device=None):
         super().__init__()
-        self.time_proj = Timesteps(freq_dim, H3_MAX_PERIOD, numerics)
+        self.time_proj = Timesteps(freq_dim, max_period=H3_MAX_PERIOD, numerics=numerics)
         self.time_embedder = TimestepEmbedding(freq_dim, time_embed_hidden_dim, time_embed_dim, numerics, device)
         self.transformer_blocks = nn.ModuleList(
             H3BlockConditioning(hidden_size, time_embed_dim, eps, dtype, numerics, device) for _ in range(num_blocks))

@@ -136,7 +136,13 @@ struct LayernormPartials {
   /* only); partials of every chunk (LayernormPartials above) */                                        \
   X(layernorm_forward, const LayernormParams&, Stream)                                                   \
   X(layernorm_backward_rows, const LayernormBackwardParams&, Stream)                                     \
-  X(layernorm_backward_partials, const LayernormBackwardParams&, const LayernormPartials&, Stream)
+  X(layernorm_backward_partials, const LayernormBackwardParams&, const LayernormPartials&, Stream)        \
+  /* adaln_table_add (src/adaln_table_add.cc composes the backward): forward; d_proj (the cast, summed */ \
+  /* over K when proj is broadcast); column_chunk_partials(src, partials): partials (C, W) fp32 = the */  \
+  /* ascending chain over each chunk of 256 rows of src (M, W) (numerics 6.5 without an index) */         \
+  X(adaln_table_add_forward, const AdalnTableAddParams&, Stream)                                         \
+  X(adaln_table_add_backward_proj, const AdalnTableAddBackwardParams&, Stream)                           \
+  X(column_chunk_partials, const TensorView&, const TensorView&, Stream)
 
 // CUDA-only entry points (no CPU twin), stubbed without CUDA too.
 #define DETDIT_CUDA_ONLY_OPS(X)                                                                          \

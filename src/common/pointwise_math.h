@@ -30,22 +30,48 @@ struct PortableExp {
   DETDIT_HD float operator()(float x) const { return num::portable_exp(x); }
 };
 
-// The two FP32 constants of timestep_sinusoid (numerics 5.1), computed once on
-// the host and passed to kernels by value:
-//   log_scale = fp32(-ln(max_period)), inv_half = fp32(1.0 / half).
+// The FP32 constants of timestep_sinusoid (numerics 5.1), computed once on the
+// host and passed to kernels by value:
+//   log_scale = fp32(-ln(max_period)),
+//   inv_denom = fp32(1 / fp32(half - downscale_freq_shift)) (half - shift in FP64),
+//   scale     = the argument's scale (1: H3 and most families).
+// inv_denom divides in FP64 and rounds once: for FP32 operands that equals the
+// FP32 division 1.0f / denom (FP64 has more than 2 * 24 + 2 bits, so the
+// double rounding is innocuous), PyTorch's reciprocal of a scalar divisor.
+// With shift = 0 it is fp32(1 / half), H3's constant. half = 0 (C = 1) has no
+// frequency: inv_denom is then never read.
 struct SinusoidConstants {
   float log_scale;
-  float inv_half;
+  float inv_denom;
+  float scale;
 };
-inline SinusoidConstants sinusoid_constants(int64_t half, float max_period) {  // host only
+inline SinusoidConstants sinusoid_constants(int64_t half, float max_period, float downscale_freq_shift,
+                                            float scale) {  // host only
+  const float denom = static_cast<float>(static_cast<double>(half) - static_cast<double>(downscale_freq_shift));
   return SinusoidConstants{static_cast<float>(-std::log(static_cast<double>(max_period))),
-                           static_cast<float>(1.0 / static_cast<double>(half))};
+                           static_cast<float>(1.0 / static_cast<double>(denom)), scale};
 }
 
-// freq[k] = exp_P( rn( rn(log_scale * fp32(k)) * inv_half ) ); k < 2^24, so fp32(k) is exact.
+// freq[k] = exp_P( rn( rn(log_scale * fp32(k)) * inv_denom ) ); k < 2^24, so fp32(k) is exact.
 template <typename ExpFn>
 DETDIT_HD float sinusoid_frequency(SinusoidConstants constants, int64_t k, ExpFn exp_fn) {
-  return exp_fn(num::mul32(num::mul32(constants.log_scale, static_cast<float>(k)), constants.inv_half));
+  return exp_fn(num::mul32(num::mul32(constants.log_scale, static_cast<float>(k)), constants.inv_denom));
+}
+
+// arg[t, k] = rn( scale * rn(t * freq[k]) ); scale = 1 returns rn(t * freq[k]) exactly.
+DETDIT_HD float sinusoid_argument(SinusoidConstants constants, float time, float freq) {
+  return num::mul32(constants.scale, num::mul32(time, freq));
+}
+
+// Where the halves go in a row of C = 2 * half (+ 1) features: the cos half at
+// cos_column + k, the sin half at sin_column + k; an odd C ends in one +0.0
+// column (2 * half), which no gradient reads.
+struct SinusoidLayout {
+  int64_t half, channels, cos_column, sin_column;
+};
+inline SinusoidLayout sinusoid_layout(int64_t channels, bool flip_sin_to_cos) {  // host only
+  const int64_t half = channels / 2;
+  return SinusoidLayout{half, channels, flip_sin_to_cos ? 0 : half, flip_sin_to_cos ? half : 0};
 }
 
 }  // namespace detdit

@@ -22,12 +22,14 @@
 
 namespace detdit {
 
-// temb (T, D) fp32, T >= 1; weight (N, D) bf16 or fp32, contiguous, 16-byte
+// temb (T, D) fp32 (temb_in_weight_dtype: or weight's dtype, widened exactly
+// into FP32 scratch before the SiLU and its VJP), T >= 1; weight (N, D) bf16 or fp32, contiguous, 16-byte
 // aligned, D a multiple of the 16-byte vector width; bias (N,) weight's dtype
 // (required); table (T, N) weight's dtype; act (T, D) weight's dtype or absent;
 // one device; numerics valid on it; outputs overlap no input.
 Status validate_projection_forward(const TensorView& temb, const TensorView& weight, const TensorView& bias,
-                                   const TensorView& table, const TensorView& act, Numerics numerics);
+                                   const TensorView& table, const TensorView& act, Numerics numerics,
+                                   bool temb_in_weight_dtype = false);
 Status projection_forward(const TensorView& temb, const TensorView& weight, const TensorView& bias,
                           const TensorView& table, const TensorView& act, Numerics numerics, Stream stream);
 
@@ -38,7 +40,8 @@ Status projection_forward(const TensorView& temb, const TensorView& weight, cons
 // be absent.
 Status validate_projection_backward(const TensorView& temb, const TensorView& weight, const TensorView& act,
                                     const TensorView& grad_table, const TensorView& d_temb,
-                                    const TensorView& d_weight, const TensorView& d_bias, Numerics numerics);
+                                    const TensorView& d_weight, const TensorView& d_bias, Numerics numerics,
+                                    bool temb_in_weight_dtype = false);
 Status projection_backward(const TensorView& temb, const TensorView& weight, const TensorView& act,
                            const TensorView& grad_table, const TensorView& d_temb, const TensorView& d_weight,
                            const TensorView& d_bias, Numerics numerics, Stream stream);

@@ -217,7 +217,8 @@ DETDIT_HD double cos64_kernel(double r) {
 
 // Largest |x| the sin/cos reduction handles exactly: k = rint(x*2/pi) < 2^20,
 // so k*kPio2_1 (33 significant bits) is exact. detdit only evaluates sin/cos
-// at t*freq with t in [0, 1] and freq <= 1; larger arguments return NaN.
+// at timestep_sinusoid's arguments, which its validation keeps within
+// |scale| * t_max <= 1e6; larger arguments return NaN.
 constexpr float kPortableTrigMaxArg = 1.0e6f;
 
 // quadrant q = k mod 4 and reduced r = x - k*pi/2 (three-part pi/2).

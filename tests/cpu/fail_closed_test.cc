@@ -80,6 +80,16 @@ struct Entry {
   }
 };
 
+// The sinusoid cases in the default (H3) convention: the entries call the op
+// with TimestepSinusoidInputs' defaults.
+bool sinusoid_default_convention(const OpCase& c) {
+  const TimestepSinusoidInputs defaults;
+  return c.arguments.at("flip_sin_to_cos") == "true" &&
+         c.arguments.at("downscale_freq_shift") == argument_text(defaults.downscale_freq_shift) &&
+         c.arguments.at("scale") == argument_text(defaults.scale) &&
+         c.arguments.at("t_max") == argument_text(defaults.t_max);
+}
+
 bool contains(const std::vector<std::string>& names, const std::string& name) {
   for (const std::string& n : names)
     if (n == name) return true;
@@ -461,6 +471,9 @@ bool indexed(const OpCase& c) { return !forms_case(c); }
 bool modulated(const OpCase& c) { return has_tensor(c, "d_shift") && indexed(c); }
 bool plain(const OpCase& c) { return !has_tensor(c, "d_shift") && indexed(c); }
 bool has_fp32_out(const OpCase& c) { return has_tensor(c, "out") && c.spec("out").dtype == DType::kF32; }
+// H3's projection cases (projection_params sets no chunk count); the families'
+// (a "chunks" argument) have their own validation tests (adaln_table_add_test.cc).
+bool h3_projection(const OpCase& c) { return c.arguments.count("chunks") == 0; }
 
 // The gate: the case's (R, H) table, or chunk 2 of its (R, 6H) one.
 void gate_table(Args* a) {
@@ -500,11 +513,13 @@ const std::vector<Entry>& entries() {
        [](Args* a) { (*a)["d_pre"] = a->at("out"); }, has_fp32_out},
       {"adaln_projection_forward", "adaln_projection", {"temb", "weight", "bias", "table", "act"}, {"table", "act"},
        {"act"}, {"weight", "act"},
-       [](const Args& a, const IndexPlan&) { return adaln_projection_forward(projection_params(a)); }},
+       [](const Args& a, const IndexPlan&) { return adaln_projection_forward(projection_params(a)); }, nullptr,
+       h3_projection},
       {"adaln_projection_backward", "adaln_projection",
        {"temb", "weight", "act", "grad_table", "d_temb", "d_weight", "d_bias"}, {"d_temb", "d_weight", "d_bias"},
        {"d_temb", "d_weight", "d_bias"}, {"weight"},
-       [](const Args& a, const IndexPlan&) { return adaln_projection_backward(projection_backward_params(a)); }},
+       [](const Args& a, const IndexPlan&) { return adaln_projection_backward(projection_backward_params(a)); }, nullptr,
+       h3_projection},
       {"adaln_row_gather_forward", "adaln_row_gather", {"rows", "out"}, {"out"}, {}, {},
        [](const Args& a, const IndexPlan& plan) {
          return adaln_row_gather_forward({arg(a, "rows"), plan, arg(a, "out")});
@@ -606,13 +621,13 @@ const std::vector<Entry>& entries() {
        [](const Args& a, const IndexPlan&) {
          return timestep_sinusoid_forward({{arg(a, "timesteps")}, arg(a, "features")});
        },
-       nullptr, nullptr, {{"features", 1}}},
+       nullptr, sinusoid_default_convention, {{"features", 1}}},
       {"timestep_sinusoid_backward", "timestep_sinusoid", {"timesteps", "grad_features", "d_timesteps"},
        {"d_timesteps"}, {}, {},
        [](const Args& a, const IndexPlan&) {
          return timestep_sinusoid_backward({{arg(a, "timesteps")}, arg(a, "grad_features"), arg(a, "d_timesteps")});
        },
-       nullptr, nullptr, {{"grad_features", 1}}},
+       nullptr, sinusoid_default_convention, {{"grad_features", 1}}},
       {"timestep_mlp_forward", "timestep_mlp", {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"},
        {"temb", "pre", "hidden"}, {"pre", "hidden"}, {"features", "w1", "b1", "w2", "b2", "temb", "pre", "hidden"},
        [](const Args& a, const IndexPlan&) {

@@ -23,7 +23,8 @@ constexpr int64_t kMaxElements = 4 << 20;
 TEST(OpCases, EveryOpHasTestCases) {
   for (const char* op : {"rmsnorm", "gate_residual", "gate_residual_rmsnorm", "layernorm", "gate_residual_layernorm",
                          "adaln_row_gather", "linear", "adaln_projection",
-                         "adaln_modulation", "final_adaln_out", "timestep_sinusoid", "timestep_mlp"}) {
+                         "adaln_modulation", "final_adaln_out", "timestep_sinusoid", "timestep_mlp",
+                         "adaln_table_add"}) {
     EXPECT_FALSE(op_cases(op, Suite::kTest, CaseContext{}).empty()) << op;
   }
 }

@@ -175,9 +175,9 @@ TEST(TimestepMlpValidation, ForwardRejectsBadArgumentsAndWritesNothing) {
     std::function<void(TimestepMlpParams*)> edit;
   };
   const std::vector<Case> cases = {
-      {"bf16 w1", ErrorKind::kType, "w1 must be float32: the H3 time_embedder is an FP32 module",
+      {"bf16 w1", ErrorKind::kType, "w1 must be float32 like features (one MLP runs in one dtype), got bfloat16",
        [&](auto* p) { p->in.w1 = w1_bf16.view(); }},
-      {"bf16 features", ErrorKind::kType, "features must be float32: the H3 time_embedder is an FP32 module",
+      {"bf16 features", ErrorKind::kType, "w1 must be bfloat16 like features (one MLP runs in one dtype), got float32",
        [&](auto* p) { p->in.features = features_bf16.view(); }},
       {"w1 K mismatch", ErrorKind::kValue, "w1 must be (H, K)", [&](auto* p) { p->in.w1 = w1.reshaped({128, 16}); }},
       {"b1 shape", ErrorKind::kValue, "b1 must be (H,)", [&](auto* p) { p->in.b1 = b1.reshaped({32}); }},
@@ -244,7 +244,7 @@ TEST(TimestepMlpValidation, BackwardRejectsBadArgumentsAndWritesNothing) {
     std::function<void(TimestepMlpBackwardParams*)> edit;
   };
   const std::vector<Case> cases = {
-      {"bf16 grad_temb", ErrorKind::kType, "grad_temb must be float32: the H3 time_embedder is an FP32 module",
+      {"bf16 grad_temb", ErrorKind::kType, "grad_temb must be float32 like features (one MLP runs in one dtype), got bfloat16",
        [&](auto* p) { p->grad_temb = grad_bf16.view(); }},
       {"pre missing", ErrorKind::kValue, "pre is required", [&](auto* p) { p->pre = TensorView(); }},
       {"d_w1 shape", ErrorKind::kValue, "d_w1 must be (H, K)", [&](auto* p) { p->d_w1 = m.view("d_w1").reshaped({32, 64}); }},

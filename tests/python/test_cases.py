@@ -47,8 +47,10 @@ def _linear_unsupported(c):
 def _timestep_sinusoid(c):
     t, max_period = c["timesteps"], float(c.arguments["max_period"])
     channels = c["grad_features"].shape[1]
-    features = ops.timestep_sinusoid(t, channels, max_period, c.numerics, True)
-    d_t = ops.timestep_sinusoid_backward(c["grad_features"], t, max_period, c.numerics, True)
+    convention = (c.arguments["flip_sin_to_cos"] == "true", float(c.arguments["downscale_freq_shift"]),
+                  float(c.arguments["scale"]), float(c.arguments["t_max"]))
+    features = ops.timestep_sinusoid(t, channels, max_period, c.numerics, True, *convention)
+    d_t = ops.timestep_sinusoid_backward(c["grad_features"], t, max_period, c.numerics, True, *convention)
     return {"features": features, "d_timesteps": d_t}
 
 
@@ -60,10 +62,55 @@ def _timestep_mlp(c):
                     (temb, pre, hidden) + tuple(grads)))
 
 
+def _text_projection(c):
+    p, w1, b1, w2, b2 = (c[n] for n in ("pooled", "w1", "b1", "w2", "b2"))
+    out, pre, hidden = ops.text_projection(p, w1, b1, w2, b2, c.numerics)
+    grads = ops.text_projection_backward(c["grad_out"], p, w1, w2, pre, hidden, c.numerics, [True] * 5)
+    return dict(zip(("out", "pre", "hidden", "d_pooled", "d_w1", "d_b1", "d_w2", "d_b2"),
+                    (out, pre, hidden) + tuple(grads)))
+
+
+def _combined_timestep_embedding(c):
+    """detdit.combined_timestep_embedding (the Python composition of timestep_mlp, text_projection and torch's
+    adds) and its autograd against the C++ op's bytes; each MLP's saved tensors from its own operator."""
+    import detdit
+    mlps = [("timestep_features", "timestep_"), ("pooled", "text_")]
+    if "guidance_features" in c:
+        mlps.append(("guidance_features", "guidance_"))
+    leaves = {name: c[name].clone().requires_grad_(True)
+              for x, prefix in mlps for name in (x, prefix + "w1", prefix + "b1", prefix + "w2", prefix + "b2")}
+    weights = {prefix: [leaves[prefix + n] for n in ("w1", "b1", "w2", "b2")] for _, prefix in mlps}
+    guided = "guidance_features" in c
+    temb = detdit.combined_timestep_embedding(leaves["timestep_features"], leaves["pooled"], weights["timestep_"],
+                                              weights["text_"], leaves.get("guidance_features"),
+                                              weights.get("guidance_"), c.numerics)
+    temb.backward(c["grad_temb"])
+    got = {"temb": temb.detach()}
+    for x, prefix in mlps:
+        op = ops.text_projection if prefix == "text_" else ops.timestep_mlp
+        _, got[prefix + "pre"], got[prefix + "hidden"] = op(c[x], *(c[prefix + n] for n in ("w1", "b1", "w2", "b2")),
+                                                              c.numerics)
+        got["d_" + x] = leaves[x].grad
+        for n in ("w1", "b1", "w2", "b2"):
+            got["d_" + prefix + n] = leaves[prefix + n].grad
+    assert guided == ("guidance_" in weights)
+    return got
+
+
 def _adaln_projection(c):
-    table, act = ops.adaln_projection(c["temb"], c["weight"], c["bias"], c.numerics)
-    grads = ops.adaln_projection_backward(c["grad_table"], c["temb"], c["weight"], act, c.numerics, [True] * 3)
+    chunks = int(c.arguments.get("chunks", 0))  # absent: H3's projection
+    table, act = ops.adaln_projection(c["temb"], c["weight"], c["bias"], c.numerics, chunks)
+    grads = ops.adaln_projection_backward(c["grad_table"], c["temb"], c["weight"], act, c.numerics, [True] * 3,
+                                          chunks)
     return dict(zip(("table", "act", "d_temb", "d_weight", "d_bias"), (table, act) + tuple(grads)))
+
+
+def _adaln_table_add(c):
+    table, proj = c["table"], c["proj"]
+    out = ops.adaln_table_add(table, proj)
+    broadcast = proj.shape[1] == 1 and table.shape[0] != 1
+    d_table, d_proj = ops.adaln_table_add_backward(c["grad"], table.dtype, proj.dtype, broadcast, [True] * 2)
+    return {"out": out, "d_table": d_table, "d_proj": d_proj}
 
 
 def _adaln_modulation(c):
@@ -276,7 +323,10 @@ RECIPES = {
                          "pre": "returned only with activation='silu' (compared there)"}, _linear_unsupported),
     "timestep_sinusoid": (_timestep_sinusoid, {}, None),
     "timestep_mlp": (_timestep_mlp, {}, None),
+    "text_projection": (_text_projection, {}, None),
+    "combined_timestep_embedding": (_combined_timestep_embedding, {}, None),
     "adaln_projection": (_adaln_projection, {}, None),
+    "adaln_table_add": (_adaln_table_add, {}, None),
     "adaln_modulation": (_adaln_modulation, {}, None),
     "final_adaln_out": (_final_adaln_out, {}, None),
     "rmsnorm": (_rmsnorm, {}, None),

@@ -81,6 +81,8 @@ def inputs(device):
     final = find(cases, "final_adaln_out", "bfloat16 H=20 D=24 interleaved_S257_T3_B2")
     gather = find(cases, "adaln_row_gather", "bfloat16 H=20 interleaved_S257_T3_B2")
     mlp = find(cases, "timestep_mlp", "T=3 K=24 H=72 D=64")
+    bf16_mlp = find(cases, "timestep_mlp", "bfloat16 T=3 K=32 H=48 D=48")
+    text = find(cases, "text_projection", "bfloat16 B=3 P=24 H=48")
     linear = find(cases, "linear", "bfloat16 T=3 K=24 N=64 bias silu out bfloat16")
     sinusoid = find(cases, "timestep_sinusoid", "float32 T=8192 C=2")
     index = norm.plans["plan"]
@@ -93,6 +95,9 @@ def inputs(device):
         temb=modulation["temb"], pw=modulation["weight"], pb=modulation["bias"], fw=final["weight"],
         fb=final["bias"], lx=linear["x"], lw=linear["weight"], lb=linear["bias"], lg=linear["grad"],
         f=mlp["features"], w1=mlp["w1"], b1=mlp["b1"], w2=mlp["w2"], b2=mlp["b2"], temb_grad=mlp["grad_temb"],
+        bf=bf16_mlp["features"], bw1=bf16_mlp["w1"], bb1=bf16_mlp["b1"], bw2=bf16_mlp["w2"], bb2=bf16_mlp["b2"],
+        btemb_grad=bf16_mlp["grad_temb"], pooled=text["pooled"], tw1=text["w1"], tb1=text["b1"], tw2=text["w2"],
+        tb2=text["b2"], out_grad=text["grad_out"],
         rows=gather["rows_storage"], gather_grad=modulation["grad"][:, :seq], table_grad=modulation["table"])
     values = {k: v.contiguous().clone().to(device) for k, v in values.items()}
     values.update(plan=norm.plan(device=device), tplan=final.plan(device=device))
@@ -107,6 +112,10 @@ def op_cases(device, comm=None):
     T, T2 = i["table"], i["table2"]
     _, pre = ops.linear.default(i["lx"], i["lw"], i["lb"], "silu", p)
     _, mlp_pre, mlp_hidden = ops.timestep_mlp.default(i["f"], i["w1"], i["b1"], i["w2"], i["b2"], p)
+    bf16_mlp = (i["bf"], i["bw1"], i["bb1"], i["bw2"], i["bb2"])
+    _, bf16_pre, bf16_hidden = ops.timestep_mlp.default(*bf16_mlp, p)
+    text = (i["pooled"], i["tw1"], i["tb1"], i["tw2"], i["tb2"])
+    _, text_pre, text_hidden = ops.text_projection.default(*text, p)
     _, act = ops.adaln_projection.default(i["temb"], i["pw"], i["pb"], p)
     _, rstd = ops.rmsnorm.plan(x, w, T, T2, plan, eps, p)
     _, plain_rstd = ops.rmsnorm.default(x, w, None, None, None, eps, p)
@@ -158,6 +167,10 @@ def op_cases(device, comm=None):
          (None, grad, y, gate, w, w, shift, scale, None, gl_h, gl_mean, gl_rstd, eps, p, True, 1.0, [True] * 7)),
         ("timestep_sinusoid", ops.timestep_sinusoid.default, (i["t"], i["f_grad"].shape[1], 10000.0, p, True)),
         ("timestep_sinusoid_backward", ops.timestep_sinusoid_backward.default, (i["f_grad"], i["t"], 10000.0, p, True)),
+        ("timestep_sinusoid_conventions", ops.timestep_sinusoid.default,
+         (i["t"], 3, 10000.0, p, True, False, 0.5, 1000.0, 1.0)),
+        ("timestep_sinusoid_backward_conventions", ops.timestep_sinusoid_backward.default,
+         (i["f_grad"], i["t"], 10000.0, p, True, False, 0.5, 1000.0, 1.0)),
         ("linear", ops.linear.default, (i["lx"], i["lw"], i["lb"], "silu", p)),
         ("linear_none", ops.linear.default, (i["lx"], i["lw"], None, "none", p)),
         ("linear_backward", ops.linear_backward.default, (i["lg"], i["lx"], i["lw"], pre, "silu", p, [True] * 3)),
@@ -166,9 +179,21 @@ def op_cases(device, comm=None):
         ("timestep_mlp", ops.timestep_mlp.default, (i["f"], i["w1"], i["b1"], i["w2"], i["b2"], p)),
         ("timestep_mlp_backward", ops.timestep_mlp_backward.default,
          (i["temb_grad"], i["f"], i["w1"], i["w2"], mlp_pre, mlp_hidden, p, [True] * 5)),
+        ("timestep_mlp_bf16", ops.timestep_mlp.default, bf16_mlp + (p,)),
+        ("timestep_mlp_backward_bf16", ops.timestep_mlp_backward.default,
+         (i["btemb_grad"], i["bf"], i["bw1"], i["bw2"], bf16_pre, bf16_hidden, p, [True] * 5)),
+        ("text_projection", ops.text_projection.default, text + (p,)),
+        ("text_projection_backward", ops.text_projection_backward.default,
+         (i["out_grad"], i["pooled"], i["tw1"], i["tw2"], text_pre, text_hidden, p, [True, False, True, True, False])),
         ("adaln_projection", ops.adaln_projection.default, (i["temb"], i["pw"], i["pb"], p)),
         ("adaln_projection_backward", ops.adaln_projection_backward.default,
          (i["table_grad"], i["temb"], i["pw"], act, p, [True] * 3)),
+        ("adaln_table_add", ops.adaln_table_add.default, (torch.ones(6, hidden, device=device), torch.ones(3, 6, hidden, dtype=torch.bfloat16, device=device))),
+        ("adaln_table_add_broadcast", ops.adaln_table_add.default,
+         (torch.ones(2, hidden, dtype=torch.bfloat16, device=device),
+          torch.ones(3, 1, hidden, dtype=torch.bfloat16, device=device))),
+        ("adaln_table_add_backward", ops.adaln_table_add_backward.default,
+         (torch.ones(3, 2, hidden, device=device), torch.float32, torch.bfloat16, True, [True, True])),
         ("adaln_row_gather", ops.adaln_row_gather.default, (i["rows"], plan)),
         ("adaln_row_gather_backward", ops.adaln_row_gather_backward.default, (i["gather_grad"], plan)),
         ("rmsnorm", ops.rmsnorm.default, (x, w, None, None, None, eps, p)),
@@ -265,8 +290,9 @@ def test_every_op_has_a_fake_kernel():
     names = {s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
              for s in torch._C._jit_get_all_schemas() if s.name.startswith("detdit::")}
     # The constructors validate on the host (a plan is built outside a compiled region);
-    # release_scratch_memory manages memory, outside any model.
-    host_only = {"plan", "plan_from_rows", "sp_plan", "sp_plan.positions", "release_scratch_memory"}
+    # release_scratch_memory manages memory, outside any model; adaln_chunk_order takes a name.
+    host_only = {"plan", "plan_from_rows", "sp_plan", "sp_plan.positions", "release_scratch_memory",
+                 "adaln_chunk_order"}
     assert names - host_only == set(_compile.FAKE_KERNELS), names ^ set(_compile.FAKE_KERNELS)
 
 

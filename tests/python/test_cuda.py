@@ -126,6 +126,33 @@ def test_torch_profile_equals_eager():
     assert_bitwise_equal(act, F.silu(temb).to(torch.bfloat16), "SiLU + cast vs F.silu(temb).to(bf16)")
 
 
+@pytest.mark.parametrize("channels,flip,shift,scale,t_max,dtype", [
+    (256, True, 0, 1, 1000.0, torch.float32),      # SD3, Flux, HunyuanVideo, LTX: sigma * 1000
+    (256, True, 0, 1000, 1.0, torch.bfloat16),     # Qwen-Image: bf16 t in [0, 1], scale 1000
+    (1920, True, 0, 1, 1000.0, torch.float32),     # CogVideoX: C = H
+    (255, False, 1, 1, 1000.0, torch.float16),     # odd C, [sin | cos], shift 1
+])
+def test_sinusoid_conventions_torch_profile_equals_eager_and_portable_equals_cpu(channels, flip, shift, scale, t_max,
+                                                                                dtype):
+    dev = "cuda"
+    t = (torch.rand(64, generator=torch.Generator().manual_seed(240)) * t_max).to(dtype)
+    t[:2] = torch.tensor([0.0, t_max])
+    half = channels // 2
+    tc = t.to(dev)
+    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=dev)
+    emb = torch.exp(exponent / (half - shift))
+    emb = scale * (tc[:, None].float() * emb[None, :])
+    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
+    if flip:
+        emb = torch.cat([emb[:, half:], emb[:, :half]], dim=-1)
+    eager = F.pad(emb, (0, channels % 2, 0, 0))
+    got = detdit.timestep_sinusoid(tc, channels, 10000, flip, shift, scale, t_max, numerics="torch")
+    assert_bitwise_equal(got, eager, "sinusoid vs diffusers")
+    g = normal((64, channels), 241)
+    compare(run_both(lambda d, x: detdit.timestep_sinusoid(x, channels, 10000, flip, shift, scale, t_max), [t], g),
+            "sinusoid convention")
+
+
 def test_cuda_graph_capture_of_forward_and_backward():
     dev = "cuda"
     batch, seq, timesteps, hidden = 2, 300, 2, 256

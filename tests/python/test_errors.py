@@ -66,8 +66,10 @@ def test_value_errors(case):
         detdit.timestep_sinusoid(torch.tensor([0.5]), num_channels=0)
     with pytest.raises(ValueError, match="0-D|dimensions"):
         detdit.timestep_sinusoid(torch.tensor(0.5))
-    with pytest.raises(ValueError):  # odd channel count
-        detdit.timestep_sinusoid(torch.tensor([0.5]), num_channels=7)
+    with pytest.raises(ValueError, match=r"lie in \[0, t_max\] = \[0, 1000\] \(got timesteps\[1\] = 1001\)"):
+        detdit.timestep_sinusoid(torch.tensor([0.5, 1001.0]), t_max=1000)
+    with pytest.raises(ValueError, match="exceeds 1e6"):
+        detdit.timestep_sinusoid(torch.tensor([0.5]), scale=1000, t_max=1001)
 
 
 def test_index_errors(case):

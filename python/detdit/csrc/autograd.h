@@ -112,21 +112,29 @@ inline SpPlanPtr saved_sp(AutogradContext* ctx) { return ctx->saved_data["sp"].t
 
 struct TimestepSinusoidFunction : torch::autograd::Function<TimestepSinusoidFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& timesteps, int64_t num_channels, double max_period,
-                        const std::string& numerics, bool check_range) {
+                        const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                        double downscale_freq_shift, double scale, double t_max) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({timesteps});
     ctx->saved_data["max_period"] = max_period;
     ctx->saved_data["numerics"] = numerics;
     ctx->saved_data["check_range"] = check_range;
-    return DETDIT_OP(timestep_sinusoid)(timesteps, num_channels, max_period, numerics, check_range);
+    ctx->saved_data["flip_sin_to_cos"] = flip_sin_to_cos;
+    ctx->saved_data["downscale_freq_shift"] = downscale_freq_shift;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["t_max"] = t_max;
+    return DETDIT_OP(timestep_sinusoid)(timesteps, num_channels, max_period, numerics, check_range, flip_sin_to_cos,
+                                        downscale_freq_shift, scale, t_max);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     check_first_order();
     const Tensor timesteps = ctx->get_saved_variables()[0];
     Tensor d_t = DETDIT_OP(timestep_sinusoid_backward)(
         contiguous_grad(grads[0]), timesteps, ctx->saved_data["max_period"].toDouble(),
-        ctx->saved_data["numerics"].toStringRef(), ctx->saved_data["check_range"].toBool());
-    return {d_t, Tensor(), Tensor(), Tensor(), Tensor()};
+        ctx->saved_data["numerics"].toStringRef(), ctx->saved_data["check_range"].toBool(),
+        ctx->saved_data["flip_sin_to_cos"].toBool(), ctx->saved_data["downscale_freq_shift"].toDouble(),
+        ctx->saved_data["scale"].toDouble(), ctx->saved_data["t_max"].toDouble());
+    return {d_t, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -174,13 +182,36 @@ struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
   }
 };
 
+struct TextProjectionFunction : torch::autograd::Function<TextProjectionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& pooled, const Tensor& w1, const Tensor& b1,
+                               const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, pre, hidden] = DETDIT_OP(text_projection)(pooled, w1, b1, w2, b2, numerics);
+    ctx->save_for_backward({pooled, w1, w2, pre, hidden});
+    ctx->saved_data["numerics"] = numerics;
+    save_needs(ctx, {requires_grad(pooled), requires_grad(w1), requires_grad(b1), requires_grad(w2),
+                     requires_grad(b2)});
+    ctx->mark_non_differentiable({pre, hidden});
+    return {out, pre, hidden};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto s = ctx->get_saved_variables();
+    auto [d_p, d_w1, d_b1, d_w2, d_b2] =
+        DETDIT_OP(text_projection_backward)(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
+                                            ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
+    return {d_p, d_w1, d_b1, d_w2, d_b2, Tensor()};
+  }
+};
+
 struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                               const std::string& numerics) {
+                               const std::string& numerics, int64_t chunks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [table, act] = DETDIT_OP(adaln_projection)(temb, weight, bias, numerics);
+    auto [table, act] = DETDIT_OP(adaln_projection)(temb, weight, bias, numerics, chunks);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["chunks"] = chunks;
     save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({act});
     return {table, act};
@@ -189,8 +220,31 @@ struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFuncti
     check_first_order();
     auto s = ctx->get_saved_variables();
     auto [d_temb, d_weight, d_bias] = DETDIT_OP(adaln_projection_backward)(
-        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
-    return {d_temb, d_weight, d_bias, Tensor()};
+        contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx),
+        ctx->saved_data["chunks"].toInt());
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor()};
+  }
+};
+
+// adaln_table_add: the backward needs only the operands' dtypes and whether
+// proj was broadcast over K (nothing saved but metadata).
+struct AdalnTableAddFunction : torch::autograd::Function<AdalnTableAddFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& table, const Tensor& proj) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Tensor out = DETDIT_OP(adaln_table_add)(table, proj);
+    ctx->saved_data["table_dtype"] = static_cast<int64_t>(table.scalar_type());
+    ctx->saved_data["proj_dtype"] = static_cast<int64_t>(proj.scalar_type());
+    ctx->saved_data["broadcast"] = proj.dim() == 3 && proj.size(1) == 1 && out.size(1) != 1;
+    save_needs(ctx, {requires_grad(table), requires_grad(proj)});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order();
+    auto [d_table, d_proj] = DETDIT_OP(adaln_table_add_backward)(
+        contiguous_grad(grads[0]), static_cast<at::ScalarType>(ctx->saved_data["table_dtype"].toInt()),
+        static_cast<at::ScalarType>(ctx->saved_data["proj_dtype"].toInt()), ctx->saved_data["broadcast"].toBool(),
+        saved_needs<2>(ctx));
+    return {d_table, d_proj};
   }
 };
 

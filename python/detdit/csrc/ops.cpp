@@ -22,20 +22,27 @@ namespace detdit_torch {
 
 namespace {
 detdit::TimestepSinusoidInputs timestep_sinusoid_inputs(const Tensor& timesteps, double max_period,
-                                                        const std::string& numerics, bool check_range) {
+                                                        const std::string& numerics, bool check_range,
+                                                        bool flip_sin_to_cos, double downscale_freq_shift,
+                                                        double scale, double t_max) {
   detdit::TimestepSinusoidInputs in;
   in.timesteps = view(timesteps, "timesteps");
   in.max_period = static_cast<float>(max_period);
   in.numerics = parse_numerics(numerics);
   in.check_range = check_range;
+  in.flip_sin_to_cos = flip_sin_to_cos;
+  in.downscale_freq_shift = static_cast<float>(downscale_freq_shift);
+  in.scale = static_cast<float>(scale);
+  in.t_max = static_cast<float>(t_max);
   return in;
 }
 }  // namespace
 
 Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
-                         const std::string& numerics, bool check_range) {
-  if (num_channels < 1 || num_channels % 2 != 0)
-    C10_THROW_ERROR(ValueError, "num_channels must be a positive even number, got " + std::to_string(num_channels));
+                         const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                         double downscale_freq_shift, double scale, double t_max) {
+  if (num_channels < 1)
+    C10_THROW_ERROR(ValueError, "num_channels must be positive, got " + std::to_string(num_channels));
   require_contiguous(timesteps, "timesteps");
   // the (T, num_channels) float32 features' byte count must be an int64, or torch's allocator
   // reports the overflow as a RuntimeError
@@ -46,19 +53,22 @@ Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double m
   DeviceScope scope(timesteps);
   Tensor features = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0), num_channels}, at::kFloat);
   detdit::TimestepSinusoidParams p;
-  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range);
+  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range, flip_sin_to_cos, downscale_freq_shift,
+                                  scale, t_max);
   p.features = view(features, "features");
   check_ok(detdit::timestep_sinusoid_forward(p, scope.stream()));
   return features;
 }
 
 Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
-                                  const std::string& numerics, bool check_range) {
+                                  const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                                  double downscale_freq_shift, double scale, double t_max) {
   require_contiguous(timesteps, "timesteps");
   DeviceScope scope(timesteps);
   Tensor d_timesteps = empty_like_shape(timesteps, {dim_or_zero(timesteps, 0)}, timesteps.scalar_type());
   detdit::TimestepSinusoidBackwardParams p;
-  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range);
+  p.in = timestep_sinusoid_inputs(timesteps, max_period, numerics, check_range, flip_sin_to_cos, downscale_freq_shift,
+                                  scale, t_max);
   p.grad_features = view(grad_features, "grad_features");
   p.d_timesteps = view(d_timesteps, "d_timesteps");
   check_ok(detdit::timestep_sinusoid_backward(p, scope.stream()));
@@ -134,9 +144,43 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
 }
 
 // ---------------------------------------------------------------------------
-// timestep_mlp
+// timestep_mlp and text_projection (one MLP: the library's TimestepMlp and
+// TextProjection params hold the same tensors)
 
 namespace {
+// The MLP's dtype: the input's (fp32 or bf16; any other the library refuses,
+// after these allocations).
+at::ScalarType mlp_dtype(const Tensor& x) { return x.is_floating_point() ? x.scalar_type() : at::kFloat; }
+
+struct MlpForwardTensors {
+  Tensor out, pre, hidden;
+};
+
+MlpForwardTensors mlp_forward_tensors(const Tensor& x, const char* x_name, const Tensor& w1, const Tensor& w2) {
+  require_contiguous(x, x_name);
+  require_contiguous(w1, "w1");
+  require_contiguous(w2, "w2");
+  if (x.dim() == 2) require_dims(w1, "w1", {-1, x.size(1)}, "(H, K)");
+  if (w1.dim() == 2) require_dims(w2, "w2", {-1, w1.size(0)}, "(D, H)");
+  const int64_t rows = dim_or_zero(x, 0), hidden_dim = dim_or_zero(w1, 0);
+  const at::ScalarType dtype = mlp_dtype(x);
+  return {empty_like_shape(x, {rows, dim_or_zero(w2, 0)}, dtype), empty_like_shape(x, {rows, hidden_dim}, dtype),
+          empty_like_shape(x, {rows, hidden_dim}, dtype)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mlp_backward_tensors(const Tensor& x, const char* x_name,
+                                                                        const Tensor& w1, const Tensor& w2,
+                                                                        std::array<bool, 5> output_mask) {
+  require_contiguous(x, x_name);
+  require_contiguous(w1, "w1");
+  require_contiguous(w2, "w2");
+  const at::ScalarType dtype = mlp_dtype(x);
+  return {maybe_empty(output_mask[0], x, matrix_shape(x), dtype), maybe_empty(output_mask[1], x, matrix_shape(w1), dtype),
+          maybe_empty(output_mask[2], x, {dim_or_zero(w1, 0)}, dtype),
+          maybe_empty(output_mask[3], x, matrix_shape(w2), dtype),
+          maybe_empty(output_mask[4], x, {dim_or_zero(w2, 0)}, dtype)};
+}
+
 detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tensor& w1, const Tensor& b1,
                                               const Tensor& w2, const Tensor& b2, const std::string& numerics) {
   detdit::TimestepMlpInputs in;
@@ -148,41 +192,36 @@ detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tens
   in.numerics = parse_numerics(numerics);
   return in;
 }
+
+detdit::TextProjectionInputs text_projection_inputs(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
+                                                    const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  const detdit::TimestepMlpInputs mlp = timestep_mlp_inputs(pooled, w1, b1, w2, b2, numerics);
+  detdit::TextProjectionInputs in;
+  in.pooled = view(pooled, "pooled");
+  in.weights = {mlp.w1, mlp.b1, mlp.w2, mlp.b2};
+  in.numerics = mlp.numerics;
+  return in;
+}
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
                                                 const Tensor& w2, const Tensor& b2, const std::string& numerics) {
-  require_contiguous(features, "features");
-  require_contiguous(w1, "w1");
-  require_contiguous(w2, "w2");
-  if (features.dim() == 2) require_dims(w1, "w1", {-1, features.size(1)}, "(H, K)");
-  if (w1.dim() == 2) require_dims(w2, "w2", {-1, w1.size(0)}, "(D, H)");
   DeviceScope scope(features);
-  const int64_t rows = dim_or_zero(features, 0), hidden_dim = dim_or_zero(w1, 0);
-  Tensor temb = empty_like_shape(features, {rows, dim_or_zero(w2, 0)}, at::kFloat);
-  Tensor pre = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
-  Tensor hidden = empty_like_shape(features, {rows, hidden_dim}, at::kFloat);
+  MlpForwardTensors t = mlp_forward_tensors(features, "features", w1, w2);
   detdit::TimestepMlpParams p;
   p.in = timestep_mlp_inputs(features, w1, b1, w2, b2, numerics);
-  p.temb = view(temb, "temb");
-  p.pre = view(pre, "pre");
-  p.hidden = view(hidden, "hidden");
+  p.temb = view(t.out, "temb");
+  p.pre = view(t.pre, "pre");
+  p.hidden = view(t.hidden, "hidden");
   check_ok(detdit::timestep_mlp_forward(p, scope.stream()));
-  return {temb, pre, hidden};
+  return {t.out, t.pre, t.hidden};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
-  require_contiguous(features, "features");
-  require_contiguous(w1, "w1");
-  require_contiguous(w2, "w2");
   DeviceScope scope(features);
-  Tensor d_features = maybe_empty(output_mask[0], features, matrix_shape(features), at::kFloat);
-  Tensor d_w1 = maybe_empty(output_mask[1], features, matrix_shape(w1), at::kFloat);
-  Tensor d_b1 = maybe_empty(output_mask[2], features, {dim_or_zero(w1, 0)}, at::kFloat);
-  Tensor d_w2 = maybe_empty(output_mask[3], features, matrix_shape(w2), at::kFloat);
-  Tensor d_b2 = maybe_empty(output_mask[4], features, {dim_or_zero(w2, 0)}, at::kFloat);
+  auto [d_features, d_w1, d_b1, d_w2, d_b2] = mlp_backward_tensors(features, "features", w1, w2, output_mask);
   detdit::TimestepMlpBackwardParams p;
   p.in = timestep_mlp_inputs(features, w1, Tensor(), w2, Tensor(), numerics);
   p.pre = view(pre, "pre");
@@ -197,17 +236,46 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
   return {d_features, d_w1, d_b1, d_w2, d_b2};
 }
 
+std::tuple<Tensor, Tensor, Tensor> text_projection(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
+                                                   const Tensor& w2, const Tensor& b2, const std::string& numerics) {
+  DeviceScope scope(pooled);
+  MlpForwardTensors t = mlp_forward_tensors(pooled, "pooled", w1, w2);
+  detdit::TextProjectionParams p;
+  p.in = text_projection_inputs(pooled, w1, b1, w2, b2, numerics);
+  p.out = view(t.out, "out");
+  p.saved = {view(t.pre, "pre"), view(t.hidden, "hidden")};
+  check_ok(detdit::text_projection_forward(p, scope.stream()));
+  return {t.out, t.pre, t.hidden};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> text_projection_backward(
+    const Tensor& grad_out, const Tensor& pooled, const Tensor& w1, const Tensor& w2, const Tensor& pre,
+    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
+  DeviceScope scope(pooled);
+  auto [d_pooled, d_w1, d_b1, d_w2, d_b2] = mlp_backward_tensors(pooled, "pooled", w1, w2, output_mask);
+  detdit::TextProjectionBackwardParams p;
+  p.in = text_projection_inputs(pooled, w1, Tensor(), w2, Tensor(), numerics);
+  p.saved = {view(pre, "pre"), view(hidden, "hidden")};
+  p.grad_out = view(grad_out, "grad_out");
+  p.grads = {view(d_pooled, "d_pooled"), view(d_w1, "d_w1"), view(d_b1, "d_b1"), view(d_w2, "d_w2"),
+             view(d_b2, "d_b2")};
+  check_ok(detdit::text_projection_backward(p, scope.stream()));
+  return {d_pooled, d_w1, d_b1, d_w2, d_b2};
+}
+
 // ---------------------------------------------------------------------------
 // adaln_projection (and tp_adaln_projection through the _with forms)
 
 namespace {
 detdit::AdalnProjectionInputs adaln_projection_inputs(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                                      const std::string& numerics) {
+                                                      const std::string& numerics, int64_t chunks) {
   detdit::AdalnProjectionInputs in;
   in.temb = view(temb, "temb");
   in.weight = view(weight, "weight");
   in.bias = view(bias, "bias");
   in.numerics = parse_numerics(numerics);
+  // a count past int is no family's; the library refuses the clamped value
+  in.chunks = static_cast<int>(std::clamp<int64_t>(chunks, -1, 1 << 20));
   return in;
 }
 
@@ -223,13 +291,13 @@ void require_projection_operands(const Tensor& temb, const Tensor& weight) {
 
 std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                                 const std::string& numerics) {
+                                                 const std::string& numerics, int64_t chunks) {
   require_projection_operands(temb, weight);
   DeviceScope scope(temb);
   Tensor table = empty_like_shape(temb, {dim_or_zero(temb, 0), columns}, weight.scalar_type());
   Tensor act = empty_like_shape(temb, matrix_shape(temb), weight.scalar_type());
   detdit::AdalnProjectionParams p;
-  p.in = adaln_projection_inputs(temb, weight, bias, numerics);
+  p.in = adaln_projection_inputs(temb, weight, bias, numerics, chunks);
   p.table = view(table, "table");
   p.act = view(act, "act");
   check_ok(call(p, scope.stream()));
@@ -238,7 +306,8 @@ std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProject
 
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
     const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
-    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask) {
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask,
+    int64_t chunks) {
   require_contiguous(temb, "temb");
   require_contiguous(weight, "weight");
   DeviceScope scope(temb);
@@ -246,27 +315,74 @@ std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
   Tensor d_weight = maybe_empty(output_mask[1], temb, matrix_shape(weight), weight.scalar_type());
   Tensor d_bias = maybe_empty(output_mask[2], temb, {dim_or_zero(weight, 0)}, weight.scalar_type());
   detdit::AdalnProjectionBackwardParams p;
-  p.in = adaln_projection_inputs(temb, weight, Tensor(), numerics);
+  p.in = adaln_projection_inputs(temb, weight, Tensor(), numerics, chunks);
   p.act = view(act, "act");
   p.grad_table = view(grad_table, "grad_table");
   p.d_temb = view(d_temb, "d_temb");
   p.d_weight = view(d_weight, "d_weight");
   p.d_bias = view(d_bias, "d_bias");
   check_ok(call(p, scope.stream()));
+  // A family's bf16 temb: its gradient in its dtype, the FP32 value rounded once.
+  if (d_temb.defined() && temb.scalar_type() != at::kFloat) d_temb = d_temb.to(temb.scalar_type());
   return {d_temb, d_weight, d_bias};
 }
 
 std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                            const std::string& numerics) {
-  return adaln_projection_with(detdit::adaln_projection_forward, dim_or_zero(weight, 0), temb, weight, bias, numerics);
+                                            const std::string& numerics, int64_t chunks) {
+  return adaln_projection_with(detdit::adaln_projection_forward, dim_or_zero(weight, 0), temb, weight, bias, numerics,
+                               chunks);
 }
 
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                              const Tensor& weight, const Tensor& act,
                                                              const std::string& numerics,
-                                                             std::array<bool, 3> output_mask) {
+                                                             std::array<bool, 3> output_mask, int64_t chunks) {
   return adaln_projection_backward_with(detdit::adaln_projection_backward, grad_table, temb, weight, act, numerics,
-                                        output_mask);
+                                        output_mask, chunks);
+}
+
+// ---------------------------------------------------------------------------
+// adaln_table_add and the chunk orders
+
+Tensor adaln_table_add(const Tensor& table, const Tensor& proj) {
+  DeviceScope scope(proj);
+  require_contiguous(table, "table");
+  require_contiguous(proj, "proj");
+  // out's shape comes from the operands: their layout before anything is allocated
+  require_dims(table, "table", {-1, -1}, "(K, H)");
+  require_dims(proj, "proj", {-1, -1, dim_or_zero(table, 1)}, "(T, K, H) or (T, 1, H) with table's H");
+  const at::ScalarType out_dtype =
+      table.scalar_type() == proj.scalar_type() ? table.scalar_type() : at::kFloat;
+  Tensor out = empty_like_shape(proj, {proj.size(0), table.size(0), table.size(1)}, out_dtype);
+  detdit::AdalnTableAddParams p;
+  p.table = view(table, "table");
+  p.proj = view(proj, "proj");
+  p.out = view(out, "out");
+  check_ok(detdit::adaln_table_add_forward(p, scope.stream()));
+  return out;
+}
+
+std::tuple<Tensor, Tensor> adaln_table_add_backward(const Tensor& grad, at::ScalarType table_dtype,
+                                                    at::ScalarType proj_dtype, bool proj_broadcast,
+                                                    std::array<bool, 2> output_mask) {
+  DeviceScope scope(grad);
+  require_contiguous(grad, "grad");
+  require_dims(grad, "grad", {-1, -1, -1}, "(T, K, H)");
+  Tensor d_table = maybe_empty(output_mask[0], grad, {grad.size(1), grad.size(2)}, table_dtype);
+  Tensor d_proj = maybe_empty(output_mask[1], grad, {grad.size(0), proj_broadcast ? 1 : grad.size(1), grad.size(2)},
+                              proj_dtype);
+  detdit::AdalnTableAddBackwardParams p;
+  p.grad = view(grad, "grad");
+  p.d_table = view(d_table, "d_table");
+  p.d_proj = view(d_proj, "d_proj");
+  check_ok(detdit::adaln_table_add_backward(p, scope.stream()));
+  return {d_table, d_proj};
+}
+
+std::vector<std::string> adaln_chunk_order(const std::string& name) {
+  const detdit::AdalnChunkOrder* order = nullptr;
+  check_ok(detdit::adaln_chunk_order(name, &order));
+  return std::vector<std::string>(order->chunks, order->chunks + order->count);
 }
 
 // ---------------------------------------------------------------------------

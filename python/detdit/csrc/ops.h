@@ -31,14 +31,17 @@ namespace detdit_torch {
 template <typename Params>
 using Call = std::function<Status(const Params&, detdit::Stream)>;
 
-// timestep_sinusoid: (T,) -> (T, C) fp32. check_range = false: the caller
-// guarantees finite t in [0, 1]; the op then never reads the timesteps on the
-// host (no sync: CUDA-graph capturable). Backward: d_timesteps (T,) in the
-// timesteps' dtype.
+// timestep_sinusoid: (T,) -> (T, C) fp32 in diffusers' convention
+// (flip_sin_to_cos, downscale_freq_shift, scale; t in [0, t_max]).
+// check_range = false: the caller guarantees finite t in [0, t_max]; the op
+// then never reads the timesteps on the host (no sync: CUDA-graph capturable).
+// Backward: d_timesteps (T,) in the timesteps' dtype.
 Tensor timestep_sinusoid(const Tensor& timesteps, int64_t num_channels, double max_period,
-                         const std::string& numerics, bool check_range);
+                         const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                         double downscale_freq_shift, double scale, double t_max);
 Tensor timestep_sinusoid_backward(const Tensor& grad_features, const Tensor& timesteps, double max_period,
-                                  const std::string& numerics, bool check_range);
+                                  const std::string& numerics, bool check_range, bool flip_sin_to_cos,
+                                  double downscale_freq_shift, double scale, double t_max);
 
 // linear: (out (T, N) in x's dtype, pre (T, N) fp32 = x W^T + b before the
 // activation when it is silu, else an empty tensor). Backward: (d_x, d_weight,
@@ -50,29 +53,50 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
                                                    const Tensor& pre, const std::string& activation,
                                                    const std::string& numerics, std::array<bool, 3> output_mask);
 
-// timestep_mlp: (temb (T, D), pre (T, Hm), hidden (T, Hm)), all fp32.
-// Backward: (d_features, d_w1, d_b1, d_w2, d_b2), fp32.
+// timestep_mlp: (temb (T, D), pre (T, Hm), hidden (T, Hm)), all in the
+// features' dtype (fp32 or bf16). Backward: (d_features, d_w1, d_b1, d_w2,
+// d_b2) in the features' dtype.
 std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
                                                 const Tensor& w2, const Tensor& b2, const std::string& numerics);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask);
+// text_projection: the same MLP on the pooled text, (out (B, D), pre, hidden)
+// in the pooled text's dtype; backward (d_pooled, d_w1, d_b1, d_w2, d_b2).
+std::tuple<Tensor, Tensor, Tensor> text_projection(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
+                                                   const Tensor& w2, const Tensor& b2, const std::string& numerics);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> text_projection_backward(
+    const Tensor& grad_out, const Tensor& pooled, const Tensor& w1, const Tensor& w2, const Tensor& pre,
+    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask);
 
 // adaln_projection: (table (T, columns), act (T, D)) in weight's dtype, for
 // an (N, D) weight: columns = N, or for tp the full table's width, every
-// rank's shard. Backward: (d_temb fp32, d_weight, d_bias in weight's dtype).
+// rank's shard. Backward: (d_temb in temb's dtype (the library's FP32 value,
+// rounded once for a family's bf16 temb), d_weight, d_bias in weight's
+// dtype). chunks: AdalnProjectionInputs::chunks (0: H3's projection).
 std::tuple<Tensor, Tensor> adaln_projection_with(const Call<detdit::AdalnProjectionParams>& call, int64_t columns,
                                                  const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                                 const std::string& numerics);
+                                                 const std::string& numerics, int64_t chunks = 0);
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward_with(
     const Call<detdit::AdalnProjectionBackwardParams>& call, const Tensor& grad_table, const Tensor& temb,
-    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask);
+    const Tensor& weight, const Tensor& act, const std::string& numerics, std::array<bool, 3> output_mask,
+    int64_t chunks = 0);
 std::tuple<Tensor, Tensor> adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                                            const std::string& numerics);
+                                            const std::string& numerics, int64_t chunks);
 std::tuple<Tensor, Tensor, Tensor> adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                              const Tensor& weight, const Tensor& act,
                                                              const std::string& numerics,
-                                                             std::array<bool, 3> output_mask);
+                                                             std::array<bool, 3> output_mask, int64_t chunks);
+
+// adaln_table_add: out (T, K, H) in the promoted dtype of table (K, H) and
+// proj (T, K, H) or (T, 1, H). Backward: (d_table in table_dtype, d_proj in
+// proj_dtype, (T, 1, H) when proj_broadcast), each where output_mask asks.
+Tensor adaln_table_add(const Tensor& table, const Tensor& proj);
+std::tuple<Tensor, Tensor> adaln_table_add_backward(const Tensor& grad, at::ScalarType table_dtype,
+                                                    at::ScalarType proj_dtype, bool proj_broadcast,
+                                                    std::array<bool, 2> output_mask);
+// The chunk names of the AdaLN chunk order `name` (adaln.h), in table order.
+std::vector<std::string> adaln_chunk_order(const std::string& name);
 
 // adaln_row_gather: out (6, S, H) in rows' dtype. Backward: d_rows (R, 6H) in
 // grad's dtype; grad (6, S, H) (batch summed) or (6, B*S, H) / (6, B, S, H)

@@ -401,10 +401,12 @@ TORCH_LIBRARY(detdit, m) {
   def_op<TimestepSinusoidFunction>(
       m,
       "timestep_sinusoid(Tensor timesteps, int num_channels, float max_period, str numerics, "
-      "bool check_range=True) -> Tensor",
+      "bool check_range=True, bool flip_sin_to_cos=True, float downscale_freq_shift=0.0, float scale=1.0, "
+      "float t_max=1.0) -> Tensor",
       &timestep_sinusoid,
       "timestep_sinusoid_backward(Tensor grad_features, Tensor timesteps, float max_period, str numerics, "
-      "bool check_range=True) -> Tensor",
+      "bool check_range=True, bool flip_sin_to_cos=True, float downscale_freq_shift=0.0, float scale=1.0, "
+      "float t_max=1.0) -> Tensor",
       &timestep_sinusoid_backward);
   def_op<LinearFunction>(
       m, "linear(Tensor x, Tensor weight, Tensor? bias, str activation, str numerics) -> (Tensor, Tensor)", &linear,
@@ -419,12 +421,27 @@ TORCH_LIBRARY(detdit, m) {
       "timestep_mlp_backward(Tensor grad_temb, Tensor features, Tensor w1, Tensor w2, Tensor pre, "
       "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       &timestep_mlp_backward);
+  def_op<TextProjectionFunction>(
+      m,
+      "text_projection(Tensor pooled, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str numerics) "
+      "-> (Tensor, Tensor, Tensor)",
+      &text_projection,
+      "text_projection_backward(Tensor grad_out, Tensor pooled, Tensor w1, Tensor w2, Tensor pre, "
+      "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      &text_projection_backward);
   def_op<AdalnProjectionFunction>(
-      m, "adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics) -> (Tensor, Tensor)",
+      m, "adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics, int chunks=0) -> (Tensor, Tensor)",
       &adaln_projection,
       "adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, str numerics, "
-      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      "bool[3] output_mask, int chunks=0) -> (Tensor, Tensor, Tensor)",
       &adaln_projection_backward);
+  def_op<AdalnTableAddFunction>(
+      m, "adaln_table_add(Tensor table, Tensor proj) -> Tensor", &adaln_table_add,
+      "adaln_table_add_backward(Tensor grad, ScalarType table_dtype, ScalarType proj_dtype, bool proj_broadcast, "
+      "bool[2] output_mask) -> (Tensor, Tensor)",
+      &adaln_table_add_backward);
+  // The families' chunk orders (adaln.h): no tensor argument, one kernel for every key.
+  m.def("adaln_chunk_order(str name) -> str[]", &adaln_chunk_order);
   def_op<AdalnRowGatherFunction>(m, kAdalnRowGatherSchema.c_str(), &adaln_row_gather,
                                  "adaln_row_gather_backward(Tensor grad, " DETDIT_PLAN " plan) -> Tensor",
                                  &adaln_row_gather_backward);

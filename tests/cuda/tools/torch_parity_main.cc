@@ -2,7 +2,7 @@
 // scripts/torch_parity.py (which makes the inputs with PyTorch on the GPU and
 // compares detdit's output bytes with PyTorch eager's).
 //
-//   torch_parity_main sinusoid  T C              t.f32 out.f32
+//   torch_parity_main sinusoid  T C FLIP SHIFT SCALE TMAX  t.f32 out.f32   (FLIP 0 or 1)
 //   torch_parity_main rmsnorm   DT M N           x w out
 //   torch_parity_main modulated DT B S N R       x w shift scale index.i64 out
 //   torch_parity_main gate      DT B S N R       res y gate index.i64 out
@@ -103,11 +103,16 @@ int main(int argc, char** argv) {
     if (argc != count) fail(op + ": expected " + std::to_string(count - 2) + " arguments");
   };
   if (op == "sinusoid") {
-    need(6);
+    need(10);
     const int64_t count = arg(argv, 2), channels = arg(argv, 3);
-    Buffer t(DType::kF32, {count}, argv[4]), out(DType::kF32, {count, channels});
-    ok(timestep_sinusoid_forward(TimestepSinusoidParams{{t.view, 10000.0f, Numerics::kTorch}, out.view}));
-    out.save(argv[5]);
+    Buffer t(DType::kF32, {count}, argv[8]), out(DType::kF32, {count, channels});
+    TimestepSinusoidParams p{{t.view, 10000.0f, Numerics::kTorch}, out.view};
+    p.in.flip_sin_to_cos = arg(argv, 4) != 0;
+    p.in.downscale_freq_shift = std::stof(argv[5]);
+    p.in.scale = std::stof(argv[6]);
+    p.in.t_max = std::stof(argv[7]);
+    ok(timestep_sinusoid_forward(p));
+    out.save(argv[9]);
   } else if (op == "rmsnorm") {
     need(8);
     const DType dt = parse_dtype(argv[2]);
