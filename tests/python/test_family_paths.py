@@ -208,15 +208,18 @@ def test_gpu_torch_profile_path_equals_eager(name):
 def test_modules_and_composites_at_the_familys_sites(name):
     """Each detdit.nn module that holds one of the family's sites under diffusers' names loads the
     family's tensors with strict=True (names, shapes; the dtypes the model holds them in) and
-    computes the detdit path's bytes there; so does each composite op of its sites (the final
-    layers in one call); detdit's chunk orders name the family's chunks in diffusers' order. What
-    this build lacks is named in a skip after the rest has been checked."""
+    computes the detdit path's bytes there (diffusers' AdaLN modules, which project with their
+    own arithmetic: on eager's values, within the path's bound of eager's); so does each
+    composite op of its sites (the final layers in one call); detdit's chunk orders name the
+    family's chunks in diffusers' order. What this build lacks is named in a skip after the rest
+    has been checked."""
     fam = _family(name)
     sd, inp = fam.state_dict(), fam.inputs()
-    grads = fp.output_grads(fam, fp.run_eager(fam, sd, inp)[3])
+    ref, _, _, outs, grads = fp.run_eager(fam, sd, inp)
+    truth = fp.run_forced(fam, sd, inp, ref, "truth")[0]
     tape = fp.Tape()
     fp.run_detdit(fam, sd, inp, grads, tape=tape)
-    values = {k: t.detach() for k, t in tape.values.items()}
+    values, eager, wide = ({k: t.detach() for k, t in tp.values.items()} for tp in (tape, ref, truth))
     checked, lacking = [], []
     if hasattr(detdit, "adaln_chunk_order"):
         for order, names in fam.orders.items():
@@ -224,7 +227,7 @@ def test_modules_and_composites_at_the_familys_sites(name):
             checked.append(order)
     elif fam.orders:
         lacking.append("detdit.adaln_chunk_order")
-    for label, make, prefix, checks in fam.modules(sd, values, _values(inp)):
+    for label, make, prefix, checks in fam.modules(sd, values, _values(inp), eager, wide):
         try:
             module = make() if make is not None else None
             if module is not None and prefix is None:
@@ -242,7 +245,11 @@ def test_modules_and_composites_at_the_familys_sites(name):
             lacking.append(f"{label} ({e})")
             continue
         for what, got, want in results:
-            assert_bitwise_equal(got, want, f"{name} {label}: {what}")
+            if isinstance(want, tuple):  # a module with its own arithmetic: the path's bound against eager
+                fp.check_against_eager(fam, got, want[1], want[2], f"{name} {label}: {what}", False,
+                                       assert_bitwise_equal)
+            else:
+                assert_bitwise_equal(got, want, f"{name} {label}: {what}")
         checked.append(label)
     if lacking:
         pytest.skip(f"{name}: checked {checked or 'nothing'}; detdit lacks {'; '.join(lacking)}")
