@@ -23,7 +23,6 @@ the gradient arriving from downstream; a forced run (detdit's, or the float64 tr
 eager value as a fresh leaf at each tap and is back-propagated with eager's gradients there, so every
 segment between two taps is compared on the same inputs and upstream gradients, to its own bound.
 """
-import inspect
 import math
 
 import torch
@@ -32,17 +31,6 @@ import torch.nn.functional as F
 import detdit
 
 BF, F32, F64 = torch.bfloat16, torch.float32, torch.float64
-
-# The detdit APIs of the families' own steps, where this build has them; without one, the detdit
-# side composes the step from detdit's linear and torch's elementwise ops (eager's arithmetic).
-HAVE = {
-    "sinusoid conventions": "t_max" in inspect.signature(detdit.timestep_sinusoid).parameters,
-    "bf16 time MLP": hasattr(detdit, "text_projection"),
-    "combined embedding": hasattr(detdit, "combined_timestep_embedding"),
-    "family projections": "chunks" in inspect.signature(detdit.adaln_projection).parameters,
-    "table add": hasattr(detdit, "adaln_table_add"),
-}
-
 
 def randn(shape, seed, dtype, std=1.0, mean=0.0):
     g = torch.Generator().manual_seed(seed)
@@ -112,33 +100,22 @@ def mlp_weights(p, prefix):
 
 
 def detdit_mlp(f, p, prefix):
-    """linear_2(silu(linear_1(f))) in the parameters' dtype: detdit.timestep_mlp (a bf16 one rounds
-    pre and hidden to bf16 as eager does); before it took bf16, detdit's linears around torch's SiLU."""
-    w1, b1, w2, b2 = mlp_weights(p, prefix)
-    if f.dtype == F32 or HAVE["bf16 time MLP"]:
-        return detdit.timestep_mlp(f, w1, b1, w2, b2)
-    return detdit.linear(F.silu(detdit.linear(f, w1, b1)), w2, b2)
+    """linear_2(silu(linear_1(f))) in the parameters' dtype: detdit.timestep_mlp (a bf16 one
+    rounds pre and hidden to bf16 as eager does)."""
+    return detdit.timestep_mlp(f, *mlp_weights(p, prefix))
 
 
 def detdit_combined(t_features, pooled, p, prefix, g_features=None):
     """CombinedTimestep(Guidance)TextProjEmbeddings: (t_emb + g_emb) + text_emb."""
     ts, gs, text = (prefix + k for k in ("timestep_embedder.", "guidance_embedder.", "text_embedder."))
-    if HAVE["combined embedding"]:
-        return detdit.combined_timestep_embedding(t_features, pooled, mlp_weights(p, ts), mlp_weights(p, text),
-                                                  g_features, None if g_features is None else mlp_weights(p, gs))
-    temb = detdit_mlp(t_features, p, ts)
-    if g_features is not None:
-        temb = temb + detdit_mlp(g_features, p, gs)
-    return temb + detdit_mlp(pooled, p, text)
+    return detdit.combined_timestep_embedding(t_features, pooled, mlp_weights(p, ts), mlp_weights(p, text),
+                                              g_features, None if g_features is None else mlp_weights(p, gs))
 
 
 def detdit_table_add(table, proj, shape):
     """Wan's / LTX-Video's ``table + proj`` (proj (T, K*H), or (T, 1, H) broadcast over the K
     chunks), viewed as shape."""
-    if HAVE["table add"]:
-        return detdit.adaln_table_add(table, proj).view(shape)
-    K = table.shape[-2]
-    return (table.view(K, HIDDEN) + proj.view(proj.shape[0], -1, HIDDEN)).view(shape)
+    return detdit.adaln_table_add(table, proj).view(shape)
 
 
 def detdit_linear(x, weight, bias):
@@ -154,14 +131,11 @@ def detdit_final_table(x, temb, table, sd, eps, upcast):
 
 
 def detdit_adaln(emb, p, prefix, chunks, dtype=None):
-    """linear(silu(emb)) into `chunks` chunks (dtype: cast the activation first,
-    AdaLayerNormContinuous's ``.to(x.dtype)``): detdit.adaln_projection with the family's chunk
-    count; before it took one, torch's SiLU and detdit's linear."""
-    w, b = p[prefix + "weight"], p[prefix + "bias"]
-    if HAVE["family projections"]:
-        return detdit.adaln_projection(emb if dtype is None else emb.to(dtype), w, b, chunks=chunks)
-    act = F.silu(emb)
-    return detdit.linear(act if dtype is None else act.to(dtype), w, b)
+    """linear(silu(emb)) into the family's `chunks` chunks (dtype: cast emb first, as
+    AdaLayerNormContinuous's ``silu(emb).to(x.dtype)``, the same for a bf16 emb):
+    detdit.adaln_projection."""
+    return detdit.adaln_projection(emb if dtype is None else emb.to(dtype), p[prefix + "weight"], p[prefix + "bias"],
+                                   chunks=chunks)
 
 
 class Ops:
@@ -216,7 +190,6 @@ class Family:
     streams = ("img",)
     outputs = {"out": "img"}  # output name -> its stream
     sp_partial = ("proj_out.",)  # params whose gradients are sums over one rank's positions under SP
-    needs = ("sinusoid conventions",)  # HAVE's APIs the detdit side cannot do without
 
     def params(self):
         raise NotImplementedError
@@ -260,8 +233,7 @@ class Family:
         module's own prefix for those keys), or None: a module without parameters), checks(module) ->
         [(what, got, want)]) with want the free detdit path's value there (v: its tap values, x:
         its inputs), or ("bound", eager's value, float64's) for a module run on eager's values (e:
-        the eager tape's values, t: the float64 run's). make and checks raise AttributeError where
-        detdit lacks the module or op."""
+        the eager tape's values, t: the float64 run's)."""
         return []
 
     def fused_gates(self):
@@ -1267,9 +1239,3 @@ def check_against_eager(fam, got, eager, truth, what, exact, assert_bitwise_equa
     ta = (got.double() - truth).abs().max().item()
     te = (eager.double() - truth).abs().max().item()
     assert ta <= te + slack, f"{what}: detdit is {ta:.3e} from float64, eager {te:.3e} (slack {slack:.1e})"
-
-
-def missing(fam):
-    """The detdit APIs fam's detdit side needs that this build lacks (for a skip's reason)."""
-    names = {"sinusoid conventions": "detdit.timestep_sinusoid(flip_sin_to_cos, downscale_freq_shift, scale, t_max)"}
-    return [names[need] for need in fam.needs if not HAVE[need]]

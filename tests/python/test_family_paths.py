@@ -48,14 +48,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = list(fp.FAMILIES)
 
 
-def _family(name):
-    fam = fp.FAMILIES[name]
-    gone = fp.missing(fam)
-    if gone:
-        pytest.skip(f"{name}: detdit lacks {', '.join(gone)}")
-    return fam
-
-
 def _compare_path(fam, device="cpu", numerics="portable", bitwise_kinds=("gate",)):
     sd = {k: v.to(device) for k, v in fam.state_dict().items()}
     inp = {k: (v.to(device), s, kind) for k, (v, s, kind) in fam.inputs().items()}
@@ -96,12 +88,12 @@ def _cpu(t):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_path_matches_the_familys_eager_code(name):
-    _compare_path(_family(name))
+    _compare_path(fp.FAMILIES[name])
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_path_is_repeatable_and_batch_invariant(name):
-    fam = _family(name)
+    fam = fp.FAMILIES[name]
     sd, inp = fam.state_dict(), fam.inputs()
     grads = fp.output_grads(fam, fp.run_eager(fam, sd, inp)[3])
     first = fp.run_detdit(fam, sd, inp, grads)
@@ -183,10 +175,7 @@ def _sp_family(fam, comm, sd, inp, plans, grads, ws1):
 
 
 def test_path_byte_equal_across_sp_world_sizes(tmp_path):
-    names = [n for n in NAMES if not fp.missing(fp.FAMILIES[n])]
-    if not names:
-        pytest.skip("no family's detdit side runs on this build (see the per-family skips)")
-    mp.spawn(_sp_worker, args=(max(WORLDS), str(tmp_path / "init"), names), nprocs=max(WORLDS), join=True)
+    mp.spawn(_sp_worker, args=(max(WORLDS), str(tmp_path / "init"), NAMES), nprocs=max(WORLDS), join=True)
 
 
 # ---- GPU: the torch profile --------------------------------------------------------------------
@@ -198,7 +187,7 @@ def test_gpu_torch_profile_path_equals_eager(name):
     residuals and every LayerNorm site byte-equal to eager; the RMSNorm sites (LTX-Video's
     diffusers RMSNorm, H3's) within the CPU's bound (the torch profile gives F.rms_norm's bits,
     which diffusers' RMSNorm does not promise)."""
-    _compare_path(_family(name), "cuda", "torch", ("gate", "norm"))
+    _compare_path(fp.FAMILIES[name], "cuda", "torch", ("gate", "norm"))
 
 
 # ---- detdit.nn's modules and detdit's composite ops at the family's sites -------------------------
@@ -211,46 +200,32 @@ def test_modules_and_composites_at_the_familys_sites(name):
     computes the detdit path's bytes there (diffusers' AdaLN modules, which project with their
     own arithmetic: on eager's values, within the path's bound of eager's); so does each
     composite op of its sites (the final layers in one call); detdit's chunk orders name the
-    family's chunks in diffusers' order. What this build lacks is named in a skip after the rest
-    has been checked."""
-    fam = _family(name)
+    family's chunks in diffusers' order."""
+    fam = fp.FAMILIES[name]
     sd, inp = fam.state_dict(), fam.inputs()
     ref, _, _, outs, grads = fp.run_eager(fam, sd, inp)
     truth = fp.run_forced(fam, sd, inp, ref, "truth")[0]
     tape = fp.Tape()
     fp.run_detdit(fam, sd, inp, grads, tape=tape)
     values, eager, wide = ({k: t.detach() for k, t in tp.values.items()} for tp in (tape, ref, truth))
-    checked, lacking = [], []
-    if hasattr(detdit, "adaln_chunk_order"):
-        for order, names in fam.orders.items():
-            assert detdit.adaln_chunk_order(order) == names, f"{name}: detdit's {order} order"
-            checked.append(order)
-    elif fam.orders:
-        lacking.append("detdit.adaln_chunk_order")
+    for order, names in fam.orders.items():
+        assert detdit.adaln_chunk_order(order) == names, f"{name}: detdit's {order} order"
     for label, make, prefix, checks in fam.modules(sd, values, _values(inp), eager, wide):
-        try:
-            module = make() if make is not None else None
-            if module is not None and prefix is None:
-                assert not module.state_dict(), f"{name} {label}: parameters {list(module.state_dict())}"
-            elif module is not None:
-                strip, add = prefix if isinstance(prefix, tuple) else (prefix, "")
-                mine = {add + k[len(strip):]: t for k, t in sd.items() if k.startswith(strip)}
-                module.load_state_dict(mine, strict=True)
-                for k, t in module.state_dict().items():
-                    assert t.dtype == mine[k].dtype, \
-                        f"{name} {label}: {k} is {t.dtype}, the model holds {mine[k].dtype}"
-            with torch.no_grad():
-                results = checks(module)
-        except AttributeError as e:  # a module or op this build's detdit lacks
-            lacking.append(f"{label} ({e})")
-            continue
+        module = make() if make is not None else None
+        if module is not None and prefix is None:
+            assert not module.state_dict(), f"{name} {label}: parameters {list(module.state_dict())}"
+        elif module is not None:
+            strip, add = prefix if isinstance(prefix, tuple) else (prefix, "")
+            mine = {add + k[len(strip):]: t for k, t in sd.items() if k.startswith(strip)}
+            module.load_state_dict(mine, strict=True)
+            for k, t in module.state_dict().items():
+                assert t.dtype == mine[k].dtype, f"{name} {label}: {k} is {t.dtype}, the model holds {mine[k].dtype}"
+        with torch.no_grad():
+            results = checks(module)
+        assert results, f"{name} {label}: nothing to check"
         for what, got, want in results:
             if isinstance(want, tuple):  # a module with its own arithmetic: the path's bound against eager
                 fp.check_against_eager(fam, got, want[1], want[2], f"{name} {label}: {what}", False,
                                        assert_bitwise_equal)
             else:
                 assert_bitwise_equal(got, want, f"{name} {label}: {what}")
-        checked.append(label)
-    if lacking:
-        pytest.skip(f"{name}: checked {checked or 'nothing'}; detdit lacks {'; '.join(lacking)}")
-    assert checked, f"{name}: nothing to check"
