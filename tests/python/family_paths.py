@@ -68,21 +68,23 @@ def eager_sinusoid(t, dim, flip=True, shift=0.0, scale=1.0, max_period=10000, wi
     return emb
 
 
-def eager_mlp(f, p, prefix, act=F.silu):
-    """TimestepEmbedding / PixArtAlphaTextProjection (SiLU): linear_2(act(linear_1(f))), in the
+def eager_mlp(f, p, prefix):
+    """TimestepEmbedding / PixArtAlphaTextProjection (SiLU): linear_2(silu(linear_1(f))), in the
     parameters' dtype."""
-    h = act(F.linear(f, p[prefix + "linear_1.weight"], p[prefix + "linear_1.bias"]))
+    h = F.silu(F.linear(f, p[prefix + "linear_1.weight"], p[prefix + "linear_1.bias"]))
     return F.linear(h, p[prefix + "linear_2.weight"], p[prefix + "linear_2.bias"])
 
 
-def mlp_params(prefix, k, hidden, out, dtype, scale_in=1.0):
-    return {prefix + "linear_1.weight": ((hidden, k), dtype, scale_in / math.sqrt(k)),
+def mlp_params(prefix, k, hidden, out, dtype):
+    """An MLP's (shape, dtype, std) by diffusers' key: linear_1 (hidden, k), linear_2 (out, hidden)."""
+    return {prefix + "linear_1.weight": ((hidden, k), dtype, 1 / math.sqrt(k)),
             prefix + "linear_1.bias": ((hidden,), dtype, 0.1),
             prefix + "linear_2.weight": ((out, hidden), dtype, 1 / math.sqrt(hidden)),
             prefix + "linear_2.bias": ((out,), dtype, 0.1)}
 
 
 def linear_params(prefix, n, k, dtype, std=None):
+    """A Linear(k, n)'s weight and bias (shape, dtype, std)."""
     return {prefix + "weight": ((n, k), dtype, std or 1 / math.sqrt(k)), prefix + "bias": ((n,), dtype, 0.1)}
 
 
@@ -90,6 +92,7 @@ def linear_params(prefix, n, k, dtype, std=None):
 
 
 def detdit_sinusoid(t, dim, t_max, scale=1.0):
+    """Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0, scale) of t in [0, t_max]."""
     if not t.is_floating_point():  # get_timestep_embedding's own t.float(), exact for these integers
         t = t.float()
     return detdit.timestep_sinusoid(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0, scale=scale, t_max=t_max)
