@@ -440,12 +440,14 @@ class GateResidualRMSNormIndexedScaleShift(nn.Module):
 # ---- Trainer side: diffusers' modules (parameter names and shapes as diffusers') ----------
 
 
-def _silu_linear(emb, proj, dtype=None):
-    """``proj(silu(emb).to(dtype))`` (dtype None: emb's): the projection of every adaLN module
-    here. torch's SiLU (eager's bits on each device), then detdit's deterministic linear in
-    the activation's dtype. The one place to switch to a fused, portable projection."""
-    act = F.silu(emb)
-    return linear(act if dtype is None else act.to(dtype), proj.weight, proj.bias)
+def _silu_linear(emb, proj, chunks):
+    """``proj(silu(emb))`` cast to the projection's dtype: detdit.adaln_projection with the
+    module's chunk count, so the act is eager CUDA's (``silu`` in FP32, one rounding) on every
+    device and the table is detdit's deterministic linear (docs/numerics.md 5.4). diffusers'
+    modules always have the bias; a projection without one is refused."""
+    if proj.bias is None:
+        raise ValueError("detdit.nn: the AdaLN projection needs its bias (diffusers' bias=True); got bias=False")
+    return adaln_projection(emb, proj.weight, proj.bias, chunks=chunks)
 
 
 def _drop_bias(norm, bias):
@@ -509,7 +511,7 @@ class AdaLayerNormZero(nn.Module):
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         if emb is None:
             raise ValueError("AdaLayerNormZero: emb is required (the class-label embedding is not supported)")
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _silu_linear(emb, self.linear).chunk(6, 1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _silu_linear(emb, self.linear, 6).chunk(6, 1)
         return _modulated_layernorm(self.norm, x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
@@ -527,7 +529,7 @@ class AdaLayerNormZeroSingle(nn.Module):
         self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
 
     def forward(self, x, emb=None):
-        shift_msa, scale_msa, gate_msa = _silu_linear(emb, self.linear).chunk(3, 1)
+        shift_msa, scale_msa, gate_msa = _silu_linear(emb, self.linear, 3).chunk(3, 1)
         return _modulated_layernorm(self.norm, x, shift_msa, scale_msa), gate_msa
 
 
@@ -551,5 +553,5 @@ class AdaLayerNormContinuous(nn.Module):
         self.norm = _drop_bias(nn.LayerNorm(embedding_dim, eps, elementwise_affine), bias)
 
     def forward(self, x, conditioning_embedding):
-        scale, shift = _silu_linear(conditioning_embedding, self.linear, x.dtype).chunk(2, 1)
+        scale, shift = _silu_linear(conditioning_embedding, self.linear, 2).chunk(2, 1)
         return _modulated_layernorm(self.norm, x, shift, scale)

@@ -358,12 +358,19 @@ def test_state_dict_loads_unchanged_and_back():
             "norm_out.norm.weight", "norm_out.norm.bias"} <= set(state)
 
 
-def _projection(module, emb, dtype=None):
-    """detdit's projection as the module computes it, and eager's, and float64's."""
+def _projection(module, emb):
+    """detdit's projection as the module computes it (adaln_projection: the act is FP32 SiLU
+    rounded once to the weight's dtype, eager CUDA's), and eager's linear on that act, and
+    float64's."""
     w, b = module.linear.weight, module.linear.bias
-    act = F.silu(emb) if dtype is None else F.silu(emb).to(dtype)
-    got = detdit.linear(act, w, b)
+    act = F.silu(emb.float()).to(w.dtype)
+    got = detdit.adaln_projection(emb, w, b, chunks=w.shape[0] // x_hidden(module))
     return got, F.linear(act, w, b), F.linear(act.double(), w.double(), b.double())
+
+
+def x_hidden(module):
+    """The hidden size the module's norm normalises (its chunks are this wide)."""
+    return module.norm.normalized_shape[0]
 
 
 def test_adaln_zero_modules_match_diffusers_arithmetic():
@@ -391,7 +398,7 @@ def test_adaln_zero_modules_match_diffusers_arithmetic():
     assert_bitwise_equal(out, detdit.layernorm(x, eps=1e-6) * (1 + scale[:, None]) + shift[:, None], "single x")
     assert_bitwise_equal(gate, g, "single gate")
     final = mine.norm_out
-    proj, proj_eager, proj_truth = _projection(final, cond.float(), BF16)
+    proj, proj_eager, proj_truth = _projection(final, cond.float())
     assert_as_close_as_eager(proj, proj_eager, proj_truth, "norm_out projection")
     scale, shift = proj.chunk(2, dim=1)  # scale first
     n = detdit.layernorm(x, final.norm.weight, final.norm.bias, eps=1e-6)
