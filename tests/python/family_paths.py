@@ -229,14 +229,13 @@ class Family:
 
     orders = {}  # detdit's chunk order name -> the chunks' names in diffusers' order (read from the model)
 
-    def modules(self, sd, v, x, e=None, t=None):
+    def modules(self, sd, v, x):
         """The detdit.nn modules that hold this family's sites under diffusers' names, and detdit's
         composite ops of its sites: a list of (label, make() -> the module (in the dtypes the model
         holds) or None for a composite, the state-dict prefix a module loads (or (prefix, the
         module's own prefix for those keys), or None: a module without parameters), checks(module) ->
         [(what, got, want)]) with want the free detdit path's value there (v: its tap values, x:
-        its inputs), or ("bound", eager's value, float64's) for a module run on eager's values (e:
-        the eager tape's values, t: the float64 run's)."""
+        its inputs)."""
         return []
 
     def fused_gates(self):
@@ -318,21 +317,13 @@ class Joint(Family):
             out["y_single"] = "joint"
         return out
 
-    def modules(self, sd, v, x, e=None, t=None):
+    def modules(self, sd, v, x):
         import detdit.nn as dn
-        H, out = HIDDEN, []
+        H, out, temb = HIDDEN, [], v["temb"]
         prefix, ik, ic, tk, tc = self.blocks()[0]
-        # diffusers' AdaLN modules project with their own arithmetic (detdit.nn's choice): they run
-        # on eager's values and are held to the path's bound against eager (want: eager's, float64's)
-        temb = e["temb"]
-
-        def bound(name, chunk=None):
-            if chunk is None:
-                return ("bound", e[name], t[name])
-            return ("bound",) + tuple(_chunks(v_, chunk[1])[chunk[0]][:, 0] for v_ in (e[name], t[name]))
 
         def zero(m, inp, key, norm):  # AdaLayerNormZero: (x_mod, gate_msa, shift_mlp, scale_mlp, gate_mlp)
-            want = [bound(norm)] + [bound(key, (c, 6)) for c in range(2, 6)]
+            want = [v[norm]] + [c[:, 0] for c in _chunks(v[key], 6)[2:]]
             return [(f"{norm} output {k}", a, b) for k, (a, b) in enumerate(zip(m(inp, emb=temb), want))]
 
         if ic == 6 and ik == "norm1.linear.":
@@ -344,19 +335,18 @@ class Joint(Family):
         if self.single:
             def single(m):
                 got = m(x["x_joint"], emb=temb)
-                return [("single.n", got[0], bound("single.n")), ("single gate", got[1], bound("single.emb", (2, 3)))]
+                gate = _chunks(v["single.emb"], 3)[2][:, 0]
+                return [("single.n", got[0], v["single.n"]), ("single gate", got[1], gate)]
             out.append(("single norm", lambda: dn.AdaLayerNormZeroSingle(H).to(BF), "single_transformer_blocks.0.norm.",
                         single))
         last = len(self.blocks()) - 1
         *_, lic, _, ltc = self.blocks()[last]
         final_key = f"y{last}_img.h2" if lic == 6 else f"b{last}.img.h2"
         continuous = lambda: dn.AdaLayerNormContinuous(H, H, elementwise_affine=False, eps=self.eps).to(BF)  # noqa
-        out.append(("norm_out", continuous, "norm_out.",
-                    lambda m: [("final.n", m(e[final_key], temb), bound("final.n"))]))
+        out.append(("norm_out", continuous, "norm_out.", lambda m: [("final.n", m(v[final_key], temb), v["final.n"])]))
         if ltc == 2:
             out.append(("norm1_context (last)", continuous, f"transformer_blocks.{last}.norm1_context.",
-                        lambda m: [(f"b{last}.txt.n", m(e[f"y{last - 1}_txt.h2"], temb), bound(f"b{last}.txt.n"))]))
-        # detdit's composite final layer: the path's own ops, its bytes
+                        lambda m: [(f"b{last}.txt.n", m(v[f"y{last - 1}_txt.h2"], temb), v[f"b{last}.txt.n"])]))
         out.append(("final_layer_continuous", None, None, lambda m: [("out", detdit.final_layer_continuous(
             v[final_key], v["temb"], sd["norm_out.linear.weight"], sd["norm_out.linear.bias"], sd["proj_out.weight"],
             sd["proj_out.bias"], eps=self.eps), v["out"])]))
@@ -678,7 +668,7 @@ class Wan(Family):
     def stand_ins(self):
         return self.stand
 
-    def modules(self, sd, v, x, e=None, t=None):
+    def modules(self, sd, v, x):
         import detdit.nn as dn
         final = detdit_final_table(v["h3"], v["temb"], sd["scale_shift_table"], sd, self.eps, True)
         sh, sc, g, csh, csc, cg = self._split(v["mod"])
@@ -823,7 +813,7 @@ class CogVideoX(Family):
     def stand_ins(self):
         return {"y_img_attn": "img", "y_img_ff": "img", "y_txt_attn": "txt", "y_txt_ff": "txt"}
 
-    def modules(self, sd, v, x, e=None, t=None):
+    def modules(self, sd, v, x):
         import detdit.nn as dn
         sh, sc, g, esh, esc, eg = _chunks(v["norm1.emb"], 6)
         affine = dict(elementwise_affine=True, dtype=BF, compute_dtype=None)
@@ -907,7 +897,7 @@ class LTX(Family):
 
     orders = {"ada_layer_norm_zero": ZERO6, "scale_shift_table_final": ("shift", "scale")}
 
-    def modules(self, sd, v, x, e=None, t=None):
+    def modules(self, sd, v, x):
         import detdit.nn as dn
         final = detdit_final_table(v["h3"], v["embedded"], sd["scale_shift_table"], sd, self.eps, False)
         sh, sc, g, sh2, sc2, g2 = v["mod"].unbind(dim=2)
@@ -1011,7 +1001,7 @@ class H3(Family):
     def fused_gates(self):
         return {"y_attn"}
 
-    def modules(self, sd, v, x, e=None, t=None):
+    def modules(self, sd, v, x):
         import detdit.nn as dn
         def make():
             return dn.H3Conditioning(num_blocks=1, hidden_size=HIDDEN, freq_dim=FREQ, time_embed_hidden_dim=self.Hh,
