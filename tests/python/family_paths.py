@@ -873,9 +873,14 @@ class LTX(Family):
     norm2; the cross-attention residual ungated; the final ``table (2, H) + embedded_timestep``
     (shift, scale) around a LayerNorm without affine; proj_out (128)."""
     name = "ltx_video"
+    per_token = True
     stand = {"y_attn": "img", "y_cross": "img", "y_ff": "img"}
-    sp_partial = ("proj_out.", "time_embed.", "transformer_blocks.0.scale_shift_table", "scale_shift_table")
     eps = 1e-6
+
+    @property
+    def sp_partial(self):  # per token: everything upstream of the modulation sums over this rank's tokens
+        return ("proj_out.", "time_embed.", "transformer_blocks.0.scale_shift_table", "scale_shift_table") \
+            if self.per_token else ("proj_out.",)
 
     def params(self):
         H = HIDDEN
@@ -891,6 +896,8 @@ class LTX(Family):
 
     def timestep_inputs(self, batch, seed):
         sigma = torch.linspace(1.0, 0.3, batch, dtype=F32)
+        if not self.per_token:  # text-to-video: t = sigma * 1000 per sample, FP32
+            return {"t": (sigma * 1000, None, "const")}
         mask = torch.zeros(batch, STREAM_LEN["img"])
         mask[:, :STREAM_LEN["img"] // 4] = 1  # the conditioning frame
         return {"t": ((sigma * 1000)[:, None] * (1 - mask), "img", "const")}
@@ -915,7 +922,7 @@ class LTX(Family):
 
     def eager(self, p, x, tap, c):
         t = x["t"]
-        B, S = t.shape
+        B, S = t.shape if self.per_token else (t.shape[0], 1)  # S: timestep rows per sample
         f = tap("t_features", eager_sinusoid(t.flatten(), FREQ, wide=c.truth))
         emb = tap("embedded", eager_mlp(c(f, BF), p, "time_embed.emb.timestep_embedder."))
         temb = tap("temb", F.linear(F.silu(emb), p["time_embed.linear.weight"], p["time_embed.linear.bias"]))
@@ -934,7 +941,7 @@ class LTX(Family):
 
     def detdit(self, p, x, tap, ops):
         t = x["t"]
-        B, S = t.shape
+        B, S = t.shape if self.per_token else (t.shape[0], 1)  # S: timestep rows per sample
         f = tap("t_features", detdit_sinusoid(t.flatten(), FREQ, 1000.0))
         emb = tap("embedded", detdit_mlp(f.to(BF), p, "time_embed.emb.timestep_embedder."))
         temb = tap("temb", detdit_adaln(emb, p, "time_embed.linear.", 6))
@@ -1077,8 +1084,15 @@ class H3(Family):
                            kind="rms"), "txt": txt}
 
 
+class LTXTextToVideo(LTX):
+    """LTX-Video text-to-video: one timestep per sample, so the block and final modulation are
+    per sample (B, 1, H)."""
+    name = "ltx_video_t2v"
+    per_token = False
+
+
 FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Hunyuan(), Qwen(), CogVideoX(), LTX(),
-                                 H3())}
+                                 LTXTextToVideo(), H3())}
 
 
 # ---- the harness -----------------------------------------------------------------------------
