@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import detdit
 from conftest import assert_bitwise_equal
+from family_paths import randn as _randn, ulp as _ulp
 
 # name: (norm, affine, eps, form, modulation dtype, upcast). The activations are bf16.
 FAMILIES = {
@@ -42,11 +43,6 @@ FAMILIES = {
     "minimax_h3": ("rms", "weight", 1e-5, "indexed", torch.bfloat16, False),
 }
 BATCH, SEQ, HIDDEN, FRAMES, ROWS = 3, 525, 64, 21, 5  # S = 21 frames of 25; S > 256: several chunks
-
-
-def _randn(shape, seed, dtype, std=1.0, mean=0.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * std + mean).to(dtype)
 
 
 class Family:
@@ -165,13 +161,6 @@ class Family:
         torch.autograd.backward(outs, grads)
         return ({f"out{i}": o.detach() for i, o in enumerate(outs)} |
                 {f"d_{k}": leaves[k].grad for k in names if k in leaves and leaves[k].grad is not None})
-
-
-def _ulp(v, dtype):
-    """One unit in the last place of dtype at |v|."""
-    mant = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[dtype]
-    exponent = torch.frexp(v.double().abs().clamp_min(torch.finfo(dtype).tiny))[1]
-    return torch.ldexp(torch.ones_like(v, dtype=torch.float64), exponent - mant)
 
 
 SITES = ["norm", "gate", "region"]
