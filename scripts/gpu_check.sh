@@ -14,7 +14,7 @@
 # DETDIT_DEADLINE=N ends the run N seconds after it started (a stage gets what
 # is left; one that would get under 10 s is skipped and says so), so a chosen
 # set of stages fits one device call. DETDIT_BUILD_TARGETS names the CMake
-# targets the build stage builds (default: all), DETDIT_CUDA_TESTS the cuda
+# targets the build stage and the patches stage build (default: all), DETDIT_CUDA_TESTS the cuda
 # stage's tests (a ctest -R regex; default: all of -L cuda), DETDIT_PYTESTS the Python tests
 # the python stage runs (default: tests/python), DETDIT_BENCH_OPS the bench's
 # ops in the order to run them (default: all, as `detdit bench --list` lists
@@ -148,7 +148,7 @@ for stage in "${stages[@]}"; do
         # Reversed however the script ends while it is applied (a stage's timeout, the deadline).
         trap 'patch -p1 -R --batch --silent <"$patch"' EXIT
         mkdir -p "$out/$name"
-        if run "$name/build" 600 cmake --build "$build" -j "$(nproc)"; then
+        if run "$name/build" 600 cmake --build "$build" -j "$(nproc)" ${DETDIT_BUILD_TARGETS:+--target $DETDIT_BUILD_TARGETS}; then
           run "$name/cuda" 500 ctest --test-dir "$build" -L cuda ${DETDIT_PATCH_TESTS:+-R "$DETDIT_PATCH_TESTS"} \
             --output-on-failure -j 8 --timeout 400
           for op in ${DETDIT_BENCH_OPS:-}; do
@@ -160,7 +160,7 @@ for stage in "${stages[@]}"; do
       done
       [ -z "${DETDIT_PATCHES:-}" ] && note "patches    DETDIT_PATCHES names no patch"
       # The tree is the unpatched one again; later stages get a rebuilt unpatched build.
-      run patches_rebuild 600 cmake --build "$build" -j "$(nproc)" ;;
+      run patches_rebuild 600 cmake --build "$build" -j "$(nproc)" ${DETDIT_BUILD_TARGETS:+--target $DETDIT_BUILD_TARGETS} ;;
     *) note "unknown stage $stage" ;;
   esac
 done
