@@ -1,10 +1,12 @@
-// The MiniMax-H3 conditioning tensors (manifest h3-conditioning-v1, docs/weights.md):
-// one table shared by the weights tools, the verify cases and docs/weights.md
+// The conditioning tensors of each model detdit verifies (docs/weights.md):
+// MiniMax-H3's (manifest h3-conditioning-v1, the default) and one manifest
+// per DiT family of docs/models.md (<model>-conditioning-v1): one table per
+// model shared by the weights tools, the verify cases and docs/weights.md
 // (tests/cpu/manifest_test.cc checks the doc lists every entry).
 //
-// Names follow diffusers' MiniMaxH3Transformer3DModel state dict. The block
-// tensors repeat for i in [0, blocks): H3 has 50 blocks, the pinned
-// extraction (h3_conditioning.safetensors) and the synthetic default hold 1.
+// Names follow the model's diffusers state dict. The block tensors repeat
+// for i in [0, blocks): H3 has 50 blocks, the pinned extraction
+// (h3_conditioning.safetensors) and the synthetic default hold 1.
 // Dimensions are parameters so small test configurations use the same table.
 #pragma once
 
@@ -29,9 +31,13 @@ struct ManifestConfig {
   int64_t time_embed_hidden = 5376; // time_embedder.linear_1 output
   int64_t time_embed_dim = 2688;    // D
   int64_t freq_dim = 256;           // sinusoid channels
+  int64_t pooled_dim = 0;           // P: the pooled text's width (families with a text embedder)
+  int64_t out_dim = 0;              // O: proj_out's outputs (the families' final layer)
+  std::string model = "h3";         // the manifest: "h3" or a family's name (model_manifests)
   bool operator==(const ManifestConfig& o) const {
-    return blocks == o.blocks && hidden == o.hidden && time_embed_hidden == o.time_embed_hidden &&
-           time_embed_dim == o.time_embed_dim && freq_dim == o.freq_dim;
+    return model == o.model && blocks == o.blocks && hidden == o.hidden && time_embed_hidden == o.time_embed_hidden &&
+           time_embed_dim == o.time_embed_dim && freq_dim == o.freq_dim && pooled_dim == o.pooled_dim &&
+           out_dim == o.out_dim;
   }
 };
 
@@ -39,8 +45,9 @@ struct ManifestConfig {
 enum class WeightRole { kLinearWeight, kLinearBias, kNormWeight };
 
 // A symbolic dimension: multiple * one of H (hidden), Ht (time_embed_hidden),
-// D (time_embed_dim), F (freq_dim).
-enum class DimSymbol { kHidden, kTimeHidden, kTimeDim, kFreq };
+// D (time_embed_dim), F (freq_dim), P (pooled_dim), O (out_dim), or the
+// number `multiple` itself (kOne).
+enum class DimSymbol { kHidden, kTimeHidden, kTimeDim, kFreq, kPooled, kOut, kOne };
 struct SymbolicDim {
   int64_t multiple;
   DimSymbol symbol;
@@ -57,7 +64,25 @@ struct ManifestTemplate {
 };
 // "[18H, D]", as docs/weights.md prints it.
 std::string symbolic_shape_string(const ManifestTemplate& entry);
+// MiniMax-H3's table.
 const std::vector<ManifestTemplate>& manifest_templates();
+
+// A model detdit verifies: its name (`--model NAME`), what it is, its
+// manifest version, the file a weights directory holds, the released
+// model's dimensions (blocks: 1, what the synthetic default holds; `real_blocks`
+// the released count) and its table. "h3" is MiniMax-H3's (kManifestVersion).
+struct ModelManifest {
+  const char* name;     // "flux"
+  const char* title;    // "Flux.1-dev"
+  const char* version;  // "flux-conditioning-v1"
+  ManifestConfig dims;
+  int64_t real_blocks;
+  const std::vector<ManifestTemplate>* templates;
+  std::string file_name() const { return std::string(name) + "_conditioning.safetensors"; }
+};
+const std::vector<ModelManifest>& model_manifests();
+// The model named `name`; a ValueError listing every name when there is none.
+Status find_model_manifest(const std::string& name, const ModelManifest** model);
 
 struct ManifestEntry {
   std::string name;
@@ -66,7 +91,8 @@ struct ManifestEntry {
   WeightRole role;
   int64_t fan_in;  // input features of a linear weight (0 for biases and norms)
 };
-// Every tensor of the configuration, blocks expanded in ascending i.
+// Every tensor of the configuration (its model's table), blocks expanded in
+// ascending i; none for an unknown model.
 std::vector<ManifestEntry> manifest_entries(const ManifestConfig& config);
 
 // Dimensions read from a file's tensors (norm_out.norm.weight gives H,
@@ -76,6 +102,10 @@ std::vector<ManifestEntry> manifest_entries(const ManifestConfig& config);
 // has the wrong rank or a dimension below 1 (so that every dimension is
 // bounded by the bytes of the tensors the manifest then requires).
 Status infer_manifest_config(const SafetensorsFile& file, ManifestConfig* config);
+// The same for a family's file: every dimension read from the first table
+// row (block 0 for block rows) that holds it, blocks the count of consecutive
+// blocks of the table's first block row; the same ValueErrors.
+Status infer_model_config(const SafetensorsFile& file, const ModelManifest& model, ManifestConfig* config);
 
 // Differences between a file and the manifest of `config`, one readable line
 // each ("missing: NAME (bfloat16 [5376])", "shape: NAME is [..], expected

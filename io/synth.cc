@@ -105,12 +105,22 @@ Status synth_tensor(const ManifestEntry& entry, uint64_t seed, uint8_t* out, uin
 
 Status write_synthetic_weights(const std::string& dir, const SynthOptions& options) {
   const ManifestConfig& c = options.config;
+  const ModelManifest* model = nullptr;
+  DETDIT_RETURN_IF_ERROR(find_model_manifest(c.model, &model));
   if (c.blocks < 0 || c.hidden <= 0 || c.time_embed_hidden <= 0 || c.time_embed_dim <= 0 || c.freq_dim <= 0) {
     return Status::value_error("synth: dimensions must be positive and blocks >= 0, got blocks=" +
                                std::to_string(c.blocks) + " hidden=" + std::to_string(c.hidden) +
                                " time_embed_hidden=" + std::to_string(c.time_embed_hidden) +
                                " time_embed_dim=" + std::to_string(c.time_embed_dim) +
                                " freq_dim=" + std::to_string(c.freq_dim));
+  }
+  for (const ManifestEntry& e : manifest_entries(c)) {
+    for (int64_t d : e.shape) {
+      if (d <= 0)
+        return Status::value_error("synth: tensor \"" + e.name + "\" of model " + c.model + " would be " +
+                                   shape_to_string(e.shape) + ": every dimension must be positive (pooled_dim=" +
+                                   std::to_string(c.pooled_dim) + " out_dim=" + std::to_string(c.out_dim) + ")");
+    }
   }
   DETDIT_RETURN_IF_ERROR(make_directories(dir));
   std::vector<ManifestEntry> entries;
@@ -143,10 +153,10 @@ Status write_synthetic_weights(const std::string& dir, const SynthOptions& optio
     };
     tensors.push_back(std::move(t));
   }
-  const std::map<std::string, std::string> metadata = {
+  std::map<std::string, std::string> metadata = {
       {"format", "pt"},
       {"detdit.kind", "synthetic"},
-      {"detdit.manifest", kManifestVersion},
+      {"detdit.manifest", model->version},
       {"detdit.synth_version", std::to_string(kSynthVersion)},
       {"detdit.seed", std::to_string(options.seed)},
       {"detdit.blocks", std::to_string(c.blocks)},
@@ -156,10 +166,15 @@ Status write_synthetic_weights(const std::string& dir, const SynthOptions& optio
       {"detdit.freq_dim", std::to_string(c.freq_dim)},
       {"detdit.only", options.only},
   };
+  if (c.model != "h3") {  // H3's files keep the metadata they always had
+    metadata["detdit.model"] = c.model;
+    metadata["detdit.pooled_dim"] = std::to_string(c.pooled_dim);
+    metadata["detdit.out_dim"] = std::to_string(c.out_dim);
+  }
   // The checksums are committed with the weights: SHA256SUMS is renamed into
   // place once the weights' temporary is complete and before that is renamed,
   // and both destinations are checked first, so a failure replaces neither.
-  const std::string path = dir + "/" + kWeightsFileName;
+  const std::string path = dir + "/" + (c.model == "h3" ? std::string(kWeightsFileName) : model->file_name());
   const std::string sums_path = dir + "/SHA256SUMS";
   DETDIT_RETURN_IF_ERROR(check_replaceable(sums_path));
   auto commit_sums = [&]() {

@@ -26,20 +26,21 @@ struct Weights {
   Status view(const std::string& name, TensorView* view) const { return file.view(name, view); }
 };
 
-// DIR may be a directory holding h3_conditioning.safetensors or the file.
-std::string weights_file_path(const std::string& dir_or_file);
+// DIR may be a directory holding the model's file (h3_conditioning.safetensors,
+// <model>_conditioning.safetensors) or the file.
+std::string weights_file_path(const std::string& dir_or_file, const std::string& model = "h3");
 
-// Opens the file, reads its dimensions, checks that the ops can run on them
-// (H, D, time_embed_hidden and F multiples of their vector widths) and checks
-// the file against the manifest of those dimensions (every difference listed
-// in a ValueError naming the file).
-Status load_weights(const std::string& dir_or_file, Weights* weights);
+// Opens the file, reads its dimensions (as `model`'s manifest names them),
+// checks that the ops can run on them (H, D, time_embed_hidden and F
+// multiples of their vector widths) and checks the file against the manifest
+// of those dimensions (every difference listed in a ValueError naming the file).
+Status load_weights(const std::string& dir_or_file, Weights* weights, const std::string& model = "h3");
 
 // The cache directory of the synthetic default of `config` (not created).
 Status synthetic_cache_dir(const ManifestConfig& config, uint64_t seed, std::string* dir);
 
-// --weights DIR when given, else the cached synthetic default of `config`
-// (its dimensions and blocks), generated now if absent or unusable
+// --weights DIR when given (as config.model's weights), else the cached
+// synthetic default of `config` (its model, dimensions and blocks), generated now if absent or unusable
 // (`announce` is told when that happens: it takes a while).
 Status resolve_weights(const std::string& weights_option, const ManifestConfig& config, uint64_t seed,
                        bool announce, Weights* weights);

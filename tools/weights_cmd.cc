@@ -25,30 +25,45 @@ const char* const kWeightsUsage =
     "\n"
     "detdit weights <command> --help describes each command.\n";
 
-// Dimension overrides shared by synth and verify: other AdaLN DiTs, and small
+// The model and dimension overrides shared by synth and verify: small
 // configurations for tests. `blocks_default` is what --blocks is when not
 // given: synth writes 1 block, verify expects the file's own count.
 void declare_dimensions(Args* args, const std::string& blocks_default) {
+  args->option("--model", "NAME", "the model's manifest: h3, or a DiT family of docs/models.md", "h3");
   args->option("--blocks", "N", "transformer blocks", blocks_default);
-  args->option("--hidden", "H", "hidden size H", "5376");
-  args->option("--time-embed-hidden", "N", "time_embedder.linear_1 outputs", "5376");
-  args->option("--time-dim", "D", "time-embed dim D", "2688");
-  args->option("--freq-dim", "F", "sinusoid channels F", "256");
+  args->option("--hidden", "H", "hidden size H", "the model's (H3: 5376)");
+  args->option("--time-embed-hidden", "N", "time embedder linear_1 outputs Ht", "the model's (H3: 5376)");
+  args->option("--time-dim", "D", "time-embed dim D", "the model's (H3: 2688)");
+  args->option("--freq-dim", "F", "sinusoid channels F", "the model's (256)");
+  args->option("--pooled-dim", "P", "pooled text width P (families with a text embedder)", "the model's");
+  args->option("--out-dim", "O", "proj_out outputs O (the families)", "the model's");
 }
 
-bool read_dimensions(Args* args, io::ManifestConfig* c, int64_t default_blocks) {
+// The model's released dimensions, then the overrides.
+Status read_dimensions(Args* args, io::ManifestConfig* c, int64_t default_blocks) {
+  const io::ModelManifest* model = nullptr;
+  DETDIT_RETURN_IF_ERROR(io::find_model_manifest(args->get("--model", "h3"), &model));
+  *c = model->dims;
   const int64_t kMax = int64_t(1) << 24;
-  return args->get_int("--blocks", default_blocks, 0, 100000, &c->blocks) &&
-         args->get_int("--hidden", c->hidden, 1, kMax, &c->hidden) &&
-         args->get_int("--time-embed-hidden", c->time_embed_hidden, 1, kMax, &c->time_embed_hidden) &&
-         args->get_int("--time-dim", c->time_embed_dim, 1, kMax, &c->time_embed_dim) &&
-         args->get_int("--freq-dim", c->freq_dim, 1, kMax, &c->freq_dim);
+  const bool h3 = c->model == "h3";
+  const bool ok = args->get_int("--blocks", default_blocks, 0, 100000, &c->blocks) &&
+                  args->get_int("--hidden", c->hidden, 1, kMax, &c->hidden) &&
+                  args->get_int("--time-embed-hidden", c->time_embed_hidden, 1, kMax, &c->time_embed_hidden) &&
+                  args->get_int("--time-dim", c->time_embed_dim, 1, kMax, &c->time_embed_dim) &&
+                  args->get_int("--freq-dim", c->freq_dim, 1, kMax, &c->freq_dim) &&
+                  args->get_int("--pooled-dim", c->pooled_dim, h3 ? 0 : 1, kMax, &c->pooled_dim) &&
+                  args->get_int("--out-dim", c->out_dim, h3 ? 0 : 1, kMax, &c->out_dim);
+  if (!ok) return Status::value_error(args->error());
+  if (h3 && (args->has("--pooled-dim") || args->has("--out-dim")))
+    return Status::value_error("--pooled-dim and --out-dim apply to the families' manifests, not h3's");
+  return Status::ok_status();
 }
 
 int run_synth(int argc, char** argv) {
-  Args args("detdit weights synth --out DIR [--blocks N] [--seed N] [--only PATTERN]",
-            "Writes DIR/h3_conditioning.safetensors with deterministic synthetic weights of the manifest's\n"
-            "names, shapes and dtypes (docs/weights.md) and DIR/SHA256SUMS with one checksum per tensor.");
+  Args args("detdit weights synth --out DIR [--model NAME] [--blocks N] [--seed N] [--only PATTERN]",
+            "Writes DIR/h3_conditioning.safetensors (--model NAME: DIR/NAME_conditioning.safetensors) with\n"
+            "deterministic synthetic weights of the model's manifest: names, shapes and dtypes\n"
+            "(docs/weights.md), and DIR/SHA256SUMS with one checksum per tensor.");
   args.option("--out", "DIR", "output directory (created if missing)");
   args.option("--seed", "N", "generator seed", "0");
   args.option("--only", "PATTERN", "write only the tensors whose name contains PATTERN");
@@ -56,9 +71,9 @@ int run_synth(int argc, char** argv) {
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
   io::SynthOptions options;
-  if (!read_dimensions(&args, &options.config, 1) || !args.get_uint64("--seed", 0, &options.seed)) {
-    return fail(args.error());
-  }
+  Status dims = read_dimensions(&args, &options.config, 1);
+  if (!dims.ok()) return fail(dims.message());
+  if (!args.get_uint64("--seed", 0, &options.seed)) return fail(args.error());
   if (!args.has("--out")) return fail("weights synth needs --out DIR");
   options.only = args.get("--only");
   const std::string dir = args.get("--out");
@@ -67,19 +82,20 @@ int run_synth(int argc, char** argv) {
   Status status = io::write_synthetic_weights(dir, options);
   if (!status.ok()) return fail(status.to_string());
   io::SafetensorsFile file;
-  status = io::SafetensorsFile::open(io::weights_file_path(dir), &file);
+  status = io::SafetensorsFile::open(io::weights_file_path(dir, options.config.model), &file);
   if (!status.ok()) return fail(status.to_string());
-  std::printf("wrote %s: %zu tensors, %.3f GB in %.1f s (seed %llu, blocks %lld)\n", file.path().c_str(),
+  std::printf("wrote %s: %zu tensors, %.3f GB in %.1f s (%s, seed %llu, blocks %lld)\n", file.path().c_str(),
               file.entries().size(), file.file_size() / 1e9,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-              static_cast<unsigned long long>(options.seed), static_cast<long long>(options.config.blocks));
+              options.config.model.c_str(), static_cast<unsigned long long>(options.seed),
+              static_cast<long long>(options.config.blocks));
   return 0;
 }
 
 int run_verify_weights(int argc, char** argv) {
-  Args args("detdit weights verify DIR [--sha256 FILE] [--blocks N]",
-            "Checks the names, dtypes and shapes of DIR/h3_conditioning.safetensors (or a file) against the\n"
-            "manifest and, with --sha256, the checksums. Prints every difference. Exit 0: everything\n"
+  Args args("detdit weights verify DIR [--model NAME] [--sha256 FILE] [--blocks N]",
+            "Checks the names, dtypes and shapes of DIR/h3_conditioning.safetensors (--model NAME:\n"
+            "DIR/NAME_conditioning.safetensors; or a file) against the model's manifest and, with --sha256, the checksums. Prints every difference. Exit 0: everything\n"
             "matches; 1: something differs; 2: usage error or unreadable/malformed file.\n"
             "The expected block count defaults to the number of blocks in the file (at least 1).");
   args.positional("DIR", "weights directory or safetensors file");
@@ -87,15 +103,24 @@ int run_verify_weights(int argc, char** argv) {
   declare_dimensions(&args, "the number of blocks in the file, at least 1");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
+  const io::ModelManifest* model = nullptr;
+  Status status = io::find_model_manifest(args.get("--model", "h3"), &model);
+  if (!status.ok()) return fail(status.message());
   io::SafetensorsFile file;
-  Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("DIR")), &file);
+  status = io::SafetensorsFile::open(io::weights_file_path(args.get("DIR"), model->name), &file);
   if (!status.ok()) return fail(status.to_string());
+  // The block count of the table's first block row.
   int64_t blocks_in_file = 0;
-  while (file.find("transformer_blocks." + std::to_string(blocks_in_file) + ".adaln_proj.linear.weight")) {
-    ++blocks_in_file;
+  for (const io::ManifestTemplate& t : *model->templates) {
+    std::string pattern = t.name;
+    const std::size_t at = pattern.find("{i}");
+    if (at == std::string::npos) continue;
+    while (file.find(std::string(pattern).replace(at, 3, std::to_string(blocks_in_file)))) ++blocks_in_file;
+    break;
   }
   io::ManifestConfig config;
-  if (!read_dimensions(&args, &config, std::max<int64_t>(1, blocks_in_file))) return fail(args.error());
+  status = read_dimensions(&args, &config, std::max<int64_t>(1, blocks_in_file));
+  if (!status.ok()) return fail(status.message());
   std::vector<std::string> differences, extras;
   io::compare_to_manifest(file, config, &differences, &extras);
   int checked = 0;
@@ -105,7 +130,7 @@ int run_verify_weights(int argc, char** argv) {
   }
   const size_t expected = io::manifest_entries(config).size();
   std::printf("%s: manifest %s, blocks %lld, H %lld, Ht %lld, D %lld, F %lld: %zu tensors expected, %zu in file\n",
-              file.path().c_str(), io::kManifestVersion, static_cast<long long>(config.blocks),
+              file.path().c_str(), model->version, static_cast<long long>(config.blocks),
               static_cast<long long>(config.hidden), static_cast<long long>(config.time_embed_hidden),
               static_cast<long long>(config.time_embed_dim), static_cast<long long>(config.freq_dim), expected,
               file.entries().size());
@@ -144,12 +169,17 @@ int run_inspect(int argc, char** argv) {
 }
 
 int run_manifest(int argc, char** argv) {
-  Args args("detdit weights manifest",
-            "Prints the manifest table (h3-conditioning-v1): name, dtype, symbolic shape, role.\n"
-            "H = hidden, Ht = time_embed_hidden, D = time_embed_dim, F = freq_dim; {i} = block index.");
+  Args args("detdit weights manifest [--model NAME]",
+            "Prints a model's manifest table (default h3-conditioning-v1): name, dtype, symbolic shape, role.\n"
+            "H = hidden, Ht = time_embed_hidden, D = time_embed_dim, F = freq_dim, P = pooled_dim,\n"
+            "O = out_dim; {i} = block index.");
+  args.option("--model", "NAME", "the model: h3, or a DiT family of docs/models.md", "h3");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
-  for (const io::ManifestTemplate& t : io::manifest_templates()) {
+  const io::ModelManifest* model = nullptr;
+  const Status status = io::find_model_manifest(args.get("--model", "h3"), &model);
+  if (!status.ok()) return fail(status.message());
+  for (const io::ManifestTemplate& t : *model->templates) {
     std::printf("%-50s %-9s %-9s %s\n", t.name, dtype_name(t.dtype), io::symbolic_shape_string(t).c_str(),
                 t.purpose);
   }

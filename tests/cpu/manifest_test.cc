@@ -101,18 +101,65 @@ TEST(Manifest, ExpandsBlocksInOrder) {
   EXPECT_EQ(io::manifest_entries(ManifestConfig{0}).size(), 8u);
 }
 
-// docs/weights.md lists every manifest template with its dtype and shape.
+// docs/weights.md lists every model's manifest template with its dtype and
+// shape, each family's under a heading naming its manifest version.
 TEST(Manifest, DocListsEveryEntry) {
   std::ifstream in(std::string(DETDIT_SOURCE_DIR) + "/docs/weights.md");
   ASSERT_TRUE(in) << "docs/weights.md is missing";
   std::stringstream text;
   text << in.rdbuf();
   const std::string doc = text.str();
-  for (const io::ManifestTemplate& t : io::manifest_templates()) {
-    const std::string row = std::string("| `") + t.name + "` | " + dtype_name(t.dtype) + " | `" +
-                            io::symbolic_shape_string(t) + "` |";
-    EXPECT_NE(doc.find(row), std::string::npos) << "docs/weights.md lacks the row starting\n" << row;
+  for (const io::ModelManifest& m : io::model_manifests()) {
+    const std::size_t section = std::string(m.name) == "h3" ? 0 : doc.find(std::string("`") + m.version + "`");
+    ASSERT_NE(section, std::string::npos) << "docs/weights.md does not name " << m.version;
+    for (const io::ManifestTemplate& t : *m.templates) {
+      const std::string row = std::string("| `") + t.name + "` | " + dtype_name(t.dtype) + " | `" +
+                              io::symbolic_shape_string(t) + "` |";
+      EXPECT_NE(doc.find(row, section), std::string::npos)
+          << "docs/weights.md lacks, after " << m.version << ", the row starting\n" << row;
+    }
   }
+}
+
+// Every family's synthetic weights at small dimensions: the dimensions read
+// back, no difference from the manifest, the file named after the model.
+TEST(Manifest, FamiliesSynthInferAndCompare) {
+  for (const io::ModelManifest& m : io::model_manifests()) {
+    if (std::string(m.name) == "h3") continue;
+    SCOPED_TRACE(m.name);
+    io::SynthOptions options;
+    options.config = m.dims;
+    options.config.blocks = 2;
+    options.config.hidden = 16;
+    options.config.time_embed_hidden = 24;
+    options.config.time_embed_dim = 8;
+    options.config.freq_dim = 12;
+    options.config.pooled_dim = m.dims.pooled_dim > 0 ? 40 : 0;
+    options.config.out_dim = 4;
+    const std::string dir = temp_dir(std::string("family_") + m.name);
+    DETDIT_ASSERT_OK(io::write_synthetic_weights(dir, options));
+    io::SafetensorsFile file;
+    DETDIT_ASSERT_OK(io::SafetensorsFile::open(dir + "/" + m.file_name(), &file));
+    EXPECT_EQ(file.metadata().at("detdit.manifest"), m.version);
+    ManifestConfig inferred;
+    DETDIT_ASSERT_OK(io::infer_model_config(file, m, &inferred));
+    EXPECT_TRUE(inferred == options.config)
+        << "H " << inferred.hidden << " Ht " << inferred.time_embed_hidden << " D " << inferred.time_embed_dim << " F "
+        << inferred.freq_dim << " P " << inferred.pooled_dim << " O " << inferred.out_dim << " blocks "
+        << inferred.blocks;
+    std::vector<std::string> differences, extras;
+    io::compare_to_manifest(file, options.config, &differences, &extras);
+    EXPECT_TRUE(differences.empty()) << differences[0];
+    EXPECT_TRUE(extras.empty());
+    // Another family's file: its tensors are missing.
+    const io::ModelManifest* other = nullptr;
+    DETDIT_ASSERT_OK(io::find_model_manifest(std::string(m.name) == "ltx_video" ? "flux" : "ltx_video", &other));
+    EXPECT_EQ(io::infer_model_config(file, *other, &inferred).kind(), ErrorKind::kValue);
+  }
+  const io::ModelManifest* none = nullptr;
+  const Status s = io::find_model_manifest("flux2", &none);
+  EXPECT_EQ(s.kind(), ErrorKind::kValue);
+  EXPECT_NE(s.message().find("expected one of h3, sd35, flux"), std::string::npos) << s.message();
 }
 
 io::SafetensorsFile synth_and_open(const std::string& dir, const io::SynthOptions& options) {
