@@ -72,6 +72,55 @@ struct FinalShape {
 };
 OpCase final_adaln_out_case(const FinalShape& s);
 
+// ---- linear, adaln_projection, adaln_table_add (cases/projection_cases.cc) ----------
+
+struct LinearShape {
+  DType dtype = DType::kF32;
+  int64_t rows = 1, in_features = 8, out_features = 64;
+  bool bias = true, silu = false;
+  DType out_dtype = DType::kF32;
+  bool partials = true;  // the chunk partials as an output (else internal scratch)
+  uint64_t seed = 1000;
+};
+OpCase linear_case(const LinearShape& s);
+
+struct ProjectionShape {
+  DType dtype = DType::kBF16;
+  int64_t rows = 1, dim = 8, out_features = 18 * 4;
+  uint64_t seed = 1500;
+  Fill weight{}, bias{}, temb{};  // absent: counter-uniform
+  int chunks = 0;                 // 0: H3's projection; > 0: a family's chunk count
+  DType temb_dtype = DType::kF32; // a family's may be the weight's
+};
+OpCase adaln_projection_case(const ProjectionShape& s);
+// verify's FP64 checks of a projection's table: within the FP32-accumulation
+// rounding bound, and (tables of 100000 outputs or more) >= 99.98 % correctly rounded.
+std::vector<AccuracyCheck> projection_forward_accuracy(int64_t outputs);
+
+struct TableAddShape {
+  DType table_dtype = DType::kF32, proj_dtype = DType::kBF16;
+  int64_t rows = 1, chunks = 6, hidden = 8;
+  bool broadcast = false;  // proj (T, 1, H): the final layers' time embedding
+  uint64_t seed = 1800;
+};
+OpCase adaln_table_add_case(const TableAddShape& s);
+
+// ---- timestep_sinusoid (cases/timestep_cases.cc) ------------------------------------
+
+// A family's convention: the op's scalar arguments (TimestepSinusoidInputs'
+// defaults are H3's) and how its timesteps are drawn.
+struct SinusoidConvention {
+  std::string name;  // "" for H3's (the case names stay as they were)
+  bool flip_sin_to_cos = true;
+  float downscale_freq_shift = 0.0f, scale = 1.0f, t_max = 1.0f;
+  bool integer_timesteps = false;  // integers in [0, t_max - 1] (Wan, CogVideoX schedulers)
+};
+// count timesteps of `dtype` (uniform in the convention's range, led by its
+// edges) and `channels` features, with the FP64 oracle of the features and,
+// bitwise, numerics 5.1 and 6.1 in scalar FP32.
+OpCase family_sinusoid_case(const SinusoidConvention& conv, DType dtype, int64_t count, int64_t channels,
+                            uint64_t seed);
+
 // ---- timestep_mlp ----------------------------------------------------------------
 
 struct MlpShape {

@@ -47,6 +47,9 @@ enum class Suite {
 // bench; tests have none), --quick, the seed of the inputs.
 struct CaseContext {
   int64_t hidden = 5376, time_embed_dim = 2688, freq_dim = 256, time_embed_hidden = 5376;
+  // A DiT family's weights (verify --model; io/manifest.h): its name, pooled text and proj_out widths.
+  std::string model = "h3";
+  int64_t pooled_dim = 0, out_dim = 0;
   // A host view of the named weight (empty: no weights, e.g. in the tests).
   std::function<Status(const std::string& name, TensorView* view)> weight;
   bool quick = false;

@@ -32,16 +32,10 @@ namespace {
 
 int64_t chunks_of(int64_t n) { return (n + kLinearChunkRows - 1) / kLinearChunkRows; }
 
+}  // namespace
+
 // ---- linear ----------------------------------------------------------------
 
-struct LinearShape {
-  DType dtype = DType::kF32;
-  int64_t rows = 1, in_features = 8, out_features = 64;
-  bool bias = true, silu = false;
-  DType out_dtype = DType::kF32;
-  bool partials = true;  // the chunk partials as an output (else internal scratch)
-  uint64_t seed = 1000;
-};
 
 OpCase linear_case(const LinearShape& s) {
   OpCase c;
@@ -89,14 +83,6 @@ OpCase linear_case(const LinearShape& s) {
 
 // ---- adaln_projection -------------------------------------------------------------
 
-struct ProjectionShape {
-  DType dtype = DType::kBF16;
-  int64_t rows = 1, dim = 8, out_features = 18 * 4;
-  uint64_t seed = 1500;
-  Fill weight{}, bias{}, temb{};  // absent: counter-uniform
-  int chunks = 0;                 // 0: H3's projection; > 0: a family's chunk count
-  DType temb_dtype = DType::kF32; // a family's may be the weight's
-};
 
 OpCase adaln_projection_case(const ProjectionShape& s) {
   OpCase c;
@@ -141,12 +127,6 @@ OpCase adaln_projection_case(const ProjectionShape& s) {
 
 // ---- adaln_table_add ---------------------------------------------------------------
 
-struct TableAddShape {
-  DType table_dtype = DType::kF32, proj_dtype = DType::kBF16;
-  int64_t rows = 1, chunks = 6, hidden = 8;
-  bool broadcast = false;  // proj (T, 1, H): the final layers' time embedding
-  uint64_t seed = 1800;
-};
 
 OpCase adaln_table_add_case(const TableAddShape& s) {
   OpCase c;
@@ -219,7 +199,6 @@ std::vector<AccuracyCheck> projection_forward_accuracy(int64_t outputs) {
 
 // ---- adaln_modulation -----------------------------------------------------------------
 
-}  // namespace
 
 OpCase adaln_modulation_case(const ModulationShape& s) {
   OpCase c;

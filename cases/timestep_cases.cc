@@ -44,14 +44,6 @@ void fill_golden_timesteps(HostTensor* t) {
 
 // ---- timestep_sinusoid --------------------------------------------------------
 
-// A family's convention: the op's scalar arguments (TimestepSinusoidInputs'
-// defaults are H3's) and how its timesteps are drawn.
-struct SinusoidConvention {
-  std::string name;  // "" for H3's (the case names stay as they were)
-  bool flip_sin_to_cos = true;
-  float downscale_freq_shift = 0.0f, scale = 1.0f, t_max = 1.0f;
-  bool integer_timesteps = false;  // integers in [0, t_max - 1] (Wan, CogVideoX schedulers)
-};
 
 // Uniform timesteps in [0, t_max] led by the edges 0, t_max, t_max / 2, 1e-3
 // (integer conventions: integers in [0, t_max - 1] led by 0, t_max - 1, 1).
@@ -171,6 +163,8 @@ AccuracyCheck sinusoid_forward_accuracy(const SinusoidConvention& conv = {}) {
   return a;
 }
 
+}  // namespace
+
 // A family's test case: the FP64 oracle of its features and, bitwise, the
 // scalar FP32 statement of both phases.
 OpCase family_sinusoid_case(const SinusoidConvention& conv, DType dtype, int64_t count, int64_t channels,
@@ -190,6 +184,8 @@ OpCase family_sinusoid_case(const SinusoidConvention& conv, DType dtype, int64_t
   };
   return c;
 }
+
+namespace {
 
 // The conventions of the DiT families (docs/models.md) and the corners of the op's arguments.
 std::vector<OpCase> family_sinusoid_cases() {

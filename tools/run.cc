@@ -266,6 +266,9 @@ cases::CaseContext case_context(const io::Weights& weights, bool quick, uint64_t
   ctx.time_embed_dim = weights.config.time_embed_dim;
   ctx.time_embed_hidden = weights.config.time_embed_hidden;
   ctx.freq_dim = weights.config.freq_dim;
+  ctx.model = weights.config.model;
+  ctx.pooled_dim = weights.config.pooled_dim;
+  ctx.out_dim = weights.config.out_dim;
   const io::Weights* w = &weights;
   ctx.weight = [w](const std::string& name, TensorView* view) { return w->view(name, view); };
   ctx.quick = quick;

@@ -15,6 +15,7 @@
 
 #include "cases/checks.h"
 #include "cases/matrix.h"
+#include "cases/model_cases.h"
 #include "cli.h"
 #include "io/files.h"
 #include "io/manifest.h"
@@ -260,17 +261,22 @@ Json matrix_json(const std::vector<MatrixGroup>& groups, const Device& device, c
 }  // namespace
 
 int run_verify(int argc, char** argv) {
-  Args args("detdit verify [--quick | --full] [--device cpu|cuda] [--weights DIR] [--out REPORT.json] [--matrix]",
+  Args args("detdit verify [--quick | --full] [--model NAME] [--device cpu|cuda] [--weights DIR] [--out REPORT.json] [--matrix]",
             "Runs the conditioning ops on the weights (default: cached synthetic weights of the H3 tensors\n"
             "at H = 1536, or at H3's own dimensions with --full; docs/weights.md) and checks every bitwise claim (repeatability, row invariance, CPU = CUDA)\n"
-            "and accuracy bar against an FP64 oracle. Prints a table and a verdict.\n"
+            "and accuracy bar against an FP64 oracle. Prints a table and a verdict. --model NAME runs a\n"
+            "DiT family's conditioning path instead (docs/models.md), on synthetic weights of its real shapes.\n"
             "Exit 0: every check passes; 1: a check fails; 2: usage or input error.");
   args.flag("--quick", "smaller sweeps (under a minute on 2 CPU cores)");
   args.flag("--full",
             "the synthetic default at H3's dimensions (H = 5376) and the sp_region at S = 32768 too\n"
             "(about 3 minutes on 2 CPU cores)");
   args.option("--device", "cpu|cuda", "where the ops run", "cuda when a GPU is present, else cpu");
-  args.option("--weights", "DIR", "weights directory or file", "synthetic, cached");
+  args.option("--model", "NAME",
+              "h3 (the ops' verify cases), or a DiT family whose conditioning path runs: sd35, flux, wan21,\n"
+              "wan22_a14b, wan22_ti2v, hunyuan_video, qwen_image, cogvideox, ltx_video",
+              "h3");
+  args.option("--weights", "DIR", "weights directory or file (the model's)", "synthetic, cached");
   args.option("--blocks", "N", "blocks of the synthetic default", "1");
   args.option("--seed", "N", "seed of the synthetic default and of the inputs", "0");
   args.option("--ops", "LIST", "comma-separated ops to run (e.g. rmsnorm,gate_residual)", "all");
@@ -296,13 +302,21 @@ int run_verify(int argc, char** argv) {
   if (!args.get_int("--blocks", 1, 1, 1000, &blocks) || !args.get_uint64("--seed", 0, &seed)) return fail(args.error());
   if (args.has("--quick") && args.has("--full")) return fail("--quick and --full exclude each other");
   const bool full = args.has("--full");
+  const io::ModelManifest* model = nullptr;
+  if (Status s = io::find_model_manifest(args.get("--model", "h3"), &model); !s.ok()) return fail("--model: " + s.message());
+  const bool family = std::string(model->name) != "h3";
+  if (family) {
+    for (const char* option : {"--full", "--matrix", "--list"})
+      if (args.has(option)) return fail(std::string(option) + " applies to MiniMax-H3's verify (no --model)");
+    if (args.get("--comm", "inprocess") != "inprocess") return fail("--model runs its path in one process (no --comm mpi)");
+  }
   // The synthetic default: H3's dimensions with --full (as bench and weights
   // synth use them), else the H3 tensors and ratios (Ht = H, D = H / 2,
   // F = 256) at H = 1536 (Wan 2.1 1.3B's and SD3 Medium's hidden size), so
   // that the default run fits three minutes on 2 CPU cores.
-  io::ManifestConfig dimensions;
+  io::ManifestConfig dimensions = model->dims;  // a family's: its released dimensions
   dimensions.blocks = blocks;
-  if (!full) {
+  if (!full && !family) {
     dimensions.hidden = dimensions.time_embed_hidden = 1536;
     dimensions.time_embed_dim = 768;
   }
@@ -346,7 +360,7 @@ int run_verify(int argc, char** argv) {
   std::set<std::string> wanted_ops;
   if (!args.get_set("--ops", &wanted_ops)) return fail(args.error());
   const bool quick = args.has("--quick");
-  for (const std::string& op : matrix ? std::set<std::string>() : wanted_ops) {
+  for (const std::string& op : matrix || family ? std::set<std::string>() : wanted_ops) {
     bool known = false;
     for (const VerifyCase& c : verify_cases({}, {}, device, nullptr)) known = known || op == c.op;
     if (!known) return fail("--ops: no verify case for op '" + op + "' (detdit verify --list shows them)");
@@ -363,7 +377,23 @@ int run_verify(int argc, char** argv) {
   if (matrix && matrix_options.budget < 0) matrix_options.budget = device.is_cuda() ? 0 : 2.0 * 4097 * 5376;
   std::vector<VerifyCase> selected;
   const cases::ParallelSetting setting{device.is_cuda(), quick, full, world ? world->world_size() : 0};
-  for (VerifyCase& c : verify_cases(context, setting, device, world.get())) {
+  std::vector<VerifyCase> candidates;
+  if (family) {
+    std::vector<cases::ModelSite> sites;
+    if (Status s = cases::model_sites(context, &sites); !s.ok()) return fail(s.to_string());
+    for (const std::string& op : wanted_ops) {
+      bool known = false;
+      for (const cases::ModelSite& site : sites) known = known || op == site.c.op;
+      if (!known) return fail("--ops: the " + std::string(model->title) + " path has no site of op '" + op + "'");
+    }
+    for (cases::ModelSite& site : sites)
+      candidates.push_back({site.c.op, site.site, false, true, [c = std::move(site.c), device](std::vector<CheckRow>* rows) {
+                              return cases::check_op_case(c, device, rows);
+                            }});
+  } else {
+    candidates = verify_cases(context, setting, device, world.get());
+  }
+  for (VerifyCase& c : candidates) {
     if (!matrix && c.enabled && (world == nullptr || c.parallel) && (wanted_ops.empty() || wanted_ops.count(c.op)))
       selected.push_back(std::move(c));
   }
@@ -441,7 +471,8 @@ int run_verify(int argc, char** argv) {
   report["checks_passed"] = passed;
   report["seconds"] = total_seconds;
   record_environment(device, &report);
-  report["options"] = {{"quick", quick},
+  report["options"] = {{"model", model->name},
+                       {"quick", quick},
                        {"full", full},
                        {"device", device.to_string()},
                        {"weights", args.get("--weights", "synthetic default")},
@@ -458,6 +489,10 @@ int run_verify(int argc, char** argv) {
                        {"time_embed_hidden", weights.config.time_embed_hidden},
                        {"time_embed_dim", weights.config.time_embed_dim},
                        {"freq_dim", weights.config.freq_dim}};
+  if (family) {
+    report["weights"]["pooled_dim"] = weights.config.pooled_dim;
+    report["weights"]["out_dim"] = weights.config.out_dim;
+  }
   Json json_cases = Json::array();
   for (const CaseResult& r : results) {
     Json rows = Json::array();

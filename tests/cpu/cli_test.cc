@@ -20,6 +20,7 @@
 #include <sstream>
 #include <string>
 
+#include "io/manifest.h"
 #include "support/cases.h"
 #include "support/files.h"
 #include "support/test_util.h"
@@ -88,6 +89,39 @@ std::vector<std::string> directory_entries(const std::string& dir) {
   std::vector<std::string> names;
   testing::list_directory(dir, &names);
   return names;
+}
+
+// verify --model runs every family's conditioning path on its synthetic
+// weights at small dimensions (every site's checks pass; the report names
+// the model), and the JSON report records the model and its dimensions.
+TEST(Cli, EveryFamilysPathVerifiesOnItsSyntheticWeights) {
+  const char* const kFamilyDims =
+      " --hidden 64 --time-embed-hidden 64 --time-dim 64 --freq-dim 64 --pooled-dim 32 --out-dim 16";
+  for (const io::ModelManifest& m : io::model_manifests()) {
+    if (std::string(m.name) == "h3") continue;
+    const std::string dir = temp_dir(std::string("model_") + m.name), name = m.name;
+    Result r = detdit("weights synth --model " + name + " --out '" + dir + "'" + kFamilyDims);
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = detdit("verify --quick --device cpu --model " + name + " --weights '" + dir + "' --out '" + dir +
+               "/report.json'");
+    EXPECT_EQ(r.code, 0) << name << "\n" << r.output;
+    EXPECT_NE(r.output.find("detdit verify: PASS"), std::string::npos) << name << "\n" << r.output;
+    EXPECT_NE(r.output.find("layernorm / final norm: modulated LayerNorm"), std::string::npos) << r.output;
+    const nlohmann::json report = nlohmann::json::parse(read_file(dir + "/report.json"));
+    EXPECT_EQ(report["options"]["model"], name);
+    EXPECT_EQ(report["weights"]["out_dim"], 16);
+    // The weights of another family are refused, naming the tensor that is missing.
+    r = detdit("verify --quick --device cpu --model " + std::string(name == "ltx_video" ? "flux" : "ltx_video") +
+               " --weights '" + dir + "/" + m.file_name() + "'");
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("has no tensor"), std::string::npos) << r.output;
+  }
+  expect_usage_errors({{"verify --model flux2", "--model: unknown model \"flux2\": expected one of h3, sd35"},
+                       {"verify --model flux --matrix", "--matrix applies to MiniMax-H3's verify (no --model)"},
+                       {"verify --model flux --full", "--full applies to MiniMax-H3's verify (no --model)"},
+                       {"weights synth --out x --model h3 --out-dim 3",
+                        "--pooled-dim and --out-dim apply to the families' manifests, not h3's"},
+                       {"weights manifest --model sd3", "unknown model \"sd3\""}});
 }
 
 TEST(Cli, HelpForEveryCommand) {
