@@ -667,6 +667,28 @@ def _setups(dtype):
                                                                      p)(v["x"], v["cond"]),
                    {"x": x, "cond": cond}, lambda mod, v: mod(v["x"], v["cond"])))
 
+    torch.manual_seed(69)
+    m = dnn.SD35AdaLayerNormZeroX(H).to(dtype)  # both modulations of one norm: their gradients meet in x
+    setups.append(("SD35AdaLayerNormZeroX", m, lambda v, p: (lambda o: torch.cat([o[0], o[5]], 1))(
+        _bound(RefSD35AdaLayerNormZeroX(H), p)(v["x"], v["emb"])), {"x": x, "emb": emb},
+        lambda mod, v: (lambda o: torch.cat([o[0], o[5]], 1))(mod(v["x"], v["emb"]))))
+
+    torch.manual_seed(71)
+    m = dnn.CogVideoXLayerNormZero(COND, H).to(dtype)  # one affine norm for both streams
+    with torch.no_grad():
+        m.norm.weight.copy_(_randn((H,), 72, torch.float64, 0.5, 1.0))
+        m.norm.bias.copy_(_randn((H,), 73, torch.float64, 0.5))
+    setups.append(("CogVideoXLayerNormZero", m, lambda v, p: torch.cat(
+        _bound(RefCogVideoXLayerNormZero(COND, H), p)(v["x"], v["res"], v["cond"])[:2], 1),
+        {"x": x, "res": res, "cond": cond}, lambda mod, v: torch.cat(mod(v["x"], v["res"], v["cond"])[:2], 1)))
+
+    torch.manual_seed(74)
+    m = dnn.AdaLayerNorm(COND, output_dim=2 * H, norm_elementwise_affine=True, chunk_dim=1).to(dtype)
+    with torch.no_grad():
+        m.norm.weight.copy_(_randn((H,), 75, torch.float64, 0.5, 1.0))
+    setups.append(("AdaLayerNorm", m, lambda v, p: _bound(RefAdaLayerNorm(COND, 2 * H, True, 1e-5, 1), p)(
+        v["x"], v["cond"]), {"x": x, "cond": cond}, lambda mod, v: mod(v["x"], temb=v["cond"])))
+
     m = dnn.ResidualRMSNorm(H)
     setups.append(("ResidualRMSNorm", m, lambda v, p: eager_norm("rms", v["x"] + v["res"], p["weight"], None, 1e-6),
                    {"x": x, "res": res}, lambda mod, v: mod(v["x"], v["res"])[0]))
@@ -689,7 +711,7 @@ def _run(module, call, inputs, grad_seed=70):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("setup", range(6))
+@pytest.mark.parametrize("setup", range(9))
 def test_gradients_close_to_fp64_eager_and_repeatable(setup, dtype):
     name, module, eager64, inputs, call = _setups(dtype)[setup]
     out, grads, pgrads = _run(module, call, inputs)
