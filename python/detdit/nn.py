@@ -14,7 +14,8 @@ of SGLang-diffusion's fused layers (:class:`LayerNormScaleShift`,
 :class:`RMSNormIndexedScaleShift` / :class:`GateResidualRMSNormIndexedScaleShift`), for an
 inference engine to assign in place of its own; and modules with diffusers' parameter names
 and shapes (:class:`FP32LayerNorm`, :class:`AdaLayerNormZero`, :class:`AdaLayerNormZeroSingle`,
-:class:`AdaLayerNormContinuous`), whose state dicts load unchanged, for a trainer.
+:class:`AdaLayerNormContinuous`, :class:`SD35AdaLayerNormZeroX`, :class:`CogVideoXLayerNormZero`,
+:class:`AdaLayerNorm`, :class:`AdaLayerNormSingle`), whose state dicts load unchanged, for a trainer.
 """
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ __all__ = ["Timesteps", "TimestepEmbedding", "AdaLNModulation", "RMSNorm", "Gate
            "LayerNormScaleShift", "RMSNormScaleShift", "ScaleResidualLayerNormScaleShift",
            "ScaleResidualRMSNormScaleShift", "MulAdd", "ScaleResidual", "ResidualRMSNorm", "RMSNormIndexedScaleShift",
            "GateResidualRMSNormIndexedScaleShift", "FP32LayerNorm", "AdaLayerNormZero", "AdaLayerNormZeroSingle",
-           "AdaLayerNormContinuous"]
+           "AdaLayerNormContinuous", "SD35AdaLayerNormZeroX", "CogVideoXLayerNormZero", "AdaLayerNorm",
+           "AdaLayerNormSingle"]
 
 
 class Timesteps(nn.Module):
@@ -555,3 +557,134 @@ class AdaLayerNormContinuous(nn.Module):
     def forward(self, x, conditioning_embedding):
         scale, shift = _silu_linear(conditioning_embedding, self.linear, 2).chunk(2, 1)
         return _modulated_layernorm(self.norm, x, shift, scale)
+
+
+class SD35AdaLayerNormZeroX(nn.Module):
+    """diffusers' ``SD35AdaLayerNormZeroX(embedding_dim, norm_type="layer_norm", bias=True)``
+    (SD3.5's dual-attention blocks): ``linear`` ``(9H, H)`` maps ``silu(emb)`` to AdaLayerNormZero's
+    six chunks then shift_msa2, scale_msa2, gate_msa2; ``forward(hidden_states, emb)`` returns
+    ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
+    norm(x) * (1 + scale_msa2) + shift_msa2, gate_msa2)``. diffusers modulates one norm(x)
+    twice; here each modulated output is its own layernorm call, the same bits (the norm is
+    deterministic, the modulation eager's operations on it). ``norm`` is LayerNorm(H, eps 1e-6,
+    no affine)."""
+
+    def __init__(self, embedding_dim, norm_type="layer_norm", bias=True):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, 9 * embedding_dim, bias=bias)
+        if norm_type != "layer_norm":
+            raise ValueError(f"SD35AdaLayerNormZeroX: unsupported norm_type {norm_type!r}: 'layer_norm'")
+        self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, hidden_states, emb=None):
+        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2,
+         gate_msa2) = _silu_linear(emb, self.linear, 9).chunk(9, 1)
+        norm_hidden_states = _modulated_layernorm(self.norm, hidden_states, shift_msa, scale_msa)
+        norm_hidden_states2 = _modulated_layernorm(self.norm, hidden_states, shift_msa2, scale_msa2)
+        return norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2
+
+
+class CogVideoXLayerNormZero(nn.Module):
+    """diffusers' ``CogVideoXLayerNormZero(conditioning_dim, embedding_dim,
+    elementwise_affine=True, eps=1e-5, bias=True)``: ``linear`` ``(6H, C)`` maps ``silu(temb)``
+    to shift, scale, gate, enc_shift, enc_scale, enc_gate; one ``norm`` (LayerNorm(H, eps,
+    elementwise_affine, bias)) serves both streams. ``forward(hidden_states,
+    encoder_hidden_states, temb)`` returns ``(norm(x) * (1 + scale) + shift, norm(enc) * (1 +
+    enc_scale) + enc_shift, gate[:, None, :], enc_gate[:, None, :])``."""
+
+    def __init__(self, conditioning_dim, embedding_dim, elementwise_affine=True, eps=1e-5, bias=True):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(conditioning_dim, 6 * embedding_dim, bias=bias)
+        self.norm = _drop_bias(nn.LayerNorm(embedding_dim, eps=eps, elementwise_affine=elementwise_affine), bias)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb):
+        shift, scale, gate, enc_shift, enc_scale, enc_gate = _silu_linear(temb, self.linear, 6).chunk(6, 1)
+        hidden_states = _modulated_layernorm(self.norm, hidden_states, shift, scale)
+        encoder_hidden_states = _modulated_layernorm(self.norm, encoder_hidden_states, enc_shift, enc_scale)
+        return hidden_states, encoder_hidden_states, gate[:, None, :], enc_gate[:, None, :]
+
+
+class AdaLayerNorm(nn.Module):
+    """diffusers' ``AdaLayerNorm(embedding_dim, num_embeddings=None, output_dim=None,
+    norm_elementwise_affine=False, norm_eps=1e-5, chunk_dim=0)``: ``linear`` ``(output_dim, D)``
+    (output_dim defaults to 2D) maps ``silu(temb)`` to two chunks; ``norm`` is
+    LayerNorm(output_dim // 2, norm_eps, norm_elementwise_affine). ``forward(x, timestep=None,
+    temb=None) = norm(x) * (1 + scale) + shift``. ``chunk_dim=1`` (CogVideoX's ``norm_out``):
+    temb ``(B, D)``, **shift, scale** (shift first), each ``(B, H)`` broadcast over x's ``(B, S,
+    H)`` positions. ``chunk_dim=0``: temb one ``(D,)`` row, **scale, shift** (scale first), each
+    ``(H,)`` broadcast over every row of x. The timestep embedding (``num_embeddings``, a
+    ``timestep`` argument) and any other temb shape are a ValueError."""
+
+    def __init__(self, embedding_dim, num_embeddings=None, output_dim=None, norm_elementwise_affine=False,
+                 norm_eps=1e-5, chunk_dim=0):
+        super().__init__()
+        if num_embeddings is not None:
+            raise ValueError("AdaLayerNorm: num_embeddings (the timestep's nn.Embedding) is not supported; pass temb")
+        if chunk_dim not in (0, 1):
+            raise ValueError(f"AdaLayerNorm: chunk_dim must be 0 or 1, got {chunk_dim!r}")
+        self.chunk_dim = chunk_dim
+        output_dim = output_dim or embedding_dim * 2
+        self.emb = None
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, output_dim)
+        self.norm = nn.LayerNorm(output_dim // 2, norm_eps, norm_elementwise_affine)
+
+    def forward(self, x, timestep=None, temb=None):
+        if timestep is not None or temb is None:
+            raise ValueError("AdaLayerNorm: pass temb (the timestep embedding, num_embeddings, is not supported)")
+        if self.chunk_dim == 1:
+            if temb.dim() != 2 or x.dim() != 3:
+                raise ValueError(f"AdaLayerNorm(chunk_dim=1): temb must be (B, D) and x (B, S, H), got "
+                                 f"{tuple(temb.shape)} and {tuple(x.shape)}")
+            shift, scale = _silu_linear(temb, self.linear, 2).chunk(2, 1)
+            return _modulated_layernorm(self.norm, x, shift, scale)
+        if temb.dim() != 1:
+            raise ValueError(f"AdaLayerNorm(chunk_dim=0): temb must be one (D,) row (diffusers' chunk(2, dim=0) "
+                             f"splits it into scale and shift), got {tuple(temb.shape)}")
+        scale, shift = _silu_linear(temb[None], self.linear, 2).chunk(2, 1)
+        # one (1, H) row for every row of x: x as one sample of all its rows (the norm is row-wise)
+        return _modulated_layernorm(self.norm, x.reshape(1, -1, x.shape[-1]), shift, scale).reshape(x.shape)
+
+
+class PixArtAlphaCombinedTimestepSizeEmbeddings(nn.Module):
+    """diffusers' ``PixArtAlphaCombinedTimestepSizeEmbeddings`` without the additional
+    conditions: ``time_proj`` Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0) of t in
+    [0, t_max], cast to hidden_dtype, then ``timestep_embedder`` TimestepEmbedding(256, H) in its
+    parameters' dtype."""
+
+    def __init__(self, embedding_dim, t_max=1000.0):
+        super().__init__()
+        self.time_proj = Timesteps(256, True, 0, t_max=t_max)
+        self.timestep_embedder = TimestepEmbedding(256, embedding_dim, embedding_dim)
+
+    def forward(self, timestep, hidden_dtype=None):
+        features = self.time_proj(timestep)
+        return self.timestep_embedder(features if hidden_dtype is None else features.to(hidden_dtype))
+
+
+class AdaLayerNormSingle(nn.Module):
+    """diffusers' ``AdaLayerNormSingle(embedding_dim, use_additional_conditions=False)``
+    (LTX-Video, PixArt): ``emb`` the timestep embedding (``emb.timestep_embedder.linear_1``
+    ``(H, 256)``, ``linear_2`` ``(H, H)``), ``linear`` ``(6H, H)``; ``forward(timestep,
+    added_cond_kwargs=None, batch_size=None, hidden_dtype=None)`` returns
+    ``(linear(silu(embedded_timestep)), embedded_timestep)``, no modulation inside. ``timestep``
+    is ``(T,)`` in [0, ``t_max``] (detdit's addition: the sinusoid's bound, 1000 for sigma *
+    1000); the sinusoid is cast to ``hidden_dtype`` (the model's), as diffusers does, and the
+    time MLP runs in its parameters' dtype. ``use_additional_conditions=True`` (PixArt's
+    resolution and aspect-ratio embedders) is a ValueError; without it diffusers ignores
+    added_cond_kwargs and batch_size, and so does this."""
+
+    def __init__(self, embedding_dim, use_additional_conditions=False, t_max=1000.0):
+        super().__init__()
+        if use_additional_conditions:
+            raise ValueError("AdaLayerNormSingle: use_additional_conditions (the resolution and aspect-ratio "
+                             "embedders) is not supported")
+        self.emb = PixArtAlphaCombinedTimestepSizeEmbeddings(embedding_dim, t_max)
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=True)
+
+    def forward(self, timestep, added_cond_kwargs=None, batch_size=None, hidden_dtype=None):
+        embedded_timestep = self.emb(timestep, hidden_dtype)
+        return _silu_linear(embedded_timestep, self.linear, 6), embedded_timestep

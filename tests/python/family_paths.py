@@ -329,6 +329,13 @@ class Joint(Family):
         if ic == 6 and ik == "norm1.linear.":
             out.append(("norm1", lambda: dn.AdaLayerNormZero(H).to(BF), prefix + "norm1.",
                         lambda m: zero(m, x["x_img"], "b0.img.emb", "y0_img.n1")))
+        if ic == 9 and ik == "norm1.linear.":  # SD3.5's dual-attention block: one norm(x), two modulations
+            def zero_x(m):
+                ch = [c[:, 0] for c in _chunks(v["b0.img.emb"], 9)]
+                want = [v["b0.img.n1"], *ch[2:6], v["b0.img.n1b"], ch[8]]
+                return [(f"norm1 output {k}", a, b) for k, (a, b) in enumerate(zip(m(x["x_img"], temb), want))]
+            out.append(("norm1 (dual attention)", lambda: dn.SD35AdaLayerNormZeroX(H).to(BF), prefix + "norm1.",
+                        zero_x))
         if tc == 6 and tk == "norm1_context.linear.":
             out.append(("norm1_context", lambda: dn.AdaLayerNormZero(H).to(BF), prefix + "norm1_context.",
                         lambda m: zero(m, x["x_txt"], "b0.txt.emb", "y0_txt.n1")))
@@ -817,10 +824,21 @@ class CogVideoX(Family):
         import detdit.nn as dn
         sh, sc, g, esh, esc, eg = _chunks(v["norm1.emb"], 6)
         affine = dict(elementwise_affine=True, dtype=BF, compute_dtype=None)
-        return [("LayerNormScaleShift (norm1's norm)", lambda: dn.LayerNormScaleShift(HIDDEN, self.eps, **affine),
-                 ("transformer_blocks.0.norm1.norm.", "norm."),
-                 lambda m: [("norm1.img", m(x["x_img"], sh, sc), v["norm1.img"]),
-                            ("norm1.txt", m(x["x_txt"], esh, esc), v["norm1.txt"])])]
+        out = [("LayerNormScaleShift (norm1's norm)", lambda: dn.LayerNormScaleShift(HIDDEN, self.eps, **affine),
+                ("transformer_blocks.0.norm1.norm.", "norm."),
+                lambda m: [("norm1.img", m(x["x_img"], sh, sc), v["norm1.img"]),
+                           ("norm1.txt", m(x["x_txt"], esh, esc), v["norm1.txt"])])]
+        for k, img, txt in (("norm1", x["x_img"], x["x_txt"]), ("norm2", v["norm1.img_h"], v["norm1.txt_h"])):
+            def zero(m, k=k, img=img, txt=txt):  # (img, txt, gate, enc_gate), gates (B, 1, H)
+                g, eg = _chunks(v[f"{k}.emb"], 6)[2::3]
+                names = (f"{k}.img", f"{k}.txt", f"{k} gate", f"{k} enc_gate")
+                return list(zip(names, m(img, txt, v["temb"]), (v[f"{k}.img"], v[f"{k}.txt"], g, eg)))
+            out.append((k, lambda: dn.CogVideoXLayerNormZero(self.D, HIDDEN, eps=self.eps).to(BF),
+                        f"transformer_blocks.0.{k}.", zero))
+        out.append(("norm_out", lambda: dn.AdaLayerNorm(self.D, output_dim=2 * HIDDEN, norm_elementwise_affine=True,
+                                                        norm_eps=self.eps, chunk_dim=1).to(BF), "norm_out.",
+                    lambda m: [("final.n", m(v["norm_final"], temb=v["temb"]), v["final.n"])]))
+        return out
 
     def timestep_inputs(self, batch, seed):
         return {"t": (torch.tensor([999, 321, 7][:batch], dtype=torch.int64), None, "const")}
@@ -910,7 +928,11 @@ class LTX(Family):
         sh, sc, g, sh2, sc2, g2 = v["mod"].unbind(dim=2)
         cross, ff = sublayer(v["h1"], x["y_cross"]), sublayer(v["n2"], x["y_ff"])
         rollout = dict(eps=self.eps, elementwise_affine=False, compute_dtype=None)
-        return [("final_layer_table", None, None, lambda m: [("out", final(), v["out"])]),
+        t = x["t"]
+        return [("time_embed", lambda: dn.AdaLayerNormSingle(HIDDEN).to(BF), "time_embed.",
+                 lambda m: list(zip(("temb", "embedded"), m(t.flatten(), batch_size=t.shape[0], hidden_dtype=BF),
+                                    (v["temb"], v["embedded"])))),
+                ("final_layer_table", None, None, lambda m: [("out", final(), v["out"])]),
                 ("RMSNormScaleShift", lambda: dn.RMSNormScaleShift(HIDDEN, **rollout), None,
                  lambda m: [("n1", m(x["x_img"], sh, sc), v["n1"])]),
                 ("ScaleResidualRMSNormScaleShift", lambda: dn.ScaleResidualRMSNormScaleShift(HIDDEN, **rollout), None,

@@ -424,6 +424,210 @@ def test_fp32_layernorm_is_diffusers(weight_dtype):
     assert dnn.FP32LayerNorm(H, elementwise_affine=True, bias=False).state_dict().keys() == {"weight"}
 
 
+class RefSD35AdaLayerNormZeroX(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 9 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, emb):
+        sh, sc, g, sh_mlp, sc_mlp, g_mlp, sh2, sc2, g2 = self.linear(self.silu(emb)).chunk(9, dim=1)
+        n = self.norm(x)
+        return n * (1 + sc[:, None]) + sh[:, None], g, sh_mlp, sc_mlp, g_mlp, n * (1 + sc2[:, None]) + sh2[:, None], g2
+
+
+class RefCogVideoXLayerNormZero(nn.Module):
+    def __init__(self, cond, dim, elementwise_affine=True, eps=1e-5):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(cond, 6 * dim)
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=elementwise_affine)
+
+    def forward(self, x, enc, temb):
+        sh, sc, g, esh, esc, eg = self.linear(self.silu(temb)).chunk(6, dim=1)
+        return (self.norm(x) * (1 + sc)[:, None, :] + sh[:, None, :],
+                self.norm(enc) * (1 + esc)[:, None, :] + esh[:, None, :], g[:, None, :], eg[:, None, :])
+
+
+class RefAdaLayerNorm(nn.Module):
+    def __init__(self, dim, output_dim=None, affine=False, eps=1e-5, chunk_dim=0):
+        super().__init__()
+        output_dim = output_dim or 2 * dim
+        self.emb, self.chunk_dim = None, chunk_dim
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, output_dim)
+        self.norm = nn.LayerNorm(output_dim // 2, eps, affine)
+
+    def forward(self, x, temb):
+        temb = self.linear(self.silu(temb))
+        if self.chunk_dim == 1:
+            shift, scale = temb.chunk(2, dim=1)
+            shift, scale = shift[:, None, :], scale[:, None, :]
+        else:
+            scale, shift = temb.chunk(2, dim=0)
+        return self.norm(x) * (1 + scale) + shift
+
+
+class RefAdaLayerNormSingle(nn.Module):
+    """emb (PixArtAlphaCombinedTimestepSizeEmbeddings: the sinusoid cast to hidden_dtype, the
+    time MLP) and linear(silu(emb)); the sinusoid is family_paths' plain-torch one."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.emb = nn.Module()
+        self.emb.timestep_embedder = nn.Module()
+        self.emb.timestep_embedder.linear_1 = nn.Linear(256, dim)
+        self.emb.timestep_embedder.linear_2 = nn.Linear(dim, dim)
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def embed(self, features):
+        e = self.emb.timestep_embedder
+        return e.linear_2(F.silu(e.linear_1(features)))
+
+    def forward(self, t, hidden_dtype):
+        from family_paths import eager_sinusoid
+        emb = self.embed(eager_sinusoid(t, 256).to(hidden_dtype))
+        return self.linear(self.silu(emb)), emb
+
+
+def _loaded(ref, mine, seed):
+    """ref's parameters random (norm weights around 1), in bf16; mine loads ref's state dict
+    strict, with the same names, shapes and dtypes."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(ref.named_parameters()):
+            p.copy_(_randn(p.shape, seed + i, torch.float64, 0.3, 1.0 if name == "norm.weight" else 0.0))
+    ref, mine = ref.to(BF16), mine.to(BF16)
+    state = ref.state_dict()
+    mine.load_state_dict(state, strict=True)
+    assert {k: (v.shape, v.dtype) for k, v in mine.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in state.items()}
+    return ref, mine
+
+
+def _check_projection(module, emb, chunks, what):
+    """The module's projection is adaln_projection (as close to float64 as eager's linear);
+    returns its `chunks` chunks."""
+    w, b = module.linear.weight, module.linear.bias
+    act = F.silu(emb.float()).to(w.dtype)
+    proj = detdit.adaln_projection(emb, w, b, chunks=chunks)
+    assert_as_close_as_eager(proj, F.linear(act, w, b), F.linear(act.double(), w.double(), b.double()),
+                             f"{what} projection")
+    return proj.chunk(chunks, dim=1)
+
+
+def test_sd35_ada_layer_norm_zero_x_is_diffusers():
+    ref, mine = _loaded(RefSD35AdaLayerNormZeroX(H), dnn.SD35AdaLayerNormZeroX(H), 80)
+    assert mine.state_dict()["linear.weight"].shape == (9 * H, H)
+    x, emb = _randn((B, S, H), 81, BF16, 3.0, 1.0), _randn((B, H), 82)
+    got = mine(x, emb)
+    sh, sc, g, sh_mlp, sc_mlp, g_mlp, sh2, sc2, g2 = _check_projection(mine, emb, 9, "SD35AdaLayerNormZeroX")
+    assert detdit.adaln_chunk_order("sd35_ada_layer_norm_zero_x") == (
+        "shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp", "shift_msa2", "scale_msa2",
+        "gate_msa2")
+    n = detdit.layernorm(x, eps=1e-6)  # one norm, modulated twice (diffusers' norm_hidden_states)
+    want = (n * (1 + sc[:, None]) + sh[:, None], g, sh_mlp, sc_mlp, g_mlp, n * (1 + sc2[:, None]) + sh2[:, None], g2)
+    assert len(got) == 7
+    for i, (a, e) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, e, f"SD35AdaLayerNormZeroX output {i}")
+    check_plain_norm("layer", x, None, None, 1e-6, "SD35AdaLayerNormZeroX norm")
+    eager = ref(x, emb)
+    assert [t.shape for t in eager] == [t.shape for t in got]
+    with pytest.raises(ValueError, match="norm_type"):
+        dnn.SD35AdaLayerNormZeroX(H, norm_type="fp32_layer_norm")
+    with pytest.raises(ValueError, match="bias"):
+        dnn.SD35AdaLayerNormZeroX(H, bias=False)(x, emb)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_cogvideox_layer_norm_zero_is_diffusers(affine):
+    ref, mine = _loaded(RefCogVideoXLayerNormZero(COND, H, affine), dnn.CogVideoXLayerNormZero(
+        COND, H, elementwise_affine=affine), 83)
+    assert mine.state_dict()["linear.weight"].shape == (6 * H, COND)
+    x, enc, temb = _randn((B, S, H), 84, BF16, 3.0, 1.0), _randn((B, 8, H), 85, BF16, 2.0), _randn((B, COND), 86)
+    got = mine(x, enc, temb)
+    sh, sc, g, esh, esc, eg = _check_projection(mine, temb, 6, "CogVideoXLayerNormZero")
+    assert detdit.adaln_chunk_order("cogvideox_layer_norm_zero") == (
+        "shift", "scale", "gate", "enc_shift", "enc_scale", "enc_gate")
+    w, b = (mine.norm.weight, mine.norm.bias) if affine else (None, None)
+    want = (detdit.layernorm(x, w, b, eps=1e-5) * (1 + sc)[:, None, :] + sh[:, None, :],
+            detdit.layernorm(enc, w, b, eps=1e-5) * (1 + esc)[:, None, :] + esh[:, None, :], g[:, None, :],
+            eg[:, None, :])
+    assert len(got) == 4
+    for i, (a, e) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, e, f"CogVideoXLayerNormZero output {i}")
+    for what, v in (("x", x), ("enc", enc)):
+        check_plain_norm("layer", v, w, b, 1e-5, f"CogVideoXLayerNormZero norm of {what}")
+    assert [t.shape for t in ref(x, enc, temb)] == [t.shape for t in got]
+    with pytest.raises(ValueError, match="bias"):
+        dnn.CogVideoXLayerNormZero(COND, H, bias=False)(x, enc, temb)
+    assert dnn.CogVideoXLayerNormZero(COND, H, bias=False).norm.bias is None  # diffusers' LayerNorm(bias=False)
+
+
+@pytest.mark.parametrize("chunk_dim", [1, 0])
+def test_ada_layer_norm_is_diffusers(chunk_dim):
+    affine = chunk_dim == 1  # CogVideoX's norm_out: AdaLayerNorm(D, output_dim=2H, affine, chunk_dim=1)
+    ref, mine = _loaded(RefAdaLayerNorm(COND, 2 * H, affine, 1e-5, chunk_dim), dnn.AdaLayerNorm(
+        COND, output_dim=2 * H, norm_elementwise_affine=affine, chunk_dim=chunk_dim), 87)
+    assert mine.state_dict()["linear.weight"].shape == (2 * H, COND)
+    x = _randn((B, S, H), 88, BF16, 3.0, 1.0)
+    temb = _randn((B, COND), 89) if chunk_dim == 1 else _randn((COND,), 89)
+    got = mine(x, temb=temb)
+    first, second = _check_projection(mine, temb if chunk_dim == 1 else temb[None], 2, "AdaLayerNorm")
+    w, b = (mine.norm.weight, mine.norm.bias) if affine else (None, None)
+    n = detdit.layernorm(x, w, b, eps=1e-5)
+    if chunk_dim == 1:  # shift first, each (B, 1, H)
+        assert detdit.adaln_chunk_order("ada_layer_norm") == ("shift", "scale")
+        want = n * (1 + second[:, None, :]) + first[:, None, :]
+    else:  # scale first, one (H,) row for every row of x
+        want = n * (1 + first[0]) + second[0]
+    assert_bitwise_equal(got, want, f"AdaLayerNorm chunk_dim={chunk_dim}")
+    check_plain_norm("layer", x, w, b, 1e-5, "AdaLayerNorm norm")
+    assert ref(x, temb).shape == got.shape
+    with pytest.raises(ValueError, match="num_embeddings"):
+        dnn.AdaLayerNorm(COND, num_embeddings=10)
+    with pytest.raises(ValueError, match="chunk_dim"):
+        dnn.AdaLayerNorm(COND, chunk_dim=2)
+    with pytest.raises(ValueError, match="temb"):
+        mine(x, timestep=torch.zeros(B), temb=temb)
+    with pytest.raises(ValueError, match="temb must be"):
+        mine(x, temb=temb[0] if chunk_dim == 1 else temb[None])
+
+
+@pytest.mark.parametrize("t", [[999.0, 3.5], [1000.0, 0.0, 250.25, 17.0]])
+def test_ada_layer_norm_single_is_diffusers(t):
+    from family_paths import eager_sinusoid
+    ref, mine = _loaded(RefAdaLayerNormSingle(H), dnn.AdaLayerNormSingle(H), 90)
+    assert {k: tuple(v.shape) for k, v in mine.state_dict().items()} == {
+        "emb.timestep_embedder.linear_1.weight": (H, 256), "emb.timestep_embedder.linear_1.bias": (H,),
+        "emb.timestep_embedder.linear_2.weight": (H, H), "emb.timestep_embedder.linear_2.bias": (H,),
+        "linear.weight": (6 * H, H), "linear.bias": (6 * H,)}
+    t = torch.tensor(t, dtype=torch.float32)  # sigma * 1000 (per sample, or per token flattened)
+    table, embedded = mine(t, batch_size=2, hidden_dtype=BF16)
+    # the module is detdit's sinusoid, cast to hidden_dtype, its time MLP, then adaln_projection
+    features = detdit.timestep_sinusoid(t, 256, t_max=1000)
+    e = mine.emb.timestep_embedder
+    emb = detdit.timestep_mlp(features.to(BF16), e.linear_1.weight, e.linear_1.bias, e.linear_2.weight,
+                              e.linear_2.bias)
+    assert_bitwise_equal(embedded, emb, "AdaLayerNormSingle embedded_timestep")
+    assert_bitwise_equal(table, detdit.adaln_projection(emb, mine.linear.weight, mine.linear.bias, chunks=6),
+                         "AdaLayerNormSingle table")
+    # each step as close to float64 as diffusers' eager step, on the same input
+    assert_as_close_as_eager(features, eager_sinusoid(t, 256), eager_sinusoid(t, 256, wide=True), "sinusoid")
+    f = features.to(BF16)
+    truth = RefAdaLayerNormSingle(H).double()
+    truth.load_state_dict(ref.state_dict())
+    assert_as_close_as_eager(emb, ref.embed(f), truth.embed(f.double()), "time MLP")
+    _check_projection(mine, emb, 6, "AdaLayerNormSingle")
+    eager_table, eager_emb = ref(t, BF16)
+    assert eager_table.shape == table.shape and eager_emb.shape == embedded.shape
+    with pytest.raises(ValueError, match="use_additional_conditions"):
+        dnn.AdaLayerNormSingle(H, use_additional_conditions=True)
+    with pytest.raises(ValueError):
+        mine(t * 2, hidden_dtype=BF16)  # above the sinusoid's bound t_max = 1000
+
+
 # ---- autograd and repeatability ----------------------------------------------------------------
 def _setups(dtype):
     """(name, detdit module, float64 eager function of the same parameters, input leaves, call).
@@ -463,6 +667,28 @@ def _setups(dtype):
                                                                      p)(v["x"], v["cond"]),
                    {"x": x, "cond": cond}, lambda mod, v: mod(v["x"], v["cond"])))
 
+    torch.manual_seed(69)
+    m = dnn.SD35AdaLayerNormZeroX(H).to(dtype)  # both modulations of one norm: their gradients meet in x
+    setups.append(("SD35AdaLayerNormZeroX", m, lambda v, p: (lambda o: torch.cat([o[0], o[5]], 1))(
+        _bound(RefSD35AdaLayerNormZeroX(H), p)(v["x"], v["emb"])), {"x": x, "emb": emb},
+        lambda mod, v: (lambda o: torch.cat([o[0], o[5]], 1))(mod(v["x"], v["emb"]))))
+
+    torch.manual_seed(71)
+    m = dnn.CogVideoXLayerNormZero(COND, H).to(dtype)  # one affine norm for both streams
+    with torch.no_grad():
+        m.norm.weight.copy_(_randn((H,), 72, torch.float64, 0.5, 1.0))
+        m.norm.bias.copy_(_randn((H,), 73, torch.float64, 0.5))
+    setups.append(("CogVideoXLayerNormZero", m, lambda v, p: torch.cat(
+        _bound(RefCogVideoXLayerNormZero(COND, H), p)(v["x"], v["res"], v["cond"])[:2], 1),
+        {"x": x, "res": res, "cond": cond}, lambda mod, v: torch.cat(mod(v["x"], v["res"], v["cond"])[:2], 1)))
+
+    torch.manual_seed(74)
+    m = dnn.AdaLayerNorm(COND, output_dim=2 * H, norm_elementwise_affine=True, chunk_dim=1).to(dtype)
+    with torch.no_grad():
+        m.norm.weight.copy_(_randn((H,), 75, torch.float64, 0.5, 1.0))
+    setups.append(("AdaLayerNorm", m, lambda v, p: _bound(RefAdaLayerNorm(COND, 2 * H, True, 1e-5, 1), p)(
+        v["x"], v["cond"]), {"x": x, "cond": cond}, lambda mod, v: mod(v["x"], temb=v["cond"])))
+
     m = dnn.ResidualRMSNorm(H)
     setups.append(("ResidualRMSNorm", m, lambda v, p: eager_norm("rms", v["x"] + v["res"], p["weight"], None, 1e-6),
                    {"x": x, "res": res}, lambda mod, v: mod(v["x"], v["res"])[0]))
@@ -485,7 +711,7 @@ def _run(module, call, inputs, grad_seed=70):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("setup", range(6))
+@pytest.mark.parametrize("setup", range(9))
 def test_gradients_close_to_fp64_eager_and_repeatable(setup, dtype):
     name, module, eager64, inputs, call = _setups(dtype)[setup]
     out, grads, pgrads = _run(module, call, inputs)
