@@ -532,7 +532,7 @@ Status make_tp_problem(const CaseContext& context, const TpShape& shape, TpProbl
   p.shape = shape;
   const int64_t t = shape.timesteps, n = shape.out_features, d = shape.in_features;
   const uint64_t seed = context.seed;
-  p.temb = filled(DType::kF32, {t, d}, uniform_values(seed + 201, 0.0, 1.0));
+  p.temb = filled(shape.chunks > 0 ? shape.dtype : DType::kF32, {t, d}, uniform_values(seed + 201, 0.0, 1.0));
   p.grad_table = filled(DType::kF32, {t, n}, uniform_values(seed + 202, 0.0, 1.0));
   // The context's projection when it has one of the shape: a view (an H3
   // weight is half a gigabyte), else generated weights of the scale of a
@@ -594,7 +594,8 @@ Status prepare_tp_run(const TpProblem& pr, const TpWeights& weights, const Devic
   const TensorView weight = weights.weight_view.narrow(0, run->lo, columns);
   const TensorView bias = weights.bias_view.narrow(0, run->lo, columns);
   const TensorView temb = run->inputs[0].view();
-  const AdalnProjectionParams f{{temb, weight, bias, sh.numerics}, out[0].tensor.view(), out[1].tensor.view()};
+  const AdalnProjectionParams f{{temb, weight, bias, sh.numerics, sh.chunks}, out[0].tensor.view(),
+                                out[1].tensor.view()};
   const AdalnProjectionBackwardParams b{f.in, f.act, run->inputs[1].view(), out[2].tensor.view(),
                                         out[3].tensor.view(), out[4].tensor.view()};
   run->forward = [f, comm, stream]() {

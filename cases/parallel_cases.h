@@ -197,6 +197,7 @@ struct TpShape {
   int64_t timesteps = 1, out_features = 0, in_features = 0;
   DType dtype = DType::kBF16;
   Numerics numerics = Numerics::kPortable;  // of the SiLU (the torch profile: CUDA only)
+  int chunks = 0;  // 0: H3's projection (FP32 temb); > 0: a family's (adaln.h), temb in the weight's dtype
 };
 struct TpProblem {
   TpShape shape;

@@ -53,7 +53,9 @@ namespace detdit {
 // The Params are the WS1 ones (adaln.h) with weight, bias, d_weight and d_bias
 // being this rank's (end - begin, D) / (end - begin,) shard (tp_column_shard)
 // and table / grad_table the full (T, N). N = table.shape[1]
-// (grad_table.shape[1]) is a multiple of 18.
+// (grad_table.shape[1]) is a multiple of 18 (H3's projection, in.chunks = 0),
+// or of in.chunks (a DiT family's, adaln.h: temb in the weight's dtype). Every
+// rank must pass the same chunks (a different one fails every rank).
 
 // [*begin, *end): the columns of `rank` in a `world`-way split of `columns`
 // (above). ValueError "tp=9 is more ranks than the 5 64-column chunks of N=288:

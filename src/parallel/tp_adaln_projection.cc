@@ -25,13 +25,21 @@ namespace {
 
 constexpr int64_t kTableColumnGroups = 3 * kAdalnChunks;  // 3 modalities x 6 chunks
 
-Status check_columns(const TensorView& t, const char* name) {
+// N is 3 modalities x 6 chunks x H (H3, chunks = 0) or a positive multiple of a family's chunk count.
+Status check_columns(const TensorView& t, const char* name, int chunks) {
   DETDIT_RETURN_IF_ERROR(check::present(t, name));
   DETDIT_RETURN_IF_ERROR(check::rank(t, name, 2, "(T, N)"));
   DETDIT_RETURN_IF_ERROR(check::contiguous(t, name));
-  if (t.shape[1] % kTableColumnGroups != 0)
+  if (chunks < 0)
+    return Status::value_error("chunks must be 0 (H3's projection) or a family's chunk count > 0, got " +
+                               std::to_string(chunks));
+  if (chunks == 0 && t.shape[1] % kTableColumnGroups != 0)
     return Status::value_error(std::string(name) + ": N=" + std::to_string(t.shape[1]) +
                                " is not 3 modalities x 6 chunks x H, got " + t.describe());
+  if (chunks > 0 && (t.shape[1] == 0 || t.shape[1] % chunks != 0))
+    return Status::value_error(std::string(name) + ": N=" + std::to_string(t.shape[1]) +
+                               " is not a positive multiple of chunks=" + std::to_string(chunks) + ", got " +
+                               t.describe());
   return Status();
 }
 
@@ -84,10 +92,10 @@ int64_t widest_shard(int64_t columns, int world) {
 // What decides this rank's collectives and the bits of the replicated
 // results (the profile decides act's): every rank must agree on it.
 std::string call_signature(const char* op, const TensorView& temb, const TensorView& table, DType dtype,
-                           Numerics numerics, bool gathers_d_temb) {
+                           Numerics numerics, int chunks, bool gathers_d_temb) {
   auto dim = [](const TensorView& t, int d) { return std::to_string(t.rank > d ? t.shape[d] : 0); };
   return std::string(op) + "(T=" + dim(temb, 0) + ", D=" + dim(temb, 1) + ", N=" + dim(table, 1) + ", " +
-         dtype_name(dtype) + ", " + numerics_name(numerics) + ", gathers d_temb " + (gathers_d_temb ? "1" : "0") + ")";
+         dtype_name(dtype) + ", " + numerics_name(numerics) + ", chunks " + std::to_string(chunks) + ", gathers d_temb " + (gathers_d_temb ? "1" : "0") + ")";
 }
 
 }  // namespace
@@ -117,11 +125,12 @@ Status tp_column_shard(int64_t columns, int world, int rank, int64_t* begin, int
 Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionParams& p, Stream stream) {
   const int world = comm.world_size(), rank = comm.rank();
   int64_t begin = 0, end = 0;
-  Status valid = check_columns(p.table, "table");
+  Status valid = check_columns(p.table, "table", p.in.chunks);
   if (valid.ok()) valid = tp_column_shard(p.table.shape[1], world, rank, &begin, &end);
   if (valid.ok()) valid = check_shard_rows(p.in.weight, "weight", p.in.bias, "bias", rank, world, begin, end);
   if (valid.ok())
-    valid = validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, local_shape(p.table, end - begin), p.act, p.in.numerics);
+    valid = validate_projection_forward(p.in.temb, p.in.weight, p.in.bias, local_shape(p.table, end - begin), p.act,
+                                        p.in.numerics, p.in.chunks != 0);
   if (valid.ok()) valid = check::same_device(p.table, "table", p.in.temb, "temb");
   for (auto [in, name] : {std::pair<const TensorView*, const char*>{&p.in.temb, "temb"}, {&p.in.weight, "weight"},
                           {&p.in.bias, "bias"}, {&p.act, "act"}})
@@ -138,7 +147,7 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
   if (valid.ok()) valid = allocate_scratch(device, block * (1 + world), stream, &memory);
   DETDIT_RETURN_IF_ERROR(
       comm.agree(valid, call_signature("tp_adaln_projection_forward", p.in.temb, p.table, p.table.dtype,
-                                       p.in.numerics, false)));
+                                       p.in.numerics, p.in.chunks, false)));
 
   char* local = static_cast<char*>(memory.get());
   char* gathered = local + block;
@@ -160,7 +169,7 @@ Status tp_adaln_projection_forward(Communicator& comm, const AdalnProjectionPara
 Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBackwardParams& p, Stream stream) {
   const int world = comm.world_size(), rank = comm.rank();
   int64_t begin = 0, end = 0;
-  Status valid = check_columns(p.grad_table, "grad_table");
+  Status valid = check_columns(p.grad_table, "grad_table", p.in.chunks);
   if (valid.ok()) valid = tp_column_shard(p.grad_table.shape[1], world, rank, &begin, &end);
   if (valid.ok()) valid = check_shard_rows(p.in.weight, "weight", TensorView(), "bias", rank, world, begin, end);
   if (valid.ok() && (p.d_weight.present() || p.d_bias.present()))
@@ -168,13 +177,14 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
                              p.d_weight.present() ? "d_weight" : "weight", p.d_bias, "d_bias", rank, world, begin, end);
   if (valid.ok())
     valid = validate_projection_backward(p.in.temb, p.in.weight, p.act, local_shape(p.grad_table, end - begin), p.d_temb,
-                                         p.d_weight, p.d_bias, p.in.numerics);
+                                         p.d_weight, p.d_bias, p.in.numerics, p.in.chunks != 0);
   for (auto [out, name] : {std::pair<const TensorView*, const char*>{&p.d_temb, "d_temb"}, {&p.d_weight, "d_weight"},
                            {&p.d_bias, "d_bias"}})
     if (valid.ok()) valid = check::no_alias(*out, name, p.grad_table, "grad_table");
   // [g (T, n) fp32 | partials: a block of rank 0's chunk count (T, D) | gathered (tp blocks) |
-  // ordered (C, T, D), only when some rank owns fewer chunks than rank 0 | d_act (T, D)], allocated
-  // before the agreement: a failed allocation fails every rank.
+  // ordered (C, T, D), only when some rank owns fewer chunks than rank 0 | d_act (T, D) | a
+  // family's bf16 temb in FP32 (the SiLU's VJP reads FP32, as WS1's)], allocated before the
+  // agreement: a failed allocation fails every rank.
   const Device device = p.in.temb.device;
   const int64_t rows = valid.ok() ? p.in.temb.shape[0] : 0, in_features = valid.ok() ? p.in.temb.shape[1] : 0;
   const int64_t columns = end - begin, chunks = chunk_count(columns);
@@ -186,15 +196,17 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   const std::size_t block = static_cast<std::size_t>(widest_chunks) * chunk_bytes;
   const std::size_t ordered_bytes = padded ? static_cast<std::size_t>(all_chunks) * chunk_bytes : 0;
   const std::size_t act_bytes = static_cast<std::size_t>(rows * in_features) * sizeof(float);
+  const bool temb_f32 = !valid.ok() || p.in.temb.dtype == DType::kF32;
   auto round_up = [](std::size_t b) { return (b + 255) / 256 * 256; };
   std::shared_ptr<void> memory;
   if (valid.ok())
     valid = allocate_scratch(device,
                              round_up(g_bytes) + round_up(block) + round_up(block * world) + round_up(ordered_bytes) +
-                                 act_bytes,
+                                 round_up(act_bytes) + (temb_f32 ? 0 : act_bytes),
                              stream, &memory);
   DETDIT_RETURN_IF_ERROR(comm.agree(valid, call_signature("tp_adaln_projection_backward", p.in.temb, p.grad_table,
-                                                          p.in.weight.dtype, p.in.numerics, p.d_temb.present())));
+                                                          p.in.weight.dtype, p.in.numerics, p.in.chunks,
+                                                          p.d_temb.present())));
 
   char* base = static_cast<char*>(memory.get());
   float* g = reinterpret_cast<float*>(base);
@@ -202,6 +214,7 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   char* gathered = partials + round_up(block);
   char* ordered = gathered + round_up(block * world);
   float* d_act = reinterpret_cast<float*>(ordered + round_up(ordered_bytes));
+  float* temb32 = reinterpret_cast<float*>(reinterpret_cast<char*>(d_act) + round_up(act_bytes));
   DETDIT_RETURN_IF_ERROR(columns_to_f32(p.grad_table, begin, columns, g, stream));
   const TensorView grad = TensorView::contiguous(g, DType::kF32, {rows, columns}, device);
 
@@ -234,9 +247,14 @@ Status tp_adaln_projection_backward(Communicator& comm, const AdalnProjectionBac
   if (p.d_weight.present() || p.d_bias.present())
     DETDIT_RETURN_IF_ERROR(linear_backward_weight(LinearBackwardWeightParams{grad, p.act, p.d_weight, p.d_bias}, stream));
   if (!p.d_temb.present()) return Status();
+  TensorView pre = p.in.temb;
+  if (!temb_f32) {
+    pre = TensorView::contiguous(temb32, DType::kF32, {rows, in_features}, device);
+    DETDIT_RETURN_IF_ERROR(backend::upcast_to_f32(device, p.in.temb, pre, stream));
+  }
   SiluBackwardParams silu;
   silu.grad = fold.d_x;
-  silu.pre = p.in.temb;
+  silu.pre = pre;
   silu.d_pre = p.d_temb;
   silu.numerics = p.in.numerics;
   return silu_backward(silu, stream);

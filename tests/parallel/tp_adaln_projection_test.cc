@@ -1,8 +1,8 @@
 // tp_adaln_projection: every rank's table, d_temb and dW/db shard byte-equal
 // to WS1 (adaln_projection on the full weight, same device) for T = 1..4, bf16
 // and fp32, tp = 1..9 at N = 18*256 = 4608 (K = 136), uneven splits (C % tp
-// != 0, a short last chunk), one chunk per rank, and the H3 shape (N = 96768,
-// D = 2688) at tp = 5 and 7; in-process and over MPI; the layout (whole
+// != 0, a short last chunk), one chunk per rank, the DiT families' chunk
+// counts (6, 3, 2; bf16 temb), and the H3 shape (N = 96768, D = 2688) at tp = 5 and 7; in-process and over MPI; the layout (whole
 // 64-column chunks, the remainder on the first ranks); fail-closed validation
 // (tp > C refused on every rank); the torch profile on CUDA. The problems,
 // WS1, one rank's run and the comparison are the op-case library's
@@ -50,13 +50,14 @@ struct TpProblem {
 // portable profile it must equal the CPU's; every element of WS1 must have
 // been written (its outputs start as the canary, like the ranks').
 void build(TpProblem* pr, int64_t rows, int64_t out_features, int64_t in_features, DType dtype,
-           Device device = Device::cpu(), Numerics numerics = Numerics::kPortable) {
+           Device device = Device::cpu(), Numerics numerics = Numerics::kPortable, int chunks = 0) {
   cases::TpShape shape;
   shape.timesteps = rows;
   shape.out_features = out_features;
   shape.in_features = in_features;
   shape.dtype = dtype;
   shape.numerics = numerics;
+  shape.chunks = chunks;
   cases::CaseContext context;
   context.seed = 31;
   pr->device = device;
@@ -158,6 +159,40 @@ TEST(TpAdalnProjection, SmallNTp1To9Bf16AndFp32) {
   }
 }
 
+// The DiT families' projections (chunks = K, temb in the weight's dtype):
+// a block's 6 chunks, a single-stream block's 3 (N = 3 * 80: a short last
+// 64-column chunk), a final layer's 2, at every tp up to the chunk count.
+TEST(TpAdalnProjection, FamilyChunksBf16TembEveryTp) {
+  for (auto [chunks, hidden] : {std::pair<int, int64_t>{6, 96}, {3, 80}, {2, 96}}) {
+    for (int64_t rows : {1, 3}) {
+      TpProblem pr;
+      build(&pr, rows, chunks * hidden, 40, DType::kBF16, Device::cpu(), Numerics::kPortable, chunks);
+      ASSERT_EQ(pr.tp.temb.dtype(), DType::kBF16);
+      const int most = static_cast<int>((chunks * hidden + 63) / 64);
+      for (int world = 1; world <= most; ++world) expect_tp_equal_to_ws1(pr, world);
+    }
+  }
+}
+
+// N must be a multiple of the chunk count on every rank: refused on all of them, nothing written.
+TEST(TpAdalnProjection, FamilyNotAMultipleOfItsChunksFailsEveryRank) {
+  TpProblem pr;
+  build(&pr, 2, 6 * 96, 40, DType::kBF16, Device::cpu(), Numerics::kPortable, 6);
+  TpProblem wrong = pr;
+  wrong.tp.shape.chunks = 5;  // 576 is not a multiple of 5
+  std::vector<Status> statuses(3);
+  const Status group = InProcessGroup::run(3, [&](Communicator& comm) {
+    TpRankResult r;
+    statuses[comm.rank()] = run_tp_rank(comm, wrong, &r);
+    return Status();
+  });
+  DETDIT_ASSERT_OK(group);
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.kind(), ErrorKind::kValue) << s.to_string();
+    EXPECT_NE(s.message().find("not a positive multiple of chunks=5"), std::string::npos) << s.message();
+  }
+}
+
 TEST(TpAdalnProjection, UnevenSplitsWithAShortLastChunk) {
   // N = 18 * 100 = 1800 = 28 chunks of 64 and one of 8 (C = 29): 29 % tp is
   // 2, 1, 4, 5, 1 for tp = 3, 4, 5, 6, 7, and the last rank's last chunk is
@@ -201,6 +236,16 @@ TEST(TpAdalnProjection, H3ShapeTp5And7) {
   TpProblem pr;
   build(&pr, 1, 18 * 5376, 2688, DType::kBF16);
   for (int world : {5, 7}) expect_tp_equal_to_ws1(pr, world);
+}
+
+// The families' projections on one GPU (WS1 there equals the CPU's: build checks it).
+TEST(TpAdalnProjectionCuda, FamilyChunksRanksSharingOneGpuMatchWs1OnThatGpu) {
+  DETDIT_SKIP_WITHOUT_CUDA();
+  for (auto [chunks, hidden] : {std::pair<int, int64_t>{6, 96}, {3, 80}}) {
+    TpProblem pr;
+    build(&pr, 3, chunks * hidden, 40, DType::kBF16, Device::cuda(0), Numerics::kPortable, chunks);
+    for (int world : {1, 2, 4}) expect_tp_equal_to_ws1(pr, world);
+  }
 }
 
 TEST(TpAdalnProjectionCuda, RanksSharingOneGpuMatchWs1OnThatGpu) {
