@@ -248,18 +248,44 @@ void per_sample(OpCase* c, int64_t batch, std::function<OpCase()> one) {
   };
 }
 
+Status find_path(const CaseContext& ctx, const ModelPath** path) {
+  for (const ModelPath& p : model_paths())
+    if (ctx.model == p.model) *path = &p;
+  if (*path == nullptr) return Status::value_error("no conditioning path for model \"" + ctx.model + "\"");
+  return Status::ok_status();
+}
+
+// B = 2 samples; S positions each (per token fewer: every position is a timestep row).
+int64_t seq_len_of(const ModelPath& path, const CaseContext& ctx) {
+  const bool per_token = path.form == ModulationForm::kPerToken;
+  return per_token ? (ctx.quick ? 16 : 64) : (ctx.quick ? 256 : 1024);
+}
+
 }  // namespace
+
+Status model_tp_shape(const CaseContext& ctx, std::string* site, TpShape* shape) {
+  const ModelPath* path = nullptr;
+  DETDIT_RETURN_IF_ERROR(find_path(ctx, &path));
+  const ProjectionSite& p = path->projections[0];
+  const bool per_token = path->form == ModulationForm::kPerToken;
+  shape->timesteps = per_token ? 2 * seq_len_of(*path, ctx) : 2;
+  shape->out_features = p.chunks * ctx.hidden;
+  shape->in_features = ctx.time_embed_dim;
+  shape->dtype = DType::kBF16;
+  shape->chunks = p.chunks;
+  shape->weight = p.prefix;
+  *site = std::string("tensor parallel: AdaLN projection, ") + std::to_string(p.chunks) + " chunks (" + p.what + ")";
+  return Status::ok_status();
+}
 
 Status model_sites(const CaseContext& ctx, std::vector<ModelSite>* sites) {
   sites->clear();
   const ModelPath* path = nullptr;
-  for (const ModelPath& p : model_paths())
-    if (ctx.model == p.model) path = &p;
-  if (path == nullptr) return Status::value_error("no conditioning path for model \"" + ctx.model + "\"");
+  DETDIT_RETURN_IF_ERROR(find_path(ctx, &path));
   if (!ctx.weight) return Status::value_error("verify --model " + ctx.model + " needs the model's weights");
   PathBuilder b(ctx, sites);
   const bool per_token = path->form == ModulationForm::kPerToken;
-  const int64_t B = 2, S = per_token ? (ctx.quick ? 16 : 64) : (ctx.quick ? 256 : 1024);
+  const int64_t B = 2, S = seq_len_of(*path, ctx);
   const int64_t H = ctx.hidden, D = ctx.time_embed_dim, T = per_token ? B * S : B;
   const std::string form = per_token ? "per token" : "per sample";
   uint64_t seed = 7000;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cases/op_case.h"
+#include "cases/parallel_cases.h"
 #include "detdit/status.h"
 
 namespace detdit {
@@ -32,6 +33,11 @@ struct ModelSite {
 // no weights or a tensor the path reads is absent or differs in dtype or
 // size; building runs each site's forward once on the CPU.
 Status model_sites(const CaseContext& context, std::vector<ModelSite>* sites);
+
+// The block's first AdaLN projection (the family's weights, K chunks, T rows
+// as model_sites', a stand-in bf16 temb) for tp_adaln_projection at tp worlds
+// (check_tp_worlds: every rank byte-equal to one process).
+Status model_tp_shape(const CaseContext& context, std::string* site, TpShape* shape);
 
 }  // namespace cases
 }  // namespace detdit

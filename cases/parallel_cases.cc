@@ -538,8 +538,8 @@ Status make_tp_problem(const CaseContext& context, const TpShape& shape, TpProbl
   // weight is half a gigabyte), else generated weights of the scale of a
   // linear layer's initialisation.
   TensorView w, b;
-  if (context.weight && context.weight("transformer_blocks.0.adaln_proj.linear.weight", &w).ok() &&
-      context.weight("transformer_blocks.0.adaln_proj.linear.bias", &b).ok() && w.rank == 2 && w.shape[0] == n &&
+  if (context.weight && context.weight(shape.weight + ".weight", &w).ok() &&
+      context.weight(shape.weight + ".bias", &b).ok() && w.rank == 2 && w.shape[0] == n &&
       w.shape[1] == d && w.dtype == shape.dtype && b.dtype == shape.dtype && b.rank == 1 && b.shape[0] == n) {
     p.weight = w;
     p.bias = b;

@@ -198,6 +198,8 @@ struct TpShape {
   DType dtype = DType::kBF16;
   Numerics numerics = Numerics::kPortable;  // of the SiLU (the torch profile: CUDA only)
   int chunks = 0;  // 0: H3's projection (FP32 temb); > 0: a family's (adaln.h), temb in the weight's dtype
+  // The context's projection ("<weight>.weight", ".bias") when it has this shape, else generated values.
+  std::string weight = "transformer_blocks.0.adaln_proj.linear";
 };
 struct TpProblem {
   TpShape shape;

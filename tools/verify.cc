@@ -381,15 +381,21 @@ int run_verify(int argc, char** argv) {
   if (family) {
     std::vector<cases::ModelSite> sites;
     if (Status s = cases::model_sites(context, &sites); !s.ok()) return fail(s.to_string());
-    for (const std::string& op : wanted_ops) {
-      bool known = false;
-      for (const cases::ModelSite& site : sites) known = known || op == site.c.op;
-      if (!known) return fail("--ops: the " + std::string(model->title) + " path has no site of op '" + op + "'");
-    }
     for (cases::ModelSite& site : sites)
       candidates.push_back({site.c.op, site.site, false, true, [c = std::move(site.c), device](std::vector<CheckRow>* rows) {
                               return cases::check_op_case(c, device, rows);
                             }});
+    std::string tp_site;
+    cases::TpShape tp;
+    if (Status s = cases::model_tp_shape(context, &tp_site, &tp); !s.ok()) return fail(s.to_string());
+    candidates.push_back({"tp_adaln_projection", tp_site, false, true, [context, tp, device](std::vector<CheckRow>* rows) {
+                            return cases::check_tp_worlds(context, device, nullptr, tp, {1, 2, 3, 4, 8}, false, rows);
+                          }});
+    for (const std::string& op : wanted_ops) {
+      bool known = false;
+      for (const VerifyCase& c : candidates) known = known || op == c.op;
+      if (!known) return fail("--ops: the " + std::string(model->title) + " path has no site of op '" + op + "'");
+    }
   } else {
     candidates = verify_cases(context, setting, device, world.get());
   }
