@@ -1209,6 +1209,67 @@ Status check_one_form(const TensorView& gate_tensor, const TensorView& shift, co
                              shift.describe() + " (" + modulation_form_name(norm.form) + ")");
 }
 
+// The grouped region of a fused forward (gate_residual then a norm of h):
+// whether it runs in per-frame pieces, and the pieces.
+struct FramedRegion {
+  bool frames = false;        // the gate's or the norm's form is per frame
+  ResolvedModulation mod;     // that per-frame form (with frames)
+  std::vector<Piece> pieces;  // the local rows cut at frame bounds (with frames)
+};
+
+// The region's forms (GateResidualRmsnormInputs or GateResidualLayernormInputs,
+// h the norm's rows): the gate's resolved on the residual rows, the norm's on
+// h, each after its rows' check, then one form; per frame, the pieces both
+// halves run on. The order of the checks is the order of their errors.
+template <typename RegionInputs>
+Status resolve_region(const SpPlan& sp, const RegionInputs& in, const TensorView& h, FramedRegion* region) {
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, in.residual, "residual"));
+  ResolvedModulation gate, norm;
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, in.residual, "residual", {{&in.gate, "gate"}}, &gate));
+  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, h, "h"));
+  DETDIT_RETURN_IF_ERROR(resolve_form(sp, h, "h", {{&in.shift, "shift"}, {&in.scale, "scale"}}, &norm));
+  DETDIT_RETURN_IF_ERROR(check_one_form(in.gate, in.shift, gate, norm));
+  // either half per frame: its frames cut the rows of both halves
+  region->frames = gate.form == ModulationForm::kPerFrame || norm.form == ModulationForm::kPerFrame;
+  if (!region->frames) return Status();
+  region->mod = gate.form == ModulationForm::kPerFrame ? gate : norm;
+  region->pieces = frame_pieces(sp, region->mod);
+  return Status();
+}
+
+// The region's backward checks before the agreement (both fused ops, the
+// grouped forms), in the order of their errors: d_out, d_h like h, the norm
+// half by `validate_half` (validate_norm or validate_layernorm, on n->p), the
+// gate half `gate` with h standing for g (d_residual checked against y),
+// then one form.
+template <typename RegionParams, typename NormParams, typename NormForms>
+Status validate_region_backward(const SpPlan& sp, const RegionParams& p, const GateResidualBackwardParams& gate,
+                                Status (*validate_half)(const SpPlan&, const NormParams&, NormForms*), NormForms* n,
+                                FormsGate* g) {
+  DETDIT_RETURN_IF_ERROR(check::present(p.d_out, "d_out"));
+  if (p.d_h.present()) DETDIT_RETURN_IF_ERROR(rowwise::check_like(p.d_h, "d_h", p.h, "h"));
+  DETDIT_RETURN_IF_ERROR(validate_half(sp, n->p, n));
+  GateResidualBackwardParams checked = gate;
+  checked.d_residual = p.d_residual;
+  DETDIT_RETURN_IF_ERROR(validate_gate(sp, checked, g));
+  return check_one_form(p.in.gate, p.in.shift, g->mod, n->mod);
+}
+
+// g, the gradient of h (both fused backward ops, when the gate half runs):
+// d_residual when it has h's dtype (the caller's g_in_d_residual), else
+// scratch like h, held by *memory.
+Status region_gradient(const TensorView& h, const TensorView& d_residual, bool g_in_d_residual, Stream stream,
+                       std::shared_ptr<void>* memory, TensorView* g) {
+  if (g_in_d_residual) {
+    *g = d_residual;
+    return Status();
+  }
+  *g = h;
+  const Status allocated = allocate_scratch(h.device, h.nbytes(), stream, memory);
+  g->data = memory->get();
+  return allocated;
+}
+
 }  // namespace
 
 bool h3_rule(const RmsnormInputs& in) {
@@ -1317,16 +1378,11 @@ Status recipe_gate_residual_rmsnorm_forward(const SpPlan& sp, const GateResidual
     local.in.plan = sp.local_plan();
     return gate_residual_rmsnorm_forward(local, stream);
   }
-  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.residual, "residual"));
-  ResolvedModulation gate, norm;
-  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.residual, "residual", {{&p.in.gate, "gate"}}, &gate));
-  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.h, "h"));
-  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.h, "h", {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}}, &norm));
-  DETDIT_RETURN_IF_ERROR(check_one_form(p.in.gate, p.in.shift, gate, norm));
-  const bool frames = gate.form == ModulationForm::kPerFrame || norm.form == ModulationForm::kPerFrame;
-  if (!frames) return gate_residual_rmsnorm_forward(params, stream);
-  const ResolvedModulation& mod = gate.form == ModulationForm::kPerFrame ? gate : norm;
-  const std::vector<Piece> pieces = frame_pieces(sp, mod);
+  FramedRegion region;
+  DETDIT_RETURN_IF_ERROR(resolve_region(sp, p.in, p.h, &region));
+  if (!region.frames) return gate_residual_rmsnorm_forward(params, stream);
+  const ResolvedModulation& mod = region.mod;
+  const std::vector<Piece>& pieces = region.pieces;
   const GateResidualParams gate_call{rowwise::gate_inputs(p.in), p.h};
   const RmsnormParams norm_call{rowwise::norm_inputs(p.in, p.h), p.out, p.rstd};
   DETDIT_RETURN_IF_ERROR(check::present(p.rstd, "rstd"));
@@ -1402,15 +1458,7 @@ Status recipe_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& s
     if (valid.ok()) valid = validate_indexed_region(local);
   } else {
     n.p = norm_params;
-    if (valid.ok()) valid = check::present(p.d_out, "d_out");
-    if (valid.ok() && p.d_h.present()) valid = rowwise::check_like(p.d_h, "d_h", p.h, "h");
-    if (valid.ok()) valid = validate_norm(sp, n.p, &n);
-    if (valid.ok()) {
-      GateResidualBackwardParams checked = gate_params;  // h standing for g; d_residual checked against y
-      checked.d_residual = p.d_residual;
-      valid = validate_gate(sp, checked, &g);
-    }
-    if (valid.ok()) valid = check_one_form(in.gate, in.shift, g.mod, n.mod);
+    if (valid.ok()) valid = validate_region_backward(sp, p, gate_params, validate_norm, &n, &g);
     if (valid.ok())
       valid = rowwise::check_outputs_disjoint(
           {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.shift, "shift"}, {&in.scale, "scale"},
@@ -1420,14 +1468,7 @@ Status recipe_gate_residual_rmsnorm_backward(Communicator& comm, const SpPlan& s
   }
   std::shared_ptr<void> g_memory;
   TensorView grad;  // g
-  if (valid.ok() && gate_half) {
-    grad = p.d_residual;
-    if (!g_in_d_residual) {
-      grad = p.h;
-      valid = allocate_scratch(p.h.device, p.h.nbytes(), stream, &g_memory);
-      grad.data = g_memory.get();
-    }
-  }
+  if (valid.ok() && gate_half) valid = region_gradient(p.h, p.d_residual, g_in_d_residual, stream, &g_memory, &grad);
   gate_params.grad = grad;
   if (valid.ok() && indexed) {
     in_norm.p = in_norm.local = norm_params;
@@ -1520,16 +1561,11 @@ Status sp_gate_residual_layernorm_forward(const SpPlan& sp, const GateResidualLa
   using namespace sp_detail;
   const GateResidualLayernormParams& p = params;
   DETDIT_RETURN_IF_ERROR(check_no_plan(sp, p.in.plan));
-  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.in.residual, "residual"));
-  ResolvedModulation gate, norm;
-  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.in.residual, "residual", {{&p.in.gate, "gate"}}, &gate));
-  DETDIT_RETURN_IF_ERROR(check_local_rows(sp, p.h, "h"));
-  DETDIT_RETURN_IF_ERROR(resolve_form(sp, p.h, "h", {{&p.in.shift, "shift"}, {&p.in.scale, "scale"}}, &norm));
-  DETDIT_RETURN_IF_ERROR(check_one_form(p.in.gate, p.in.shift, gate, norm));
-  const bool frames = gate.form == ModulationForm::kPerFrame || norm.form == ModulationForm::kPerFrame;
-  if (!frames) return gate_residual_layernorm_forward(params, stream);
-  const ResolvedModulation& mod = gate.form == ModulationForm::kPerFrame ? gate : norm;
-  const std::vector<Piece> pieces = frame_pieces(sp, mod);
+  FramedRegion region;
+  DETDIT_RETURN_IF_ERROR(resolve_region(sp, p.in, p.h, &region));
+  if (!region.frames) return gate_residual_layernorm_forward(params, stream);
+  const ResolvedModulation& mod = region.mod;
+  const std::vector<Piece>& pieces = region.pieces;
   const GateResidualParams gate_call{gate_inputs(p.in), p.h};
   const LayernormParams norm_call{norm_inputs(p.in, p.h), p.out, p.mean, p.rstd};
   for (const Piece& pc : pieces) {
@@ -1566,15 +1602,7 @@ Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
                                    p.d_gate};
   Status valid = check_comm(comm, sp);
   if (valid.ok()) valid = check_no_plan(sp, in.plan);
-  if (valid.ok()) valid = check::present(p.d_out, "d_out");
-  if (valid.ok() && p.d_h.present()) valid = rowwise::check_like(p.d_h, "d_h", p.h, "h");
-  if (valid.ok()) valid = validate_layernorm(sp, n.p, &n);
-  if (valid.ok()) {
-    GateResidualBackwardParams checked = g.p;  // h standing for g; d_residual checked against y
-    checked.d_residual = p.d_residual;
-    valid = validate_gate(sp, checked, &g);
-  }
-  if (valid.ok()) valid = check_one_form(in.gate, in.shift, g.mod, n.mod);
+  if (valid.ok()) valid = validate_region_backward(sp, p, g.p, validate_layernorm, &n, &g);
   if (valid.ok())
     valid = rowwise::check_outputs_disjoint(
         {{&in.y, "y"}, {&in.gate, "gate"}, {&in.weight, "weight"}, {&in.bias, "bias"}, {&in.shift, "shift"},
@@ -1584,12 +1612,8 @@ Status sp_gate_residual_layernorm_backward(Communicator& comm, const SpPlan& sp,
          {&p.d_bias, "d_bias"}, {&p.d_shift, "d_shift"}, {&p.d_scale, "d_scale"}});
   std::shared_ptr<void> g_memory;
   if (valid.ok() && gate_half) {
-    TensorView grad = p.d_residual;
-    if (!g_in_d_residual) {
-      grad = p.h;
-      valid = allocate_scratch(p.h.device, p.h.nbytes(), stream, &g_memory);
-      grad.data = g_memory.get();
-    }
+    TensorView grad;
+    valid = region_gradient(p.h, p.d_residual, g_in_d_residual, stream, &g_memory, &grad);
     n.p.dx = g.p.grad = grad;
   }
   if (valid.ok()) valid = prepare_layernorm(sp, &n, stream);

@@ -404,6 +404,29 @@ std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_backward(const Tensor& grad,
 // ---------------------------------------------------------------------------
 // sp_gate_residual_rmsnorm
 
+namespace {
+// The library calls of an sp_gate_residual_rmsnorm backward on every rank
+// (.default and .forms): the fused op, and the gate half alone (no d_out).
+// Each sets *entered first, as on_every_rank requires; group and sp outlive them.
+struct RegionBackwardCalls {
+  Call<detdit::GateResidualRmsnormBackwardParams> call;
+  Call<detdit::GateResidualBackwardParams> gate_call;
+};
+
+RegionBackwardCalls region_backward_calls(detdit::Communicator& group, const detdit::SpPlan& sp, bool* entered) {
+  RegionBackwardCalls calls;
+  calls.call = [&group, &sp, entered](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
+    *entered = true;
+    return detdit::sp_gate_residual_rmsnorm_backward(group, sp, p, stream);
+  };
+  calls.gate_call = [&group, &sp, entered](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
+    *entered = true;
+    return detdit::sp_gate_residual_backward(group, sp, p, stream);
+  };
+  return calls;
+}
+}  // namespace
+
 std::tuple<Tensor, Tensor, Tensor> sp_gate_residual_rmsnorm(const Tensor& residual, const Tensor& y,
                                                             const Tensor& gate, const Tensor& weight,
                                                             const OptTensor& shift, const OptTensor& scale,
@@ -422,15 +445,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     int64_t comm, double eps, const std::string& numerics) {
   auto group = communicator(comm);
   return on_every_rank(*group, [&](bool* entered) {
-    auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
-      *entered = true;
-      return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
-    };
-    auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
-      *entered = true;
-      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
-    };
-    return gate_residual_rmsnorm_backward_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
+    const RegionBackwardCalls calls = region_backward_calls(*group, sp->sp, entered);
+    return gate_residual_rmsnorm_backward_with(calls.call, calls.gate_call, d_out, d_h, y, gate, weight, shift, scale,
                                                sp->sp.global_plan(), h, rstd, eps, numerics,
                                                {true, true, true, true, true, true});
   });
@@ -516,18 +532,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> sp_gate_residual_rmsn
     int64_t comm, double eps, const std::string& numerics, bool upcast, Optional<double> k) {
   auto group = communicator(comm);
   return on_every_rank(*group, [&](bool* entered) {
-    auto call = [&](const detdit::GateResidualRmsnormBackwardParams& p, detdit::Stream stream) {
-      *entered = true;
-      return detdit::sp_gate_residual_rmsnorm_backward(*group, sp->sp, p, stream);
-    };
-    auto gate_call = [&](const detdit::GateResidualBackwardParams& p, detdit::Stream stream) {
-      *entered = true;
-      return detdit::sp_gate_residual_backward(*group, sp->sp, p, stream);
-    };
+    const RegionBackwardCalls calls = region_backward_calls(*group, sp->sp, entered);
     // the fused op takes the region's plan with or without the gate; the
     // gate half alone (no d_out) takes sp_gate_residual.forms' plan
-    return gate_residual_rmsnorm_backward_forms_with(call, gate_call, d_out, d_h, y, gate, weight, shift, scale,
-                                                     sp->sp.global_plan(), gate_plan(sp, gate), h, rstd, eps,
+    return gate_residual_rmsnorm_backward_forms_with(calls.call, calls.gate_call, d_out, d_h, y, gate, weight, shift,
+                                                     scale, sp->sp.global_plan(), gate_plan(sp, gate), h, rstd, eps,
                                                      numerics, upcast, k, {true, true, true, true, true, true},
                                                      /*local_rows=*/true);
   });
