@@ -126,23 +126,28 @@ fi
 # named in tests/sanitizer/lsan.supp. Their frames are found by the slow
 # unwinder (fast_unwind_on_malloc=0: Open MPI has no frame pointers), which
 # costs a DWARF unwind per malloc, so only the tests that start MPI
-# processes (names with "Mpi") run with it, all of them. The four heaviest
-# other tests are left out here (the main job's ctest runs them): each repeats
-# code the suites run at small sizes, at the H3 sizes or many sizes, for a
+# processes (names with "Mpi") run with it, all of them. The heaviest other
+# tests are left out here (the main job's ctest runs them): each repeats code
+# the suites run at small sizes, at the H3 sizes or many sizes, for a
 # size-dependent property (a rounding statistic, the traffic count's
 # independence of S up to 131072, linear time in 200,000 blocks, TP 5 and 7 of
-# the 520 MB weight).
+# the 520 MB weight, and the modulation forms' SP ops at every world size 1..8,
+# whose code the SpForms tiny-shard and odd-sequence tests run here). Debug
+# information is line tables only (-g1): the reports' stacks keep their
+# functions, files and lines, and the build, the job's larger half, is
+# cheaper (tests/cpu/cli_test.cc alone compiled in 146 s with -g, 55 s with -g1).
 job sanitizers
 asan_dir="${build_dir}-asan"
 if [ ! -f "$asan_dir/build.ninja" ]; then
-  cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETDIT_ENABLE_CUDA=OFF \
-    -DDETDIT_SANITIZE=address,undefined
+  cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
+    -DDETDIT_ENABLE_CUDA=OFF -DDETDIT_SANITIZE=address,undefined
 fi
 cmake --build "$asan_dir" -j "$(nproc)"
 echo "detdit: the cpu and parallel suites under AddressSanitizer + UndefinedBehaviorSanitizer ($asan_dir)"
 export UBSAN_OPTIONS="print_stacktrace=1" LSAN_OPTIONS="suppressions=$root/tests/sanitizer/lsan.supp"
 heavy='AdalnProjectionAccuracy\.H3ShapeIsCorrectlyRoundedAtLeast99_98Percent|SpRegion\.FoldChainBytesDoNotDependOnSeqLenOrPacking'
 heavy+='|Manifest\.ManyBlocksInferAndCompareInLinearTime|TpAdalnProjection\.H3ShapeTp5And7'
+heavy+='|SpForms\..*EveryWorldSize'
 ctest --test-dir "$asan_dir" -L 'cpu|parallel' -E "Mpi|^($heavy)\$" --output-on-failure -j "$(nproc)" --timeout 1200
 print_skip_reasons "$asan_dir"
 ASAN_OPTIONS="fast_unwind_on_malloc=0" \
