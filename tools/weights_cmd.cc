@@ -146,14 +146,18 @@ int run_verify_weights(int argc, char** argv) {
 }
 
 int run_inspect(int argc, char** argv) {
-  Args args("detdit weights inspect FILE",
+  Args args("detdit weights inspect FILE [--model NAME]",
             "Lists a safetensors file's metadata and tensors: name, dtype, shape and byte range\n"
             "(relative to the data section, which starts at byte 8 + header length).");
-  args.positional("FILE", "safetensors file (or a weights directory)");
+  args.positional("FILE", "safetensors file (or a weights directory: the model's file in it)");
+  args.option("--model", "NAME", "whose file a directory holds: h3, or a DiT family of docs/models.md", "h3");
   int code = parse_or_exit_code(&args, argc, argv, 1);
   if (code >= 0) return code;
+  const io::ModelManifest* model = nullptr;
+  Status status = io::find_model_manifest(args.get("--model", "h3"), &model);
+  if (!status.ok()) return fail(status.message());
   io::SafetensorsFile file;
-  Status status = io::SafetensorsFile::open(io::weights_file_path(args.get("FILE")), &file);
+  status = io::SafetensorsFile::open(io::weights_file_path(args.get("FILE"), model->name), &file);
   if (!status.ok()) return fail(status.to_string());
   std::printf("%s: %llu bytes, header %llu bytes, data section at byte %llu, %zu tensors\n", file.path().c_str(),
               static_cast<unsigned long long>(file.file_size()), static_cast<unsigned long long>(file.header_bytes()),
