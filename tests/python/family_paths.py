@@ -264,6 +264,21 @@ class Joint(Family):
     guidance = False
     single = False
     eps = 1e-6
+    final_temb = "temb"  # the tap of the time embedding the text stream and the final layer read
+
+    def split_temb(self, temb, tap):
+        """(the image stream's time embedding, the text stream's and the final layer's): temb for
+        both (Qwen-Image's edit models split their doubled batch)."""
+        return temb, temb
+
+    def img_chunks(self, emb, n, x):
+        """The image stream's n modulation chunks of its projection emb, as the model takes them:
+        per sample, (B, 1, H)."""
+        return _chunks(emb, n)
+
+    def detdit_img_chunks(self, emb, n, x):
+        """The same through detdit (its own call where the model's differs)."""
+        return _chunks(emb, n)
 
     @property
     def orders(self):
@@ -319,7 +334,7 @@ class Joint(Family):
 
     def modules(self, sd, v, x):
         import detdit.nn as dn
-        H, out, temb = HIDDEN, [], v["temb"]
+        H, out, temb = HIDDEN, [], v[self.final_temb]
         prefix, ik, ic, tk, tc = self.blocks()[0]
 
         def zero(m, inp, key, norm):  # AdaLayerNormZero: (x_mod, gate_msa, shift_mlp, scale_mlp, gate_mlp)
@@ -355,7 +370,7 @@ class Joint(Family):
             out.append(("norm1_context (last)", continuous, f"transformer_blocks.{last}.norm1_context.",
                         lambda m: [(f"b{last}.txt.n", m(v[f"y{last - 1}_txt.h2"], temb), v[f"b{last}.txt.n"])]))
         out.append(("final_layer_continuous", None, None, lambda m: [("out", detdit.final_layer_continuous(
-            v[final_key], v["temb"], sd["norm_out.linear.weight"], sd["norm_out.linear.bias"], sd["proj_out.weight"],
+            v[final_key], temb, sd["norm_out.linear.weight"], sd["norm_out.linear.bias"], sd["proj_out.weight"],
             sd["proj_out.bias"], eps=self.eps), v["out"])]))
         # the rollout side (SGLang's layers, each op rounding: compute_dtype None) on block 0's text stream
         sh, sc, g, sh2, sc2, g2 = _chunks(v["b0.txt.emb"], 6)
@@ -400,11 +415,11 @@ class Joint(Family):
         return tap(f"{key}.n", c.layer_norm(x, eps=self.eps) * (1 + scale) + shift, kind="norm")
 
     def eager(self, p, x, tap, c):
-        temb = self.eager_temb(p, x, tap, c)
+        img_temb, temb = self.split_temb(self.eager_temb(p, x, tap, c), tap)
         img, txt, out = x["x_img"], x["x_txt"], {}
         for i, (prefix, ik, ic, tk, tc) in enumerate(self.blocks()):
-            emb = tap(f"b{i}.img.emb", F.linear(F.silu(temb), p[prefix + ik + "weight"], p[prefix + ik + "bias"]))
-            ch = _chunks(emb, ic)
+            emb = tap(f"b{i}.img.emb", F.linear(F.silu(img_temb), p[prefix + ik + "weight"], p[prefix + ik + "bias"]))
+            ch = self.img_chunks(emb, ic, x)
             if ic == 9:  # SD35AdaLayerNormZeroX: one norm(x), two modulations, two gated residuals
                 n = c.layer_norm(img, eps=self.eps)
                 n1 = tap(f"b{i}.img.n1", n * (1 + ch[1]) + ch[0], kind="norm")
@@ -460,10 +475,10 @@ class Joint(Family):
         return tap(f"{key}.n", ops.layernorm(stream, x, shift=shift, scale=scale, eps=self.eps), kind="norm")
 
     def detdit(self, p, x, tap, ops):
-        temb = self.detdit_temb(p, x, tap)
+        img_temb, temb = self.split_temb(self.detdit_temb(p, x, tap), tap)
         img, txt, out = x["x_img"], x["x_txt"], {}
         for i, (prefix, ik, ic, tk, tc) in enumerate(self.blocks()):
-            ch = _chunks(tap(f"b{i}.img.emb", detdit_adaln(temb, p, prefix + ik, ic)), ic)
+            ch = self.detdit_img_chunks(tap(f"b{i}.img.emb", detdit_adaln(img_temb, p, prefix + ik, ic)), ic, x)
             if ic == 9:
                 n1 = tap(f"b{i}.img.n1", ops.layernorm("img", img, shift=ch[0], scale=ch[1], eps=self.eps), kind="norm")
                 n1b = tap(f"b{i}.img.n1b", ops.layernorm("img", img, shift=ch[6], scale=ch[7], eps=self.eps),
@@ -643,6 +658,64 @@ class Qwen(Joint):
         return (sigma * 1000).to(BF) / 1000
 
 
+class QwenEdit(Qwen):
+    """Qwen-Image's edit models (``zero_cond_t``): the model doubles the timesteps to ``[t, 0]``
+    (bf16), so the sinusoid, the time MLP and img_mod run on 2B rows; each image token takes its
+    shift, scale and gate from the t half (``modulate_index`` 0: the generated image's tokens, first)
+    or the 0 half (1: the reference image's tokens, after them), so the image stream's modulation is
+    per token (B, S, H): torch.where in the model, detdit's row gather on the detdit side; txt_mod and
+    the final layer read the t half."""
+    name = "qwen_image_edit"
+    reference = 12  # the last 12 of the image stream's 32 tokens: SP ranks hold both kinds at 2 and 4
+    final_temb = "temb_t"
+    # per token: the image modulation's gradients, and what is upstream of them, sum over this rank's tokens
+    sp_partial = ("proj_out.", "time_text_embed.", "transformer_blocks.0.img_mod.")
+
+    def model_t(self, t):
+        return torch.cat([t, t * 0])
+
+    def timestep_inputs(self, batch, seed):
+        S = STREAM_LEN["img"]
+        index = torch.tensor([0] * (S - self.reference) + [1] * self.reference, dtype=torch.int).expand(batch, S)
+        return super().timestep_inputs(batch, seed) | {"modulate_index": (index.contiguous(), "img", "const")}
+
+    def split_temb(self, temb, tap):
+        return temb, tap("temb_t", temb.chunk(2, dim=0)[0])
+
+    def img_chunks(self, emb, n, x):
+        """_modulate's selection: torch.where(index == 0, the t half's (B, 1, H), the 0 half's)."""
+        index = x["modulate_index"].unsqueeze(-1)  # (B, S, 1)
+        B = index.shape[0]
+        return [torch.where(index == 0, v[:B], v[B:]) for v in _chunks(emb, n)]  # (B, S, H) each
+
+    def detdit_img_chunks(self, emb, n, x):
+        """Token s of sample b reads row b (index 0) or B + b (index 1) of the (2B, 6H) projection:
+        adaln_row_gather by the plan of those rows over the B * S positions (a byte copy; its
+        gradient the plan's reduction over the positions), each chunk viewed (B, S, H)."""
+        index = x["modulate_index"]
+        B, S = index.shape
+        rows = torch.arange(B, dtype=index.dtype, device=index.device)[:, None] + B * index
+        gathered = detdit.adaln_row_gather(emb, detdit.plan_from_rows(rows.flatten(), 2 * B))  # (6, B * S, H)
+        return [v.view(B, S, HIDDEN) for v in gathered.unbind(0)]
+
+    def modules(self, sd, v, x):
+        import detdit.nn as dn
+        out = super().modules(sd, v, x)
+        # SGLang's layers take the per-token form: block 0's image stream
+        sh, sc, g, sh2, sc2, g2 = self.img_chunks(v["b0.img.emb"], 6, x)
+        attn, ff = sublayer(v["y0_img.n1"], x["y0_img_attn"]), sublayer(v["y0_img.n2"], x["y0_img_ff"])
+        rollout = dict(eps=self.eps, elementwise_affine=False, compute_dtype=None)
+        return out + [
+            ("LayerNormScaleShift (per token)", lambda: dn.LayerNormScaleShift(HIDDEN, **rollout), None,
+             lambda m: [("y0_img.n1", m(x["x_img"], sh, sc), v["y0_img.n1"])]),
+            ("ScaleResidualLayerNormScaleShift (per token)",
+             lambda: dn.ScaleResidualLayerNormScaleShift(HIDDEN, **rollout), None,
+             lambda m: list(zip(("y0_img.n2", "y0_img.h1"), m(x["x_img"], attn, g, sh2, sc2),
+                                (v["y0_img.n2"], v["y0_img.h1"])))),
+            ("ScaleResidual (per token)", lambda: dn.ScaleResidual(), None,
+             lambda m: [("y0_img.h2", m(v["y0_img.h1"], ff, g2), v["y0_img.h2"])])]
+
+
 class Wan(Family):
     """Wan 2.1 / 2.2: the FP32 time embedder, its bf16 output, time_proj (bf16) of its SiLU, the FP32
     ``scale_shift_table + timestep_proj.float()``; FP32LayerNorm norm1 / norm3 modulated and norm2
@@ -794,6 +867,8 @@ class CogVideoX(Family):
     outputs = {"out": "img", "txt": "txt"}
     D = 48  # time_embed_dim (512 in the models)
     eps = 1e-5
+    ofs = False  # CogVideoX 1.5 image-to-video's ofs embedding
+    out_features = 64  # proj_out: patch 2 x 2 x 16 channels
     orders = {"cogvideox_layer_norm_zero": ("shift", "scale", "gate", "enc_shift", "enc_scale", "enc_gate"),
               "ada_layer_norm": ("shift", "scale")}
 
@@ -807,7 +882,9 @@ class CogVideoX(Family):
         p["norm_final.weight"], p["norm_final.bias"] = ((H,), BF, 0.2), ((H,), BF, 0.2)
         p |= linear_params("norm_out.linear.", 2 * H, D, BF, 0.3 / math.sqrt(D))
         p["norm_out.norm.weight"], p["norm_out.norm.bias"] = ((H,), BF, 0.2), ((H,), BF, 0.2)
-        p |= linear_params("proj_out.", 64, H, BF)
+        if self.ofs:  # TimestepEmbedding(ofs_embed_dim, ofs_embed_dim), ofs_embed_dim = time_embed_dim (512)
+            p |= mlp_params("ofs_embedding.", D, D, D, BF)
+        p |= linear_params("proj_out.", self.out_features, H, BF)
         return p
 
     def state_dict(self, seed=0):
@@ -841,11 +918,18 @@ class CogVideoX(Family):
         return out
 
     def timestep_inputs(self, batch, seed):
-        return {"t": (torch.tensor([999, 321, 7][:batch], dtype=torch.int64), None, "const")}
+        out = {"t": (torch.tensor([999, 321, 7][:batch], dtype=torch.int64), None, "const")}
+        if self.ofs:  # the pipeline's latents.new_full((1,), 2.0): one bf16 row for the whole batch
+            out["ofs"] = (torch.full((1,), 2.0, dtype=BF), None, "shared")
+        return out
 
     def eager(self, p, x, tap, c):
         f = tap("t_features", eager_sinusoid(x["t"], HIDDEN, wide=c.truth))
-        temb = tap("temb", eager_mlp(c(f, BF), p, "time_embedding."))
+        temb = eager_mlp(c(f, BF), p, "time_embedding.")
+        if self.ofs:  # ofs_proj (Timesteps(D, True, 0)), cast to the model's dtype, ofs_embedding; emb + ofs_emb
+            fo = tap("ofs_features", eager_sinusoid(x["ofs"], self.D, wide=c.truth))
+            temb = temb + eager_mlp(c(fo, BF), p, "ofs_embedding.")
+        temb = tap("temb", temb)
         img, txt = x["x_img"], x["x_txt"]
         for k, site in (("norm1", "attn"), ("norm2", "ff")):
             pre = f"transformer_blocks.0.{k}."
@@ -865,7 +949,11 @@ class CogVideoX(Family):
 
     def detdit(self, p, x, tap, ops):
         f = tap("t_features", detdit_sinusoid(x["t"], HIDDEN, 1000.0))
-        temb = tap("temb", detdit_mlp(f.to(BF), p, "time_embedding."))
+        temb = detdit_mlp(f.to(BF), p, "time_embedding.")
+        if self.ofs:  # ofs is the pipeline's constant 2.0: t_max 2
+            fo = tap("ofs_features", detdit_sinusoid(x["ofs"], self.D, 2.0))
+            temb = temb + detdit_mlp(fo.to(BF), p, "ofs_embedding.")  # eager's bf16 add, broadcast over the batch
+        temb = tap("temb", temb)
         img, txt = x["x_img"], x["x_txt"]
         for k, site in (("norm1", "attn"), ("norm2", "ff")):
             pre = f"transformer_blocks.0.{k}."
@@ -882,6 +970,15 @@ class CogVideoX(Family):
         y = tap("final.n", ops.layernorm("img", nf, p["norm_out.norm.weight"], p["norm_out.norm.bias"], shift, scale,
                                          eps=self.eps), kind="norm")
         return {"out": tap("out", detdit_linear(y, p["proj_out.weight"], p["proj_out.bias"])), "txt": txt}
+
+
+class CogVideoX15I2V(CogVideoX):
+    """CogVideoX 1.5 image-to-video: the ofs embedding (Timesteps(D, True, 0) of the pipeline's one
+    bf16 ofs row, TimestepEmbedding(D, D) in bf16) added to the time embedding before the blocks,
+    broadcast over the batch; patch_size_t 2, so proj_out has 2 x 2 x 2 x 16 = 128 outputs."""
+    name = "cogvideox_1_5_i2v"
+    ofs = True
+    out_features = 128
 
 
 class LTX(Family):
@@ -1113,8 +1210,8 @@ class LTXTextToVideo(LTX):
     per_token = False
 
 
-FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Hunyuan(), Qwen(), CogVideoX(), LTX(),
-                                 LTXTextToVideo(), H3())}
+FAMILIES = {f.name: f for f in (SD3(), Flux(), Wan(), WanA14B(), WanTI2V(), Hunyuan(), Qwen(), QwenEdit(),
+                                 CogVideoX(), CogVideoX15I2V(), LTX(), LTXTextToVideo(), H3())}
 
 
 # ---- the harness -----------------------------------------------------------------------------

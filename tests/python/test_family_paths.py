@@ -1,5 +1,6 @@
 """One block's conditioning path of every DiT family (family_paths.FAMILIES: SD3.5, Flux.1,
-Wan 2.1, Wan 2.2 A14B, Wan 2.2 TI2V-5B, HunyuanVideo, Qwen-Image, CogVideoX, LTX-Video image-
+Wan 2.1, Wan 2.2 A14B, Wan 2.2 TI2V-5B, HunyuanVideo, Qwen-Image and its edit models
+(``zero_cond_t``), CogVideoX and CogVideoX 1.5 image-to-video (the ofs embedding), LTX-Video image-
 and text-to-video, MiniMax-H3), written as the family's diffusers code computes it in plain PyTorch and through
 detdit, on random weights in the family's state-dict layout at small shapes (H = 64, B = 2,
 S = 32 image and 8 text positions, bf16 activations, the family's dtypes for the time MLP and
