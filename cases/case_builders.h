@@ -134,16 +134,14 @@ OpCase timestep_mlp_case(const MlpShape& s);
 
 // ---- the families' embeddings in the activation dtype (cases/embedding_cases.cc) ----
 
-// text_projection (pooled (rows, pooled) -> hidden -> hidden) and
 // combined_timestep_embedding (sinusoid features (rows, channels), guided or
-// not, and the pooled text, every MLP -> hidden).
+// not, and the pooled text (rows, pooled), every MLP -> hidden).
 struct EmbeddingShape {
   DType dtype = DType::kBF16;
   int64_t rows = 3, channels = 32, pooled = 24, hidden = 48;
   bool guided = false;
   uint64_t seed = 3000;
 };
-OpCase text_projection_case(const EmbeddingShape& s);
 OpCase combined_timestep_embedding_case(const EmbeddingShape& s);
 // timestep_mlp's bf16 cases of `suite` (timestep_mlp_cases adds them to its own).
 std::vector<OpCase> bf16_timestep_mlp_cases(Suite suite, const CaseContext& ctx);

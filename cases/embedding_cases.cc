@@ -1,18 +1,21 @@
 // The cases of the families' timestep embeddings in the activation dtype:
 // timestep_mlp in bf16 (registered with timestep_mlp's own cases,
-// cases/timestep_cases.cc, through bf16_timestep_mlp_cases), text_projection
-// and combined_timestep_embedding, with the FP64 oracle of cases/oracle.h
-// (mlp_reference) measuring every stage of every MLP.
+// cases/timestep_cases.cc, through bf16_timestep_mlp_cases), among them the
+// pooled-text embedder (PixArtAlphaTextProjection with the SiLU, which is
+// timestep_mlp on the pooled text), and combined_timestep_embedding, with the
+// FP64 oracle of cases/oracle.h (mlp_reference) measuring every stage of
+// every MLP.
 //
 // Layouts (diffusers' CombinedTimestep[Guidance]TextProjEmbeddings): Flux
 // (and HunyuanVideo) K = 256 sinusoid channels -> H = D = 3072 with a
 // guidance embedder, pooled text 768; SD3 K = 256 -> 1536 (SD3-Medium), no
 // guidance, pooled 2048. Suites: kTest both layouts scaled down (every shape a
 // multiple of the bf16 vector width, 8), an fp32 one, and the Flux time MLP
-// at its real shape (GPU only: too big for the CPU suites' size cap); kBench
-// and kVerify the real Flux and SD3 shapes at B = 1 and 4 (--quick/--small:
-// B = 1) for text_projection and combined_timestep_embedding (verify lists
-// neither yet: its default stays H3's); the bf16 timestep_mlp in kTest only.
+// and both pooled-text MLPs at their real shapes (GPU only: too big for the
+// CPU suites' size cap); kBench and kVerify the real Flux and SD3 shapes at
+// B = 1 and 4 (--quick/--small: B = 1) for combined_timestep_embedding (verify
+// does not list it yet: its default stays H3's); the bf16 timestep_mlp in
+// kTest only.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -150,40 +153,6 @@ MlpGrads grads_of(const Instance& t, const MlpCaseNames& n) {
 
 }  // namespace
 
-// ---- text_projection -------------------------------------------------------------
-
-OpCase text_projection_case(const EmbeddingShape& s) {
-  OpCase c;
-  c.op = "text_projection";
-  c.name = std::string(dtype_name(s.dtype)) + " B=" + std::to_string(s.rows) + " P=" + std::to_string(s.pooled) +
-           " H=" + std::to_string(s.hidden);
-  const MlpCaseNames n = mlp_case_names("pooled", "out", "");
-  add_mlp_tensors(&c, n, s.dtype, s.rows, s.pooled, s.hidden, s.hidden, s.seed);
-  c.output("out", Phase::kForward, s.dtype, {s.rows, s.hidden}, 0);
-  c.input("grad_out", Phase::kBackward, s.dtype, {s.rows, s.hidden}, uniform_values(s.seed + 5, 0.0, 1.0), 0);
-  c.takes_profile = true;  // the SiLU's exp
-  auto inputs = [n](const Instance& t) { return TextProjectionInputs{t["pooled"], weights_of(t, n), t.numerics}; };
-  c.forward = [inputs, n](const Instance& t, Stream stream) {
-    return text_projection_forward({inputs(t), t["out"], saved_of(t, n)}, stream);
-  };
-  c.backward = [inputs, n](const Instance& t, Stream stream) {
-    return text_projection_backward({inputs(t), saved_of(t, n), t["grad_out"], grads_of(t, n)}, stream);
-  };
-  std::vector<std::string> fwd = forward_names(n), bwd = backward_names(n);
-  fwd.push_back("out");
-  bwd.push_back("grad_out");
-  c.set_bytes(Phase::kForward, fwd);
-  c.set_bytes(Phase::kBackward, bwd);
-  c.accuracy = mlp_forward_stage_accuracy(n, true);
-  c.positions = s.rows;
-  c.alone = [s](int64_t) {
-    EmbeddingShape one = s;
-    one.rows = 1;
-    return text_projection_case(one);
-  };
-  return c;
-}
-
 // ---- combined_timestep_embedding ----------------------------------------------------
 
 namespace {
@@ -319,21 +288,6 @@ std::vector<int64_t> real_rows(const CaseContext& ctx) {
   return ctx.quick || ctx.small ? std::vector<int64_t>{1} : std::vector<int64_t>{1, 4};
 }
 
-std::vector<OpCase> text_projection_cases(Suite suite, const CaseContext& ctx) {
-  std::vector<OpCase> cases;
-  if (suite == Suite::kTest) {
-    cases.push_back(text_projection_case({DType::kBF16, 3, 0, 24, 48, false, 3100}));    // Flux's layout
-    cases.push_back(text_projection_case({DType::kBF16, 2, 0, 64, 40, false, 3110}));    // SD3's
-    cases.push_back(text_projection_case({DType::kF32, 3, 0, 24, 48, false, 3120}));
-    return cases;
-  }
-  for (int64_t rows : real_rows(ctx)) {
-    cases.push_back(text_projection_case(flux_shape(rows, ctx.seed + 3130)));
-    cases.push_back(text_projection_case(sd3_shape(rows, ctx.seed + 3140)));
-  }
-  return cases;
-}
-
 std::vector<OpCase> combined_timestep_embedding_cases(Suite suite, const CaseContext& ctx) {
   std::vector<OpCase> cases;
   if (suite == Suite::kTest) {
@@ -349,27 +303,32 @@ std::vector<OpCase> combined_timestep_embedding_cases(Suite suite, const CaseCon
   return cases;
 }
 
-DETDIT_OP_CASES("text_projection", text_projection_cases);
 DETDIT_OP_CASES("combined_timestep_embedding", combined_timestep_embedding_cases);
 
 }  // namespace
 
-// The bench times the bf16 MLP at the real shapes as text_projection and
+// The bench times the bf16 MLP at the real shapes inside
 // combined_timestep_embedding (scripts/torch_compare.py's timestep_mlp is H3's
 // FP32 module), and verify's default stays H3's: test cases only.
 std::vector<OpCase> bf16_timestep_mlp_cases(Suite suite, const CaseContext&) {
   std::vector<OpCase> cases;
   if (suite != Suite::kTest) return cases;
-  auto bf16 = [](int64_t rows, int64_t k, int64_t h, uint64_t seed) {
+  auto mlp = [](DType dtype, int64_t rows, int64_t k, int64_t h, uint64_t seed) {
     MlpShape s{rows, k, h, h, seed};
-    s.dtype = DType::kBF16;
+    s.dtype = dtype;
     OpCase c = timestep_mlp_case(s);
     c.accuracy = mlp_forward_stage_accuracy(mlp_case_names("features", "temb", ""), true);
     return c;
   };
-  cases.push_back(bf16(3, 32, 48, 1430));  // Flux's layout scaled down
-  cases.push_back(bf16(2, 32, 40, 1431));  // SD3's
-  cases.push_back(bf16(4, 256, 3072, 1432));  // Flux's time MLP at its real shape (CUDA tests: over the CPU cap)
+  cases.push_back(mlp(DType::kBF16, 3, 32, 48, 1430));  // Flux's layout scaled down
+  cases.push_back(mlp(DType::kBF16, 2, 32, 40, 1431));  // SD3's
+  cases.push_back(mlp(DType::kBF16, 4, 256, 3072, 1432));  // Flux's time MLP at its real shape (CUDA: over the CPU cap)
+  // The pooled-text embedder: timestep_mlp with the pooled text (B, P) as features.
+  cases.push_back(mlp(DType::kBF16, 3, 24, 48, 3100));  // Flux's layout scaled down
+  cases.push_back(mlp(DType::kBF16, 2, 64, 40, 3110));  // SD3's
+  cases.push_back(mlp(DType::kF32, 3, 24, 48, 3120));
+  cases.push_back(mlp(DType::kBF16, 4, 768, 3072, 3130));   // Flux's at its real shape (CUDA tests)
+  cases.push_back(mlp(DType::kBF16, 4, 2048, 1536, 3140));  // SD3's at its real shape (CUDA tests)
   return cases;
 }
 

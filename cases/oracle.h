@@ -94,7 +94,7 @@ RmsnormReference rmsnorm_reference(const HostTensor& x, const HostTensor& weight
 // grad[chunk, p, i] over the positions p of row r; grad (6, B*S, H).
 std::vector<double> row_gather_grad_exact(const IndexCase& c, const HostTensor& grad, int64_t hidden);
 
-// ---- the two-layer SiLU MLP (timestep_mlp, text_projection) ---------------------------
+// ---- the two-layer SiLU MLP (timestep_mlp, combined_timestep_embedding) ---------------
 
 // The MLP in FP64 with the model's storage roundings in `dtype` (the identity
 // for fp32): pre = R(x W1^T + b1), hidden = R(silu(pre)), out = hidden W2^T +

@@ -1,4 +1,4 @@
-// Public entry points of text_projection and combined_timestep_embedding
+// Public entry points of combined_timestep_embedding
 // (include/detdit/timestep.h): each MLP is the two-layer MLP of
 // src/common/mlp.h (numerics 5.3, 6.3); the combined embedding sums them with
 // the backends' add (numerics 5.3). Every MLP is validated and every scratch
@@ -25,7 +25,6 @@ mlp::Gradients gradients(const MlpSaved& saved, const TensorView& grad, const Ml
   return {saved.pre, saved.hidden, grad, d.d_x, d.d_w1, d.d_b1, d.d_w2, d.d_b2};
 }
 
-const mlp::Names kTextProjection{"pooled", "out", ""};
 const mlp::Names kTimestep{"timestep_features", "temb", "timestep."};
 const mlp::Names kGuidance{"guidance_features", "temb", "guidance."};
 const mlp::Names kText{"pooled", "temb", "text."};
@@ -135,20 +134,6 @@ Status validate_combined_backward(const CombinedTimestepEmbeddingBackwardParams&
 }
 
 }  // namespace
-
-Status text_projection_forward(const TextProjectionParams& params, Stream stream) {
-  const mlp::Operands in = operands(params.in.pooled, params.in.weights);
-  const mlp::Outputs out{params.out, params.saved.pre, params.saved.hidden};
-  DETDIT_RETURN_IF_ERROR(mlp::validate_forward(in, out, params.in.numerics, kTextProjection));
-  return mlp::forward(in, out, params.in.numerics, stream);
-}
-
-Status text_projection_backward(const TextProjectionBackwardParams& params, Stream stream) {
-  const mlp::Operands in = operands(params.in.pooled, params.in.weights);
-  const mlp::Gradients g = gradients(params.saved, params.grad_out, params.grads);
-  DETDIT_RETURN_IF_ERROR(mlp::validate_backward(in, g, params.in.numerics, kTextProjection));
-  return mlp::backward(in, g, params.in.numerics, stream);
-}
 
 Status combined_timestep_embedding_forward(const CombinedTimestepEmbeddingParams& params, Stream stream) {
   DETDIT_RETURN_IF_ERROR(validate_combined(params));

@@ -24,9 +24,10 @@
 //   and hidden rounded to bf16, numerics 5.3); fp16, or operands of two
 //   dtypes, are a TypeError. Every tensor is contiguous and 16-byte aligned
 //   (linear reads its rows as 16-byte vectors; a ValueError otherwise).
-// text_projection, combined_timestep_embedding: the same MLP on pooled text,
-//   and the families' sum of the timestep, guidance and text embeddings (the
-//   section at the end of this file).
+//   The families' pooled-text embedder (diffusers' PixArtAlphaTextProjection
+//   with the SiLU) is timestep_mlp with the pooled text (B, P) as features.
+// combined_timestep_embedding: the families' sum of the timestep, guidance and
+//   text embeddings (the section at the end of this file).
 #pragma once
 
 #include "detdit/numerics.h"
@@ -88,18 +89,14 @@ struct TimestepMlpBackwardParams {
 };
 Status timestep_mlp_backward(const TimestepMlpBackwardParams& params, Stream stream = nullptr);
 
-// ---- the families' combined embeddings (text_projection, combined_timestep_embedding) ----
+// ---- the families' combined embedding (combined_timestep_embedding) ----
 //
-// text_projection: diffusers' PixArtAlphaTextProjection with the SiLU (SD3,
-//   Flux, HunyuanVideo's pooled text): out = W2 silu(W1 pooled + b1) + b2,
-//   the MLP of timestep_mlp (same dtypes, roundings, rules) on the pooled
-//   text embedding (B, P).
 // combined_timestep_embedding: CombinedTimestepTextProjEmbeddings (SD3,
 //   Flux-schnell) and CombinedTimestepGuidanceTextProjEmbeddings (Flux-dev,
 //   HunyuanVideo): temb = (t_emb + g_emb) + text_emb, or t_emb + text_emb
 //   without guidance, each add rounded to T (numerics 5.3), where t_emb and
 //   g_emb are timestep_mlp of the timestep's and the guidance's sinusoid
-//   features and text_emb is text_projection of the pooled text. The caller
+//   features and text_emb is timestep_mlp of the pooled text. The caller
 //   computes the features with timestep_sinusoid and casts them to T, as the
 //   models do. The backward gives every MLP the same grad_temb (an add's VJP
 //   is the identity).
@@ -116,26 +113,6 @@ struct MlpSaved {
 struct MlpGrads {
   TensorView d_x, d_w1, d_b1, d_w2, d_b2;
 };
-
-struct TextProjectionInputs {
-  TensorView pooled;       // (B, P) T, fp32 or bf16
-  MlpWeights weights;      // (H, P), (H,), (D, H), (D,) T; b1, b2 forward only
-  Numerics numerics = Numerics::kPortable;
-};
-struct TextProjectionParams {
-  TextProjectionInputs in;
-  TensorView out;          // (B, D) T
-  MlpSaved saved;          // each (B, H) T, or absent
-};
-Status text_projection_forward(const TextProjectionParams& params, Stream stream = nullptr);
-
-struct TextProjectionBackwardParams {
-  TextProjectionInputs in;
-  MlpSaved saved;          // saved by the forward
-  TensorView grad_out;     // (B, D) fp32 or T
-  MlpGrads grads;          // d_x = d_pooled (B, P)
-};
-Status text_projection_backward(const TextProjectionBackwardParams& params, Stream stream = nullptr);
 
 struct CombinedTimestepEmbeddingInputs {
   TensorView timestep_features;  // (B, K) T: the timesteps' sinusoid features cast to T

@@ -200,10 +200,10 @@ def timestep_mlp(features, w1, b1, w2, b2, numerics="portable"):
 
 def text_projection(pooled, w1, b1, w2, b2, numerics="portable"):
     """``W2 silu(W1 pooled + b1) + b2``: diffusers' PixArtAlphaTextProjection with ``act_fn="silu"`` (the pooled
-    text embedder of SD3, Flux, HunyuanVideo), timestep_mlp's arithmetic in the pooled text's dtype."""
-    _check("text_projection", pooled=(pooled, _TENSOR), w1=(w1, _TENSOR), b1=(b1, _TENSOR), w2=(w2, _TENSOR),
-           b2=(b2, _TENSOR))
-    return _ops.text_projection.default(pooled, w1, b1, w2, b2, _profile(numerics))[0]
+    text embedder of SD3, Flux, HunyuanVideo), diffusers' name for the site. Not an op of its own: it is
+    :func:`timestep_mlp` on the pooled text ``(B, P)`` (its bits, autograd and errors, which name timestep_mlp and
+    its ``features``)."""
+    return timestep_mlp(pooled, w1, b1, w2, b2, numerics=numerics)
 
 
 def combined_timestep_embedding(timestep_features, pooled, timestep_weights, text_weights, guidance_features=None,
@@ -211,9 +211,10 @@ def combined_timestep_embedding(timestep_features, pooled, timestep_weights, tex
     """``temb = (t_emb + g_emb) + text_emb`` (``t_emb + text_emb`` without guidance): diffusers'
     CombinedTimestepGuidanceTextProjEmbeddings (Flux-dev, HunyuanVideo) and CombinedTimestepTextProjEmbeddings
     (SD3, Flux-schnell). ``t_emb = timestep_mlp(timestep_features, *timestep_weights)``, ``g_emb`` the same with
-    the guidance's, ``text_emb = text_projection(pooled, *text_weights)``; each weights argument is
-    ``(w1, b1, w2, b2)``. The features are timestep_sinusoid's, cast to the pooled text's dtype by the caller as the
-    models do. Each add is rounded once to that dtype (eager's ``+``): the C++ combined_timestep_embedding's bytes."""
+    the guidance's, ``text_emb = text_projection(pooled, *text_weights)`` (timestep_mlp on the pooled text); each
+    weights argument is ``(w1, b1, w2, b2)``. The features are timestep_sinusoid's, cast to the pooled text's dtype
+    by the caller as the models do. Each add is rounded once to that dtype (eager's ``+``): the C++
+    combined_timestep_embedding's bytes."""
     _check("combined_timestep_embedding", timestep_features=(timestep_features, _TENSOR), pooled=(pooled, _TENSOR),
            guidance_features=(guidance_features, _OPTIONAL_TENSOR))
     if (guidance_features is None) != (guidance_weights is None):

@@ -507,7 +507,6 @@ FAKE_KERNELS = {
     "timestep_sinusoid": _timestep_sinusoid, "timestep_sinusoid_backward": _timestep_sinusoid_backward,
     "linear": _linear, "linear_backward": _linear_backward,
     "timestep_mlp": _timestep_mlp, "timestep_mlp_backward": _timestep_mlp_backward,
-    "text_projection": _timestep_mlp, "text_projection_backward": _timestep_mlp_backward,
     "adaln_projection": _adaln_projection, "adaln_projection_backward": _adaln_projection_backward,
     "adaln_table_add": _adaln_table_add, "adaln_table_add_backward": _adaln_table_add_backward,
     "adaln_row_gather": _adaln_row_gather, "adaln_row_gather_backward": _adaln_row_gather_backward,

@@ -1,5 +1,5 @@
-// The two-layer SiLU MLP shared by timestep_mlp, text_projection and
-// combined_timestep_embedding (docs/numerics.md 5.3 and 6.3). Internal.
+// The two-layer SiLU MLP shared by timestep_mlp and combined_timestep_embedding
+// (docs/numerics.md 5.3 and 6.3). Internal.
 //
 // T = the MLP's dtype: x, w1, b1, w2, b2, out and the saved pre and hidden all
 // share it, fp32 or bf16 (linear's dtypes; fp16 is a TypeError).

@@ -1,7 +1,7 @@
-// text_projection and combined_timestep_embedding on CUDA: every case of
-// cases/embedding_cases.cc (Flux's and SD3's layouts, bf16 and fp32) byte-equal
-// to the CPU reference, forward and every gradient. (timestep_mlp's bf16 cases
-// run with its own, tests/cuda/timestep_mlp_cuda_test.cc.)
+// combined_timestep_embedding on CUDA: every case of cases/embedding_cases.cc
+// (Flux's and SD3's layouts, bf16 and fp32) byte-equal to the CPU reference,
+// forward and every gradient. (timestep_mlp's bf16 cases, the pooled-text
+// embedder's among them, run with its own, tests/cuda/timestep_mlp_cuda_test.cc.)
 #include <gtest/gtest.h>
 
 #include "cuda/cuda_test_util.h"
@@ -10,7 +10,6 @@ namespace detdit {
 namespace testing {
 namespace {
 
-DETDIT_CUDA_OP_CASES(TextProjectionCaseCuda, "text_projection");
 DETDIT_CUDA_OP_CASES(CombinedTimestepEmbeddingCaseCuda, "combined_timestep_embedding");
 
 }  // namespace

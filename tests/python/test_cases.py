@@ -62,16 +62,8 @@ def _timestep_mlp(c):
                     (temb, pre, hidden) + tuple(grads)))
 
 
-def _text_projection(c):
-    p, w1, b1, w2, b2 = (c[n] for n in ("pooled", "w1", "b1", "w2", "b2"))
-    out, pre, hidden = ops.text_projection(p, w1, b1, w2, b2, c.numerics)
-    grads = ops.text_projection_backward(c["grad_out"], p, w1, w2, pre, hidden, c.numerics, [True] * 5)
-    return dict(zip(("out", "pre", "hidden", "d_pooled", "d_w1", "d_b1", "d_w2", "d_b2"),
-                    (out, pre, hidden) + tuple(grads)))
-
-
 def _combined_timestep_embedding(c):
-    """detdit.combined_timestep_embedding (the Python composition of timestep_mlp, text_projection and torch's
+    """detdit.combined_timestep_embedding (the Python composition of timestep_mlp on each input and torch's
     adds) and its autograd against the C++ op's bytes; each MLP's saved tensors from its own operator."""
     import detdit
     mlps = [("timestep_features", "timestep_"), ("pooled", "text_")]
@@ -87,9 +79,8 @@ def _combined_timestep_embedding(c):
     temb.backward(c["grad_temb"])
     got = {"temb": temb.detach()}
     for x, prefix in mlps:
-        op = ops.text_projection if prefix == "text_" else ops.timestep_mlp
-        _, got[prefix + "pre"], got[prefix + "hidden"] = op(c[x], *(c[prefix + n] for n in ("w1", "b1", "w2", "b2")),
-                                                              c.numerics)
+        _, got[prefix + "pre"], got[prefix + "hidden"] = ops.timestep_mlp(
+            c[x], *(c[prefix + n] for n in ("w1", "b1", "w2", "b2")), c.numerics)
         got["d_" + x] = leaves[x].grad
         for n in ("w1", "b1", "w2", "b2"):
             got["d_" + prefix + n] = leaves[prefix + n].grad
@@ -323,7 +314,6 @@ RECIPES = {
                          "pre": "returned only with activation='silu' (compared there)"}, _linear_unsupported),
     "timestep_sinusoid": (_timestep_sinusoid, {}, None),
     "timestep_mlp": (_timestep_mlp, {}, None),
-    "text_projection": (_text_projection, {}, None),
     "combined_timestep_embedding": (_combined_timestep_embedding, {}, None),
     "adaln_projection": (_adaln_projection, {}, None),
     "adaln_table_add": (_adaln_table_add, {}, None),

@@ -82,7 +82,7 @@ def inputs(device):
     gather = find(cases, "adaln_row_gather", "bfloat16 H=20 interleaved_S257_T3_B2")
     mlp = find(cases, "timestep_mlp", "T=3 K=24 H=72 D=64")
     bf16_mlp = find(cases, "timestep_mlp", "bfloat16 T=3 K=32 H=48 D=48")
-    text = find(cases, "text_projection", "bfloat16 B=3 P=24 H=48")
+    text = find(cases, "timestep_mlp", "bfloat16 T=3 K=24 H=48 D=48")  # the pooled-text embedder's layout
     linear = find(cases, "linear", "bfloat16 T=3 K=24 N=64 bias silu out bfloat16")
     sinusoid = find(cases, "timestep_sinusoid", "float32 T=8192 C=2")
     index = norm.plans["plan"]
@@ -96,8 +96,8 @@ def inputs(device):
         fb=final["bias"], lx=linear["x"], lw=linear["weight"], lb=linear["bias"], lg=linear["grad"],
         f=mlp["features"], w1=mlp["w1"], b1=mlp["b1"], w2=mlp["w2"], b2=mlp["b2"], temb_grad=mlp["grad_temb"],
         bf=bf16_mlp["features"], bw1=bf16_mlp["w1"], bb1=bf16_mlp["b1"], bw2=bf16_mlp["w2"], bb2=bf16_mlp["b2"],
-        btemb_grad=bf16_mlp["grad_temb"], pooled=text["pooled"], tw1=text["w1"], tb1=text["b1"], tw2=text["w2"],
-        tb2=text["b2"], out_grad=text["grad_out"],
+        btemb_grad=bf16_mlp["grad_temb"], pooled=text["features"], tw1=text["w1"], tb1=text["b1"], tw2=text["w2"],
+        tb2=text["b2"], out_grad=text["grad_temb"],
         rows=gather["rows_storage"], gather_grad=modulation["grad"][:, :seq], table_grad=modulation["table"])
     values = {k: v.contiguous().clone().to(device) for k, v in values.items()}
     values.update(plan=norm.plan(device=device), tplan=final.plan(device=device))
@@ -115,7 +115,7 @@ def op_cases(device, comm=None):
     bf16_mlp = (i["bf"], i["bw1"], i["bb1"], i["bw2"], i["bb2"])
     _, bf16_pre, bf16_hidden = ops.timestep_mlp.default(*bf16_mlp, p)
     text = (i["pooled"], i["tw1"], i["tb1"], i["tw2"], i["tb2"])
-    _, text_pre, text_hidden = ops.text_projection.default(*text, p)
+    _, text_pre, text_hidden = ops.timestep_mlp.default(*text, p)
     _, act = ops.adaln_projection.default(i["temb"], i["pw"], i["pb"], p)
     _, rstd = ops.rmsnorm.plan(x, w, T, T2, plan, eps, p)
     _, plain_rstd = ops.rmsnorm.default(x, w, None, None, None, eps, p)
@@ -182,8 +182,8 @@ def op_cases(device, comm=None):
         ("timestep_mlp_bf16", ops.timestep_mlp.default, bf16_mlp + (p,)),
         ("timestep_mlp_backward_bf16", ops.timestep_mlp_backward.default,
          (i["btemb_grad"], i["bf"], i["bw1"], i["bw2"], bf16_pre, bf16_hidden, p, [True] * 5)),
-        ("text_projection", ops.text_projection.default, text + (p,)),
-        ("text_projection_backward", ops.text_projection_backward.default,
+        ("timestep_mlp_pooled_text", ops.timestep_mlp.default, text + (p,)),
+        ("timestep_mlp_backward_pooled_text", ops.timestep_mlp_backward.default,
          (i["out_grad"], i["pooled"], i["tw1"], i["tw2"], text_pre, text_hidden, p, [True, False, True, True, False])),
         ("adaln_projection", ops.adaln_projection.default, (i["temb"], i["pw"], i["pb"], p)),
         ("adaln_projection_backward", ops.adaln_projection_backward.default,

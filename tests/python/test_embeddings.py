@@ -86,8 +86,12 @@ def test_timestep_mlp_fp32_keeps_its_dtype():
 
 
 def test_text_projection_against_eager():
+    """PixArtAlphaTextProjection(act_fn="silu") at SD3's pooled-text layout scaled down: timestep_mlp on the
+    pooled text (every stage bitwise); detdit.text_projection, its one-line wrapper, the same bytes and, under
+    autograd, eager's gradients."""
     p, w = normal((2, 64), 30, BF), mlp_weights(64, 40, 40, 31)
-    check_mlp_op(ops.text_projection, p, w)
+    check_mlp_op(ops.timestep_mlp, p, w)
+    assert_bitwise_equal(detdit.text_projection(p, *w), ops.timestep_mlp(p, *w, "portable")[0], "text_projection")
     ours, theirs = leaves([p] + w), leaves([p] + w)
     g = normal((2, 40), 35, BF)
     detdit.text_projection(*ours).backward(g)

@@ -182,28 +182,6 @@ struct TimestepMlpFunction : torch::autograd::Function<TimestepMlpFunction> {
   }
 };
 
-struct TextProjectionFunction : torch::autograd::Function<TextProjectionFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& pooled, const Tensor& w1, const Tensor& b1,
-                               const Tensor& w2, const Tensor& b2, const std::string& numerics) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, pre, hidden] = DETDIT_OP(text_projection)(pooled, w1, b1, w2, b2, numerics);
-    ctx->save_for_backward({pooled, w1, w2, pre, hidden});
-    ctx->saved_data["numerics"] = numerics;
-    save_needs(ctx, {requires_grad(pooled), requires_grad(w1), requires_grad(b1), requires_grad(w2),
-                     requires_grad(b2)});
-    ctx->mark_non_differentiable({pre, hidden});
-    return {out, pre, hidden};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    check_first_order();
-    auto s = ctx->get_saved_variables();
-    auto [d_p, d_w1, d_b1, d_w2, d_b2] =
-        DETDIT_OP(text_projection_backward)(contiguous_grad(grads[0]), s[0], s[1], s[2], s[3], s[4],
-                                            ctx->saved_data["numerics"].toStringRef(), saved_needs<5>(ctx));
-    return {d_p, d_w1, d_b1, d_w2, d_b2, Tensor()};
-  }
-};
-
 struct AdalnProjectionFunction : torch::autograd::Function<AdalnProjectionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                const std::string& numerics, int64_t chunks) {

@@ -144,8 +144,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& grad, const Ten
 }
 
 // ---------------------------------------------------------------------------
-// timestep_mlp and text_projection (one MLP: the library's TimestepMlp and
-// TextProjection params hold the same tensors)
+// timestep_mlp (also the pooled-text embedder: detdit.text_projection calls it)
 
 namespace {
 // The MLP's dtype: the input's (fp32 or bf16; any other the library refuses,
@@ -192,16 +191,6 @@ detdit::TimestepMlpInputs timestep_mlp_inputs(const Tensor& features, const Tens
   in.numerics = parse_numerics(numerics);
   return in;
 }
-
-detdit::TextProjectionInputs text_projection_inputs(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
-                                                    const Tensor& w2, const Tensor& b2, const std::string& numerics) {
-  const detdit::TimestepMlpInputs mlp = timestep_mlp_inputs(pooled, w1, b1, w2, b2, numerics);
-  detdit::TextProjectionInputs in;
-  in.pooled = view(pooled, "pooled");
-  in.weights = {mlp.w1, mlp.b1, mlp.w2, mlp.b2};
-  in.numerics = mlp.numerics;
-  return in;
-}
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Tensor& w1, const Tensor& b1,
@@ -234,33 +223,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
   p.d_b2 = view(d_b2, "d_b2");
   check_ok(detdit::timestep_mlp_backward(p, scope.stream()));
   return {d_features, d_w1, d_b1, d_w2, d_b2};
-}
-
-std::tuple<Tensor, Tensor, Tensor> text_projection(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
-                                                   const Tensor& w2, const Tensor& b2, const std::string& numerics) {
-  DeviceScope scope(pooled);
-  MlpForwardTensors t = mlp_forward_tensors(pooled, "pooled", w1, w2);
-  detdit::TextProjectionParams p;
-  p.in = text_projection_inputs(pooled, w1, b1, w2, b2, numerics);
-  p.out = view(t.out, "out");
-  p.saved = {view(t.pre, "pre"), view(t.hidden, "hidden")};
-  check_ok(detdit::text_projection_forward(p, scope.stream()));
-  return {t.out, t.pre, t.hidden};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> text_projection_backward(
-    const Tensor& grad_out, const Tensor& pooled, const Tensor& w1, const Tensor& w2, const Tensor& pre,
-    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask) {
-  DeviceScope scope(pooled);
-  auto [d_pooled, d_w1, d_b1, d_w2, d_b2] = mlp_backward_tensors(pooled, "pooled", w1, w2, output_mask);
-  detdit::TextProjectionBackwardParams p;
-  p.in = text_projection_inputs(pooled, w1, Tensor(), w2, Tensor(), numerics);
-  p.saved = {view(pre, "pre"), view(hidden, "hidden")};
-  p.grad_out = view(grad_out, "grad_out");
-  p.grads = {view(d_pooled, "d_pooled"), view(d_w1, "d_w1"), view(d_b1, "d_b1"), view(d_w2, "d_w2"),
-             view(d_b2, "d_b2")};
-  check_ok(detdit::text_projection_backward(p, scope.stream()));
-  return {d_pooled, d_w1, d_b1, d_w2, d_b2};
 }
 
 // ---------------------------------------------------------------------------

@@ -61,13 +61,6 @@ std::tuple<Tensor, Tensor, Tensor> timestep_mlp(const Tensor& features, const Te
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> timestep_mlp_backward(
     const Tensor& grad_temb, const Tensor& features, const Tensor& w1, const Tensor& w2, const Tensor& pre,
     const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask);
-// text_projection: the same MLP on the pooled text, (out (B, D), pre, hidden)
-// in the pooled text's dtype; backward (d_pooled, d_w1, d_b1, d_w2, d_b2).
-std::tuple<Tensor, Tensor, Tensor> text_projection(const Tensor& pooled, const Tensor& w1, const Tensor& b1,
-                                                   const Tensor& w2, const Tensor& b2, const std::string& numerics);
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> text_projection_backward(
-    const Tensor& grad_out, const Tensor& pooled, const Tensor& w1, const Tensor& w2, const Tensor& pre,
-    const Tensor& hidden, const std::string& numerics, std::array<bool, 5> output_mask);
 
 // adaln_projection: (table (T, columns), act (T, D)) in weight's dtype, for
 // an (N, D) weight: columns = N, or for tp the full table's width, every

@@ -421,14 +421,6 @@ TORCH_LIBRARY(detdit, m) {
       "timestep_mlp_backward(Tensor grad_temb, Tensor features, Tensor w1, Tensor w2, Tensor pre, "
       "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       &timestep_mlp_backward);
-  def_op<TextProjectionFunction>(
-      m,
-      "text_projection(Tensor pooled, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str numerics) "
-      "-> (Tensor, Tensor, Tensor)",
-      &text_projection,
-      "text_projection_backward(Tensor grad_out, Tensor pooled, Tensor w1, Tensor w2, Tensor pre, "
-      "Tensor hidden, str numerics, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-      &text_projection_backward);
   def_op<AdalnProjectionFunction>(
       m, "adaln_projection(Tensor temb, Tensor weight, Tensor bias, str numerics, int chunks=0) -> (Tensor, Tensor)",
       &adaln_projection,
