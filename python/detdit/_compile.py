@@ -374,13 +374,13 @@ def _adaln_modulation_backward(grad, temb, weight, act, plan, numerics, output_m
     return _adaln_projection_backward(grad, temb, weight, act, numerics, output_mask)
 
 
-def _tp_adaln_projection(temb, weight, bias, comm, numerics, out_features=None):
+def _tp_adaln_projection(temb, weight, bias, comm, numerics, out_features=None, chunks=0):
     from .distributed import _world_of
     columns = _world_of(comm) * _dim(weight, 0) if out_features is None else out_features
     return _adaln_projection_with(columns, temb, weight)
 
 
-def _tp_adaln_projection_backward(grad_table, temb, weight, act, comm, numerics, output_mask):
+def _tp_adaln_projection_backward(grad_table, temb, weight, act, comm, numerics, output_mask, chunks=0):
     return _adaln_projection_backward(grad_table, temb, weight, act, numerics, output_mask)
 
 

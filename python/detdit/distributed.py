@@ -2,11 +2,13 @@
 
 Every rank's outputs and gradients are byte-equal to one process (docs/parallel.md):
 
-- ``tp_adaln_projection(temb, weight_shard, bias_shard, comm, out_features=N)``: rank r owns
-  whole 64-column chunks of the ``(T, N)`` table, ``C // tp`` of the ``C = ceil(N / 64)``
+- ``tp_adaln_projection(temb, weight_shard, bias_shard, comm, out_features=N, chunks=K)``: rank r
+  owns whole 64-column chunks of the ``(T, N)`` table, ``C // tp`` of the ``C = ceil(N / 64)``
   chunks plus one for each of the first ``C % tp`` ranks (``shard_rows(N, tp, r)``: those
   rows of the projection's weight and bias). Every rank gets the full table; backward gives
-  the shard's ``dW``/``db`` and the full, replicated ``d_temb``.
+  the shard's ``dW``/``db`` and the full, replicated ``d_temb``. ``chunks`` as
+  ``detdit.adaln_projection``'s: None for H3's projection, a family's chunk count (the same
+  on every rank) for a DiT family's.
 - ``SpRegion(plan, comm)``: rank r holds positions ``[r*S//sp, (r+1)*S//sp)`` of every batch
   item (``region.local_slice``); the plan (full ``(S,)`` index), the tables and the norm
   weight are replicated. ``region.rmsnorm``, ``region.gate_residual`` and the two fused,
@@ -104,13 +106,19 @@ def shard_rows(out_features, world, rank):
     return slice(*_C._tp_column_shard(out_features, world, rank))
 
 
-def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable", out_features=None):
+def tp_adaln_projection(temb, weight_shard, bias_shard, comm, numerics="portable", out_features=None, chunks=None):
     """The ``(T, N)`` AdaLN table from this rank's weight rows ``shard_rows(N, tp, rank)`` and
-    their bias; byte-equal to ``detdit.adaln_projection``. ``out_features`` is N; it may be left
-    out when every rank owns the same number of rows (N = tp * the shard's rows)."""
-    _check("tp_adaln_projection", out_features=(out_features, _OPTIONAL_INT))
+    their bias; byte-equal to ``detdit.adaln_projection`` with the same ``chunks``, gradients
+    included. ``out_features`` is N; it may be left out when every rank owns the same number of
+    rows (N = tp * the shard's rows). ``chunks=None``: H3's projection (``N = 18H``, temb
+    float32); a family's chunk count: N a positive multiple of it, temb float32 or the weight's
+    dtype (``detdit.adaln_projection``). Every rank must pass the same ``chunks``: a different
+    one fails the call on every rank."""
+    _check("tp_adaln_projection", out_features=(out_features, _OPTIONAL_INT), chunks=(chunks, _OPTIONAL_INT))
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"tp_adaln_projection: chunks must be a positive chunk count or None (H3), got {chunks}")
     return _ops.tp_adaln_projection.default(temb, weight_shard, bias_shard, comm.handle, _profile(numerics),
-                                            out_features)[0]
+                                            out_features, chunks or 0)[0]
 
 
 class SpRegion:

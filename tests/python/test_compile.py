@@ -226,10 +226,17 @@ def op_cases(device, comm=None):
         _, sp_rstd = ops.sp_rmsnorm.default(x, w, T, T2, sp, c, eps, p)
         sp_h, _, sp_h_rstd = ops.sp_gate_residual_rmsnorm.default(x, y, T, w, T2, T, sp, c, eps, p)
         _, tp_act = ops.tp_adaln_projection.default(i["temb"], i["pw"], i["pb"], c, p)
+        # a family's projection (6 chunks of the 18H columns) with a bf16 temb: d_temb in bf16
+        family_temb = i["temb"].bfloat16()
+        _, family_act = ops.tp_adaln_projection.default(family_temb, i["pw"], i["pb"], c, p, None, 6)
         cases += [
             ("tp_adaln_projection", ops.tp_adaln_projection.default, (i["temb"], i["pw"], i["pb"], c, p)),
             ("tp_adaln_projection_backward", ops.tp_adaln_projection_backward.default,
              (i["table_grad"], i["temb"], i["pw"], tp_act, c, p, [True] * 3)),
+            ("tp_adaln_projection_family", ops.tp_adaln_projection.default,
+             (family_temb, i["pw"], i["pb"], c, p, None, 6)),
+            ("tp_adaln_projection_backward_family", ops.tp_adaln_projection_backward.default,
+             (i["table_grad"], family_temb, i["pw"], family_act, c, p, [True] * 3, 6)),
             ("plan_handle_sp", ops.plan_handle.sp, (sp,)),
             ("sp_rmsnorm", ops.sp_rmsnorm.default, (x, w, T, T2, sp, c, eps, p)),
             ("sp_rmsnorm_backward", ops.sp_rmsnorm_backward.default, (grad, x, w, T, T2, sp, sp_rstd, c, eps, p)),

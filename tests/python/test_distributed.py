@@ -227,6 +227,56 @@ def _tp_uneven_checks(rank, world):
         detdit.distributed.tp_adaln_projection(temb, w[:64], b[:64], comm, out_features=2**40)
 
 
+def _tp_family_checks(rank, world):
+    """tp_adaln_projection of a DiT family's projection (chunks = 6, AdaLayerNormZero's; H = 48,
+    so N = 288: 5 64-column chunks, the last one short, split 2-1-1-1 at tp = 4; a bf16 temb,
+    T = 1 and 3): the table, d_temb and the shard's dW/db byte-equal to the one-process
+    adaln_projection(chunks=6) and its gradients. A rank passing another chunks count fails
+    every rank, forward and backward, and the communicator keeps working."""
+    import detdit
+    import detdit.distributed
+    from conftest import assert_bitwise_equal, normal
+
+    comm = detdit.distributed.Communicator()
+    chunks, n, dim = 6, 6 * 48, 24
+    w = normal((n, dim), 361, torch.bfloat16, scale=0.15)
+    b = normal((n,), 362, torch.bfloat16, scale=0.02)
+    rows = detdit.distributed.shard_rows(n, world, rank)
+    for timesteps in (1, 3):
+        temb = normal((timesteps, dim), 360 + timesteps, torch.bfloat16, scale=2.0)
+        g = normal((timesteps, n), 363 + timesteps, torch.bfloat16)
+        leaves = [t.clone().requires_grad_(True) for t in (temb, w, b)]
+        ws1 = detdit.adaln_projection(*leaves, chunks=chunks)
+        ws1.backward(g)
+        shard = [temb.clone().requires_grad_(True), w[rows].clone().requires_grad_(True),
+                 b[rows].clone().requires_grad_(True)]
+        tp = detdit.distributed.tp_adaln_projection(*shard, comm, out_features=n, chunks=chunks)
+        tp.backward(g)
+        what = f"rank {rank}/{world}, T={timesteps}, rows {rows.start}:{rows.stop}"
+        assert leaves[0].grad.dtype == torch.bfloat16
+        assert_bitwise_equal(tp, ws1, f"{what}: table")
+        assert_bitwise_equal(shard[0].grad, leaves[0].grad, f"{what}: d_temb")
+        assert_bitwise_equal(shard[1].grad, leaves[1].grad[rows], f"{what}: d_weight shard")
+        assert_bitwise_equal(shard[2].grad, leaves[2].grad[rows], f"{what}: d_bias shard")
+
+    with pytest.raises(ValueError, match="chunks must be a positive chunk count or None"):
+        detdit.distributed.tp_adaln_projection(temb, w[rows], b[rows], comm, out_features=n, chunks=0)
+    if world > 1:
+        # rank 0 takes the table for 3 chunks (288 is a multiple of 3 too), the others for 6
+        other = 3 if rank == 0 else chunks
+        disagree = "ranks disagree on the call: rank 0 calls .*chunks 3.*chunks 6"
+        with pytest.raises(ValueError, match=disagree):
+            detdit.distributed.tp_adaln_projection(temb, w[rows], b[rows], comm, out_features=n, chunks=other)
+        _, act = torch.ops.detdit.tp_adaln_projection.default(temb, w[rows], b[rows], comm.handle, "portable", n,
+                                                              chunks)
+        with pytest.raises(ValueError, match=disagree):
+            torch.ops.detdit.tp_adaln_projection_backward.default(g, temb, w[rows], act, comm.handle, "portable",
+                                                                  [True] * 3, other)
+    assert_bitwise_equal(detdit.distributed.tp_adaln_projection(temb, w[rows], b[rows], comm, out_features=n,
+                                                                chunks=chunks),
+                         detdit.adaln_projection(temb, w, b, chunks=chunks), f"rank {rank}/{world}: after the failures")
+
+
 def _local_error_checks(rank, world):
     """A binding check that fails on one rank only (a non-contiguous input, found before
     anything is allocated): every rank raises, the others naming that rank; none waits."""
@@ -517,6 +567,8 @@ def _worker(rank, world, init_file, checks):
         _tp_checks(rank, world, 3, 40)
     if "tp_uneven" in checks:
         _tp_uneven_checks(rank, world)
+    if "tp_family" in checks:
+        _tp_family_checks(rank, world)
     if "local_error" in checks:
         _local_error_checks(rank, world)
     if "sp_positions" in checks:
@@ -578,6 +630,11 @@ def test_tp_adaln_projection_unaligned_partials(tmp_path):
 @pytest.mark.parametrize("world", [3, 4])
 def test_tp_adaln_projection_uneven_split_byte_equal_to_one_process(world, tmp_path):
     _spawn(_worker, world, tmp_path, ("tp_uneven",))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tp_adaln_projection_family_byte_equal_to_one_process(world, tmp_path):
+    _spawn(_worker, world, tmp_path, ("tp_family",))
 
 
 def test_a_binding_check_failing_on_one_rank_fails_every_rank(tmp_path):

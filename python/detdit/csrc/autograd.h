@@ -452,12 +452,14 @@ struct AdalnModulationFunction : torch::autograd::Function<AdalnModulationFuncti
 
 struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& temb, const Tensor& weight, const Tensor& bias,
-                               int64_t comm, const std::string& numerics, Optional<int64_t> out_features) {
+                               int64_t comm, const std::string& numerics, Optional<int64_t> out_features,
+                               int64_t chunks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [table, act] = DETDIT_OP(tp_adaln_projection)(temb, weight, bias, comm, numerics, out_features);
+    auto [table, act] = DETDIT_OP(tp_adaln_projection)(temb, weight, bias, comm, numerics, out_features, chunks);
     ctx->save_for_backward({temb, weight, act});
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["numerics"] = numerics;
+    ctx->saved_data["chunks"] = chunks;
     save_needs(ctx, {requires_grad(temb), requires_grad(weight), requires_grad(bias)});
     ctx->mark_non_differentiable({act});
     return {table, act};
@@ -467,8 +469,8 @@ struct TpAdalnProjectionFunction : torch::autograd::Function<TpAdalnProjectionFu
     auto s = ctx->get_saved_variables();
     auto [d_temb, d_weight, d_bias] = DETDIT_OP(tp_adaln_projection_backward)(
         contiguous_grad(grads[0]), s[0], s[1], s[2], ctx->saved_data["comm"].toInt(),
-        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx));
-    return {d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor()};
+        ctx->saved_data["numerics"].toStringRef(), saved_needs<3>(ctx), ctx->saved_data["chunks"].toInt());
+    return {d_temb, d_weight, d_bias, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

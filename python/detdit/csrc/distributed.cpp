@@ -323,21 +323,22 @@ SpPlanPtr make_sp_plan_positions(int64_t seq_len, int64_t batch, int64_t world, 
 
 std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                int64_t comm, const std::string& numerics,
-                                               Optional<int64_t> out_features) {
+                                               Optional<int64_t> out_features, int64_t chunks) {
   auto group = communicator(comm);
   return on_every_rank(*group, [&](bool* entered) {
     auto call = [&](const detdit::AdalnProjectionParams& p, detdit::Stream stream) {
       *entered = true;
       return detdit::tp_adaln_projection_forward(*group, p, stream);
     };
-    return adaln_projection_with(call, tp_columns(*group, weight, out_features), temb, weight, bias, numerics);
+    return adaln_projection_with(call, tp_columns(*group, weight, out_features), temb, weight, bias, numerics,
+                                 chunks);
   });
 }
 
 std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                                 const Tensor& weight, const Tensor& act,
                                                                 int64_t comm, const std::string& numerics,
-                                                                std::array<bool, 3> output_mask) {
+                                                                std::array<bool, 3> output_mask, int64_t chunks) {
   auto group = communicator(comm);
   return on_every_rank(*group, [&](bool* entered) -> std::tuple<Tensor, Tensor, Tensor> {
     auto call = [&](const detdit::AdalnProjectionBackwardParams& p, detdit::Stream stream) {
@@ -346,7 +347,7 @@ std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& gr
     };
     // every rank takes part in the collectives, so d_temb is always computed
     auto [d_temb, d_weight, d_bias] = adaln_projection_backward_with(call, grad_table, temb, weight, act, numerics,
-                                                                     {true, output_mask[1], output_mask[2]});
+                                                                     {true, output_mask[1], output_mask[2]}, chunks);
     return {output_mask[0] ? d_temb : Tensor(), d_weight, d_bias};
   });
 }

@@ -82,15 +82,16 @@ SpPlanPtr sp_plan_from_state(const SpPlanHolder::State& state);
 // tp_adaln_projection: (table (T, N) full, act (T, D)); weight/bias are this
 // rank's shard, rows [begin, end) of tp_column_shard(N, world, rank)
 // (detdit/parallel.h). N = out_features, or world * the shard's rows when
-// absent (an even split). Backward: (d_temb fp32 replicated, d_weight, d_bias
-// of the shard).
+// absent (an even split). chunks: AdalnProjectionInputs::chunks (0: H3's
+// projection; every rank's must agree). Backward: (d_temb replicated, in
+// temb's dtype as adaln_projection's, d_weight, d_bias of the shard).
 std::tuple<Tensor, Tensor> tp_adaln_projection(const Tensor& temb, const Tensor& weight, const Tensor& bias,
                                                int64_t comm, const std::string& numerics,
-                                               Optional<int64_t> out_features);
+                                               Optional<int64_t> out_features, int64_t chunks);
 std::tuple<Tensor, Tensor, Tensor> tp_adaln_projection_backward(const Tensor& grad_table, const Tensor& temb,
                                                                 const Tensor& weight, const Tensor& act,
                                                                 int64_t comm, const std::string& numerics,
-                                                                std::array<bool, 3> output_mask);
+                                                                std::array<bool, 3> output_mask, int64_t chunks);
 
 // sp_rmsnorm: the local rows (B, S_local, H); (out, rstd). Backward: (dx
 // local, d_weight, d_shift, d_scale replicated).

@@ -503,10 +503,10 @@ TORCH_LIBRARY(detdit, m) {
         &make_sp_plan_positions);
   def_op<TpAdalnProjectionFunction>(
       m, "tp_adaln_projection(Tensor temb, Tensor weight, Tensor bias, int comm, str numerics, "
-      "int? out_features=None) -> (Tensor, Tensor)",
+      "int? out_features=None, int chunks=0) -> (Tensor, Tensor)",
       &tp_adaln_projection,
       "tp_adaln_projection_backward(Tensor grad_table, Tensor temb, Tensor weight, Tensor act, int comm, "
-      "str numerics, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      "str numerics, bool[3] output_mask, int chunks=0) -> (Tensor, Tensor, Tensor)",
       &tp_adaln_projection_backward);
   def_op<SpRmsnormFunction>(
       m,
