@@ -364,24 +364,30 @@ Status model_sites(const CaseContext& ctx, std::vector<ModelSite>* sites) {
                                           p.what + ")",
                                       &tables[i]));
   }
+  // A family's table (chunks, H) + proj: proj (T, chunks * H), or (T, H) broadcast over the chunks.
+  auto table_add = [&](const char* table, int chunks, const Value& proj, const std::string& site, Value* sum) {
+    TableAddShape a;
+    a.table_dtype = path->table_dtype;
+    a.proj_dtype = DType::kBF16;
+    a.rows = T;
+    a.chunks = chunks;
+    a.hidden = H;
+    a.broadcast = proj->numel() == T * H;
+    a.seed = seed += 10;
+    OpCase c = adaln_table_add_case(a);
+    DETDIT_RETURN_IF_ERROR(b.use_weight(&c, "table", table));
+    set_fill(&c, "proj", copy_of(proj));
+    std::map<std::string, Value> out;
+    DETDIT_RETURN_IF_ERROR(b.add(site, std::move(c), &out));
+    *sum = out.at("out");
+    return Status::ok_status();
+  };
   // The block's modulation (T, 6 * H): the projection, or the table plus it.
   std::vector<Value> modulation;
   for (auto& t : tables) modulation.push_back(t.at("table"));
   DType mod_dtype = DType::kBF16;
   if (path->block_table != nullptr) {
-    TableAddShape a;
-    a.table_dtype = path->table_dtype;
-    a.proj_dtype = DType::kBF16;
-    a.rows = T;
-    a.chunks = 6;
-    a.hidden = H;
-    a.seed = seed += 10;
-    OpCase c = adaln_table_add_case(a);
-    DETDIT_RETURN_IF_ERROR(b.use_weight(&c, "table", path->block_table));
-    set_fill(&c, "proj", copy_of(modulation[0]));
-    std::map<std::string, Value> out;
-    DETDIT_RETURN_IF_ERROR(b.add("block table + projection", std::move(c), &out));
-    modulation[0] = out.at("out");
+    DETDIT_RETURN_IF_ERROR(table_add(path->block_table, 6, modulation[0], "block table + projection", &modulation[0]));
     mod_dtype = path->table_dtype;
   }
 
@@ -489,20 +495,9 @@ Status model_sites(const CaseContext& ctx, std::vector<ModelSite>* sites) {
   std::vector<Chunk> final_chunks;
   FormShape ff = f;
   if (path->final_style == FinalStyle::kTable) {
-    TableAddShape a;
-    a.table_dtype = path->table_dtype;
-    a.proj_dtype = DType::kBF16;
-    a.rows = T;
-    a.chunks = 2;
-    a.hidden = H;
-    a.broadcast = true;
-    a.seed = seed += 10;
-    OpCase c = adaln_table_add_case(a);
-    DETDIT_RETURN_IF_ERROR(b.use_weight(&c, "table", path->final_source));
-    set_fill(&c, "proj", copy_of(temb));  // the time embedding itself (Wan: rounded to bf16)
-    std::map<std::string, Value> out;
-    DETDIT_RETURN_IF_ERROR(b.add("final table + time embedding", std::move(c), &out));
-    final_chunks = {{out.at("out"), 2, 0}, {out.at("out"), 2, 1}};
+    Value out;  // the table + the time embedding itself, broadcast over both chunks (Wan: rounded to bf16)
+    DETDIT_RETURN_IF_ERROR(table_add(path->final_source, 2, temb, "final table + time embedding", &out));
+    final_chunks = {{out, 2, 0}, {out, 2, 1}};
     ff.mod_dtype = path->table_dtype;
   } else {
     if (path->pre_final_norm != nullptr) {  // CogVideoX's norm_final: a plain affine LayerNorm

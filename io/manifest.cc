@@ -121,14 +121,15 @@ void add_mlp(std::vector<ManifestTemplate>* t, const std::string& prefix, DType 
   t->push_back({intern(prefix + ".linear_2.bias"), dtype, {kD}, WeightRole::kLinearBias, -1, purpose});
 }
 
-void add_linear(std::vector<ManifestTemplate>* t, const char* weight, const char* bias, SymbolicDim out, SymbolicDim in,
+// A bf16 nn.Linear(in, out): "<prefix>.weight" (out, in) and "<prefix>.bias" (out).
+void add_linear(std::vector<ManifestTemplate>* t, const std::string& prefix, SymbolicDim out, SymbolicDim in,
                 const char* purpose) {
-  t->push_back({weight, DType::kBF16, {out, in}, WeightRole::kLinearWeight, 1, purpose});
-  t->push_back({bias, DType::kBF16, {out}, WeightRole::kLinearBias, -1, purpose});
+  t->push_back({intern(prefix + ".weight"), DType::kBF16, {out, in}, WeightRole::kLinearWeight, 1, purpose});
+  t->push_back({intern(prefix + ".bias"), DType::kBF16, {out}, WeightRole::kLinearBias, -1, purpose});
 }
 
 void add_proj_out(std::vector<ManifestTemplate>* t) {
-  add_linear(t, "proj_out.weight", "proj_out.bias", kO, kH, "proj_out: linear after the final norm");
+  add_linear(t, "proj_out", kO, kH, "proj_out: linear after the final norm");
 }
 
 // SD3.5, Flux and HunyuanVideo: CombinedTimestep(Guidance)TextProjEmbeddings,
@@ -138,15 +139,13 @@ std::vector<ManifestTemplate> joint_templates(bool guidance, bool single) {
   add_mlp(&t, "time_text_embed.timestep_embedder", DType::kBF16, kF, "timestep MLP (bf16)");
   if (guidance) add_mlp(&t, "time_text_embed.guidance_embedder", DType::kBF16, kF, "guidance MLP (bf16)");
   add_mlp(&t, "time_text_embed.text_embedder", DType::kBF16, kP, "pooled-text projection (SiLU, bf16)");
-  add_linear(&t, "transformer_blocks.{i}.norm1.linear.weight", "transformer_blocks.{i}.norm1.linear.bias", k6H, kD,
+  add_linear(&t, "transformer_blocks.{i}.norm1.linear", k6H, kD,
              "AdaLayerNormZero of the image stream: shift, scale, gate x 2");
-  add_linear(&t, "transformer_blocks.{i}.norm1_context.linear.weight",
-             "transformer_blocks.{i}.norm1_context.linear.bias", k6H, kD,
+  add_linear(&t, "transformer_blocks.{i}.norm1_context.linear", k6H, kD,
              "AdaLayerNormZero of the text stream");
   if (single)
-    add_linear(&t, "single_transformer_blocks.{i}.norm.linear.weight", "single_transformer_blocks.{i}.norm.linear.bias",
-               k3H, kD, "AdaLayerNormZeroSingle: shift, scale, gate");
-  add_linear(&t, "norm_out.linear.weight", "norm_out.linear.bias", k2H, kD,
+    add_linear(&t, "single_transformer_blocks.{i}.norm.linear", k3H, kD, "AdaLayerNormZeroSingle: shift, scale, gate");
+  add_linear(&t, "norm_out.linear", k2H, kD,
              "AdaLayerNormContinuous: scale, shift (scale first)");
   add_proj_out(&t);
   return t;
@@ -157,7 +156,7 @@ std::vector<ManifestTemplate> joint_templates(bool guidance, bool single) {
 std::vector<ManifestTemplate> wan_templates() {
   std::vector<ManifestTemplate> t;
   add_mlp(&t, "condition_embedder.time_embedder", DType::kF32, kF, "timestep MLP (FP32 module)");
-  add_linear(&t, "condition_embedder.time_proj.weight", "condition_embedder.time_proj.bias", k6H, kD,
+  add_linear(&t, "condition_embedder.time_proj", k6H, kD,
              "time_proj: linear(silu(temb)), 6 chunks shared by every block");
   t.push_back({"blocks.{i}.scale_shift_table", DType::kF32, {kOne, kSix, kH}, WeightRole::kLinearWeight, 2,
                "block table: shift, scale, gate, c_shift, c_scale, c_gate (+ time_proj in FP32)"});
@@ -170,11 +169,11 @@ std::vector<ManifestTemplate> wan_templates() {
 std::vector<ManifestTemplate> qwen_image_templates() {
   std::vector<ManifestTemplate> t;
   add_mlp(&t, "time_text_embed.timestep_embedder", DType::kBF16, kF, "timestep MLP (bf16)");
-  add_linear(&t, "transformer_blocks.{i}.img_mod.1.weight", "transformer_blocks.{i}.img_mod.1.bias", k6H, kD,
+  add_linear(&t, "transformer_blocks.{i}.img_mod.1", k6H, kD,
              "image modulation: (shift, scale, gate) x 2");
-  add_linear(&t, "transformer_blocks.{i}.txt_mod.1.weight", "transformer_blocks.{i}.txt_mod.1.bias", k6H, kD,
+  add_linear(&t, "transformer_blocks.{i}.txt_mod.1", k6H, kD,
              "text modulation");
-  add_linear(&t, "norm_out.linear.weight", "norm_out.linear.bias", k2H, kD,
+  add_linear(&t, "norm_out.linear", k2H, kD,
              "AdaLayerNormContinuous: scale, shift (scale first)");
   add_proj_out(&t);
   return t;
@@ -187,15 +186,14 @@ std::vector<ManifestTemplate> cogvideox_templates() {
   add_mlp(&t, "time_embedding", DType::kBF16, kF, "timestep MLP (bf16), F = H");
   for (const char* norm : {"norm1", "norm2"}) {
     auto name = [&](const char* what) { return intern(std::string("transformer_blocks.{i}.") + norm + what); };
-    const char* w = name(".linear.weight");
-    const char* b = name(".linear.bias");
-    add_linear(&t, w, b, k6H, kD, "CogVideoXLayerNormZero: shift, scale, gate, enc_shift, enc_scale, enc_gate");
+    add_linear(&t, std::string("transformer_blocks.{i}.") + norm + ".linear", k6H, kD,
+               "CogVideoXLayerNormZero: shift, scale, gate, enc_shift, enc_scale, enc_gate");
     t.push_back({name(".norm.weight"), DType::kBF16, {kH}, WeightRole::kNormWeight, -1, "its LayerNorm's weight"});
     t.push_back({name(".norm.bias"), DType::kBF16, {kH}, WeightRole::kLinearBias, -1, "its LayerNorm's bias"});
   }
   t.push_back({"norm_final.weight", DType::kBF16, {kH}, WeightRole::kNormWeight, -1, "LayerNorm before norm_out"});
   t.push_back({"norm_final.bias", DType::kBF16, {kH}, WeightRole::kLinearBias, -1, "LayerNorm before norm_out"});
-  add_linear(&t, "norm_out.linear.weight", "norm_out.linear.bias", k2H, kD, "AdaLayerNorm: shift, scale (shift first)");
+  add_linear(&t, "norm_out.linear", k2H, kD, "AdaLayerNorm: shift, scale (shift first)");
   t.push_back({"norm_out.norm.weight", DType::kBF16, {kH}, WeightRole::kNormWeight, -1, "AdaLayerNorm's LayerNorm"});
   t.push_back({"norm_out.norm.bias", DType::kBF16, {kH}, WeightRole::kLinearBias, -1, "AdaLayerNorm's LayerNorm"});
   add_proj_out(&t);
@@ -206,7 +204,7 @@ std::vector<ManifestTemplate> cogvideox_templates() {
 std::vector<ManifestTemplate> ltx_templates() {
   std::vector<ManifestTemplate> t;
   add_mlp(&t, "time_embed.emb.timestep_embedder", DType::kBF16, kF, "timestep MLP (bf16)");
-  add_linear(&t, "time_embed.linear.weight", "time_embed.linear.bias", k6H, kD,
+  add_linear(&t, "time_embed.linear", k6H, kD,
              "AdaLayerNormSingle: linear(silu(emb)), 6 chunks shared by every block");
   t.push_back({"transformer_blocks.{i}.scale_shift_table", DType::kBF16, {kSix, kH}, WeightRole::kLinearWeight, 1,
                "block table: shift, scale, gate x 2 (+ the projection)"});
