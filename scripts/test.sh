@@ -132,15 +132,12 @@ fi
 # size-dependent property (a rounding statistic, the traffic count's
 # independence of S up to 131072, linear time in 200,000 blocks, TP 5 and 7 of
 # the 520 MB weight, and the modulation forms' SP ops at every world size 1..8,
-# whose code the SpForms tiny-shard and odd-sequence tests run here). Debug
-# information is line tables only (-g1): the reports' stacks keep their
-# functions, files and lines, and the build, the job's larger half, is
-# cheaper (tests/cpu/cli_test.cc alone compiled in 146 s with -g, 55 s with -g1).
+# whose code the SpForms tiny-shard and odd-sequence tests run here).
 job sanitizers
 asan_dir="${build_dir}-asan"
 if [ ! -f "$asan_dir/build.ninja" ]; then
-  cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
-    -DDETDIT_ENABLE_CUDA=OFF -DDETDIT_SANITIZE=address,undefined
+  cmake -S . -B "$asan_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETDIT_ENABLE_CUDA=OFF \
+    -DDETDIT_SANITIZE=address,undefined
 fi
 cmake --build "$asan_dir" -j "$(nproc)"
 echo "detdit: the cpu and parallel suites under AddressSanitizer + UndefinedBehaviorSanitizer ($asan_dir)"
